@@ -1,0 +1,431 @@
+"""ZeroEngine: sharded parameters, gradients and AdamW state for stages 0-3.
+
+The model drives it layer by layer::
+
+    for layer in range(L):                       # forward
+        with engine.unsharded(layer) as p: ...   # stage 3 gathers here, frees on exit
+    for layer in reversed(range(L)):             # backward
+        with engine.unsharded(layer) as p: ...
+        engine.grads_ready(layer, grads)         # starts the bucket's reduce-scatter
+    result = engine.step()
+
+Gradients handed back are those of this rank's micro-batch loss, times ``loss_scale``;
+the engine averages them over ranks and micro-batches.
+"""
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass
+from enum import Enum
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+from mpi4py import MPI
+
+from . import optim
+from .comm import Communicator, Handle
+from .config import ZeroConfig
+from .errors import UsageError
+from .layout import FlatLayout
+from .loss_scale import DynamicLossScaler
+from .memory import MemoryLedger, theory_bytes, theory_comm_bytes
+
+F32 = np.float32
+LayersArg = Union[Mapping[str, Mapping[str, np.ndarray]], Sequence[Tuple[str, Mapping[str, np.ndarray]]]]
+
+
+class BucketState(Enum):
+    SHARDED = "sharded"        # stage 3: only this rank's slice exists
+    GATHERING = "gathering"    # stage 3: all-gather in flight
+    UNSHARDED = "unsharded"    # whole bucket present
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step did."""
+    step: int            # optimizer steps applied so far (skipped steps do not count)
+    skipped: bool        # True when a non-finite gradient made every rank skip the update
+    grad_norm: float     # global L2 norm of the true (unscaled, unclipped) gradient; inf/nan if skipped
+    clip_coef: float     # factor applied to the gradient by clipping (1.0 = not clipped)
+    loss_scale: float    # the loss scale used for this step's gradients
+
+
+class ZeroEngine:
+    """ZeRO data parallelism over ``comm`` for a model given as named layers of named arrays.
+
+    ``layers``: an ordered mapping (or list of pairs) layer name -> {param name -> array};
+    every rank must pass the same initial values. ``config``: a ZeroConfig.
+    ``comm``: an mpi4py communicator (default COMM_WORLD) or a zerompi Communicator.
+    """
+
+    def __init__(self, layers: LayersArg, config: Optional[ZeroConfig] = None, comm=None, xp=np):
+        self.config = config or ZeroConfig()
+        self.comm = comm if isinstance(comm, Communicator) else Communicator(comm)
+        self.xp = xp
+        self.rank, self.world_size = self.comm.rank, self.comm.size
+        self.dtype = np.float16 if self.config.dtype == "fp16" else np.float32
+        pairs = list(layers.items()) if isinstance(layers, Mapping) else list(layers)
+        spec = [(lname, [(pname, np.shape(a)) for pname, a in params.items()]) for lname, params in pairs]
+        self.layout = FlatLayout(spec, self.world_size, max(1, self.config.bucket_bytes // np.dtype(self.dtype).itemsize),
+                                 self.config.align)
+        self.ledger = MemoryLedger(xp)
+        self.scaler = DynamicLossScaler(self.config.init_loss_scale, self.config.loss_scale_window,
+                                        self.config.min_loss_scale, enabled=self.config.dtype == "fp16")
+        self.step_count = 0             # optimizer updates applied
+        self.steps_taken = 0            # step() calls, skipped ones included
+        self.closed = False
+        self._allocate()
+        self._load_initial(pairs)
+        nb = len(self.layout.buckets)
+        self._state = [BucketState.UNSHARDED if self.config.stage < 3 else BucketState.SHARDED] * nb
+        self._gathered: Dict[int, np.ndarray] = {}     # stage 3: bucket -> whole bucket buffer
+        self._gather_handles: Dict[int, Handle] = {}   # stage 3: bucket -> in-flight all-gather
+        self._holds = [0] * self.layout.num_layers     # unshard() calls not yet matched by reshard()
+        self._staging: Dict[int, np.ndarray] = {}      # stage 2/3: bucket -> local gradient bucket
+        self._reduce_handles: Dict[int, Handle] = {}   # bucket -> in-flight reduce-scatter
+        self._ready = [False] * self.layout.num_layers # layers whose grads arrived this micro-batch
+        self._bucket_pending = [len(b.layers) for b in self.layout.buckets]
+        self._micro = 0                                 # micro-batches completed since the last step
+        self.peak_gathered_buckets = 0
+
+    # ---- set-up ------------------------------------------------------------
+    def _allocate(self) -> None:
+        lay, st, dt, L = self.layout, self.config.stage, self.dtype, self.ledger
+        full, shard = lay.numel, lay.shard_numel
+        self.params_flat = L.alloc("params", full if st < 3 else shard, dt)
+        self.grads_flat = L.alloc("grads", full if st < 2 else shard, dt)
+        opt = full if st == 0 else shard
+        self.master = L.alloc("optimizer", opt, F32)
+        self.exp_avg = L.alloc("optimizer", opt, F32)
+        self.exp_avg_sq = L.alloc("optimizer", opt, F32)
+        # Stages 0/1 with several micro-batches: the local gradient buffer is rewritten by
+        # every backward, so the reduced sum over micro-batches needs a home of its own.
+        self.grad_accum = None
+        if st < 2 and self.config.micro_batches > 1:
+            self.grad_accum = L.alloc("buffers", shard, dt)
+
+    def _load_initial(self, pairs) -> None:
+        """Fill the fp32 master (and the stored parameters) from the caller's arrays."""
+        lay = self.layout
+        full = np.zeros(lay.numel, F32) if self.config.stage == 0 else None
+        for lname, params in pairs:
+            for pname, arr in params.items():
+                pr = lay.params[pname]
+                values = np.asarray(arr, dtype=F32).reshape(-1)
+                if full is not None:
+                    full[pr.start:pr.stop] = values
+                    continue
+                for b in [lay.buckets[pr.bucket]]:
+                    lo, hi = b.slice_bounds(self.rank)
+                    a, z = max(lo, pr.bucket_offset), min(hi, pr.bucket_offset + pr.numel)
+                    if a < z:
+                        dst = b.shard_start + (a - lo)
+                        self.master[dst:dst + (z - a)] = self.xp.asarray(values[a - pr.bucket_offset:z - pr.bucket_offset])
+        if full is not None:
+            self.master[...] = self.xp.asarray(full)
+        self._publish_params(all_gather=True)
+
+    # ---- where things are --------------------------------------------------
+    def _grad_slice(self, b) -> np.ndarray:
+        """This rank's reduced-gradient slice of bucket b (where the reduce-scatter lands)."""
+        bucket = self.layout.buckets[b]
+        if self.config.stage < 2:
+            return self.grads_flat[bucket.world_slice(self.rank)]
+        return self.grads_flat[bucket.shard_slice]
+
+    def _param_slice(self, b) -> np.ndarray:
+        bucket = self.layout.buckets[b]
+        if self.config.stage < 3:
+            return self.params_flat[bucket.world_slice(self.rank)]
+        return self.params_flat[bucket.shard_slice]
+
+    def _bucket_params(self, b) -> np.ndarray:
+        """The whole bucket of stored parameters (stage 3: only while gathered)."""
+        bucket = self.layout.buckets[b]
+        if self.config.stage < 3:
+            return self.params_flat[bucket.start:bucket.stop]
+        return self._gathered[b]
+
+    def _views(self, buf, bucket_index, layer) -> Dict[str, np.ndarray]:
+        out = {}
+        for name in self.layout.layer_params[layer]:
+            pr = self.layout.params[name]
+            out[name] = buf[pr.bucket_offset:pr.bucket_offset + pr.numel].reshape(pr.shape)
+        return out
+
+    # ---- parameters for compute -------------------------------------------
+    def unshard(self, layer: int) -> Dict[str, np.ndarray]:
+        """Make layer's parameters whole on this rank and return them (views, storage dtype).
+
+        Stage 3 all-gathers the layer's bucket (every rank must call this in the same
+        order); stages 0-2 already hold them. Pair each call with :meth:`reshard`.
+        """
+        self._check_open()
+        self._check_layer(layer)
+        b = self.layout.layer_bucket[layer]
+        if self.config.stage == 3:
+            self._free_idle_buckets(keep=b)
+            if self._state[b] is BucketState.SHARDED:
+                self._start_gather(b)
+            if self._state[b] is BucketState.GATHERING:
+                self._gather_handles.pop(b).wait()
+                self._state[b] = BucketState.UNSHARDED
+        self._holds[layer] += 1
+        return self._views(self._bucket_params(b), b, layer)
+
+    def reshard(self, layer: int) -> None:
+        """Release layer's parameters. Stage 3 frees the gathered bucket once no layer needs it."""
+        self._check_layer(layer)
+        if self._holds[layer] == 0:
+            raise UsageError(f"reshard({layer}) without a matching unshard({layer})")
+        self._holds[layer] -= 1
+
+    @contextmanager
+    def unsharded(self, layer: int):
+        """``with engine.unsharded(i) as params:`` unshard on entry, reshard on exit."""
+        params = self.unshard(layer)
+        try:
+            yield params
+        finally:
+            self.reshard(layer)
+
+    def params(self, layer: int) -> Dict[str, np.ndarray]:
+        """Layer's stored parameters (views). Stage 3: only between unshard and reshard."""
+        self._check_open()
+        self._check_layer(layer)
+        b = self.layout.layer_bucket[layer]
+        if self.config.stage == 3 and (self._holds[layer] == 0 or self._state[b] is not BucketState.UNSHARDED):
+            raise UsageError(f"stage 3: layer {layer} ({self.layout.layer_names[layer]!r}) is sharded; "
+                             "read its parameters inside engine.unsharded(layer)")
+        return self._views(self._bucket_params(b), b, layer)
+
+    def _start_gather(self, b: int) -> None:
+        bucket = self.layout.buckets[b]
+        buf = self.ledger.alloc("buffers", bucket.numel, self.dtype, zero=False)
+        lo, hi = bucket.slice_bounds(self.rank)
+        buf[lo:hi] = self.params_flat[bucket.shard_slice]
+        self._gathered[b] = buf
+        self._gather_handles[b] = self.comm.iall_gather(buf)
+        self._state[b] = BucketState.GATHERING
+        self.peak_gathered_buckets = max(self.peak_gathered_buckets, len(self._gathered))
+
+    def _free_idle_buckets(self, keep: int = -1) -> None:
+        """Stage 3: drop gathered buckets that no held layer reads (kept while in use)."""
+        for b in list(self._gathered):
+            if b == keep or self._state[b] is BucketState.GATHERING:
+                continue
+            if any(self._holds[i] for i in self.layout.buckets[b].layers):
+                continue
+            self.ledger.free("buffers", self._gathered.pop(b))
+            self._state[b] = BucketState.SHARDED
+
+    # ---- gradients ----------------------------------------------------------
+    def grads_ready(self, layer: int, grads: Mapping[str, np.ndarray]) -> None:
+        """Hand back layer's gradients for this micro-batch (every parameter, its shape).
+
+        They are stored in the storage dtype; when every layer of a bucket has handed
+        its gradients back, that bucket's reduce-scatter starts (non-blocking).
+        """
+        self._check_open()
+        self._check_layer(layer)
+        lay = self.layout
+        names = lay.layer_params[layer]
+        if self._ready[layer]:
+            raise UsageError(f"gradients of layer {layer} ({lay.layer_names[layer]!r}) handed back twice "
+                             "in one micro-batch; call step() after the last micro-batch")
+        missing = [n for n in names if n not in grads]
+        extra = [n for n in grads if n not in names]
+        if missing or extra:
+            raise UsageError(f"layer {layer} ({lay.layer_names[layer]!r}): gradients missing for {missing}, "
+                             f"unknown names {extra}; expected exactly {names}")
+        for n in names:
+            g = grads[n]
+            if tuple(g.shape) != lay.params[n].shape:
+                raise UsageError(f"gradient {n!r} has shape {tuple(g.shape)}; the parameter's shape is {lay.params[n].shape}")
+            if not np.issubdtype(np.dtype(g.dtype), np.floating):
+                raise UsageError(f"gradient {n!r} has dtype {g.dtype}; a floating dtype is required")
+        if self._micro == self.config.micro_batches:
+            raise UsageError(f"all {self.config.micro_batches} micro-batches already handed back; call step() first")
+        b = lay.layer_bucket[layer]
+        if b in self._reduce_handles:      # the previous micro-batch still reads this bucket
+            self._finish_reduce(b)
+        staging = self._local_bucket(b)
+        with np.errstate(over="ignore", invalid="ignore"):   # fp16 overflow is detected in step()
+            for n in names:
+                pr = lay.params[n]
+                staging[pr.bucket_offset:pr.bucket_offset + pr.numel] = grads[n].reshape(-1)
+        self._ready[layer] = True
+        self._bucket_pending[b] -= 1
+        if self._bucket_pending[b] == 0:
+            self._start_reduce(b)
+        if all(self._ready):
+            self._micro += 1
+            self._ready = [False] * lay.num_layers
+            self._bucket_pending = [len(bk.layers) for bk in lay.buckets]
+
+    def _local_bucket(self, b: int) -> np.ndarray:
+        """Where this rank's unreduced gradients of bucket b are written."""
+        bucket = self.layout.buckets[b]
+        if self.config.stage < 2:
+            return self.grads_flat[bucket.start:bucket.stop]
+        if b not in self._staging:
+            buf = self.ledger.alloc("buffers", bucket.numel, self.dtype, zero=False)
+            buf[bucket.used:] = 0          # padding joins the sum: it must be zero
+            self._staging[b] = buf
+        return self._staging[b]
+
+    def _start_reduce(self, b: int) -> None:
+        bucket = self.layout.buckets[b]
+        first = self._micro == 0
+        if self.grad_accum is not None:
+            out = self.grad_accum[bucket.shard_slice]
+        else:
+            out = self._grad_slice(b)
+        scale = 1.0 / (self.world_size * self.config.micro_batches)
+        self._reduce_handles[b] = self.comm.ireduce_scatter(self._local_bucket(b), out, scale, accumulate=not first)
+
+    def _finish_reduce(self, b: int) -> None:
+        self._reduce_handles.pop(b).wait()
+        if b in self._staging:
+            self.ledger.free("buffers", self._staging.pop(b))
+
+    # ---- the optimizer step -------------------------------------------------
+    def step(self) -> StepResult:
+        """Finish the reductions, check for overflow, clip, update the shard, publish parameters.
+
+        Every rank must call it after the configured number of micro-batches.
+        """
+        self._check_open()
+        if any(self._ready) or self._micro != self.config.micro_batches:
+            done = sum(self._ready)
+            raise UsageError(f"step() after {self._micro} of {self.config.micro_batches} micro-batches "
+                             f"({done} of {self.layout.num_layers} layers handed back in the current one); "
+                             "hand back every layer's gradients for every micro-batch first")
+        for b in list(self._reduce_handles):
+            self._finish_reduce(b)
+        if self.config.stage == 3:
+            self._free_idle_buckets()
+        lay = self.layout
+        if self.grad_accum is not None:
+            for bucket in lay.buckets:
+                self._grad_slice(bucket.index)[...] = self.grad_accum[bucket.shard_slice]
+        sumsq, nonfinite = 0.0, False
+        for bucket in lay.buckets:
+            s, bad = optim.grad_stats(self._grad_slice(bucket.index))
+            sumsq += s
+            nonfinite |= bad
+        total = self.comm.sum_scalars([sumsq, float(nonfinite)])
+        scale = self.scaler.scale
+        overflow = bool(total[1] > 0) or not math.isfinite(total[0])
+        self.steps_taken += 1
+        self._micro = 0
+        if overflow:
+            self.scaler.update(True)
+            return StepResult(self.step_count, True, float("nan"), 1.0, scale)
+        norm = math.sqrt(total[0]) / scale
+        clip = self.config.clip
+        coef = clip / (norm + 1e-6) if clip > 0 and norm > clip else 1.0
+        self.step_count += 1
+        if self.config.stage == 0:
+            self._all_gather_grads()
+        c = self.config
+        s = optim.adamw_scalars(c.lr, c.beta1, c.beta2, c.eps, c.weight_decay, self.step_count, coef / scale)
+        if self.config.stage == 0:
+            optim.adamw_update(self.master, self.exp_avg, self.exp_avg_sq, self.grads_flat, self.params_flat, s)
+        else:
+            for bucket in lay.buckets:
+                sl = bucket.shard_slice
+                optim.adamw_update(self.master[sl], self.exp_avg[sl], self.exp_avg_sq[sl],
+                                   self._grad_slice(bucket.index), self._param_slice(bucket.index), s)
+        self._publish_params(all_gather=self.config.stage in (1, 2))
+        self.scaler.update(False)
+        return StepResult(self.step_count, False, norm, coef, scale)
+
+    def _all_gather_grads(self) -> None:
+        """Stage 0: complete the all-reduce, so every rank holds the whole reduced gradient."""
+        for bucket in self.layout.buckets:
+            self.comm.all_gather(self.grads_flat[bucket.start:bucket.stop])
+
+    def _publish_params(self, all_gather: bool) -> None:
+        """Write the stored-dtype parameters from the master; stages 1/2 then all-gather them."""
+        st = self.config.stage
+        if st == 0:
+            self.params_flat[...] = self.master
+            return
+        for bucket in self.layout.buckets:
+            self._param_slice(bucket.index)[...] = self.master[bucket.shard_slice]
+        if all_gather and st in (1, 2):
+            for bucket in self.layout.buckets:
+                self.comm.all_gather(self.params_flat[bucket.start:bucket.stop])
+
+    # ---- results and reports ---------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        """Multiply the loss (or its gradient) by this before the backward (1.0 in fp32 mode)."""
+        return self.scaler.scale
+
+    def full_parameters(self) -> Dict[str, np.ndarray]:
+        """Consolidated fp32 master parameters by name, as NumPy arrays (a collective: all ranks call)."""
+        self._check_open()
+        flat = self.gather_master()
+        return {name: flat[pr.start:pr.stop].reshape(pr.shape).copy() for name, pr in self.layout.params.items()}
+
+    def gather_master(self) -> np.ndarray:
+        """The whole padded fp32 master in world layout on every rank (a collective)."""
+        lay = self.layout
+        if self.config.stage == 0:
+            return _to_numpy(self.master).copy()
+        out = np.zeros(lay.numel, F32)
+        host = _to_numpy(self.master)
+        for bucket in lay.buckets:
+            out[bucket.world_slice(self.rank)] = host[bucket.shard_slice]
+            self.comm.mpi.Allgather(MPI.IN_PLACE, out[bucket.start:bucket.stop])
+        return out
+
+    def unpadded_master(self) -> np.ndarray:
+        """fp32 master parameters in layout order without padding (a collective)."""
+        flat = self.gather_master()
+        return np.concatenate([flat[pr.start:pr.stop] for pr in self.layout.params.values()])
+
+    def memory_report(self) -> Dict[str, Dict[str, int]]:
+        """Bytes per rank: ``measured`` (allocated by this engine now), ``theory`` (DESIGN.md formula
+        on Psi, unpadded), ``theory_padded`` (the same formula on the padded layout),
+        ``peak_buffers`` (largest transient bytes held at once, communication scratch included)."""
+        lay, c = self.layout, self.config
+        isz = np.dtype(self.dtype).itemsize
+        measured = self.ledger.model_states()
+        return {
+            "measured": measured,
+            "theory": theory_bytes(c.stage, lay.params_numel, self.world_size, isz),
+            "theory_padded": theory_bytes(c.stage, lay.numel, self.world_size, isz, lay.shard_numel),
+            "peak_buffers": {"bytes": self.ledger.peak["buffers"] + self.comm.peak_scratch_bytes},
+        }
+
+    def comm_theory_bytes(self) -> int:
+        """Bytes per step one rank should send for the gradient and parameter collectives (padded layout)."""
+        isz = np.dtype(self.dtype).itemsize
+        return theory_comm_bytes(self.config.stage, self.layout.numel, self.world_size, isz, self.config.micro_batches)
+
+    def close(self) -> None:
+        """Free every buffer. The engine cannot be used afterwards."""
+        for b in list(self._reduce_handles):
+            self._finish_reduce(b)
+        for h in self._gather_handles.values():
+            h.wait()
+        self._gathered.clear()
+        self._gather_handles.clear()
+        self.comm.free_scratch()
+        self.params_flat = self.grads_flat = self.master = self.exp_avg = self.exp_avg_sq = None
+        self.closed = True
+
+    # ---- checks -----------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self.closed:
+            raise UsageError("this engine was closed; create a new one")
+
+    def _check_layer(self, layer: int) -> None:
+        if not (isinstance(layer, (int, np.integer)) and 0 <= layer < self.layout.num_layers):
+            raise UsageError(f"layer={layer!r} is not a layer index; use 0..{self.layout.num_layers - 1}")
+
+
+def _to_numpy(arr) -> np.ndarray:
+    return arr.get() if hasattr(arr, "get") else np.asarray(arr)

@@ -1,0 +1,86 @@
+"""MLP regression: ``depth`` blocks of Linear(width, width) + GELU (none after the last block),
+trained with MSE to the outputs of a fixed random teacher of the same shape."""
+import numpy as np
+
+F32 = np.float32
+_C = np.sqrt(2.0 / np.pi)
+
+
+def gelu(x):
+    """tanh-approximate GELU, elementwise, in the dtype of x."""
+    return 0.5 * x * (1.0 + np.tanh(_C * (x + 0.044715 * x ** 3)))
+
+
+def gelu_grad(x):
+    """d gelu / dx at x."""
+    u = _C * (x + 0.044715 * x ** 3)
+    t = np.tanh(u)
+    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _C * (1.0 + 3 * 0.044715 * x * x)
+
+
+def init_mlp(width: int, depth: int, seed: int):
+    """[(layer name, {param name: float32 array})]: W ~ N(0, 1/width), b = 0."""
+    rng = np.random.default_rng(seed)
+    layers = []
+    for i in range(depth):
+        w = (rng.standard_normal((width, width)) / np.sqrt(width)).astype(F32)
+        layers.append((f"block{i}", {f"block{i}.weight": w, f"block{i}.bias": np.zeros(width, F32)}))
+    return layers
+
+
+class MLP:
+    """Hand-written forward/backward of one block at a time, float32 compute on stored parameters."""
+
+    def __init__(self, width: int, depth: int, seed: int = 0):
+        self.width, self.depth, self.seed = width, depth, seed
+
+    def init_layers(self):
+        return init_mlp(self.width, self.depth, self.seed)
+
+    def forward_layer(self, i, params, x):
+        """y = gelu(x @ W + b) (no GELU after the last block); returns (y, cache)."""
+        w = params[f"block{i}.weight"].astype(F32, copy=False)
+        b = params[f"block{i}.bias"].astype(F32, copy=False)
+        z = x @ w + b
+        if i == self.depth - 1:
+            return z, (x, None)
+        return gelu(z), (x, z)
+
+    def backward_layer(self, i, params, cache, dy):
+        """Returns (dx, {param name: grad}) for upstream gradient dy."""
+        x, z = cache
+        dz = dy if z is None else dy * gelu_grad(z)
+        w = params[f"block{i}.weight"].astype(F32, copy=False)
+        grads = {f"block{i}.weight": x.T @ dz, f"block{i}.bias": dz.sum(axis=0)}
+        return dz @ w.T, grads
+
+    @staticmethod
+    def loss(y, target):
+        """Mean squared error over every element of the micro-batch; returns (loss, dloss/dy)."""
+        diff = y - target
+        return float(np.mean(diff.astype(np.float64) ** 2)), (2.0 / diff.size) * diff
+
+
+class TeacherData:
+    """Inputs x ~ N(0, 1) drawn from (seed, step); targets from a fixed random teacher MLP.
+
+    ``global_batch(step)`` is the same on every rank; each rank slices its own rows.
+    """
+
+    def __init__(self, width: int, depth: int, seed: int):
+        self.width, self.seed = width, seed
+        self.teacher = [(p[f"block{i}.weight"].astype(np.float64), p[f"block{i}.bias"].astype(np.float64))
+                        for i, (_, p) in enumerate(init_mlp(width, depth, seed + 1_000_003))]
+        rng = np.random.default_rng(seed + 7)
+        for i, (w, _) in enumerate(self.teacher):
+            self.teacher[i] = (w, rng.standard_normal(width) * 0.1)
+
+    def global_batch(self, step: int, batch: int):
+        rng = np.random.default_rng([self.seed, step])
+        x = rng.standard_normal((batch, self.width))
+        h = x
+        for i, (w, b) in enumerate(self.teacher):
+            h = h @ w + b
+            if i < len(self.teacher) - 1:
+                h = gelu(h)
+        return x.astype(F32), h.astype(F32)
