@@ -181,14 +181,21 @@ def _metrics(cfg, engine, comm, losses, times, comm_bytes) -> dict:
 def main(argv: Optional[List[str]] = None) -> int:
     from mpi4py import MPI
     install_abort_hook(MPI.COMM_WORLD)
+    comm = MPI.COMM_WORLD
+    error = None
     try:
         cfg = parse_config(argv)
-        cfg.check_world(MPI.COMM_WORLD.Get_size())
+        cfg.check_world(comm.Get_size())
     except ConfigError as e:
-        # Every rank validates the same flags before any collective, so every rank stops here.
-        if MPI.COMM_WORLD.Get_rank() == 0:
-            sys.stderr.write(f"zerompi.train: error: {e}\n")
-        sys.stderr.flush()
+        error = str(e)
+    # One small collective so that ranks given different flags stop together, not hang.
+    errors = comm.allgather(error)
+    if any(errors):
+        if comm.Get_rank() == 0:
+            rank, msg = next((r, m) for r, m in enumerate(errors) if m)
+            where = "" if all(m == msg for m in errors) else f" (rank {rank})"
+            sys.stderr.write(f"zerompi.train: error{where}: {msg}\n")
+            sys.stderr.flush()
         return 2
     train(cfg)
     return 0
