@@ -1,0 +1,32 @@
+"""Train the MLP through the public API and save the final fp32 parameters and losses (rank 0).
+
+Usage: mpiexec -n N python tests/drivers/mlp_params.py OUT.npz [train flags...]
+"""
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+from zerompi import ZeroEngine
+from zerompi.comm import Communicator
+from zerompi.errors import install_abort_hook
+from zerompi.loop import local_rows, micro_batches, run_micro_batch
+from zerompi.train import build_model, parse_config
+
+install_abort_hook()
+out_path, flags = sys.argv[1], sys.argv[2:]
+cfg = parse_config(["--model", "mlp"] + flags)
+comm = Communicator()
+model, data = build_model(cfg)
+engine = ZeroEngine(model.init_layers(), cfg.zero, comm)
+losses, skipped = [], []
+for step in range(cfg.steps):
+    x, y = data.global_batch(step, cfg.batch)
+    rows = local_rows(cfg.batch, comm.rank, comm.size)
+    local = [run_micro_batch(engine, model, a, b) for a, b in micro_batches(x[rows], y[rows], cfg.zero.micro_batches)]
+    skipped.append(engine.step().skipped)
+    losses.append(comm.sum_scalars([np.mean(local)])[0] / comm.size)
+params = engine.full_parameters()
+if comm.rank == 0:
+    np.savez(out_path, losses=np.array(losses), skipped=np.array(skipped), **params)
+engine.close()

@@ -1,0 +1,38 @@
+"""Bad input stops every rank with one line and exit 2; a failing rank ends the whole job."""
+import time
+
+import pytest
+
+from tests.mpirun import run_mpi
+
+BAD = [
+    (["--stage", "5"], "stage=5"),
+    (["--model", "resnet"], "model='resnet'"),
+    (["--dtype", "fp8"], "dtype='fp8'"),
+    (["--lr", "0"], "lr=0.0"),
+    (["--lr=-1e-3"], "lr=-0.001"),
+    (["--bucket-mb", "0"], "bucket_mb=0.0"),
+    (["--steps", "0"], "steps=0"),
+    (["--micro-batches", "0"], "micro_batches=0"),
+    (["--batch", "10"], "batch=10"),
+    (["--stage", "two"], "invalid int value"),
+    (["--no-such-flag"], "unrecognized arguments"),
+]
+
+
+@pytest.mark.parametrize("flags,needle", BAD)
+def test_bad_input_exits_2_with_one_line(flags, needle):
+    proc = run_mpi(3, ["-m", "zerompi.train", "--model", "mlp"] + flags, timeout=60, check=False)
+    assert proc.returncode == 2, proc.stderr
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert needle in lines[0] and lines[0].startswith("zerompi.train: error")
+    assert proc.stdout == ""
+
+
+def test_failing_rank_ends_the_job():
+    t = time.monotonic()
+    proc = run_mpi(3, ["tests/drivers/raise_mid.py"], timeout=60, check=False)
+    assert proc.returncode != 0
+    assert "rank 1 failed" in proc.stderr and "injected failure on rank 1" in proc.stderr
+    assert time.monotonic() - t < 30
