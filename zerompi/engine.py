@@ -24,7 +24,7 @@ from mpi4py import MPI
 from . import optim
 from .comm import Communicator, Handle
 from .config import ZeroConfig
-from .errors import UsageError
+from .errors import ConfigError, UsageError
 from .layout import FlatLayout
 from .loss_scale import DynamicLossScaler
 from .memory import MemoryLedger, theory_bytes, theory_comm_bytes
@@ -289,12 +289,15 @@ class ZeroEngine:
             self.ledger.free("buffers", self._staging.pop(b))
 
     # ---- the optimizer step -------------------------------------------------
-    def step(self) -> StepResult:
+    def step(self, lr: Optional[float] = None) -> StepResult:
         """Finish the reductions, check for overflow, clip, update the shard, publish parameters.
 
         Every rank must call it after the configured number of micro-batches.
+        ``lr`` overrides config.lr for this step (a schedule); it must be the same on every rank.
         """
         self._check_open()
+        if lr is not None and not lr > 0:
+            raise ConfigError(f"lr={lr!r} must be > 0")
         if any(self._ready) or self._micro != self.config.micro_batches:
             done = sum(self._ready)
             raise UsageError(f"step() after {self._micro} of {self.config.micro_batches} micro-batches "
@@ -328,7 +331,7 @@ class ZeroEngine:
         if self.config.stage == 0:
             self._all_gather_grads()
         c = self.config
-        s = optim.adamw_scalars(c.lr, c.beta1, c.beta2, c.eps, c.weight_decay, self.step_count, coef / scale)
+        s = optim.adamw_scalars(c.lr if lr is None else lr, c.beta1, c.beta2, c.eps, c.weight_decay, self.step_count, coef / scale)
         if self.config.stage == 0:
             optim.adamw_update(self.master, self.exp_avg, self.exp_avg_sq, self.grads_flat, self.params_flat, s)
         else:
