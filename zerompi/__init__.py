@@ -19,3 +19,13 @@ from .layout import FlatLayout
 
 __all__ = ["ZeroConfig", "ZeroEngine", "StepResult", "BucketState", "FlatLayout", "ConfigError", "UsageError"]
 __version__ = "0.1.0"
+__all__ += ["estimate"]
+
+
+def __getattr__(name):
+    # zerompi.estimate(params=10e9, ranks=64): the module is callable. Imported lazily so that
+    # `python -m zerompi.estimate` does not find its own module already imported.
+    if name == "estimate":
+        import importlib
+        return importlib.import_module(".estimate", __name__)
+    raise AttributeError(f"module 'zerompi' has no attribute {name!r}")
