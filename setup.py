@@ -7,7 +7,10 @@ setup(
     description="ZeRO (stages 0-3) training engine on mpi4py and NumPy/CuPy, no framework",
     long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
-    packages=find_packages(include=["zerompi", "zerompi.*"]),
+    # kernels/ (C and CUDA sources, compiled on first use) ships inside the package as zerompi/kernels.
+    packages=find_packages(include=["zerompi", "zerompi.*"]) + ["zerompi.kernels"],
+    package_dir={"zerompi.kernels": "kernels"},
+    package_data={"zerompi.kernels": ["*.h", "*.c", "*.cu"]},
     python_requires=">=3.9",
     install_requires=["numpy>=1.22", "mpi4py>=3.1"],
     extras_require={

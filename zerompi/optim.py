@@ -1,8 +1,8 @@
 """AdamW on a flat shard: the scalars of one step and the NumPy reference update.
 
 The reference does, element by element and in float32, exactly the operations the
-fused kernels do (kernels/adamw_math.h), in the same order, so the fused kernels can be
-checked against it to a few ulp. Every operation is elementwise: an element's result does
+fused kernels do (kernels/adamw_math.h), in the same order, so the fused kernels match
+it to 0 ulp (tests/test_kernels.py). Every operation is elementwise: an element's result does
 not depend on which rank updates it or where its slice starts, which is what makes
 stages 0-3 bit-identical.
 """
@@ -62,6 +62,42 @@ def grad_stats_reference(grad) -> Tuple[float, bool]:
     return sumsq, not math.isfinite(sumsq)
 
 
-# The implementation the engine calls; the fused-kernel module replaces these when it loads.
+# The implementation the engine calls; use_impl() points them at the fused kernels.
 adamw_update = adamw_reference
 grad_stats = grad_stats_reference
+
+
+def use_impl(name: str, xp=np, verbose: bool = True) -> str:
+    """Point adamw_update, grad_stats and comm.sum_rows at the fused kernels or the NumPy reference.
+
+    ``name``: "fused" (the C library on NumPy, the CUDA kernels on CuPy; ConfigError if they
+    cannot be had), "numpy" (the reference), or "auto" (fused when available, else the
+    reference and, when ``verbose``, a one-line note on stderr saying why).
+    Process-wide. Returns what was chosen: "fused" or "numpy".
+    """
+    global adamw_update, grad_stats
+    from . import comm
+    from .config import OPTIMIZER_IMPLS
+    from .errors import ConfigError
+    if name not in OPTIMIZER_IMPLS:
+        raise ConfigError(f"optimizer_impl={name!r} is not allowed; use one of {', '.join(OPTIMIZER_IMPLS)}")
+    on_gpu = getattr(xp, "__name__", "") == "cupy"
+    chosen = (adamw_reference, grad_stats_reference, comm.sum_rows_reference)
+    if name != "numpy":
+        if on_gpu:
+            from . import kernels_gpu as kernels
+            fused = (kernels.adamw_fused_gpu, kernels.grad_stats_fused_gpu, comm.sum_rows_reference)
+        else:
+            from . import fused_cpu as kernels
+            fused = (kernels.adamw_fused_cpu, kernels.grad_stats_fused_cpu, kernels.sum_rows_fused_cpu)
+        reason = kernels.unavailable_reason()
+        if not reason:
+            chosen = fused
+        elif name == "fused":
+            raise ConfigError(f"optimizer_impl='fused' is not available: {reason}; use auto or numpy")
+        elif verbose:
+            import sys
+            print(f"zerompi: fused optimizer kernels unavailable ({reason}); using the NumPy reference",
+                  file=sys.stderr, flush=True)
+    adamw_update, grad_stats, comm.sum_rows = chosen
+    return "numpy" if chosen[0] is adamw_reference else "fused"
