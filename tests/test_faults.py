@@ -1,0 +1,324 @@
+"""A job that fails must end, quickly, and say why (docs/failures.md).
+
+Faults are injected with ZEROMPI_FAULT=KIND@rankR:stepS into `mpiexec -n 3 ... --stage 3`;
+each job must end with a non-zero status and a message naming the cause, within the
+subprocess timeout (a hang fails the test, never CI). The oracle for "parameters never
+take a non-finite value" is a run without the fault that stops one step earlier.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tests.mpirun import ROOT, mpiexec, run_mpi, run_train
+from zerompi.config import ZeroConfig
+from zerompi.consistency import _ranks, mismatch_message, flatten
+from zerompi.errors import EXIT_TIMEOUT, ConfigError
+from zerompi.faults import Fault, GradientGuard, parse_fault, range_limit
+from zerompi.watchdog import TIMEOUT_ENV, WaitRecord, Watchdog, default_timeout_s
+
+SMALL = ["--model", "mlp", "--width", "32", "--depth", "3", "--batch", "12", "--bucket-mb", "0.002"]
+TIMEOUT_S = 5      # the watchdog's timeout in these jobs: short, so a hang ends fast
+LIMIT = 90         # every job must end within this (the issue's bar)
+
+
+def train_args(*flags):
+    return ["-m", "zerompi.train", *SMALL, *flags]
+
+
+def env_with(**kv):
+    env = {k: v for k, v in os.environ.items() if k not in ("ZEROMPI_FAULT", TIMEOUT_ENV)}
+    env.update(kv)
+    return env
+
+
+# ---- injected faults end the whole job ------------------------------------------------
+@pytest.mark.parametrize("kind", ["raise", "exit", "hang"])
+def test_fault_on_one_rank_ends_the_job(kind):
+    proc = run_mpi(3, train_args("--stage", "3", "--steps", "50", "--timeout-s", TIMEOUT_S), timeout=LIMIT,
+                   env=env_with(ZEROMPI_FAULT=f"{kind}@rank1:step3"), check=False)
+    assert proc.returncode != 0, proc.stderr
+    err = proc.stderr
+    assert "step     4/" not in proc.stdout       # nobody went on past the failing step
+    if kind == "raise":
+        assert "rank 1 failed" in err and "injected fault 'raise' on rank 1 at step 3" in err
+    else:
+        assert f"injected fault '{kind}' on rank 1 at step 3" in err
+    if kind == "hang":
+        # The others' watchdogs end it, naming the operation, bucket, step and timeout.
+        assert proc.returncode == EXIT_TIMEOUT, err
+        lines = [l for l in err.splitlines() if "collective timeout" in l]
+        assert lines, err
+        line = lines[0]
+        assert ("reduce_scatter of bucket" in line or "all_gather of bucket" in line), line
+        assert "at step 3" in line and f"timeout {TIMEOUT_S} s" in line
+        assert line.startswith("zerompi: rank 0:") or line.startswith("zerompi: rank 2:"), line
+
+
+def test_config_mismatch_mpmd_ends_at_once():
+    """`mpiexec -n 1 ... --width 64 : -n 1 ... --width 128`: both parse; the check names field and ranks."""
+    t = time.monotonic()
+    proc = run_mpmd([["-m", "zerompi.train", "--width", "64"], ["-m", "zerompi.train", "--width", "128"]])
+    assert proc.returncode == 2, proc.stderr
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and "mismatch" in lines[0], proc.stderr
+    assert "width = 64 on rank 0, 128 on rank 1" in lines[0]
+    assert time.monotonic() - t < LIMIT
+
+
+ENGINE_MISMATCH = """
+import json
+from mpi4py import MPI
+from zerompi import ZeroConfig, ZeroEngine
+from zerompi.errors import MismatchError
+from zerompi.models.mlp import MLP
+comm = MPI.COMM_WORLD
+try:
+    ZeroEngine(MLP(16, 2).init_layers(), ZeroConfig(stage=2, bucket_mb=0.001 if comm.rank == 2 else 1.0))
+    error = None
+except MismatchError as e:
+    error = str(e)
+errors = comm.gather(error)     # every rank raised together, so the job is still whole
+if comm.rank == 0:
+    print(json.dumps(errors))
+"""
+
+
+def test_engine_mismatch_raises_on_every_rank():
+    """The library path: every rank raises the same MismatchError naming the field and the ranks."""
+    proc = run_mpi(3, ["-c", ENGINE_MISMATCH], timeout=LIMIT)
+    errors = json.loads(proc.stdout)
+    assert len(errors) == 3 and len(set(errors)) == 1, errors     # the same message on every rank
+    assert errors[0].startswith("engine configuration mismatch")
+    assert "zero.bucket_mb = 1.0 on ranks 0-1, 0.001 on rank 2" in errors[0] and "layout.buckets" in errors[0]
+
+
+# ---- non-finite gradients -----------------------------------------------------------------
+def test_nan_in_fp32_is_an_error_naming_step_bucket_rank():
+    proc = run_mpi(3, train_args("--stage", "2", "--dtype", "fp32", "--steps", "6"), timeout=LIMIT,
+                   env=env_with(ZEROMPI_FAULT="nan@rank2:step2"), check=False)
+    assert proc.returncode == 1, proc.stderr
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1, proc.stderr
+    # Every gradient of rank 2 is NaN, so the first bucket (0) is the first non-finite one.
+    assert "non-finite gradients at step 2: first in bucket 0 on rank 2;" in lines[0]
+    assert "step     2/" not in proc.stdout
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_nan_in_fp16_skips_the_step_and_keeps_the_parameters(tmp_path, stage):
+    """nan at the last step: the step is skipped, the scale halves, and the parameters are
+    bit-equal to those of a run without the fault that stops one step before."""
+    flags = ["--stage", str(stage), "--dtype", "fp16"]
+    faulty = run_train(3, tmp_path, *SMALL, *flags, "--steps", "4", env=env_with(ZEROMPI_FAULT="nan@rank1:step4"),
+                       tag="faulty")
+    clean = run_train(3, tmp_path, *SMALL, *flags, "--steps", "3", env=env_with(), tag="clean")
+    assert faulty["steps_applied"] == 3 == clean["steps_applied"]
+    assert faulty["loss_scale"] == clean["loss_scale"] / 2
+    assert faulty["final_params_sha256"] == clean["final_params_sha256"]
+    assert faulty["losses"][:3] == clean["losses"]
+
+
+def test_max_skipped_steps_is_an_error():
+    """A loss scale of 1e30 overflows fp16 every step: the 4th skip in a row stops the job."""
+    proc = run_mpi(3, train_args("--stage", "2", "--steps", "20", "--loss-scale", "1e30", "--max-skipped-steps", "4"),
+                   timeout=LIMIT, env=env_with(), check=False)
+    assert proc.returncode == 1, proc.stderr
+    assert "4 consecutive steps skipped for non-finite fp16 gradients (--max-skipped-steps 4)" in proc.stderr
+    assert "step 4: first in bucket 0 on rank 0" in proc.stderr
+    assert proc.stdout.count("(skipped: overflow)") == 3
+
+
+def test_guard_names_first_bad_bucket_and_range():
+    """Unit: the local check flags NaN, inf and fp16-overflowing values, and keeps the lowest bucket."""
+    with np.errstate(over="ignore"):
+        assert np.isinf(np.float16(range_limit(np.float16))) and np.float16(65519.9) == 65504
+        assert np.isinf(np.float32(range_limit(np.float32)))
+        assert np.float32(np.nextafter(range_limit(np.float32), 0)) == np.finfo(np.float32).max
+    g = GradientGuard(rank=0, dtype=np.float16, max_skipped_steps=3)
+    ok = {"w": np.ones(4, np.float32)}
+    g.on_grads(1, 5, ok)
+    assert g.first_bad_bucket == -1
+    g.on_grads(1, 4, {"w": np.array([1, 65520.0], np.float32)})
+    g.on_grads(1, 2, {"w": np.array([np.nan, 0], np.float32)})
+    g.on_grads(1, 3, {"w": np.array([-np.inf], np.float32)})
+    assert g.first_bad_bucket == 2
+    g.on_grads(2, 1, {"w": np.array([65519.0], np.float32)})   # a new step resets; 65519 rounds to 65504
+    assert g.first_bad_bucket == -1
+    nan = GradientGuard(rank=1, dtype=np.float32, max_skipped_steps=3, fault=Fault("nan", 1, 2))
+    assert np.isfinite(nan.on_grads(1, 0, ok)["w"]).all()
+    assert np.isnan(nan.on_grads(2, 0, ok)["w"]).all() and nan.first_bad_bucket == 0
+
+
+# ---- fault grammar, timeout settings ------------------------------------------------------
+@pytest.mark.parametrize("text", ["bogus", "hang@rank1", "sleep@rank0:step1", "nan@rank1:step0", "raise@1:2",
+                                  "exit@rank-1:step2"])
+def test_bad_fault_grammar_is_a_config_error(text):
+    with pytest.raises(ConfigError, match=r"ZEROMPI_FAULT=.*KIND@rankR:stepS"):
+        parse_fault(text)
+
+
+def test_fault_grammar_parses():
+    assert parse_fault("hang@rank1:step3") == Fault("hang", 1, 3)
+    assert str(parse_fault(" nan@rank12:step40 ")) == "nan@rank12:step40"
+
+
+def test_bad_fault_env_exits_2_with_one_line():
+    proc = run_mpi(3, train_args("--steps", "2"), timeout=LIMIT, env=env_with(ZEROMPI_FAULT="nan@rank1"), check=False)
+    assert proc.returncode == 2
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and "ZEROMPI_FAULT='nan@rank1' is not a fault" in lines[0], proc.stderr
+
+
+def test_timeout_setting_precedence_and_validation():
+    assert default_timeout_s({}) == 300.0
+    assert default_timeout_s({TIMEOUT_ENV: "12.5"}) == 12.5
+    for bad in ("0", "-3", "abc", "inf", "nan"):
+        with pytest.raises(ConfigError, match=f"{TIMEOUT_ENV}='{bad}'"):
+            default_timeout_s({TIMEOUT_ENV: bad})
+    with pytest.raises(ConfigError, match="timeout_s=0"):
+        ZeroConfig(timeout_s=0)
+    assert ZeroConfig(timeout_s=7).timeout_s == 7
+    with pytest.raises(ConfigError, match="max_skipped_steps=0"):
+        ZeroConfig(max_skipped_steps=0)
+
+
+# ---- the watchdog ----------------------------------------------------------------------------
+def _wait_for(cond, limit=10.0):
+    end = time.monotonic() + limit
+    while time.monotonic() < end and not cond():
+        time.sleep(0.02)
+    return cond()
+
+
+def test_watchdog_fires_on_a_long_wait_and_names_it():
+    record, codes = WaitRecord(), []
+    dog = Watchdog(record, 0.3, rank=2, step=lambda: 9, abort=codes.append)
+    with record("all_gather", (4, 7)):
+        assert _wait_for(lambda: codes)
+    dog.close(wait=True)
+    assert codes == [EXIT_TIMEOUT]
+    assert "rank 2: collective timeout" in dog.fired and "all_gather of bucket 4 at step 7" in dog.fired
+    assert "timeout 0.3 s" in dog.fired
+
+
+def test_watchdog_ignores_compute_and_short_waits():
+    """Only one wait longer than the timeout counts: many short waits and long gaps do not."""
+    record, codes = WaitRecord(), []
+    dog = Watchdog(record, 0.3, rank=0, abort=codes.append)
+    t = time.monotonic()
+    while time.monotonic() - t < 1.0:           # 1 s of "compute" with 0.1 s waits in between
+        with record("sum_scalars"):
+            time.sleep(0.1)
+        time.sleep(0.1)
+    with record("all_gather", 0):
+        with record("nested"):                   # nested waits keep the outer one
+            assert record.current[0] == "all_gather"
+    assert record.current is None
+    dog.close(wait=True)
+    assert codes == [] and dog.fired is None
+
+
+LONG_COMPUTE = """
+import time
+from mpi4py import MPI
+from zerompi import ZeroConfig, ZeroEngine
+from zerompi.loop import run_micro_batch
+from zerompi.models.mlp import MLP, TeacherData
+comm = MPI.COMM_WORLD
+model, data = MLP(16, 3), TeacherData(16, 3, 0)
+comm.Barrier()                     # start together: the first wait must not absorb uneven start-up
+engine = ZeroEngine(model.init_layers(), ZeroConfig(stage=3, bucket_mb=0.0005, timeout_s=1.5))
+slow_backward = model.backward_layer
+def backward_layer(i, *args):
+    if engine.steps_taken == 0:
+        time.sleep(0.8)            # a slow first step (say, compilation): 2.4 s of compute > timeout_s
+    return slow_backward(i, *args)
+model.backward_layer = backward_layer
+for step in range(3):
+    x, y = data.global_batch(step, 6)
+    run_micro_batch(engine, model, x[comm.rank * 2:comm.rank * 2 + 2], y[comm.rank * 2:comm.rank * 2 + 2])
+    engine.step()
+engine.close()
+done = comm.gather(f"done {comm.rank}")    # one print: ranks' lines would interleave
+if comm.rank == 0:
+    print(" ".join(done))
+"""
+
+
+def test_long_compute_does_not_trip_the_watchdog():
+    proc = run_mpi(3, ["-c", LONG_COMPUTE], timeout=LIMIT, env=env_with())
+    assert proc.stdout.strip() == "done 0 done 1 done 2"
+
+
+# ---- SIGTERM / SIGINT --------------------------------------------------------------------------
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_finishes_the_step_saves_and_exits_0(tmp_path, sig):
+    ck = tmp_path / "ck"
+    out = tmp_path / "out.txt"
+    cmd = [mpiexec(), "-n", "2", sys.executable, *train_args("--stage", "3", "--steps", "1000000", "--log-every",
+                                                            "1", "--save-dir", ck)]
+    with open(out, "w") as f:
+        proc = subprocess.Popen([str(c) for c in cmd], stdout=f, stderr=subprocess.STDOUT, env=_env(), cwd=str(ROOT))
+    try:
+        assert _wait_for(lambda: "step     3/" in out.read_text(), limit=60), out.read_text()
+        proc.send_signal(sig)                # mpiexec forwards it to every rank
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = out.read_text()
+    assert rc == 0, text
+    line = next(l for l in text.splitlines() if l.startswith("zerompi.train: stopped by"))
+    assert line.startswith(f"zerompi.train: stopped by {sig.name} after step ") and f"saved in {ck}" in line
+    stopped_at = int(line.split("after step ")[1].split()[0])
+    assert (ck / f"step_{stopped_at:06d}").is_dir() and (ck / "latest").exists()
+    assert f"step {stopped_at + 1:5d}/" not in text
+
+
+# ---- the consistency message ---------------------------------------------------------------------
+def test_mismatch_message_names_fields_and_rank_ranges():
+    tables = [flatten({"a": 1, "z": {"s": 2}}) for _ in range(6)]
+    tables[3] = flatten({"a": 1, "z": {"s": 3}})
+    tables[5] = flatten({"a": 2, "z": {"s": 3}})
+    msg = mismatch_message("train", tables)
+    assert "mismatch" in msg
+    assert "a = 1 on ranks 0-4, 2 on rank 5" in msg and "z.s = 2 on ranks 0-2, 4, 3 on ranks 3, 5" in msg
+    assert _ranks([0, 2, 3, 4, 7]) == "ranks 0, 2-4, 7"
+
+
+# ---- soak ---------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_soak_memory_is_flat_and_a_leak_is_caught():
+    proc = run_mpi(2, ["scripts/soak.py", "--steps", "2000"], timeout=900)
+    report = json.loads(proc.stdout)
+    assert report["ok"] and report["steps"] == 2000, report["checks"]
+    leak = run_mpi(2, ["scripts/soak.py", "--steps", "400", "--warmup", "100", "--every", "50",
+                       "--leak-bytes", str(1 << 16)], timeout=900, check=False)
+    leaked = json.loads(leak.stdout)
+    assert leak.returncode == 1 and not leaked["checks"]["rss_slope_below_ceiling"]
+    assert not leaked["checks"]["object_slope_below_ceiling"]
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+def _env():
+    env = env_with(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def run_mpmd(programs, timeout=LIMIT) -> subprocess.CompletedProcess:
+    """``mpiexec -n 1 python A... : -n 1 python B...`` (one rank each), with a timeout."""
+    cmd = [mpiexec()]
+    for i, args in enumerate(programs):
+        cmd += ([":"] if i else []) + ["-n", "1", sys.executable, *[str(a) for a in args]]
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=str(ROOT))
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{e.stdout}\n{e.stderr}")
