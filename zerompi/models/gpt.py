@@ -1,0 +1,339 @@
+"""GPT: a decoder-only transformer with hand-written forward and backward, one engine layer at a time.
+
+Engine layers: 0 = ``embed`` (token table ``wte``, position table ``wpe``), 1..L = ``block{i}``
+(pre-LayerNorm causal multi-head self-attention, then a pre-LayerNorm GELU MLP, each with a
+residual connection), L+1 = ``ln_f`` (the final LayerNorm). The output head is tied to
+``wte``: logits = ln_f(h) @ wte.T, so layer 0 stays unsharded from the lookup until the
+head has run (stage 3 holds that one bucket through the forward, every other bucket is
+gathered and freed in turn), and its gradient ``wte`` is the lookup's plus the head's,
+handed back once per micro-batch, last.
+
+Arrays are (batch, time, channels). Compute runs in ``dtype`` (float32 for training,
+float64 in the gradient checks) on ``xp`` (NumPy, or CuPy later); stored parameters of any
+float dtype are upcast per layer. Shapes: B rows, T positions, C = d_model, H heads, V vocab.
+"""
+from typing import Dict, List, Tuple
+
+import numpy as np
+
+_C = float(np.sqrt(2.0 / np.pi))   # a Python float: a NumPy float64 scalar would promote float32 arrays
+LN_EPS = 1e-5
+WTE, WPE = "wte", "wpe"
+
+
+# ---- elementwise pieces ----------------------------------------------------------
+# x * x * x, not x ** 3: NumPy's power ufunc measured ~800x slower here (it calls libm pow).
+def gelu(xp, x):
+    """tanh-approximate GELU; returns (y, t) where t = tanh(...) is kept for the backward."""
+    t = xp.tanh(_C * x * (1.0 + 0.044715 * (x * x)))
+    return 0.5 * x * (1.0 + t), t
+
+
+def gelu_grad(x, t):
+    """d gelu / dx at x, given t from gelu()."""
+    return 0.5 * (1.0 + t) + (0.5 * _C) * x * (1.0 - t * t) * (1.0 + 3 * 0.044715 * (x * x))
+
+
+def layernorm(xp, x, g, b):
+    """LayerNorm over the last axis; returns (y, cache)."""
+    mu = x.mean(axis=-1, keepdims=True)
+    xc = x - mu
+    rstd = 1.0 / xp.sqrt((xc * xc).mean(axis=-1, keepdims=True) + LN_EPS)
+    xhat = xc * rstd
+    return xhat * g + b, (xhat, rstd)
+
+
+def layernorm_backward(dy, cache, g):
+    """(dx, dg, db) of LayerNorm for upstream dy."""
+    xhat, rstd = cache
+    dxhat = dy * g
+    dx = rstd * (dxhat - dxhat.mean(axis=-1, keepdims=True) - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True))
+    axes = tuple(range(dy.ndim - 1))
+    return dx, (dy * xhat).sum(axis=axes), dy.sum(axis=axes)
+
+
+def linear(x, w, b):
+    """x @ w + b on the last axis of x."""
+    return x @ w + b
+
+
+def linear_backward(dy, x, w):
+    """(dx, dw, db) of y = x @ w + b."""
+    x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+    return dy @ w.T, x2.T @ dy2, dy2.sum(axis=0)
+
+
+# ---- attention ------------------------------------------------------------------------
+def attention(xp, qkv, n_head):
+    """Causal multi-head self-attention core on (B, T, 3C) -> (B, T, C); returns (y, cache)."""
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    hd = C // n_head
+    q, k, v = (qkv[..., i * C:(i + 1) * C].reshape(B, T, n_head, hd).transpose(0, 2, 1, 3) for i in range(3))
+    scale = 1.0 / float(np.sqrt(hd))
+    s = (q @ k.transpose(0, 1, 3, 2)) * scale                 # (B, H, T, T)
+    future = xp.triu(xp.ones((T, T), dtype=bool), k=1)
+    s = xp.where(future, -xp.inf, s)
+    s = s - s.max(axis=-1, keepdims=True)
+    att = xp.exp(s)
+    att /= att.sum(axis=-1, keepdims=True)
+    y = (att @ v).transpose(0, 2, 1, 3).reshape(B, T, C)
+    return y, (q, k, v, att, scale)
+
+
+def attention_backward(xp, dy, cache):
+    """d qkv (B, T, 3C) for upstream dy (B, T, C)."""
+    q, k, v, att, scale = cache
+    B, H, T, hd = q.shape
+    dy = dy.reshape(B, T, H, hd).transpose(0, 2, 1, 3)
+    dv = att.transpose(0, 1, 3, 2) @ dy
+    datt = dy @ v.transpose(0, 1, 3, 2)
+    ds = att * (datt - (datt * att).sum(axis=-1, keepdims=True))   # softmax backward; masked entries stay 0
+    dq = (ds @ k) * scale
+    dk = (ds.transpose(0, 1, 3, 2) @ q) * scale
+    merge = lambda a: a.transpose(0, 2, 1, 3).reshape(B, T, H * hd)
+    return xp.concatenate([merge(dq), merge(dk), merge(dv)], axis=-1)
+
+
+# ---- the model ------------------------------------------------------------------------
+class GPT:
+    """Sizes, initial parameters, and per-layer forward/backward in ``dtype`` on ``xp``."""
+
+    def __init__(self, vocab: int, seq_len: int, n_layer: int, n_head: int, d_model: int, seed: int = 0,
+                 xp=np, dtype=np.float32):
+        if d_model % n_head:
+            raise ValueError(f"d_model={d_model} must be divisible by n_head={n_head}")
+        self.vocab, self.seq_len, self.n_layer = vocab, seq_len, n_layer
+        self.n_head, self.d_model, self.seed = n_head, d_model, seed
+        self.xp, self.dtype = xp, dtype
+
+    @property
+    def num_layers(self) -> int:
+        """Engine layers: embeddings, n_layer blocks, final LayerNorm."""
+        return self.n_layer + 2
+
+    def block_names(self, i: int) -> Dict[str, str]:
+        """Short name -> parameter name of block i (0-based)."""
+        keys = ["ln1.g", "ln1.b", "qkv.w", "qkv.b", "proj.w", "proj.b",
+                "ln2.g", "ln2.b", "fc.w", "fc.b", "out.w", "out.b"]
+        return {k: f"block{i}.{k}" for k in keys}
+
+    def init_layers(self) -> List[Tuple[str, Dict[str, np.ndarray]]]:
+        """[(layer name, {param name: float32 array})], GPT-2 style: N(0, 0.02), residual
+        projections N(0, 0.02 / sqrt(2 L)), LayerNorm gain 1, biases 0."""
+        rng = np.random.default_rng([self.seed, 0x6E7])
+        C, L = self.d_model, self.n_layer
+        normal = lambda shape, std=0.02: (rng.standard_normal(shape) * std).astype(np.float32)
+        zeros, ones = (lambda n: np.zeros(n, np.float32)), (lambda n: np.ones(n, np.float32))
+        layers = [("embed", {WTE: normal((self.vocab, C)), WPE: normal((self.seq_len, C))})]
+        resid = 0.02 / np.sqrt(2 * L)
+        for i in range(L):
+            n = self.block_names(i)
+            layers.append((f"block{i}", {
+                n["ln1.g"]: ones(C), n["ln1.b"]: zeros(C),
+                n["qkv.w"]: normal((C, 3 * C)), n["qkv.b"]: zeros(3 * C),
+                n["proj.w"]: normal((C, C), resid), n["proj.b"]: zeros(C),
+                n["ln2.g"]: ones(C), n["ln2.b"]: zeros(C),
+                n["fc.w"]: normal((C, 4 * C)), n["fc.b"]: zeros(4 * C),
+                n["out.w"]: normal((4 * C, C), resid), n["out.b"]: zeros(C),
+            }))
+        layers.append(("ln_f", {"ln_f.g": ones(C), "ln_f.b": zeros(C)}))
+        return layers
+
+    def _cast(self, params, names) -> Dict[str, object]:
+        return {k: params[v].astype(self.dtype, copy=False) for k, v in names.items()}
+
+    # -- per engine layer -----------------------------------------------------------------
+    def forward_layer(self, i: int, params, x):
+        """Layer i's forward: token ids (B, T) -> h for i = 0, h -> h after. Returns (out, cache)."""
+        if i == 0:
+            return self.embed_forward(params, x)
+        if i <= self.n_layer:
+            return self.block_forward(self._cast(params, self.block_names(i - 1)), x)
+        p = self._cast(params, {"g": "ln_f.g", "b": "ln_f.b"})
+        return layernorm(self.xp, x, p["g"], p["b"])
+
+    def backward_layer(self, i: int, params, cache, dy):
+        """(dx, {param name: grad}) of layer i; layer 0 reads no parameters (params may be None)."""
+        if i == 0:
+            return None, self.embed_backward(cache, dy)
+        if i <= self.n_layer:
+            names = self.block_names(i - 1)
+            dx, g = self.block_backward(self._cast(params, names), cache, dy)
+            return dx, {names[k]: v for k, v in g.items()}
+        p = self._cast(params, {"g": "ln_f.g"})
+        dx, dg, db = layernorm_backward(dy, cache, p["g"])
+        return dx, {"ln_f.g": dg, "ln_f.b": db}
+
+    # -- embeddings and the tied head ------------------------------------------------------
+    def embed_forward(self, params, idx):
+        T = idx.shape[1]
+        wte = params[WTE].astype(self.dtype, copy=False)
+        wpe = params[WPE].astype(self.dtype, copy=False)
+        return wte[idx] + wpe[:T], idx
+
+    def embed_backward(self, idx, dh):
+        """{wte: scatter-add of dh by token, wpe: dh summed over rows}."""
+        xp = self.xp
+        B, T, C = dh.shape
+        flat = idx.reshape(-1)
+        # A one-hot matmul instead of a scatter-add: the same code on NumPy and CuPy, in a fixed order.
+        onehot = (flat[:, None] == xp.arange(self.vocab)[None, :]).astype(self.dtype)
+        dwte = onehot.T @ dh.reshape(-1, C)
+        dwpe = xp.zeros((self.seq_len, C), self.dtype)
+        dwpe[:T] = dh.sum(axis=0)
+        return {WTE: dwte, WPE: dwpe}
+
+    def head(self, wte_stored, hf, targets, scale: float = 1.0):
+        """Tied output head and mean cross-entropy over every target of the micro-batch.
+
+        Returns (loss in nats as a float, d hf, d wte), the gradients of ``scale * loss``.
+        """
+        xp = self.xp
+        wte = wte_stored.astype(self.dtype, copy=False)
+        B, T, C = hf.shape
+        h2 = hf.reshape(-1, C)
+        logits = h2 @ wte.T                                       # (B T, V)
+        logits = logits - logits.max(axis=1, keepdims=True)
+        e = xp.exp(logits)
+        z = e.sum(axis=1, keepdims=True)
+        rows = xp.arange(B * T)
+        t = targets.reshape(-1)
+        loss = float((xp.log(z[:, 0]) - logits[rows, t]).astype(np.float64).mean())
+        dlogits = e / z
+        dlogits[rows, t] -= 1.0
+        dlogits *= self.dtype(scale / (B * T))
+        return loss, (dlogits @ wte).reshape(B, T, C), dlogits.T @ h2
+
+    def token_losses(self, wte_stored, hf, targets):
+        """Cross-entropy of every target (B, T), nats; no gradient (evaluation)."""
+        xp = self.xp
+        wte = wte_stored.astype(self.dtype, copy=False)
+        logits = hf @ wte.T
+        logits = logits - logits.max(axis=-1, keepdims=True)
+        lse = xp.log(xp.exp(logits).sum(axis=-1))
+        return lse - xp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+
+    # -- a transformer block ---------------------------------------------------------------
+    def block_forward(self, p, x):
+        xp = self.xp
+        a, ln1 = layernorm(xp, x, p["ln1.g"], p["ln1.b"])
+        y, att = attention(xp, linear(a, p["qkv.w"], p["qkv.b"]), self.n_head)
+        x1 = x + linear(y, p["proj.w"], p["proj.b"])
+        m, ln2 = layernorm(xp, x1, p["ln2.g"], p["ln2.b"])
+        f = linear(m, p["fc.w"], p["fc.b"])
+        gf, t = gelu(xp, f)
+        out = x1 + linear(gf, p["out.w"], p["out.b"])
+        return out, (ln1, a, att, y, ln2, m, f, t, gf)
+
+    def block_backward(self, p, cache, dout):
+        """(dx, {short name: grad}) of one block."""
+        xp = self.xp
+        ln1, a, att, y, ln2, m, f, t, gf = cache
+        g = {}
+        dgf, g["out.w"], g["out.b"] = linear_backward(dout, gf, p["out.w"])
+        dm, g["fc.w"], g["fc.b"] = linear_backward(dgf * gelu_grad(f, t), m, p["fc.w"])
+        dx1, g["ln2.g"], g["ln2.b"] = layernorm_backward(dm, ln2, p["ln2.g"])
+        dx1 = dx1 + dout
+        dy, g["proj.w"], g["proj.b"] = linear_backward(dx1, y, p["proj.w"])
+        da, g["qkv.w"], g["qkv.b"] = linear_backward(attention_backward(xp, dy, att), a, p["qkv.w"])
+        dx, g["ln1.g"], g["ln1.b"] = layernorm_backward(da, ln1, p["ln1.g"])
+        return dx + dx1, g
+
+    # -- the whole model in one process (tests, references) --------------------------------
+    def loss_and_grads(self, layers, idx, targets, scale: float = 1.0):
+        """(loss, {param name: grad of scale * loss}) without an engine; ``layers`` as init_layers()."""
+        params = [p for _, p in layers]
+        h, caches = idx, []
+        for i, p in enumerate(params):
+            h, c = self.forward_layer(i, p, h)
+            caches.append(c)
+        loss, dh, dwte = self.head(params[0][WTE], h, targets, scale)
+        grads = {}
+        for i in reversed(range(len(params))):
+            dh, g = self.backward_layer(i, params[i], caches[i], dh)
+            grads.update(g)
+        grads[WTE] = grads[WTE] + dwte
+        return loss, grads
+
+
+# ---- driving the engine ---------------------------------------------------------------
+def run_micro_batch(engine, model: GPT, idx, targets) -> float:
+    """Forward, loss and backward of one micro-batch through the public engine API.
+
+    The visit order is the one the engine schedules stage 3 by: forward 0..n-1, backward
+    n-1..0, so every bucket is gathered once for the forward and once for the backward.
+    Layer 0 stays unsharded from the embedding lookup until the tied head has used ``wte``
+    (the embedding bucket is held through the forward: the only bucket that is).
+    Gradients handed back are those of this rank's mean loss times ``engine.loss_scale``;
+    layer 0's ``wte`` (the lookup's plus the head's) goes last, once. Returns the loss.
+    """
+    n = model.num_layers
+    caches = [None] * n
+    engine.begin_forward()
+    with engine.unsharded(0) as embed:
+        h, caches[0] = model.forward_layer(0, embed, idx)
+        for i in range(1, n):
+            with engine.unsharded(i) as p:
+                h, caches[i] = model.forward_layer(i, p, h)
+        loss, dh, dwte_head = model.head(embed[WTE], h, targets, engine.loss_scale)
+    engine.begin_backward()
+    for i in reversed(range(1, n)):
+        with engine.unsharded(i) as p:
+            dh, grads = model.backward_layer(i, p, caches[i], dh)
+        caches[i] = None
+        engine.grads_ready(i, grads)
+    # The lookup's backward reads no parameter; the visit keeps the schedule the engine prefetches by.
+    with engine.unsharded(0):
+        _, grads = model.backward_layer(0, None, caches[0], dh)
+    grads[WTE] += dwte_head
+    engine.grads_ready(0, grads)
+    return loss
+
+
+def evaluate(engine, model: GPT, idx, targets) -> float:
+    """Sum of the token cross-entropies (nats) of rows idx -> targets; forward only, no gradients."""
+    engine.begin_forward()
+    with engine.unsharded(0) as embed:
+        h, _ = model.forward_layer(0, embed, idx)
+        for i in range(1, model.num_layers):
+            with engine.unsharded(i) as p:
+                h, _ = model.forward_layer(i, p, h)
+        return float(model.token_losses(embed[WTE], h, targets).astype(np.float64).sum())
+
+
+# ---- one training step's data, and the held-out loss ------------------------------------
+def train_losses(engine, model: GPT, data, step: int, batch: int, micro_batches: int) -> List[float]:
+    """This rank's micro-batch losses of training step ``step``.
+
+    ``batch`` sequences per step over all ranks; the rank builds only its own rows of the
+    global batch (data.train_rows), which are the same rows at any world size.
+    """
+    from ..data import rank_rows
+    rows = data.train_rows(step, rank_rows(batch, engine.rank, engine.world_size))
+    per = rows.shape[0] // micro_batches
+    xp = model.xp
+    out = []
+    for m in range(micro_batches):
+        r = xp.asarray(rows[m * per:(m + 1) * per])
+        out.append(run_micro_batch(engine, model, r[:, :-1], r[:, 1:]))
+    return out
+
+
+def validation_loss(engine, model: GPT, data, chunk: int = 32) -> float:
+    """Mean token loss (nats) over the whole held-out set; a collective (every rank calls it).
+
+    Each rank evaluates its share of the rows; every rank makes the same number of forward
+    passes (stage 3 gathers in each), an empty one where its share ran out.
+    """
+    from ..data import rank_rows
+    size = engine.world_size
+    mine = rank_rows(data.val_size, engine.rank, size)
+    passes = -(-len(rank_rows(data.val_size, 0, size)) // chunk)    # rank 0 has the most rows
+    xp = model.xp
+    total = 0.0
+    for k in range(passes):
+        lo = min(mine.start + k * chunk, mine.stop)
+        r = xp.asarray(data.val_rows(range(lo, min(lo + chunk, mine.stop))))
+        total += evaluate(engine, model, r[:, :-1], r[:, 1:])
+    return float(engine.comm.sum_scalars([total])[0]) / (data.val_size * data.seq_len)
