@@ -17,7 +17,7 @@ import pytest
 
 from tests.mpirun import ROOT, run_mpi, run_train
 
-SMALL = ["--width", "24", "--depth", "3", "--batch", "12", "--bucket-mb", "0.002", "--log-every", "100"]
+SMALL = ["--model", "mlp", "--width", "24", "--depth", "3", "--batch", "12", "--bucket-mb", "0.002", "--log-every", "100"]
 ROWS = ("master", "exp_avg", "exp_avg_sq")
 
 # Loads a checkpoint at this world size and stage, then writes (rank 0) every optimizer array

@@ -1,9 +1,9 @@
 """Communicator: the collectives ZeRO needs, over an mpi4py communicator.
 
-reduce-scatter is Alltoall of the bucket's slices followed by a local fp32 sum in rank
-order: MPI has no fp16 sum, the fixed order makes results deterministic and identical in
-every stage, and on the MPICH wheel it measured as fast as ``Reduce_scatter_block``
-(README, "MPI"). all-gather is ``Allgather`` in place. all-reduce is reduce-scatter then
+reduce-scatter is an Alltoallv of the bucket's slices (none to this rank itself) followed
+by a local fp32 sum in rank order: MPI has no fp16 sum, the fixed order makes results
+deterministic and identical in every stage, and on the MPICH wheel it measured as fast as
+``Reduce_scatter_block`` (docs/bench.md). all-gather is ``Allgather`` in place. all-reduce is reduce-scatter then
 all-gather, so its bits equal a reduce-scatter's. Every operation is counted: calls, bytes
 sent by this rank, and seconds.
 """
@@ -14,7 +14,12 @@ from typing import Callable, Dict, Optional
 import numpy as np
 from mpi4py import MPI
 
+from .watchdog import WaitRecord
+
 F32 = np.float32
+# N=2 reduce-scatter: from this slice size (bytes) up, a strided view over the own slice and
+# the received one beats copying the own slice next to it (the view costs ~10 µs of Python).
+VIEW_MIN_BYTES = 256 << 10
 
 
 class OpStats:
@@ -36,12 +41,23 @@ def _bytes_view(arr) -> np.ndarray:
     return arr.reshape(-1).view(np.uint8)
 
 
+def _two_rows(first, second) -> np.ndarray:
+    """A (2, k) view with ``first`` as row 0 and ``second`` as row 1: two separate 1-D arrays
+    of one dtype, the row stride being the distance between them (only the two rows are
+    ever addressed). The caller keeps both alive.
+    """
+    step = second.ctypes.data - first.ctypes.data
+    return np.lib.stride_tricks.as_strided(first, shape=(2, first.size), strides=(step, first.itemsize))
+
+
 class Handle:
     """An in-flight collective. Keeps its buffers alive until wait(); wait() is idempotent."""
 
-    def __init__(self, comm: "Communicator", op: str, request, buffers: tuple, finish: Optional[Callable]):
+    def __init__(self, comm: "Communicator", op: str, request, buffers: tuple, finish: Optional[Callable],
+                 tag=None):
         self._comm = comm
         self.op = op                 # "reduce_scatter" or "all_gather"
+        self.tag = tag               # the caller's label, e.g. (bucket, step): named by the watchdog
         self._request = request      # the MPI request
         self._buffers = buffers      # kept alive while MPI may touch them
         self._finish = finish        # local work once the data has arrived
@@ -57,7 +73,8 @@ class Handle:
         if self.done:
             return
         t = time.perf_counter()
-        self._request.Wait()
+        with self._comm.waiting(self.op, self.tag):   # timed by the collective watchdog
+            self._request.Wait()
         if self._finish is not None:
             self._finish()
         self._comm.stats[self.op].seconds += time.perf_counter() - t
@@ -81,6 +98,7 @@ class Communicator:
         self._pool: Dict[tuple, list] = defaultdict(list)  # reusable receive buffers
         self.scratch_bytes = 0            # bytes of receive buffers currently allocated
         self.peak_scratch_bytes = 0
+        self.waiting = WaitRecord()       # the collective this rank is blocked in (watchdog.py)
 
     # ---- scratch buffers -------------------------------------------------
     def _scratch(self, shape, dtype) -> np.ndarray:
@@ -103,8 +121,14 @@ class Communicator:
         self._pool.clear()
         self.scratch_bytes = 0
 
+    def _blocks(self, block_bytes: int):
+        """(counts, displacements) in bytes of one block per rank, with no block for this rank."""
+        counts = [block_bytes] * self.size
+        counts[self.rank] = 0
+        return counts, [r * block_bytes for r in range(self.size)]
+
     # ---- reduce-scatter --------------------------------------------------
-    def ireduce_scatter(self, send, out, scale: float = 1.0, accumulate: bool = False) -> Handle:
+    def ireduce_scatter(self, send, out, scale: float = 1.0, accumulate: bool = False, tag=None) -> Handle:
         """Start: ``out = [out +] scale * sum_r send_r[my slice]``, summed in fp32 in rank order.
 
         ``send``: flat array of ``size * k`` elements (this rank's contribution to every slice).
@@ -118,20 +142,31 @@ class Communicator:
         st.calls += 1
         st.bytes += (n - 1) * k * send.itemsize
         t = time.perf_counter()
-        req = self.mpi.Ialltoall([_bytes_view(send), MPI.BYTE], [_bytes_view(recv), MPI.BYTE])
+        # Every peer's block at once (Ialltoallv), none to itself. Measured (docs/bench.md):
+        # as fast as Ialltoall at N=2 and about 2x faster with more ranks than cores, where
+        # Ialltoall's pairwise rounds each wait on the scheduler.
+        counts, displs = self._blocks(k * send.itemsize)
+        req = self.mpi.Ialltoallv([_bytes_view(send), (counts, displs), MPI.BYTE],
+                                  [_bytes_view(recv), (counts, displs), MPI.BYTE])
+        mine = send.reshape(-1)[self.rank * k:(self.rank + 1) * k]
+        if n == 2 and mine.nbytes >= VIEW_MIN_BYTES:   # the sum reads the own slice where it lies
+            rows = _two_rows(mine, recv[1]) if self.rank == 0 else _two_rows(recv[0], mine)
+        else:          # the sum wants equally spaced rows: the own slice joins the received ones
+            recv[self.rank] = mine
+            rows = recv
         st.seconds += time.perf_counter() - t
 
         def finish():
-            sum_rows(recv, out, scale, accumulate)
+            sum_rows(rows, out, scale, accumulate)
 
-        return Handle(self, "reduce_scatter", req, (recv, send, out), finish)
+        return Handle(self, "reduce_scatter", req, (recv, send, out), finish, tag)
 
     def reduce_scatter(self, send, out, scale: float = 1.0, accumulate: bool = False) -> None:
         """Blocking form of :meth:`ireduce_scatter`."""
         self.ireduce_scatter(send, out, scale, accumulate).wait()
 
     # ---- all-gather --------------------------------------------------------
-    def iall_gather(self, buf) -> Handle:
+    def iall_gather(self, buf, tag=None) -> Handle:
         """Start: every rank's slice r of ``buf`` is copied into slice r of ``buf`` on all ranks, in place."""
         n = self.size
         st = self.stats["all_gather"]
@@ -140,11 +175,11 @@ class Communicator:
         t = time.perf_counter()
         req = self.mpi.Iallgather(MPI.IN_PLACE, [_bytes_view(buf), MPI.BYTE])
         st.seconds += time.perf_counter() - t
-        return Handle(self, "all_gather", req, (), None)
+        return Handle(self, "all_gather", req, (), None, tag)
 
-    def all_gather(self, buf) -> None:
+    def all_gather(self, buf, tag=None) -> None:
         """Blocking form of :meth:`iall_gather`."""
-        self.iall_gather(buf).wait()
+        self.iall_gather(buf, tag).wait()
 
     # ---- all-reduce --------------------------------------------------------
     def all_reduce(self, buf, scale: float = 1.0) -> None:
@@ -159,7 +194,8 @@ class Communicator:
         local = np.ascontiguousarray(values, dtype=np.float64).reshape(-1)
         table = np.empty((self.size, local.size), np.float64)
         t = time.perf_counter()
-        self.mpi.Allgather(local, table)
+        with self.waiting("sum_scalars"):
+            self.mpi.Allgather(local, table)
         st = self.stats["sum_scalars"]
         st.calls += 1
         st.bytes += (self.size - 1) * local.nbytes
@@ -177,7 +213,7 @@ class Communicator:
         return sum(s.bytes for s in self.stats.values())
 
 
-def sum_rows(rows, out, scale: float, accumulate: bool) -> None:
+def sum_rows_reference(rows, out, scale: float, accumulate: bool) -> None:
     """``out = cast([out +] scale * (rows[0] + rows[1] + ...))`` with fp32 accumulation in row order.
 
     The reference for the reduce-scatter's local sum; it is elementwise, so the result of
@@ -192,3 +228,8 @@ def sum_rows(rows, out, scale: float, accumulate: bool) -> None:
         if accumulate:
             np.add(acc, out, out=acc)
         out[...] = acc
+
+
+# What the reduce-scatter calls: optim.use_impl rebinds it to the fused C kernel
+# (bit-identical); the NumPy function above stays as the test oracle.
+sum_rows = sum_rows_reference

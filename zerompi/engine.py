@@ -2,17 +2,24 @@
 
 The model drives it layer by layer::
 
+    engine.begin_forward()                       # optional hint: the visit order that follows
     for layer in range(L):                       # forward
-        with engine.unsharded(layer) as p: ...   # stage 3 gathers here, frees on exit
+        with engine.unsharded(layer) as p: ...   # stage 3 gathers here (and prefetches the next buckets)
+    engine.begin_backward()
     for layer in reversed(range(L)):             # backward
         with engine.unsharded(layer) as p: ...
         engine.grads_ready(layer, grads)         # starts the bucket's reduce-scatter
-    result = engine.step()
+    result = engine.step()                       # stages 1/2: starts the parameter all-gathers
+
+Communication runs behind compute: collectives are non-blocking, tested (moved on) at every
+unshard, reshard and grads_ready, and waited for only when their data is read
+(docs/overlap.md). ``engine.timers`` says where the time went.
 
 Gradients handed back are those of this rank's micro-batch loss, times ``loss_scale``;
 the engine averages them over ranks and micro-batches.
 """
 import math
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
@@ -24,10 +31,15 @@ from mpi4py import MPI
 from . import optim
 from .comm import Communicator, Handle
 from .config import ZeroConfig
+from .consistency import check_consistent
 from .errors import ConfigError, UsageError
+from .faults import GradientGuard, fault_from_env
 from .layout import FlatLayout
 from .loss_scale import DynamicLossScaler
 from .memory import MemoryLedger, theory_bytes, theory_comm_bytes
+from .schedule import Phase, infer_phase, prefetch_window, visits_after
+from .timers import StepTimers
+from .watchdog import Watchdog
 
 F32 = np.float32
 LayersArg = Union[Mapping[str, Mapping[str, np.ndarray]], Sequence[Tuple[str, Mapping[str, np.ndarray]]]]
@@ -62,30 +74,40 @@ class ZeroEngine:
         self.comm = comm if isinstance(comm, Communicator) else Communicator(comm)
         self.xp = xp
         self.rank, self.world_size = self.comm.rank, self.comm.size
+        self.optimizer_impl = optim.use_impl(self.config.optimizer_impl, xp, verbose=self.rank == 0)  # "fused"/"numpy"
         self.dtype = np.float16 if self.config.dtype == "fp16" else np.float32
         pairs = list(layers.items()) if isinstance(layers, Mapping) else list(layers)
         spec = [(lname, [(pname, np.shape(a)) for pname, a in params.items()]) for lname, params in pairs]
         self.layout = FlatLayout(spec, self.world_size, max(1, self.config.bucket_bytes // np.dtype(self.dtype).itemsize),
                                  self.config.align)
+        self._start_guards()
         self.ledger = MemoryLedger(xp)
         self.scaler = DynamicLossScaler(self.config.init_loss_scale, self.config.loss_scale_window,
                                         self.config.min_loss_scale, enabled=self.config.dtype == "fp16")
         self.step_count = 0             # optimizer updates applied
         self.steps_taken = 0            # step() calls, skipped ones included
         self.closed = False
+        self.timers = StepTimers()                      # phase and communication seconds (timers.py)
+        self._phase = Phase.IDLE                        # where the step is: drives prefetch and timers
+        self._last_layer: Optional[int] = None          # layer of the latest unshard (direction inference)
+        self._in_flight: Dict[Handle, None] = {}        # started collectives not yet seen complete
+        self._progress_thread = None
+        if self.config.progress == "thread":
+            from .progress import ProgressThread
+            self._progress_thread = ProgressThread(self.comm.mpi)
         self._allocate()
         self._load_initial(pairs)
         nb = len(self.layout.buckets)
         self._state = [BucketState.UNSHARDED if self.config.stage < 3 else BucketState.SHARDED] * nb
         self._gathered: Dict[int, np.ndarray] = {}     # stage 3: bucket -> whole bucket buffer
-        self._gather_handles: Dict[int, Handle] = {}   # stage 3: bucket -> in-flight all-gather
+        self._gather_handles: Dict[int, Handle] = {}   # bucket -> in-flight all-gather (stage 3, or 1/2 publish)
         self._holds = [0] * self.layout.num_layers     # unshard() calls not yet matched by reshard()
         self._staging: Dict[int, np.ndarray] = {}      # stage 2/3: bucket -> local gradient bucket
         self._reduce_handles: Dict[int, Handle] = {}   # bucket -> in-flight reduce-scatter
         self._ready = [False] * self.layout.num_layers # layers whose grads arrived this micro-batch
         self._bucket_pending = [len(b.layers) for b in self.layout.buckets]
         self._micro = 0                                 # micro-batches completed since the last step
-        self.peak_gathered_buckets = 0
+        self.peak_gathered_buckets = 0                  # stage 3: most gathered buckets alive at once
 
     # ---- set-up ------------------------------------------------------------
     def _allocate(self) -> None:
@@ -161,14 +183,18 @@ class ZeroEngine:
         """
         self._check_open()
         self._check_layer(layer)
+        self._enter(infer_phase(self._phase, self._last_layer, layer))
+        self._last_layer = layer
         b = self.layout.layer_bucket[layer]
         if self.config.stage == 3:
-            self._free_idle_buckets(keep=b)
-            if self._state[b] is BucketState.SHARDED:
-                self._start_gather(b)
-            if self._state[b] is BucketState.GATHERING:
-                self._gather_handles.pop(b).wait()
-                self._state[b] = BucketState.UNSHARDED
+            window = self._window(layer)
+            self._free_gathered(keep=window)
+            for w in window:                 # this layer's bucket first, then the prefetches
+                if self._state[w] is BucketState.SHARDED:
+                    self._start_gather(w)
+        self._progress()
+        if self._state[b] is BucketState.GATHERING:
+            self._finish_gather(b)
         self._holds[layer] += 1
         return self._views(self._bucket_params(b), b, layer)
 
@@ -178,6 +204,7 @@ class ZeroEngine:
         if self._holds[layer] == 0:
             raise UsageError(f"reshard({layer}) without a matching unshard({layer})")
         self._holds[layer] -= 1
+        self._progress()
 
     @contextmanager
     def unsharded(self, layer: int):
@@ -196,25 +223,138 @@ class ZeroEngine:
         if self.config.stage == 3 and (self._holds[layer] == 0 or self._state[b] is not BucketState.UNSHARDED):
             raise UsageError(f"stage 3: layer {layer} ({self.layout.layer_names[layer]!r}) is sharded; "
                              "read its parameters inside engine.unsharded(layer)")
+        if self._state[b] is BucketState.GATHERING:      # stages 1/2: the step's all-gather of this bucket
+            self._finish_gather(b)
         return self._views(self._bucket_params(b), b, layer)
 
-    def _start_gather(self, b: int) -> None:
-        bucket = self.layout.buckets[b]
-        buf = self.ledger.alloc("buffers", bucket.numel, self.dtype, zero=False)
-        lo, hi = bucket.slice_bounds(self.rank)
-        buf[lo:hi] = self.params_flat[bucket.shard_slice]
-        self._gathered[b] = buf
-        self._gather_handles[b] = self.comm.iall_gather(buf)
-        self._state[b] = BucketState.GATHERING
-        self.peak_gathered_buckets = max(self.peak_gathered_buckets, len(self._gathered))
+    # ---- the visit order: hints, direction, prefetch ------------------------------
+    def begin_forward(self) -> None:
+        """Hint: a forward pass over layers 0, 1, ... starts now (then the backward, in reverse).
 
-    def _free_idle_buckets(self, keep: int = -1) -> None:
-        """Stage 3: drop gathered buckets that no held layer reads (kept while in use)."""
+        Optional: without it the direction is inferred from the unshard order. Stage 3 starts
+        gathering the first buckets here (step() already did, for the first micro-batch).
+        Every rank must make the same calls.
+        """
+        self._check_open()
+        self._enter(Phase.FORWARD)
+        self._last_layer = None
+        if self.config.stage == 3 and self.config.overlap:
+            self._prefetch_forward()
+        self._progress()
+
+    def begin_backward(self) -> None:
+        """Hint: the backward pass (layers L-1, ..., 0) starts now."""
+        self._check_open()
+        self._enter(Phase.BACKWARD)
+        self._progress()
+
+    def _enter(self, phase: Phase) -> None:
+        self._phase = phase
+        self.timers.enter(phase)
+
+    def _window(self, layer: int) -> List[int]:
+        """Stage 3: the buckets to hold gathered while ``layer`` computes (at most 1 + prefetch)."""
+        lb = self.layout.layer_bucket
+        if not self.config.overlap or self.config.prefetch == 0:
+            return [lb[layer]]
+        more = self._micro + 1 < self.config.micro_batches
+        upcoming = visits_after(layer, self._phase, self.layout.num_layers, more)
+        return prefetch_window(layer, upcoming, lb, self.config.prefetch)
+
+    def _prefetch_forward(self) -> None:
+        """Stage 3: start gathering what the next forward's first layer will hold (1 + prefetch buckets)."""
+        if self.config.prefetch == 0:
+            return
+        first = prefetch_window(None, iter(range(self.layout.num_layers)), self.layout.layer_bucket,
+                                1 + self.config.prefetch)
+        self._free_gathered(keep=first)
+        for b in first:
+            if self._state[b] is BucketState.SHARDED:
+                self._start_gather(b)
+
+    # ---- collectives in flight -----------------------------------------------------
+    def _launch(self, start) -> Handle:
+        """Start a collective (``start()`` returns its Handle), counted as in flight until seen complete."""
+        self.timers.comm_started()
+        with self.timers.exposed():
+            handle = start()
+        self._in_flight[handle] = None
+        if self._progress_thread is not None:
+            self._progress_thread.busy(True)
+        return handle
+
+    def _seen_complete(self, handle: Handle) -> None:
+        del self._in_flight[handle]
+        self.timers.comm_completed()
+        if self._progress_thread is not None and not self._in_flight:
+            self._progress_thread.busy(False)
+
+    def _await(self, handle: Handle) -> None:
+        """Block until the handle's data has arrived (exposed time), then run its local part."""
+        if handle in self._in_flight:
+            with self.timers.exposed(), self.comm.waiting(handle.op, handle.tag):   # the watchdog times this
+                while not handle.test():     # test, not wait: the local sum below is compute, not waiting
+                    pass
+            self._seen_complete(handle)
+        handle.wait()
+
+    def _progress(self) -> None:
+        """Test every in-flight collective once -- this is what moves them on between layers --
+        and retire those that have arrived (a reduction's staging bucket is freed at once)."""
+        if not self._in_flight:
+            return
+        with self.timers.exposed():
+            arrived = [h for h in self._in_flight if h.test()]
+        for h in arrived:
+            self._seen_complete(h)
+        for b, h in list(self._reduce_handles.items()):
+            if h not in self._in_flight:
+                self._finish_reduce(b)
+        for b, h in list(self._gather_handles.items()):
+            if h not in self._in_flight:
+                self._finish_gather(b)
+
+    def synchronize(self) -> None:
+        """Complete every in-flight collective (gradient reductions, parameter all-gathers).
+
+        Call it before touching the engine's buffers other than through unshard, params and
+        step: full_parameters, close and checkpoints do. Every rank must call it.
+        """
+        for b in list(self._reduce_handles):
+            self._finish_reduce(b)
+        for b in list(self._gather_handles):
+            self._finish_gather(b)
+
+    def _start_gather(self, b: int) -> None:
+        """All-gather bucket b in place: stage 3 into a fresh bucket buffer, stages 1/2 in params_flat."""
+        bucket = self.layout.buckets[b]
+        if self.config.stage == 3:
+            buf = self.ledger.alloc("buffers", bucket.numel, self.dtype, zero=False)
+            lo, hi = bucket.slice_bounds(self.rank)
+            buf[lo:hi] = self.params_flat[bucket.shard_slice]
+            self._gathered[b] = buf
+            self.peak_gathered_buckets = max(self.peak_gathered_buckets, len(self._gathered))
+        else:
+            buf = self.params_flat[bucket.start:bucket.stop]
+        self._state[b] = BucketState.GATHERING
+        self._gather_handles[b] = self._launch(lambda: self.comm.iall_gather(buf, (b, self.steps_taken + 1)))
+        if not self.config.overlap:
+            self._finish_gather(b)
+
+    def _finish_gather(self, b: int) -> None:
+        self._await(self._gather_handles.pop(b))
+        self._state[b] = BucketState.UNSHARDED
+
+    def _free_gathered(self, keep=()) -> None:
+        """Stage 3: drop gathered buckets outside ``keep`` that no held layer reads.
+
+        A gather still in flight is completed first (MPI writes its buffer until then).
+        """
         for b in list(self._gathered):
-            if b == keep or self._state[b] is BucketState.GATHERING:
+            if b in keep or any(self._holds[i] for i in self.layout.buckets[b].layers):
                 continue
-            if any(self._holds[i] for i in self.layout.buckets[b].layers):
-                continue
+            if self._state[b] is BucketState.GATHERING:
+                self._finish_gather(b)
             self.ledger.free("buffers", self._gathered.pop(b))
             self._state[b] = BucketState.SHARDED
 
@@ -245,7 +385,10 @@ class ZeroEngine:
                 raise UsageError(f"gradient {n!r} has dtype {g.dtype}; a floating dtype is required")
         if self._micro == self.config.micro_batches:
             raise UsageError(f"all {self.config.micro_batches} micro-batches already handed back; call step() first")
+        if self._phase is not Phase.BACKWARD:     # gradients arriving: the backward has begun
+            self._enter(Phase.BACKWARD)
         b = lay.layer_bucket[layer]
+        grads = self._guard.on_grads(self.steps_taken + 1, b, grads)   # notes non-finite values; ZEROMPI_FAULT
         if b in self._reduce_handles:      # the previous micro-batch still reads this bucket
             self._finish_reduce(b)
         staging = self._local_bucket(b)
@@ -257,10 +400,12 @@ class ZeroEngine:
         self._bucket_pending[b] -= 1
         if self._bucket_pending[b] == 0:
             self._start_reduce(b)
+        self._progress()
         if all(self._ready):
             self._micro += 1
             self._ready = [False] * lay.num_layers
             self._bucket_pending = [len(bk.layers) for bk in lay.buckets]
+            self._enter(Phase.IDLE)
 
     def _local_bucket(self, b: int) -> np.ndarray:
         """Where this rank's unreduced gradients of bucket b are written."""
@@ -281,10 +426,14 @@ class ZeroEngine:
         else:
             out = self._grad_slice(b)
         scale = 1.0 / (self.world_size * self.config.micro_batches)
-        self._reduce_handles[b] = self.comm.ireduce_scatter(self._local_bucket(b), out, scale, accumulate=not first)
+        send = self._local_bucket(b)
+        tag = (b, self.steps_taken + 1)            # what a watchdog message names
+        self._reduce_handles[b] = self._launch(lambda: self.comm.ireduce_scatter(send, out, scale, not first, tag))
+        if not self.config.overlap:
+            self._finish_reduce(b)
 
     def _finish_reduce(self, b: int) -> None:
-        self._reduce_handles.pop(b).wait()
+        self._await(self._reduce_handles.pop(b))
         if b in self._staging:
             self.ledger.free("buffers", self._staging.pop(b))
 
@@ -303,10 +452,10 @@ class ZeroEngine:
             raise UsageError(f"step() after {self._micro} of {self.config.micro_batches} micro-batches "
                              f"({done} of {self.layout.num_layers} layers handed back in the current one); "
                              "hand back every layer's gradients for every micro-batch first")
-        for b in list(self._reduce_handles):
-            self._finish_reduce(b)
+        self._enter(Phase.OPTIMIZER)
+        self.synchronize()
         if self.config.stage == 3:
-            self._free_idle_buckets()
+            self._free_gathered()
         lay = self.layout
         if self.grad_accum is not None:
             for bucket in lay.buckets:
@@ -316,37 +465,53 @@ class ZeroEngine:
             s, bad = optim.grad_stats(self._grad_slice(bucket.index))
             sumsq += s
             nonfinite |= bad
-        total = self.comm.sum_scalars([sumsq, float(nonfinite)])
+        with self.timers.blocking():
+            total = self.comm.sum_scalars([sumsq, float(nonfinite)])
         scale = self.scaler.scale
         overflow = bool(total[1] > 0) or not math.isfinite(total[0])
         self.steps_taken += 1
         self._micro = 0
-        if overflow:
+        if overflow:   # fp32, or too many fp16 skips in a row: NonFiniteError on every rank, nothing updated
+            self._guard.on_skip(self.steps_taken, self.comm, [self._grad_slice(b.index) for b in lay.buckets], scale)
             self.scaler.update(True)
+            self._end_step()
             return StepResult(self.step_count, True, float("nan"), 1.0, scale)
         norm = math.sqrt(total[0]) / scale
         clip = self.config.clip
         coef = clip / (norm + 1e-6) if clip > 0 and norm > clip else 1.0
         self.step_count += 1
         if self.config.stage == 0:
-            self._all_gather_grads()
+            with self.timers.blocking():
+                self._all_gather_grads()
         c = self.config
         s = optim.adamw_scalars(c.lr if lr is None else lr, c.beta1, c.beta2, c.eps, c.weight_decay, self.step_count, coef / scale)
         if self.config.stage == 0:
             optim.adamw_update(self.master, self.exp_avg, self.exp_avg_sq, self.grads_flat, self.params_flat, s)
+            self._publish_params(all_gather=False)
         else:
             for bucket in lay.buckets:
-                sl = bucket.shard_slice
+                sl, b = bucket.shard_slice, bucket.index
                 optim.adamw_update(self.master[sl], self.exp_avg[sl], self.exp_avg_sq[sl],
-                                   self._grad_slice(bucket.index), self._param_slice(bucket.index), s)
-        self._publish_params(all_gather=self.config.stage in (1, 2))
+                                   self._grad_slice(b), self._param_slice(b), s)
+                self._param_slice(b)[...] = self.master[sl]    # the stored copy the model reads
+                if self.config.stage in (1, 2):
+                    self._start_gather(b)     # publish: runs behind the next buckets' update and the next forward
+                self._progress()
         self.scaler.update(False)
+        self._end_step()
         return StepResult(self.step_count, False, norm, coef, scale)
+
+    def _end_step(self) -> None:
+        """Stage 3 starts gathering the next forward's first buckets; the step's timer closes."""
+        if self.config.stage == 3 and self.config.overlap:
+            self._prefetch_forward()
+        self._last_layer = None
+        self._enter(Phase.IDLE)
 
     def _all_gather_grads(self) -> None:
         """Stage 0: complete the all-reduce, so every rank holds the whole reduced gradient."""
         for bucket in self.layout.buckets:
-            self.comm.all_gather(self.grads_flat[bucket.start:bucket.stop])
+            self.comm.all_gather(self.grads_flat[bucket.start:bucket.stop], (bucket.index, self.steps_taken))
 
     def _publish_params(self, all_gather: bool) -> None:
         """Write the stored-dtype parameters from the master; stages 1/2 then all-gather them."""
@@ -359,6 +524,36 @@ class ZeroEngine:
         if all_gather and st in (1, 2):
             for bucket in self.layout.buckets:
                 self.comm.all_gather(self.params_flat[bucket.start:bucket.stop])
+
+    # ---- checkpoints (zerompi/checkpoint.py, docs/checkpoint.md) ---------------
+    def save(self, path: str, extra_state: Optional[dict] = None) -> str:
+        """Write a sharded checkpoint under directory ``path`` (a collective, between steps).
+
+        Every rank writes its fp32 master, exp_avg and exp_avg_sq slices; rank 0 the manifest.
+        Returns the new checkpoint directory; ``path``/latest names it once it is complete.
+        """
+        self._check_between_steps("save")
+        from . import checkpoint
+        return checkpoint.save(self, path, extra_state)
+
+    def load(self, path: str):
+        """Restore from a checkpoint saved at any world size, stage or bucket size (a collective).
+
+        ``path``: a checkpoint directory or a save directory (its ``latest``). Returns a
+        checkpoint.LoadInfo; raises checkpoint.CheckpointError on every rank on bad input.
+        """
+        self._check_between_steps("load")
+        from . import checkpoint
+        return checkpoint.load(self, path)
+
+    def _check_between_steps(self, what: str) -> None:
+        self._check_open()
+        if self._micro or any(self._ready) or any(self._holds):
+            raise UsageError(f"{what}() in the middle of a step (micro-batches handed back or layers "
+                             "unsharded); call it after step()")
+        self.synchronize()
+        if self.config.stage == 3:      # a gathered bucket would go stale when the master changes
+            self._free_gathered()
 
     # ---- results and reports ---------------------------------------------------
     @property
@@ -374,6 +569,7 @@ class ZeroEngine:
 
     def gather_master(self) -> np.ndarray:
         """The whole padded fp32 master in world layout on every rank (a collective)."""
+        self.synchronize()
         lay = self.layout
         if self.config.stage == 0:
             return _to_numpy(self.master).copy()
@@ -409,16 +605,31 @@ class ZeroEngine:
         return theory_comm_bytes(self.config.stage, self.layout.numel, self.world_size, isz, self.config.micro_batches)
 
     def close(self) -> None:
-        """Free every buffer. The engine cannot be used afterwards."""
-        for b in list(self._reduce_handles):
-            self._finish_reduce(b)
-        for h in self._gather_handles.values():
-            h.wait()
+        """Free every buffer. The engine cannot be used afterwards (a collective: every rank calls it)."""
+        self.synchronize()
         self._gathered.clear()
-        self._gather_handles.clear()
+        if self._progress_thread is not None:
+            self._progress_thread.close()
+            self._progress_thread = None
         self.comm.free_scratch()
         self.params_flat = self.grads_flat = self.master = self.exp_avg = self.exp_avg_sq = None
+        self._watchdog.close()
         self.closed = True
+
+    # ---- failures (docs/failures.md) --------------------------------------------
+    def _start_guards(self) -> None:
+        """Before the first collective that depends on the config: start the collective
+        watchdog, then check that every rank has the same ZeroConfig and layout."""
+        self._guard = GradientGuard(self.rank, self.dtype, self.config.max_skipped_steps, fault_from_env())
+        me = weakref.ref(self)      # the thread must not keep a forgotten engine alive
+        self._watchdog = Watchdog(self.comm.waiting, self.config.timeout_s, self.rank, self.comm.mpi,
+                                  step=lambda: me().steps_taken + 1)
+        weakref.finalize(self, self._watchdog.close)
+        try:
+            check_consistent(self.comm, "engine", {"zero": self.config.to_dict(), "layout": self.layout.describe()})
+        except BaseException:
+            self._watchdog.close()
+            raise
 
     # ---- checks -----------------------------------------------------------------
     def _check_open(self) -> None:

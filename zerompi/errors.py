@@ -12,6 +12,22 @@ class UsageError(RuntimeError):
     """The engine was driven in a wrong order (step before all gradients, closed engine...)."""
 
 
+class JobError(Exception):
+    """Raised on every rank at the same point, from values the ranks agreed on (an all-reduce),
+    so no rank is left waiting in a collective: the CLI prints it once and every rank exits."""
+
+
+class MismatchError(JobError, ConfigError):
+    """The ranks were started with different configurations or models (exit status 2)."""
+
+
+class NonFiniteError(JobError, RuntimeError):
+    """Non-finite gradients that the step cannot skip (fp32, or too many consecutive fp16 skips)."""
+
+
+EXIT_TIMEOUT = 3   # exit status of a job a collective watchdog aborted (docs/failures.md)
+
+
 def check(cond: bool, message: str) -> None:
     """Raise ConfigError(message) unless cond holds."""
     if not cond:
@@ -32,9 +48,9 @@ def install_abort_hook(comm=None) -> None:
 
     def hook(kind, value, tb):
         rank = comm.Get_rank()
-        if issubclass(kind, ConfigError):
+        if issubclass(kind, (ConfigError, JobError)):
             sys.stderr.write(f"zerompi: error: {value}\n")
-            code = 2
+            code = 2 if issubclass(kind, ConfigError) else 1
         elif issubclass(kind, KeyboardInterrupt):
             previous(kind, value, tb)
             code = 130
@@ -44,8 +60,24 @@ def install_abort_hook(comm=None) -> None:
             code = 1
         sys.stderr.flush()
         sys.stdout.flush()
-        if comm.Get_size() > 1:
-            comm.Abort(code)
-        os._exit(code)
+        abort_job(comm, code)
 
     sys.excepthook = hook
+
+
+def abort_job(comm, code: int) -> None:
+    """End every rank of ``comm``'s job now with exit status ``code``; never returns.
+
+    MPI Abort when it is safe from this thread (the main thread, or MPI_THREAD_MULTIPLE);
+    otherwise this process exits at once, and mpiexec ends the others when it sees that.
+    """
+    import threading
+
+    from mpi4py import MPI
+
+    sys.stderr.flush()
+    sys.stdout.flush()
+    safe = threading.current_thread() is threading.main_thread() or MPI.Query_thread() == MPI.THREAD_MULTIPLE
+    if comm.Get_size() > 1 and safe:
+        comm.Abort(code)
+    os._exit(code)

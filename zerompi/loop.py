@@ -26,12 +26,14 @@ def run_micro_batch(engine, model, x, y) -> float:
     caches = []
     h = x
     n = engine.layout.num_layers
+    engine.begin_forward()       # the visit order, said explicitly: stage 3 prefetches by it
     for i in range(n):
         with engine.unsharded(i) as p:
             h, cache = model.forward_layer(i, p, h)
         caches.append(cache)
     loss, dy = model.loss(h, y)
     dy = dy * np.float32(engine.loss_scale)
+    engine.begin_backward()
     for i in reversed(range(n)):
         with engine.unsharded(i) as p:
             dy, grads = model.backward_layer(i, p, caches[i], dy)

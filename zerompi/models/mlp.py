@@ -3,19 +3,20 @@ trained with MSE to the outputs of a fixed random teacher of the same shape."""
 import numpy as np
 
 F32 = np.float32
-_C = np.sqrt(2.0 / np.pi)
+_C = F32(np.sqrt(2.0 / np.pi))   # a float32 scalar keeps float32 arrays float32 (NEP 50)
 
 
 def gelu(x):
     """tanh-approximate GELU, elementwise, in the dtype of x."""
-    return 0.5 * x * (1.0 + np.tanh(_C * (x + 0.044715 * x ** 3)))
+    # x * x * x, not x ** 3: the power ufunc is hundreds of times slower on float32.
+    return F32(0.5) * x * (F32(1.0) + np.tanh(_C * (x + F32(0.044715) * (x * x * x))))
 
 
 def gelu_grad(x):
     """d gelu / dx at x."""
-    u = _C * (x + 0.044715 * x ** 3)
+    u = _C * (x + F32(0.044715) * (x * x * x))
     t = np.tanh(u)
-    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _C * (1.0 + 3 * 0.044715 * x * x)
+    return F32(0.5) * (F32(1.0) + t) + F32(0.5) * x * (F32(1.0) - t * t) * _C * (F32(1.0) + F32(3 * 0.044715) * x * x)
 
 
 def init_mlp(width: int, depth: int, seed: int):
