@@ -103,6 +103,7 @@ class ZeroEngine:
         self._gather_handles: Dict[int, Handle] = {}   # bucket -> in-flight all-gather (stage 3, or 1/2 publish)
         self._holds = [0] * self.layout.num_layers     # unshard() calls not yet matched by reshard()
         self._staging: Dict[int, np.ndarray] = {}      # stage 2/3: bucket -> local gradient bucket
+        self._spare: Dict[int, List[np.ndarray]] = {}  # released bucket buffers by length, for reuse
         self._reduce_handles: Dict[int, Handle] = {}   # bucket -> in-flight reduce-scatter
         self._ready = [False] * self.layout.num_layers # layers whose grads arrived this micro-batch
         self._bucket_pending = [len(b.layers) for b in self.layout.buckets]
@@ -329,7 +330,7 @@ class ZeroEngine:
         """All-gather bucket b in place: stage 3 into a fresh bucket buffer, stages 1/2 in params_flat."""
         bucket = self.layout.buckets[b]
         if self.config.stage == 3:
-            buf = self.ledger.alloc("buffers", bucket.numel, self.dtype, zero=False)
+            buf = self._take_buffer(bucket.numel)
             lo, hi = bucket.slice_bounds(self.rank)
             buf[lo:hi] = self.params_flat[bucket.shard_slice]
             self._gathered[b] = buf
@@ -345,6 +346,24 @@ class ZeroEngine:
         self._await(self._gather_handles.pop(b))
         self._state[b] = BucketState.UNSHARDED
 
+    def _take_buffer(self, numel: int) -> np.ndarray:
+        """A transient bucket buffer (stage-3 gather, gradient staging): a released one if any.
+
+        A fresh bucket-sized array is paged in (zeroed by the kernel) on first touch, every
+        gather and every micro-batch; a reused one is not (docs/overlap.md, "Reused bucket buffers").
+        """
+        spare = self._spare.get(numel)
+        if spare:
+            return spare.pop()
+        return self.ledger.alloc("buffers", numel, self.dtype, zero=False)
+
+    def _release_buffer(self, buf: np.ndarray) -> None:
+        """Keep up to 2 + prefetch released buffers for reuse (still counted in the ledger); free the rest."""
+        if sum(map(len, self._spare.values())) < 2 + self.config.prefetch:
+            self._spare.setdefault(buf.size, []).append(buf)
+        else:
+            self.ledger.free("buffers", buf)
+
     def _free_gathered(self, keep=()) -> None:
         """Stage 3: drop gathered buckets outside ``keep`` that no held layer reads.
 
@@ -355,7 +374,7 @@ class ZeroEngine:
                 continue
             if self._state[b] is BucketState.GATHERING:
                 self._finish_gather(b)
-            self.ledger.free("buffers", self._gathered.pop(b))
+            self._release_buffer(self._gathered.pop(b))
             self._state[b] = BucketState.SHARDED
 
     # ---- gradients ----------------------------------------------------------
@@ -413,7 +432,7 @@ class ZeroEngine:
         if self.config.stage < 2:
             return self.grads_flat[bucket.start:bucket.stop]
         if b not in self._staging:
-            buf = self.ledger.alloc("buffers", bucket.numel, self.dtype, zero=False)
+            buf = self._take_buffer(bucket.numel)
             buf[bucket.used:] = 0          # padding joins the sum: it must be zero
             self._staging[b] = buf
         return self._staging[b]
@@ -435,7 +454,7 @@ class ZeroEngine:
     def _finish_reduce(self, b: int) -> None:
         self._await(self._reduce_handles.pop(b))
         if b in self._staging:
-            self.ledger.free("buffers", self._staging.pop(b))
+            self._release_buffer(self._staging.pop(b))
 
     # ---- the optimizer step -------------------------------------------------
     def step(self, lr: Optional[float] = None) -> StepResult:
@@ -608,6 +627,7 @@ class ZeroEngine:
         """Free every buffer. The engine cannot be used afterwards (a collective: every rank calls it)."""
         self.synchronize()
         self._gathered.clear()
+        self._spare.clear()
         if self._progress_thread is not None:
             self._progress_thread.close()
             self._progress_thread = None
