@@ -42,6 +42,7 @@ from .timers import StepTimers
 from .watchdog import Watchdog
 
 F32 = np.float32
+MAX_PENDING_REDUCES = 2   # gradient reduce-scatters in flight at once (per rank)
 LayersArg = Union[Mapping[str, Mapping[str, np.ndarray]], Sequence[Tuple[str, Mapping[str, np.ndarray]]]]
 
 
@@ -447,6 +448,10 @@ class ZeroEngine:
         scale = 1.0 / (self.world_size * self.config.micro_batches)
         send = self._local_bucket(b)
         tag = (b, self.steps_taken + 1)            # what a watchdog message names
+        # Bound the reductions in flight: each pins a staging bucket and a receive buffer, and
+        # without a cap a slow network would let stages 2/3 hold the whole local gradient.
+        while len(self._reduce_handles) >= MAX_PENDING_REDUCES:
+            self._finish_reduce(next(iter(self._reduce_handles)))
         self._reduce_handles[b] = self._launch(lambda: self.comm.ireduce_scatter(send, out, scale, not first, tag))
         if not self.config.overlap:
             self._finish_reduce(b)
