@@ -33,7 +33,7 @@ import numpy as np
 
 from .bench_cases import Case, Spinner, copy_seconds, make_case, measure_overlap, overlap_pct, time_medians
 from .config import OPTIMIZER_IMPLS
-from .errors import ConfigError, check, install_abort_hook
+from .errors import ConfigError, agree_on_errors, check, install_abort_hook
 
 OPS = ("reduce_scatter", "all_gather", "all_reduce")
 DTYPES = {"fp16": np.float16, "fp32": np.float32}
@@ -316,14 +316,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         cfg = replace(cfg, local_sum=optim.use_impl(cfg.sum_impl, verbose=world.Get_rank() == 0))
     except ConfigError as e:
         error = str(e)
-    # Every rank validated the same flags; one small collective makes them stop together.
-    errors = world.allgather(error)
-    if any(errors):
-        if world.Get_rank() == 0:
-            rank, msg = next((r, m) for r, m in enumerate(errors) if m)
-            where = "" if all(m == msg for m in errors) else f" (rank {rank})"
-            sys.stderr.write(f"zerompi.bench: error{where}: {msg}\n")
-            sys.stderr.flush()
+    if agree_on_errors(world, error, "zerompi.bench"):
         return 2
     comm = Communicator(world)
     print0(comm, f"# zerompi.bench: {comm.size} ranks, {mpi_library()}, device {cfg.device}, dtype {cfg.dtype}, "

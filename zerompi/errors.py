@@ -1,6 +1,7 @@
 """Errors a user can act on, and the rule that one failing rank ends the whole job."""
 import os
 import sys
+import time
 import traceback
 
 
@@ -77,7 +78,29 @@ def abort_job(comm, code: int) -> None:
 
     sys.stderr.flush()
     sys.stdout.flush()
+    if comm.Get_size() > 1:
+        # mpiexec forwards this rank's output through a pipe; an abort tears the job down at
+        # once and was seen to drop the traceback just written. Give the forwarder a moment.
+        time.sleep(0.3)
     safe = threading.current_thread() is threading.main_thread() or MPI.Query_thread() == MPI.THREAD_MULTIPLE
     if comm.Get_size() > 1 and safe:
         comm.Abort(code)
     os._exit(code)
+
+
+def agree_on_errors(comm, error, prog: str) -> bool:
+    """After every rank validated its input: True when any rank found an error.
+
+    One small collective (an allgather of each rank's message or None), so that ranks
+    given different flags stop together instead of leaving others in a collective.
+    Rank 0 prints the first message as one line, naming the rank when they differ.
+    """
+    errors = comm.allgather(error)
+    if not any(errors):
+        return False
+    if comm.Get_rank() == 0:
+        rank, msg = next((r, m) for r, m in enumerate(errors) if m)
+        where = "" if all(m == msg for m in errors) else f" (rank {rank})"
+        sys.stderr.write(f"{prog}: error{where}: {msg}\n")
+        sys.stderr.flush()
+    return True

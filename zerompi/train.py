@@ -11,7 +11,7 @@ from typing import List, Optional
 import numpy as np
 
 from .config import DTYPES, STAGES, ZeroConfig
-from .errors import ConfigError, JobError, check, install_abort_hook
+from .errors import ConfigError, JobError, agree_on_errors, check, install_abort_hook
 from .faults import fault_from_env
 from .watchdog import StopSignal
 
@@ -392,14 +392,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         fault_from_env()                  # a bad ZEROMPI_FAULT stops every rank here
     except ConfigError as e:
         error = str(e)
-    # One small collective so that ranks given different flags stop together, not hang.
-    errors = comm.allgather(error)
-    if any(errors):
-        if comm.Get_rank() == 0:
-            rank, msg = next((r, m) for r, m in enumerate(errors) if m)
-            where = "" if all(m == msg for m in errors) else f" (rank {rank})"
-            sys.stderr.write(f"zerompi.train: error{where}: {msg}\n")
-            sys.stderr.flush()
+    if agree_on_errors(comm, error, "zerompi.train"):
         return 2
     from .checkpoint import CheckpointError
     try:
