@@ -317,7 +317,7 @@ def test_file_checks(tmp_path):
 def test_config_validation():
     from zerompi.train import parse_config
     cfg = parse_config([])
-    assert (cfg.model, cfg.steps, cfg.batch) == ("gpt", 300, 32)
+    assert (cfg.model, cfg.steps, cfg.batch) == ("gpt", 300, 48)
     assert parse_config(["--model", "mlp"]).steps == 30
     for flags, needle in ((["--d-model", "30", "--n-head", "4"], "d_model=30 is not divisible by n_head=4"),
                           (["--n-layer", "0"], "n_layer=0"), (["--seq-len", "0"], "seq_len=0"),

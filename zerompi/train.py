@@ -17,7 +17,7 @@ from .watchdog import StopSignal
 
 MODELS = ("gpt", "mlp")
 # Per-model defaults of the fields left as None: the GPT needs more steps than the MLP's 30 to learn.
-MODEL_DEFAULTS = {"gpt": {"steps": 300, "batch": 32, "log_every": 10},
+MODEL_DEFAULTS = {"gpt": {"steps": 300, "batch": 48, "log_every": 10},
                   "mlp": {"steps": 30, "batch": 64, "log_every": 1}}
 
 
@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=int, default=TrainConfig.eval_every, metavar="K",
                    help="GPT: held-out loss every K steps (0 = never)")
     p.add_argument("--batch", type=int, default=TrainConfig.batch,
-                   help="global batch: MLP rows, GPT sequences (default: gpt 32, mlp 64)")
+                   help="global batch: MLP rows, GPT sequences (default: gpt 48, mlp 64)")
     p.add_argument("--log-every", type=int, default=TrainConfig.log_every)
     p.add_argument("--metrics-json", default=None, metavar="PATH")
     p.add_argument("--prefetch", type=int, default=ZeroConfig.prefetch,
