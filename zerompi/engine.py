@@ -511,13 +511,11 @@ class ZeroEngine:
         s = optim.adamw_scalars(c.lr if lr is None else lr, c.beta1, c.beta2, c.eps, c.weight_decay, self.step_count, coef / scale)
         if self.config.stage == 0:
             optim.adamw_update(self.master, self.exp_avg, self.exp_avg_sq, self.grads_flat, self.params_flat, s)
-            self._publish_params(all_gather=False)
         else:
             for bucket in lay.buckets:
                 sl, b = bucket.shard_slice, bucket.index
                 optim.adamw_update(self.master[sl], self.exp_avg[sl], self.exp_avg_sq[sl],
-                                   self._grad_slice(b), self._param_slice(b), s)
-                self._param_slice(b)[...] = self.master[sl]    # the stored copy the model reads
+                                   self._grad_slice(b), self._param_slice(b), s)   # also writes the stored copy
                 if self.config.stage in (1, 2):
                     self._start_gather(b)     # publish: runs behind the next buckets' update and the next forward
                 self._progress()
