@@ -17,7 +17,7 @@
 
 #include "adamw_math.h"
 
-#define ZMP_ABI_VERSION 1
+#define ZMP_ABI_VERSION 2
 #define ZMP_BLOCK 512       /* elements per block: the float32 scratch stays in L1 */
 #define ZMP_LANES 32        /* independent float64 partial sums of the pre-pass */
 
@@ -209,56 +209,127 @@ int zmp_grad_stats_f32(const float *restrict grad, int64_t n, double *sumsq)
 
 /* ---- the reduce-scatter's local sum ------------------------------------------------ */
 
-/* out = cast([out +] scale * (row_0 + row_1 + ...)), float32 accumulation in row order,
+/* out = cast([out +] scale * (rows[0] + rows[1] + ...)), float32 accumulation in row order,
  * the multiply only when do_scale (as the reference does it only when scale != 1).
- * rows: nrows rows of k elements, row r at rows + r * row_stride. */
-static void finish_block(float *restrict acc, int64_t len, float scale, int do_scale)
+ * rows: nrows pointers to k elements each, anywhere in memory (the reduce-scatter passes
+ * its own slice where it lies, beside the received ones). out may be one of the rows (an
+ * in-place all-reduce): every element is read from all rows before it is written.
+ * With F16C (and so AVX) the rows are summed in registers, 16 elements at a time; the
+ * portable form sums a block of ZMP_BLOCK elements row by row in a float32 scratch. */
+#if defined(ZMP_USE_F16C)
+static inline __m256 load8_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline void store8_f16(uint16_t *p, __m256 x)
 {
-    if (do_scale)
-        for (int64_t i = 0; i < len; i++)
-            acc[i] = acc[i] * scale;
+    _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
 }
+#endif
 
-void zmp_sum_rows_f16(const uint16_t *rows, int64_t nrows, int64_t k, int64_t row_stride,
-                      uint16_t *out, float scale, int do_scale, int accumulate)
+void zmp_sum_rows_f16(const uint16_t *const *rows, int64_t nrows, int64_t k, uint16_t *out,
+                      float scale, int do_scale, int accumulate)
 {
-    float acc[ZMP_BLOCK], t[ZMP_BLOCK];
-    for (int64_t lo = 0; lo < k; lo += ZMP_BLOCK) {
-        const int64_t len = k - lo < ZMP_BLOCK ? k - lo : ZMP_BLOCK;
-        halves_to_floats(acc, rows + lo, len);
+    int64_t i = 0;
+#if defined(ZMP_USE_F16C)
+    const __m256 s = _mm256_set1_ps(scale);
+    for (; i + 16 <= k; i += 16) {
+        __m256 a = load8_f16(rows[0] + i), b = load8_f16(rows[0] + i + 8);
         for (int64_t r = 1; r < nrows; r++) {
-            halves_to_floats(t, rows + r * row_stride + lo, len);
-            for (int64_t i = 0; i < len; i++)
-                acc[i] = acc[i] + t[i];
+            a = _mm256_add_ps(a, load8_f16(rows[r] + i));
+            b = _mm256_add_ps(b, load8_f16(rows[r] + i + 8));
         }
-        finish_block(acc, len, scale, do_scale);
+        if (do_scale) {
+            a = _mm256_mul_ps(a, s);
+            b = _mm256_mul_ps(b, s);
+        }
         if (accumulate) {
-            halves_to_floats(t, out + lo, len);
-            for (int64_t i = 0; i < len; i++)
-                acc[i] = acc[i] + t[i];
+            a = _mm256_add_ps(a, load8_f16(out + i));
+            b = _mm256_add_ps(b, load8_f16(out + i + 8));
         }
-        floats_to_halves(out + lo, acc, len);
+        store8_f16(out + i, a);
+        store8_f16(out + i + 8, b);
     }
+    for (; i < k; i++) {
+        float acc = half_to_float(rows[0][i]);
+        for (int64_t r = 1; r < nrows; r++)
+            acc = acc + half_to_float(rows[r][i]);
+        if (do_scale)
+            acc = acc * scale;
+        if (accumulate)
+            acc = acc + half_to_float(out[i]);
+        out[i] = float_to_half(acc);
+    }
+#else
+    float acc[ZMP_BLOCK], t[ZMP_BLOCK];
+    for (; i < k; i += ZMP_BLOCK) {
+        const int64_t len = k - i < ZMP_BLOCK ? k - i : ZMP_BLOCK;
+        halves_to_floats(acc, rows[0] + i, len);
+        for (int64_t r = 1; r < nrows; r++) {
+            halves_to_floats(t, rows[r] + i, len);
+            for (int64_t j = 0; j < len; j++)
+                acc[j] = acc[j] + t[j];
+        }
+        if (do_scale)
+            for (int64_t j = 0; j < len; j++)
+                acc[j] = acc[j] * scale;
+        if (accumulate) {
+            halves_to_floats(t, out + i, len);
+            for (int64_t j = 0; j < len; j++)
+                acc[j] = acc[j] + t[j];
+        }
+        floats_to_halves(out + i, acc, len);
+    }
+#endif
 }
 
-void zmp_sum_rows_f32(const float *rows, int64_t nrows, int64_t k, int64_t row_stride,
-                      float *out, float scale, int do_scale, int accumulate)
+void zmp_sum_rows_f32(const float *const *rows, int64_t nrows, int64_t k, float *out,
+                      float scale, int do_scale, int accumulate)
 {
-    float acc[ZMP_BLOCK];
-    for (int64_t lo = 0; lo < k; lo += ZMP_BLOCK) {
-        const int64_t len = k - lo < ZMP_BLOCK ? k - lo : ZMP_BLOCK;
-        memcpy(acc, rows + lo, (size_t)len * sizeof(float));
+    int64_t i = 0;
+#if defined(ZMP_USE_F16C)
+    const __m256 s = _mm256_set1_ps(scale);
+    for (; i + 16 <= k; i += 16) {
+        __m256 a = _mm256_loadu_ps(rows[0] + i), b = _mm256_loadu_ps(rows[0] + i + 8);
         for (int64_t r = 1; r < nrows; r++) {
-            const float *row = rows + r * row_stride + lo;
-            for (int64_t i = 0; i < len; i++)
-                acc[i] = acc[i] + row[i];
+            a = _mm256_add_ps(a, _mm256_loadu_ps(rows[r] + i));
+            b = _mm256_add_ps(b, _mm256_loadu_ps(rows[r] + i + 8));
         }
-        finish_block(acc, len, scale, do_scale);
-        if (accumulate)
-            for (int64_t i = 0; i < len; i++)
-                acc[i] = acc[i] + out[lo + i];
-        memcpy(out + lo, acc, (size_t)len * sizeof(float));
+        if (do_scale) {
+            a = _mm256_mul_ps(a, s);
+            b = _mm256_mul_ps(b, s);
+        }
+        if (accumulate) {
+            a = _mm256_add_ps(a, _mm256_loadu_ps(out + i));
+            b = _mm256_add_ps(b, _mm256_loadu_ps(out + i + 8));
+        }
+        _mm256_storeu_ps(out + i, a);
+        _mm256_storeu_ps(out + i + 8, b);
     }
+    for (; i < k; i++) {
+        float acc = rows[0][i];
+        for (int64_t r = 1; r < nrows; r++)
+            acc = acc + rows[r][i];
+        if (do_scale)
+            acc = acc * scale;
+        if (accumulate)
+            acc = acc + out[i];
+        out[i] = acc;
+    }
+#else
+    float acc[ZMP_BLOCK];
+    for (; i < k; i += ZMP_BLOCK) {
+        const int64_t len = k - i < ZMP_BLOCK ? k - i : ZMP_BLOCK;
+        memcpy(acc, rows[0] + i, (size_t)len * sizeof(float));
+        for (int64_t r = 1; r < nrows; r++)
+            for (int64_t j = 0; j < len; j++)
+                acc[j] = acc[j] + rows[r][i + j];
+        if (do_scale)
+            for (int64_t j = 0; j < len; j++)
+                acc[j] = acc[j] * scale;
+        if (accumulate)
+            for (int64_t j = 0; j < len; j++)
+                acc[j] = acc[j] + out[i + j];
+        memcpy(out + i, acc, (size_t)len * sizeof(float));
+    }
+#endif
 }
 
 /* ---- for tests and the banner ------------------------------------------------------ */

@@ -11,11 +11,9 @@ import sys
 import numpy as np
 import pytest
 
-from zerompi.comm import VIEW_MIN_BYTES
-
 DTYPES = {"fp16": np.float16, "fp32": np.float32}
-LENGTHS = (1, 37, 4099, 300_001)  # parameter elements in the bucket, before padding; the last one
-                                  # gives N=2 slices above comm.VIEW_MIN_BYTES (the strided-view path)
+LENGTHS = (1, 37, 4099, 300_001)  # parameter elements in the bucket, before padding: slices shorter
+                                  # than the C sum's 16-element step, with tails, and long ones
 ALIGN = 4
 
 
@@ -128,10 +126,15 @@ def run_cases() -> None:
                    int(np.count_nonzero(a.view(np.uint8) != exact_all.view(np.uint8))))
 
     st = comm.snapshot()
+    # Receive scratch: N-1 slices per pooled buffer (none for the own slice), at most two
+    # buffers of each (length, dtype) held at once (the two reduce-scatters in flight above).
+    scratch = sum(2 * (n - 1) * FlatLayout([("l", [("p", (length,))])], n, bucket_numel=length,
+                                            align=ALIGN).buckets[0].slice_numel * np.dtype(d).itemsize
+                  for d in DTYPES.values() for length in LENGTHS)
     if me == 0:
         for r in results:
             print(json.dumps(r))
-        print(json.dumps({"stats": st, "ranks": n}))
+        print(json.dumps({"stats": st, "ranks": n, "scratch": comm.scratch_bytes, "scratch_expected": scratch}))
     comm.free_scratch()
 
 
@@ -142,15 +145,16 @@ def test_collectives_match_float64_oracle(n):
     proc = run_mpi(n, [__file__], timeout=90)
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     cases = [r for r in lines if "case" in r]
-    stats = next(r["stats"] for r in lines if "stats" in r)
-    # 2 dtypes x 3 lengths x (2 RS + 2 iRS + 2 AG + 1 AR)
+    footer = next(r for r in lines if "stats" in r)
+    stats = footer["stats"]
+    # 2 dtypes x len(LENGTHS) lengths x (2 RS + 2 iRS + 2 AG + 1 AR)
     assert len(cases) == 2 * len(LENGTHS) * 7, proc.stdout
     bad = [r for r in cases if r["wrong"] or r["bits_differ"] or r["pad_nonzero"]]
     assert not bad, bad
     # per-rank accounting: 4 RS calls per (dtype, length), plus one inside each all-reduce
-    assert LENGTHS[-1] // 2 * np.dtype(np.float16).itemsize >= VIEW_MIN_BYTES
     assert stats["reduce_scatter"]["calls"] == 2 * len(LENGTHS) * 5
     assert stats["all_gather"]["calls"] == 2 * len(LENGTHS) * 3
+    assert footer["scratch"] == footer["scratch_expected"]
 
 
 def test_tolerance_check_catches_a_wrong_sum():

@@ -67,14 +67,15 @@ def test_buffers_are_rows_of_their_own():
     r = zerompi.estimate(params=4096, ranks=4, bucket_mb=mb, layers=4, prefetch=1, micro_batches=2)
     assert r["buckets"] == 2 and r["padded_params"] == 4096
     b = [s["buffers"] for s in r["stages"]]
-    # every bucket reducing at once: scratch (and stage 2/3 staging) = the whole 2-byte gradient
-    assert b[0] == {"grad_buckets": 0, "gathered_params": 0, "grad_accumulator": 2048, "comm_scratch": 8192}
-    assert b[2] == {"grad_buckets": 8192, "gathered_params": 0, "grad_accumulator": 0, "comm_scratch": 8192}
-    assert b[3] == {"grad_buckets": 8192, "gathered_params": 8192, "grad_accumulator": 0, "comm_scratch": 8192}
-    assert r["stages"][3]["buffer_bytes"] == 3 * 8192
+    # every bucket reducing at once: stage 2/3 staging = the whole 2-byte gradient, and the
+    # receive scratch = the 3 peers' quarters of it
+    assert b[0] == {"grad_buckets": 0, "gathered_params": 0, "grad_accumulator": 2048, "comm_scratch": 6144}
+    assert b[2] == {"grad_buckets": 8192, "gathered_params": 0, "grad_accumulator": 0, "comm_scratch": 6144}
+    assert b[3] == {"grad_buckets": 8192, "gathered_params": 8192, "grad_accumulator": 0, "comm_scratch": 6144}
+    assert r["stages"][3]["buffer_bytes"] == 2 * 8192 + 6144
     one = zerompi.estimate(params=4096, ranks=4, bucket_mb=mb, layers=4, prefetch=0, in_flight=1)
     assert one["stages"][3]["buffers"] == {"grad_buckets": 4096, "gathered_params": 4096,
-                                           "grad_accumulator": 0, "comm_scratch": 4096}
+                                           "grad_accumulator": 0, "comm_scratch": 3072}
 
 
 def test_communication_volumes_and_alpha_beta_time():

@@ -241,9 +241,12 @@ def test_grad_stats_flags_fp16_overflow_of_a_cast(lib):
 @needs_cc
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 @pytest.mark.parametrize("nrows", [1, 2, 3, 5])
-@pytest.mark.parametrize("k", [1, 7, 513, 10007])
+@pytest.mark.parametrize("k", [1, 7, 17, 513, 10007])
 @pytest.mark.parametrize("scale,accumulate", [(1.0, False), (1 / 3, False), (0.25, True), (1 / 6, True)])
-def test_sum_rows_bit_identical_to_reference(lib, dtype, nrows, k, scale, accumulate):
+def test_sum_rows_bit_identical_to_reference(any_lib, dtype, nrows, k, scale, accumulate):
+    """Every build (native: summed in SIMD registers; no-f16c and soft: the portable
+    block loop) against the reference, tails of every length mod 16 included."""
+    lib = any_lib
     rng = np.random.default_rng(nrows * 100003 + k)
     rows = np.clip(rng.standard_normal((nrows, k)) * 3e4, -65504, 65504).astype(dtype)  # fp16: some sums overflow
     start = (rng.standard_normal(k) * 10).astype(dtype)
@@ -263,19 +266,46 @@ def test_sum_rows_bit_identical_to_reference(lib, dtype, nrows, k, scale, accumu
 
 
 @needs_cc
-def test_sum_rows_strided_rows_and_fallback(lib):
+def test_sum_rows_rows_anywhere_and_fallback(any_lib):
     rng = np.random.default_rng(5)
     big = rng.standard_normal((3, 40)).astype(np.float16)
     rows = big[:, 3:30]                                  # row stride 40, start 3: the C path
     ref, fused = np.zeros(27, np.float16), np.zeros(27, np.float16)
     sum_rows_reference(rows, ref, 0.5, False)
-    fused_cpu.sum_rows_fused_cpu(rows, fused, 0.5, False, lib=lib)
+    fused_cpu.sum_rows_fused_cpu(rows, fused, 0.5, False, lib=any_lib)
     assert np.array_equal(bits(ref), bits(fused))
     cols = big[:, ::2]                                    # element stride 2: the reference path
     ref, fused = np.zeros(20, np.float16), np.zeros(20, np.float16)
     sum_rows_reference(cols, ref, 1.0, False)
-    fused_cpu.sum_rows_fused_cpu(cols, fused, 1.0, False, lib=lib)
+    fused_cpu.sum_rows_fused_cpu(cols, fused, 1.0, False, lib=any_lib)
     assert np.array_equal(bits(ref), bits(fused))
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("own", [0, 1, 3])
+def test_sum_rows_separate_rows_and_out_in_place(any_lib, dtype, own):
+    """How the reduce-scatter calls it: rows in separate buffers (the own slice inside the
+    send buffer, the peers' in the receive buffer), addresses given, and for an in-place
+    all-reduce ``out`` is the own row itself."""
+    import ctypes
+    rng = np.random.default_rng(own)
+    k = 1037
+    send = (rng.standard_normal(4 * k) * 100).astype(dtype)
+    recv = (rng.standard_normal((3, k)) * 100).astype(dtype)
+    rows = list(recv[:own]) + [send[own * k:(own + 1) * k]] + list(recv[own:])
+    start = rows[own].copy()
+    want = start.copy()
+    sum_rows_reference([r.copy() for r in rows], want, 0.25, True)
+    addrs = (ctypes.c_void_p * 4)(*[r.ctypes.data for r in rows])
+    out = rows[own]                                     # in place: the own slice is also the output
+    fused_cpu.sum_rows_fused_cpu(rows, out, 0.25, True, addrs=addrs, lib=any_lib)
+    assert np.array_equal(bits(send[own * k:(own + 1) * k]), bits(want))
+    # and without addresses: the wrapper finds them
+    again = start.copy()
+    fused_cpu.sum_rows_fused_cpu([r.copy() for r in rows[:own]] + [start.copy()] + [r.copy() for r in rows[own + 1:]],
+                                 again, 0.25, True, lib=any_lib)
+    assert np.array_equal(bits(again), bits(want))
 
 
 # ---- binary16 conversions, every path ------------------------------------------------------------

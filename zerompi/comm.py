@@ -7,6 +7,7 @@ deterministic and identical in every stage, and on the MPICH wheel it measured a
 all-gather, so its bits equal a reduce-scatter's. Every operation is counted: calls, bytes
 sent by this rank, and seconds.
 """
+import ctypes
 import time
 from collections import defaultdict
 from typing import Callable, Dict, Optional
@@ -17,9 +18,36 @@ from mpi4py import MPI
 from .watchdog import WaitRecord
 
 F32 = np.float32
-# N=2 reduce-scatter: from this slice size (bytes) up, a strided view over the own slice and
-# the received one beats copying the own slice next to it (the view costs ~10 µs of Python).
-VIEW_MIN_BYTES = 256 << 10
+
+
+class RecvRows:
+    """A reduce-scatter's receive buffer: the N-1 peers' slices (none for this rank), and
+    the N rows the local sum reads in rank order, the own slice's slot filled per call.
+
+    ``addrs`` holds the rows' addresses for the C sum (a ctypes array), so that a call
+    costs one address lookup, not one per row. Pooled by the Communicator and owned by one
+    in-flight reduce-scatter at a time.
+    """
+
+    __slots__ = ("array", "wire", "rows", "addrs", "rank", "nbytes")
+
+    def __init__(self, size: int, rank: int, k: int, dtype):
+        self.array = np.empty((size - 1, k), dtype)     # peer r < rank in row r, r > rank in row r - 1
+        self.wire = _bytes_view(self.array)              # what MPI receives into
+        self.rank = rank
+        self.nbytes = self.array.nbytes
+        peers = list(self.array)
+        self.rows = peers[:rank] + [None] + peers[rank:]
+        self.addrs = (ctypes.c_void_p * size)(*[0 if r is None else r.ctypes.data for r in self.rows])
+
+    def with_own(self, mine, address: int) -> "RecvRows":
+        """Put the own slice (``mine``, at ``address``) in its slot; returns self."""
+        self.rows[self.rank] = mine
+        self.addrs[self.rank] = address
+        return self
+
+    def drop_own(self) -> None:
+        self.rows[self.rank] = None     # do not keep the caller's buffer alive from the pool
 
 
 class OpStats:
@@ -39,15 +67,6 @@ class OpStats:
 def _bytes_view(arr) -> np.ndarray:
     """The array's memory as a flat uint8 view (MPI moves bits; the dtype does not matter)."""
     return arr.reshape(-1).view(np.uint8)
-
-
-def _two_rows(first, second) -> np.ndarray:
-    """A (2, k) view with ``first`` as row 0 and ``second`` as row 1: two separate 1-D arrays
-    of one dtype, the row stride being the distance between them (only the two rows are
-    ever addressed). The caller keeps both alive.
-    """
-    step = second.ctypes.data - first.ctypes.data
-    return np.lib.stride_tricks.as_strided(first, shape=(2, first.size), strides=(step, first.itemsize))
 
 
 class Handle:
@@ -102,20 +121,21 @@ class Communicator:
         self._block_cache: Dict[int, tuple] = {}   # block bytes -> Alltoallv (counts, displacements)
 
     # ---- scratch buffers -------------------------------------------------
-    def _scratch(self, shape, dtype) -> np.ndarray:
-        key = (tuple(shape), np.dtype(dtype).str)
+    def _recv_rows(self, k: int, dtype) -> RecvRows:
+        key = (k, np.dtype(dtype).str)
         if self._pool[key]:
             return self._pool[key].pop()
-        buf = np.empty(shape, dtype)
-        self.scratch_bytes += buf.nbytes
+        recv = RecvRows(self.size, self.rank, k, dtype)
+        self.scratch_bytes += recv.nbytes
         self.peak_scratch_bytes = max(self.peak_scratch_bytes, self.scratch_bytes)
-        return buf
+        return recv
 
     def _release(self, buffers) -> None:
-        # By convention the first buffer of a reduce-scatter handle is its pooled receive buffer.
+        # By convention the first buffer of a reduce-scatter handle is its pooled RecvRows.
         if buffers:
             recv = buffers[0]
-            self._pool[(tuple(recv.shape), recv.dtype.str)].append(recv)
+            recv.drop_own()
+            self._pool[(recv.array.shape[1], recv.array.dtype.str)].append(recv)
 
     def free_scratch(self) -> None:
         """Drop pooled receive buffers (the engine calls this when it is closed)."""
@@ -123,49 +143,53 @@ class Communicator:
         self.scratch_bytes = 0
 
     def _blocks(self, block_bytes: int):
-        """(counts, displacements) in bytes of one block per rank, with no block for this rank.
+        """Alltoallv's (send counts, send displacements, receive counts, receive
+        displacements) in bytes: one block to and from every peer, none to this rank, the
+        received blocks packed in rank order without a gap for this rank.
 
         Cached per block size: a bucket's shape repeats every step, and at 1 MiB each
         microsecond of Python is about 1% of a reduce-scatter (docs/bench.md).
         """
         blocks = self._block_cache.get(block_bytes)
         if blocks is None:
-            counts = [block_bytes] * self.size
-            counts[self.rank] = 0
-            blocks = self._block_cache[block_bytes] = (counts, [r * block_bytes for r in range(self.size)])
+            n, me = self.size, self.rank
+            counts = [0 if r == me else block_bytes for r in range(n)]
+            send_displs = [r * block_bytes for r in range(n)]
+            recv_displs = [(r - (r > me)) * block_bytes for r in range(n)]
+            blocks = self._block_cache[block_bytes] = (counts, send_displs, counts, recv_displs)
         return blocks
 
     # ---- reduce-scatter --------------------------------------------------
     def ireduce_scatter(self, send, out, scale: float = 1.0, accumulate: bool = False, tag=None) -> Handle:
         """Start: ``out = [out +] scale * sum_r send_r[my slice]``, summed in fp32 in rank order.
 
-        ``send``: flat array of ``size * k`` elements (this rank's contribution to every slice).
-        ``out``: ``k`` elements, same dtype; written only in ``wait()``.
+        ``send``: flat array of ``size * k`` elements (this rank's contribution to every slice),
+        not to be written until ``wait()`` (the sum reads the own slice where it lies).
+        ``out``: ``k`` elements, same dtype; written only in ``wait()``; may be the own slice
+        of ``send`` (an in-place all-reduce).
         """
-        n = self.size
+        n, me = self.size, self.rank
         k = send.size // n
         assert send.size == n * k and out.size == k, (send.size, out.size, n)
-        recv = self._scratch((n, k), send.dtype)
+        recv = self._recv_rows(k, send.dtype)
         st = self.stats["reduce_scatter"]
         st.calls += 1
-        st.bytes += (n - 1) * k * send.itemsize
+        block = k * send.itemsize
+        st.bytes += (n - 1) * block
         t = time.perf_counter()
         # Every peer's block at once (Ialltoallv), none to itself. Measured (docs/bench.md):
         # as fast as Ialltoall at N=2 and about 2x faster with more ranks than cores, where
         # Ialltoall's pairwise rounds each wait on the scheduler.
-        counts, displs = self._blocks(k * send.itemsize)
-        req = self.mpi.Ialltoallv([_bytes_view(send), (counts, displs), MPI.BYTE],
-                                  [_bytes_view(recv), (counts, displs), MPI.BYTE])
-        mine = send.reshape(-1)[self.rank * k:(self.rank + 1) * k]
-        if n == 2 and mine.nbytes >= VIEW_MIN_BYTES:   # the sum reads the own slice where it lies
-            rows = _two_rows(mine, recv[1]) if self.rank == 0 else _two_rows(recv[0], mine)
-        else:          # the sum wants equally spaced rows: the own slice joins the received ones
-            recv[self.rank] = mine
-            rows = recv
+        sc, sd, rc, rd = self._blocks(block)
+        flat = send.reshape(-1)
+        wire = MPI.buffer(flat)        # its address costs 0.2 µs; ndarray.ctypes.data costs 1.2 µs
+        req = self.mpi.Ialltoallv([wire, (sc, sd), MPI.BYTE], [recv.wire, (rc, rd), MPI.BYTE])
+        # The sum reads the own slice where it lies: no copy at any N.
+        rows = recv.with_own(flat[me * k:(me + 1) * k], wire.address + me * block)
         st.seconds += time.perf_counter() - t
 
         def finish():
-            sum_rows(rows, out, scale, accumulate)
+            sum_rows(rows.rows, out, scale, accumulate, rows.addrs)
 
         return Handle(self, "reduce_scatter", req, (recv, send, out), finish, tag)
 
@@ -221,15 +245,17 @@ class Communicator:
         return sum(s.bytes for s in self.stats.values())
 
 
-def sum_rows_reference(rows, out, scale: float, accumulate: bool) -> None:
+def sum_rows_reference(rows, out, scale: float, accumulate: bool, addrs=None) -> None:
     """``out = cast([out +] scale * (rows[0] + rows[1] + ...))`` with fp32 accumulation in row order.
 
-    The reference for the reduce-scatter's local sum; it is elementwise, so the result of
-    an element does not depend on where the slice starts or how long it is.
+    ``rows``: a sequence of 1-D arrays of ``out``'s length (or a 2-D array), anywhere in
+    memory; ``out`` may be one of them. ``addrs`` (the rows' addresses, for the C sum) is
+    ignored here. The reference for the reduce-scatter's local sum; it is elementwise, so
+    the result of an element does not depend on where the slice starts or how long it is.
     """
     with np.errstate(over="ignore", invalid="ignore"):   # overflow is detected by the step
         acc = rows[0].astype(F32)
-        for r in range(1, rows.shape[0]):
+        for r in range(1, len(rows)):
             np.add(acc, rows[r], out=acc)
         if scale != 1.0:
             np.multiply(acc, F32(scale), out=acc)

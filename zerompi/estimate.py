@@ -181,8 +181,8 @@ def _stage_row(stage: int, plan: BucketPlan, itemsize: int, micro_batches: int, 
         "gathered_params": isz * plan.largest(1 + prefetch) if stage == 3 else 0,
         # stages 0/1 rewrite the local gradient every micro-batch: the reduced sum needs a home
         "grad_accumulator": isz * plan.shard_numel if stage < 2 and m > 1 else 0,
-        # Alltoall receive buffers (N slices of a bucket each), pooled per bucket size
-        "comm_scratch": isz * plan.per_size(in_flight),
+        # reduce-scatter receive buffers (the N-1 peers' slices of a bucket), pooled per bucket size
+        "comm_scratch": isz * plan.per_size(in_flight) * (n - 1) // n,
     }
     comm = theory_comm_bytes(stage, plan.numel, n, isz, m)
     buckets = plan.num_buckets

@@ -29,7 +29,7 @@ from .kernel_sources import kernels_dir
 
 SOURCE = "fused_adamw_cpu.c"
 HEADERS = ("adamw_math.h",)
-ABI_VERSION = 1                      # must match ZMP_ABI_VERSION in the C source
+ABI_VERSION = 2                      # must match ZMP_ABI_VERSION in the C source
 BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-std=gnu11", "-fPIC", "-shared")
 NATIVE_FLAGS = ("-march=native",)    # tried first; dropped if the compiler rejects it
 F16, F32 = np.dtype(np.float16), np.dtype(np.float32)
@@ -141,7 +141,7 @@ def load(path: Path) -> ctypes.CDLL:
         getattr(lib, name).argtypes = [p, i64, ctypes.POINTER(ctypes.c_double)]
         getattr(lib, name).restype = i32
     for name in ("zmp_sum_rows_f16", "zmp_sum_rows_f32"):
-        getattr(lib, name).argtypes = [p, i64, i64, i64, p, f32, i32, i32]
+        getattr(lib, name).argtypes = [p, i64, i64, p, f32, i32, i32]
         getattr(lib, name).restype = None
     for name in ("zmp_halves_to_floats", "zmp_floats_to_halves"):
         getattr(lib, name).argtypes = [p, p, i64]
@@ -212,16 +212,27 @@ def grad_stats_fused_cpu(grad, lib=None) -> Tuple[float, bool]:
     return out.value, bool(bad)
 
 
-def sum_rows_fused_cpu(rows, out, scale: float, accumulate: bool, lib=None) -> None:
-    """comm.sum_rows_reference in one pass (C); bit-identical results."""
+def sum_rows_fused_cpu(rows, out, scale: float, accumulate: bool, addrs=None, lib=None) -> None:
+    """comm.sum_rows_reference in one pass (C); bit-identical results.
+
+    ``rows``: a sequence of 1-D arrays (or a 2-D array); ``addrs``: their addresses as a
+    ctypes array, when the caller has them (the Communicator keeps them per receive
+    buffer), which skips the per-row checks: the caller vouches for contiguous rows of
+    ``out``'s dtype and length. Anything the C code cannot take goes to the reference.
+    """
     lib = lib or library()
-    dt = rows.dtype
-    ok = (isinstance(rows, np.ndarray) and rows.ndim == 2 and dt in (F16, F32) and _flat_ok(out, dt)
-          and out.size == rows.shape[1] and rows.strides[1] == dt.itemsize
-          and rows.strides[0] % dt.itemsize == 0)
-    if not ok:
+    dt = out.dtype
+    if not (dt in (F16, F32) and _flat_ok(out, dt)):
+        addrs = None
+        ok = False
+    elif addrs is None:
+        ok = all(_flat_ok(r, dt) and r.size == out.size for r in rows)
+        if ok:
+            addrs = (ctypes.c_void_p * len(rows))(*[_ptr(r) for r in rows])
+    else:
+        ok = len(addrs) == len(rows)
+    if not ok or not len(rows):
         from .comm import sum_rows_reference
         return sum_rows_reference(rows, out, scale, accumulate)
     fn = lib.zmp_sum_rows_f16 if dt == F16 else lib.zmp_sum_rows_f32
-    fn(_ptr(rows), rows.shape[0], rows.shape[1], rows.strides[0] // dt.itemsize, _ptr(out),
-       float(np.float32(scale)), int(scale != 1.0), int(bool(accumulate)))
+    fn(addrs, len(rows), out.size, _ptr(out), float(np.float32(scale)), int(scale != 1.0), int(bool(accumulate)))
