@@ -6,7 +6,8 @@ every call), so every copy down and up is exercised. Its results must equal the 
 Communicator's bit for bit, and the float64 oracle within tolerance, at N = 1..4.
 The CuPy transfers themselves need a GPU (scripts/gpu_check.sh).
 
-Run by pytest, this file launches itself under mpiexec (``python tests/test_staging.py``).
+Run by pytest, this file launches itself under mpiexec (``python tests/test_staging.py``);
+with ``--cupy`` the device arrays are CuPy arrays and the transfers CuPy's (tests/test_gpu.py).
 """
 import ctypes
 import json
@@ -22,17 +23,24 @@ LENGTHS = (1, 37, 4099, 100_003)
 
 
 # ---- the part that runs on every rank -----------------------------------------------------
-def run_cases() -> None:
+def run_cases(on_gpu: bool = False) -> None:
     from mpi4py import MPI
 
     from tests.test_comm import rank_input, rank_order_fp32, within
     from zerompi import optim
     from zerompi.comm import Communicator
     from zerompi.layout import FlatLayout
-    from zerompi.staging import HostTransfers, StagedCommunicator
+    from zerompi.staging import CupyTransfers, HostTransfers, StagedCommunicator
 
     optim.use_impl("auto", verbose=False)
-    on_device = []                                  # every "device" array made below
+    on_device = []                                  # every "device" array made below (NumPy stand-ins)
+    if on_gpu:
+        import cupy as xp
+        from zerompi.device import place
+        place("gpu", MPI.COMM_WORLD)
+        transfers, host_array = CupyTransfers(), xp.asnumpy
+    else:
+        xp, transfers, host_array = np, HostTransfers(), np.asarray
 
     class NoDeviceBuffers(Communicator):
         """The host Communicator, refusing any buffer that is device memory."""
@@ -54,13 +62,14 @@ def run_cases() -> None:
             return super().all_reduce(buf, scale)
 
     host = Communicator(MPI.COMM_WORLD)
-    staged = StagedCommunicator(NoDeviceBuffers(MPI.COMM_WORLD), HostTransfers())
+    staged = StagedCommunicator(NoDeviceBuffers(MPI.COMM_WORLD), transfers)
     n, me = host.size, host.rank
     results = []
 
     def dev(a):
-        a = np.array(a, copy=True)
-        on_device.append(a)
+        a = xp.array(a, copy=True)
+        if not on_gpu:
+            on_device.append(a)
         return a
 
     def report(case, bits_differ, wrong=0):
@@ -68,6 +77,7 @@ def run_cases() -> None:
         results.append({"case": case, "bits_differ": int(tot[0]), "wrong": int(tot[1])})
 
     def differ(a, b) -> int:
+        a, b = host_array(a), host_array(b)
         return int(np.count_nonzero(a.view(np.uint8) != b.view(np.uint8)))
 
     for dname, dtype in (("fp16", np.float16), ("fp32", np.float32)):
@@ -88,14 +98,14 @@ def run_cases() -> None:
             got = dev(np.full(k, np.nan, dtype))
             staged.reduce_scatter(dev(mine), got, 0.5)
             report(f"{dname} L={length} reduce_scatter", differ(got, want),
-                   within(got, x64.sum(0)[lo:hi] * 0.5, np.abs(x64).sum(0)[lo:hi] * 0.5, n))
+                   within(host_array(got), x64.sum(0)[lo:hi] * 0.5, np.abs(x64).sum(0)[lo:hi] * 0.5, n))
             exact = rank_order_fp32([b[lo:hi] for b in bufs], 0.5)
             report(f"{dname} L={length} reduce_scatter rank order", differ(got, exact))
             prior = want.copy()
             host.reduce_scatter(mine, want, 0.25, accumulate=True)
             staged.reduce_scatter(dev(mine), got, 0.25, accumulate=True)
             report(f"{dname} L={length} reduce_scatter accumulate", differ(got, want),
-                   within(got, x64.sum(0)[lo:hi] * 0.25 + prior, np.abs(x64).sum(0)[lo:hi] * 0.25 + np.abs(prior),
+                   within(host_array(got), x64.sum(0)[lo:hi] * 0.25 + prior, np.abs(x64).sum(0)[lo:hi] * 0.25 + np.abs(prior),
                           n + 1))
 
             # two in flight, waited in reverse order
@@ -115,7 +125,7 @@ def run_cases() -> None:
             # (new values: a pooled host buffer may still hold this rank's earlier inputs)
             fresh = [rank_input(r, bucket.numel, dtype, 4) for r in range(n)]
             g = dev(np.full(bucket.numel, np.nan, dtype))
-            g[lo:hi] = fresh[me][lo:hi]
+            g[lo:hi] = xp.asarray(fresh[me][lo:hi])
             staged.all_gather(g)
             full = np.concatenate([fresh[r][r * k:(r + 1) * k] for r in range(n)])
             report(f"{dname} L={length} all_gather", differ(g, full))
@@ -224,5 +234,5 @@ def test_cuda_awareness_query_and_override():
 
 
 if __name__ == "__main__":
-    run_cases()
+    run_cases(on_gpu="--cupy" in sys.argv[1:])
     sys.exit(0)

@@ -1,0 +1,94 @@
+"""The GPU path against the NumPy oracles: CUDA kernels, staged collectives, placement.
+
+Skipped, with the reason, where CuPy or a GPU is missing (this is every CI machine); the
+CUDA sources are still compiled with nvcc by tests/test_kernels.py wherever nvcc exists.
+scripts/gpu_check.sh runs this file on a machine with a GPU.
+"""
+import json
+import math
+
+import numpy as np
+import pytest
+
+from zerompi import kernels_gpu, optim
+
+from .mpirun import ROOT, run_mpi
+from .test_kernels import LENGTHS, SCALARS, adamw_float64, bits, random_state
+
+REASON = kernels_gpu.unavailable_reason()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(REASON), reason=f"no GPU for the CUDA kernels: {REASON}")]
+
+
+@pytest.fixture(scope="module")
+def cp():
+    import cupy
+    return cupy
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("n", LENGTHS)
+def test_adamw_gpu_matches_float64_and_reference_bits(cp, dtype, n):
+    rng = np.random.default_rng(n)
+    master, m, v, grad = random_state(n, dtype, rng)
+    s = SCALARS[dtype]
+    dev = [cp.asarray(a) for a in (master, m, v)]
+    p_dev = cp.empty(n, dtype)
+    kernels_gpu.adamw_fused_gpu(*dev, cp.asarray(grad), p_dev, s)
+    got = [cp.asnumpy(a) for a in dev] + [cp.asnumpy(p_dev)]
+    ref = [master.copy(), m.copy(), v.copy()]
+    p_ref = np.empty(n, dtype)
+    optim.adamw_reference(*ref, grad, p_ref, s)
+    want, tol = adamw_float64(master, m, v, grad, s)
+    for g, w, t, name in zip(got, want, tol, ("master", "m", "v")):
+        bad = np.abs(g - w) > t
+        assert not bad.any(), (name, np.flatnonzero(bad)[:5])
+    for g, r in zip(got, ref + [p_ref]):
+        assert np.array_equal(bits(g), bits(r))       # --fmad=false: 0 ulp from the NumPy reference
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_adamw_gpu_independent_of_slice_start(cp, dtype):
+    """Unaligned slices take the scalar path: the same bits as the vector path."""
+    n, rng = 1000, np.random.default_rng(1)
+    master, m, v, grad = random_state(n + 8, dtype, rng)
+    s = SCALARS[dtype]
+    results = []
+    for start in range(8):
+        arrays = [cp.asarray(a) for a in (master, m, v)]
+        p = cp.empty(n + 8, dtype)
+        sl = slice(start, start + n)
+        kernels_gpu.adamw_fused_gpu(*(a[sl] for a in arrays), cp.asarray(grad)[sl], p[sl], s)
+        results.append([bits(cp.asnumpy(a[sl])) for a in arrays + [p]])
+    for start in range(1, 8):
+        for a, b in zip(results[0], results[start]):
+            assert np.array_equal(a[start:], b[:n - start])
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("n", [0] + LENGTHS)
+def test_grad_stats_gpu_matches_float64(cp, dtype, n):
+    rng = np.random.default_rng(n + 7)
+    g = (rng.standard_normal(n) * (100 if dtype == np.float16 else 1e15)).astype(dtype)
+    sumsq, bad = kernels_gpu.grad_stats_fused_gpu(cp.asarray(g))
+    exact = math.fsum(float(x) * float(x) for x in g.astype(np.float64)) if n < 5000 else \
+        float(np.sum(np.square(g.astype(np.float64))))
+    assert not bad
+    assert sumsq == pytest.approx(exact, rel=1e-12, abs=0.0)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("bad_value", [np.inf, -np.inf, np.nan])
+def test_grad_stats_gpu_flags_non_finite(cp, dtype, bad_value):
+    g = np.ones(4099, dtype)
+    g[4098] = bad_value
+    sumsq, bad = kernels_gpu.grad_stats_fused_gpu(cp.asarray(g))
+    assert bad and not math.isfinite(sumsq)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_staged_collectives_on_gpu_equal_the_host_ones(n):
+    """tests/test_staging.py's driver with CuPy device arrays and CuPy's pinned transfers."""
+    proc = run_mpi(n, [ROOT / "tests" / "test_staging.py", "--cupy"], timeout=180)
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    cases = [r for r in lines if "case" in r]
+    assert cases and not [r for r in cases if r["bits_differ"] or r["wrong"]], proc.stdout
