@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.mpirun import run_mpi
+from tests.mpirun import ROOT, run_mpi
 from zerompi import bench, bench_cases
 from zerompi.errors import ConfigError
 
@@ -124,3 +124,15 @@ def test_wrong_counter_and_overlap_formula():
     assert bench_cases.overlap_pct(10.0, 10.0, 10.0) == 100.0   # communication fully hidden
     assert bench_cases.overlap_pct(10.0, 10.0, 20.0) == 0.0     # none hidden
     assert bench_cases.overlap_pct(10.0, 10.0, 15.0) == pytest.approx(50.0)
+
+
+@pytest.mark.parametrize("n,dtype", [(1, "fp32"), (3, "fp16"), (4, "fp32")])
+def test_device_rows_run_the_staged_communicator(n, dtype):
+    """--device gpu's wiring, run on the CPU: zerompi rows through the staged Communicator on
+    separate "device" copies, every op, sizes not divisible by N; nothing wrong."""
+    proc = run_mpi(n, [ROOT / "tests" / "drivers" / "bench_staged.py", "--op", "all", "-b", "1000", "-e", "70000",
+                       "-f", "8", "--dtype", dtype], timeout=120)
+    out = json.loads(proc.stdout.splitlines()[-1])
+    zerompi_rows = [r for r in out["records"] if r["impl"] == "zerompi"]
+    assert len(zerompi_rows) == 3 * 3 and all(r["wrong"] == 0 for r in out["records"]), out["records"]
+    assert out["staged"]["to_host_bytes"] > 0 and out["staged"]["to_device_bytes"] > 0

@@ -87,8 +87,12 @@ class _Request:
         self._req.Wait()
 
 
-def make_case(op: str, impl: str, comm, buf: np.ndarray, out: np.ndarray, dtype_name: str) -> Case:
-    """Set up op on ``buf`` (the whole buffer) and ``out`` (one slice) for impl."""
+def make_case(op: str, impl: str, comm, buf: np.ndarray, out: np.ndarray, dtype_name: str, xp=np) -> Case:
+    """Set up op on ``buf`` (the whole buffer) and ``out`` (one slice) for impl.
+
+    ``xp`` other than NumPy (CuPy, for the zerompi rows of ``--device gpu``): the case runs
+    on device copies of the buffers, and verify() reads them back to the host.
+    """
     from mpi4py import MPI
     n, me, mpi = comm.size, comm.rank, comm.mpi
     k = buf.size // n
@@ -101,6 +105,9 @@ def make_case(op: str, impl: str, comm, buf: np.ndarray, out: np.ndarray, dtype_
     mtype = MPI.FLOAT if wire.dtype == np.float32 else None
     pristine = np.empty_like(wire)
     fill(pristine, me)
+    host = np.asarray
+    if xp is not np:
+        wire, wout, pristine, host = xp.asarray(wire), xp.asarray(wout), xp.asarray(pristine), xp.asnumpy
 
     if op == "reduce_scatter":
         def reset():
@@ -111,7 +118,7 @@ def make_case(op: str, impl: str, comm, buf: np.ndarray, out: np.ndarray, dtype_
 
         def verify():
             want, mag = oracle_sum(wire.dtype, n, me * kw, (me + 1) * kw)
-            return count_wrong(wout, want, mag, n)
+            return count_wrong(host(wout), want, mag, n)
         if impl == "zerompi":
             run, start = (lambda: comm.reduce_scatter(wire, wout)), (lambda: comm.ireduce_scatter(wire, wout))
         else:
@@ -127,7 +134,7 @@ def make_case(op: str, impl: str, comm, buf: np.ndarray, out: np.ndarray, dtype_
 
         def verify():
             want = np.concatenate([rank_values(r, r * k, (r + 1) * k).astype(wire.dtype) for r in range(n)])
-            return count_wrong(wire, want.astype(np.float64), None, n)
+            return count_wrong(host(wire), want.astype(np.float64), None, n)
         if impl == "zerompi":
             run, start = (lambda: comm.all_gather(wire)), (lambda: comm.iall_gather(wire))
         else:
@@ -141,7 +148,7 @@ def make_case(op: str, impl: str, comm, buf: np.ndarray, out: np.ndarray, dtype_
 
         def verify():
             want, mag = oracle_sum(wire.dtype, n, 0, wire.size)
-            return count_wrong(wire, want, mag, n)
+            return count_wrong(host(wire), want, mag, n)
         if impl == "zerompi":
             run, start = (lambda: comm.all_reduce(wire)), None   # the engine never starts a non-blocking all-reduce
         else:

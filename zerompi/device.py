@@ -87,7 +87,7 @@ def place(choice: str, mpi_comm, probe: Callable[[], Tuple[int, str]] = probe_gp
     count, why = probe()
     if count == 0:
         if choice == "gpu":
-            raise ConfigError(f"device='gpu' needs CuPy and a visible GPU ({why}); use --device cpu or auto")
+            raise ConfigError(f"device='gpu' needs CuPy and a visible GPU ({why}); use --device cpu")
         return Placement("cpu", np, local, size, note=f"no GPU: {why}")
     index = local % count
     xp, name = bind(index)
