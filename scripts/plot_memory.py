@@ -7,8 +7,9 @@ N = 1..--max-ranks (log scale). The left axis is bytes per rank per parameter, s
 the runs given as metrics JSON files (``python -m zerompi.train --metrics-json``), whatever
 their size, sit on the same curves: filled markers are their measured model states,
 hollow ones add their peak buffers. The right axis reads the curves in GB for --params.
-Solid lines: model states; dashed: plus buffers with one gradient reduction pending at a
-time; dotted: plus buffers with every bucket's reduction pending at once (the worst case).
+Solid lines: model states; dashed: plus buffers in the best case (each gradient reduction
+done before the next bucket's gradients arrive); dotted: plus buffers with as many
+reductions pending as the engine allows (engine.MAX_PENDING_REDUCES), the most a rank holds.
 Needs matplotlib: pip install -e '.[plot]'. Prints a JSON summary of what it drew.
 """
 import argparse
@@ -23,16 +24,16 @@ COLORS = ("tab:red", "tab:orange", "tab:green", "tab:blue")
 
 
 def curves(params: float, max_ranks: int, **kw) -> dict:
-    """{stage: {"n": [...], "states": [...], "best": [...], "worst": [...]}} in bytes per rank per parameter."""
+    """{stage: {"n": [...], "states": [...], "best": [...], "at_cap": [...]}} in bytes per rank per parameter."""
     ns = sorted({max(1, round(max_ranks ** (i / 60))) for i in range(61)})
-    out = {s: {"n": ns, "states": [], "best": [], "worst": []} for s in range(4)}
+    out = {s: {"n": ns, "states": [], "best": [], "at_cap": []} for s in range(4)}
     for n in ns:
         rows = zerompi.estimate(params=params, ranks=n, **kw)["stages"]
         for r in rows:
             c = out[r["stage"]]
             c["states"].append(r["model_state_bytes"] / params)
-            c["best"].append(r["total_bytes_one_in_flight"] / params)
-            c["worst"].append(r["total_bytes"] / params)
+            c["best"].append(r["total_bytes_best_case"] / params)
+            c["at_cap"].append(r["total_bytes"] / params)
     return out
 
 
@@ -50,7 +51,7 @@ def measured_points(paths, dtype: str) -> list:
         run = {"path": path, "stage": m["stage"], "ranks": m["world_size"], "params": m["params"],
                "model_state_bytes": states, "estimate_model_state_bytes": est["model_state_bytes"],
                "total_bytes": states + m["peak_buffer_bytes"],
-               "estimate_total_bytes": [est["total_bytes_one_in_flight"], est["total_bytes"]]}
+               "estimate_total_bytes": [est["total_bytes_best_case"], est["total_bytes"]]}   # [best, at the cap]
         points.append((m["stage"], m["world_size"], states / m["params"],
                        (states + m["peak_buffer_bytes"]) / m["params"], run))
     return points
@@ -67,15 +68,16 @@ def draw(data: dict, points: list, params: float, dtype: str, out: str) -> None:
         color = COLORS[stage]
         ax.plot(c["n"], c["states"], color=color, lw=2, label=f"stage {stage}: model states")
         ax.plot(c["n"], c["best"], color=color, lw=1, ls="--")
-        ax.plot(c["n"], c["worst"], color=color, lw=1, ls=":")
+        ax.plot(c["n"], c["at_cap"], color=color, lw=1, ls=":")
     for stage, n, states, total, _ in points:
         ax.plot([n], [states], "o", color=COLORS[stage], ms=7)
         ax.plot([n], [total], "o", mfc="none", color=COLORS[stage], ms=7)
     if points:
         ax.plot([], [], "o", color="gray", label="measured: model states")
         ax.plot([], [], "o", mfc="none", color="gray", label="measured: + peak buffers")
-    ax.plot([], [], "--", color="gray", lw=1, label="+ buffers, 1 reduction pending")
-    ax.plot([], [], ":", color="gray", lw=1, label="+ buffers, every reduction pending (worst case)")
+    ax.plot([], [], "--", color="gray", lw=1, label="+ buffers, best case (no reduction pending)")
+    ax.plot([], [], ":", color="gray", lw=1,
+            label=f"+ buffers, {zerompi.engine.MAX_PENDING_REDUCES} reductions pending (the engine's cap)")
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
     ax.set_yscale("log")

@@ -4,15 +4,18 @@ import random
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import zerompi
-from zerompi import FlatLayout
+from zerompi import FlatLayout, ZeroConfig, ZeroEngine
 from zerompi import estimate as est_mod
+from zerompi.engine import MAX_PENDING_REDUCES
 from zerompi.estimate import BucketPlan, plan_buckets
 from zerompi.models.mlp import init_mlp
 
 from .mpirun import ROOT, run_mpi, run_train
+from .test_overlap import FakeComm
 
 GB = 10 ** 9
 WIDTH, DEPTH, BUCKET_MB = 20, 3, 0.002   # 420-element layers; fp16 buckets hold 2 layers, fp32 buckets 1
@@ -59,25 +62,109 @@ def test_cli_prints_the_answer_first(tmp_path):
     assert [s["stage"] for s in data["stages"]] == [0, 1, 2, 3]
     assert all(keys <= set(s) for s in data["stages"])
     assert data["stages"] == zerompi.estimate(params=10e9, ranks=64)["stages"]
+    # the default is the engine's own cap on pending reductions, and the footer says so
+    assert data["in_flight"] == data["engine_max_pending"] == MAX_PENDING_REDUCES
+    assert f"at most {MAX_PENDING_REDUCES}: the engine's cap" in proc.stdout
+    assert "no bound" not in proc.stdout
+
+
+def test_default_follows_the_engine_cap(monkeypatch):
+    # Read from engine.py when the estimate is made: a different cap gives a different figure.
+    kw = dict(params=8192, ranks=4, bucket_mb=4096 / 2 ** 20, layers=8)
+    at_two = zerompi.estimate(**kw)
+    assert at_two == zerompi.estimate(in_flight=2, **kw)
+    monkeypatch.setattr(zerompi.engine, "MAX_PENDING_REDUCES", 1)
+    at_one = zerompi.estimate(**kw)
+    assert at_one["in_flight"] == 1 and at_one == zerompi.estimate(in_flight=1, **kw)
+    assert at_one["stages"][2]["total_bytes"] < at_two["stages"][2]["total_bytes"]
 
 
 def test_buffers_are_rows_of_their_own():
-    # 4 layers of 1024 elements in 2048-element buckets: 2 buckets; N=4 x align 16 pads nothing.
-    mb = 4096 / 2 ** 20                       # 2048 fp16 elements
-    r = zerompi.estimate(params=4096, ranks=4, bucket_mb=mb, layers=4, prefetch=1, micro_batches=2)
-    assert r["buckets"] == 2 and r["padded_params"] == 4096
+    # 8 layers of 1024 elements in 2048-element buckets: 4 buckets; N=4 x align 16 pads nothing.
+    mb = 4096 / 2 ** 20                       # 2048 fp16 elements = 4096 bytes a bucket
+    r = zerompi.estimate(params=8192, ranks=4, bucket_mb=mb, layers=8, prefetch=1, micro_batches=2)
+    assert r["buckets"] == 4 and r["padded_params"] == 8192 and r["in_flight"] == 2
     b = [s["buffers"] for s in r["stages"]]
-    # every bucket reducing at once: stage 2/3 staging = the whole 2-byte gradient, and the
-    # receive scratch = the 3 peers' quarters of it
-    assert b[0] == {"grad_buckets": 0, "gathered_params": 0, "grad_accumulator": 2048, "comm_scratch": 6144}
-    assert b[2] == {"grad_buckets": 8192, "gathered_params": 0, "grad_accumulator": 0, "comm_scratch": 6144}
-    assert b[3] == {"grad_buckets": 8192, "gathered_params": 8192, "grad_accumulator": 0, "comm_scratch": 6144}
-    assert r["stages"][3]["buffer_bytes"] == 2 * 8192 + 6144
-    one = zerompi.estimate(params=4096, ranks=4, bucket_mb=mb, layers=4, prefetch=0, in_flight=1)
-    assert one["stages"][3]["buffers"] == {"grad_buckets": 4096, "gathered_params": 4096,
+    # The engine's cap: 2 reductions pending while a third bucket fills, so stages 2/3 stage
+    # 3 of the 4 buckets (3 x 4096 bytes); the Communicator keeps a receive buffer per
+    # reduction in flight: 2 x the 3 peers' quarters of a bucket (2 x 3072). One bucket
+    # length, so spare buffers are always reused and add nothing.
+    assert b[0] == {"grad_buckets": 0, "gathered_params": 0, "spare_buffers": 0, "grad_accumulator": 2 * 2048,
+                    "comm_scratch": 2 * 3072}
+    assert b[2] == {"grad_buckets": 3 * 4096, "gathered_params": 0, "spare_buffers": 0, "grad_accumulator": 0,
+                    "comm_scratch": 2 * 3072}
+    # stage 3 also holds the bucket in use and the one prefetched
+    assert b[3] == {"grad_buckets": 3 * 4096, "gathered_params": 2 * 4096, "spare_buffers": 0,
+                    "grad_accumulator": 0, "comm_scratch": 2 * 3072}
+    assert r["stages"][3]["buffer_bytes"] == 5 * 4096 + 2 * 3072
+    # best case: none pending when a bucket fills, so one staged bucket and one receive buffer
+    assert r["stages"][3]["buffer_bytes_best_case"] == 4096 + 2 * 4096 + 3072
+    assert r["stages"][3]["total_bytes_best_case"] == r["stages"][3]["total_bytes_one_in_flight"] \
+        == r["stages"][3]["model_state_bytes"] + 4096 + 2 * 4096 + 3072
+    one = zerompi.estimate(params=8192, ranks=4, bucket_mb=mb, layers=8, prefetch=0, in_flight=1)
+    assert one["stages"][3]["buffers"] == {"grad_buckets": 2 * 4096, "gathered_params": 4096, "spare_buffers": 0,
                                            "grad_accumulator": 0, "comm_scratch": 3072}
+    # no cap at all (an engine without one): the whole gradient staged, every bucket's scratch
+    unbounded = zerompi.estimate(params=8192, ranks=4, bucket_mb=mb, layers=8, in_flight=100)
+    assert unbounded["stages"][2]["buffers"]["grad_buckets"] == 2 * 8192
+    assert unbounded["stages"][2]["buffers"]["comm_scratch"] == 4 * 3072
 
 
+def test_spare_buffers_of_another_length_add_up():
+    # 2048-element layers and a 1024-element rest: buckets of 2048, 2048, 2048, 2048 and 1024.
+    mb = 4096 / 2 ** 20
+    r = zerompi.estimate(params=9216, ranks=4, bucket_mb=mb, largest_layer=2048, prefetch=1)
+    assert r["buckets"] == 5
+    s2, s3 = (r["stages"][i]["buffers"] for i in (2, 3))
+    # The short bucket's staging (and, stage 3, gathered) buffer is released into the spare
+    # pool (2 + prefetch = 3 kept), where no 2048-element bucket can reuse it, while 3
+    # staging (+ 2 gathered) buffers of 2048 elements are live.
+    assert (s2["grad_buckets"], s2["spare_buffers"]) == (3 * 4096, 2048)
+    assert (s3["grad_buckets"], s3["gathered_params"], s3["spare_buffers"]) == (3 * 4096, 2 * 4096, 2 * 2048)
+    # the receive pool keeps buffers per length: 2 of the long length, 1 of the short one
+    assert s3["comm_scratch"] == (2 * 2048 + 1024) * 2 * 3 // 4
+
+
+def _layers(sizes):
+    rng = np.random.default_rng(3)
+    return [(f"l{i}", {f"w{i}": rng.standard_normal(n).astype(np.float32)}) for i, n in enumerate(sizes)]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("timing", ["slow", "fast", "no-overlap"])
+def test_engine_reaches_the_estimate(stage, timing):
+    # One rank, a fake MPI whose collectives complete at their `latency`-th test: 100 tests
+    # is a network so slow that only the cap's waits retire reductions (the estimate must be
+    # reached exactly), 1 test is one that keeps up (the best case must be reached exactly).
+    # fp32 buckets of one layer each: 16, 16, 16, 16 and 32 elements.
+    sizes = [16, 16, 16, 16, 32]
+    cfg = ZeroConfig(stage=stage, dtype="fp32", bucket_mb=16 * 4 / 2 ** 20, prefetch=1,
+                     overlap=timing != "no-overlap")
+    eng = ZeroEngine(_layers(sizes), cfg, FakeComm(latency=1 if timing == "fast" else 100))
+    assert [b.numel for b in eng.layout.buckets] == sizes
+    n = len(sizes)
+    for _ in range(2):
+        eng.begin_forward()
+        for i in range(n):
+            with eng.unsharded(i):
+                pass
+        eng.begin_backward()
+        for i in reversed(range(n)):
+            with eng.unsharded(i):
+                pass
+            eng.grads_ready(i, {f"w{i}": np.full(sizes[i], 0.01, np.float32)})
+        assert not eng.step().skipped
+    peak = eng.memory_report()["peak_buffers"]["bytes"]
+    eng.close()
+    row = zerompi.estimate(layout=eng.layout, dtype="fp32", prefetch=1, overlap=cfg.overlap)["stages"][stage]
+    # Elements, by the rule: staged = pending + 1 (2 + 1 slow, 0 + 1 otherwise); gathered =
+    # 1 + prefetch (1 with overlap off); every buffer of the 32-element bucket that was ever
+    # live stays as a spare beside the live 16-element ones.
+    want = {("slow", 2): 32 + 16 + 16 + 16, ("fast", 2): 32 + 16, ("no-overlap", 2): 32 + 16,
+            ("slow", 3): (16 * 3 + 32) + (16 * 2 + 32), ("fast", 3): (16 + 32) + (16 * 2 + 32),
+            ("no-overlap", 3): (16 + 32) + (16 + 32)}[timing, stage]
+    figure = row["buffer_bytes"] if timing == "slow" else row["buffer_bytes_best_case"]
+    assert peak == figure == 4 * want, (peak, row)
 def test_communication_volumes_and_alpha_beta_time():
     psi, n = 4096, 4
     mb = 4096 / 2 ** 20
@@ -148,18 +235,22 @@ def test_estimate_matches_the_engine(tmp_path, n, dtype, micro):
                     "optimizer_bytes": mem["optimizer"], "model_state_bytes": mem["total"]}
         for row in (by_layout, by_shape):
             assert {k: row[k] for k in measured} == measured, (stage, row, measured)
-        # How many reductions are pending at once depends on when MPI completes them: the
-        # measured total lies between the one-pending and the all-pending figures (one bucket slack).
-        bucket = max(b.numel for b in layout.buckets) * (2 if dtype == "fp16" else 4)
-        best = zerompi.estimate(layout=layout, in_flight=1, **dict(kw, prefetch=0))["stages"][stage]
+        # How many reductions are pending at once depends on when MPI completes them, but
+        # never more than the engine's cap: the measured total is at most the estimate, with
+        # no slack. The best case (none pending when a bucket fills) is reached whatever the
+        # timing by these layouts: fp16 has 2 buckets, both always staged or spare and (stage
+        # 3) both gathered at the backward's start; fp32 has 3 buckets of one length, and
+        # stage 3 gathers 2 of them while the first is staged. (For fp16 the two coincide.)
+        assert by_shape["total_bytes"] == by_layout["total_bytes"]
         total = mem["total"] + m["peak_buffer_bytes"]
-        assert best["total_bytes"] - bucket <= total <= by_layout["total_bytes"] + bucket, (stage, total, best, by_layout)
+        assert by_layout["total_bytes_best_case"] <= total <= by_layout["total_bytes"], (stage, total, by_layout)
         comm = m["comm_bytes_per_step"]
         if stage < 3:
             assert comm == by_layout["comm_bytes_per_step"]
         else:
             # Fewer: buckets held gathered across a forward/backward turn are not gathered again.
             # More, by up to `prefetch` buckets: a step also gathers the next step's first ones.
+            bucket = max(b.numel for b in layout.buckets) * (2 if dtype == "fp16" else 4)
             gather = bucket * (n - 1) // n
             assert by_layout["comm_bytes_per_step"] - by_layout["comm_bytes_kept_at_turns"] <= comm \
                 <= by_layout["comm_bytes_per_step"] + prefetch * gather, (comm, by_layout)
@@ -171,10 +262,13 @@ def test_from_run_puts_measured_beside_estimate(tmp_path, capsys):
     out = tmp_path / "cmp.json"
     assert est_mod.main(["--from-run", str(tmp_path / "run.json"), "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "measured in the run (stage 3)" in text
+    assert "measured in the run (stage 3)" in text and "best case" in text
     cmp = json.loads(out.read_text())["from_run"]
     for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "model_state_bytes"):
         assert cmp["measured"][key] == cmp["estimate"][key] > 0
+    assert cmp["estimate_best_case"]["total_bytes"] <= cmp["measured"]["total_bytes"] \
+        <= cmp["estimate"]["total_bytes"], cmp
+    assert cmp["estimate_one_in_flight"] == cmp["estimate_best_case"]
 
 
 # ---- bad input ------------------------------------------------------------------------------
@@ -188,6 +282,8 @@ def test_from_run_puts_measured_beside_estimate(tmp_path, capsys):
     (["--params", "1e9", "--ranks", "4", "--layers", "4", "--largest-layer", "10"], "not allowed with"),
     (["--params", "100", "--ranks", "4", "--largest-layer", "1000"], "largest_layer=1000"),
     (["--params", "1e9", "--ranks", "4", "--bucket-mb", "0"], "bucket_mb=0"),
+    (["--params", "1e9", "--ranks", "4", "--in-flight", "-1"], "in_flight=-1"),
+    (["--params", "1e9", "--ranks", "4", "--in-flight", "2", "--no-overlap"], "overlap off"),
     (["--ranks", "4"], "--params"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, word):

@@ -4,9 +4,14 @@
 
 prints, for ZeRO stages 0-3, the bytes one rank holds: model states (parameters,
 gradients, fp32 master + Adam m and v, by ``memory.theory_bytes``), then the buffers this
-engine allocates on top of them (gradient buckets, stage-3 gathered layers, the micro-batch
-accumulator, the reduce-scatter receive scratch), and the bytes and time of one step's
-communication (``memory.theory_comm_bytes``, alpha-beta time model).
+engine allocates on top of them (gradient buckets, stage-3 gathered layers, spare bucket
+buffers, the micro-batch accumulator, the reduce-scatter receive scratch), and the bytes and
+time of one step's communication (``memory.theory_comm_bytes``, alpha-beta time model).
+
+The buffers follow the engine's bound on gradient reductions pending at once
+(``engine.MAX_PENDING_REDUCES``): the default figure is the most a rank can hold under it,
+whatever the network's timing; the best case is the figure when every reduction is done
+before the next bucket's gradients arrive.
 
 The bucket layout is the engine's (FlatLayout's rule: buckets cut at layer boundaries,
 each padded to a multiple of ranks x align), computed for a model described by ``--layers``
@@ -24,13 +29,16 @@ import types
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+# engine.MAX_PENDING_REDUCES, the cap on gradient reductions pending at once, is read when an
+# estimate is made (no copy here to go stale); engine.py does not import this module.
+from . import engine
 from .config import DTYPES, STAGES, ZeroConfig
 from .errors import ConfigError, check
 from .layout import FlatLayout
 from .memory import theory_bytes, theory_comm_bytes
 
 DEFAULT_PREFETCH = getattr(ZeroConfig, "prefetch", 0)   # the engine's default stage-3 prefetch depth
-BUFFER_ROWS = ("grad_buckets", "gathered_params", "grad_accumulator", "comm_scratch")
+BUFFER_ROWS = ("grad_buckets", "gathered_params", "spare_buffers", "grad_accumulator", "comm_scratch")
 
 
 @dataclass(frozen=True)
@@ -59,11 +67,14 @@ class BucketPlan:
 
     def largest(self, k: int) -> int:
         """Elements of the k largest buckets together (k is capped at the number of buckets)."""
-        total, left = 0, k
-        for n, c in sorted(self.runs, reverse=True):
-            take = min(c, left)
-            total, left = total + take * n, left - take
-        return total
+        return _top(self.runs, k)
+
+    def lengths(self) -> Dict[int, int]:
+        """Buckets of each distinct padded length: {elements: how many}."""
+        out: Dict[int, int] = {}
+        for n, c in self.runs:
+            out[n] = out.get(n, 0) + c
+        return out
 
     def ends(self, k: int) -> Tuple[int, int]:
         """Elements of the first k and of the last k buckets (k is capped at the number of buckets)."""
@@ -76,19 +87,41 @@ class BucketPlan:
         return take(self.runs), take(reversed(self.runs))
 
     def per_size(self, k: int) -> int:
-        """Elements of up to k buckets of every distinct size together.
+        """Elements of up to k buckets of every distinct length together.
 
         The Communicator pools receive buffers by shape and keeps them: with k reductions in
-        flight at most, it ends up holding min(k, buckets of that size) buffers of each size.
+        flight at most, it ends up holding min(k, buckets of that length) buffers of each length.
         """
-        sizes: Dict[int, int] = {}
-        for n, c in self.runs:
-            sizes[n] = sizes.get(n, 0) + c
-        return sum(n * min(c, k) for n, c in sizes.items())
+        return sum(n * min(c, k) for n, c in self.lengths().items())
+
+    def spares(self, staged: int, gathered: int, keep: int) -> int:
+        """Elements of released bucket buffers the engine can hold beyond the live ones.
+
+        ``staged``/``gathered``: gradient staging and stage-3 gathered buffers live at once,
+        at most; ``keep``: released buffers the engine keeps for reuse (2 + prefetch).
+        A spare is reused only by a bucket of its own length, and one is allocated only when
+        none of that length is spare, so a length never has more buffers than the most of
+        that length live at once (up to ``staged`` + ``gathered``). With one bucket length
+        that is the live count: spares add nothing. With several, spares of one length sit
+        while another length is allocated; they are also at most ``keep`` buffers.
+        """
+        live = self.largest(staged) + self.largest(gathered)
+        most = [(n, min(c, staged) + min(c, gathered)) for n, c in self.lengths().items()]
+        by_length = sum(n * c for n, c in most)
+        return min(by_length, live + _top(most, keep)) - live
 
     @classmethod
     def from_layout(cls, layout: FlatLayout) -> "BucketPlan":
         return cls(layout.params_numel, layout.world_size, _merge((b.numel, 1) for b in layout.buckets))
+
+
+def _top(runs, k: int) -> int:
+    """Sum of the k largest of a multiset given as (value, count) pairs (all of it if fewer)."""
+    total, left = 0, max(k, 0)
+    for n, c in sorted(runs, reverse=True):
+        take = min(c, left)
+        total, left = total + take * n, left - take
+    return total
 
 
 def _merge(runs) -> Tuple[Tuple[int, int], ...]:
@@ -169,20 +202,42 @@ def formula(stage: int, itemsize: int) -> str:
     return " + ".join(parts)
 
 
-def _stage_row(stage: int, plan: BucketPlan, itemsize: int, micro_batches: int, prefetch: int,
-               in_flight: int, bandwidth_gbps: float, latency_us: float) -> dict:
+def buffer_counts(stage: int, buckets: int, pending: int, ahead: int) -> Tuple[int, int]:
+    """(gradient staging buffers, stage-3 gathered buffers) a rank holds live at once, at most.
+
+    ``pending``: reduce-scatters still in flight when the next bucket's gradients arrive
+    (engine.MAX_PENDING_REDUCES; 0 when each is done first). ``ahead``: stage-3 buckets
+    gathered ahead of the layer in use (0 with overlap off).
+    """
+    # Stages 2/3: a bucket's staging buffer lives from its first layer's grads_ready until
+    # its reduction is retired, and _start_reduce waits for the oldest only once the filling
+    # bucket is complete: the pending ones and the one filling.
+    staged = min(pending + 1, buckets) if stage >= 2 else 0
+    # Stage 3: the window of the layer in use (schedule.prefetch_window: 1 + ahead buckets).
+    gathered = min(1 + ahead, buckets) if stage == 3 else 0
+    return staged, gathered
+
+
+def _stage_row(stage: int, plan: BucketPlan, itemsize: int, micro_batches: int, prefetch: int, overlap: bool,
+               pending: int, bandwidth_gbps: float, latency_us: float) -> dict:
     """One stage's bytes per rank (model states, buffers) and communication per step."""
     n, isz, m = plan.world_size, itemsize, micro_batches
+    ahead = prefetch if overlap else 0
     states = theory_bytes(stage, plan.numel, n, isz, plan.shard_numel)
+    staged, gathered = buffer_counts(stage, plan.num_buckets, pending, ahead)
     buffers = {
-        # stages 2/3 keep a bucket's local gradients until its reduce-scatter has completed
-        "grad_buckets": isz * plan.largest(in_flight) if stage >= 2 else 0,
+        # stages 2/3 keep a bucket's local gradients until its reduce-scatter is retired
+        "grad_buckets": isz * plan.largest(staged),
         # stage 3: the bucket of the layer in use, plus the ones being prefetched
-        "gathered_params": isz * plan.largest(1 + prefetch) if stage == 3 else 0,
+        "gathered_params": isz * plan.largest(gathered),
+        # released bucket buffers kept for reuse (engine._release_buffer keeps 2 + prefetch,
+        # whatever the stage and overlap): they cost bytes only beside buckets of another length
+        "spare_buffers": isz * plan.spares(staged, gathered, 2 + prefetch),
         # stages 0/1 rewrite the local gradient every micro-batch: the reduced sum needs a home
         "grad_accumulator": isz * plan.shard_numel if stage < 2 and m > 1 else 0,
-        # reduce-scatter receive buffers (the N-1 peers' slices of a bucket), pooled per bucket size
-        "comm_scratch": isz * plan.per_size(in_flight) * (n - 1) // n,
+        # reduce-scatter receive buffers (the N-1 peers' slices of a bucket), pooled per bucket
+        # length and kept: as many of a length as were ever in flight at once (one at least)
+        "comm_scratch": isz * plan.per_size(max(pending, 1)) * (n - 1) // n,
     }
     comm = theory_comm_bytes(stage, plan.numel, n, isz, m)
     buckets = plan.num_buckets
@@ -192,9 +247,9 @@ def _stage_row(stage: int, plan: BucketPlan, itemsize: int, micro_batches: int, 
     reuse = 0
     if stage == 3:
         # At a turn the engine keeps what it holds gathered (the bucket in use and up to
-        # `prefetch` more) instead of freeing it and gathering it again: the last buckets at
+        # `ahead` more) instead of freeing it and gathering it again: the last buckets at
         # each forward->backward turn, the first ones at each backward->forward turn.
-        first, last = plan.ends(1 + prefetch)
+        first, last = plan.ends(1 + ahead)
         reuse = isz * (m * last + (m - 1) * first) * (n - 1) // n
     buffer_bytes = sum(buffers.values())
     return {
@@ -218,19 +273,23 @@ def estimate(params: Optional[float] = None, ranks: Optional[int] = None, dtype:
              bucket_mb: float = ZeroConfig.bucket_mb, layers: Optional[int] = None,
              largest_layer: Optional[int] = None, prefetch: int = DEFAULT_PREFETCH, micro_batches: int = 1,
              in_flight: Optional[int] = None, bandwidth_gbps: float = 100.0, latency_us: float = 5.0,
-             layout: Optional[FlatLayout] = None, align: int = ZeroConfig.align) -> dict:
+             layout: Optional[FlatLayout] = None, align: int = ZeroConfig.align, overlap: bool = True) -> dict:
     """Bytes per rank and communication per step for ZeRO stages 0-3.
 
     ``params``: Psi, parameters of the model; ``ranks``: N. Or ``layout``: the engine's
     FlatLayout (then Psi, N and the buckets are its own and the model states are exact).
     ``bucket_mb``: MiB per bucket; ``layers`` / ``largest_layer``: how the model splits into
-    layers (elements); ``prefetch``: stage-3 buckets gathered ahead; ``in_flight``: buckets
-    whose gradient reduction is pending at once (default: all, the worst case, since the
-    engine starts each bucket's reduction as soon as its gradients are ready and nothing
-    bounds how many are pending; ``total_bytes_one_in_flight`` is the best case);
-    ``bandwidth_gbps``: link speed in gigabits per second; ``latency_us``: per message. Returns ``{"stages": [{stage, model_state_bytes, params_bytes,
-    grads_bytes, optimizer_bytes, buffer_bytes, total_bytes, comm_bytes_per_step, ...}], ...}``
-    with every size in bytes per rank. Raises ConfigError on bad input.
+    layers (elements); ``prefetch``: stage-3 buckets gathered ahead (ZeroConfig.prefetch);
+    ``overlap``: ZeroConfig.overlap (False: every collective is waited for as it starts).
+    ``in_flight``: gradient reductions still pending when the next bucket's gradients arrive,
+    at most (default: the engine's cap, engine.MAX_PENDING_REDUCES = 2, so the buffers are
+    the most a rank holds whatever the network's timing; 0: each reduction is done first,
+    the best case, always given as ``total_bytes_best_case``; a K above the cap describes an
+    engine with a cap of K).
+    ``bandwidth_gbps``: link speed in gigabits per second; ``latency_us``: per message.
+    Returns ``{"stages": [{stage, model_state_bytes, params_bytes, grads_bytes,
+    optimizer_bytes, buffers, buffer_bytes, total_bytes, total_bytes_best_case,
+    comm_bytes_per_step, ...}], ...}`` with every size in bytes per rank. Raises ConfigError on bad input.
     """
     check(dtype in DTYPES, f"dtype={dtype!r} is not allowed; use fp16 or fp32")
     itemsize = ZeroConfig(dtype=dtype).itemsize
@@ -238,6 +297,7 @@ def estimate(params: Optional[float] = None, ranks: Optional[int] = None, dtype:
     check(isinstance(prefetch, int) and prefetch >= 0, f"prefetch={prefetch!r} must be an integer >= 0 (0 = off)")
     check(bandwidth_gbps > 0, f"bandwidth_gbps={bandwidth_gbps!r} must be > 0 (gigabits per second)")
     check(latency_us >= 0, f"latency_us={latency_us!r} must be >= 0 (microseconds)")
+    check(isinstance(overlap, bool), f"overlap={overlap!r} must be True or False")
     target = bucket_numel(dtype, bucket_mb)
     if layout is not None:
         plan = BucketPlan.from_layout(layout)
@@ -254,14 +314,19 @@ def estimate(params: Optional[float] = None, ranks: Optional[int] = None, dtype:
         check(largest_layer is None or (isinstance(largest_layer, int) and 1 <= largest_layer <= psi),
               f"largest_layer={largest_layer!r} must be an integer in 1..params ({psi})")
         plan = plan_buckets(psi, ranks, target, layers, largest_layer, align)
-    check(in_flight is None or (isinstance(in_flight, int) and in_flight >= 1),
-          f"in_flight={in_flight!r} must be an integer >= 1 (or None: all buckets)")
-    flight = plan.num_buckets if in_flight is None else min(in_flight, plan.num_buckets)
+    check(in_flight is None or (isinstance(in_flight, int) and not isinstance(in_flight, bool) and in_flight >= 0),
+          f"in_flight={in_flight!r} must be an integer >= 0 (reductions pending at once; "
+          f"default: the engine's cap, {engine.MAX_PENDING_REDUCES})")
+    check(overlap or in_flight is None, f"in_flight={in_flight!r} has no effect with overlap off "
+                                        "(every reduction is waited for as it starts); leave it out")
+    pending = (engine.MAX_PENDING_REDUCES if in_flight is None else in_flight) if overlap else 0
     stages = []
     for s in STAGES:
-        row = _stage_row(s, plan, itemsize, micro_batches, prefetch, flight, bandwidth_gbps, latency_us)
-        best = _stage_row(s, plan, itemsize, micro_batches, prefetch, 1, bandwidth_gbps, latency_us)
-        row["total_bytes_one_in_flight"] = best["total_bytes"]
+        row = _stage_row(s, plan, itemsize, micro_batches, prefetch, overlap, pending, bandwidth_gbps, latency_us)
+        best = _stage_row(s, plan, itemsize, micro_batches, prefetch, overlap, 0, bandwidth_gbps, latency_us)
+        row["buffer_bytes_best_case"] = best["buffer_bytes"]
+        row["total_bytes_best_case"] = best["total_bytes"]
+        row["total_bytes_one_in_flight"] = best["total_bytes"]   # the best case's name before the cap
         stages.append(row)
     return {
         "params": plan.params_numel,
@@ -273,8 +338,10 @@ def estimate(params: Optional[float] = None, ranks: Optional[int] = None, dtype:
         "buckets": plan.num_buckets,
         "largest_bucket_bytes": itemsize * plan.largest(1),
         "prefetch": prefetch,
+        "overlap": overlap,
         "micro_batches": micro_batches,
-        "in_flight": flight,
+        "in_flight": pending,
+        "engine_max_pending": engine.MAX_PENDING_REDUCES,
         "bandwidth_gbps": bandwidth_gbps,
         "latency_us": latency_us,
         "stages": stages,
@@ -306,7 +373,6 @@ def format_table(est: dict) -> str:
     dec = lambda b: f"{b / big:12.4f}"
     binary = lambda b: f"{b / bin_:12.4f}"
     line = lambda label, cells: f"  {label:<28}" + "".join(f"{c:>14}" for c in cells)
-    num = lambda key, f=dec: line("", [f(r[key]) for r in rows])
     out = [f"zerompi.estimate: Ψ = {est['params']:,} parameters, N = {est['ranks']} ranks, {est['dtype']} storage, "
            f"AdamW with an fp32 master ({unit} = {big:,.0f} bytes)",
            line(f"bytes per rank, {unit}", [f"stage {r['stage']}" for r in rows])]
@@ -317,29 +383,42 @@ def format_table(est: dict) -> str:
     out.append(line(f"model states, {bunit}", [binary(r["model_state_bytes"]) for r in rows]))
     out.append(line("formula", [r["formula"] for r in rows]))
     labels = {"grad_buckets": "gradient buckets", "gathered_params": "gathered layers (stage 3)",
-              "grad_accumulator": "micro-batch accumulator", "comm_scratch": "reduce-scatter scratch"}
+              "spare_buffers": "spare bucket buffers", "grad_accumulator": "micro-batch accumulator",
+              "comm_scratch": "reduce-scatter scratch"}
     for key in BUFFER_ROWS:
         out.append(line(f"+ {labels[key]}", [dec(r["buffers"][key]) if r["buffers"][key] else "-" for r in rows]))
-    pending = "all" if est["in_flight"] == est["buckets"] else f"{est['in_flight']:,}"
-    out.append(line(f"total ({pending} pending), {unit}", [dec(r["total_bytes"]) for r in rows]))
-    out.append(line(f"total ({pending} pending), {bunit}", [binary(r["total_bytes"]) for r in rows]))
-    if est["in_flight"] > 1:
-        out.append(line(f"total (1 pending), {unit}", [dec(r["total_bytes_one_in_flight"]) for r in rows]))
+    pending = est["in_flight"]
+    out.append(line(f"total ({pending:,} pending), {unit}", [dec(r["total_bytes"]) for r in rows]))
+    out.append(line(f"total ({pending:,} pending), {bunit}", [binary(r["total_bytes"]) for r in rows]))
+    if pending > 0:
+        out.append(line(f"total (best case), {unit}", [dec(r["total_bytes_best_case"]) for r in rows]))
     out.append(line(f"communication per step, {unit}", [dec(r["comm_bytes_per_step"]) for r in rows]))
     out.append(line("collective calls per step", [f"{r['comm_calls_per_step']:,}" for r in rows]))
     out.append(line("communication time, s", [f"{r['comm_seconds_per_step']:.4f}" for r in rows]))
     padding = est["padded_params"] - est["params"]
     out += ["",
             f"layout: {est['buckets']:,} buckets of up to {est['bucket_numel']:,} elements ({est['bucket_mb']:g} MiB), "
-            f"{padding:,} padding elements; pending: gradient reductions in flight at once"
-            + (" (all: the worst case, as the engine sets no bound on them)" if pending == "all" else "")
-            + f"; stage-3 prefetch {est['prefetch']}; {est['micro_batches']} micro-batch(es)",
+            f"{padding:,} padding elements; stage-3 prefetch {est['prefetch']}; "
+            f"{est['micro_batches']} micro-batch(es)",
+            _pending_note(est),
             f"communication: ring volumes, (N-1)/N of the buffer per pass; time = calls x (N-1) x "
             f"{est['latency_us']:g} us + bytes / {est['bandwidth_gbps']:g} Gbit/s",
             f"stage 3 moves 3 passes per micro-batch (gather forward, gather backward, reduce-scatter); the engine "
             f"keeps the buckets it holds gathered across each forward/backward turn, so it sends up to "
             f"{rows[3]['comm_bytes_kept_at_turns']:,} bytes less than that"]
     return "\n".join(out)
+
+
+def _pending_note(est: dict) -> str:
+    """The footer line that says which bound on pending reductions the totals assume."""
+    cap, pending = est["engine_max_pending"], est["in_flight"]
+    if not est["overlap"]:
+        return ("overlap off: every collective is waited for as it starts, so no reduction is pending when the "
+                "next bucket's gradients arrive (the best case)")
+    whose = (f"the engine's cap (MAX_PENDING_REDUCES = {cap})" if pending == cap
+             else f"--in-flight {pending}; the engine's cap is {cap}")
+    return (f"pending: gradient reductions still in flight when the next bucket's gradients arrive, at most "
+            f"{pending}: {whose}; best case: none pending (each reduction done before the next bucket fills)")
 
 
 def run_estimate(metrics: dict, **overrides) -> dict:
@@ -350,35 +429,36 @@ def run_estimate(metrics: dict, **overrides) -> dict:
     layers = cfg.get("depth") if cfg.get("model") == "mlp" else None
     kwargs = dict(params=metrics["params"], ranks=metrics["world_size"], dtype=metrics["dtype"],
                   bucket_mb=zero.get("bucket_mb", ZeroConfig.bucket_mb), layers=layers,
-                  micro_batches=zero.get("micro_batches", 1),
-                  # overlap off waits for every gather at once: nothing is prefetched
-                  prefetch=zero.get("prefetch", DEFAULT_PREFETCH) if zero.get("overlap", True) else 0,
-                  align=zero.get("align", ZeroConfig.align))
+                  micro_batches=zero.get("micro_batches", 1), prefetch=zero.get("prefetch", DEFAULT_PREFETCH),
+                  overlap=zero.get("overlap", True), align=zero.get("align", ZeroConfig.align))
     kwargs.update(overrides)
     return estimate(**kwargs)
 
 
 def compare_run(est: dict, metrics: dict) -> dict:
-    """Measured bytes of a run beside the estimate for its stage (buffers: worst and best case)."""
+    """Measured bytes of a run beside the estimate for its stage (buffers: at the cap and the best case)."""
     row = est["stages"][metrics["stage"]]
     mem = metrics["memory_bytes"]
     measured = {"params_bytes": mem["params"], "grads_bytes": mem["grads"], "optimizer_bytes": mem["optimizer"],
                 "model_state_bytes": mem["total"], "buffer_bytes": metrics["peak_buffer_bytes"],
                 "total_bytes": mem["total"] + metrics["peak_buffer_bytes"],
                 "comm_bytes_per_step": metrics["comm_bytes_per_step"]}
-    best = row["total_bytes_one_in_flight"]
+    best = {"buffer_bytes": row["buffer_bytes_best_case"], "total_bytes": row["total_bytes_best_case"]}
     return {"stage": metrics["stage"], "measured": measured, "estimate": {k: row[k] for k in measured},
-            "estimate_one_in_flight": {"buffer_bytes": best - row["model_state_bytes"], "total_bytes": best}}
+            "estimate_best_case": best, "estimate_one_in_flight": best}   # the latter: its name before the cap
 
 
-def format_compare(cmp: dict) -> str:
+def format_compare(cmp: dict, est: dict) -> str:
     lines = [f"measured in the run (stage {cmp['stage']}) beside the estimate for its configuration, bytes per rank",
-             f"  {'':22}{'measured':>14}{'estimate':>14}{'difference':>12}{'1 pending':>14}"]
+             f"  {'':22}{'measured':>14}{'estimate':>14}{'difference':>12}{'best case':>14}"]
     for key, m in cmp["measured"].items():
         e = cmp["estimate"][key]
-        best = cmp["estimate_one_in_flight"].get(key)
+        best = cmp["estimate_best_case"].get(key)
         lines.append(f"  {key:22}{m:>14,}{e:>14,}{m - e:>12,}" + (f"{best:>14,}" if best is not None else ""))
-    lines.append("  (estimate: every bucket's reduction pending at once, the worst case; 1 pending: the best case)")
+    bound = (f"up to {est['in_flight']} reductions pending while the next bucket fills"
+             if est["overlap"] else "overlap off, no reduction pending while the next bucket fills")
+    lines.append(f"  (estimate: {bound}, the most a rank holds; best case: each reduction done before the next "
+                 "bucket fills)")
     return "\n".join(lines)
 
 
@@ -398,8 +478,11 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--largest-layer", type=parse_count, help="parameters of the largest layer")
     p.add_argument("--prefetch", type=int, default=DEFAULT_PREFETCH, help="stage-3 buckets gathered ahead")
     p.add_argument("--micro-batches", type=int, default=1)
-    p.add_argument("--in-flight", type=int, default=None,
-                   help="buckets whose reduction is pending at once (default: all, the worst case)")
+    p.add_argument("--in-flight", type=int, default=None, metavar="K",
+                   help="gradient reductions still pending when the next bucket's gradients arrive, at most "
+                        f"(default: the engine's cap, {engine.MAX_PENDING_REDUCES}; 0: the best case)")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="as zerompi.train --no-overlap: every collective waited for as it starts")
     p.add_argument("--bandwidth-gbps", type=float, default=100.0, help="link bandwidth, gigabits per second")
     p.add_argument("--latency-us", type=float, default=5.0, help="latency per message, microseconds")
     p.add_argument("--json", metavar="PATH", help="also write the table as JSON")
@@ -413,7 +496,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         a = build_parser().parse_args(argv)
         largest = None if a.largest_layer is None else int(a.largest_layer)
         opts = dict(bucket_mb=a.bucket_mb, prefetch=a.prefetch, micro_batches=a.micro_batches,
-                    in_flight=a.in_flight, bandwidth_gbps=a.bandwidth_gbps, latency_us=a.latency_us)
+                    in_flight=a.in_flight, bandwidth_gbps=a.bandwidth_gbps, latency_us=a.latency_us,
+                    overlap=not a.no_overlap)
         if a.from_run:
             try:
                 with open(a.from_run) as f:
@@ -435,7 +519,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(format_table(est))
     if cmp is not None:
         print()
-        print(format_compare(cmp))
+        print(format_compare(cmp, est))
         est = dict(est, from_run=cmp)
     if a.json:
         with open(a.json, "w") as f:
