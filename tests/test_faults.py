@@ -19,8 +19,8 @@ from tests.mpirun import ROOT, mpiexec, run_mpi, run_train
 from zerompi.config import ZeroConfig
 from zerompi.consistency import _ranks, mismatch_message, flatten
 from zerompi.errors import EXIT_TIMEOUT, ConfigError
-from zerompi.faults import Fault, GradientGuard, parse_fault, range_limit
-from zerompi.watchdog import TIMEOUT_ENV, WaitRecord, Watchdog, default_timeout_s
+from zerompi.faults import Fault, GradientGuard, InjectedFault, parse_fault, range_limit
+from zerompi.watchdog import TIMEOUT_ENV, WaitRecord, Watchdog, default_timeout_s, describe_wait, watched
 
 SMALL = ["--model", "mlp", "--width", "32", "--depth", "3", "--batch", "12", "--bucket-mb", "0.002"]
 TIMEOUT_S = 5      # the watchdog's timeout in these jobs: short, so a hang ends fast
@@ -58,6 +58,69 @@ def test_fault_on_one_rank_ends_the_job(kind):
         assert ("reduce_scatter of bucket" in line or "all_gather of bucket" in line), line
         assert "at step 3" in line and f"timeout {TIMEOUT_S} s" in line
         assert line.startswith("zerompi: rank 0:") or line.startswith("zerompi: rank 2:"), line
+
+
+# ---- faults outside the step: every collective of the job is watched --------------------------
+FAST_TIMEOUT_S = 2   # the watchdog's timeout in the tests below
+FAST_LIMIT = 60      # without the watchdog these jobs hang: the subprocess timeout fails the test
+
+
+def _timeout_line(err: str) -> str:
+    lines = [l for l in err.splitlines() if "collective timeout" in l]
+    assert lines, err
+    waited = float(lines[0].split("waited ")[1].split(" s in ")[0])
+    assert FAST_TIMEOUT_S <= waited < FAST_TIMEOUT_S + 1.5, lines[0]   # fired on time, not late
+    assert f"timeout {FAST_TIMEOUT_S} s" in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("fault, op", [("hang@rank1:step2:save", "checkpoint save: "),
+                                       ("exit@rank1:step2:save", None),
+                                       ("hang@rank1:step2:metrics", "final metrics: all-reduce (max)")])
+def test_fault_outside_the_step_ends_the_job(tmp_path, fault, op):
+    """A rank that hangs (or exits) right before a checkpoint save or the final metrics: the
+    others' watchdogs name the operation and end the job (status 3), or mpiexec ends it."""
+    flags = ["--stage", "3", "--steps", "2", "--timeout-s", FAST_TIMEOUT_S, "--save-dir", tmp_path / "ck"]
+    proc = run_mpi(3, train_args(*flags), timeout=FAST_LIMIT, env=env_with(ZEROMPI_FAULT=fault), check=False)
+    err = proc.stderr
+    where = "the checkpoint save's" if fault.endswith("save") else "the final metrics'"
+    assert f"injected fault '{fault.split('@')[0]}' on rank 1 at step 2, before {where} first collective" in err
+    assert not (tmp_path / "ck" / "latest").exists() or fault.endswith("metrics")
+    if op is None:                               # os._exit: mpiexec sees it and ends the others
+        assert proc.returncode in (1, 9), err
+        return
+    assert proc.returncode == EXIT_TIMEOUT, err
+    line = _timeout_line(err)
+    assert f"in {op}" in line and "at step 2" in line, line
+    assert line.startswith("zerompi: rank 0:") or line.startswith("zerompi: rank 2:"), line
+
+
+HANG_BEFORE = """
+import sys, time
+from mpi4py import MPI
+from zerompi import ZeroConfig, ZeroEngine
+from zerompi.models.mlp import MLP
+comm = MPI.COMM_WORLD
+what, ck = sys.argv[1], sys.argv[2]
+comm.Barrier()                     # start together: uneven start-up is not what is tested
+engine = ZeroEngine(MLP(16, 3).init_layers(), ZeroConfig(stage=3, bucket_mb=0.0005, timeout_s=float(sys.argv[3])))
+if what == "load":
+    engine.save(ck)
+if comm.rank == 1:
+    time.sleep(3600)               # never joins the collective below
+engine.full_parameters() if what == "full_parameters" else engine.load(ck)
+"""
+
+
+@pytest.mark.parametrize("what, op", [("full_parameters", "gather_master (fp32 all-gather) of bucket 0 at step 0"),
+                                      ("load", "checkpoint load: agreement on the manifest and checksums")])
+def test_hang_before_a_library_collective_ends_the_job(tmp_path, what, op):
+    """The library path: engine.full_parameters() and engine.load() are watched too."""
+    proc = run_mpi(3, ["-c", HANG_BEFORE, what, tmp_path / "ck", FAST_TIMEOUT_S], timeout=FAST_LIMIT,
+                   env=env_with(), check=False)
+    assert proc.returncode == EXIT_TIMEOUT, proc.stderr
+    line = _timeout_line(proc.stderr)
+    assert f"in {op} (timeout" in line, line
 
 
 def test_config_mismatch_mpmd_ends_at_once():
@@ -164,8 +227,37 @@ def test_bad_fault_grammar_is_a_config_error(text):
 
 
 def test_fault_grammar_parses():
-    assert parse_fault("hang@rank1:step3") == Fault("hang", 1, 3)
+    assert parse_fault("hang@rank1:step3") == Fault("hang", 1, 3) == Fault("hang", 1, 3, "backward")
     assert str(parse_fault(" nan@rank12:step40 ")) == "nan@rank12:step40"
+    assert parse_fault("exit@rank0:step2:save") == Fault("exit", 0, 2, "save")
+    assert str(parse_fault("hang@rank2:step5:metrics")) == "hang@rank2:step5:metrics"
+    for bad in ("nan@rank1:step2:save", "hang@rank1:step2:load", "hang@rank1:step2:"):
+        with pytest.raises(ConfigError, match="POINT one of backward"):
+            parse_fault(bad)
+
+
+def test_fault_points_fire_only_where_asked():
+    """Unit: a save/metrics fault never fires in the backward, and only at its own step and point."""
+    g = GradientGuard(rank=1, dtype=np.float32, max_skipped_steps=3, fault=Fault("raise", 1, 2, "save"))
+    g.on_grads(2, 0, {"w": np.ones(2, np.float32)})
+    g.at("metrics", 2)
+    g.at("save", 1)
+    with pytest.raises(InjectedFault, match="on rank 1 at step 2, before the checkpoint save's first collective"):
+        g.at("save", 2)
+
+
+def test_watched_labels_name_the_operation_and_step():
+    record = WaitRecord()
+    comm = type("C", (), {"waiting": record})()
+    with watched(comm, "checkpoint save: gather of shard entries", 7):
+        op, tag, _ = record.current
+    assert describe_wait(op, tag, step=99) == "checkpoint save: gather of shard entries at step 7"
+    with watched(comm, "checkpoint load: agreement"):
+        op, tag, _ = record.current
+    assert describe_wait(op, tag, step=99) == "checkpoint load: agreement"    # not the watchdog's step
+    assert describe_wait("all_gather", (4, 7), None) == "all_gather of bucket 4 at step 7"
+    with watched(object(), "a bare mpi4py communicator: not timed"):
+        assert record.current is None
 
 
 def test_bad_fault_env_exits_2_with_one_line():

@@ -29,6 +29,7 @@ import numpy as np
 
 from .errors import ConfigError
 from .layout import Bucket, ParamRange
+from .watchdog import watched
 
 FORMAT = "zerompi-checkpoint"
 FORMAT_VERSION = 1
@@ -86,14 +87,18 @@ def save(engine, directory: str, extra_state: Optional[dict] = None) -> str:
     ``engine.steps_taken``. ``extra_state``: JSON-able dict stored as ``manifest["extra"]``.
     Returns the new checkpoint's directory. Every rank sees ``directory`` (a shared file system).
     """
-    mpi, rank, step = engine.comm.mpi, engine.rank, engine.steps_taken
+    comm, rank, step = engine.comm, engine.rank, engine.steps_taken
+    mpi = comm.mpi
+    engine._guard.at("save", step)        # ZEROMPI_FAULT=KIND@rankR:stepS:save (faults.py)
     tmp = err = None
     if rank == 0:
         try:
             tmp = _make_temp_dir(directory, step)
         except OSError as e:
             err = f"cannot create a checkpoint in {directory}: {e}"
-    tmp, err = mpi.bcast((tmp, err), root=0)
+    # Each collective is timed by the watchdog: a rank that dies or hangs in a save ends the job.
+    with watched(comm, "checkpoint save: broadcast of the temporary directory", step):
+        tmp, err = mpi.bcast((tmp, err), root=0)
     if err:
         raise CheckpointError(err)
     entry = err = None
@@ -102,7 +107,8 @@ def save(engine, directory: str, extra_state: Optional[dict] = None) -> str:
     except OSError as e:
         err = f"rank {rank} could not write its shard in {tmp}: {e}"
     _crash_point("after_shards", step)
-    entries = mpi.gather((entry, err), root=0)
+    with watched(comm, "checkpoint save: gather of shard entries", step):
+        entries = mpi.gather((entry, err), root=0)
     result = None
     if rank == 0:
         errors = [e for _, e in entries if e]
@@ -111,7 +117,8 @@ def save(engine, directory: str, extra_state: Optional[dict] = None) -> str:
                 (_publish(engine, directory, tmp, [e for e, _ in entries], extra_state), None)
         except OSError as e:
             result = (None, f"cannot finish the checkpoint {tmp}: {e}")
-    path, err = mpi.bcast(result, root=0)
+    with watched(comm, "checkpoint save: broadcast of the result (manifest written, latest moved)", step):
+        path, err = mpi.bcast(result, root=0)
     if err:
         raise CheckpointError(err)
     return path
@@ -330,7 +337,7 @@ def load(engine, path: str) -> LoadInfo:
     loss scaler, then republishes the stored parameters from the master. The ranks share the
     checksumming and agree on one verdict: on bad input every rank raises CheckpointError.
     """
-    mpi = engine.comm.mpi
+    comm = engine.comm
     ckpt = manifest = saved = None
     try:
         ckpt = resolve(path)
@@ -341,12 +348,12 @@ def load(engine, path: str) -> LoadInfo:
         err = None
     except Exception as e:  # any failure must reach the agreement below, or the other ranks hang
         err = str(e) if isinstance(e, CheckpointError) else f"{path}: {type(e).__name__}: {e}"
-    _agree(mpi, err)
+    _agree(comm, err, "checkpoint load: agreement on the manifest and checksums")
     try:
         nbytes, err = _restore(engine, ckpt, saved), None
     except Exception as e:
         nbytes, err = 0, f"{ckpt}: reading the shards failed on rank {engine.rank}: {type(e).__name__}: {e}"
-    _agree(mpi, err)
+    _agree(comm, err, "checkpoint load: agreement on the shard reads")
     engine.steps_taken = manifest["step"]
     engine.step_count = manifest["optimizer"]["step"]
     if manifest["dtype"] == engine.config.dtype:   # fp32 runs have no loss scale to carry over
@@ -355,9 +362,13 @@ def load(engine, path: str) -> LoadInfo:
     return LoadInfo(ckpt, manifest, nbytes)
 
 
-def _agree(mpi, err: Optional[str]) -> None:
-    """One small collective: if any rank failed, every rank raises the first failure (in rank order)."""
-    errors = mpi.allgather(err)
+def _agree(comm, err: Optional[str], op: str) -> None:
+    """One small collective: if any rank failed, every rank raises the first failure (in rank order).
+
+    ``comm``: the engine's Communicator; the all-gather is timed by the watchdog as ``op``.
+    """
+    with watched(comm, op):
+        errors = comm.mpi.allgather(err)
     first = next((e for e in errors if e), None)
     if first:
         raise CheckpointError(first)
@@ -418,7 +429,7 @@ def _restore(engine, ckpt: str, saved: SavedLayout) -> int:
     return nbytes
 
 
-# ---- offline tools (one process, no MPI) ---------------------------------------------
+# ---- offline tools (one process, no MPI, so no collective and no watchdog) ------------
 def consolidate(path: str, out: str) -> Dict[str, np.ndarray]:
     """Write the full fp32 parameters by name to ``out`` (.npz) and return them.
 

@@ -9,11 +9,11 @@ then every rank raises the same MismatchError (a ConfigError: exit status 2).
 """
 import hashlib
 import json
-from contextlib import nullcontext
 from dataclasses import asdict
 from typing import Any, Dict, List, Mapping
 
 from .errors import MismatchError
+from .watchdog import watched
 
 MAX_FIELDS_SHOWN = 5    # differing fields named in the message; the rest are counted
 MAX_VALUE_CHARS = 40    # longer values are cut and shown with their digest
@@ -40,16 +40,15 @@ def digest(fields: Mapping[str, str]) -> bytes:
 def check_consistent(comm, what: str, values: Mapping[str, Any]) -> None:
     """Raise MismatchError on every rank unless every rank of ``comm`` passed equal ``values``.
 
-    ``comm``: a zerompi Communicator (its wait is timed by the watchdog) or an mpi4py
-    communicator. ``what`` names the settings in the message ("train", "engine").
+    ``comm``: a zerompi Communicator (its wait is timed by the watchdog, when one runs) or an
+    mpi4py communicator (not timed). ``what`` names the settings in the message ("train", "engine").
     A collective: every rank must call it at the same point.
     """
     mpi = getattr(comm, "mpi", comm)
     if mpi.Get_size() == 1:
         return
     mine = flatten(values)
-    waiting = getattr(comm, "waiting", None)
-    with waiting("consistency_check") if waiting is not None else nullcontext():
+    with watched(comm, f"start-up consistency check ({what})"):
         digests = mpi.allgather(digest(mine))
         if all(d == digests[0] for d in digests):
             return

@@ -13,16 +13,15 @@ The model drives it layer by layer::
 
 Communication runs behind compute: collectives are non-blocking, tested (moved on) at every
 unshard, reshard and grads_ready, and waited for only when their data is read
-(docs/overlap.md). ``engine.timers`` says where the time went.
+(docs/overlap.md). ``engine.timers`` says where the time went. Parameter gathering
+(unshard, reshard, params, prefetch) lives in zerompi/unshard.py.
 
 Gradients handed back are those of this rank's micro-batch loss, times ``loss_scale``;
 the engine averages them over ranks and micro-batches.
 """
 import math
 import weakref
-from contextlib import contextmanager
 from dataclasses import dataclass
-from enum import Enum
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -37,19 +36,14 @@ from .faults import GradientGuard, fault_from_env
 from .layout import FlatLayout
 from .loss_scale import DynamicLossScaler
 from .memory import MemoryLedger, theory_bytes, theory_comm_bytes
-from .schedule import Phase, infer_phase, prefetch_window, visits_after
+from .schedule import Phase
 from .timers import StepTimers
-from .watchdog import Watchdog
+from .unshard import BucketState, UnshardMixin   # BucketState: also zerompi.engine.BucketState
+from .watchdog import Watchdog, watched
 
 F32 = np.float32
 MAX_PENDING_REDUCES = 2   # gradient reduce-scatters in flight at once (per rank)
 LayersArg = Union[Mapping[str, Mapping[str, np.ndarray]], Sequence[Tuple[str, Mapping[str, np.ndarray]]]]
-
-
-class BucketState(Enum):
-    SHARDED = "sharded"        # stage 3: only this rank's slice exists
-    GATHERING = "gathering"    # stage 3: all-gather in flight
-    UNSHARDED = "unsharded"    # whole bucket present
 
 
 @dataclass(frozen=True)
@@ -62,7 +56,7 @@ class StepResult:
     loss_scale: float    # the loss scale used for this step's gradients
 
 
-class ZeroEngine:
+class ZeroEngine(UnshardMixin):
     """ZeRO data parallelism over ``comm`` for a model given as named layers of named arrays.
 
     ``layers``: an ordered mapping (or list of pairs) layer name -> {param name -> array};
@@ -95,21 +89,17 @@ class ZeroEngine:
         self._progress_thread = None
         if self.config.progress == "thread":
             from .progress import ProgressThread
-            self._progress_thread = ProgressThread(self.comm.mpi)
+            with watched(self.comm, "progress thread: duplicating the communicator"):   # a collective
+                self._progress_thread = ProgressThread(self.comm.mpi)
         self._allocate()
         self._load_initial(pairs)
-        nb = len(self.layout.buckets)
-        self._state = [BucketState.UNSHARDED if self.config.stage < 3 else BucketState.SHARDED] * nb
-        self._gathered: Dict[int, np.ndarray] = {}     # stage 3: bucket -> whole bucket buffer
-        self._gather_handles: Dict[int, Handle] = {}   # bucket -> in-flight all-gather (stage 3, or 1/2 publish)
-        self._holds = [0] * self.layout.num_layers     # unshard() calls not yet matched by reshard()
+        self._init_unshard()                            # bucket states, gathered buckets, holds (unshard.py)
         self._staging: Dict[int, np.ndarray] = {}      # stage 2/3: bucket -> local gradient bucket
         self._spare: Dict[int, List[np.ndarray]] = {}  # released bucket buffers by length, for reuse
         self._reduce_handles: Dict[int, Handle] = {}   # bucket -> in-flight reduce-scatter
         self._ready = [False] * self.layout.num_layers # layers whose grads arrived this micro-batch
         self._bucket_pending = [len(b.layers) for b in self.layout.buckets]
         self._micro = 0                                 # micro-batches completed since the last step
-        self.peak_gathered_buckets = 0                  # stage 3: most gathered buckets alive at once
 
     # ---- set-up ------------------------------------------------------------
     def _allocate(self) -> None:
@@ -162,117 +152,10 @@ class ZeroEngine:
             return self.params_flat[bucket.world_slice(self.rank)]
         return self.params_flat[bucket.shard_slice]
 
-    def _bucket_params(self, b) -> np.ndarray:
-        """The whole bucket of stored parameters (stage 3: only while gathered)."""
-        bucket = self.layout.buckets[b]
-        if self.config.stage < 3:
-            return self.params_flat[bucket.start:bucket.stop]
-        return self._gathered[b]
-
-    def _views(self, buf, bucket_index, layer) -> Dict[str, np.ndarray]:
-        out = {}
-        for name in self.layout.layer_params[layer]:
-            pr = self.layout.params[name]
-            out[name] = buf[pr.bucket_offset:pr.bucket_offset + pr.numel].reshape(pr.shape)
-        return out
-
-    # ---- parameters for compute -------------------------------------------
-    def unshard(self, layer: int) -> Dict[str, np.ndarray]:
-        """Make layer's parameters whole on this rank and return them (views, storage dtype).
-
-        Stage 3 all-gathers the layer's bucket (every rank must call this in the same
-        order); stages 0-2 already hold them. Pair each call with :meth:`reshard`.
-        """
-        self._check_open()
-        self._check_layer(layer)
-        self._enter(infer_phase(self._phase, self._last_layer, layer))
-        self._last_layer = layer
-        b = self.layout.layer_bucket[layer]
-        if self.config.stage == 3:
-            window = self._window(layer)
-            self._free_gathered(keep=window)
-            for w in window:                 # this layer's bucket first, then the prefetches
-                if self._state[w] is BucketState.SHARDED:
-                    self._start_gather(w)
-        self._progress()
-        if self._state[b] is BucketState.GATHERING:
-            self._finish_gather(b)
-        self._holds[layer] += 1
-        return self._views(self._bucket_params(b), b, layer)
-
-    def reshard(self, layer: int) -> None:
-        """Release layer's parameters. Stage 3 frees the gathered bucket once no layer needs it."""
-        self._check_layer(layer)
-        if self._holds[layer] == 0:
-            raise UsageError(f"reshard({layer}) without a matching unshard({layer})")
-        self._holds[layer] -= 1
-        self._progress()
-
-    @contextmanager
-    def unsharded(self, layer: int):
-        """``with engine.unsharded(i) as params:`` unshard on entry, reshard on exit."""
-        params = self.unshard(layer)
-        try:
-            yield params
-        finally:
-            self.reshard(layer)
-
-    def params(self, layer: int) -> Dict[str, np.ndarray]:
-        """Layer's stored parameters (views). Stage 3: only between unshard and reshard."""
-        self._check_open()
-        self._check_layer(layer)
-        b = self.layout.layer_bucket[layer]
-        if self.config.stage == 3 and (self._holds[layer] == 0 or self._state[b] is not BucketState.UNSHARDED):
-            raise UsageError(f"stage 3: layer {layer} ({self.layout.layer_names[layer]!r}) is sharded; "
-                             "read its parameters inside engine.unsharded(layer)")
-        if self._state[b] is BucketState.GATHERING:      # stages 1/2: the step's all-gather of this bucket
-            self._finish_gather(b)
-        return self._views(self._bucket_params(b), b, layer)
-
-    # ---- the visit order: hints, direction, prefetch ------------------------------
-    def begin_forward(self) -> None:
-        """Hint: a forward pass over layers 0, 1, ... starts now (then the backward, in reverse).
-
-        Optional: without it the direction is inferred from the unshard order. Stage 3 starts
-        gathering the first buckets here (step() already did, for the first micro-batch).
-        Every rank must make the same calls.
-        """
-        self._check_open()
-        self._enter(Phase.FORWARD)
-        self._last_layer = None
-        if self.config.stage == 3 and self.config.overlap:
-            self._prefetch_forward()
-        self._progress()
-
-    def begin_backward(self) -> None:
-        """Hint: the backward pass (layers L-1, ..., 0) starts now."""
-        self._check_open()
-        self._enter(Phase.BACKWARD)
-        self._progress()
-
+    # ---- the step's phase: what the timers charge, the direction prefetch follows ----
     def _enter(self, phase: Phase) -> None:
         self._phase = phase
         self.timers.enter(phase)
-
-    def _window(self, layer: int) -> List[int]:
-        """Stage 3: the buckets to hold gathered while ``layer`` computes (at most 1 + prefetch)."""
-        lb = self.layout.layer_bucket
-        if not self.config.overlap or self.config.prefetch == 0:
-            return [lb[layer]]
-        more = self._micro + 1 < self.config.micro_batches
-        upcoming = visits_after(layer, self._phase, self.layout.num_layers, more)
-        return prefetch_window(layer, upcoming, lb, self.config.prefetch)
-
-    def _prefetch_forward(self) -> None:
-        """Stage 3: start gathering what the next forward's first layer will hold (1 + prefetch buckets)."""
-        if self.config.prefetch == 0:
-            return
-        first = prefetch_window(None, iter(range(self.layout.num_layers)), self.layout.layer_bucket,
-                                1 + self.config.prefetch)
-        self._free_gathered(keep=first)
-        for b in first:
-            if self._state[b] is BucketState.SHARDED:
-                self._start_gather(b)
 
     # ---- collectives in flight -----------------------------------------------------
     def _launch(self, start) -> Handle:
@@ -327,26 +210,6 @@ class ZeroEngine:
         for b in list(self._gather_handles):
             self._finish_gather(b)
 
-    def _start_gather(self, b: int) -> None:
-        """All-gather bucket b in place: stage 3 into a fresh bucket buffer, stages 1/2 in params_flat."""
-        bucket = self.layout.buckets[b]
-        if self.config.stage == 3:
-            buf = self._take_buffer(bucket.numel)
-            lo, hi = bucket.slice_bounds(self.rank)
-            buf[lo:hi] = self.params_flat[bucket.shard_slice]
-            self._gathered[b] = buf
-            self.peak_gathered_buckets = max(self.peak_gathered_buckets, len(self._gathered))
-        else:
-            buf = self.params_flat[bucket.start:bucket.stop]
-        self._state[b] = BucketState.GATHERING
-        self._gather_handles[b] = self._launch(lambda: self.comm.iall_gather(buf, (b, self.steps_taken + 1)))
-        if not self.config.overlap:
-            self._finish_gather(b)
-
-    def _finish_gather(self, b: int) -> None:
-        self._await(self._gather_handles.pop(b))
-        self._state[b] = BucketState.UNSHARDED
-
     def _take_buffer(self, numel: int) -> np.ndarray:
         """A transient bucket buffer (stage-3 gather, gradient staging): a released one if any.
 
@@ -364,19 +227,6 @@ class ZeroEngine:
             self._spare.setdefault(buf.size, []).append(buf)
         else:
             self.ledger.free("buffers", buf)
-
-    def _free_gathered(self, keep=()) -> None:
-        """Stage 3: drop gathered buckets outside ``keep`` that no held layer reads.
-
-        A gather still in flight is completed first (MPI writes its buffer until then).
-        """
-        for b in list(self._gathered):
-            if b in keep or any(self._holds[i] for i in self.layout.buckets[b].layers):
-                continue
-            if self._state[b] is BucketState.GATHERING:
-                self._finish_gather(b)
-            self._release_buffer(self._gathered.pop(b))
-            self._state[b] = BucketState.SHARDED
 
     # ---- gradients ----------------------------------------------------------
     def grads_ready(self, layer: int, grads: Mapping[str, np.ndarray]) -> None:
@@ -599,7 +449,8 @@ class ZeroEngine:
         host = _to_numpy(self.master)
         for bucket in lay.buckets:
             out[bucket.world_slice(self.rank)] = host[bucket.shard_slice]
-            self.comm.mpi.Allgather(MPI.IN_PLACE, out[bucket.start:bucket.stop])
+            with self.comm.waiting("gather_master (fp32 all-gather)", (bucket.index, self.steps_taken)):
+                self.comm.mpi.Allgather(MPI.IN_PLACE, out[bucket.start:bucket.stop])   # timed by the watchdog
         return out
 
     def unpadded_master(self) -> np.ndarray:

@@ -1,13 +1,20 @@
 """Faults inside a step: injected ones (tests) and non-finite gradients (detected).
 
-Injection: the environment variable ZEROMPI_FAULT=KIND@rankR:stepS makes rank R fail at
-step S (1-based, as in the progress lines), at the first gradients it hands back in that
-step (the backward of the first micro-batch, the other ranks' collectives in flight):
+Injection: the environment variable ZEROMPI_FAULT=KIND@rankR:stepS[:POINT] makes rank R
+fail at step S (1-based, as in the progress lines), at POINT:
+
+    backward  (the default) at the first gradients it hands back in step S (the backward of
+              the first micro-batch, the other ranks' collectives in flight)
+    save      right before the first collective of the checkpoint saved after step S
+    metrics   right before the first collective of the final metrics, in a run whose last
+              step is S (the metrics follow the last step and its checkpoint)
+
+and KIND says how:
 
     raise  an exception (the abort hook prints it and ends the job)
     exit   the process exits at once, without cleanup (mpiexec ends the others)
     hang   the rank sleeps forever (the others' collective watchdogs end the job)
-    nan    every gradient this rank hands back in step S is NaN
+    nan    every gradient this rank hands back in step S is NaN (backward only)
 
 Detection: :class:`GradientGuard` notes the first bucket where this rank's own gradients
 were non-finite (or beyond the storage dtype's range) as they are handed back -- two
@@ -26,11 +33,17 @@ from typing import List, Mapping, Optional, Sequence
 import numpy as np
 
 from .errors import ConfigError, NonFiniteError
+from .watchdog import watched
 
 FAULT_ENV = "ZEROMPI_FAULT"
 KINDS = ("raise", "exit", "hang", "nan")
-GRAMMAR = "KIND@rankR:stepS with KIND one of raise, exit, hang, nan, R a rank, S a step >= 1 (e.g. hang@rank1:step3)"
-_PATTERN = re.compile(r"([a-z]+)@rank(\d+):step(\d+)")
+POINTS = ("backward", "save", "metrics")   # where in step S a fault fires (module docstring)
+GRAMMAR = ("KIND@rankR:stepS[:POINT] with KIND one of raise, exit, hang, nan, R a rank, S a step >= 1, "
+           "POINT one of backward (the default), save, metrics, and nan only at backward "
+           "(e.g. hang@rank1:step3, hang@rank1:step2:save)")
+_PATTERN = re.compile(r"([a-z]+)@rank(\d+):step(\d+)(?::([a-z]+))?")
+_WHERE = {"backward": "", "save": ", before the checkpoint save's first collective",
+          "metrics": ", before the final metrics' first collective"}
 EXIT_STATUS = 1   # of the 'exit' fault
 
 
@@ -40,21 +53,28 @@ class InjectedFault(RuntimeError):
 
 @dataclass(frozen=True)
 class Fault:
-    """One injected fault: ``kind`` on rank ``rank`` at step ``step`` (1-based)."""
+    """One injected fault: ``kind`` on rank ``rank`` at step ``step`` (1-based), at ``point``."""
     kind: str
     rank: int
     step: int
+    point: str = "backward"   # one of POINTS
 
     def __str__(self) -> str:
-        return f"{self.kind}@rank{self.rank}:step{self.step}"
+        at = "" if self.point == "backward" else f":{self.point}"
+        return f"{self.kind}@rank{self.rank}:step{self.step}{at}"
 
 
 def parse_fault(text: str) -> Fault:
-    """'hang@rank1:step3' -> Fault('hang', 1, 3); ConfigError naming the value and the grammar."""
+    """'hang@rank1:step3' -> Fault('hang', 1, 3); 'hang@rank1:step2:save' -> Fault('hang', 1, 2, 'save').
+
+    ConfigError naming the value and the grammar.
+    """
     m = _PATTERN.fullmatch(text.strip())
-    if not m or m.group(1) not in KINDS or int(m.group(3)) < 1:
+    point = m and (m.group(4) or "backward")
+    if (not m or m.group(1) not in KINDS or int(m.group(3)) < 1 or point not in POINTS
+            or (m.group(1) == "nan" and point != "backward")):
         raise ConfigError(f"{FAULT_ENV}={text!r} is not a fault; use {GRAMMAR}")
-    return Fault(m.group(1), int(m.group(2)), int(m.group(3)))
+    return Fault(m.group(1), int(m.group(2)), int(m.group(3)), point)
 
 
 def fault_from_env(environ=os.environ) -> Optional[Fault]:
@@ -65,7 +85,7 @@ def fault_from_env(environ=os.environ) -> Optional[Fault]:
 
 def fire(fault: Fault) -> None:
     """Act out a raise / exit / hang fault on this rank (nan is applied by the guard)."""
-    where = f"rank {fault.rank} at step {fault.step}"
+    where = f"rank {fault.rank} at step {fault.step}{_WHERE[fault.point]}"
     if fault.kind == "raise":
         raise InjectedFault(f"injected fault 'raise' on {where} ({FAULT_ENV}={fault})")
     note = {"exit": "exiting at once without cleanup", "hang": "sleeping forever"}[fault.kind]
@@ -103,14 +123,23 @@ class GradientGuard:
         """Called with each layer's gradients before they are stored; returns the ones to store."""
         if step != self._step:          # the first gradients of a new step
             self._step, self.first_bad_bucket = step, -1
-            if self.fault is not None and self.fault.step == step and self.fault.kind != "nan":
+            if self._due("backward", step) and self.fault.kind != "nan":
                 fire(self.fault)
-        if self.fault is not None and self.fault.step == step and self.fault.kind == "nan":
+        if self._due("backward", step) and self.fault.kind == "nan":
             grads = {n: g * np.float32("nan") for n, g in grads.items()}   # NumPy or CuPy alike
         if self.first_bad_bucket < 0 or bucket < self.first_bad_bucket:
             if any(not (-self.limit < float(g.min()) and float(g.max()) < self.limit) for g in grads.values()):
                 self.first_bad_bucket = bucket     # NaN fails both comparisons
         return grads
+
+    def at(self, point: str, step: int) -> None:
+        """Act out this rank's injected fault if it is due at ``point`` (save, metrics) after ``step``."""
+        if self._due(point, step):
+            fire(self.fault)
+
+    def _due(self, point: str, step: int) -> bool:
+        f = self.fault
+        return f is not None and f.point == point and f.step == step
 
     # ---- when the all-reduced flag says non-finite --------------------------------
     def on_skip(self, step: int, comm, reduced_slices: Sequence[np.ndarray], loss_scale: float) -> None:
@@ -136,7 +165,8 @@ class GradientGuard:
         local = self.first_bad_bucket if self._step == step else -1
         reduced = next((b for b, g in enumerate(reduced_slices) if not _all_finite(g)), -1)
         mpi = getattr(comm, "mpi", comm)
-        table: List[tuple] = mpi.allgather((local, reduced))
+        with watched(comm, "non-finite gradient report: all-gather of where they were", step):
+            table: List[tuple] = mpi.allgather((local, reduced))
         bad = [(b, r) for r, (b, _) in enumerate(table) if b >= 0]
         if bad:
             b, r = min(bad)

@@ -5,6 +5,7 @@ import json
 import statistics
 import sys
 import time
+from contextlib import closing
 from dataclasses import dataclass, fields
 from typing import List, Optional
 
@@ -13,7 +14,7 @@ import numpy as np
 from .config import DTYPES, STAGES, ZeroConfig
 from .errors import ConfigError, JobError, agree_on_errors, check, install_abort_hook
 from .faults import fault_from_env
-from .watchdog import StopSignal
+from .watchdog import StopSignal, Watchdog, watched
 
 MODELS = ("gpt", "mlp")
 # Per-model defaults of the fields left as None: the GPT needs more steps than the MLP's 30 to learn.
@@ -192,7 +193,9 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None) -> dict:
     from .report import comm_table, memory_table, mpi_library, print0
 
     comm = Communicator(mpi_comm)
-    check_consistent(comm, "train", job_fields(cfg))   # ranks given other flags stop here, not in a collective
+    # The engine's watchdog starts with the engine and times every later wait; this one times the check.
+    with closing(Watchdog(comm.waiting, cfg.zero.timeout_s, comm.rank, comm.mpi)):
+        check_consistent(comm, "train", job_fields(cfg))   # ranks given other flags stop here, not in a collective
     cfg.check_world(comm.size)
     model, data = build_model(cfg)
     engine = ZeroEngine(model.init_layers(), cfg.zero, comm)
@@ -265,7 +268,7 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None) -> dict:
             print0(comm.mpi, f"zerompi.train: stopped by {stop.received or 'a signal on another rank'} "
                              f"after step {step + 1} of {cfg.steps}; {saved}")
             break
-    metrics = _metrics(cfg, engine, comm, losses, times, comm_bytes)
+    metrics = _metrics(cfg, engine, comm, losses, times, comm_bytes)   # before engine.close(): still watched
     metrics["first_step"] = start                   # losses[i] is the loss of step first_step + i
     metrics["time_breakdown_s"], metrics["comm_hidden_fraction"] = summarize(parts, times)
     metrics["peak_gathered_buckets"] = engine.peak_gathered_buckets
@@ -328,9 +331,20 @@ def _resume(engine, cfg: TrainConfig) -> int:
 
 
 def _metrics(cfg, engine, comm, losses, times, comm_bytes) -> dict:
+    """The run's metrics (a collective: its all-reduces are timed by the engine's watchdog)."""
     from mpi4py import MPI
+    step = engine.steps_taken
+    engine._guard.at("metrics", step)          # ZEROMPI_FAULT=KIND@rankR:stepS:metrics (faults.py)
     report = engine.memory_report()
-    mem = {k: comm.mpi.allreduce(v, op=MPI.MAX) for k, v in report["measured"].items()}
+    names = list(report["measured"])
+    top = np.array([report["measured"][k] for k in names] + [report["peak_buffers"]["bytes"], max(comm_bytes)],
+                   np.int64)
+    # The buffer form, not mpi4py's pickled allreduce: that one holds the GIL while it waits
+    # (measured, mpi4py 4.1), so the watchdog thread could never run and a hang here would be forever.
+    with watched(comm, "final metrics: all-reduce (max) of memory and traffic bytes", step):
+        comm.mpi.Allreduce(MPI.IN_PLACE, top, op=MPI.MAX)
+    mem = {k: int(v) for k, v in zip(names, top)}
+    peak, traffic = int(top[-2]), int(top[-1])
     master = engine.unpadded_master()
     return {
         "world_size": comm.size,
@@ -344,8 +358,8 @@ def _metrics(cfg, engine, comm, losses, times, comm_bytes) -> dict:
         "memory_bytes": mem,
         "theory_bytes": report["theory"],
         "theory_bytes_padded": report["theory_padded"],
-        "peak_buffer_bytes": comm.mpi.allreduce(report["peak_buffers"]["bytes"], op=MPI.MAX),
-        "comm_bytes_per_step": comm.mpi.allreduce(max(comm_bytes), op=MPI.MAX),
+        "peak_buffer_bytes": peak,
+        "comm_bytes_per_step": traffic,
         "comm_theory_bytes_per_step": engine.comm_theory_bytes(),
         "step_time_s": statistics.median(times),
         "steps_applied": engine.step_count,

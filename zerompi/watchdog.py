@@ -8,6 +8,10 @@ operation, bucket, step and timeout and aborts the job. Only time spent waiting 
 collective counts: a long compute (a first step that compiles, a big model) never trips
 it, and every rank that is stuck ends by itself, whichever rank caused it.
 
+Blocking MPI calls made directly on the mpi4py communicator (checkpoint protocol, final
+metrics, full parameters, the consistency check) go under the same record with
+:func:`watched`, so no collective of a job is left untimed (docs/failures.md).
+
 The stop signal: SIGTERM or SIGINT sets a flag that the training loop adds to its per-step
 all-reduce, so every rank stops after the same step (docs/failures.md).
 """
@@ -16,6 +20,7 @@ import signal
 import sys
 import threading
 import time
+from contextlib import nullcontext
 from typing import Callable, Optional
 
 from .errors import EXIT_TIMEOUT, ConfigError, abort_job
@@ -74,7 +79,9 @@ class WaitRecord:
 def describe_wait(op: str, tag, step: Optional[int]) -> str:
     """'reduce_scatter of bucket 2 at step 7' from a WaitRecord entry.
 
-    ``tag``: None, a bucket index, or (bucket, step) as the engine labels its collectives.
+    ``tag``: None, a bucket index, or (bucket, step) as the engine labels its collectives;
+    (None, step) for a wait outside any bucket, (None, None) for one the step does not name.
+    Only a bare None or bucket index lets the watchdog's ``step()`` fill in the step.
     """
     bucket = None
     if isinstance(tag, tuple):
@@ -83,6 +90,20 @@ def describe_wait(op: str, tag, step: Optional[int]) -> str:
         bucket = tag
     where = f"{op} of bucket {bucket}" if bucket is not None else op
     return f"{where} at step {step}" if step is not None else where
+
+
+def watched(comm, op: str, step: Optional[int] = None):
+    """``with watched(comm, op, step):`` around a blocking MPI call made directly on the mpi4py
+    communicator, so the collective watchdog times it and its message names ``op`` (at ``step``).
+
+    ``comm``: a zerompi Communicator (its WaitRecord). A bare mpi4py communicator has none:
+    the call is then not timed. ``step``: the step the message names, None for none.
+    The call must release the GIL while it waits, or this thread never runs: buffer
+    collectives and mpi4py's pickled bcast/gather/allgather do; its pickled allreduce and
+    reduce do not (measured, docs/failures.md).
+    """
+    record = getattr(comm, "waiting", None)
+    return nullcontext() if record is None else record(op, (None, step))
 
 
 class Watchdog:
