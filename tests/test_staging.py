@@ -162,6 +162,17 @@ def test_staged_collectives_equal_the_host_ones(n):
     assert footer["staged"]["to_host_bytes"] > 0 and footer["staged"]["to_device_bytes"] > 0
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_engine_on_the_staged_communicator_matches_the_host_one(n):
+    """The engine uses nothing of the Communicator that staging lacks, and every stage trains
+    to the same bits through it (tests/drivers/staged_engine.py)."""
+    from tests.mpirun import ROOT, run_mpi
+    proc = run_mpi(n, [ROOT / "tests" / "drivers" / "staged_engine.py"], timeout=120)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 8, proc.stdout
+    assert all(r["ranks_differing"] == 0 and r["trained"] and r["staged_bytes"] > 0 for r in rows), rows
+
+
 class FakeComm:
     """What device.place asks of an MPI communicator (a node of `size` ranks)."""
 

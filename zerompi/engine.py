@@ -66,7 +66,8 @@ class ZeroEngine(UnshardMixin):
 
     def __init__(self, layers: LayersArg, config: Optional[ZeroConfig] = None, comm=None, xp=np):
         self.config = config or ZeroConfig()
-        self.comm = comm if isinstance(comm, Communicator) else Communicator(comm)
+        # A Communicator, or one with its interface (staging.StagedCommunicator); else an mpi4py communicator.
+        self.comm = comm if hasattr(comm, "ireduce_scatter") else Communicator(comm)
         self.xp = xp
         self.rank, self.world_size = self.comm.rank, self.comm.size
         self.optimizer_impl = optim.use_impl(self.config.optimizer_impl, xp, verbose=self.rank == 0)  # "fused"/"numpy"

@@ -85,8 +85,12 @@ def use_impl(name: str, xp=np, verbose: bool = True) -> str:
     chosen = (adamw_reference, grad_stats_reference, comm.sum_rows_reference)
     if name != "numpy":
         if on_gpu:
+            # The reduce-scatter's sum runs on the host (staging.py stages device buffers through
+            # pinned host memory): the C sum when it builds, else the reference; same bits either way.
+            from . import fused_cpu
             from . import kernels_gpu as kernels
-            fused = (kernels.adamw_fused_gpu, kernels.grad_stats_fused_gpu, comm.sum_rows_reference)
+            host_sum = fused_cpu.sum_rows_fused_cpu if not fused_cpu.unavailable_reason() else comm.sum_rows_reference
+            fused = (kernels.adamw_fused_gpu, kernels.grad_stats_fused_gpu, host_sum)
         else:
             from . import fused_cpu as kernels
             fused = (kernels.adamw_fused_cpu, kernels.grad_stats_fused_cpu, kernels.sum_rows_fused_cpu)

@@ -11,7 +11,8 @@ from typing import List, Optional
 
 import numpy as np
 
-from .config import DTYPES, STAGES, ZeroConfig
+from .config import ZeroConfig
+from .device import DEVICES
 from .errors import ConfigError, JobError, agree_on_errors, check, install_abort_hook
 from .faults import fault_from_env
 from .watchdog import StopSignal, Watchdog, watched
@@ -63,11 +64,16 @@ class TrainConfig:
     resume: Optional[str] = None
     """Resume from this checkpoint (a save_dir, whose ``latest`` is used, or one step_NNNNNN/ directory);
     the world size, stage and bucket size may differ from the saving run's."""
+    device: str = "cpu"
+    """Where the engine's buffers and the model's compute live: cpu (NumPy), gpu (CuPy; rank r binds GPU
+    local rank mod GPUs) or auto (gpu when CuPy sees one). cpu is the default until the GPU path has
+    passed scripts/gpu_check.sh on a GPU."""
     zero: ZeroConfig = ZeroConfig()
     """Engine configuration."""
 
     def __post_init__(self):
         check(self.model in MODELS, f"model={self.model!r} is not allowed; use one of {', '.join(MODELS)}")
+        check(self.device in DEVICES, f"device={self.device!r} is not allowed; use one of {', '.join(DEVICES)}")
         for name, value in MODEL_DEFAULTS[self.model].items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
@@ -145,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, default=TrainConfig.save_every, metavar="K",
                    help="also save every K steps (needs --save-dir)")
     p.add_argument("--resume", default=None, metavar="DIR", help="resume from a checkpoint (any world size/stage)")
+    p.add_argument("--device", default=TrainConfig.device,
+                   help="cpu (NumPy), gpu (CuPy, GPU local-rank mod GPUs) or auto (gpu when CuPy sees one)")
     p.add_argument("--timeout-s", type=float, default=None, metavar="S",
                    help="abort the job when one collective waits longer (default: $ZEROMPI_TIMEOUT_S or 300)")
     p.add_argument("--max-skipped-steps", type=int, default=ZeroConfig.max_skipped_steps, metavar="K",
@@ -164,25 +172,26 @@ def parse_config(argv: Optional[List[str]] = None) -> TrainConfig:
                        n_layer=a.n_layer, n_head=a.n_head, d_model=a.d_model, seq_len=a.seq_len, data=a.data,
                        eval_every=a.eval_every, seed=a.seed,
                        log_every=a.log_every, metrics_json=a.metrics_json, save_dir=a.save_dir,
-                       save_every=a.save_every, resume=a.resume, zero=zero)
+                       save_every=a.save_every, resume=a.resume, device=a.device, zero=zero)
 
 
-def build_model(cfg: TrainConfig):
-    """(model, data) for cfg.model."""
+def build_model(cfg: TrainConfig, xp=np):
+    """(model, data) for cfg.model; the GPT computes on ``xp`` (the MLP's NumPy calls dispatch to CuPy)."""
     if cfg.model == "gpt":
         from .data import make_data
         from .models.gpt import GPT
         data = make_data(cfg.data, cfg.seq_len, cfg.seed)
-        return GPT(data.vocab, cfg.seq_len, cfg.n_layer, cfg.n_head, cfg.d_model, cfg.seed), data
+        return GPT(data.vocab, cfg.seq_len, cfg.n_layer, cfg.n_head, cfg.d_model, cfg.seed, xp=xp), data
     from .models.mlp import MLP, TeacherData
     return MLP(cfg.width, cfg.depth, cfg.seed), TeacherData(cfg.width, cfg.depth, cfg.seed)
 
 
-def train(cfg: TrainConfig, mpi_comm=None, stop=None) -> dict:
+def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
     """Run the job; returns the metrics dict (identical on every rank).
 
     ``stop``: a watchdog.StopSignal; once any rank has received one, every rank stops
-    after the same step (and saves a checkpoint when save_dir is set).
+    after the same step (and saves a checkpoint when save_dir is set). ``placement``: a
+    device.Placement (main() makes it from cfg.device; None: the host, NumPy).
     """
     from .consistency import check_consistent, job_fields
     from . import optim
@@ -197,13 +206,15 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None) -> dict:
     with closing(Watchdog(comm.waiting, cfg.zero.timeout_s, comm.rank, comm.mpi)):
         check_consistent(comm, "train", job_fields(cfg))   # ranks given other flags stop here, not in a collective
     cfg.check_world(comm.size)
-    model, data = build_model(cfg)
-    engine = ZeroEngine(model.init_layers(), cfg.zero, comm)
+    from .staging import device_communicator
+    xp = placement.xp if placement is not None else np
+    model, data = build_model(cfg, xp)
+    engine = ZeroEngine(model.init_layers(), cfg.zero, device_communicator(comm, xp), xp=xp)
     z, lay = cfg.zero, engine.layout
     print0(comm.mpi, f"zerompi: {comm.size} ranks, stage {z.stage}, Ψ={lay.params_numel:,} parameters, "
                      f"dtype {z.dtype}, model {cfg.model}")
     print0(comm.mpi, f"  MPI: {mpi_library()}; reduce-scatter = Alltoallv + fp32 sum in rank order; "
-                     f"all-gather = Allgather in place; host buffers (NumPy)")
+                     f"all-gather = Allgather in place; {_where(placement, engine.comm)}")
     print0(comm.mpi, f"  layout: {len(lay.buckets)} buckets (target {z.bucket_mb} MiB), "
                      f"{lay.numel - lay.params_numel:,} padding elements; optimizer: {optim.adamw_update.__name__}")
     gpt = cfg.model == "gpt"
@@ -233,7 +244,7 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None) -> dict:
         else:
             x, y = data.global_batch(step, cfg.batch)
             rows = local_rows(cfg.batch, comm.rank, comm.size)
-            local = [run_micro_batch(engine, model, xm, ym)
+            local = [run_micro_batch(engine, model, xp.asarray(xm), xp.asarray(ym))
                      for xm, ym in micro_batches(x[rows], y[rows], z.micro_batches)]
         result = engine.step()
         total = comm.sum_scalars([sum(local) / len(local), stop.flag if stop else 0.0])   # + the stop flag
@@ -279,6 +290,13 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None) -> dict:
     report = engine.memory_report()
     print0(comm.mpi, memory_table(metrics["memory_bytes"], report["theory"], report["theory_padded"],
                                   z.stage, comm.size, engine.config.itemsize))
+    metrics["device"] = placement.describe() if placement is not None else "cpu (NumPy)"
+    if xp is not np:      # the engine's own accounting beside what CuPy's allocator holds (rank 0)
+        pool = xp.get_default_memory_pool()
+        metrics["cupy_pool_bytes"] = {"used": int(pool.used_bytes()), "held": int(pool.total_bytes())}
+        print0(comm.mpi, f"  CuPy memory pool (rank 0): {pool.used_bytes():,} bytes in use, {pool.total_bytes():,} "
+                         f"held; engine model states {report['measured']['total']:,} + buffers at peak "
+                         f"{report['peak_buffers']['bytes']:,} bytes")
     per_op = {op: (s.bytes - start_bytes.get(op, 0)) / len(times)
               for op, s in sorted(comm.stats.items()) if op != "sum_scalars"}
     print0(comm.mpi, comm_table(per_op, engine.comm_theory_bytes(), z.stage))
@@ -293,6 +311,16 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None) -> dict:
             json.dump(metrics, f, indent=1)
     engine.close()
     return metrics
+
+
+def _where(placement, comm) -> str:
+    """The banner's words for where the buffers are and how MPI reaches them."""
+    if placement is None or placement.kind == "cpu":
+        return "host buffers (NumPy)" + (f"; {placement.note}" if placement is not None and placement.note else "")
+    from .device import mpi_cuda_aware
+    aware, how = mpi_cuda_aware()
+    return (f"device buffers on {placement.describe()}, collectives {comm.path} "
+            f"(MPI CUDA-aware: {'yes' if aware else 'no'}, {how})")
 
 
 def _validate(engine, model, data, start_bytes) -> float:
@@ -408,9 +436,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         error = str(e)
     if agree_on_errors(comm, error, "zerompi.train"):
         return 2
+    from .device import place
+    try:        # every rank gets here: place() starts with a collective (the node split)
+        placement = place(cfg.device, comm)    # --device gpu: ConfigError without CuPy or a GPU
+    except ConfigError as e:
+        error = str(e)
+    if agree_on_errors(comm, error, "zerompi.train"):
+        return 2
     from .checkpoint import CheckpointError
     try:
-        train(cfg, stop=StopSignal())
+        train(cfg, stop=StopSignal(), placement=placement)
     except (CheckpointError, JobError) as e:   # raised on every rank together: no rank is left in a collective
         if comm.Get_rank() == 0:
             sys.stderr.write(f"zerompi.train: error: {e}\n")
