@@ -116,13 +116,22 @@ def test_spare_buffers_of_another_length_add_up():
     r = zerompi.estimate(params=9216, ranks=4, bucket_mb=mb, largest_layer=2048, prefetch=1)
     assert r["buckets"] == 5
     s2, s3 = (r["stages"][i]["buffers"] for i in (2, 3))
-    # The short bucket's staging (and, stage 3, gathered) buffer is released into the spare
-    # pool (2 + prefetch = 3 kept), where no 2048-element bucket can reuse it, while 3
-    # staging (+ 2 gathered) buffers of 2048 elements are live.
-    assert (s2["grad_buckets"], s2["spare_buffers"]) == (3 * 4096, 2048)
-    assert (s3["grad_buckets"], s3["gathered_params"], s3["spare_buffers"]) == (3 * 4096, 2 * 4096, 2 * 2048)
+    # The short bucket is served by a 2048-element buffer (its class): a class of its own would
+    # keep its staging (and, stage 3, gathered) buffer spare beside 3 staged (+ 2 gathered)
+    # 2048-element ones, 1024 (2 x 1024) elements more than the live buffers. Sharing, the
+    # pool holds just the live count of the largest length: no spare row.
+    assert (s2["grad_buckets"], s2["spare_buffers"]) == (3 * 4096, 0)
+    assert (s3["grad_buckets"], s3["gathered_params"], s3["spare_buffers"]) == (3 * 4096, 2 * 4096, 0)
     # the receive pool keeps buffers per length: 2 of the long length, 1 of the short one
     assert s3["comm_scratch"] == (2 * 2048 + 1024) * 2 * 3 // 4
+    # A long bucket among short ones keeps a class of its own: 2 of it (staged and gathered)
+    # beside 3 + 2 short ones cost less than 5 long ones. The live rows take the largest
+    # buckets (3 staged: the long one and 2 short; 2 gathered: the long one and 1 short), so
+    # the spares are the other 2 short buffers (fp16 bytes).
+    lay = FlatLayout([(f"l{i}", [(f"p{i}", (n,))]) for i, n in enumerate([2048] * 4 + [4096])], 4, 2048, 16)
+    b3 = zerompi.estimate(layout=lay, bucket_mb=mb, prefetch=1)["stages"][3]["buffers"]
+    assert (b3["grad_buckets"], b3["gathered_params"]) == (2 * (4096 + 2 * 2048), 2 * (4096 + 2048))
+    assert b3["spare_buffers"] == 2 * (2 * 4096 + 5 * 2048) - b3["grad_buckets"] - b3["gathered_params"] == 2 * 2 * 2048
 
 
 def _layers(sizes):
@@ -130,15 +139,32 @@ def _layers(sizes):
     return [(f"l{i}", {f"w{i}": rng.standard_normal(n).astype(np.float32)}) for i, n in enumerate(sizes)]
 
 
+# Elements the engine's bucket buffers hold at their peak, by hand, for each layout, timing and
+# stage. Staged = pending + 1 (2 + 1 slow, 0 + 1 otherwise); gathered = 1 + prefetch (1 with
+# overlap off). The pool's classes are sized for the cap (3 staged, 2 gathered; 1 and 1 with
+# overlap off): "long-last" keeps its 32-element bucket in a class of its own with overlap on
+# (2 x 32 + 5 x 16 beats 5 x 32), so every buffer of it that was ever live stays beside the
+# 16-element ones; with overlap off one class of 32 serves both (2 x 32 < 2 x 32 + 2 x 16).
+# "short-last" always serves its 16-element bucket from a 32-element buffer (no spare row).
+REACHED = {
+    "long-last": {("slow", 2): 32 + 16 * 3, ("fast", 2): 32 + 16, ("no-overlap", 2): 32,
+                  ("slow", 3): (16 * 3 + 32) + (16 * 2 + 32), ("fast", 3): (16 + 32) + (16 * 2 + 32),
+                  ("no-overlap", 3): 32 + 32},
+    "short-last": {("slow", 2): 3 * 32, ("fast", 2): 32, ("no-overlap", 2): 32,
+                   ("slow", 3): 5 * 32, ("fast", 3): 3 * 32, ("no-overlap", 3): 2 * 32},
+}
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("timing", ["slow", "fast", "no-overlap"])
-def test_engine_reaches_the_estimate(stage, timing):
+@pytest.mark.parametrize("layout", ["long-last", "short-last"])
+def test_engine_reaches_the_estimate(layout, stage, timing):
     # One rank, a fake MPI whose collectives complete at their `latency`-th test: 100 tests
     # is a network so slow that only the cap's waits retire reductions (the estimate must be
     # reached exactly), 1 test is one that keeps up (the best case must be reached exactly).
-    # fp32 buckets of one layer each: 16, 16, 16, 16 and 32 elements.
-    sizes = [16, 16, 16, 16, 32]
-    cfg = ZeroConfig(stage=stage, dtype="fp32", bucket_mb=16 * 4 / 2 ** 20, prefetch=1,
+    # fp32 buckets of one layer each: 16, 16, 16, 16 and 32 elements, or 32, 32, 32, 32 and 16.
+    sizes, bucket = ([16, 16, 16, 16, 32], 16) if layout == "long-last" else ([32, 32, 32, 32, 16], 32)
+    cfg = ZeroConfig(stage=stage, dtype="fp32", bucket_mb=bucket * 4 / 2 ** 20, prefetch=1,
                      overlap=timing != "no-overlap")
     eng = ZeroEngine(_layers(sizes), cfg, FakeComm(latency=1 if timing == "fast" else 100))
     assert [b.numel for b in eng.layout.buckets] == sizes
@@ -157,14 +183,10 @@ def test_engine_reaches_the_estimate(stage, timing):
     peak = eng.memory_report()["peak_buffers"]["bytes"]
     eng.close()
     row = zerompi.estimate(layout=eng.layout, dtype="fp32", prefetch=1, overlap=cfg.overlap)["stages"][stage]
-    # Elements, by the rule: staged = pending + 1 (2 + 1 slow, 0 + 1 otherwise); gathered =
-    # 1 + prefetch (1 with overlap off); every buffer of the 32-element bucket that was ever
-    # live stays as a spare beside the live 16-element ones.
-    want = {("slow", 2): 32 + 16 + 16 + 16, ("fast", 2): 32 + 16, ("no-overlap", 2): 32 + 16,
-            ("slow", 3): (16 * 3 + 32) + (16 * 2 + 32), ("fast", 3): (16 + 32) + (16 * 2 + 32),
-            ("no-overlap", 3): (16 + 32) + (16 + 32)}[timing, stage]
     figure = row["buffer_bytes"] if timing == "slow" else row["buffer_bytes_best_case"]
-    assert peak == figure == 4 * want, (peak, row)
+    assert peak == figure == 4 * REACHED[layout][timing, stage], (peak, row)
+
+
 def test_communication_volumes_and_alpha_beta_time():
     psi, n = 4096, 4
     mb = 4096 / 2 ** 20

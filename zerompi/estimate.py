@@ -94,21 +94,23 @@ class BucketPlan:
         """
         return sum(n * min(c, k) for n, c in self.lengths().items())
 
-    def spares(self, staged: int, gathered: int, keep: int) -> int:
-        """Elements of released bucket buffers the engine can hold beyond the live ones.
+    def classes(self, staged: int, gathered: int) -> Dict[int, int]:
+        """The engine's buffer classes for these buckets: {bucket length: elements of its buffers}
+        (``engine.buffer_classes``, for the most buffers live at once the engine is sized for)."""
+        return engine.buffer_classes(self.lengths(), staged, gathered)
 
-        ``staged``/``gathered``: gradient staging and stage-3 gathered buffers live at once,
-        at most; ``keep``: released buffers the engine keeps for reuse (2 + prefetch).
-        A spare is reused only by a bucket of its own length, and one is allocated only when
-        none of that length is spare, so a length never has more buffers than the most of
-        that length live at once (up to ``staged`` + ``gathered``). With one bucket length
-        that is the live count: spares add nothing. With several, spares of one length sit
-        while another length is allocated; they are also at most ``keep`` buffers.
+    def pooled(self, staged: int, gathered: int, classes: Dict[int, int]) -> int:
+        """Elements of bucket buffers the engine's pool can hold, live and spare together.
+
+        ``staged``/``gathered``: staging and stage-3 gathered buffers live at once, at most;
+        ``classes``: :meth:`classes`. A buffer is allocated only when none of its class is
+        spare and is kept until close, so a class holds at most min(its buckets, staged) +
+        min(its buckets, gathered) buffers, each of the class's size.
         """
-        live = self.largest(staged) + self.largest(gathered)
-        most = [(n, min(c, staged) + min(c, gathered)) for n, c in self.lengths().items()]
-        by_length = sum(n * c for n, c in most)
-        return min(by_length, live + _top(most, keep)) - live
+        per_class: Dict[int, int] = {}
+        for n, c in self.lengths().items():
+            per_class[classes[n]] = per_class.get(classes[n], 0) + c
+        return sum(size * (min(c, staged) + min(c, gathered)) for size, c in per_class.items())
 
     @classmethod
     def from_layout(cls, layout: FlatLayout) -> "BucketPlan":
@@ -202,37 +204,30 @@ def formula(stage: int, itemsize: int) -> str:
     return " + ".join(parts)
 
 
-def buffer_counts(stage: int, buckets: int, pending: int, ahead: int) -> Tuple[int, int]:
-    """(gradient staging buffers, stage-3 gathered buffers) a rank holds live at once, at most.
-
-    ``pending``: reduce-scatters still in flight when the next bucket's gradients arrive
-    (engine.MAX_PENDING_REDUCES; 0 when each is done first). ``ahead``: stage-3 buckets
-    gathered ahead of the layer in use (0 with overlap off).
-    """
-    # Stages 2/3: a bucket's staging buffer lives from its first layer's grads_ready until
-    # its reduction is retired, and _start_reduce waits for the oldest only once the filling
-    # bucket is complete: the pending ones and the one filling.
-    staged = min(pending + 1, buckets) if stage >= 2 else 0
-    # Stage 3: the window of the layer in use (schedule.prefetch_window: 1 + ahead buckets).
-    gathered = min(1 + ahead, buckets) if stage == 3 else 0
-    return staged, gathered
+# (staging buffers, stage-3 gathered buffers) live at once, at most: the engine's own rule.
+buffer_counts = engine.buffer_counts
 
 
 def _stage_row(stage: int, plan: BucketPlan, itemsize: int, micro_batches: int, prefetch: int, overlap: bool,
-               pending: int, bandwidth_gbps: float, latency_us: float) -> dict:
-    """One stage's bytes per rank (model states, buffers) and communication per step."""
+               pending: int, bandwidth_gbps: float, latency_us: float, cap: int) -> dict:
+    """One stage's bytes per rank (model states, buffers) and communication per step.
+
+    ``pending``: reductions pending when a bucket fills (the timing this row is for);
+    ``cap``: the engine's bound on them, which its buffer classes are sized for.
+    """
     n, isz, m = plan.world_size, itemsize, micro_batches
     ahead = prefetch if overlap else 0
     states = theory_bytes(stage, plan.numel, n, isz, plan.shard_numel)
     staged, gathered = buffer_counts(stage, plan.num_buckets, pending, ahead)
+    classes = plan.classes(*buffer_counts(stage, plan.num_buckets, cap, ahead))
     buffers = {
         # stages 2/3 keep a bucket's local gradients until its reduce-scatter is retired
         "grad_buckets": isz * plan.largest(staged),
         # stage 3: the bucket of the layer in use, plus the ones being prefetched
         "gathered_params": isz * plan.largest(gathered),
-        # released bucket buffers kept for reuse (engine._release_buffer keeps 2 + prefetch,
-        # whatever the stage and overlap): they cost bytes only beside buckets of another length
-        "spare_buffers": isz * plan.spares(staged, gathered, 2 + prefetch),
+        # the rest of what the buffer pool holds: released buffers kept for reuse, and a short
+        # bucket's slack in a buffer of its class; nothing when every bucket has one length
+        "spare_buffers": isz * (plan.pooled(staged, gathered, classes) - plan.largest(staged) - plan.largest(gathered)),
         # stages 0/1 rewrite the local gradient every micro-batch: the reduced sum needs a home
         "grad_accumulator": isz * plan.shard_numel if stage < 2 and m > 1 else 0,
         # reduce-scatter receive buffers (the N-1 peers' slices of a bucket), pooled per bucket
@@ -320,10 +315,11 @@ def estimate(params: Optional[float] = None, ranks: Optional[int] = None, dtype:
     check(overlap or in_flight is None, f"in_flight={in_flight!r} has no effect with overlap off "
                                         "(every reduction is waited for as it starts); leave it out")
     pending = (engine.MAX_PENDING_REDUCES if in_flight is None else in_flight) if overlap else 0
+    cap = max(pending, engine.MAX_PENDING_REDUCES) if overlap else 0   # what the engine's buffer pool is sized for
     stages = []
     for s in STAGES:
-        row = _stage_row(s, plan, itemsize, micro_batches, prefetch, overlap, pending, bandwidth_gbps, latency_us)
-        best = _stage_row(s, plan, itemsize, micro_batches, prefetch, overlap, 0, bandwidth_gbps, latency_us)
+        row = _stage_row(s, plan, itemsize, micro_batches, prefetch, overlap, pending, bandwidth_gbps, latency_us, cap)
+        best = _stage_row(s, plan, itemsize, micro_batches, prefetch, overlap, 0, bandwidth_gbps, latency_us, cap)
         row["buffer_bytes_best_case"] = best["buffer_bytes"]
         row["total_bytes_best_case"] = best["total_bytes"]
         row["total_bytes_one_in_flight"] = best["total_bytes"]   # the best case's name before the cap

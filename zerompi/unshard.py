@@ -3,9 +3,10 @@
 Stage 3 keeps only this rank's slice of each bucket. ``unshard(layer)`` all-gathers the
 layer's bucket into a transient buffer, and starts gathering the next buckets in visit
 order (the prefetch window: at most 1 + ``config.prefetch`` buckets alive, plus those of
-layers still held); ``reshard(layer)`` releases it, and the buffer is freed once no held
-layer and no window needs it. Stages 1/2 publish their parameters with the same gathers
-after the step, and ``unshard`` / ``params`` wait for a bucket only when it is read.
+layers still held); ``reshard(layer)`` releases it, and the buffer returns to the engine's
+pool once no held layer and no window needs it. Stages 1/2 publish their parameters with
+the same gathers after the step, and ``unshard`` / ``params`` wait for a bucket only when
+it is read.
 Each bucket's state is a :class:`BucketState` (docs/overlap.md).
 """
 from contextlib import contextmanager
