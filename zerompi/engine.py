@@ -22,7 +22,7 @@ the engine averages them over ranks and micro-batches.
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 from mpi4py import MPI
@@ -38,72 +38,13 @@ from .loss_scale import DynamicLossScaler
 from .memory import MemoryLedger, theory_bytes, theory_comm_bytes
 from .schedule import Phase
 from .timers import StepTimers
+from .buffers import BucketPool, buffer_classes, buffer_counts   # the last two: also zerompi.engine.*
 from .unshard import BucketState, UnshardMixin   # BucketState: also zerompi.engine.BucketState
 from .watchdog import Watchdog, watched
 
 F32 = np.float32
 MAX_PENDING_REDUCES = 2   # gradient reduce-scatters in flight at once (per rank)
 LayersArg = Union[Mapping[str, Mapping[str, np.ndarray]], Sequence[Tuple[str, Mapping[str, np.ndarray]]]]
-
-
-def buffer_counts(stage: int, buckets: int, pending: int, ahead: int) -> Tuple[int, int]:
-    """(gradient staging buffers, stage-3 gathered buffers) a rank holds live at once, at most.
-
-    ``pending``: reduce-scatters still in flight when the next bucket's gradients arrive
-    (MAX_PENDING_REDUCES; 0 when each is done first). ``ahead``: stage-3 buckets gathered
-    ahead of the layer in use (0 with overlap off). Layers the caller holds unsharded beyond
-    the visit in progress (the GPT's embedding through its forward) come on top.
-    """
-    # Stages 2/3: a bucket's staging buffer lives from its first layer's grads_ready until
-    # its reduction is retired, and _start_reduce waits for the oldest only once the filling
-    # bucket is complete: the pending ones and the one filling.
-    staged = min(pending + 1, buckets) if stage >= 2 else 0
-    # Stage 3: the window of the layer in use (schedule.prefetch_window: 1 + ahead buckets).
-    gathered = min(1 + ahead, buckets) if stage == 3 else 0
-    return staged, gathered
-
-
-def buffer_classes(lengths: Mapping[int, int], staged: int, gathered: int) -> Dict[int, int]:
-    """How the engine pools bucket buffers: {bucket length: elements of the buffers that serve it}.
-
-    ``lengths``: {padded bucket elements: buckets of that length}; ``staged``/``gathered``:
-    the most staging and stage-3 gathered buffers live at once (:func:`buffer_counts`).
-
-    The pool's rule (``ZeroEngine._take_buffer`` / ``_release_buffer``): bucket lengths fall
-    into classes of neighbouring lengths; every buffer of a class has the class's longest
-    length, and a shorter bucket uses its first elements. A released buffer is kept for its
-    class until close, and one is allocated only when its class has none spare. So a class
-    holds as many buffers as it ever had live at once (its high-water mark): once a step has
-    reached that, no bucket buffer is allocated or freed again. It is at most
-    min(buckets in the class, staged) + min(buckets in the class, gathered).
-
-    Why classes: keyed by exact length, a spare serves only its own length, so never
-    allocating again would keep a set of buffers per length (every bucket of another length:
-    the whole model, twice at stage 3); one class would make every buffer as long as the
-    longest bucket. The grouping chosen is the one whose bound -- the sum over classes of
-    its length times that count -- is least (ties keep lengths apart). With one bucket
-    length that is the live buffers and nothing more.
-    """
-    sizes = sorted(lengths)                   # a class is a run sizes[j:i]
-    bound = lambda size, count: size * (min(count, staged) + min(count, gathered))
-    best, first = [0], [0]                    # for sizes[:i]: the least bound, where its last class starts
-    for i in range(1, len(sizes) + 1):
-        options, count = [], 0
-        for j in range(i - 1, -1, -1):        # the last class is sizes[j:i]
-            count += lengths[sizes[j]]
-            if count >= max(staged, gathered):
-                j = 0                         # its bound stops growing, and best[] only shrinks towards 0
-            options.append((best[j] + bound(sizes[i - 1], count), -j))
-            if j == 0:
-                break
-        cost, j = min(options)                # on a tie, the shortest last class
-        best.append(cost)
-        first.append(-j)
-    out, i = {}, len(sizes)
-    while i > 0:
-        out.update((n, sizes[i - 1]) for n in sizes[first[i]:i])
-        i = first[i]
-    return out
 
 
 @dataclass(frozen=True)
@@ -156,8 +97,7 @@ class ZeroEngine(UnshardMixin):
         self._load_initial(pairs)
         self._init_unshard()                            # bucket states, gathered buckets, holds (unshard.py)
         self._staging: Dict[int, np.ndarray] = {}      # stage 2/3: bucket -> local gradient bucket
-        self._buffer_class = self._plan_buffer_classes()  # bucket length -> elements of its pooled buffers
-        self._spare: Dict[int, List[np.ndarray]] = {}  # released bucket buffers by class size, for reuse
+        self._pool = BucketPool(self.ledger, self.dtype, self._plan_buffer_classes())   # transient bucket buffers
         self._reduce_handles: Dict[int, Handle] = {}   # bucket -> in-flight reduce-scatter
         self._ready = [False] * self.layout.num_layers # layers whose grads arrived this micro-batch
         self._bucket_pending = [len(b.layers) for b in self.layout.buckets]
@@ -283,27 +223,12 @@ class ZeroEngine(UnshardMixin):
             self._finish_gather(b)
 
     def _take_buffer(self, numel: int) -> np.ndarray:
-        """A transient bucket buffer of ``numel`` elements (stage-3 gather, gradient staging).
-
-        A released buffer of the length's class is reused (the first ``numel`` elements of
-        it); one is allocated only when none is spare. A fresh bucket-sized array is paged in
-        (zeroed by the kernel) on first touch, every gather and every micro-batch; a reused
-        one is not (docs/overlap.md, "Reused bucket buffers").
-        """
-        size = self._buffer_class.get(numel, numel)
-        spare = self._spare.get(size)
-        buf = spare.pop() if spare else self.ledger.alloc("buffers", size, self.dtype, zero=False)
-        return buf if size == numel else buf[:numel]
+        """A transient bucket buffer of ``numel`` elements (stage-3 gather, gradient staging): buffers.BucketPool."""
+        return self._pool.take(numel)
 
     def _release_buffer(self, buf: np.ndarray) -> None:
-        """Keep a released bucket buffer for reuse by its class, until close (still counted in the ledger).
-
-        Nothing is freed: a class holds as many buffers as it ever had live at once (its
-        high-water mark), so once a step has reached it, no bucket buffer is allocated or
-        freed again; :func:`buffer_classes` bounds what that can be.
-        """
-        whole = buf if buf.base is None else buf.base   # _take_buffer lent a prefix of it
-        self._spare.setdefault(whole.size, []).append(whole)
+        """Give a bucket buffer back to the pool (kept for reuse until close)."""
+        self._pool.give(buf)
 
     # ---- gradients ----------------------------------------------------------
     def grads_ready(self, layer: int, grads: Mapping[str, np.ndarray]) -> None:
@@ -558,7 +483,7 @@ class ZeroEngine(UnshardMixin):
         """Free every buffer. The engine cannot be used afterwards (a collective: every rank calls it)."""
         self.synchronize()
         self._gathered.clear()
-        self._spare.clear()
+        self._pool.clear()
         if self._progress_thread is not None:
             self._progress_thread.close()
             self._progress_thread = None

@@ -96,7 +96,7 @@ class BucketPlan:
 
     def classes(self, staged: int, gathered: int) -> Dict[int, int]:
         """The engine's buffer classes for these buckets: {bucket length: elements of its buffers}
-        (``engine.buffer_classes``, for the most buffers live at once the engine is sized for)."""
+        (``buffers.buffer_classes``, for the most buffers live at once the engine is sized for)."""
         return engine.buffer_classes(self.lengths(), staged, gathered)
 
     def pooled(self, staged: int, gathered: int, classes: Dict[int, int]) -> int:
