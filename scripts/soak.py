@@ -14,8 +14,11 @@ Ceilings, measured in the same run: a leak of one step's transient buffers every
 ``LEAK_FRACTION_INV`` steps would make the RSS slope exceed
 ``peak_buffer_bytes / LEAK_FRACTION_INV`` bytes per step; a leak of one Python object every
 ``LEAK_FRACTION_INV`` steps would make the object slope exceed ``1 / LEAK_FRACTION_INV``.
-The buffers, scratch, in-flight and thread counts must not grow at all. Exit status 0
-when all hold, else 1.
+The engine's transient buffers plus the communicator's scratch must stay within the most
+``zerompi.estimate`` says the engine can hold for this layout (both are pools that keep
+their high-water mark: under load a late step may still reach a new high once, which is
+not a leak; a leak would pass any bound), and the in-flight and thread counts must not
+grow at all. Exit status 0 when all hold, else 1.
 """
 import argparse
 import gc
@@ -106,16 +109,26 @@ def main(argv=None) -> int:
             # touched bytes (resident, not just reserved).
             leaked.append([step, bytearray(b"x" * a.leak_bytes)])
     peak_buffers = engine.memory_report()["peak_buffers"]["bytes"]
+    bound = buffer_bound(engine, a)
     per_rank = comm.gather(samples)
     engine.close()
     if comm.Get_rank() != 0:
         return 0
-    report = summarize(per_rank, a, peak_buffers)
+    report = summarize(per_rank, a, peak_buffers, bound)
     print(json.dumps(report, indent=1))
     return 0 if report["ok"] else 1
 
 
-def summarize(per_rank, a, peak_buffers: int) -> dict:
+def buffer_bound(engine, a) -> int:
+    """The most transient buffer + scratch bytes the engine can hold (the estimate, on its layout)."""
+    import zerompi
+    c = engine.config
+    est = zerompi.estimate(layout=engine.layout, dtype=c.dtype, bucket_mb=c.bucket_mb, prefetch=c.prefetch,
+                           micro_batches=c.micro_batches, overlap=c.overlap)
+    return est["stages"][c.stage]["buffer_bytes"]
+
+
+def summarize(per_rank, a, peak_buffers: int, bound: int) -> dict:
     """Samples (max over ranks), slopes and growth after the warm-up, checks against the ceilings."""
     keys = ("rss", "objects", "buffers", "scratch", "in_flight", "threads")
     steps = [s["step"] for s in per_rank[0]]
@@ -128,7 +141,9 @@ def summarize(per_rank, a, peak_buffers: int) -> dict:
     checks = {
         "rss_slope_below_ceiling": slopes["rss"] < ceilings["rss_bytes_per_step"],
         "object_slope_below_ceiling": slopes["objects"] < ceilings["objects_per_step"],
-        "buffers_scratch_in_flight_threads_flat": all(growth[k] <= 0 for k in ("buffers", "scratch", "in_flight", "threads")),
+        "buffers_and_scratch_within_the_estimate": all(
+            r[i]["buffers"] + r[i]["scratch"] <= bound for r in per_rank for i in flat),
+        "in_flight_and_threads_flat": all(growth[k] <= 0 for k in ("in_flight", "threads")),
     }
     return {
         "ranks": len(per_rank), "steps": a.steps, "warmup": a.warmup, "stage": a.stage, "dtype": a.dtype,
@@ -137,6 +152,7 @@ def summarize(per_rank, a, peak_buffers: int) -> dict:
         "slope_per_step_after_warmup": slopes,
         "growth_after_warmup": growth,
         "peak_buffer_bytes": peak_buffers,
+        "buffer_bound_bytes": bound,
         "ceilings": ceilings,
         "checks": checks,
         "ok": all(checks.values()),
