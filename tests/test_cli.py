@@ -17,6 +17,7 @@ BAD = [
     (["--batch", "10"], "batch=10"),
     (["--stage", "two"], "invalid int value"),
     (["--no-such-flag"], "unrecognized arguments"),
+    (["--device", "tpu"], "device='tpu'"),
 ]
 
 
@@ -27,6 +28,17 @@ def test_bad_input_exits_2_with_one_line(flags, needle):
     lines = [l for l in proc.stderr.splitlines() if l.strip()]
     assert len(lines) == 1, proc.stderr
     assert needle in lines[0] and lines[0].startswith("zerompi.train: error")
+    assert proc.stdout == ""
+
+
+def test_device_gpu_without_a_gpu_exits_2_with_one_line():
+    from zerompi.device import probe_gpus
+    if probe_gpus()[0]:
+        pytest.skip("this machine has a GPU")
+    proc = run_mpi(3, ["-m", "zerompi.train", "--model", "mlp", "--device", "gpu"], timeout=60, check=False)
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("zerompi.train: error: device='gpu' needs CuPy and a visible GPU")
     assert proc.stdout == ""
 
 

@@ -301,7 +301,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     from . import optim
     from .comm import Communicator
-    from .device import mpi_cuda_aware, place
+    from .device import mpi_cuda_aware, place_every_rank
     from .report import mpi_library
     install_abort_hook(MPI.COMM_WORLD)
     world = MPI.COMM_WORLD
@@ -314,11 +314,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         error = str(e)
     if agree_on_errors(world, error, "zerompi.bench"):
         return 2
-    try:        # every rank gets here: place() starts with a collective (the node split)
-        placement = place(cfg.device, world)     # --device gpu: ConfigError without CuPy or a GPU
-    except ConfigError as e:
-        error = str(e)
-    if agree_on_errors(world, error, "zerompi.bench"):
+    placement = place_every_rank(cfg.device, world, "zerompi.bench")   # gpu: needs CuPy and a GPU
+    if placement is None:
         return 2
     comm = Communicator(world)
     device_comm, where = comm, "cpu (NumPy)"

@@ -18,7 +18,7 @@ from typing import Callable, Optional, Tuple
 
 import numpy as np
 
-from .errors import ConfigError, check
+from .errors import ConfigError, agree_on_errors, check
 
 DEVICES = ("auto", "cpu", "gpu")
 CUDA_AWARE_ENV = "ZEROMPI_CUDA_AWARE"
@@ -92,6 +92,18 @@ def place(choice: str, mpi_comm, probe: Callable[[], Tuple[int, str]] = probe_gp
     index = local % count
     xp, name = bind(index)
     return Placement("gpu", xp, local, size, gpu=index, gpu_count=count, name=name)
+
+
+def place_every_rank(choice: str, mpi_comm, prog: str) -> Optional[Placement]:
+    """:func:`place` on every rank, the ranks agreeing on errors: the Placement, or None after
+    rank 0 has printed the one-line error (the caller exits 2). Every rank must call it:
+    place() starts with a collective (the node split)."""
+    placement, error = None, None
+    try:
+        placement = place(choice, mpi_comm)
+    except ConfigError as e:
+        error = str(e)
+    return None if agree_on_errors(mpi_comm, error, prog) else placement
 
 
 def _loaded_mpi_library():

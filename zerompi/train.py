@@ -436,12 +436,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         error = str(e)
     if agree_on_errors(comm, error, "zerompi.train"):
         return 2
-    from .device import place
-    try:        # every rank gets here: place() starts with a collective (the node split)
-        placement = place(cfg.device, comm)    # --device gpu: ConfigError without CuPy or a GPU
-    except ConfigError as e:
-        error = str(e)
-    if agree_on_errors(comm, error, "zerompi.train"):
+    from .device import place_every_rank
+    placement = place_every_rank(cfg.device, comm, "zerompi.train")   # gpu: needs CuPy and a GPU
+    if placement is None:
         return 2
     from .checkpoint import CheckpointError
     try:
