@@ -35,7 +35,8 @@ def test_device_gpu_without_a_gpu_exits_2_with_one_line():
     from zerompi.device import probe_gpus
     if probe_gpus()[0]:
         pytest.skip("this machine has a GPU")
-    proc = run_mpi(3, ["-m", "zerompi.train", "--model", "mlp", "--device", "gpu"], timeout=60, check=False)
+    proc = run_mpi(3, ["-m", "zerompi.train", "--model", "mlp", "--batch", "12", "--device", "gpu"], timeout=60,
+                   check=False)
     lines = [l for l in proc.stderr.splitlines() if l.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0].startswith("zerompi.train: error: device='gpu' needs CuPy and a visible GPU")
