@@ -11,8 +11,9 @@
 #      (fp32) and 2e-2 (fp16), relative
 #   3. scripts/bench_adam.py on the GPU (fused AdamW against the NumPy-on-CuPy reference
 #      and a device copy)
-#   4. python -m zerompi.bench --device gpu at N = 2 (staged MPI), with --check
-#   5. a short GPT run on the GPU (the default model, 60 steps, N = 2)
+#   4. python -m zerompi.bench --device gpu at N = 2 (staged MPI), and --comm nccl (N = 1 on
+#      one GPU: NCCL refuses two ranks on one GPU), with --check
+#   5. a short GPT run on the GPU (the default model, 60 steps, N = 2), and 30 steps over NCCL
 # Results: OUT/*.json and OUT/*.log; scripts/gpu_summary.py prints the table last and
 # writes OUT/summary.json. Exit status 0 only when every check passed.
 #
@@ -88,8 +89,15 @@ done
 run bench_adam 180 "$PY" scripts/bench_adam.py --backend gpu --sizes 1,16,64 --json "$OUT/bench_adam.json"
 run bench_comm 180 mpiexec -n 2 "$PY" -m zerompi.bench --device gpu --op all -b 1M -e 64M -f 4 --dtype fp16 \
     --iters 10 --warmup 2 --check --no-overlap --json "$OUT/bench_comm.json"
+# NCCL refuses two ranks on one GPU: with one GPU it runs at N = 1 (a check of the calls, not of the wire).
+gpus=$("$PY" -c "import cupy; print(cupy.cuda.runtime.getDeviceCount())" 2>/dev/null || echo 1)
+nccl_n=$(( gpus >= 2 ? 2 : 1 ))
+run bench_nccl 120 mpiexec -n "$nccl_n" "$PY" -m zerompi.bench --device gpu --comm nccl --op all -b 1M -e 16M -f 4 \
+    --dtype fp16 --iters 10 --warmup 2 --check --no-overlap --json "$OUT/bench_nccl.json"
 run gpt 180 mpiexec -n 2 "$PY" -m zerompi.train --device gpu --steps 60 --eval-every 30 \
     --metrics-json "$OUT/gpt.json"
+run gpt_nccl 120 mpiexec -n "$nccl_n" "$PY" -m zerompi.train --device gpu --comm nccl --steps 30 --eval-every 30 \
+    --batch 48 --metrics-json "$OUT/gpt_nccl.json"
 
 "$PY" scripts/gpu_summary.py "$OUT" || fail=1
 exit $fail

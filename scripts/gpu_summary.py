@@ -4,7 +4,7 @@
 
 Reads OUT/status.txt (one "name exit seconds" line per step), OUT/env.json, the parity runs'
 metrics (OUT/parity_{gpu,cpu}_n{N}_{dtype}_s{stage}.json), OUT/bench_adam.json,
-OUT/bench_comm.json and OUT/gpt.json; writes OUT/summary.json and exits 1 when a check failed.
+OUT/bench_comm.json, OUT/bench_nccl.json, OUT/gpt.json and OUT/gpt_nccl.json; writes OUT/summary.json and exits 1 when a check failed.
 """
 import json
 import sys
@@ -92,34 +92,35 @@ def check_bench_adam(out: Path) -> dict:
                       f"NumPy-on-CuPy {big['numpy_gbps']:.0f} GB/s"}
 
 
-def check_bench_comm(out: Path) -> dict:
-    recs = _load(out / "bench_comm.json") or []
+def check_bench_comm(out: Path, name: str = "bench_comm", label: str = "staged") -> dict:
+    recs = _load(out / f"{name}.json") or []
     if not recs:
-        return {"check": "zerompi.bench --device gpu (staged)", "ok": False, "detail": "no records"}
+        return {"check": f"zerompi.bench --device gpu ({label})", "ok": False, "detail": "no records"}
     wrong = sum(r["wrong"] or 0 for r in recs)
     rs = {(r["impl"], r["bytes"]): r["busbw"] for r in recs if r["op"] == "reduce_scatter"}
     sizes = sorted(b for impl, b in rs if impl == "zerompi")
     detail = ", ".join(f"{b >> 20} MiB {rs[('zerompi', b)]:.2f}/{rs.get(('mpi', b), float('nan')):.2f}" for b in sizes)
-    return {"check": "zerompi.bench --device gpu (staged), --check", "ok": wrong == 0,
-            "detail": f"{wrong} wrong in {len(recs)} rows; RS busbw GB/s staged/host-MPI: {detail}"}
+    return {"check": f"zerompi.bench --device gpu ({label}), --check", "ok": wrong == 0,
+            "detail": f"{wrong} wrong in {len(recs)} rows; RS busbw GB/s {label}/host-MPI: {detail}"}
 
 
-def check_gpt(out: Path) -> dict:
-    m = _load(out / "gpt.json")
+def check_gpt(out: Path, name: str = "gpt", label: str = "GPT on the GPU (60 steps, N=2)") -> dict:
+    m = _load(out / f"{name}.json")
     if not m:
-        return {"check": "GPT on the GPU", "ok": False, "detail": "no metrics"}
+        return {"check": label, "ok": False, "detail": "no metrics"}
     losses = m["losses"]
     val = m["val_losses"][-1][1] if m.get("val_losses") else float("nan")
     ok = losses[-1] < 0.8 * losses[0] and "gpu" in str(m.get("device", ""))
-    return {"check": "GPT on the GPU (60 steps, N=2)", "ok": ok,
+    return {"check": label, "ok": ok,
             "detail": f"loss {losses[0]:.3f} -> {losses[-1]:.3f}, held-out {val:.3f}, "
                       f"{m.get('tokens_per_s') or 0:,.0f} tok/s, pool {m.get('cupy_pool_bytes')}"}
 
 
 def summarize(out: Path) -> dict:
     st = status(out)
-    checks = [check_pytest(out, st)] + check_parity(out) + [check_bench_adam(out), check_bench_comm(out),
-                                                              check_gpt(out)]
+    checks = [check_pytest(out, st)] + check_parity(out) + [
+        check_bench_adam(out), check_bench_comm(out), check_bench_comm(out, "bench_nccl", "nccl"),
+        check_gpt(out), check_gpt(out, "gpt_nccl", "GPT over NCCL (30 steps)")]
     failed_steps = sorted(name for name, (rc, _) in st.items() if rc != 0)
     return {"env": _load(out / "env.json"), "checks": checks, "failed_steps": failed_steps,
             "seconds": sum(secs for _, secs in st.values()),

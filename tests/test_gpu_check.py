@@ -21,7 +21,7 @@ def test_script_parses():
 
 def write_results(out, **change):
     """A complete, passing result folder; ``change`` breaks one part of it."""
-    steps = ["pytest_gpu", "bench_adam", "bench_comm", "gpt"]
+    steps = ["pytest_gpu", "bench_adam", "bench_comm", "bench_nccl", "gpt", "gpt_nccl"]
     (out / "env.json").write_text(json.dumps({"gpu": "Test GPU", "gpus": 1, "cupy": "x", "mpi": "MPICH",
                                               "cuda_aware": False}))
     (out / "pytest_gpu.xml").write_text('<testsuites><testsuite tests="60" failures="0" errors="0" '
@@ -45,11 +45,14 @@ def write_results(out, **change):
         {"backend": "gpu", "n": 1 << 20, "fused_gbps": 100.0, "copy_gbps": copy, "numpy_gbps": 50.0},
         {"backend": "gpu", "n": 64 << 20, "fused_gbps": change.get("fused", 3500.0), "copy_gbps": copy,
          "numpy_gbps": 300.0}]}))
-    (out / "bench_comm.json").write_text(json.dumps([
-        {"op": "reduce_scatter", "impl": "zerompi", "bytes": 1 << 20, "busbw": 3.0, "wrong": change.get("wrong", 0)},
-        {"op": "reduce_scatter", "impl": "mpi", "bytes": 1 << 20, "busbw": 4.0, "wrong": 0}]))
-    (out / "gpt.json").write_text(json.dumps({"losses": [5.5, 2.0], "val_losses": [[60, 2.1]],
-                                              "device": "gpu 0 of 1 (Test GPU; CuPy)", "tokens_per_s": 1e5}))
+    for name in ("bench_comm", "bench_nccl"):
+        (out / f"{name}.json").write_text(json.dumps([
+            {"op": "reduce_scatter", "impl": "zerompi", "bytes": 1 << 20, "busbw": 3.0,
+             "wrong": change.get("wrong", 0) if name == "bench_comm" else 0},
+            {"op": "reduce_scatter", "impl": "mpi", "bytes": 1 << 20, "busbw": 4.0, "wrong": 0}]))
+    for name in ("gpt", "gpt_nccl"):
+        (out / f"{name}.json").write_text(json.dumps({"losses": [5.5, 2.0], "val_losses": [[60, 2.1]],
+                                                      "device": "gpu 0 of 1 (Test GPU; CuPy)", "tokens_per_s": 1e5}))
     (out / "status.txt").write_text("".join(f"{s} {change.get('rc', 0) if s == 'gpt' else 0} 3\n" for s in steps))
 
 

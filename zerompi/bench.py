@@ -39,6 +39,7 @@ OPS = ("reduce_scatter", "all_gather", "all_reduce")
 DTYPES = {"fp16": np.float16, "fp32": np.float32}
 IMPLS = ("zerompi", "mpi")
 DEVICES = ("cpu", "gpu")
+COMMS = ("mpi", "nccl")
 SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
@@ -82,6 +83,8 @@ class BenchConfig:
     """zerompi, mpi, or both side by side."""
     device: str = "cpu"
     """Where the buffers live: cpu (NumPy) or gpu (CuPy)."""
+    comm: str = "mpi"
+    """gpu: how the zerompi rows move device buffers: mpi (staged through pinned host buffers) or nccl."""
     check: bool = False
     """Count wrong elements against a float64 oracle."""
     overlap: bool = True
@@ -100,6 +103,9 @@ class BenchConfig:
         for impl in self.impls:
             check(impl in IMPLS, f"impl={impl!r} is not allowed; use zerompi, mpi or both")
         check(self.device in DEVICES, f"device={self.device!r} is not allowed; use cpu or gpu")
+        check(self.comm in COMMS, f"comm={self.comm!r} is not allowed; use {' or '.join(COMMS)}")
+        check(self.comm == "mpi" or self.device == "gpu",
+              f"comm={self.comm!r} needs --device gpu (NCCL moves GPU memory); use --comm mpi on the CPU")
         check(self.min_bytes >= 1, f"min size={self.min_bytes} must be >= 1 byte")
         check(self.min_bytes <= self.max_bytes,
               f"min size={self.min_bytes} bytes is larger than max size={self.max_bytes} bytes; use -b <= -e")
@@ -135,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=BenchConfig.warmup, help="untimed iterations first")
     p.add_argument("--impl", default="both", help="zerompi | mpi | both")
     p.add_argument("--device", default=BenchConfig.device, help="cpu or gpu")
+    p.add_argument("--comm", default=BenchConfig.comm, help="with --device gpu: mpi (staged) or nccl")
     p.add_argument("--check", action="store_true", help="count wrong elements against a float64 oracle")
     p.add_argument("--no-overlap", action="store_true", help="skip the non-blocking overlap measurement")
     p.add_argument("--json", default=None, metavar="PATH", help="write the records as a JSON list")
@@ -154,6 +161,7 @@ def parse_config(argv: Optional[List[str]] = None) -> BenchConfig:
     cfg = BenchConfig(ops=OPS if a.op == "all" else (a.op,), min_bytes=parse_size(a.minbytes),
                       max_bytes=parse_size(a.maxbytes), factor=factor, dtype=a.dtype, iters=a.iters,
                       warmup=a.warmup, impls=IMPLS if a.impl == "both" else (a.impl,), device=a.device,
+                      comm=a.comm,
                       check=a.check, overlap=not a.no_overlap, json_path=a.json, sum_impl=a.sum_impl)
     return cfg
 
@@ -321,7 +329,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     device_comm, where = comm, "cpu (NumPy)"
     if placement.kind == "gpu":
         from .staging import device_communicator
-        device_comm = device_communicator(comm, placement.xp)
+        device_comm = device_communicator(comm, placement.xp, cfg.comm)
         aware, how = mpi_cuda_aware()
         where = f"{placement.describe()}; collectives {device_comm.path} (MPI CUDA-aware: {'yes' if aware else 'no'}, {how})"
     print0(comm, f"# zerompi.bench: {comm.size} ranks, {mpi_library()}, device {where}, dtype {cfg.dtype}, "

@@ -205,10 +205,13 @@ class StagedCommunicator:
         return self.host.total_bytes()
 
 
-def device_communicator(host: Communicator, xp, cuda_aware: Optional[bool] = None):
-    """The Communicator for arrays of ``xp``: the host one for NumPy; for CuPy, staged
-    through pinned buffers (CUDA-aware MPI is detected, but device buffers are staged
-    either way until the direct path has been run on a GPU; the banner says which)."""
+def device_communicator(host: Communicator, xp, comm: str = "mpi"):
+    """The Communicator for arrays of ``xp``: the host one for NumPy; for CuPy, staged through
+    pinned buffers (``comm="mpi"``; CUDA-aware MPI is detected, but device buffers are staged
+    either way until the direct path has been run on a GPU) or NCCL (``comm="nccl"``)."""
     if getattr(xp, "__name__", "") != "cupy":
         return host
+    if comm == "nccl":
+        from .nccl_comm import NcclCommunicator
+        return NcclCommunicator(host)
     return StagedCommunicator(host, CupyTransfers())

@@ -18,6 +18,7 @@ from .faults import fault_from_env
 from .watchdog import StopSignal, Watchdog, watched
 
 MODELS = ("gpt", "mlp")
+COMMS = ("mpi", "nccl")   # how device buffers are reduced and gathered (--comm)
 # Per-model defaults of the fields left as None: the GPT needs more steps than the MLP's 30 to learn.
 MODEL_DEFAULTS = {"gpt": {"steps": 300, "batch": 48, "log_every": 10},
                   "mlp": {"steps": 30, "batch": 64, "log_every": 1}}
@@ -68,12 +69,18 @@ class TrainConfig:
     """Where the engine's buffers and the model's compute live: cpu (NumPy), gpu (CuPy; rank r binds GPU
     local rank mod GPUs) or auto (gpu when CuPy sees one). cpu is the default until the GPU path has
     passed scripts/gpu_check.sh on a GPU."""
+    comm: str = "mpi"
+    """How device buffers are reduced and gathered: mpi (staged through pinned host buffers on a GPU) or
+    nccl (device to device; needs device gpu and one GPU per rank)."""
     zero: ZeroConfig = ZeroConfig()
     """Engine configuration."""
 
     def __post_init__(self):
         check(self.model in MODELS, f"model={self.model!r} is not allowed; use one of {', '.join(MODELS)}")
         check(self.device in DEVICES, f"device={self.device!r} is not allowed; use one of {', '.join(DEVICES)}")
+        check(self.comm in COMMS, f"comm={self.comm!r} is not allowed; use {' or '.join(COMMS)}")
+        check(self.comm == "mpi" or self.device == "gpu",
+              f"comm={self.comm!r} needs --device gpu (NCCL moves GPU memory); use --comm mpi on the CPU")
         for name, value in MODEL_DEFAULTS[self.model].items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
@@ -153,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", default=None, metavar="DIR", help="resume from a checkpoint (any world size/stage)")
     p.add_argument("--device", default=TrainConfig.device,
                    help="cpu (NumPy), gpu (CuPy, GPU local-rank mod GPUs) or auto (gpu when CuPy sees one)")
+    p.add_argument("--comm", default=TrainConfig.comm,
+                   help="with --device gpu: mpi (staged through pinned host buffers) or nccl (one GPU per rank)")
     p.add_argument("--timeout-s", type=float, default=None, metavar="S",
                    help="abort the job when one collective waits longer (default: $ZEROMPI_TIMEOUT_S or 300)")
     p.add_argument("--max-skipped-steps", type=int, default=ZeroConfig.max_skipped_steps, metavar="K",
@@ -172,7 +181,7 @@ def parse_config(argv: Optional[List[str]] = None) -> TrainConfig:
                        n_layer=a.n_layer, n_head=a.n_head, d_model=a.d_model, seq_len=a.seq_len, data=a.data,
                        eval_every=a.eval_every, seed=a.seed,
                        log_every=a.log_every, metrics_json=a.metrics_json, save_dir=a.save_dir,
-                       save_every=a.save_every, resume=a.resume, device=a.device, zero=zero)
+                       save_every=a.save_every, resume=a.resume, device=a.device, comm=a.comm, zero=zero)
 
 
 def build_model(cfg: TrainConfig, xp=np):
@@ -209,7 +218,7 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
     from .staging import device_communicator
     xp = placement.xp if placement is not None else np
     model, data = build_model(cfg, xp)
-    engine = ZeroEngine(model.init_layers(), cfg.zero, device_communicator(comm, xp), xp=xp)
+    engine = ZeroEngine(model.init_layers(), cfg.zero, device_communicator(comm, xp, cfg.comm), xp=xp)
     z, lay = cfg.zero, engine.layout
     print0(comm.mpi, f"zerompi: {comm.size} ranks, stage {z.stage}, Ψ={lay.params_numel:,} parameters, "
                      f"dtype {z.dtype}, model {cfg.model}")
