@@ -326,3 +326,17 @@ def test_python_api_raises_config_error():
         zerompi.estimate(params=1e9, ranks=8, dtype="fp8")
     with pytest.raises(zerompi.ConfigError, match="params=0"):
         zerompi.estimate(params=0, ranks=8)
+
+
+# ---- the module: an entry point over three -------------------------------------------------
+
+def test_entry_point_reexports_the_modules_that_do_the_work():
+    from zerompi import bucket_plan, estimate_cli, estimate_stages
+    homes = (bucket_plan, estimate_stages, estimate_cli)
+    for name in est_mod.__all__:   # the very objects, not copies
+        home = next(m for m in homes if name in vars(m))
+        assert getattr(est_mod, name) is getattr(home, name), name
+    defined = {n for m in homes for n, obj in vars(m).items()
+               if not n.startswith("_") and getattr(obj, "__module__", None) == m.__name__}
+    assert defined <= set(est_mod.__all__), defined - set(est_mod.__all__)
+    assert est_mod(params=1e9, ranks=8) == estimate_stages.estimate(params=1e9, ranks=8)
