@@ -49,3 +49,21 @@ def test_failing_rank_ends_the_job():
     assert proc.returncode != 0
     assert "rank 1 failed" in proc.stderr and "injected failure on rank 1" in proc.stderr
     assert time.monotonic() - t < 30
+
+
+def test_train_keeps_its_names_after_the_split():
+    """train.py re-exports what moved to train_config.py; the old names still import from zerompi.train."""
+    from zerompi import train, train_config
+    for name in ("TrainConfig", "parse_config", "build_parser", "MODELS", "COMMS", "MODEL_DEFAULTS"):
+        assert getattr(train, name) is getattr(train_config, name), name
+    for name in train.__all__:
+        assert hasattr(train, name), name
+
+
+def test_every_built_in_model_has_the_same_step_interface():
+    """train() runs a step with one call whatever the model: models.<name>.train_losses."""
+    import inspect
+    from zerompi.train import MODELS, step_losses
+    for model in MODELS:
+        assert list(inspect.signature(step_losses(model)).parameters) == [
+            "engine", "model", "data", "step", "batch", "micro_batches"], model

@@ -1,6 +1,10 @@
 """MLP regression: ``depth`` blocks of Linear(width, width) + GELU (none after the last block),
 trained with MSE to the outputs of a fixed random teacher of the same shape."""
+from typing import List
+
 import numpy as np
+
+from .. import loop
 
 F32 = np.float32
 _C = F32(np.sqrt(2.0 / np.pi))   # a float32 scalar keeps float32 arrays float32 (NEP 50)
@@ -85,3 +89,17 @@ class TeacherData:
             if i < len(self.teacher) - 1:
                 h = gelu(h)
         return x.astype(F32), h.astype(F32)
+
+
+def train_losses(engine, model: MLP, data: TeacherData, step: int, batch: int, micro_batches: int) -> List[float]:
+    """This rank's micro-batch losses of training step ``step`` (as models.gpt.train_losses).
+
+    ``batch`` rows per step over all ranks. The global batch is drawn on the host, NumPy;
+    each micro-batch moves to the engine's array module (CuPy for --device gpu), on which
+    the model's NumPy calls then dispatch.
+    """
+    x, y = data.global_batch(step, batch)
+    rows = loop.local_rows(batch, engine.rank, engine.world_size)
+    xp = engine.xp
+    return [loop.run_micro_batch(engine, model, xp.asarray(xm), xp.asarray(ym))
+            for xm, ym in loop.micro_batches(x[rows], y[rows], micro_batches)]
