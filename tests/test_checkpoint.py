@@ -254,6 +254,17 @@ def test_inspect_prints_the_manifest_as_a_table(good):
         assert word in proc.stdout, (word, proc.stdout)
 
 
+def test_names_stay_importable_from_zerompi_checkpoint():
+    # checkpoint.py was split by concern (format, protocol, offline tools); callers still import
+    # from zerompi.checkpoint, and train.py catches the CheckpointError the format module raises.
+    from zerompi import checkpoint, checkpoint_cli, checkpoint_format
+    for name in checkpoint.__all__:
+        assert hasattr(checkpoint, name), name
+    assert checkpoint.CheckpointError is checkpoint_format.CheckpointError
+    assert checkpoint.main is checkpoint_cli.main and checkpoint.consolidate is checkpoint_cli.consolidate
+    assert callable(checkpoint.save) and callable(checkpoint.load) and checkpoint.LoadInfo
+
+
 def test_save_flags_are_validated():
     from zerompi.errors import ConfigError
     from zerompi.train import parse_config
