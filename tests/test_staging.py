@@ -228,6 +228,19 @@ def test_place_probes_this_machine():
             device.place("gpu", MPI.COMM_WORLD)
 
 
+def test_banner_names_where_the_buffers_are():
+    class Staged:
+        path = "staged through pinned host buffers"
+
+    gpu = device.Placement("gpu", np, 1, 4, gpu=1, gpu_count=2, name="Fake GPU")
+    text = device.describe_buffers(gpu, Staged())
+    assert text.startswith("device buffers on gpu 1 of 2 (Fake GPU, shared by 4 local ranks; CuPy), "
+                           "collectives staged through pinned host buffers (MPI CUDA-aware: ")
+    assert device.describe_buffers(None, Staged()) == "host buffers (NumPy)"
+    cpu = device.Placement("cpu", np, 0, 1, note="no GPU: CuPy sees no GPU")
+    assert device.describe_buffers(cpu, Staged()) == "host buffers (NumPy); no GPU: CuPy sees no GPU"
+
+
 def test_cuda_awareness_query_and_override():
     class Lib:
         def __init__(self, answer):

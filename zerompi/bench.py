@@ -309,7 +309,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     from . import optim
     from .comm import Communicator
-    from .device import mpi_cuda_aware, place_every_rank
+    from .device import describe_buffers, place_every_rank
     from .report import mpi_library
     install_abort_hook(MPI.COMM_WORLD)
     world = MPI.COMM_WORLD
@@ -326,13 +326,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if placement is None:
         return 2
     comm = Communicator(world)
-    device_comm, where = comm, "cpu (NumPy)"
-    if placement.kind == "gpu":
-        from .staging import device_communicator
-        device_comm = device_communicator(comm, placement.xp, cfg.comm)
-        aware, how = mpi_cuda_aware()
-        where = f"{placement.describe()}; collectives {device_comm.path} (MPI CUDA-aware: {'yes' if aware else 'no'}, {how})"
-    print0(comm, f"# zerompi.bench: {comm.size} ranks, {mpi_library()}, device {where}, dtype {cfg.dtype}, "
+    from .staging import device_communicator
+    device_comm = device_communicator(comm, placement.xp, cfg.comm)   # the host one on the CPU
+    print0(comm, f"# zerompi.bench: {comm.size} ranks, {mpi_library()}, {describe_buffers(placement, device_comm)}, "
+                 f"dtype {cfg.dtype}, "
                  f"iters {cfg.iters} (median) after {cfg.warmup} warmup, local sum {cfg.local_sum}")
     print0(comm, "# time: per-rank median over iterations, then min/avg/max over ranks; bw from the avg")
     records = run_bench(cfg, comm, device_comm, placement.xp)

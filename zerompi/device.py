@@ -106,6 +106,16 @@ def place_every_rank(choice: str, mpi_comm, prog: str) -> Optional[Placement]:
     return None if agree_on_errors(mpi_comm, error, prog) else placement
 
 
+def describe_buffers(placement: Optional[Placement], comm) -> str:
+    """The banner's words for where the buffers are and how collectives reach them
+    (``comm``: the engine's Communicator, whose ``path`` names the device path)."""
+    if placement is None or placement.kind == "cpu":
+        return "host buffers (NumPy)" + (f"; {placement.note}" if placement is not None and placement.note else "")
+    aware, how = mpi_cuda_aware()
+    return (f"device buffers on {placement.describe()}, collectives {comm.path} "
+            f"(MPI CUDA-aware: {'yes' if aware else 'no'}, {how})")
+
+
 def _loaded_mpi_library():
     """The MPI library mpi4py loaded, as a ctypes handle (through mpi4py's extension module,
     whose symbol lookup reaches the libmpi it links), or None."""

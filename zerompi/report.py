@@ -10,6 +10,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import optim
+from .device import describe_buffers
 from .timers import format_breakdown, summarize
 from .watchdog import watched
 
@@ -72,23 +73,13 @@ def progress_bar(done: int, total: int, width: int = 30) -> str:
     return f"[{'#' * fill}{'.' * (width - fill)}] {100 * done // total:3d}%"
 
 
-def _where(placement, comm) -> str:
-    """The banner's words for where the buffers are and how MPI reaches them."""
-    if placement is None or placement.kind == "cpu":
-        return "host buffers (NumPy)" + (f"; {placement.note}" if placement is not None and placement.note else "")
-    from .device import mpi_cuda_aware
-    aware, how = mpi_cuda_aware()
-    return (f"device buffers on {placement.describe()}, collectives {comm.path} "
-            f"(MPI CUDA-aware: {'yes' if aware else 'no'}, {how})")
-
-
 def print_banner(cfg, engine, comm, placement, data) -> None:
     """The train run's start-up lines (rank 0): job, MPI and buffers, layout; the GPT's shape and data."""
     z, lay = cfg.zero, engine.layout
     print0(comm.mpi, f"zerompi: {comm.size} ranks, stage {z.stage}, Ψ={lay.params_numel:,} parameters, "
                      f"dtype {z.dtype}, model {cfg.model}")
     print0(comm.mpi, f"  MPI: {mpi_library()}; reduce-scatter = Alltoallv + fp32 sum in rank order; "
-                     f"all-gather = Allgather in place; {_where(placement, engine.comm)}")
+                     f"all-gather = Allgather in place; {describe_buffers(placement, engine.comm)}")
     print0(comm.mpi, f"  layout: {len(lay.buckets)} buckets (target {z.bucket_mb} MiB), "
                      f"{lay.numel - lay.params_numel:,} padding elements; optimizer: {optim.adamw_update.__name__}")
     if cfg.model != "gpt":
