@@ -166,7 +166,8 @@ def print_summary(metrics: dict, engine, comm, base_bytes: Dict[str, int]) -> No
         pool = metrics["cupy_pool_bytes"]
         print0(comm.mpi, f"  CuPy memory pool (rank 0): {pool['used']:,} bytes in use, {pool['held']:,} "
                          f"held; engine model states {report['measured']['total']:,} + buffers at peak "
-                         f"{report['peak_buffers']['bytes']:,} bytes")
+                         f"{report['peak_buffers']['bytes']:,} bytes (these include the communicator's "
+                         f"host-side scratch: pinned staging buffers on the MPI path)")
     steps = len(metrics["step_times_s"])
     per_op = {op: (s.bytes - base_bytes.get(op, 0)) / steps
               for op, s in sorted(comm.stats.items()) if op != "sum_scalars"}
