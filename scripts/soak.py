@@ -33,8 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a chec
 from mpi4py import MPI  # noqa: E402
 
 from zerompi import ZeroConfig, ZeroEngine  # noqa: E402
-from zerompi.loop import local_rows, run_micro_batch  # noqa: E402
-from zerompi.models.mlp import MLP, TeacherData  # noqa: E402
+from zerompi.models.mlp import MLP, TeacherData, train_losses  # noqa: E402
 
 LEAK_FRACTION_INV = 10   # the ceilings catch a leak of 1/10 of a step's buffers (or of one object) per step
 
@@ -93,7 +92,6 @@ def main(argv=None) -> int:
     comm = MPI.COMM_WORLD
     model, data = MLP(a.width, a.depth, 0), TeacherData(a.width, a.depth, 0)
     engine = ZeroEngine(model.init_layers(), ZeroConfig(stage=a.stage, dtype=a.dtype, bucket_mb=a.bucket_mb), comm)
-    rows = local_rows(a.batch, comm.Get_rank(), comm.Get_size())
     samples, leaked = [], []
     for step in range(a.steps + 1):
         if step % a.every == 0:
@@ -101,8 +99,7 @@ def main(argv=None) -> int:
             samples.append({"step": step, **sample(engine)})
         if step == a.steps:
             break
-        x, y = data.global_batch(step, a.batch)
-        run_micro_batch(engine, model, x[rows], y[rows])
+        train_losses(engine, model, data, step, a.batch, 1)
         engine.step()
         if a.leak_bytes:
             # Like a forgotten handle holding its buffer: a tracked object (gc sees it) and

@@ -10,7 +10,7 @@ from mpi4py import MPI
 from zerompi import ZeroEngine
 from zerompi.comm import Communicator
 from zerompi.errors import install_abort_hook
-from zerompi.loop import local_rows, micro_batches, run_micro_batch
+from zerompi.models.mlp import train_losses
 from zerompi.train import build_model, parse_config
 
 install_abort_hook()
@@ -21,9 +21,7 @@ model, data = build_model(cfg)
 engine = ZeroEngine(model.init_layers(), cfg.zero, comm)
 losses, skipped = [], []
 for step in range(cfg.steps):
-    x, y = data.global_batch(step, cfg.batch)
-    rows = local_rows(cfg.batch, comm.rank, comm.size)
-    local = [run_micro_batch(engine, model, a, b) for a, b in micro_batches(x[rows], y[rows], cfg.zero.micro_batches)]
+    local = train_losses(engine, model, data, step, cfg.batch, cfg.zero.micro_batches)
     skipped.append(engine.step().skipped)
     losses.append(comm.sum_scalars([np.mean(local)])[0] / comm.size)
 params = engine.full_parameters()

@@ -11,7 +11,7 @@ from mpi4py import MPI
 from zerompi import ZeroEngine
 from zerompi.comm import Communicator
 from zerompi.errors import install_abort_hook
-from zerompi.loop import local_rows, micro_batches, run_micro_batch
+from zerompi.models.mlp import train_losses
 from zerompi.staging import HostTransfers, StagedCommunicator
 from zerompi.train import build_model, parse_config
 
@@ -22,10 +22,7 @@ def run(cfg, comm, steps=3) -> np.ndarray:
     model, data = build_model(cfg)
     engine = ZeroEngine(model.init_layers(), cfg.zero, comm)
     for step in range(steps):
-        x, y = data.global_batch(step, cfg.batch)
-        rows = local_rows(cfg.batch, comm.rank, comm.size)
-        for xm, ym in micro_batches(x[rows], y[rows], cfg.zero.micro_batches):
-            run_micro_batch(engine, model, xm, ym)
+        train_losses(engine, model, data, step, cfg.batch, cfg.zero.micro_batches)
         engine.step()
     master = engine.unpadded_master().copy()
     engine.close()
