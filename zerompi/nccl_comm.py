@@ -16,13 +16,10 @@ NCCL calls go through a small backend (:class:`CupyNccl`); the tests drive the r
 a host stand-in.
 """
 import time
-from typing import Callable, Optional
 
 import numpy as np
 
-from .comm import Communicator
-
-F32 = np.float32
+from .comm import Communicator, sum_rows_reference
 
 
 class CupyNccl:
@@ -93,16 +90,6 @@ class NcclHandle:
         self.done = True
 
 
-def apply_scale(xp, summed, out, scale: float, accumulate: bool) -> None:
-    """out = cast([out +] scale * summed), in fp32 and in the reference's order (comm.sum_rows_reference)."""
-    acc = summed.astype(F32)
-    if scale != 1.0:
-        acc *= F32(scale)
-    if accumulate:
-        acc += out.astype(F32)
-    out[...] = acc
-
-
 class NcclCommunicator:
     """The Communicator's interface on CuPy arrays, over NCCL (``--comm nccl``).
 
@@ -139,7 +126,8 @@ class NcclCommunicator:
         else:
             summed = self.xp.empty(k, send.dtype)
             self.backend.reduce_scatter(flat, summed)
-            apply_scale(self.xp, summed, target, scale, accumulate)   # enqueued behind the sum
+            # out = cast([out +] scale * summed) in fp32, the reference's order: enqueued behind the sum
+            sum_rows_reference([summed], target, scale, accumulate)
             buffers = (send, out, summed)
         return NcclHandle(self, "reduce_scatter", self.backend.record(), buffers, tag)
 
@@ -162,7 +150,7 @@ class NcclCommunicator:
         self._count("all_reduce", 2 * (self.size - 1) * (flat.size // self.size) * flat.itemsize)
         self.backend.all_reduce(flat)
         if scale != 1.0:
-            apply_scale(self.xp, flat, flat, scale, False)
+            sum_rows_reference([flat], flat, scale, False)   # the fp32 scale, in place
         NcclHandle(self, "all_reduce", self.backend.record(), (buf,)).wait()
 
     def sum_scalars(self, values) -> np.ndarray:
@@ -178,6 +166,4 @@ class NcclCommunicator:
         return self.host.total_bytes()
 
     def close(self) -> None:
-        close: Optional[Callable] = getattr(self.backend, "close", None)
-        if close is not None:
-            close()
+        getattr(self.backend, "close", lambda: None)()
