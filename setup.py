@@ -20,5 +20,5 @@ setup(
         "gpu": ["cupy-cuda12x"],
         "plot": ["matplotlib"],
     },
-    entry_points={"console_scripts": ["zerompi-train=zerompi.train:main"]},
+    entry_points={"console_scripts": ["zerompi-train=zerompi.train.run:main"]},
 )

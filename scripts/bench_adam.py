@@ -30,10 +30,10 @@ import time           # noqa: E402
 
 import numpy as np    # noqa: E402
 
-from zerompi import fused_cpu, kernels_gpu, optim   # noqa: E402
+from zerompi.optim import cuda, fused_cpu, reference   # noqa: E402
 
 BYTES_PER_PARAM = 28
-SCALARS = optim.adamw_scalars(1e-3, 0.9, 0.999, 1e-8, 0.01, step=10, grad_scale=1 / 65536)
+SCALARS = reference.adamw_scalars(1e-3, 0.9, 0.999, 1e-8, 0.01, step=10, grad_scale=1 / 65536)
 
 
 def cpu_name() -> str:
@@ -87,7 +87,7 @@ def bench_size(backend: str, n: int, repeats: int, numpy_repeats: int) -> dict:
     rng = np.random.default_rng(0)
     if backend == "gpu":
         import cupy as xp
-        fused, stats, clock = kernels_gpu.adamw_fused_gpu, kernels_gpu.grad_stats_fused_gpu, gpu_clock
+        fused, stats, clock = cuda.adamw_fused_gpu, cuda.grad_stats_fused_gpu, gpu_clock
     else:
         xp = np
         fused, stats, clock = fused_cpu.adamw_fused_cpu, fused_cpu.grad_stats_fused_cpu, cpu_clock
@@ -99,7 +99,7 @@ def bench_size(backend: str, n: int, repeats: int, numpy_repeats: int) -> dict:
                     "copy": lambda: xp.copyto(dst, src),
                     "prepass": lambda: stats(arrays[3])}, repeats, clock)
     del src, dst
-    slow = measure({"numpy": lambda: optim.adamw_reference(*ref_arrays, SCALARS)}, numpy_repeats, clock)
+    slow = measure({"numpy": lambda: reference.adamw_reference(*ref_arrays, SCALARS)}, numpy_repeats, clock)
     gbps = lambda seconds, nbytes: nbytes / seconds / 1e9
     moved = BYTES_PER_PARAM * n
     rec = {
@@ -136,7 +136,7 @@ def main(argv=None) -> int:
         else:
             backends.append("cpu")
     if a.backend in ("all", "gpu"):
-        reason = kernels_gpu.unavailable_reason()
+        reason = cuda.unavailable_reason()
         if reason:
             sys.stderr.write(f"bench_adam: gpu skipped: {reason}\n")
         else:

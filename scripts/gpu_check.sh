@@ -62,7 +62,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"
 import json, platform
 import cupy, numpy
 from mpi4py import MPI
-from zerompi import device
+from zerompi.comm import device
 props = cupy.cuda.runtime.getDeviceProperties(0)
 aware, how = device.mpi_cuda_aware()
 print(json.dumps({"gpu": props["name"].decode(), "gpus": cupy.cuda.runtime.getDeviceCount(),

@@ -18,7 +18,7 @@ import sys
 
 import zerompi
 from zerompi.errors import ConfigError
-from zerompi.estimate import parse_count, run_estimate
+from zerompi.estimate.cli import parse_count, run_estimate
 
 COLORS = ("tab:red", "tab:orange", "tab:green", "tab:blue")
 
@@ -77,7 +77,7 @@ def draw(data: dict, points: list, params: float, dtype: str, out: str) -> None:
         ax.plot([], [], "o", mfc="none", color="gray", label="measured: + peak buffers")
     ax.plot([], [], "--", color="gray", lw=1, label="+ buffers, best case (no reduction pending)")
     ax.plot([], [], ":", color="gray", lw=1,
-            label=f"+ buffers, {zerompi.engine.MAX_PENDING_REDUCES} reductions pending (the engine's cap)")
+            label=f"+ buffers, {zerompi.engine.reducer.MAX_PENDING_REDUCES} reductions pending (the engine's cap)")
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
     ax.set_yscale("log")
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="fp16")
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--layers", type=int, default=None)
-    p.add_argument("--prefetch", type=int, default=zerompi.estimate.DEFAULT_PREFETCH)
+    p.add_argument("--prefetch", type=int, default=zerompi.estimate.stages.DEFAULT_PREFETCH)
     p.add_argument("--max-ranks", type=int, default=1024)
     p.add_argument("--out", default="memory.png", help="PNG to write")
     a = p.parse_args(argv)

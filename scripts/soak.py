@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a chec
 from mpi4py import MPI  # noqa: E402
 
 from zerompi import ZeroConfig, ZeroEngine  # noqa: E402
-from zerompi.models.mlp import MLP, TeacherData, train_losses  # noqa: E402
+from zerompi.train.models.mlp import MLP, TeacherData, train_losses  # noqa: E402
 
 LEAK_FRACTION_INV = 10   # the ceilings catch a leak of 1/10 of a step's buffers (or of one object) per step
 
@@ -55,7 +55,7 @@ def sample(engine) -> dict:
         "objects": len(gc.get_objects()),
         "buffers": engine.ledger.current["buffers"],
         "scratch": engine.comm.scratch_bytes,
-        "in_flight": len(getattr(engine, "_in_flight", ())),
+        "in_flight": len(engine.inflight),
         "threads": threading.active_count(),
     }
 

@@ -1,7 +1,7 @@
 """Single-process float64 oracle: the same MLP training, written independently of the engine."""
 import numpy as np
 
-from zerompi.models.mlp import TeacherData, init_mlp
+from zerompi.train.models.mlp import TeacherData, init_mlp
 
 C = np.sqrt(2.0 / np.pi)
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from tests.mpirun import ROOT, run_mpi
-from zerompi import bench, bench_cases
+from zerompi.bench import cases as bench_cases, run as bench
 from zerompi.errors import ConfigError
 
 SMALL = ["-b", "999", "-e", "20K", "-f", "5", "--iters", "1", "--warmup", "0", "--check"]   # 999 B: no size divides by N

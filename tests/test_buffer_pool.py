@@ -127,7 +127,7 @@ def test_buffers_of_different_lengths_do_not_add_up_to_the_model():
     sizes = LAYOUTS["all-different"]
     for prefetch in (0, 1):
         _, peak, eng = run("all-different", 3, prefetch, True, 100)
-        staged, gathered = zerompi.engine.MAX_PENDING_REDUCES + 1, 1 + prefetch
+        staged, gathered = zerompi.engine.reducer.MAX_PENDING_REDUCES + 1, 1 + prefetch
         assert peak <= 4 * max(sizes) * (staged + gathered) < 4 * 2 * sum(sizes)
         eng.close()
 
@@ -174,7 +174,7 @@ def test_buffer_classes_take_the_least_bound():
     for _ in range(500):
         lengths = {int(n): int(rng.integers(1, 5)) for n in rng.integers(1, 200, size=rng.integers(1, 7))}
         staged, gathered = int(rng.integers(0, 5)), int(rng.integers(0, 4))
-        classes = zerompi.engine.buffer_classes(lengths, staged, gathered)
+        classes = zerompi.engine.buffers.buffer_classes(lengths, staged, gathered)
         per_class = {}
         for n, count in lengths.items():
             assert classes[n] >= n and classes[classes[n]] == classes[n]    # served by its class's longest
@@ -183,6 +183,6 @@ def test_buffer_classes_take_the_least_bound():
         assert held == least_bound_by_brute_force(lengths, staged, gathered), (lengths, staged, gathered)
     # one length: the live buffers, nothing more; a short last bucket shares the full ones' class;
     # a long one among short ones keeps its own when that is cheaper
-    assert zerompi.engine.buffer_classes({16: 5}, 3, 2) == {16: 16}
-    assert zerompi.engine.buffer_classes({32: 4, 16: 1}, 3, 2) == {32: 32, 16: 32}
-    assert zerompi.engine.buffer_classes({16: 4, 32: 1}, 3, 2) == {16: 16, 32: 32}
+    assert zerompi.engine.buffers.buffer_classes({16: 5}, 3, 2) == {16: 16}
+    assert zerompi.engine.buffers.buffer_classes({32: 4, 16: 1}, 3, 2) == {32: 32, 16: 32}
+    assert zerompi.engine.buffers.buffer_classes({16: 4, 32: 1}, 3, 2) == {16: 16, 32: 32}

@@ -32,7 +32,7 @@ def test_bad_input_exits_2_with_one_line(flags, needle):
 
 
 def test_device_gpu_without_a_gpu_exits_2_with_one_line():
-    from zerompi.device import probe_gpus
+    from zerompi.comm.device import probe_gpus
     if probe_gpus()[0]:
         pytest.skip("this machine has a GPU")
     proc = run_mpi(3, ["-m", "zerompi.train", "--model", "mlp", "--batch", "12", "--device", "gpu"], timeout=60,
@@ -51,19 +51,11 @@ def test_failing_rank_ends_the_job():
     assert time.monotonic() - t < 30
 
 
-def test_train_keeps_its_names_after_the_split():
-    """train.py re-exports what moved to train_config.py; the old names still import from zerompi.train."""
-    from zerompi import train, train_config
-    for name in ("TrainConfig", "parse_config", "build_parser", "MODELS", "COMMS", "MODEL_DEFAULTS"):
-        assert getattr(train, name) is getattr(train_config, name), name
-    for name in train.__all__:
-        assert hasattr(train, name), name
-
-
 def test_every_built_in_model_has_the_same_step_interface():
     """train() runs a step with one call whatever the model: models.<name>.train_losses."""
     import inspect
-    from zerompi.train import MODELS, step_losses
+    from zerompi.train.config import MODELS
+    from zerompi.train.run import step_losses
     for model in MODELS:
         assert list(inspect.signature(step_losses(model)).parameters) == [
             "engine", "model", "data", "step", "batch", "micro_batches"], model

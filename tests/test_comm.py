@@ -46,10 +46,10 @@ def within(got, want64, mag64, n) -> int:
 def run_cases() -> None:
     from mpi4py import MPI
 
-    from zerompi import optim
-    from zerompi.comm import Communicator
+    from zerompi.optim import impl
+    from zerompi.comm.communicator import Communicator
     from zerompi.layout import FlatLayout
-    optim.use_impl("auto", verbose=False)        # the local sum the engine would use
+    impl.use_impl("auto", verbose=False)        # the local sum the engine would use
     comm = Communicator(MPI.COMM_WORLD)
     n, me = comm.size, comm.rank
     results = []

@@ -9,10 +9,10 @@ import pytest
 
 import zerompi
 from zerompi import FlatLayout, ZeroConfig, ZeroEngine
-from zerompi import estimate as est_mod
-from zerompi.engine import MAX_PENDING_REDUCES
-from zerompi.estimate import BucketPlan, plan_buckets
-from zerompi.models.mlp import init_mlp
+from zerompi.estimate import cli as estimate_cli
+from zerompi.engine.reducer import MAX_PENDING_REDUCES
+from zerompi.estimate.plan import BucketPlan, plan_buckets
+from zerompi.train.models.mlp import init_mlp
 
 from .mpirun import ROOT, run_mpi, run_train
 from .test_overlap import FakeComm
@@ -69,11 +69,11 @@ def test_cli_prints_the_answer_first(tmp_path):
 
 
 def test_default_follows_the_engine_cap(monkeypatch):
-    # Read from engine.py when the estimate is made: a different cap gives a different figure.
+    # Read from engine/zero_engine.py when the estimate is made: a different cap gives a different figure.
     kw = dict(params=8192, ranks=4, bucket_mb=4096 / 2 ** 20, layers=8)
     at_two = zerompi.estimate(**kw)
     assert at_two == zerompi.estimate(in_flight=2, **kw)
-    monkeypatch.setattr(zerompi.engine, "MAX_PENDING_REDUCES", 1)
+    monkeypatch.setattr(zerompi.engine.reducer, "MAX_PENDING_REDUCES", 1)
     at_one = zerompi.estimate(**kw)
     assert at_one["in_flight"] == 1 and at_one == zerompi.estimate(in_flight=1, **kw)
     assert at_one["stages"][2]["total_bytes"] < at_two["stages"][2]["total_bytes"]
@@ -224,7 +224,8 @@ def test_plan_equals_flatlayout():
 EVERY_STAGE = """
 import sys
 from zerompi.errors import install_abort_hook
-from zerompi.train import parse_config, train
+from zerompi.train.config import parse_config
+from zerompi.train.run import train
 install_abort_hook()
 out, flags = sys.argv[1], sys.argv[2:]
 for stage in range(4):
@@ -282,7 +283,7 @@ def test_from_run_puts_measured_beside_estimate(tmp_path, capsys):
     run_train(3, tmp_path, "--model", "mlp", "--width", WIDTH, "--depth", DEPTH, "--bucket-mb", BUCKET_MB,
               "--steps", 1, "--batch", 6, "--stage", 3, "--dtype", "fp16", tag="run")
     out = tmp_path / "cmp.json"
-    assert est_mod.main(["--from-run", str(tmp_path / "run.json"), "--json", str(out)]) == 0
+    assert estimate_cli.main(["--from-run", str(tmp_path / "run.json"), "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "measured in the run (stage 3)" in text and "best case" in text
     cmp = json.loads(out.read_text())["from_run"]
@@ -309,7 +310,7 @@ def test_from_run_puts_measured_beside_estimate(tmp_path, capsys):
     (["--ranks", "4"], "--params"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, word):
-    assert est_mod.main(argv) == 2
+    assert estimate_cli.main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("zerompi.estimate: error:") and word in err, err
 
@@ -328,15 +329,8 @@ def test_python_api_raises_config_error():
         zerompi.estimate(params=0, ranks=8)
 
 
-# ---- the module: an entry point over three -------------------------------------------------
+# ---- the package: callable --------------------------------------------------------------
 
-def test_entry_point_reexports_the_modules_that_do_the_work():
-    from zerompi import bucket_plan, estimate_cli, estimate_stages
-    homes = (bucket_plan, estimate_stages, estimate_cli)
-    for name in est_mod.__all__:   # the very objects, not copies
-        home = next(m for m in homes if name in vars(m))
-        assert getattr(est_mod, name) is getattr(home, name), name
-    defined = {n for m in homes for n, obj in vars(m).items()
-               if not n.startswith("_") and getattr(obj, "__module__", None) == m.__name__}
-    assert defined <= set(est_mod.__all__), defined - set(est_mod.__all__)
-    assert est_mod(params=1e9, ranks=8) == estimate_stages.estimate(params=1e9, ranks=8)
+def test_package_is_callable_and_calls_the_estimate():
+    from zerompi.estimate import stages
+    assert zerompi.estimate(params=1e9, ranks=8) == stages.estimate(params=1e9, ranks=8)

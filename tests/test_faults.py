@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 from tests.mpirun import ROOT, mpiexec, run_mpi, run_train
-from zerompi.config import ZeroConfig
-from zerompi.consistency import _ranks, mismatch_message, flatten
+from zerompi.engine.config import ZeroConfig
+from zerompi.comm.consistency import _ranks, mismatch_message, flatten
 from zerompi.errors import EXIT_TIMEOUT, ConfigError
-from zerompi.faults import Fault, GradientGuard, InjectedFault, parse_fault, range_limit
-from zerompi.watchdog import TIMEOUT_ENV, WaitRecord, Watchdog, default_timeout_s, describe_wait, watched
+from zerompi.engine.faults import Fault, GradientGuard, InjectedFault, parse_fault, range_limit
+from zerompi.comm.watchdog import TIMEOUT_ENV, WaitRecord, Watchdog, default_timeout_s, describe_wait, watched
 
 SMALL = ["--model", "mlp", "--width", "32", "--depth", "3", "--batch", "12", "--bucket-mb", "0.002"]
 TIMEOUT_S = 5      # the watchdog's timeout in these jobs: short, so a hang ends fast
@@ -99,7 +99,7 @@ HANG_BEFORE = """
 import sys, time
 from mpi4py import MPI
 from zerompi import ZeroConfig, ZeroEngine
-from zerompi.models.mlp import MLP
+from zerompi.train.models.mlp import MLP
 comm = MPI.COMM_WORLD
 what, ck = sys.argv[1], sys.argv[2]
 comm.Barrier()                     # start together: uneven start-up is not what is tested
@@ -139,7 +139,7 @@ import json
 from mpi4py import MPI
 from zerompi import ZeroConfig, ZeroEngine
 from zerompi.errors import MismatchError
-from zerompi.models.mlp import MLP
+from zerompi.train.models.mlp import MLP
 comm = MPI.COMM_WORLD
 try:
     ZeroEngine(MLP(16, 2).init_layers(), ZeroConfig(stage=2, bucket_mb=0.001 if comm.rank == 2 else 1.0))
@@ -320,8 +320,8 @@ LONG_COMPUTE = """
 import time
 from mpi4py import MPI
 from zerompi import ZeroConfig, ZeroEngine
-from zerompi.loop import run_micro_batch
-from zerompi.models.mlp import MLP, TeacherData
+from zerompi.train.loop import run_micro_batch
+from zerompi.train.models.mlp import MLP, TeacherData
 comm = MPI.COMM_WORLD
 model, data = MLP(16, 3), TeacherData(16, 3, 0)
 comm.Barrier()                     # start together: the first wait must not absorb uneven start-up

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from zerompi import ZeroConfig, ZeroEngine
-from zerompi.data import FileData, GeneratedData, MarkovCorpus, check_file, rank_rows
+from zerompi.train.data import FileData, GeneratedData, MarkovCorpus, check_file, rank_rows
 from zerompi.errors import ConfigError
-from zerompi.models import gpt as G
+from zerompi.train.models import gpt as G
 
 F64 = np.float64
 EPS = 1e-6          # central differences in float64: error ~ EPS**2 * f''' + 1e-16 * |f| / EPS
@@ -315,7 +315,7 @@ def test_file_checks(tmp_path):
 
 
 def test_config_validation():
-    from zerompi.train import parse_config
+    from zerompi.train.config import parse_config
     cfg = parse_config([])
     assert (cfg.model, cfg.steps, cfg.batch) == ("gpt", 300, 48)
     assert parse_config(["--model", "mlp"]).steps == 30

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from tests.mpirun import run_mpi, run_train
-from zerompi.data import GeneratedData
-from zerompi.models.gpt import GPT
+from zerompi.train.data import GeneratedData
+from zerompi.train.models.gpt import GPT
 
 SIZES = dict(n_layer=2, n_head=2, d_model=16, seq_len=8)
 # 0.004 MiB holds ~2k fp16 or ~1k fp32 elements: embeddings, each block and ln_f get buckets of their own.

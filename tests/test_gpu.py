@@ -10,12 +10,12 @@ import math
 import numpy as np
 import pytest
 
-from zerompi import kernels_gpu, optim
+from zerompi.optim import cuda, reference
 
 from .mpirun import ROOT, run_mpi
 from .test_kernels import LENGTHS, SCALARS, adamw_float64, bits, random_state
 
-REASON = kernels_gpu.unavailable_reason()
+REASON = cuda.unavailable_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(REASON), reason=f"no GPU for the CUDA kernels: {REASON}")]
 
 
@@ -33,11 +33,11 @@ def test_adamw_gpu_matches_float64_and_reference_bits(cp, dtype, n):
     s = SCALARS[dtype]
     dev = [cp.asarray(a) for a in (master, m, v)]
     p_dev = cp.empty(n, dtype)
-    kernels_gpu.adamw_fused_gpu(*dev, cp.asarray(grad), p_dev, s)
+    cuda.adamw_fused_gpu(*dev, cp.asarray(grad), p_dev, s)
     got = [cp.asnumpy(a) for a in dev] + [cp.asnumpy(p_dev)]
     ref = [master.copy(), m.copy(), v.copy()]
     p_ref = np.empty(n, dtype)
-    optim.adamw_reference(*ref, grad, p_ref, s)
+    reference.adamw_reference(*ref, grad, p_ref, s)
     want, tol = adamw_float64(master, m, v, grad, s)
     for g, w, t, name in zip(got, want, tol, ("master", "m", "v")):
         bad = np.abs(g - w) > t
@@ -57,7 +57,7 @@ def test_adamw_gpu_independent_of_slice_start(cp, dtype):
         arrays = [cp.asarray(a) for a in (master, m, v)]
         p = cp.empty(n + 8, dtype)
         sl = slice(start, start + n)
-        kernels_gpu.adamw_fused_gpu(*(a[sl] for a in arrays), cp.asarray(grad)[sl], p[sl], s)
+        cuda.adamw_fused_gpu(*(a[sl] for a in arrays), cp.asarray(grad)[sl], p[sl], s)
         results.append([bits(cp.asnumpy(a[sl])) for a in arrays + [p]])
     for start in range(1, 8):
         for a, b in zip(results[0], results[start]):
@@ -69,7 +69,7 @@ def test_adamw_gpu_independent_of_slice_start(cp, dtype):
 def test_grad_stats_gpu_matches_float64(cp, dtype, n):
     rng = np.random.default_rng(n + 7)
     g = (rng.standard_normal(n) * (100 if dtype == np.float16 else 1e15)).astype(dtype)
-    sumsq, bad = kernels_gpu.grad_stats_fused_gpu(cp.asarray(g))
+    sumsq, bad = cuda.grad_stats_fused_gpu(cp.asarray(g))
     exact = math.fsum(float(x) * float(x) for x in g.astype(np.float64)) if n < 5000 else \
         float(np.sum(np.square(g.astype(np.float64))))
     assert not bad
@@ -81,7 +81,7 @@ def test_grad_stats_gpu_matches_float64(cp, dtype, n):
 def test_grad_stats_gpu_flags_non_finite(cp, dtype, bad_value):
     g = np.ones(4099, dtype)
     g[4098] = bad_value
-    sumsq, bad = kernels_gpu.grad_stats_fused_gpu(cp.asarray(g))
+    sumsq, bad = cuda.grad_stats_fused_gpu(cp.asarray(g))
     assert bad and not math.isfinite(sumsq)
 
 

@@ -1,6 +1,6 @@
 """The fused optimizer kernels against NumPy: float64 oracles, and the float32 references bit for bit.
 
-Found (and asserted): the C kernels equal optim.adamw_reference and comm.sum_rows_reference
+Found (and asserted): the C kernels equal reference.adamw_reference and reference.sum_rows_reference
 to 0 ulp, since adamw_math.h does the reference's float32 operations in the same order and
 -ffp-contract=off keeps the compiler from fusing any of them; grad_stats differs from
 NumPy's pairwise float64 sum only by summation order (relative 1e-12 is asserted).
@@ -14,9 +14,9 @@ import sys
 import numpy as np
 import pytest
 
-from zerompi import fused_cpu, kernels_gpu, optim
-from zerompi.comm import sum_rows_reference
-from zerompi.kernel_sources import kernels_dir
+from zerompi.optim import cuda, fused_cpu, reference
+from zerompi.optim.reference import sum_rows_reference
+from zerompi.optim.sources import kernels_dir
 
 from .mpirun import ROOT
 
@@ -56,31 +56,31 @@ CU_FILES = sorted(p.name for p in (ROOT / "kernels").glob("*.cu"))
 @pytest.mark.parametrize("name", CU_FILES)
 def test_cuda_source_compiles_for_sm90_without_fma(name, tmp_path):
     ptx = tmp_path / "k.ptx"
-    cmd = ["nvcc", "-arch=sm_90", *kernels_gpu.OPTIONS, "-I", str(ROOT / "kernels"), "--ptx",
+    cmd = ["nvcc", "-arch=sm_90", *cuda.OPTIONS, "-I", str(ROOT / "kernels"), "--ptx",
            str(ROOT / "kernels" / name), "-o", str(ptx)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     text = ptx.read_text()
     # --fmad=false: every multiply and add rounded alone, as in NumPy; IEEE sqrt and divide.
     assert "fma.rn.f32" not in text
-    if name == kernels_gpu.SOURCE:
+    if name == cuda.SOURCE:
         for op in ("sqrt.rn.f32", "div.rn.f32", "cvt.rn.f16.f32", "ld.global.v4.f32", "st.global.v4.u32"):
             assert op in text, op
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH: CUDA sources not compiled")
 def test_cuda_text_given_to_nvrtc_is_self_contained(tmp_path):
-    """kernels_gpu compiles the .cu with adamw_math.h pasted in: no include path needed."""
+    """optim.cuda compiles the .cu with adamw_math.h pasted in: no include path needed."""
     src = tmp_path / "whole.cu"
-    src.write_text(kernels_gpu.full_source())
-    proc = subprocess.run(["nvcc", "-arch=sm_90", *kernels_gpu.OPTIONS, "-c", str(src), "-o", str(tmp_path / "w.o")],
+    src.write_text(cuda.full_source())
+    proc = subprocess.run(["nvcc", "-arch=sm_90", *cuda.OPTIONS, "-c", str(src), "-o", str(tmp_path / "w.o")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
 
 
 def test_gpu_module_imports_without_cupy():
-    """Importing kernels_gpu must not import CuPy (it is only needed when the GPU path runs)."""
-    code = "import sys, zerompi.kernels_gpu; assert 'cupy' not in sys.modules; print('ok')"
+    """Importing optim.cuda must not import CuPy (it is only needed when the GPU path runs)."""
+    code = "import sys, zerompi.optim.cuda; assert 'cupy' not in sys.modules; print('ok')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=str(ROOT))
     assert out.stdout.strip() == "ok", out.stderr
 
@@ -121,8 +121,8 @@ def random_state(n, dtype, rng):
     return master, m, v, grad.astype(dtype)
 
 
-SCALARS = {np.float16: optim.adamw_scalars(1e-3, 0.9, 0.999, 1e-8, 0.01, step=1, grad_scale=1 / 65536),
-           np.float32: optim.adamw_scalars(3e-4, 0.8, 0.95, 1e-6, 0.1, step=1000, grad_scale=0.7)}
+SCALARS = {np.float16: reference.adamw_scalars(1e-3, 0.9, 0.999, 1e-8, 0.01, step=1, grad_scale=1 / 65536),
+           np.float32: reference.adamw_scalars(3e-4, 0.8, 0.95, 1e-6, 0.1, step=1000, grad_scale=0.7)}
 
 
 def bits(a):
@@ -140,7 +140,7 @@ def test_adamw_matches_float64_and_reference_bits(lib, dtype, n):
     ref = [master.copy(), m.copy(), v.copy()]
     p_fused, p_ref = np.empty(n, dtype), np.empty(n, dtype)
     fused_cpu.adamw_fused_cpu(*fused, grad, p_fused, s, lib=lib)
-    optim.adamw_reference(*ref, grad, p_ref, s)
+    reference.adamw_reference(*ref, grad, p_ref, s)
     want, tol = adamw_float64(master, m, v, grad, s)
     for got, w, t, name in zip(fused, want, tol, ("master", "m", "v")):
         bad = np.abs(got - w) > t
@@ -177,7 +177,7 @@ def test_adamw_unsupported_layouts_fall_back_to_reference(lib):
     a = [x[::2].copy() for x in (master, m, v)]       # contiguous copies for the reference
     b = [x.copy() for x in (master, m, v)]
     pa, pb = np.empty(n, np.float16), np.empty(2 * n, np.float16)
-    optim.adamw_reference(*a, grad[::2], pa, s)
+    reference.adamw_reference(*a, grad[::2], pa, s)
     fused_cpu.adamw_fused_cpu(*(x[::2] for x in b), grad[::2], pb[::2], s, lib=lib)   # strided, mixed dtypes
     for x, y in zip(a + [pa], [x[::2] for x in b] + [pb[::2]]):
         assert np.array_equal(x, y)
@@ -198,7 +198,7 @@ def test_grad_stats_matches_float64(lib, dtype, n):
         float(np.sum(np.square(g.astype(np.float64))))
     assert not bad
     assert sumsq == pytest.approx(exact, rel=1e-12, abs=0.0)
-    ref_sumsq, ref_bad = optim.grad_stats_reference(g)
+    ref_sumsq, ref_bad = reference.grad_stats_reference(g)
     assert ref_bad == bad and sumsq == pytest.approx(ref_sumsq, rel=1e-12, abs=0.0)
 
 
@@ -225,7 +225,7 @@ def test_grad_stats_flags_non_finite(lib, dtype, bad_value, where):
     g[where] = bad_value
     sumsq, bad = fused_cpu.grad_stats_fused_cpu(g, lib=lib)
     assert bad and not math.isfinite(sumsq)
-    assert optim.grad_stats_reference(g)[1]
+    assert reference.grad_stats_reference(g)[1]
 
 
 @needs_cc
@@ -370,9 +370,9 @@ def test_build_is_cached_and_keyed_by_flags(cache, lib):
 
 
 def test_missing_compiler_falls_back_with_one_line_note(tmp_path):
-    code = ("from zerompi import optim; print(optim.use_impl('auto'), optim.adamw_update.__name__)\n"
+    code = ("from zerompi.optim import impl, reference; print(impl.use_impl('auto'), impl.adamw_update.__name__)\n"
             "from zerompi.errors import ConfigError\n"
-            "try:\n    optim.use_impl('fused')\nexcept ConfigError as e:\n    print('ConfigError', e)\n")
+            "try:\n    impl.use_impl('fused')\nexcept ConfigError as e:\n    print('ConfigError', e)\n")
     env = {**__import__("os").environ, "CC": str(tmp_path / "no-such-cc"), "ZEROMPI_CACHE_DIR": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env,
                          cwd=str(ROOT))

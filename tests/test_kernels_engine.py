@@ -10,7 +10,8 @@ import json
 import numpy as np
 import pytest
 
-from zerompi import ZeroConfig, ZeroEngine, fused_cpu
+from zerompi import ZeroConfig, ZeroEngine
+from zerompi.optim import fused_cpu
 
 from .mpirun import run_mpi
 

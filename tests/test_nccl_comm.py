@@ -24,7 +24,7 @@ def test_nccl_logic_matches_the_oracle(n):
 
 
 def test_nccl_needs_the_gpu():
-    from zerompi.train import parse_config
+    from zerompi.train.config import parse_config
     with pytest.raises(ConfigError, match="comm='nccl' needs --device gpu"):
         parse_config(["--comm", "nccl"])
     with pytest.raises(ConfigError, match="comm='tcp' is not allowed; use mpi or nccl"):

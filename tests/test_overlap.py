@@ -15,9 +15,10 @@ from mpi4py import MPI
 from tests.mpirun import run_mpi
 from tests.reference import train_reference
 from zerompi import BucketState, ConfigError, ZeroConfig, ZeroEngine
-from zerompi.comm import Communicator, sum_rows_reference
-from zerompi.schedule import Phase, infer_phase, prefetch_window, visits_after
-from zerompi.timers import StepTimers, hidden_fraction, summarize
+from zerompi.comm.communicator import Communicator
+from zerompi.optim.reference import sum_rows_reference
+from zerompi.engine.schedule import Phase, infer_phase, prefetch_window, visits_after
+from zerompi.engine.timers import StepTimers, hidden_fraction, summarize
 
 # Width 64 at --bucket-mb 0.01 puts each layer in its own bucket (fp16 and fp32): 5 buckets.
 W, D, STEPS = 64, 5, 3
@@ -177,7 +178,7 @@ def make_engine(stage, latency=100, **kw):
 
 
 def alive(eng):
-    return sorted(eng._gathered)
+    return sorted(eng.gatherer.gathered)
 
 
 def one_micro_batch(eng, hints=True, on_unshard=None):
@@ -205,17 +206,17 @@ def test_stage3_prefetches_the_next_buckets_in_visit_order(depth, hints):
 
     def check(direction, i):
         nxt = i + 1 if direction == "fwd" else i - 1
-        assert eng._state[i] is BucketState.UNSHARDED
-        assert len(eng._gathered) <= 1 + depth
+        assert eng.gatherer.state[i] is BucketState.UNSHARDED
+        assert len(eng.gatherer.gathered) <= 1 + depth
         if depth and 0 <= nxt < 5:
-            assert nxt in eng._gathered, (direction, i, alive(eng))   # already on its way
-        seen.append(len(eng._gathered))
+            assert nxt in eng.gatherer.gathered, (direction, i, alive(eng))   # already on its way
+        seen.append(len(eng.gatherer.gathered))
 
     for _ in range(2):
         one_micro_batch(eng, hints, check)
         eng.step()
         assert alive(eng) == list(range(depth + 1 if depth else 0))   # the next forward's first window
-    assert max(seen) == 1 + depth == eng.peak_gathered_buckets
+    assert max(seen) == 1 + depth == eng.gatherer.peak_gathered_buckets
     eng.close()
 
 
@@ -263,15 +264,15 @@ def test_stage12_publish_waits_only_for_the_bucket_read():
         eng, fake = make_engine(stage)
         one_micro_batch(eng)
         eng.step()
-        assert all(s is BucketState.GATHERING for s in eng._state)     # all five started, none waited
+        assert all(s is BucketState.GATHERING for s in eng.gatherer.state)     # all five started, none waited
         eng.begin_forward()
         with eng.unsharded(0):
-            assert eng._state[0] is BucketState.UNSHARDED
-            assert all(s is BucketState.GATHERING for s in eng._state[1:])
+            assert eng.gatherer.state[0] is BucketState.UNSHARDED
+            assert all(s is BucketState.GATHERING for s in eng.gatherer.state[1:])
         eng.params(3)
-        assert eng._state[3] is BucketState.UNSHARDED and eng._state[4] is BucketState.GATHERING
+        assert eng.gatherer.state[3] is BucketState.UNSHARDED and eng.gatherer.state[4] is BucketState.GATHERING
         eng.full_parameters()                                             # waits for everything first
-        assert all(s is BucketState.UNSHARDED for s in eng._state)
+        assert all(s is BucketState.UNSHARDED for s in eng.gatherer.state)
         eng.close()
 
 
@@ -283,7 +284,7 @@ def test_reduction_starts_when_its_bucket_is_complete():
             pass
     eng.begin_backward()
     eng.grads_ready(4, {"w4": np.ones((4, 4), np.float32)})
-    assert list(eng._reduce_handles) == [4] and fake.started == ["reduce_scatter"]   # before layer 3's backward
+    assert list(eng.reducer.handles) == [4] and fake.started == ["reduce_scatter"]   # before layer 3's backward
     eng.close()
 
 
@@ -294,7 +295,7 @@ def test_progress_calls_move_reductions_during_the_backward(overlap, in_flight):
     eng, fake = make_engine(2, latency=3, overlap=overlap)
     one_micro_batch(eng)
     assert fake.started.count("reduce_scatter") == 5
-    assert len(eng._reduce_handles) == in_flight
+    assert len(eng.reducer.handles) == in_flight
     eng.step()
     eng.close()
 

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from tests.mpirun import run_mpi
-from zerompi.memory import theory_bytes, theory_comm_bytes
+from zerompi.engine.memory import theory_bytes, theory_comm_bytes
 
 BASE = ["--model", "mlp", "--width", "40", "--depth", "3", "--steps", "4", "--lr", "1e-2", "--bucket-mb", "0.004"]
 OPTIONS = {"plain": [], "clip+micro": ["--clip", "0.05", "--micro-batches", "2"]}

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from tests.test_overlap import make_engine
-from zerompi.engine import MAX_PENDING_REDUCES
+from zerompi.engine.reducer import MAX_PENDING_REDUCES
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -14,8 +14,8 @@ def test_reductions_in_flight_are_capped(stage):
         with eng.unsharded(i):
             pass
         eng.grads_ready(i, {f"w{i}": np.ones((4, 4), np.float32)})
-        pending.append(len(eng._reduce_handles))
-        staged.append(len(eng._staging))
+        pending.append(len(eng.reducer.handles))
+        staged.append(len(eng.reducer.staging))
     assert max(pending) == MAX_PENDING_REDUCES < eng.layout.num_layers
     assert max(staged) <= MAX_PENDING_REDUCES
     assert not eng.step().skipped

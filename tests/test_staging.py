@@ -1,6 +1,6 @@
 """Device placement and the staged Communicator, on the CPU.
 
-The staged Communicator (zerompi/staging.py) is run with HostTransfers: the "device"
+The staged Communicator (zerompi/comm/staging.py) is run with HostTransfers: the "device"
 arrays are NumPy arrays that the host Communicator is never allowed to see (asserted on
 every call), so every copy down and up is exercised. Its results must equal the host
 Communicator's bit for bit, and the float64 oracle within tolerance, at N = 1..4.
@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from zerompi import device
+from zerompi.comm import device
 from zerompi.errors import ConfigError
 
 LENGTHS = (1, 37, 4099, 100_003)
@@ -27,16 +27,16 @@ def run_cases(on_gpu: bool = False) -> None:
     from mpi4py import MPI
 
     from tests.test_comm import rank_input, rank_order_fp32, within
-    from zerompi import optim
-    from zerompi.comm import Communicator
+    from zerompi.optim import impl
+    from zerompi.comm.communicator import Communicator
     from zerompi.layout import FlatLayout
-    from zerompi.staging import CupyTransfers, HostTransfers, StagedCommunicator
+    from zerompi.comm.staging import CupyTransfers, HostTransfers, StagedCommunicator
 
-    optim.use_impl("auto", verbose=False)
+    impl.use_impl("auto", verbose=False)
     on_device = []                                  # every "device" array made below (NumPy stand-ins)
     if on_gpu:
         import cupy as xp
-        from zerompi.device import place
+        from zerompi.comm.device import place
         place("gpu", MPI.COMM_WORLD)
         transfers, host_array = CupyTransfers(), xp.asnumpy
     else:

@@ -11,21 +11,50 @@
     params = engine.full_parameters()                # {name: fp32 array}, a collective
 
 Memory is in bytes per rank, sizes in elements. See README.md for the CLI and the tables.
-"""
-from .config import ZeroConfig
-from .engine import BucketState, StepResult, ZeroEngine
-from .errors import ConfigError, UsageError
-from .layout import FlatLayout
 
-__all__ = ["ZeroConfig", "ZeroEngine", "StepResult", "BucketState", "FlatLayout", "ConfigError", "UsageError"]
+The package, by layer (each may import only those above it):
+
+    errors       the errors a user can act on; one failing rank ends the job
+    optim/       AdamW and the local sum: NumPy references, fused C and CUDA kernels
+    comm/        collectives: Communicator, device staging, NCCL, placement, watchdog
+    engine/      ZeroEngine and its parts: reducer, gatherer, buffers, layout, config
+    checkpoint/  sharded save / load / reshard; ``python -m zerompi.checkpoint``
+    estimate/    memory and traffic before launch; ``python -m zerompi.estimate``
+    train/       the training job; ``python -m zerompi.train``
+    bench/       the collectives benchmark; ``python -m zerompi.bench``
+
+The names below are loaded on first use, so that ``import zerompi`` (and the offline tools,
+estimate and checkpoint) work where mpi4py cannot be imported.
+"""
+import importlib
+
 __version__ = "0.1.0"
-__all__ += ["estimate"]
+
+_PUBLIC = {
+    "ZeroEngine": "zerompi.engine.zero_engine",
+    "StepResult": "zerompi.engine.zero_engine",
+    "ZeroConfig": "zerompi.engine.config",
+    "FlatLayout": "zerompi.layout",
+    "BucketState": "zerompi.engine.gatherer",
+    "Communicator": "zerompi.comm.communicator",
+    "ConfigError": "zerompi.errors",
+    "UsageError": "zerompi.errors",
+    "JobError": "zerompi.errors",
+    "MismatchError": "zerompi.errors",
+    "NonFiniteError": "zerompi.errors",
+}
+__all__ = sorted(_PUBLIC) + ["estimate"]
 
 
 def __getattr__(name):
-    # zerompi.estimate(params=10e9, ranks=64): the module is callable. Imported lazily so that
-    # `python -m zerompi.estimate` does not find its own module already imported.
-    if name == "estimate":
-        import importlib
-        return importlib.import_module(".estimate", __name__)
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+        globals()[name] = value
+        return value
+    if name == "estimate":     # zerompi.estimate(params=10e9, ranks=64): the package is callable
+        return importlib.import_module("zerompi.estimate")
     raise AttributeError(f"module 'zerompi' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -8,13 +8,14 @@ import types
 import numpy as np
 from mpi4py import MPI
 
-from zerompi import bench, optim
-from zerompi.comm import Communicator
+from zerompi.bench import run as bench
+from zerompi.optim import impl
+from zerompi.comm.communicator import Communicator
 from zerompi.errors import install_abort_hook
-from zerompi.staging import HostTransfers, StagedCommunicator
+from zerompi.comm.staging import HostTransfers, StagedCommunicator
 
 install_abort_hook()
-optim.use_impl("auto", verbose=False)
+impl.use_impl("auto", verbose=False)
 cfg = bench.parse_config(sys.argv[1:] + ["--check", "--no-overlap", "--iters", "2", "--warmup", "1"])
 comm = Communicator(MPI.COMM_WORLD)
 staged = StagedCommunicator(comm, HostTransfers())

@@ -8,10 +8,11 @@ import numpy as np
 from mpi4py import MPI
 
 from zerompi import ZeroEngine
-from zerompi.comm import Communicator
+from zerompi.comm.communicator import Communicator
 from zerompi.errors import install_abort_hook
-from zerompi.models.mlp import train_losses
-from zerompi.train import build_model, parse_config
+from zerompi.train.models.mlp import train_losses
+from zerompi.train.config import parse_config
+from zerompi.train.run import build_model
 
 install_abort_hook()
 out_path, flags = sys.argv[1], sys.argv[2:]

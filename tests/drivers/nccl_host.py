@@ -9,14 +9,14 @@ import numpy as np
 from mpi4py import MPI
 
 from tests.test_comm import rank_input, within
-from zerompi import optim
-from zerompi.comm import Communicator
+from zerompi.optim import impl
+from zerompi.comm.communicator import Communicator
 from zerompi.errors import install_abort_hook
 from zerompi.layout import FlatLayout
-from zerompi.nccl_comm import NcclCommunicator
+from zerompi.comm.nccl import NcclCommunicator
 
 install_abort_hook()
-optim.use_impl("auto", verbose=False)
+impl.use_impl("auto", verbose=False)
 
 
 class Done:

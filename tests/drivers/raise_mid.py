@@ -4,10 +4,11 @@ import sys
 from mpi4py import MPI
 
 from zerompi import ZeroEngine
-from zerompi.comm import Communicator
+from zerompi.comm.communicator import Communicator
 from zerompi.errors import install_abort_hook
-from zerompi.loop import local_rows, run_micro_batch
-from zerompi.train import build_model, parse_config
+from zerompi.train.loop import local_rows, run_micro_batch
+from zerompi.train.config import parse_config
+from zerompi.train.run import build_model
 
 install_abort_hook()
 cfg = parse_config(["--model", "mlp", "--stage", "3", "--width", "32", "--depth", "3", "--batch", "12"])

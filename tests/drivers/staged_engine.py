@@ -9,11 +9,12 @@ import numpy as np
 from mpi4py import MPI
 
 from zerompi import ZeroEngine
-from zerompi.comm import Communicator
+from zerompi.comm.communicator import Communicator
 from zerompi.errors import install_abort_hook
-from zerompi.models.mlp import train_losses
-from zerompi.staging import HostTransfers, StagedCommunicator
-from zerompi.train import build_model, parse_config
+from zerompi.train.models.mlp import train_losses
+from zerompi.comm.staging import HostTransfers, StagedCommunicator
+from zerompi.train.config import parse_config
+from zerompi.train.run import build_model
 
 install_abort_hook()
 

@@ -8,7 +8,8 @@ import sys
 from mpi4py import MPI
 
 from zerompi.errors import install_abort_hook
-from zerompi.train import parse_config, train
+from zerompi.train.config import parse_config
+from zerompi.train.run import train
 
 install_abort_hook()
 for flags in json.loads(sys.argv[1]):

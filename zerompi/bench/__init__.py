@@ -1,0 +1,7 @@
+"""The collectives microbenchmark: ``mpiexec -n N python -m zerompi.bench``.
+
+run (options, the measurements, the tables, main), cases (what one measured case does,
+its oracle, the timing loops).
+
+May import: zerompi.errors, zerompi.optim, zerompi.comm.
+"""

@@ -1,0 +1,339 @@
+"""``mpiexec -n N python -m zerompi.bench``: how fast are the collectives the engine uses?
+
+A table in the form of nccl-tests: one row per (op, size, implementation). ``zerompi`` is
+the engine's own Communicator, exactly as the engine calls it (reduce-scatter = Ialltoallv
++ fp32 sum in rank order, all-gather = Iallgather in place, all-reduce = the two in
+sequence; the local sum is the one impl.use_impl picks, as in the engine);
+``mpi`` is the MPI library's built-in collective on the same memory (Reduce_scatter_block,
+Allgather in place, Allreduce in place). The implementations take turns iteration by
+iteration, so that load from other processes hits both alike.
+
+Definitions (as in nccl-tests):
+  size   bytes of the whole buffer (N slices); count = elements of it.
+  time   per rank the median over iterations, then min / avg / max over ranks, in µs.
+  algbw  size / avg time;  busbw = algbw x (N-1)/N (reduce-scatter, all-gather) or
+         algbw x 2(N-1)/N (all-reduce). GB/s are 1e9 bytes per second.
+  #wrong elements outside tolerance of a NumPy float64 oracle, summed over ranks
+         (--check): sums within N x eps(dtype) x sum_r |x_r|, all-gather bit-exact.
+MPI has no portable fp16 sum (MPICH's native one measured 30-60x slower than fp32 here),
+so for fp16 the built-in reduce rows reduce fp32 elements of the same byte size; their
+type column says float*. Overlap follows the OSU method: t_pure is the non-blocking
+collective alone, t_cpu a dummy compute of that length, t_ovl the collective started,
+then the compute in OVERLAP_CHUNKS pieces with a test() between pieces (the way the
+engine progresses its handles), then wait(); overlap = 1 - (t_ovl - t_cpu) / t_pure.
+"""
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import dataclass, replace
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+from .cases import Case, Spinner, copy_seconds, make_case, measure_overlap, overlap_pct, time_medians
+from ..optim.impl import OPTIMIZER_IMPLS
+from ..errors import ConfigError, agree_on_errors, check, install_abort_hook
+
+OPS = ("reduce_scatter", "all_gather", "all_reduce")
+DTYPES = {"fp16": np.float16, "fp32": np.float32}
+IMPLS = ("zerompi", "mpi")
+DEVICES = ("cpu", "gpu")
+COMMS = ("mpi", "nccl")
+SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def bus_factor(op: str, n: int) -> float:
+    """busbw / algbw for op on n ranks (nccl-tests' factors)."""
+    return 2.0 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
+
+
+# ---- configuration ------------------------------------------------------------
+def parse_size(text: str) -> int:
+    """'8K' -> 8192, '64M' -> 67108864, '1G', '4096' (binary suffixes; bytes)."""
+    t = str(text).strip().upper().removesuffix("B").removesuffix("I")
+    unit = t[-1:] if t[-1:] in SUFFIXES else ""
+    try:
+        value = float(t[:len(t) - len(unit)]) * SUFFIXES[unit]
+    except ValueError:
+        raise ConfigError(f"size {text!r} is not a byte count; use e.g. 4096, 8K, 64M or 1G")
+    check(value >= 1 and value == int(value), f"size {text!r} must be a whole number of bytes >= 1")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One benchmark run; every rank builds the same one from the same flags."""
+
+    ops: Tuple[str, ...] = OPS
+    """Collectives to time, in this order."""
+    min_bytes: int = 1 << 20
+    """Smallest buffer, bytes of the whole buffer (N slices)."""
+    max_bytes: int = 64 << 20
+    """Largest buffer, bytes."""
+    factor: float = 2.0
+    """Each size is the previous one times this (> 1)."""
+    dtype: str = "fp32"
+    """Element type: fp16 or fp32."""
+    iters: int = 20
+    """Timed iterations per row (the median is reported)."""
+    warmup: int = 3
+    """Untimed iterations before them (first-touch page faults, connection set-up)."""
+    impls: Tuple[str, ...] = IMPLS
+    """zerompi, mpi, or both side by side."""
+    device: str = "cpu"
+    """Where the buffers live: cpu (NumPy) or gpu (CuPy)."""
+    comm: str = "mpi"
+    """gpu: how the zerompi rows move device buffers: mpi (staged through pinned host buffers) or nccl."""
+    check: bool = False
+    """Count wrong elements against a float64 oracle."""
+    overlap: bool = True
+    """Measure non-blocking overlap (OSU method)."""
+    json_path: Optional[str] = None
+    """Write the records as a JSON list here (rank 0)."""
+    sum_impl: str = "auto"
+    """zerompi's local reduce-scatter sum: auto (fused C when it builds), fused, or numpy (impl.use_impl)."""
+    local_sum: Optional[str] = None
+    """What sum_impl resolved to ("fused" or "numpy"), once impl.use_impl has run."""
+
+    def __post_init__(self):
+        for op in self.ops:
+            check(op in OPS, f"op={op!r} is not allowed; use one of {', '.join(OPS)} or all")
+        check(self.dtype in DTYPES, f"dtype={self.dtype!r} is not allowed; use fp16 or fp32")
+        for impl in self.impls:
+            check(impl in IMPLS, f"impl={impl!r} is not allowed; use zerompi, mpi or both")
+        check(self.device in DEVICES, f"device={self.device!r} is not allowed; use cpu or gpu")
+        check(self.comm in COMMS, f"comm={self.comm!r} is not allowed; use {' or '.join(COMMS)}")
+        check(self.comm == "mpi" or self.device == "gpu",
+              f"comm={self.comm!r} needs --device gpu (NCCL moves GPU memory); use --comm mpi on the CPU")
+        check(self.min_bytes >= 1, f"min size={self.min_bytes} must be >= 1 byte")
+        check(self.min_bytes <= self.max_bytes,
+              f"min size={self.min_bytes} bytes is larger than max size={self.max_bytes} bytes; use -b <= -e")
+        check(self.factor > 1, f"factor={self.factor:g} must be > 1")
+        check(self.iters >= 1, f"iters={self.iters} must be >= 1")
+        check(self.warmup >= 0, f"warmup={self.warmup} must be >= 0")
+        check(self.sum_impl in OPTIMIZER_IMPLS,
+              f"sum_impl={self.sum_impl!r} is not allowed; use one of {', '.join(OPTIMIZER_IMPLS)}")
+
+    def sizes(self) -> List[int]:
+        """min, min*f, min*f^2, ... <= max (bytes, before padding to whole slices)."""
+        out, s = [], float(self.min_bytes)
+        while int(s) <= self.max_bytes:
+            if not out or int(s) != out[-1]:
+                out.append(int(s))
+            s *= self.factor
+        return out
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse's own prints the whole usage)
+        raise ConfigError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m zerompi.bench", description="Collectives microbenchmark (see the module docstring).")
+    p.add_argument("--op", default="all", help=f"{' | '.join(OPS)} | all")
+    p.add_argument("-b", "--minbytes", default="1M", help="smallest buffer, bytes (suffixes K, M, G)")
+    p.add_argument("-e", "--maxbytes", default="64M", help="largest buffer, bytes")
+    p.add_argument("-f", "--stepfactor", default="2", help="size multiplication factor (> 1)")
+    p.add_argument("--dtype", default=BenchConfig.dtype, help="fp16 or fp32")
+    p.add_argument("--iters", type=int, default=BenchConfig.iters, help="timed iterations (median reported)")
+    p.add_argument("--warmup", type=int, default=BenchConfig.warmup, help="untimed iterations first")
+    p.add_argument("--impl", default="both", help="zerompi | mpi | both")
+    p.add_argument("--device", default=BenchConfig.device, help="cpu or gpu")
+    p.add_argument("--comm", default=BenchConfig.comm, help="with --device gpu: mpi (staged) or nccl")
+    p.add_argument("--check", action="store_true", help="count wrong elements against a float64 oracle")
+    p.add_argument("--no-overlap", action="store_true", help="skip the non-blocking overlap measurement")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the records as a JSON list")
+    p.add_argument("--sum-impl", default=BenchConfig.sum_impl, help=f"zerompi's local sum: {' | '.join(OPTIMIZER_IMPLS)}")
+    return p
+
+
+def parse_config(argv: Optional[List[str]] = None) -> BenchConfig:
+    """CLI flags -> BenchConfig (raises ConfigError on bad input)."""
+    a = build_parser().parse_args(argv)
+    try:
+        factor = float(a.stepfactor)
+    except ValueError:
+        raise ConfigError(f"factor={a.stepfactor!r} is not a number; use e.g. 2")
+    check(a.op == "all" or a.op in OPS, f"op={a.op!r} is not allowed; use one of {', '.join(OPS)} or all")
+    check(a.impl in IMPLS + ("both",), f"impl={a.impl!r} is not allowed; use zerompi, mpi or both")
+    cfg = BenchConfig(ops=OPS if a.op == "all" else (a.op,), min_bytes=parse_size(a.minbytes),
+                      max_bytes=parse_size(a.maxbytes), factor=factor, dtype=a.dtype, iters=a.iters,
+                      warmup=a.warmup, impls=IMPLS if a.impl == "both" else (a.impl,), device=a.device,
+                      comm=a.comm,
+                      check=a.check, overlap=not a.no_overlap, json_path=a.json, sum_impl=a.sum_impl)
+    return cfg
+
+
+# ---- the run --------------------------------------------------------------------
+def padded_count(nbytes: int, itemsize: int, n: int) -> int:
+    """Elements of a buffer of at least nbytes, padded to whole slices as the engine pads buckets.
+
+    fp16 pads to 2N elements so that the MPI rows' fp32 view also splits into N whole slices.
+    """
+    quantum = n * max(1, 4 // itemsize)
+    elems = -(-nbytes // itemsize)
+    return -(-elems // quantum) * quantum
+
+
+def run_bench(cfg: BenchConfig, comm, device_comm=None, xp=np) -> List[dict]:
+    """Every (op, size, impl) row; returns the records (the same on every rank).
+
+    ``device_comm`` and ``xp``: with ``--device gpu``, the zerompi rows run the staged
+    Communicator on CuPy buffers; the MPI rows always move host buffers (the MPI library
+    is not assumed CUDA-aware).
+    """
+    mpi, n = comm.mpi, comm.size
+    device_comm = device_comm or comm
+    dtype = DTYPES[cfg.dtype]
+    spinner = Spinner() if cfg.overlap else None
+    records = []
+    for op in cfg.ops:
+        print0(comm, table_header(op))
+        for nbytes in cfg.sizes():
+            count = padded_count(nbytes, np.dtype(dtype).itemsize, n)
+            buf = np.zeros(count, dtype)
+            out = np.empty(count // n, dtype)
+            copy_s = _ranks(mpi, copy_seconds(mpi, buf, cfg.iters, cfg.warmup))["avg"]
+            cases = [make_case(op, impl, device_comm, buf, out, cfg.dtype, xp) if impl == "zerompi"
+                     else make_case(op, impl, comm, buf, out, cfg.dtype) for impl in cfg.impls]
+            wrong = [check_case(mpi, c) if cfg.check else None for c in cases]
+            medians = time_medians(mpi, [(c.run, c.reset) for c in cases], cfg.iters, cfg.warmup)
+            for impl, case, w, t in zip(cfg.impls, cases, wrong, medians):
+                rec = make_record(cfg, comm, op, impl, case, buf, _ranks(mpi, t), w)
+                if spinner is not None and case.start is not None:
+                    rec.update(overlap_record(mpi, case, spinner, cfg))
+                rec["copy_GBps"] = buf.nbytes / copy_s / 1e9
+                records.append(rec)
+                print0(comm, table_row(rec))
+    print0(comm, footer(records, cfg))
+    if xp is not np:
+        print0(comm, "# --device gpu: zerompi rows include the copies between the GPU and pinned host buffers; "
+                     "mpi rows move host buffers")
+    return records
+
+
+def check_case(mpi, case: Case) -> int:
+    """Wrong elements of one run of case, summed over ranks."""
+    case.reset()
+    case.poison()
+    case.run()
+    return int(mpi.allreduce(case.verify()))
+
+
+def make_record(cfg: BenchConfig, comm, op: str, impl: str, case: Case, buf, t: dict, wrong) -> dict:
+    """One JSON record; times in µs (t: seconds, min/avg/max over ranks), bandwidths in GB/s."""
+    algbw = buf.nbytes / t["avg"] / 1e9
+    return {"op": op, "impl": impl, "dtype": cfg.dtype, "type": case.type_name, "ranks": comm.size,
+            "bytes": buf.nbytes, "count": case.count, "time_us": t["avg"] * 1e6, "time_us_min": t["min"] * 1e6,
+            "time_us_max": t["max"] * 1e6, "algbw": algbw, "busbw": algbw * bus_factor(op, comm.size),
+            "wrong": wrong, "overlap_pct": None, "local_sum": cfg.local_sum if impl == "zerompi" else None}
+
+
+def overlap_record(mpi, case: Case, spinner, cfg: BenchConfig) -> dict:
+    """overlap_pct and its three times (µs, averaged over ranks)."""
+    o = {k: _ranks(mpi, v)["avg"] for k, v in measure_overlap(mpi, case, spinner, cfg.iters, cfg.warmup).items()}
+    return {"overlap_pct": overlap_pct(o["t_pure"], o["t_cpu"], o["t_ovl"]),
+            "t_pure_us": o["t_pure"] * 1e6, "t_cpu_us": o["t_cpu"] * 1e6, "t_ovl_us": o["t_ovl"] * 1e6}
+
+
+def _ranks(mpi, value: float) -> dict:
+    """min / avg / max of one number over ranks."""
+    vals = mpi.allgather(value)
+    return {"min": min(vals), "avg": sum(vals) / len(vals), "max": max(vals)}
+
+
+# ---- printing -------------------------------------------------------------------
+PLACE = {"reduce_scatter": "out-of-place (bucket -> own slice)", "all_gather": "in place",
+         "all_reduce": "in place"}
+
+
+def table_header(op: str) -> str:
+    return (f"#\n# {op}: {PLACE[op]}\n"
+            f"# {'size':>10} {'count':>10} {'type':>6} {'impl':>8} {'time_min':>9} {'time_avg':>9} "
+            f"{'time_max':>9} {'algbw':>7} {'busbw':>7} {'#wrong':>6} {'overlap':>7}\n"
+            f"# {'(B)':>10} {'(elts)':>10} {'':>6} {'':>8} {'(us)':>9} {'(us)':>9} {'(us)':>9} "
+            f"{'(GB/s)':>7} {'(GB/s)':>7} {'':>6} {'(%)':>7}")
+
+
+def table_row(r: dict) -> str:
+    wrong = "N/A" if r["wrong"] is None else str(r["wrong"])
+    ovl = "-" if r["overlap_pct"] is None else f"{r['overlap_pct']:.0f}"
+    return (f"  {r['bytes']:>10} {r['count']:>10} {r['type']:>6} {r['impl']:>8} {r['time_us_min']:>9.1f} "
+            f"{r['time_us']:>9.1f} {r['time_us_max']:>9.1f} {r['algbw']:>7.2f} {r['busbw']:>7.2f} "
+            f"{wrong:>6} {ovl:>7}")
+
+
+def footer(records: List[dict], cfg: BenchConfig) -> str:
+    lines = ["#"]
+    for impl in cfg.impls:
+        mine = [r for r in records if r["impl"] == impl]
+        per_op = ", ".join(f"{op} {statistics.mean(r['busbw'] for r in mine if r['op'] == op):.2f}"
+                           for op in cfg.ops)
+        lines.append(f"# Avg bus bandwidth {impl:>8}: {statistics.mean(r['busbw'] for r in mine):.2f} GB/s "
+                     f"({per_op})")
+    copies = sorted({r["bytes"]: r["copy_GBps"] for r in records}.items())
+    lines.append(f"# Copy bandwidth of the same buffers (np.copyto, all ranks at once; ceiling per rank): "
+                 f"median {statistics.median(c for _, c in copies):.2f} GB/s, "
+                 f"{min(c for _, c in copies):.2f}..{max(c for _, c in copies):.2f} over sizes")
+    ratios = rs_ratios(records)
+    if ratios:
+        worst = min(ratios, key=lambda x: x[1])
+        lines.append(f"# reduce_scatter busbw zerompi/mpi at sizes >= 1 MiB: min {worst[1]:.2f} "
+                     f"(at {worst[0]} B), median {statistics.median(x for _, x in ratios):.2f}")
+    if cfg.dtype == "fp16" and "mpi" in cfg.impls and any(o != "all_gather" for o in cfg.ops):
+        lines.append("# float*: MPI has no fp16 sum; the built-in reduces fp32 elements of the same byte size")
+    if cfg.check:
+        lines.append(f"# #wrong: {sum(r['wrong'] for r in records)} elements in all rows "
+                     f"(tolerance N x eps x sum|x| for sums, bit-exact for all_gather)")
+    return "\n".join(lines)
+
+
+def rs_ratios(records: List[dict]) -> List[Tuple[int, float]]:
+    """(bytes, zerompi busbw / mpi busbw) of the reduce-scatter rows >= 1 MiB."""
+    rows = {(r["impl"], r["bytes"]): r["busbw"] for r in records if r["op"] == "reduce_scatter"}
+    return [(b, bw / rows[("mpi", b)]) for (impl, b), bw in sorted(rows.items())
+            if impl == "zerompi" and b >= 1 << 20 and rows.get(("mpi", b), 0) > 0]
+
+
+def print0(comm, text: str) -> None:
+    if comm.rank == 0:
+        print(text)
+        sys.stdout.flush()
+
+
+# ---- entry point ----------------------------------------------------------------
+def main(argv: Optional[List[str]] = None) -> int:
+    from mpi4py import MPI
+
+    from ..optim import impl
+    from ..comm.communicator import Communicator, mpi_library
+    from ..comm.device import describe_buffers, place_every_rank
+    install_abort_hook(MPI.COMM_WORLD)
+    world = MPI.COMM_WORLD
+    error = None
+    try:
+        cfg = parse_config(argv)
+        # what the engine's constructor does; "fused" raises here when the C kernels cannot be had
+        cfg = replace(cfg, local_sum=impl.use_impl(cfg.sum_impl, verbose=world.Get_rank() == 0))
+    except ConfigError as e:
+        error = str(e)
+    if agree_on_errors(world, error, "zerompi.bench"):
+        return 2
+    placement = place_every_rank(cfg.device, world, "zerompi.bench")   # gpu: needs CuPy and a GPU
+    if placement is None:
+        return 2
+    comm = Communicator(world)
+    from ..comm.staging import device_communicator
+    device_comm = device_communicator(comm, placement.xp, cfg.comm)   # the host one on the CPU
+    print0(comm, f"# zerompi.bench: {comm.size} ranks, {mpi_library()}, {describe_buffers(placement, device_comm)}, "
+                 f"dtype {cfg.dtype}, "
+                 f"iters {cfg.iters} (median) after {cfg.warmup} warmup, local sum {cfg.local_sum}")
+    print0(comm, "# time: per-rank median over iterations, then min/avg/max over ranks; bw from the avg")
+    records = run_bench(cfg, comm, device_comm, placement.xp)
+    if cfg.json_path and comm.rank == 0:
+        with open(cfg.json_path, "w") as f:
+            json.dump(records, f, indent=1)
+    return 0
+

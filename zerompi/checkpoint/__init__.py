@@ -1,0 +1,10 @@
+"""Sharded checkpoints: saved by every rank, loaded at any world size, stage or bucket size.
+
+collective (save / load, the collective protocol and resharding), format (the manifest,
+shard files, checksums, the atomic publish), cli (``python -m zerompi.checkpoint
+inspect | consolidate``, offline and without MPI).
+
+May import: zerompi.errors, zerompi.layout, zerompi.comm; it works on the engine object it is
+given (ZeroEngine.save / load call it). Importing this package imports nothing; format and
+cli load without MPI.
+"""

@@ -1,0 +1,100 @@
+"""Offline checkpoint tools: consolidate the shards into full parameters, and inspect a manifest.
+
+One concern: reading a finished checkpoint in one process, without MPI (so no collective
+and no watchdog). Run through ``python -m zerompi.checkpoint`` (checkpoint/collective.py calls
+:func:`main`)::
+
+    python -m zerompi.checkpoint consolidate DIR OUT.npz   # full fp32 parameters by name
+    python -m zerompi.checkpoint inspect DIR               # the manifest as a table
+
+Exit status 0, or 2 with one line ``zerompi.checkpoint: error: ...`` on bad input.
+"""
+import json
+import os
+import sys
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from .format import F32, CheckpointError, read_manifest, resolve, verify_shard
+
+
+def consolidate(path: str, out: str) -> Dict[str, np.ndarray]:
+    """Write the full fp32 parameters by name to ``out`` (.npz) and return them.
+
+    Shards are checksummed, then read one at a time (memory-mapped, master row only): peak
+    memory is the output plus a read buffer. ``out`` is written under a temporary name and
+    renamed, and may not lie inside the checkpoint.
+    """
+    ckpt = resolve(path)
+    manifest, saved = read_manifest(ckpt)
+    here, there = os.path.realpath(os.path.dirname(os.path.abspath(out))), os.path.realpath(ckpt)
+    if os.path.commonpath([here, there]) == there:
+        raise CheckpointError(f"{out}: would be written inside the checkpoint {ckpt}; choose another path")
+    paths = [verify_shard(ckpt, manifest, r) for r in range(saved.world_size)]
+    params = {name: np.empty(pr.shape, F32) for name, pr in saved.params.items()}
+    for r, shard_path in enumerate(paths):
+        master = np.load(shard_path, mmap_mode="r")[0]
+        for bucket, members in zip(saved.buckets, saved.bucket_params):
+            lo, hi = bucket.slice_bounds(r)
+            for pr in members:
+                a, z = max(lo, pr.bucket_offset), min(hi, pr.bucket_offset + pr.numel)
+                if a < z:
+                    src = bucket.shard_start + a - lo
+                    params[pr.name].reshape(-1)[a - pr.bucket_offset:z - pr.bucket_offset] = master[src:src + z - a]
+        del master
+    partial = out + ".partial"
+    with open(partial, "wb") as f:
+        np.savez(f, **params)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, out)
+    return params
+
+
+def inspect_text(path: str) -> str:
+    """The manifest of the checkpoint ``path`` names, as a table."""
+    ckpt = resolve(path)
+    m, saved = read_manifest(ckpt)
+    opt, sc = m["optimizer"], m["loss_scaler"]
+    lines = [f"checkpoint {ckpt}  ({m['format']} v{m['format_version']})",
+             f"  step {m['step']} (optimizer updates {opt['step']}), world size {m['world_size']}, "
+             f"stage {m['stage']}, dtype {m['dtype']}, {m['params_numel']:,} parameters, "
+             f"shard {m['shard_numel']:,} elements",
+             f"  loss scale {sc['scale']:g} (good steps {sc['good_steps']}); optimizer {opt['name']} "
+             f"lr {opt['lr']:g} betas ({opt['beta1']:g}, {opt['beta2']:g}) eps {opt['eps']:g} "
+             f"weight decay {opt['weight_decay']:g}",
+             "  config: " + " ".join(f"{k}={v}" for k, v in m["config"].items())]
+    if m["extra"]:
+        lines.append("  extra: " + json.dumps(m["extra"], sort_keys=True))
+    w = max(len("parameter"), *(len(n) for n in saved.params))
+    lines.append(f"  {'parameter':<{w}}  {'shape':>14} {'numel':>12} {'bucket':>6} {'start':>12}")
+    for pr in saved.params.values():
+        shape = "x".join(str(d) for d in pr.shape)
+        lines.append(f"  {pr.name:<{w}}  {shape:>14} {pr.numel:>12,} {pr.bucket:>6} {pr.start:>12,}")
+    lines.append(f"  {'bucket':>6} {'start':>12} {'numel':>12} {'used':>12} {'slice':>10} {'shard_start':>12}  layers")
+    for b in saved.buckets:
+        lines.append(f"  {b.index:>6} {b.start:>12,} {b.numel:>12,} {b.used:>12,} {b.slice_numel:>10,} "
+                     f"{b.shard_start:>12,}  {','.join(m['layer_names'][i] for i in b.layers)}")
+    lines.append(f"  {'shard':<16} {'bytes':>14}  sha256")
+    for s in m["shards"]:
+        lines.append(f"  {s['file']:<16} {s['bytes']:>14,}  {s['sha256']}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``consolidate DIR OUT.npz`` or ``inspect DIR``; returns the exit status (0, or 2 on bad input)."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    try:
+        if len(args) == 3 and args[0] == "consolidate":
+            params = consolidate(args[1], args[2])
+            print(f"wrote {args[2]}: {len(params)} parameters, "
+                  f"{sum(p.size for p in params.values()):,} fp32 values")
+        elif len(args) == 2 and args[0] == "inspect":
+            print(inspect_text(args[1]))
+        else:
+            raise CheckpointError(f"arguments {args} are not allowed; use 'consolidate DIR OUT.npz' or 'inspect DIR'")
+    except (CheckpointError, OSError) as e:
+        sys.stderr.write(f"zerompi.checkpoint: error: {e}\n")
+        return 2
+    return 0

@@ -1,0 +1,11 @@
+"""Collectives: how ranks talk.
+
+communicator (Communicator: the deterministic reduce-scatter, all-gather, all-reduce over
+mpi4py, with per-operation counters), staging (device buffers through pinned host memory),
+nccl (the same interface over NCCL), device (GPU placement, CUDA-awareness), progress (a
+thread that moves collectives on), watchdog (a wait that never ends ends the job),
+consistency (the start-up check that every rank runs the same configuration).
+
+May import: zerompi.errors, zerompi.optim (the local sum). Importing this package imports
+nothing; watchdog, consistency and device load without MPI.
+"""

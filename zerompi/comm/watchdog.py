@@ -1,0 +1,189 @@
+"""How a job ends on time: the collective watchdog and the stop signal.
+
+The watchdog: when one rank dies, hangs or takes another path, every other rank waits
+in its next collective forever (MPI has no timeouts). Each rank runs a daemon thread that
+reads what its main thread is blocked in (a :class:`WaitRecord` the Communicator fills
+around every wait) and, after ``timeout_s`` seconds in the *same* wait, prints the
+operation, bucket, step and timeout and aborts the job. Only time spent waiting in a
+collective counts: a long compute (a first step that compiles, a big model) never trips
+it, and every rank that is stuck ends by itself, whichever rank caused it.
+
+Blocking MPI calls made directly on the mpi4py communicator (checkpoint protocol, final
+metrics, full parameters, the consistency check) go under the same record with
+:func:`watched`, so no collective of a job is left untimed (docs/failures.md).
+
+The stop signal: SIGTERM or SIGINT sets a flag that the training loop adds to its per-step
+all-reduce, so every rank stops after the same step (docs/failures.md).
+"""
+import os
+import signal
+import sys
+import threading
+import time
+from contextlib import nullcontext
+from typing import Callable, Optional
+
+from ..errors import EXIT_TIMEOUT, ConfigError, abort_job
+
+DEFAULT_TIMEOUT_S = 300.0           # seconds one collective may wait before the job is aborted
+TIMEOUT_ENV = "ZEROMPI_TIMEOUT_S"   # overrides DEFAULT_TIMEOUT_S (a --timeout-s flag overrides both)
+
+
+def default_timeout_s(environ=os.environ) -> float:
+    """ZEROMPI_TIMEOUT_S when set (seconds, > 0), else DEFAULT_TIMEOUT_S."""
+    text = environ.get(TIMEOUT_ENV)
+    if text is None or text.strip() == "":
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ConfigError(f"{TIMEOUT_ENV}={text!r} is not allowed; use a number of seconds > 0 "
+                          f"(the longest one collective may wait; default {DEFAULT_TIMEOUT_S:g})")
+    return value
+
+
+class WaitRecord:
+    """The collective this rank's main thread is blocked in now, read by the watchdog thread.
+
+    ``with record(op, tag):`` around a blocking wait; ``current`` is ``(op, tag, since)``
+    while inside (``since`` from time.monotonic) and None otherwise. Nested waits keep the
+    outer one. One assignment per enter and exit: cheap enough for every wait.
+    """
+
+    __slots__ = ("current", "_next", "_depth")
+
+    def __init__(self):
+        self.current = None   # (op, tag, since) while blocked, else None
+        self._next = None     # (op, tag) of the wait about to be entered
+        self._depth = 0       # nesting depth (the outermost wait is the one timed)
+
+    def __call__(self, op: str, tag=None) -> "WaitRecord":
+        self._next = (op, tag)
+        return self
+
+    def __enter__(self) -> None:
+        if self._depth == 0:
+            op, tag = self._next
+            self.current = (op, tag, time.monotonic())
+        self._depth += 1
+
+    def __exit__(self, *exc) -> bool:
+        self._depth -= 1
+        if self._depth == 0:
+            self.current = None
+        return False
+
+
+def describe_wait(op: str, tag, step: Optional[int]) -> str:
+    """'reduce_scatter of bucket 2 at step 7' from a WaitRecord entry.
+
+    ``tag``: None, a bucket index, or (bucket, step) as the engine labels its collectives;
+    (None, step) for a wait outside any bucket, (None, None) for one the step does not name.
+    Only a bare None or bucket index lets the watchdog's ``step()`` fill in the step.
+    """
+    bucket = None
+    if isinstance(tag, tuple):
+        bucket, step = tag
+    elif tag is not None:
+        bucket = tag
+    where = f"{op} of bucket {bucket}" if bucket is not None else op
+    return f"{where} at step {step}" if step is not None else where
+
+
+def watched(comm, op: str, step: Optional[int] = None):
+    """``with watched(comm, op, step):`` around a blocking MPI call made directly on the mpi4py
+    communicator, so the collective watchdog times it and its message names ``op`` (at ``step``).
+
+    ``comm``: a zerompi Communicator (its WaitRecord). A bare mpi4py communicator has none:
+    the call is then not timed. ``step``: the step the message names, None for none.
+    The call must release the GIL while it waits, or this thread never runs: buffer
+    collectives and mpi4py's pickled bcast/gather/allgather do; its pickled allreduce and
+    reduce do not (measured, docs/failures.md).
+    """
+    record = getattr(comm, "waiting", None)
+    return nullcontext() if record is None else record(op, (None, step))
+
+
+class Watchdog:
+    """A daemon thread that aborts the job when ``record`` shows one wait longer than ``timeout_s``.
+
+    ``step()`` names the current step for waits not labelled with one. ``abort(code)``
+    ends the job (default: MPI Abort on ``mpi_comm``, or os._exit where that is unsafe).
+    Checks every min(1 s, timeout_s / 10), so it fires within 10% (or 1 s) of the timeout.
+    """
+
+    def __init__(self, record: WaitRecord, timeout_s: float, rank: int, mpi_comm=None,
+                 step: Callable[[], Optional[int]] = lambda: None, abort: Optional[Callable[[int], None]] = None):
+        self.record = record
+        self.timeout_s = float(timeout_s)   # seconds one wait may last
+        self.rank = rank
+        self.fired: Optional[str] = None    # the message, once it has fired
+        self._step = step
+        self._abort = abort or (lambda code: abort_job(mpi_comm, code))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="zerompi-watchdog", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        interval = min(1.0, self.timeout_s / 10)
+        while not self._stop.wait(interval):
+            entry = self.record.current
+            if entry is None:
+                continue
+            op, tag, since = entry
+            waited = time.monotonic() - since
+            if waited >= self.timeout_s and self.record.current is entry:
+                self._fire(op, tag, waited)
+                return
+
+    def _fire(self, op: str, tag, waited: float) -> None:
+        try:
+            step = self._step()
+        except Exception:      # the engine may be half torn down; the message matters more
+            step = None
+        self.fired = (f"zerompi: rank {self.rank}: collective timeout: waited {waited:.1f} s in "
+                      f"{describe_wait(op, tag, step)} (timeout {self.timeout_s:g} s; --timeout-s or "
+                      f"{TIMEOUT_ENV}); another rank did not join it (it died, hangs, or took another path); "
+                      f"aborting the job")
+        sys.stderr.write(self.fired + "\n")
+        sys.stderr.flush()
+        self._abort(EXIT_TIMEOUT)
+
+    def close(self, wait: bool = False) -> None:
+        """Stop the thread; it ends within one check interval (``wait``: join it)."""
+        self._stop.set()
+        if wait and self._thread is not threading.current_thread():
+            self._thread.join()
+
+
+class StopSignal:
+    """SIGTERM and SIGINT ask the training loop to stop after the current step.
+
+    The first signal only sets :attr:`received`; the loop all-reduces :attr:`flag` with its
+    per-step numbers, so every rank stops after the same step. The previous handlers come
+    back at once, so a second signal acts as usual (SIGINT: KeyboardInterrupt, which
+    aborts the job). Install from the main thread; :meth:`restore` puts the old handlers back.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.received: Optional[str] = None    # name of the first signal, e.g. "SIGTERM"
+        self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+        self.restore()
+
+    @property
+    def flag(self) -> float:
+        """1.0 once a signal arrived on this rank, else 0.0 (summed over ranks by the loop)."""
+        return 0.0 if self.received is None else 1.0
+
+    def restore(self) -> None:
+        for s, h in self._previous.items():
+            if signal.getsignal(s) == self._handle:
+                signal.signal(s, h)

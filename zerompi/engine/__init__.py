@@ -1,0 +1,14 @@
+"""The engine: ZeroEngine and the parts it is composed of.
+
+zero_engine (ZeroEngine, StepResult: the step, composed of the parts below), reducer
+(GradientReducer: gradient buffers, bucketed reduce-scatters), gatherer
+(ParameterGatherer: stored parameters, unshard / reshard, all-gathers, prefetch),
+optimizer (ShardedAdamW: the fp32 master and Adam moments), inflight (the collectives in
+flight), buffers (the bucket buffer pool), config (ZeroConfig), loss_scale, memory (the
+ledger and the formulas), timers, schedule (phases and visit order), faults (non-finite
+gradients, injected faults).
+
+May import: zerompi.errors, zerompi.layout, zerompi.optim, zerompi.comm, zerompi.checkpoint.
+Importing this package imports nothing; config, buffers, memory and reducer load without MPI
+(the estimate uses them).
+"""

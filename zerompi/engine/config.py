@@ -1,0 +1,105 @@
+"""ZeroConfig: every knob of the engine, validated once, frozen."""
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from ..comm.watchdog import default_timeout_s
+from ..errors import check
+from ..optim.impl import OPTIMIZER_IMPLS
+
+STAGES = (0, 1, 2, 3)
+DTYPES = ("fp16", "fp32")
+PROGRESS = ("test", "thread")
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """Engine configuration. Units are in each field's docstring; invalid values raise ConfigError."""
+
+    stage: int = 2
+    """ZeRO stage: 0 (plain data parallel), 1 (shard optimizer state), 2 (+ gradients), 3 (+ parameters)."""
+    dtype: str = "fp16"
+    """Storage dtype of parameters and gradients: "fp16" (with dynamic loss scaling) or "fp32"."""
+    bucket_mb: float = 25.0
+    """Target bucket size in MiB of the storage dtype; buckets are cut at layer boundaries."""
+    lr: float = 1e-3
+    """AdamW learning rate (> 0)."""
+    beta1: float = 0.9
+    """AdamW first-moment decay, in [0, 1)."""
+    beta2: float = 0.999
+    """AdamW second-moment decay, in [0, 1)."""
+    eps: float = 1e-8
+    """AdamW denominator epsilon (> 0)."""
+    weight_decay: float = 0.0
+    """Decoupled (AdamW) weight decay, >= 0; applied to every parameter."""
+    clip: float = 0.0
+    """Clip gradients to this global L2 norm; 0 turns clipping off."""
+    micro_batches: int = 1
+    """Micro-batches accumulated per optimizer step (>= 1); gradients are reduced per micro-batch."""
+    init_loss_scale: float = 2.0 ** 16
+    """fp16: starting loss scale (a power of two is exact)."""
+    loss_scale_window: int = 1000
+    """fp16: double the loss scale after this many consecutive steps without overflow."""
+    min_loss_scale: float = 1.0
+    """fp16: the loss scale never drops below this."""
+    optimizer_impl: str = "auto"
+    """AdamW step and gradient pre-pass: "fused" (one-pass kernels: C on the CPU, CUDA on CuPy),
+    "numpy" (the reference), or "auto" (fused when its kernels build or load, else numpy)."""
+    align: int = 16
+    """Each bucket slice is a multiple of this many elements (16 -> 32-byte fp16 slices)."""
+    overlap: bool = True
+    """Run collectives behind compute (non-blocking, waited for only when their data is read).
+    False waits for every collective as soon as it starts: the serial baseline; prefetch is then unused."""
+    prefetch: int = 1
+    """Stage 3: buckets gathered ahead of the layer computing now, in visit order (0 = gather on demand).
+    At most 1 + prefetch gathered buckets are alive at once (plus those of layers the caller still holds)."""
+    progress: str = "test"
+    """How in-flight collectives advance during compute: "test" (the engine tests them at every
+    unshard, reshard and grads_ready) or "thread" (also a polling thread; needs MPI_THREAD_MULTIPLE)."""
+    timeout_s: Optional[float] = None
+    """Seconds one collective may wait before the watchdog aborts the job (> 0); only waiting counts,
+    not compute. None = the environment variable ZEROMPI_TIMEOUT_S, else 300 (docs/failures.md)."""
+    max_skipped_steps: int = 50
+    """fp16: this many consecutive steps skipped for non-finite gradients is an error (>= 1)."""
+
+    def __post_init__(self):
+        check(self.stage in STAGES, f"stage={self.stage!r} is not allowed; use one of 0, 1, 2, 3")
+        check(self.dtype in DTYPES, f"dtype={self.dtype!r} is not allowed; use fp16 or fp32")
+        check(self.bucket_mb > 0, f"bucket_mb={self.bucket_mb!r} must be > 0 (MiB per bucket)")
+        check(self.lr > 0, f"lr={self.lr!r} must be > 0")
+        check(0 <= self.beta1 < 1, f"beta1={self.beta1!r} must be in [0, 1)")
+        check(0 <= self.beta2 < 1, f"beta2={self.beta2!r} must be in [0, 1)")
+        check(self.eps > 0, f"eps={self.eps!r} must be > 0")
+        check(self.weight_decay >= 0, f"weight_decay={self.weight_decay!r} must be >= 0")
+        check(self.clip >= 0, f"clip={self.clip!r} must be >= 0 (0 = off)")
+        check(isinstance(self.micro_batches, int) and self.micro_batches >= 1,
+              f"micro_batches={self.micro_batches!r} must be an integer >= 1")
+        check(self.init_loss_scale > 0, f"init_loss_scale={self.init_loss_scale!r} must be > 0")
+        check(self.loss_scale_window >= 1, f"loss_scale_window={self.loss_scale_window!r} must be >= 1")
+        check(0 < self.min_loss_scale <= self.init_loss_scale,
+              f"min_loss_scale={self.min_loss_scale!r} must be in (0, init_loss_scale]")
+        check(self.optimizer_impl in OPTIMIZER_IMPLS, f"optimizer_impl={self.optimizer_impl!r} is not allowed; "
+                                                      f"use one of {', '.join(OPTIMIZER_IMPLS)}")
+        check(isinstance(self.align, int) and self.align >= 1, f"align={self.align!r} must be an integer >= 1")
+        check(isinstance(self.overlap, bool), f"overlap={self.overlap!r} must be True or False")
+        check(isinstance(self.prefetch, int) and not isinstance(self.prefetch, bool) and self.prefetch >= 0,
+              f"prefetch={self.prefetch!r} must be an integer >= 0 (buckets gathered ahead; 0 = off)")
+        check(self.progress in PROGRESS, f"progress={self.progress!r} is not allowed; use one of {', '.join(PROGRESS)}")
+        if self.timeout_s is None:   # resolved once here, so every reader sees the same number
+            object.__setattr__(self, "timeout_s", default_timeout_s())
+        check(isinstance(self.timeout_s, (int, float)) and 0 < self.timeout_s < float("inf"),
+              f"timeout_s={self.timeout_s!r} must be a number of seconds > 0 (how long one collective may wait)")
+        check(isinstance(self.max_skipped_steps, int) and self.max_skipped_steps >= 1,
+              f"max_skipped_steps={self.max_skipped_steps!r} must be an integer >= 1")
+
+    @property
+    def bucket_bytes(self) -> int:
+        """Target bucket size in bytes."""
+        return max(1, int(self.bucket_mb * 2 ** 20))
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per stored parameter or gradient element (2 for fp16, 4 for fp32)."""
+        return 2 if self.dtype == "fp16" else 4
+
+    def to_dict(self) -> dict:
+        return asdict(self)

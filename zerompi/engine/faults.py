@@ -1,0 +1,184 @@
+"""Faults inside a step: injected ones (tests) and non-finite gradients (detected).
+
+Injection: the environment variable ZEROMPI_FAULT=KIND@rankR:stepS[:POINT] makes rank R
+fail at step S (1-based, as in the progress lines), at POINT:
+
+    backward  (the default) at the first gradients it hands back in step S (the backward of
+              the first micro-batch, the other ranks' collectives in flight)
+    save      right before the first collective of the checkpoint saved after step S
+    metrics   right before the first collective of the final metrics, in a run whose last
+              step is S (the metrics follow the last step and its checkpoint)
+
+and KIND says how:
+
+    raise  an exception (the abort hook prints it and ends the job)
+    exit   the process exits at once, without cleanup (mpiexec ends the others)
+    hang   the rank sleeps forever (the others' collective watchdogs end the job)
+    nan    every gradient this rank hands back in step S is NaN (backward only)
+
+Detection: :class:`GradientGuard` notes the first bucket where this rank's own gradients
+were non-finite (or beyond the storage dtype's range) as they are handed back -- two
+reductions (max, min) per gradient -- so that when the all-reduced flag of a step says
+"non-finite", the error can name the bucket and the rank where it started. fp16 skips such
+a step (the loss scale halves); ``max_skipped_steps`` consecutive skips, or any in fp32,
+raise NonFiniteError on every rank, before any parameter is updated.
+"""
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from typing import List, Mapping, Optional, Sequence
+
+import numpy as np
+
+from ..errors import ConfigError, NonFiniteError
+from ..comm.watchdog import watched
+
+FAULT_ENV = "ZEROMPI_FAULT"
+KINDS = ("raise", "exit", "hang", "nan")
+POINTS = ("backward", "save", "metrics")   # where in step S a fault fires (module docstring)
+GRAMMAR = ("KIND@rankR:stepS[:POINT] with KIND one of raise, exit, hang, nan, R a rank, S a step >= 1, "
+           "POINT one of backward (the default), save, metrics, and nan only at backward "
+           "(e.g. hang@rank1:step3, hang@rank1:step2:save)")
+_PATTERN = re.compile(r"([a-z]+)@rank(\d+):step(\d+)(?::([a-z]+))?")
+_WHERE = {"backward": "", "save": ", before the checkpoint save's first collective",
+          "metrics": ", before the final metrics' first collective"}
+EXIT_STATUS = 1   # of the 'exit' fault
+
+
+class InjectedFault(RuntimeError):
+    """The exception of the 'raise' fault."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One injected fault: ``kind`` on rank ``rank`` at step ``step`` (1-based), at ``point``."""
+    kind: str
+    rank: int
+    step: int
+    point: str = "backward"   # one of POINTS
+
+    def __str__(self) -> str:
+        at = "" if self.point == "backward" else f":{self.point}"
+        return f"{self.kind}@rank{self.rank}:step{self.step}{at}"
+
+
+def parse_fault(text: str) -> Fault:
+    """'hang@rank1:step3' -> Fault('hang', 1, 3); 'hang@rank1:step2:save' -> Fault('hang', 1, 2, 'save').
+
+    ConfigError naming the value and the grammar.
+    """
+    m = _PATTERN.fullmatch(text.strip())
+    point = m and (m.group(4) or "backward")
+    if (not m or m.group(1) not in KINDS or int(m.group(3)) < 1 or point not in POINTS
+            or (m.group(1) == "nan" and point != "backward")):
+        raise ConfigError(f"{FAULT_ENV}={text!r} is not a fault; use {GRAMMAR}")
+    return Fault(m.group(1), int(m.group(2)), int(m.group(3)), point)
+
+
+def fault_from_env(environ=os.environ) -> Optional[Fault]:
+    """The fault ZEROMPI_FAULT asks for, or None when it is unset or empty."""
+    text = environ.get(FAULT_ENV, "")
+    return parse_fault(text) if text.strip() else None
+
+
+def fire(fault: Fault) -> None:
+    """Act out a raise / exit / hang fault on this rank (nan is applied by the guard)."""
+    where = f"rank {fault.rank} at step {fault.step}{_WHERE[fault.point]}"
+    if fault.kind == "raise":
+        raise InjectedFault(f"injected fault 'raise' on {where} ({FAULT_ENV}={fault})")
+    note = {"exit": "exiting at once without cleanup", "hang": "sleeping forever"}[fault.kind]
+    sys.stderr.write(f"zerompi: injected fault '{fault.kind}' on {where} ({FAULT_ENV}={fault}): {note}\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    if fault.kind == "exit":
+        os._exit(EXIT_STATUS)
+    while True:
+        time.sleep(3600)
+
+
+def range_limit(dtype) -> float:
+    """Smallest magnitude that becomes inf when stored in ``dtype`` (round to nearest)."""
+    fi = np.finfo(dtype)
+    return float(fi.max) + 2.0 ** (fi.maxexp - fi.nmant - 2)   # max + half its ulp: 65520 for fp16
+
+
+class GradientGuard:
+    """Per-engine fault state: the injected fault, where non-finite gradients appeared, skip counts."""
+
+    def __init__(self, rank: int, dtype, max_skipped_steps: int, fault: Optional[Fault] = None):
+        self.rank = rank
+        self.fp16 = np.dtype(dtype) == np.float16          # fp16 skips non-finite steps; fp32 stops
+        self.limit = range_limit(dtype)                     # |g| >= limit is inf once stored
+        self.max_skipped_steps = max_skipped_steps
+        self.fault = fault if fault is not None and fault.rank == rank else None   # only this rank's
+        self.first_bad_bucket = -1     # this step: lowest bucket with a non-finite local gradient
+        self.skipped_in_a_row = 0      # consecutive skipped steps, up to the latest
+        self._step = 0                 # the step the two fields above belong to
+        self._last_skip = 0            # step number of the latest skip
+
+    # ---- while gradients are handed back ---------------------------------------
+    def on_grads(self, step: int, bucket: int, grads: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+        """Called with each layer's gradients before they are stored; returns the ones to store."""
+        if step != self._step:          # the first gradients of a new step
+            self._step, self.first_bad_bucket = step, -1
+            if self._due("backward", step) and self.fault.kind != "nan":
+                fire(self.fault)
+        if self._due("backward", step) and self.fault.kind == "nan":
+            grads = {n: g * np.float32("nan") for n, g in grads.items()}   # NumPy or CuPy alike
+        if self.first_bad_bucket < 0 or bucket < self.first_bad_bucket:
+            if any(not (-self.limit < float(g.min()) and float(g.max()) < self.limit) for g in grads.values()):
+                self.first_bad_bucket = bucket     # NaN fails both comparisons
+        return grads
+
+    def at(self, point: str, step: int) -> None:
+        """Act out this rank's injected fault if it is due at ``point`` (save, metrics) after ``step``."""
+        if self._due(point, step):
+            fire(self.fault)
+
+    def _due(self, point: str, step: int) -> bool:
+        f = self.fault
+        return f is not None and f.point == point and f.step == step
+
+    # ---- when the all-reduced flag says non-finite --------------------------------
+    def on_skip(self, step: int, comm, reduced_slices: Sequence[np.ndarray], loss_scale: float) -> None:
+        """A step whose gradients are non-finite somewhere (every rank calls this together).
+
+        Raises NonFiniteError on every rank in fp32, or at ``max_skipped_steps`` skips in a row.
+        """
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if step == self._last_skip + 1 else 1
+        self._last_skip = step
+        if self.fp16 and self.skipped_in_a_row < self.max_skipped_steps:
+            return
+        where = self.locate(comm, reduced_slices, step)
+        if not self.fp16:
+            raise NonFiniteError(f"non-finite gradients at step {step}: {where}; fp32 has no loss scale to "
+                                 "lower, so the job stops before any parameter takes a non-finite value "
+                                 "(lower --lr, clip with --clip, or check the data)")
+        raise NonFiniteError(f"{self.skipped_in_a_row} consecutive steps skipped for non-finite fp16 gradients "
+                             f"(--max-skipped-steps {self.max_skipped_steps}); the last, step {step}: {where}; "
+                             f"the loss scale was {loss_scale:g} (lower --loss-scale, --lr, or check the data)")
+
+    def locate(self, comm, reduced_slices: Sequence[np.ndarray], step: int) -> str:
+        """'first in bucket B on rank R': one all-gather (the error path only: every rank is here)."""
+        local = self.first_bad_bucket if self._step == step else -1
+        reduced = next((b for b, g in enumerate(reduced_slices) if not _all_finite(g)), -1)
+        mpi = getattr(comm, "mpi", comm)
+        with watched(comm, "non-finite gradient report: all-gather of where they were", step):
+            table: List[tuple] = mpi.allgather((local, reduced))
+        bad = [(b, r) for r, (b, _) in enumerate(table) if b >= 0]
+        if bad:
+            b, r = min(bad)
+            ranks = sorted({rr for bb, rr in bad})
+            also = f" (non-finite gradients on ranks {ranks})" if len(ranks) > 1 else ""
+            return f"first in bucket {b} on rank {r}{also}"
+        sums = [(b, r) for r, (_, b) in enumerate(table) if b >= 0]
+        b, r = min(sums) if sums else (-1, -1)
+        return (f"first in bucket {b}, in the slice rank {r} reduces: every rank's own gradients were finite, "
+                "their sum over ranks overflowed the storage dtype")
+
+
+def _all_finite(arr) -> bool:
+    a = np.asarray(arr)
+    return bool(np.isfinite(a).all()) if a.size else True

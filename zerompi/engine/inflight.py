@@ -1,0 +1,68 @@
+"""The collectives a rank has started and not yet seen complete.
+
+The gradient reducer and the parameter gatherer start their collectives through one
+:class:`InFlight`. :meth:`InFlight.poll` tests every one of them once -- this is what moves
+MPI on between layers -- and hands each one that has arrived back to its owner (the
+``on_arrival`` given at launch), so a reduction's staging bucket is freed as soon as its
+data is in. :meth:`InFlight.finish` blocks until one has arrived (exposed time) and runs
+its local part. The timers learn when collectives start and end; the progress thread (when
+there is one) polls MPI only while something is in flight.
+"""
+from typing import Callable, Dict
+
+
+class InFlight:
+    """Started collectives not yet seen complete, each with what to do when it arrives."""
+
+    def __init__(self, comm, timers, progress_thread=None):
+        self.comm = comm                        # a zerompi Communicator (its ``waiting`` is watched)
+        self.timers = timers                    # StepTimers: exposed time and the busy interval
+        self.progress_thread = progress_thread  # ProgressThread or None
+        self._pending: Dict[object, Callable[[], None]] = {}   # handle -> on_arrival, in launch order
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def __contains__(self, handle) -> bool:
+        return handle in self._pending
+
+    def launch(self, start: Callable[[], object], on_arrival: Callable[[], None]):
+        """Start a collective (``start()`` returns its handle); ``on_arrival`` runs when
+        :meth:`poll` sees it complete (the owner then finishes it)."""
+        self.timers.comm_started()
+        with self.timers.exposed():
+            handle = start()
+        self._pending[handle] = on_arrival
+        if self.progress_thread is not None:
+            self.progress_thread.busy(True)
+        return handle
+
+    def _seen_complete(self, handle) -> Callable[[], None]:
+        on_arrival = self._pending.pop(handle)
+        self.timers.comm_completed()
+        if self.progress_thread is not None and not self._pending:
+            self.progress_thread.busy(False)
+        return on_arrival
+
+    def finish(self, handle) -> None:
+        """Block until the handle's data has arrived (exposed time), then run its local part."""
+        if handle in self._pending:
+            with self.timers.exposed(), self.comm.waiting(handle.op, handle.tag):   # the watchdog times this
+                while not handle.test():     # test, not wait: the local sum below is compute, not waiting
+                    pass
+            self._seen_complete(handle)
+        handle.wait()
+
+    def poll(self) -> None:
+        """Test every in-flight collective once, and hand those that have arrived to their owners."""
+        if not self._pending:
+            return
+        with self.timers.exposed():
+            arrived = [h for h in self._pending if h.test()]
+        for on_arrival in [self._seen_complete(h) for h in arrived]:
+            on_arrival()
+
+    def close(self) -> None:
+        if self.progress_thread is not None:
+            self.progress_thread.close()
+            self.progress_thread = None

@@ -1,0 +1,172 @@
+"""The gradient reducer: gradients handed back, bucketed, reduce-scattered into the shard.
+
+The model hands back each layer's gradients (:meth:`GradientReducer.add`); they are written
+in the storage dtype into the bucket's local gradient buffer (stages 0/1: the full local
+gradient; stages 2/3: a transient staging bucket from the engine's pool), and once every
+layer of a bucket has handed its gradients back, the bucket's reduce-scatter starts,
+non-blocking, into this rank's gradient shard (or the micro-batch accumulator). At most
+MAX_PENDING_REDUCES reductions are in flight: each pins a staging bucket and a receive buffer.
+"""
+from typing import Dict, List, Mapping
+
+import numpy as np
+
+from ..errors import UsageError
+
+MAX_PENDING_REDUCES = 2   # gradient reduce-scatters in flight at once (per rank)
+
+
+class GradientReducer:
+    """Owns the gradient buffers (the local or sharded gradient, the micro-batch accumulator,
+    the staging buckets) and the reductions in flight.
+
+    Uses the engine's ``layout``, ``config``, ``comm`` (a Communicator), ``inflight`` (where
+    its collectives are started and polled), ``pool`` (staging buckets), ``ledger`` (where
+    its buffers are counted) and ``guard`` (faults.GradientGuard).
+    """
+
+    def __init__(self, layout, config, comm, inflight, pool, ledger, guard, dtype):
+        self.layout, self.config, self.comm = layout, config, comm
+        self.inflight, self.pool, self.guard = inflight, pool, guard
+        st, rank = config.stage, comm.rank
+        self.rank, self.world_size = rank, comm.size
+        # The gradient model state: stages 0/1 the whole local gradient, stages 2/3 the shard.
+        self.grads = ledger.alloc("grads", layout.numel if st < 2 else layout.shard_numel, dtype)
+        # Stages 0/1 with several micro-batches: the local gradient buffer is rewritten by
+        # every backward, so the reduced sum over micro-batches needs a home of its own.
+        self.accum = None
+        if st < 2 and config.micro_batches > 1:
+            self.accum = ledger.alloc("buffers", layout.shard_numel, dtype)
+        self.staging: Dict[int, np.ndarray] = {}   # stages 2/3: bucket -> local gradient bucket
+        self.handles: Dict[int, object] = {}       # bucket -> in-flight reduce-scatter
+        self.ready = [False] * layout.num_layers   # layers whose grads arrived this micro-batch
+        self._bucket_pending = [len(b.layers) for b in layout.buckets]
+        self.micro = 0                             # micro-batches completed since the last step
+
+    # ---- where the gradients are -------------------------------------------------
+    def grad_slice(self, b: int) -> np.ndarray:
+        """This rank's reduced-gradient slice of bucket b (where the reduce-scatter lands)."""
+        bucket = self.layout.buckets[b]
+        if self.config.stage < 2:
+            return self.grads[bucket.world_slice(self.rank)]
+        return self.grads[bucket.shard_slice]
+
+    def reduced_slices(self) -> List[np.ndarray]:
+        return [self.grad_slice(b.index) for b in self.layout.buckets]
+
+    @property
+    def mid_step(self) -> bool:
+        """Gradients of this step handed back (some layers, or whole micro-batches)."""
+        return self.micro > 0 or any(self.ready)
+
+    # ---- gradients handed back ----------------------------------------------------
+    def check_grads(self, layer: int, grads: Mapping[str, np.ndarray]) -> None:
+        """UsageError unless ``grads`` are layer's gradients, due now: every name, its shape, floating."""
+        lay = self.layout
+        names = lay.layer_params[layer]
+        if self.ready[layer]:
+            raise UsageError(f"gradients of layer {layer} ({lay.layer_names[layer]!r}) handed back twice "
+                             "in one micro-batch; call step() after the last micro-batch")
+        missing = [n for n in names if n not in grads]
+        extra = [n for n in grads if n not in names]
+        if missing or extra:
+            raise UsageError(f"layer {layer} ({lay.layer_names[layer]!r}): gradients missing for {missing}, "
+                             f"unknown names {extra}; expected exactly {names}")
+        for n in names:
+            g = grads[n]
+            if tuple(g.shape) != lay.params[n].shape:
+                raise UsageError(f"gradient {n!r} has shape {tuple(g.shape)}; the parameter's shape is {lay.params[n].shape}")
+            if not np.issubdtype(np.dtype(g.dtype), np.floating):
+                raise UsageError(f"gradient {n!r} has dtype {g.dtype}; a floating dtype is required")
+        if self.micro == self.config.micro_batches:
+            raise UsageError(f"all {self.config.micro_batches} micro-batches already handed back; call step() first")
+
+    def add(self, layer: int, grads: Mapping[str, np.ndarray], step: int) -> bool:
+        """Store layer's gradients (checked by :meth:`check_grads`) for step ``step`` (1-based);
+        start the bucket's reduce-scatter once the bucket is complete. True when this
+        completed a micro-batch."""
+        lay = self.layout
+        b = lay.layer_bucket[layer]
+        grads = self.guard.on_grads(step, b, grads)   # notes non-finite values; ZEROMPI_FAULT
+        if b in self.handles:              # the previous micro-batch still reads this bucket
+            self.finish(b)
+        staging = self._local_bucket(b)
+        with np.errstate(over="ignore", invalid="ignore"):   # fp16 overflow is detected in step()
+            for n in lay.layer_params[layer]:
+                pr = lay.params[n]
+                staging[pr.bucket_offset:pr.bucket_offset + pr.numel] = grads[n].reshape(-1)
+        self.ready[layer] = True
+        self._bucket_pending[b] -= 1
+        if self._bucket_pending[b] == 0:
+            self._start(b, step)
+        self.inflight.poll()
+        if not all(self.ready):
+            return False
+        self.micro += 1
+        self.ready = [False] * lay.num_layers
+        self._bucket_pending = [len(bk.layers) for bk in lay.buckets]
+        return True
+
+    def _local_bucket(self, b: int) -> np.ndarray:
+        """Where this rank's unreduced gradients of bucket b are written."""
+        bucket = self.layout.buckets[b]
+        if self.config.stage < 2:
+            return self.grads[bucket.start:bucket.stop]
+        if b not in self.staging:
+            buf = self.pool.take(bucket.numel)
+            buf[bucket.used:] = 0          # padding joins the sum: it must be zero
+            self.staging[b] = buf
+        return self.staging[b]
+
+    # ---- reductions ------------------------------------------------------------
+    def _start(self, b: int, step: int) -> None:
+        bucket = self.layout.buckets[b]
+        first = self.micro == 0
+        out = self.accum[bucket.shard_slice] if self.accum is not None else self.grad_slice(b)
+        scale = 1.0 / (self.world_size * self.config.micro_batches)
+        send = self._local_bucket(b)
+        tag = (b, step)            # what a watchdog message names
+        # Bound the reductions in flight: each pins a staging bucket and a receive buffer, and
+        # without a cap a slow network would let stages 2/3 hold the whole local gradient.
+        while len(self.handles) >= MAX_PENDING_REDUCES:
+            self.finish(next(iter(self.handles)))
+        self.handles[b] = self.inflight.launch(lambda: self.comm.ireduce_scatter(send, out, scale, not first, tag),
+                                               lambda: self.finish(b))
+        if not self.config.overlap:
+            self.finish(b)
+
+    def finish(self, b: int) -> None:
+        """Complete bucket b's reduce-scatter and give its staging bucket back."""
+        self.inflight.finish(self.handles.pop(b))
+        if b in self.staging:
+            self.pool.give(self.staging.pop(b))
+
+    def finish_all(self) -> None:
+        for b in list(self.handles):
+            self.finish(b)
+
+    # ---- at the step ---------------------------------------------------------------
+    def check_complete(self) -> None:
+        """UsageError unless every micro-batch's gradients have been handed back."""
+        if any(self.ready) or self.micro != self.config.micro_batches:
+            raise UsageError(f"step() after {self.micro} of {self.config.micro_batches} micro-batches "
+                             f"({sum(self.ready)} of {self.layout.num_layers} layers handed back in the current "
+                             "one); hand back every layer's gradients for every micro-batch first")
+
+    def collect(self) -> None:
+        """Every reduction done; stages 0/1 with micro-batches move the accumulated sums into
+        the gradient slices the step reads. The next step's micro-batches start from zero."""
+        self.finish_all()
+        if self.accum is not None:
+            for bucket in self.layout.buckets:
+                self.grad_slice(bucket.index)[...] = self.accum[bucket.shard_slice]
+        self.micro = 0
+
+    def all_gather(self, step: int) -> None:
+        """Stage 0: complete the all-reduce, so every rank holds the whole reduced gradient."""
+        for bucket in self.layout.buckets:
+            self.comm.all_gather(self.grads[bucket.start:bucket.stop], (bucket.index, step))
+
+    def close(self) -> None:
+        self.finish_all()
+        self.grads = self.accum = None

@@ -1,0 +1,386 @@
+"""ZeroEngine: sharded parameters, gradients and AdamW state for stages 0-3.
+
+The model drives it layer by layer::
+
+    engine.begin_forward()                       # optional hint: the visit order that follows
+    for layer in range(L):                       # forward
+        with engine.unsharded(layer) as p: ...   # stage 3 gathers here (and prefetches the next buckets)
+    engine.begin_backward()
+    for layer in reversed(range(L)):             # backward
+        with engine.unsharded(layer) as p: ...
+        engine.grads_ready(layer, grads)         # starts the bucket's reduce-scatter
+    result = engine.step()                       # stages 1/2: starts the parameter all-gathers
+
+Communication runs behind compute: collectives are non-blocking, tested (moved on) at every
+unshard, reshard and grads_ready, and waited for only when their data is read
+(docs/overlap.md). ``engine.timers`` says where the time went. The parts: gatherer.py
+(the stored parameters, unshard, reshard, prefetch), reducer.py (the gradient buffers,
+grads_ready's staging, the reduce-scatters), inflight.py (the collectives in flight),
+engine/buffers.py (the bucket buffer pool).
+
+Gradients handed back are those of this rank's micro-batch loss, times ``loss_scale``;
+the engine averages them over ranks and micro-batches.
+"""
+import math
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Dict, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from ..checkpoint import collective as checkpoint
+from ..comm.communicator import Communicator
+from ..comm.consistency import check_consistent
+from ..comm.watchdog import Watchdog, watched
+from ..errors import ConfigError, UsageError
+from ..layout import FlatLayout
+from ..optim import impl
+from .buffers import BucketPool, buffer_classes, buffer_counts
+from .config import ZeroConfig
+from .faults import GradientGuard, fault_from_env
+from .gatherer import ParameterGatherer
+from .inflight import InFlight
+from .loss_scale import DynamicLossScaler
+from .memory import MemoryLedger, theory_bytes, theory_comm_bytes
+from .optimizer import ShardedAdamW
+from .reducer import MAX_PENDING_REDUCES, GradientReducer
+from .schedule import Phase, infer_phase
+from .timers import StepTimers
+
+F32 = np.float32
+LayersArg = Union[Mapping[str, Mapping[str, np.ndarray]], Sequence[Tuple[str, Mapping[str, np.ndarray]]]]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step did."""
+    step: int            # optimizer steps applied so far (skipped steps do not count)
+    skipped: bool        # True when a non-finite gradient made every rank skip the update
+    grad_norm: float     # global L2 norm of the true (unscaled, unclipped) gradient; inf/nan if skipped
+    clip_coef: float     # factor applied to the gradient by clipping (1.0 = not clipped)
+    loss_scale: float    # the loss scale used for this step's gradients
+
+
+class ZeroEngine:
+    """ZeRO data parallelism over ``comm`` for a model given as named layers of named arrays.
+
+    ``layers``: an ordered mapping (or list of pairs) layer name -> {param name -> array};
+    every rank must pass the same initial values. ``config``: a ZeroConfig.
+    ``comm``: an mpi4py communicator (default COMM_WORLD) or a zerompi Communicator.
+
+    Composed of a :class:`GradientReducer` (``self.reducer``: the gradient buffers and the
+    reduce-scatters) and a :class:`ParameterGatherer` (``self.gatherer``: the stored
+    parameters, unshard / reshard and the all-gathers), which start their collectives through
+    one :class:`InFlight` and take their bucket buffers from one :class:`BucketPool`; the
+    engine owns the fp32 master and Adam moments and runs the step.
+    """
+
+    def __init__(self, layers: LayersArg, config: Optional[ZeroConfig] = None, comm=None, xp=np):
+        self.config = config or ZeroConfig()
+        # A Communicator, or one with its interface (staging.StagedCommunicator); else an mpi4py communicator.
+        self.comm = comm if hasattr(comm, "ireduce_scatter") else Communicator(comm)
+        self.xp = xp
+        self.rank, self.world_size = self.comm.rank, self.comm.size
+        self.optimizer_impl = impl.use_impl(self.config.optimizer_impl, xp, verbose=self.rank == 0)  # "fused"/"numpy"
+        self.dtype = np.float16 if self.config.dtype == "fp16" else np.float32
+        pairs = list(layers.items()) if isinstance(layers, Mapping) else list(layers)
+        spec = [(lname, [(pname, np.shape(a)) for pname, a in params.items()]) for lname, params in pairs]
+        self.layout = FlatLayout(spec, self.world_size, max(1, self.config.bucket_bytes // np.dtype(self.dtype).itemsize),
+                                 self.config.align)
+        self._start_guards()
+        self.ledger = MemoryLedger(xp)
+        self.scaler = DynamicLossScaler(self.config.init_loss_scale, self.config.loss_scale_window,
+                                        self.config.min_loss_scale, enabled=self.config.dtype == "fp16")
+        self.step_count = 0             # optimizer updates applied
+        self.steps_taken = 0            # step() calls, skipped ones included
+        self.closed = False
+        self.timers = StepTimers()                      # phase and communication seconds (engine/timers.py)
+        self._phase = Phase.IDLE                        # where the step is: drives prefetch and timers
+        self._last_layer: Optional[int] = None          # layer of the latest unshard (direction inference)
+        progress_thread = None
+        if self.config.progress == "thread":
+            from ..comm.progress import ProgressThread
+            with watched(self.comm, "progress thread: duplicating the communicator"):   # a collective
+                progress_thread = ProgressThread(self.comm.mpi)
+        self.inflight = InFlight(self.comm, self.timers, progress_thread)
+        pool = BucketPool(self.ledger, self.dtype, self._plan_buffer_classes())   # transient bucket buffers
+        self.pool = pool
+        self.gatherer = ParameterGatherer(self.layout, self.config, self.comm, self.inflight, pool, self.ledger,
+                                          self.dtype)
+        self.reducer = GradientReducer(self.layout, self.config, self.comm, self.inflight, pool, self.ledger,
+                                       self.guard, self.dtype)
+        self.optimizer = ShardedAdamW(self.layout, self.config, self.ledger, self.rank)
+        self.optimizer.load_initial(pairs, xp)
+        self.publish_params(all_gather=True)
+
+    # ---- set-up ------------------------------------------------------------
+    def _plan_buffer_classes(self) -> Dict[int, int]:
+        """The pool's classes for this layout, sized for the most buffers the schedule holds at once."""
+        c, lay = self.config, self.layout
+        lengths: Dict[int, int] = {}
+        for bucket in lay.buckets:
+            lengths[bucket.numel] = lengths.get(bucket.numel, 0) + 1
+        staged, gathered = buffer_counts(c.stage, len(lay.buckets), MAX_PENDING_REDUCES if c.overlap else 0,
+                                         c.prefetch if c.overlap else 0)
+        return buffer_classes(lengths, staged, gathered)
+
+    # ---- the step's phase: what the timers charge, the direction prefetch follows ----
+    def _enter(self, phase: Phase) -> None:
+        self._phase = phase
+        self.timers.enter(phase)
+
+    # ---- parameters for compute (the gatherer) ----------------------------------------
+    def unshard(self, layer: int) -> Dict[str, np.ndarray]:
+        """Make layer's parameters whole on this rank and return them (views, storage dtype).
+
+        Stage 3 all-gathers the layer's bucket (every rank must call this in the same
+        order); stages 0-2 already hold them. Pair each call with :meth:`reshard`.
+        """
+        self._check_open()
+        self._check_layer(layer)
+        self._enter(infer_phase(self._phase, self._last_layer, layer))
+        self._last_layer = layer
+        return self.gatherer.unshard(layer, self._phase, self.reducer.micro, self.steps_taken + 1)
+
+    def reshard(self, layer: int) -> None:
+        """Release layer's parameters. Stage 3 frees the gathered bucket once no layer needs it."""
+        self._check_layer(layer)
+        self.gatherer.reshard(layer)
+
+    @contextmanager
+    def unsharded(self, layer: int):
+        """``with engine.unsharded(i) as params:`` unshard on entry, reshard on exit."""
+        params = self.unshard(layer)
+        try:
+            yield params
+        finally:
+            self.reshard(layer)
+
+    def params(self, layer: int) -> Dict[str, np.ndarray]:
+        """Layer's stored parameters (views). Stage 3: only between unshard and reshard."""
+        self._check_open()
+        self._check_layer(layer)
+        return self.gatherer.read(layer)
+
+    def begin_forward(self) -> None:
+        """Hint: a forward pass over layers 0, 1, ... starts now (then the backward, in reverse).
+
+        Optional: without it the direction is inferred from the unshard order. Stage 3 starts
+        gathering the first buckets here (step() already did, for the first micro-batch).
+        Every rank must make the same calls.
+        """
+        self._check_open()
+        self._enter(Phase.FORWARD)
+        self._last_layer = None
+        if self.config.stage == 3 and self.config.overlap:
+            self.gatherer.prefetch_forward(self.steps_taken + 1)
+        self.inflight.poll()
+
+    def begin_backward(self) -> None:
+        """Hint: the backward pass (layers L-1, ..., 0) starts now."""
+        self._check_open()
+        self._enter(Phase.BACKWARD)
+        self.inflight.poll()
+
+    # ---- gradients (the reducer) ---------------------------------------------------
+    def grads_ready(self, layer: int, grads: Mapping[str, np.ndarray]) -> None:
+        """Hand back layer's gradients for this micro-batch (every parameter, its shape).
+
+        They are stored in the storage dtype; when every layer of a bucket has handed
+        its gradients back, that bucket's reduce-scatter starts (non-blocking).
+        """
+        self._check_open()
+        self._check_layer(layer)
+        self.reducer.check_grads(layer, grads)
+        if self._phase is not Phase.BACKWARD:     # gradients arriving: the backward has begun
+            self._enter(Phase.BACKWARD)
+        if self.reducer.add(layer, grads, self.steps_taken + 1):
+            self._enter(Phase.IDLE)               # a micro-batch is complete
+
+    def synchronize(self) -> None:
+        """Complete every in-flight collective (gradient reductions, parameter all-gathers).
+
+        Call it before touching the engine's buffers other than through unshard, params and
+        step: full_parameters, close and checkpoints do. Every rank must call it.
+        """
+        self.reducer.finish_all()
+        self.gatherer.finish_all()
+
+    # ---- the optimizer step -------------------------------------------------
+    def step(self, lr: Optional[float] = None) -> StepResult:
+        """Finish the reductions, check for overflow, clip, update the shard, publish parameters.
+
+        Every rank must call it after the configured number of micro-batches.
+        ``lr`` overrides config.lr for this step (a schedule); it must be the same on every rank.
+        """
+        self._check_open()
+        if lr is not None and not lr > 0:
+            raise ConfigError(f"lr={lr!r} must be > 0")
+        self.reducer.check_complete()
+        self._enter(Phase.OPTIMIZER)
+        self.synchronize()
+        if self.config.stage == 3:
+            self.gatherer.free()
+        self.reducer.collect()
+        lay, grads = self.layout, self.reducer.reduced_slices()
+        sumsq, nonfinite = 0.0, False
+        for g in grads:
+            s, bad = impl.grad_stats(g)
+            sumsq += s
+            nonfinite |= bad
+        with self.timers.blocking():
+            total = self.comm.sum_scalars([sumsq, float(nonfinite)])
+        scale = self.scaler.scale
+        overflow = bool(total[1] > 0) or not math.isfinite(total[0])
+        self.steps_taken += 1
+        if overflow:   # fp32, or too many fp16 skips in a row: NonFiniteError on every rank, nothing updated
+            self.guard.on_skip(self.steps_taken, self.comm, grads, scale)
+            self.scaler.update(True)
+            self._end_step()
+            return StepResult(self.step_count, True, float("nan"), 1.0, scale)
+        norm = math.sqrt(total[0]) / scale
+        clip = self.config.clip
+        coef = clip / (norm + 1e-6) if clip > 0 and norm > clip else 1.0
+        self.step_count += 1
+        if self.config.stage == 0:
+            with self.timers.blocking():
+                self.reducer.all_gather(self.steps_taken)
+        s = self.optimizer.scalars(lr, self.step_count, coef / scale)
+        if self.config.stage == 0:
+            self.optimizer.update(slice(None), self.reducer.grads, self.gatherer.params, s)
+        else:
+            for bucket in lay.buckets:
+                b = bucket.index
+                self.optimizer.update(bucket.shard_slice, grads[b], self.gatherer.param_slice(b), s)   # + the stored copy
+                if self.config.stage in (1, 2):
+                    self.gatherer.start(b, self.steps_taken + 1)   # publish: behind the next buckets' update and the next forward
+                self.inflight.poll()
+        self.scaler.update(False)
+        self._end_step()
+        return StepResult(self.step_count, False, norm, coef, scale)
+
+    def _end_step(self) -> None:
+        """Stage 3 starts gathering the next forward's first buckets; the step's timer closes."""
+        if self.config.stage == 3 and self.config.overlap:
+            self.gatherer.prefetch_forward(self.steps_taken + 1)
+        self._last_layer = None
+        self._enter(Phase.IDLE)
+
+    def publish_params(self, all_gather: bool = True) -> None:
+        """Write the stored-dtype parameters from the master; stages 1/2 then all-gather them
+        (every rank calls it: after the master was written other than by step(), as load() does)."""
+        st, params, master = self.config.stage, self.gatherer.params, self.optimizer.master
+        if st == 0:
+            params[...] = master
+            return
+        for bucket in self.layout.buckets:
+            self.gatherer.param_slice(bucket.index)[...] = master[bucket.shard_slice]
+        if all_gather and st in (1, 2):
+            for bucket in self.layout.buckets:
+                self.comm.all_gather(params[bucket.start:bucket.stop])
+
+    # ---- checkpoints (zerompi/checkpoint/, docs/checkpoint.md) ---------------
+    def save(self, path: str, extra_state: Optional[dict] = None) -> str:
+        """Write a sharded checkpoint under directory ``path`` (a collective, between steps).
+
+        Every rank writes its fp32 master, exp_avg and exp_avg_sq slices; rank 0 the manifest.
+        Returns the new checkpoint directory; ``path``/latest names it once it is complete.
+        """
+        self._check_between_steps("save")
+        return checkpoint.save(self, path, extra_state)
+
+    def load(self, path: str):
+        """Restore from a checkpoint saved at any world size, stage or bucket size (a collective).
+
+        ``path``: a checkpoint directory or a save directory (its ``latest``). Returns a
+        checkpoint.LoadInfo; raises checkpoint.CheckpointError on every rank on bad input.
+        """
+        self._check_between_steps("load")
+        return checkpoint.load(self, path)
+
+    def _check_between_steps(self, what: str) -> None:
+        self._check_open()
+        if self.reducer.mid_step or self.gatherer.held:
+            raise UsageError(f"{what}() in the middle of a step (micro-batches handed back or layers "
+                             "unsharded); call it after step()")
+        self.synchronize()
+        if self.config.stage == 3:      # a gathered bucket would go stale when the master changes
+            self.gatherer.free()
+
+    # ---- results and reports ---------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        """Multiply the loss (or its gradient) by this before the backward (1.0 in fp32 mode)."""
+        return self.scaler.scale
+
+    def full_parameters(self) -> Dict[str, np.ndarray]:
+        """Consolidated fp32 master parameters by name, as NumPy arrays (a collective: all ranks call)."""
+        self._check_open()
+        flat = self.gather_master()
+        return {name: flat[pr.start:pr.stop].reshape(pr.shape).copy() for name, pr in self.layout.params.items()}
+
+    def gather_master(self) -> np.ndarray:
+        """The whole padded fp32 master in world layout on every rank (a collective)."""
+        self.synchronize()
+        return self.optimizer.gather(self.comm, self.steps_taken)
+
+    def unpadded_master(self) -> np.ndarray:
+        """fp32 master parameters in layout order without padding (a collective)."""
+        flat = self.gather_master()
+        return np.concatenate([flat[pr.start:pr.stop] for pr in self.layout.params.values()])
+
+    def memory_report(self) -> Dict[str, Dict[str, int]]:
+        """Bytes per rank: ``measured`` (allocated by this engine now), ``theory`` (DESIGN.md formula
+        on Psi, unpadded), ``theory_padded`` (the same formula on the padded layout),
+        ``peak_buffers`` (largest transient bytes held at once, communication scratch included)."""
+        lay, c = self.layout, self.config
+        isz = np.dtype(self.dtype).itemsize
+        measured = self.ledger.model_states()
+        return {
+            "measured": measured,
+            "theory": theory_bytes(c.stage, lay.params_numel, self.world_size, isz),
+            "theory_padded": theory_bytes(c.stage, lay.numel, self.world_size, isz, lay.shard_numel),
+            "peak_buffers": {"bytes": self.ledger.peak["buffers"] + self.comm.peak_scratch_bytes},
+        }
+
+    def comm_theory_bytes(self) -> int:
+        """Bytes per step one rank should send for the gradient and parameter collectives (padded layout)."""
+        isz = np.dtype(self.dtype).itemsize
+        return theory_comm_bytes(self.config.stage, self.layout.numel, self.world_size, isz, self.config.micro_batches)
+
+    def close(self) -> None:
+        """Free every buffer. The engine cannot be used afterwards (a collective: every rank calls it)."""
+        self.reducer.close()
+        self.gatherer.close()
+        self.pool.clear()
+        self.inflight.close()
+        self.optimizer.close()
+        self.comm.free_scratch()
+        self._watchdog.close()
+        self.closed = True
+
+    # ---- failures (docs/failures.md) --------------------------------------------
+    def _start_guards(self) -> None:
+        """Before the first collective that depends on the config: start the collective
+        watchdog, then check that every rank has the same ZeroConfig and layout."""
+        self.guard = GradientGuard(self.rank, self.dtype, self.config.max_skipped_steps, fault_from_env())
+        me = weakref.ref(self)      # the thread must not keep a forgotten engine alive
+        self._watchdog = Watchdog(self.comm.waiting, self.config.timeout_s, self.rank, self.comm.mpi,
+                                  step=lambda: me().steps_taken + 1)
+        weakref.finalize(self, self._watchdog.close)
+        try:
+            check_consistent(self.comm, "engine", {"zero": self.config.to_dict(), "layout": self.layout.describe()})
+        except BaseException:
+            self._watchdog.close()
+            raise
+
+    # ---- checks -----------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self.closed:
+            raise UsageError("this engine was closed; create a new one")
+
+    def _check_layer(self, layer: int) -> None:
+        if not (isinstance(layer, (int, np.integer)) and 0 <= layer < self.layout.num_layers):
+            raise UsageError(f"layer={layer!r} is not a layer index; use 0..{self.layout.num_layers - 1}")
+

@@ -1,0 +1,33 @@
+"""The estimate: memory and communication per rank for ZeRO stages 0-3, before you launch.
+
+    python -m zerompi.estimate --params 10e9 --ranks 64
+
+prints, for ZeRO stages 0-3, the bytes one rank holds: model states (parameters,
+gradients, fp32 master + Adam m and v, by ``engine.memory.theory_bytes``), then the buffers
+the engine allocates on top of them (gradient buckets, stage-3 gathered layers, spare
+bucket buffers, the micro-batch accumulator, the reduce-scatter receive scratch), and the
+bytes and time of one step's communication (alpha-beta time model).
+
+plan (the engine's bucket layout for a model described by its size: BucketPlan),
+stages (the arithmetic: ``estimate``, ``formula``), cli (the options, the table, ``--from-run``).
+
+In Python, ``zerompi.estimate(params=10e9, ranks=64)`` returns the same table as a dict:
+this package is callable (it calls :func:`zerompi.estimate.stages.estimate`).
+
+May import: zerompi.errors, and the MPI-free parts of zerompi.engine (config, layout,
+buffers, memory, reducer). Runs where mpi4py cannot be imported.
+"""
+import sys
+import types
+
+from .stages import estimate
+
+
+class _CallableModule(types.ModuleType):
+    """``zerompi.estimate`` is this package and the function at once: calling it calls estimate()."""
+
+    def __call__(self, *args, **kwargs):
+        return estimate(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

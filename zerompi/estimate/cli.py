@@ -1,0 +1,193 @@
+"""The command line of ``python -m zerompi.estimate``: its options, its table, and --from-run.
+
+One concern: turning arguments into a call of :func:`~zerompi.estimate.stages.estimate` and
+its dict into text. Parses the options (bad input: one line naming the value, exit status
+2), prints the table (model states first, then buffers, then communication), and with
+``--from-run`` estimates a train run's configuration from its ``--metrics-json`` and puts
+the measured bytes beside it. No arithmetic about memory lives here.
+"""
+import argparse
+import json
+import sys
+from typing import List, Optional
+
+from ..engine import reducer
+from ..engine.config import ZeroConfig
+from ..errors import ConfigError, check
+from .stages import BUFFER_ROWS, DEFAULT_PREFETCH, estimate
+
+UNITS = ((1e9, "GB", 2 ** 30, "GiB"), (1e6, "MB", 2 ** 20, "MiB"), (1e3, "kB", 2 ** 10, "KiB"), (1, "B", 1, "B"))
+
+
+def _units(largest: float):
+    return next(u for u in UNITS if largest >= u[0])
+
+
+def parse_count(text: str) -> float:
+    """'10e9', '1.3e9', '7B', '350M' -> a number of parameters."""
+    scale = {"k": 1e3, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}.get(text[-1:], 1)
+    try:
+        return float(text[:-1] if scale != 1 else text) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; write e.g. 10e9 or 10B")
+
+
+def format_table(est: dict) -> str:
+    """The estimate as the text table the CLI prints: model states first, then buffers, then communication."""
+    rows = est["stages"]
+    big, unit, bin_, bunit = _units(max(r["total_bytes"] for r in rows))
+    dec = lambda b: f"{b / big:12.4f}"
+    binary = lambda b: f"{b / bin_:12.4f}"
+    line = lambda label, cells: f"  {label:<28}" + "".join(f"{c:>14}" for c in cells)
+    out = [f"zerompi.estimate: Ψ = {est['params']:,} parameters, N = {est['ranks']} ranks, {est['dtype']} storage, "
+           f"AdamW with an fp32 master ({unit} = {big:,.0f} bytes)",
+           line(f"bytes per rank, {unit}", [f"stage {r['stage']}" for r in rows])]
+    for key, label in (("params_bytes", "params"), ("grads_bytes", "grads"),
+                       ("optimizer_bytes", "optimizer (master, m, v)")):
+        out.append(line(label, [dec(r[key]) for r in rows]))
+    out.append(line(f"model states, {unit}", [dec(r["model_state_bytes"]) for r in rows]))
+    out.append(line(f"model states, {bunit}", [binary(r["model_state_bytes"]) for r in rows]))
+    out.append(line("formula", [r["formula"] for r in rows]))
+    labels = {"grad_buckets": "gradient buckets", "gathered_params": "gathered layers (stage 3)",
+              "spare_buffers": "spare bucket buffers", "grad_accumulator": "micro-batch accumulator",
+              "comm_scratch": "reduce-scatter scratch"}
+    for key in BUFFER_ROWS:
+        out.append(line(f"+ {labels[key]}", [dec(r["buffers"][key]) if r["buffers"][key] else "-" for r in rows]))
+    pending = est["in_flight"]
+    out.append(line(f"total ({pending:,} pending), {unit}", [dec(r["total_bytes"]) for r in rows]))
+    out.append(line(f"total ({pending:,} pending), {bunit}", [binary(r["total_bytes"]) for r in rows]))
+    if pending > 0:
+        out.append(line(f"total (best case), {unit}", [dec(r["total_bytes_best_case"]) for r in rows]))
+    out.append(line(f"communication per step, {unit}", [dec(r["comm_bytes_per_step"]) for r in rows]))
+    out.append(line("collective calls per step", [f"{r['comm_calls_per_step']:,}" for r in rows]))
+    out.append(line("communication time, s", [f"{r['comm_seconds_per_step']:.4f}" for r in rows]))
+    padding = est["padded_params"] - est["params"]
+    out += ["",
+            f"layout: {est['buckets']:,} buckets of up to {est['bucket_numel']:,} elements ({est['bucket_mb']:g} MiB), "
+            f"{padding:,} padding elements; stage-3 prefetch {est['prefetch']}; "
+            f"{est['micro_batches']} micro-batch(es)",
+            _pending_note(est),
+            f"communication: ring volumes, (N-1)/N of the buffer per pass; time = calls x (N-1) x "
+            f"{est['latency_us']:g} us + bytes / {est['bandwidth_gbps']:g} Gbit/s",
+            f"stage 3 moves 3 passes per micro-batch (gather forward, gather backward, reduce-scatter); the engine "
+            f"keeps the buckets it holds gathered across each forward/backward turn, so it sends up to "
+            f"{rows[3]['comm_bytes_kept_at_turns']:,} bytes less than that"]
+    return "\n".join(out)
+
+
+def _pending_note(est: dict) -> str:
+    """The footer line that says which bound on pending reductions the totals assume."""
+    cap, pending = est["engine_max_pending"], est["in_flight"]
+    if not est["overlap"]:
+        return ("overlap off: every collective is waited for as it starts, so no reduction is pending when the "
+                "next bucket's gradients arrive (the best case)")
+    whose = (f"the engine's cap (MAX_PENDING_REDUCES = {cap})" if pending == cap
+             else f"--in-flight {pending}; the engine's cap is {cap}")
+    return (f"pending: gradient reductions still in flight when the next bucket's gradients arrive, at most "
+            f"{pending}: {whose}; best case: none pending (each reduction done before the next bucket fills)")
+
+
+def run_estimate(metrics: dict, **overrides) -> dict:
+    """The estimate for the configuration of a train run (its --metrics-json output)."""
+    cfg = metrics.get("config", {})
+    zero = cfg.get("zero", {})
+    # The MLP's blocks are equal, so --layers depth reproduces its layout exactly.
+    layers = cfg.get("depth") if cfg.get("model") == "mlp" else None
+    kwargs = dict(params=metrics["params"], ranks=metrics["world_size"], dtype=metrics["dtype"],
+                  bucket_mb=zero.get("bucket_mb", ZeroConfig.bucket_mb), layers=layers,
+                  micro_batches=zero.get("micro_batches", 1), prefetch=zero.get("prefetch", DEFAULT_PREFETCH),
+                  overlap=zero.get("overlap", True), align=zero.get("align", ZeroConfig.align))
+    kwargs.update(overrides)
+    return estimate(**kwargs)
+
+
+def compare_run(est: dict, metrics: dict) -> dict:
+    """Measured bytes of a run beside the estimate for its stage (buffers: at the cap and the best case)."""
+    row = est["stages"][metrics["stage"]]
+    mem = metrics["memory_bytes"]
+    measured = {"params_bytes": mem["params"], "grads_bytes": mem["grads"], "optimizer_bytes": mem["optimizer"],
+                "model_state_bytes": mem["total"], "buffer_bytes": metrics["peak_buffer_bytes"],
+                "total_bytes": mem["total"] + metrics["peak_buffer_bytes"],
+                "comm_bytes_per_step": metrics["comm_bytes_per_step"]}
+    best = {"buffer_bytes": row["buffer_bytes_best_case"], "total_bytes": row["total_bytes_best_case"]}
+    return {"stage": metrics["stage"], "measured": measured, "estimate": {k: row[k] for k in measured},
+            "estimate_best_case": best, "estimate_one_in_flight": best}   # the latter: its name before the cap
+
+
+def format_compare(cmp: dict, est: dict) -> str:
+    lines = [f"measured in the run (stage {cmp['stage']}) beside the estimate for its configuration, bytes per rank",
+             f"  {'':22}{'measured':>14}{'estimate':>14}{'difference':>12}{'best case':>14}"]
+    for key, m in cmp["measured"].items():
+        e = cmp["estimate"][key]
+        best = cmp["estimate_best_case"].get(key)
+        lines.append(f"  {key:22}{m:>14,}{e:>14,}{m - e:>12,}" + (f"{best:>14,}" if best is not None else ""))
+    bound = (f"up to {est['in_flight']} reductions pending while the next bucket fills"
+             if est["overlap"] else "overlap off, no reduction pending while the next bucket fills")
+    lines.append(f"  (estimate: {bound}, the most a rank holds; best case: each reduction done before the next "
+                 "bucket fills)")
+    return "\n".join(lines)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):   # one line and exit 2, not argparse's usage dump
+        raise ConfigError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m zerompi.estimate", description="Memory and communication per rank for ZeRO stages 0-3.")
+    p.add_argument("--params", type=parse_count, help="Ψ, parameters of the model (10e9, 10B, 350M)")
+    p.add_argument("--ranks", type=int, help="N, data-parallel ranks")
+    p.add_argument("--dtype", default="fp16", help="fp16 or fp32 storage of parameters and gradients")
+    p.add_argument("--bucket-mb", type=float, default=ZeroConfig.bucket_mb, help="bucket size in MiB")
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--layers", type=int, help="the model has this many layers of equal size")
+    shape.add_argument("--largest-layer", type=parse_count, help="parameters of the largest layer")
+    p.add_argument("--prefetch", type=int, default=DEFAULT_PREFETCH, help="stage-3 buckets gathered ahead")
+    p.add_argument("--micro-batches", type=int, default=1)
+    p.add_argument("--in-flight", type=int, default=None, metavar="K",
+                   help="gradient reductions still pending when the next bucket's gradients arrive, at most "
+                        f"(default: the engine's cap, {reducer.MAX_PENDING_REDUCES}; 0: the best case)")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="as zerompi.train --no-overlap: every collective waited for as it starts")
+    p.add_argument("--bandwidth-gbps", type=float, default=100.0, help="link bandwidth, gigabits per second")
+    p.add_argument("--latency-us", type=float, default=5.0, help="latency per message, microseconds")
+    p.add_argument("--json", metavar="PATH", help="also write the table as JSON")
+    p.add_argument("--from-run", metavar="METRICS.json",
+                   help="a train run's --metrics-json: estimate its configuration and show measured beside it")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    try:
+        a = build_parser().parse_args(argv)
+        largest = None if a.largest_layer is None else int(a.largest_layer)
+        opts = dict(bucket_mb=a.bucket_mb, prefetch=a.prefetch, micro_batches=a.micro_batches,
+                    in_flight=a.in_flight, bandwidth_gbps=a.bandwidth_gbps, latency_us=a.latency_us,
+                    overlap=not a.no_overlap)
+        if a.from_run:
+            try:
+                with open(a.from_run) as f:
+                    metrics = json.load(f)
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"from_run={a.from_run!r} is not a readable metrics JSON ({e})")
+            given = {k: v for k, v in (("params", a.params), ("ranks", a.ranks), ("layers", a.layers),
+                                       ("largest_layer", largest)) if v is not None}
+            est = run_estimate(metrics, in_flight=a.in_flight, bandwidth_gbps=a.bandwidth_gbps,
+                               latency_us=a.latency_us, **given)
+            cmp = compare_run(est, metrics)
+        else:
+            check(a.params is not None and a.ranks is not None, "give --params and --ranks (or --from-run)")
+            est = estimate(a.params, a.ranks, a.dtype, layers=a.layers, largest_layer=largest, **opts)
+            cmp = None
+    except ConfigError as e:
+        sys.stderr.write(f"zerompi.estimate: error: {e}\n")
+        return 2
+    print(format_table(est))
+    if cmp is not None:
+        print()
+        print(format_compare(cmp, est))
+        est = dict(est, from_run=cmp)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(est, f, indent=1)
+    return 0

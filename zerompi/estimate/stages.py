@@ -1,0 +1,175 @@
+"""The per-stage arithmetic of ``zerompi.estimate``: bytes per rank and communication per step.
+
+One concern: given a :class:`~zerompi.estimate.plan.BucketPlan`, the bytes one rank holds under
+ZeRO stages 0-3, model states (parameters, gradients, fp32 master + Adam m and v, by
+``memory.theory_bytes``) and the buffers this engine allocates on top of them (gradient
+buckets, stage-3 gathered layers, spare bucket buffers, the micro-batch accumulator, the
+reduce-scatter receive scratch), and the bytes and time of one step's communication
+(``memory.theory_comm_bytes``, alpha-beta time model). :func:`estimate` checks its input and
+returns the whole table as a dict; printing it is cli.py's.
+
+The buffers follow the engine's bound on gradient reductions pending at once
+(``reducer.MAX_PENDING_REDUCES``): the default figure is the most a rank can hold under it,
+whatever the network's timing; the best case is the figure when every reduction is done
+before the next bucket's gradients arrive.
+"""
+import math
+from typing import Optional
+
+# The engine's own rules, imported (no copy here to go stale): the cap on gradient
+# reductions pending at once, and how many bucket buffers are live at once.
+from ..engine.buffers import buffer_counts
+from ..engine.config import DTYPES, STAGES, ZeroConfig
+from ..layout import FlatLayout
+from ..engine.memory import theory_bytes, theory_comm_bytes
+from ..engine import reducer
+from ..errors import check
+from .plan import BucketPlan, bucket_numel, plan_buckets
+
+DEFAULT_PREFETCH = getattr(ZeroConfig, "prefetch", 0)   # the engine's default stage-3 prefetch depth
+# The keys of a stage row's "buffers" dict (bytes per rank), in the order the table prints them.
+BUFFER_ROWS = ("grad_buckets", "gathered_params", "spare_buffers", "grad_accumulator", "comm_scratch")
+
+
+def formula(stage: int, itemsize: int) -> str:
+    """The model-state formula of a stage, e.g. '4Ψ + 12Ψ/N', read off theory_bytes itself."""
+    whole = theory_bytes(stage, 1, 1, itemsize, shard_numel=0)["total"]   # bytes per element kept whole
+    shard = theory_bytes(stage, 0, 1, itemsize, shard_numel=1)["total"]   # bytes per element sharded
+    parts = ([f"{whole}Ψ"] if whole else []) + ([f"{shard}Ψ/N"] if shard else [])
+    return " + ".join(parts)
+
+
+def _stage_row(stage: int, plan: BucketPlan, itemsize: int, micro_batches: int, prefetch: int, overlap: bool,
+               pending: int, bandwidth_gbps: float, latency_us: float, cap: int) -> dict:
+    """One stage's bytes per rank (model states, buffers) and communication per step.
+
+    ``pending``: reductions pending when a bucket fills (the timing this row is for);
+    ``cap``: the engine's bound on them, which its buffer classes are sized for.
+    """
+    n, isz, m = plan.world_size, itemsize, micro_batches
+    ahead = prefetch if overlap else 0
+    states = theory_bytes(stage, plan.numel, n, isz, plan.shard_numel)
+    staged, gathered = buffer_counts(stage, plan.num_buckets, pending, ahead)
+    classes = plan.classes(*buffer_counts(stage, plan.num_buckets, cap, ahead))
+    buffers = {
+        # stages 2/3 keep a bucket's local gradients until its reduce-scatter is retired
+        "grad_buckets": isz * plan.largest(staged),
+        # stage 3: the bucket of the layer in use, plus the ones being prefetched
+        "gathered_params": isz * plan.largest(gathered),
+        # the rest of what the buffer pool holds: released buffers kept for reuse, and a short
+        # bucket's slack in a buffer of its class; nothing when every bucket has one length
+        "spare_buffers": isz * (plan.pooled(staged, gathered, classes) - plan.largest(staged) - plan.largest(gathered)),
+        # stages 0/1 rewrite the local gradient every micro-batch: the reduced sum needs a home
+        "grad_accumulator": isz * plan.shard_numel if stage < 2 and m > 1 else 0,
+        # reduce-scatter receive buffers (the N-1 peers' slices of a bucket), pooled per bucket
+        # length and kept: as many of a length as were ever in flight at once (one at least)
+        "comm_scratch": isz * plan.per_size(max(pending, 1)) * (n - 1) // n,
+    }
+    comm = theory_comm_bytes(stage, plan.numel, n, isz, m)
+    buckets = plan.num_buckets
+    calls = m * 3 * buckets if stage == 3 else (m + 1) * buckets
+    # Ring collectives: N-1 latency-bound steps each; every byte crosses this rank's link once.
+    seconds = calls * (n - 1) * latency_us * 1e-6 + comm * 8 / (bandwidth_gbps * 1e9) if n > 1 else 0.0
+    reuse = 0
+    if stage == 3:
+        # At a turn the engine keeps what it holds gathered (the bucket in use and up to
+        # `ahead` more) instead of freeing it and gathering it again: the last buckets at
+        # each forward->backward turn, the first ones at each backward->forward turn.
+        first, last = plan.ends(1 + ahead)
+        reuse = isz * (m * last + (m - 1) * first) * (n - 1) // n
+    buffer_bytes = sum(buffers.values())
+    return {
+        "stage": stage,
+        "params_bytes": states["params"],
+        "grads_bytes": states["grads"],
+        "optimizer_bytes": states["optimizer"],
+        "model_state_bytes": states["total"],
+        "formula": formula(stage, isz),
+        "buffers": buffers,
+        "buffer_bytes": buffer_bytes,
+        "total_bytes": states["total"] + buffer_bytes,
+        "comm_bytes_per_step": comm,
+        "comm_bytes_kept_at_turns": reuse,
+        "comm_calls_per_step": calls,
+        "comm_seconds_per_step": seconds,
+    }
+
+
+def estimate(params: Optional[float] = None, ranks: Optional[int] = None, dtype: str = "fp16",
+             bucket_mb: float = ZeroConfig.bucket_mb, layers: Optional[int] = None,
+             largest_layer: Optional[int] = None, prefetch: int = DEFAULT_PREFETCH, micro_batches: int = 1,
+             in_flight: Optional[int] = None, bandwidth_gbps: float = 100.0, latency_us: float = 5.0,
+             layout: Optional[FlatLayout] = None, align: int = ZeroConfig.align, overlap: bool = True) -> dict:
+    """Bytes per rank and communication per step for ZeRO stages 0-3.
+
+    ``params``: Psi, parameters of the model; ``ranks``: N. Or ``layout``: the engine's
+    FlatLayout (then Psi, N and the buckets are its own and the model states are exact).
+    ``bucket_mb``: MiB per bucket; ``layers`` / ``largest_layer``: how the model splits into
+    layers (elements); ``prefetch``: stage-3 buckets gathered ahead (ZeroConfig.prefetch);
+    ``overlap``: ZeroConfig.overlap (False: every collective is waited for as it starts).
+    ``in_flight``: gradient reductions still pending when the next bucket's gradients arrive,
+    at most (default: the engine's cap, reducer.MAX_PENDING_REDUCES = 2, so the buffers are
+    the most a rank holds whatever the network's timing; 0: each reduction is done first,
+    the best case, always given as ``total_bytes_best_case``; a K above the cap describes an
+    engine with a cap of K).
+    ``bandwidth_gbps``: link speed in gigabits per second; ``latency_us``: per message.
+    Returns ``{"stages": [{stage, model_state_bytes, params_bytes, grads_bytes,
+    optimizer_bytes, buffers, buffer_bytes, total_bytes, total_bytes_best_case,
+    comm_bytes_per_step, ...}], ...}`` with every size in bytes per rank. Raises ConfigError on bad input.
+    """
+    check(dtype in DTYPES, f"dtype={dtype!r} is not allowed; use fp16 or fp32")
+    itemsize = ZeroConfig(dtype=dtype).itemsize
+    check(isinstance(micro_batches, int) and micro_batches >= 1, f"micro_batches={micro_batches!r} must be an integer >= 1")
+    check(isinstance(prefetch, int) and prefetch >= 0, f"prefetch={prefetch!r} must be an integer >= 0 (0 = off)")
+    check(bandwidth_gbps > 0, f"bandwidth_gbps={bandwidth_gbps!r} must be > 0 (gigabits per second)")
+    check(latency_us >= 0, f"latency_us={latency_us!r} must be >= 0 (microseconds)")
+    check(isinstance(overlap, bool), f"overlap={overlap!r} must be True or False")
+    target = bucket_numel(dtype, bucket_mb)
+    if layout is not None:
+        plan = BucketPlan.from_layout(layout)
+    else:
+        shown = f"{params:g}" if isinstance(params, float) else repr(params)
+        check(isinstance(params, (int, float)) and math.isfinite(params) and params >= 1,
+              f"params={shown} must be a number >= 1 (parameters, e.g. 10e9)")
+        check(params == int(params), f"params={shown} must be a whole number of parameters")
+        psi = int(params)
+        check(isinstance(ranks, int) and ranks >= 1, f"ranks={ranks!r} must be an integer >= 1")
+        check(layers is None or largest_layer is None, "give --layers or --largest-layer, not both")
+        check(layers is None or (isinstance(layers, int) and 1 <= layers <= psi),
+              f"layers={layers!r} must be an integer in 1..params ({psi})")
+        check(largest_layer is None or (isinstance(largest_layer, int) and 1 <= largest_layer <= psi),
+              f"largest_layer={largest_layer!r} must be an integer in 1..params ({psi})")
+        plan = plan_buckets(psi, ranks, target, layers, largest_layer, align)
+    check(in_flight is None or (isinstance(in_flight, int) and not isinstance(in_flight, bool) and in_flight >= 0),
+          f"in_flight={in_flight!r} must be an integer >= 0 (reductions pending at once; "
+          f"default: the engine's cap, {reducer.MAX_PENDING_REDUCES})")
+    check(overlap or in_flight is None, f"in_flight={in_flight!r} has no effect with overlap off "
+                                        "(every reduction is waited for as it starts); leave it out")
+    pending = (reducer.MAX_PENDING_REDUCES if in_flight is None else in_flight) if overlap else 0
+    cap = max(pending, reducer.MAX_PENDING_REDUCES) if overlap else 0   # what the engine's buffer pool is sized for
+    stages = []
+    for s in STAGES:
+        row = _stage_row(s, plan, itemsize, micro_batches, prefetch, overlap, pending, bandwidth_gbps, latency_us, cap)
+        best = _stage_row(s, plan, itemsize, micro_batches, prefetch, overlap, 0, bandwidth_gbps, latency_us, cap)
+        row["buffer_bytes_best_case"] = best["buffer_bytes"]
+        row["total_bytes_best_case"] = best["total_bytes"]
+        row["total_bytes_one_in_flight"] = best["total_bytes"]   # the best case's name before the cap
+        stages.append(row)
+    return {
+        "params": plan.params_numel,
+        "padded_params": plan.numel,
+        "ranks": plan.world_size,
+        "dtype": dtype,
+        "bucket_mb": bucket_mb,
+        "bucket_numel": target,
+        "buckets": plan.num_buckets,
+        "largest_bucket_bytes": itemsize * plan.largest(1),
+        "prefetch": prefetch,
+        "overlap": overlap,
+        "micro_batches": micro_batches,
+        "in_flight": pending,
+        "engine_max_pending": reducer.MAX_PENDING_REDUCES,
+        "bandwidth_gbps": bandwidth_gbps,
+        "latency_us": latency_us,
+        "stages": stages,
+    }

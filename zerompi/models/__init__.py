@@ -1,1 +1,0 @@
-"""Models written against the public engine API: layer-by-layer forward and backward in xp."""

@@ -1,0 +1,104 @@
+"""The CUDA fused AdamW and gradient pre-pass (kernels/fused_adamw.cu), through CuPy.
+
+CuPy is imported on first use only, so this module imports on machines without it. The
+source is compiled once per process by NVRTC (``cupy.RawModule``; CuPy also keeps the
+binary in its own disk cache) with ``--fmad=false``: no multiply-add contraction, so the
+GPU rounds every operation as reference.adamw_reference does. adamw_math.h is pasted into the
+source text rather than included, so CuPy's cache key (the text) changes with it.
+"""
+from functools import lru_cache
+from typing import Tuple
+
+import numpy as np
+
+from . import reference
+from .sources import read_source
+
+SOURCE = "fused_adamw.cu"
+HEADER = "adamw_math.h"
+OPTIONS = ("--std=c++14", "--fmad=false")
+THREADS = 256          # ZMP_THREADS in the source: block_sum assumes it
+VEC = 8                # ZMP_VEC: elements per vector step
+MAX_PREPASS_BLOCKS = 1024
+
+
+def full_source() -> str:
+    """The .cu text with adamw_math.h pasted in place of its #include."""
+    include = f'#include "{HEADER}"'
+    source = read_source(SOURCE)
+    assert include in source, f"{SOURCE} no longer includes {HEADER}"
+    return source.replace(include, read_source(HEADER), 1)
+
+
+@lru_cache(maxsize=None)
+def _module():
+    import cupy
+    return cupy.RawModule(code=full_source(), options=OPTIONS)
+
+
+@lru_cache(maxsize=None)
+def unavailable_reason() -> str:
+    """"" when CuPy sees a GPU and the kernels compile, else why not (one line)."""
+    try:
+        import cupy
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return "CuPy sees no GPU"
+        _module().get_function("zmp_adamw_f16")
+    except Exception as e:  # ImportError, CUDA driver or NVRTC errors: all mean "not here"
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".strip()
+    return ""
+
+
+@lru_cache(maxsize=None)
+def _grid_limit() -> int:
+    import cupy
+    return 8 * cupy.cuda.Device().attributes["MultiProcessorCount"]
+
+
+def _aligned(*arrays) -> bool:
+    return all(a.data.ptr % 16 == 0 for a in arrays)
+
+
+def adamw_fused_gpu(master, m, v, grad, param_out, s: reference.AdamWScalars) -> None:
+    """reference.adamw_reference in one kernel launch over CuPy arrays (fp16/fp16 or fp32/fp32)."""
+    import cupy
+    n = master.size
+    io = np.dtype(grad.dtype)
+    if not (m.size == v.size == grad.size == param_out.size == n):
+        raise ValueError(f"adamw: lengths differ: master {n}, m {m.size}, v {v.size}, "
+                         f"grad {grad.size}, param_out {param_out.size}")
+    arrays = (master, m, v, grad, param_out)
+    if (io not in (np.float16, np.float32) or param_out.dtype != io or master.dtype != np.float32
+            or not all(isinstance(a, cupy.ndarray) and a.flags.c_contiguous for a in arrays)):
+        return reference.adamw_reference(master, m, v, grad, param_out, s)
+    if n == 0:
+        return
+    vec = _aligned(*arrays)
+    work = -(-n // VEC) if vec else n
+    blocks = max(1, min(_grid_limit(), -(-work // THREADS)))
+    kernel = _module().get_function("zmp_adamw_f16" if io == np.float16 else "zmp_adamw_f32")
+    kernel((blocks,), (THREADS,), (*arrays, np.int64(n), np.int32(vec), *[np.float32(x) for x in s]))
+
+
+def grad_stats_fused_gpu(grad) -> Tuple[float, bool]:
+    """reference.grad_stats_reference on the GPU: float64 sum of squares and non-finite flag.
+
+    Deterministic: the summation order depends on the length only (the block count is a
+    function of n), not on the slice's address. Synchronizes (returns host numbers).
+    """
+    import cupy
+    io = np.dtype(grad.dtype)
+    if io not in (np.float16, np.float32) or not grad.flags.c_contiguous:
+        return reference.grad_stats_reference(grad)
+    n = grad.size
+    if n == 0:
+        return 0.0, False
+    blocks = max(1, min(MAX_PREPASS_BLOCKS, -(-n // (VEC * THREADS))))
+    partials = cupy.empty(blocks, np.float64)
+    out = cupy.empty(2, np.float64)
+    mod = _module()
+    kernel = mod.get_function("zmp_grad_sumsq_f16" if io == np.float16 else "zmp_grad_sumsq_f32")
+    kernel((blocks,), (THREADS,), (grad, np.int64(n), np.int32(_aligned(grad)), partials))
+    mod.get_function("zmp_sum_partials")((1,), (THREADS,), (partials, np.int32(blocks), out))
+    sumsq, bad = out.get()
+    return float(sumsq), bool(bad)

@@ -1,0 +1,180 @@
+"""The train CLI's job: TrainConfig (model, data, schedule; engine knobs in ``zero``) and its flags.
+
+``python -m zerompi.train --help`` lists the flags; ``parse_config`` turns them into a TrainConfig.
+"""
+import argparse
+from dataclasses import dataclass
+from typing import List, Optional
+
+from ..engine.config import ZeroConfig
+from ..comm.device import DEVICES
+from ..errors import ConfigError, check
+
+# --help's description: the train module's docstring, where the parser used to live.
+DESCRIPTION = "``mpiexec -n N python -m zerompi.train``: train a built-in model with ZeRO stage 0-3."
+MODELS = ("gpt", "mlp")
+COMMS = ("mpi", "nccl")   # how device buffers are reduced and gathered (--comm)
+# Per-model defaults of the fields left as None: the GPT needs more steps than the MLP's 30 to learn.
+MODEL_DEFAULTS = {"gpt": {"steps": 300, "batch": 48, "log_every": 10},
+                  "mlp": {"steps": 30, "batch": 64, "log_every": 1}}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The training job: model, data and schedule. Engine knobs live in ``zero``."""
+
+    model: str = "gpt"
+    """Built-in model: one of MODELS ("gpt": docs/gpt.md; "mlp": a regression toy)."""
+    steps: Optional[int] = None
+    """Last step of the run (>= 1), counted from step 0: a resumed run stops where a straight run would.
+    None = the model's default (MODEL_DEFAULTS)."""
+    batch: Optional[int] = None
+    """Global batch per step over all ranks (MLP: rows; GPT: sequences of seq_len tokens); must divide
+    by ranks x micro-batches. None = the model's default."""
+    width: int = 256
+    """MLP: features per layer."""
+    depth: int = 4
+    """MLP: number of Linear+GELU blocks."""
+    n_layer: int = 2
+    """GPT: transformer blocks (>= 1)."""
+    n_head: int = 4
+    """GPT: attention heads per block; must divide d_model."""
+    d_model: int = 64
+    """GPT: channels of the residual stream, i.e. the embedding width (>= 1)."""
+    seq_len: int = 64
+    """GPT: tokens per sequence, the context length (>= 1)."""
+    data: Optional[str] = None
+    """GPT: train on this file's bytes (vocab 256, the last 10% held out); None = the generated corpus."""
+    eval_every: int = 50
+    """GPT: held-out loss every this many steps and after the last one (>= 0; 0 = never)."""
+    seed: int = 0
+    """Seeds the initial parameters and the generated data."""
+    log_every: Optional[int] = None
+    """Print a progress line every this many steps. None = the model's default."""
+    metrics_json: Optional[str] = None
+    """Write the run's metrics as one JSON object to this path (rank 0)."""
+    save_dir: Optional[str] = None
+    """Write checkpoints under this directory (step_NNNNNN/ and a ``latest`` pointer; docs/checkpoint.md)."""
+    save_every: int = 0
+    """Save every this many steps (>= 0) and after the last step; 0 = after the last step only. Needs save_dir."""
+    resume: Optional[str] = None
+    """Resume from this checkpoint (a save_dir, whose ``latest`` is used, or one step_NNNNNN/ directory);
+    the world size, stage and bucket size may differ from the saving run's."""
+    device: str = "cpu"
+    """Where the engine's buffers and the model's compute live: cpu (NumPy), gpu (CuPy; rank r binds GPU
+    local rank mod GPUs) or auto (gpu when CuPy sees one). cpu is the default until the GPU path has
+    passed scripts/gpu_check.sh on a GPU."""
+    comm: str = "mpi"
+    """How device buffers are reduced and gathered: mpi (staged through pinned host buffers on a GPU) or
+    nccl (device to device; needs device gpu and one GPU per rank)."""
+    zero: ZeroConfig = ZeroConfig()
+    """Engine configuration."""
+
+    def __post_init__(self):
+        check(self.model in MODELS, f"model={self.model!r} is not allowed; use one of {', '.join(MODELS)}")
+        check(self.device in DEVICES, f"device={self.device!r} is not allowed; use one of {', '.join(DEVICES)}")
+        check(self.comm in COMMS, f"comm={self.comm!r} is not allowed; use {' or '.join(COMMS)}")
+        check(self.comm == "mpi" or self.device == "gpu",
+              f"comm={self.comm!r} needs --device gpu (NCCL moves GPU memory); use --comm mpi on the CPU")
+        for name, value in MODEL_DEFAULTS[self.model].items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+        self._check_gpt()
+        check(self.steps >= 1, f"steps={self.steps} must be >= 1")
+        check(self.batch >= 1, f"batch={self.batch} must be >= 1")
+        check(self.width >= 1, f"width={self.width} must be >= 1")
+        check(self.depth >= 1, f"depth={self.depth} must be >= 1")
+        check(self.log_every >= 1, f"log_every={self.log_every} must be >= 1")
+        check(isinstance(self.save_every, int) and self.save_every >= 0,
+              f"save_every={self.save_every!r} must be an integer >= 0 (steps between checkpoints; 0 = at the end)")
+        check(self.save_every == 0 or self.save_dir, f"save_every={self.save_every} needs save_dir (--save-dir DIR)")
+
+    def _check_gpt(self) -> None:
+        check(self.n_layer >= 1, f"n_layer={self.n_layer} must be >= 1")
+        check(self.n_head >= 1, f"n_head={self.n_head} must be >= 1")
+        check(self.d_model >= 1, f"d_model={self.d_model} must be >= 1")
+        check(self.d_model % self.n_head == 0,
+              f"d_model={self.d_model} is not divisible by n_head={self.n_head}; use a multiple of {self.n_head}")
+        check(self.seq_len >= 1, f"seq_len={self.seq_len} must be >= 1")
+        check(self.eval_every >= 0, f"eval_every={self.eval_every} must be >= 0 (0 = no held-out loss)")
+        if self.data is not None:
+            from .data import check_file
+            check(self.model == "gpt", f"data={self.data!r} applies to model gpt only; drop --data or use --model gpt")
+            check_file(self.data, self.seq_len)
+
+    def check_world(self, world_size: int) -> None:
+        """Raises ConfigError unless batch splits evenly over world_size ranks x micro-batches."""
+        parts = world_size * self.zero.micro_batches
+        check(self.batch % parts == 0,
+              f"batch={self.batch} does not split over {world_size} ranks x {self.zero.micro_batches} "
+              f"micro-batches; use a multiple of {parts}")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse's own prints the whole usage)
+        raise ConfigError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m zerompi.train", description=DESCRIPTION)
+    p.add_argument("--stage", type=int, default=ZeroConfig.stage, help="ZeRO stage 0, 1, 2 or 3")
+    p.add_argument("--model", default=TrainConfig.model, help=f"one of {', '.join(MODELS)}")
+    p.add_argument("--steps", type=int, default=TrainConfig.steps)
+    p.add_argument("--dtype", default=ZeroConfig.dtype, help="fp16 or fp32 storage")
+    p.add_argument("--bucket-mb", type=float, default=ZeroConfig.bucket_mb, help="bucket size in MiB")
+    p.add_argument("--lr", type=float, default=ZeroConfig.lr)
+    p.add_argument("--weight-decay", type=float, default=ZeroConfig.weight_decay)
+    p.add_argument("--micro-batches", type=int, default=ZeroConfig.micro_batches)
+    p.add_argument("--clip", type=float, default=ZeroConfig.clip, help="global-norm clip, 0 = off")
+    p.add_argument("--loss-scale", type=float, default=ZeroConfig.init_loss_scale, help="fp16 initial loss scale")
+    p.add_argument("--loss-scale-window", type=int, default=ZeroConfig.loss_scale_window)
+    p.add_argument("--optimizer-impl", default=ZeroConfig.optimizer_impl,
+                   help="AdamW step: fused (one-pass kernels), numpy (reference) or auto")
+    p.add_argument("--seed", type=int, default=TrainConfig.seed)
+    p.add_argument("--width", type=int, default=TrainConfig.width)
+    p.add_argument("--depth", type=int, default=TrainConfig.depth)
+    p.add_argument("--n-layer", type=int, default=TrainConfig.n_layer, help="GPT: transformer blocks")
+    p.add_argument("--n-head", type=int, default=TrainConfig.n_head, help="GPT: attention heads")
+    p.add_argument("--d-model", type=int, default=TrainConfig.d_model, help="GPT: embedding width")
+    p.add_argument("--seq-len", type=int, default=TrainConfig.seq_len, help="GPT: tokens per sequence")
+    p.add_argument("--data", default=None, metavar="FILE",
+                   help="GPT: train on this file's bytes (default: a generated corpus with a known entropy)")
+    p.add_argument("--eval-every", type=int, default=TrainConfig.eval_every, metavar="K",
+                   help="GPT: held-out loss every K steps (0 = never)")
+    p.add_argument("--batch", type=int, default=TrainConfig.batch,
+                   help="global batch: MLP rows, GPT sequences (default: gpt 48, mlp 64)")
+    p.add_argument("--log-every", type=int, default=TrainConfig.log_every)
+    p.add_argument("--metrics-json", default=None, metavar="PATH")
+    p.add_argument("--prefetch", type=int, default=ZeroConfig.prefetch,
+                   help="stage 3: buckets gathered ahead of the computing layer (0 = off)")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="wait for every collective as soon as it starts (the serial baseline)")
+    p.add_argument("--progress", default=ZeroConfig.progress, help="how collectives advance: test or thread")
+    p.add_argument("--save-dir", default=None, metavar="DIR", help="write checkpoints here (after the last step)")
+    p.add_argument("--save-every", type=int, default=TrainConfig.save_every, metavar="K",
+                   help="also save every K steps (needs --save-dir)")
+    p.add_argument("--resume", default=None, metavar="DIR", help="resume from a checkpoint (any world size/stage)")
+    p.add_argument("--device", default=TrainConfig.device,
+                   help="cpu (NumPy), gpu (CuPy, GPU local-rank mod GPUs) or auto (gpu when CuPy sees one)")
+    p.add_argument("--comm", default=TrainConfig.comm,
+                   help="with --device gpu: mpi (staged through pinned host buffers) or nccl (one GPU per rank)")
+    p.add_argument("--timeout-s", type=float, default=None, metavar="S",
+                   help="abort the job when one collective waits longer (default: $ZEROMPI_TIMEOUT_S or 300)")
+    p.add_argument("--max-skipped-steps", type=int, default=ZeroConfig.max_skipped_steps, metavar="K",
+                   help="fp16: K consecutive steps skipped for non-finite gradients is an error")
+    return p
+
+
+def parse_config(argv: Optional[List[str]] = None) -> TrainConfig:
+    """CLI flags -> TrainConfig (raises ConfigError on bad input)."""
+    a = build_parser().parse_args(argv)
+    zero = ZeroConfig(stage=a.stage, dtype=a.dtype, bucket_mb=a.bucket_mb, lr=a.lr, weight_decay=a.weight_decay,
+                      clip=a.clip, micro_batches=a.micro_batches, init_loss_scale=a.loss_scale,
+                      optimizer_impl=a.optimizer_impl,
+                      loss_scale_window=a.loss_scale_window, overlap=not a.no_overlap, prefetch=a.prefetch,
+                      progress=a.progress, timeout_s=a.timeout_s, max_skipped_steps=a.max_skipped_steps)
+    return TrainConfig(model=a.model, steps=a.steps, batch=a.batch, width=a.width, depth=a.depth,
+                       n_layer=a.n_layer, n_head=a.n_head, d_model=a.d_model, seq_len=a.seq_len, data=a.data,
+                       eval_every=a.eval_every, seed=a.seed,
+                       log_every=a.log_every, metrics_json=a.metrics_json, save_dir=a.save_dir,
+                       save_every=a.save_every, resume=a.resume, device=a.device, comm=a.comm, zero=zero)

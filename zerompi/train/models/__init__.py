@@ -1,0 +1,1 @@
+"""The built-in models: gpt (a pre-LayerNorm GPT) and mlp (a teacher-student MLP)."""

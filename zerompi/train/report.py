@@ -1,0 +1,176 @@
+"""What rank 0 prints (the start-up banner, the progress bar, the final tables) and the
+train run's final metrics, the dict that --metrics-json writes."""
+import hashlib
+import statistics
+import sys
+from dataclasses import fields
+from typing import Dict
+
+import numpy as np
+from mpi4py import MPI
+
+from ..optim import impl
+from ..comm.communicator import mpi_library
+from ..comm.device import describe_buffers
+from ..engine.timers import format_breakdown, summarize
+from ..comm.watchdog import watched
+
+
+def print0(comm, *args, **kwargs) -> None:
+    """print on rank 0 only, flushed."""
+    if comm.Get_rank() == 0:
+        print(*args, **kwargs)
+        sys.stdout.flush()
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024.0
+    return f"{n:.2f} TiB"
+
+
+def memory_table(measured: Dict[str, int], theory: Dict[str, int], padded: Dict[str, int],
+                 stage: int, world_size: int, itemsize: int) -> str:
+    """Measured model-state bytes per rank beside DESIGN.md's formula."""
+    p = itemsize
+    formulas = {
+        0: (f"{p}Ψ", f"{p}Ψ", "12Ψ"),
+        1: (f"{p}Ψ", f"{p}Ψ", "12Ψ/N"),
+        2: (f"{p}Ψ", f"{p}Ψ/N", "12Ψ/N"),
+        3: (f"{p}Ψ/N", f"{p}Ψ/N", "12Ψ/N"),
+    }[stage]
+    totals = {0: f"{2 * p + 12}Ψ", 1: f"{2 * p}Ψ + 12Ψ/N", 2: f"{p}Ψ + {p + 12}Ψ/N", 3: f"{2 * p + 12}Ψ/N"}[stage]
+    rows = [("params", formulas[0]), ("grads", formulas[1]), ("optimizer", formulas[2]), ("total", totals)]
+    lines = [f"memory per rank (stage {stage}, N={world_size}): measured vs formula",
+             f"  {'':10} {'measured':>14} {'formula':>14} {'formula, padded':>16}  formula",
+             ]
+    for key, text in rows:
+        lines.append(f"  {key:10} {human_bytes(measured[key]):>14} {human_bytes(theory[key]):>14} "
+                     f"{human_bytes(padded[key]):>16}  {text}")
+    return "\n".join(lines)
+
+
+def comm_table(measured: Dict[str, float], theory: float, stage: int) -> str:
+    """Measured bytes sent per rank per step beside the formula."""
+    lines = ["communication per rank per step: measured vs formula"]
+    for op, nbytes in measured.items():
+        lines.append(f"  {op:16} {human_bytes(nbytes):>14}")
+    total = sum(measured.values())
+    what = "3Ψ (gather fwd + gather bwd + reduce-scatter)" if stage == 3 else "2Ψ (reduce-scatter + all-gather)"
+    lines.append(f"  {'total':16} {human_bytes(total):>14}   formula {human_bytes(theory)} = {what} × (N-1)/N bytes")
+    return "\n".join(lines)
+
+
+def progress_bar(done: int, total: int, width: int = 30) -> str:
+    """``[#######.......]  45%`` for a terminal."""
+    fill = width * done // total
+    return f"[{'#' * fill}{'.' * (width - fill)}] {100 * done // total:3d}%"
+
+
+def print_banner(cfg, engine, comm, placement, data) -> None:
+    """The train run's start-up lines (rank 0): job, MPI and buffers, layout; the GPT's shape and data."""
+    z, lay = cfg.zero, engine.layout
+    print0(comm.mpi, f"zerompi: {comm.size} ranks, stage {z.stage}, Ψ={lay.params_numel:,} parameters, "
+                     f"dtype {z.dtype}, model {cfg.model}")
+    print0(comm.mpi, f"  MPI: {mpi_library()}; reduce-scatter = Alltoallv + fp32 sum in rank order; "
+                     f"all-gather = Allgather in place; {describe_buffers(placement, engine.comm)}")
+    print0(comm.mpi, f"  layout: {len(lay.buckets)} buckets (target {z.bucket_mb} MiB), "
+                     f"{lay.numel - lay.params_numel:,} padding elements; optimizer: {impl.adamw_update.__name__}")
+    if cfg.model != "gpt":
+        return
+    print0(comm.mpi, f"  GPT: n_layer {cfg.n_layer}, n_head {cfg.n_head}, d_model {cfg.d_model}, vocab "
+                     f"{data.vocab}, {cfg.batch} sequences x {cfg.seq_len} tokens = {cfg.batch * cfg.seq_len:,} "
+                     f"tokens/step; data: {data.source}")
+    if data.entropy_floor is not None:
+        print0(comm.mpi, f"  entropy floor {data.entropy_floor:.4f} nats/token: the lowest expected loss any model "
+                         f"can reach on this corpus (uniform guessing: {np.log(data.vocab):.4f})")
+
+
+def final_metrics(cfg, engine, comm, log, entropy_floor, placement) -> dict:
+    """The train run's metrics, keys in the order the JSON has them (rank 0's dict is the one written).
+
+    A collective (one all-reduce, timed by the engine's watchdog): call it before
+    ``engine.close()``. Memory and traffic bytes are maxima over ranks; times are this
+    rank's clock. ``log`` is the step loop's record (train.StepLog); ``entropy_floor`` in
+    nats/token, None for the MLP and for --data.
+    """
+    step = engine.steps_taken
+    engine.guard.at("metrics", step)          # ZEROMPI_FAULT=KIND@rankR:stepS:metrics (engine/faults.py)
+    report = engine.memory_report()
+    names = list(report["measured"])
+    top = np.array([report["measured"][k] for k in names] + [report["peak_buffers"]["bytes"], max(log.comm_bytes)],
+                   np.int64)
+    # The buffer form, not mpi4py's pickled allreduce: that one holds the GIL while it waits
+    # (measured, mpi4py 4.1), so the watchdog thread could never run and a hang here would be forever.
+    with watched(comm, "final metrics: all-reduce (max) of memory and traffic bytes", step):
+        comm.mpi.Allreduce(MPI.IN_PLACE, top, op=MPI.MAX)
+    mem = {k: int(v) for k, v in zip(names, top)}
+    peak, traffic = int(top[-2]), int(top[-1])
+    master = engine.unpadded_master()
+    times = log.times
+    breakdown, hidden = summarize(log.parts, times)
+    tokens = cfg.batch * cfg.seq_len * len(times)       # GPT: the tokens of the steps run, over all ranks
+    metrics = {
+        "world_size": comm.size,
+        "stage": cfg.zero.stage,
+        "dtype": cfg.zero.dtype,
+        "model": cfg.model,
+        "params": engine.layout.params_numel,
+        "padded_params": engine.layout.numel,
+        "losses": log.losses,
+        "final_params_sha256": hashlib.sha256(master.astype("<f4").tobytes()).hexdigest(),
+        "memory_bytes": mem,                       # maxima over ranks, as peak_buffer_bytes and comm_bytes_per_step
+        "theory_bytes": report["theory"],
+        "theory_bytes_padded": report["theory_padded"],
+        "peak_buffer_bytes": peak,
+        "comm_bytes_per_step": traffic,
+        "comm_theory_bytes_per_step": engine.comm_theory_bytes(),
+        "step_time_s": statistics.median(times),
+        "steps_applied": engine.step_count,
+        "optimizer_impl": engine.optimizer_impl,
+        "loss_scale": engine.loss_scale,
+        "config": {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name != "zero"} | {"zero": cfg.zero.to_dict()},
+        "first_step": log.first_step,              # losses[i] is the loss of step first_step + i
+        "time_breakdown_s": breakdown,
+        "comm_hidden_fraction": hidden,
+        "peak_gathered_buckets": engine.gatherer.peak_gathered_buckets,
+        "step_times_s": times,                     # rank 0's wall seconds of each step, in order
+        "val_losses": log.val_losses,              # [step, mean held-out loss (nats/token)] pairs
+        "entropy_floor": entropy_floor,            # nats/token; null for --data and the MLP
+        "tokens_per_s": tokens / sum(times) if cfg.model == "gpt" else None,   # global, rank 0's clock
+        "device": placement.describe() if placement is not None else "cpu (NumPy)",
+    }
+    if engine.xp is not np:      # what CuPy's allocator holds (rank 0), printed beside the engine's own accounting
+        pool = engine.xp.get_default_memory_pool()
+        metrics["cupy_pool_bytes"] = {"used": int(pool.used_bytes()), "held": int(pool.total_bytes())}
+    return metrics
+
+
+def print_summary(metrics: dict, engine, comm, base_bytes: Dict[str, int]) -> None:
+    """The end-of-run tables (rank 0): memory and traffic per rank beside the formulas, then the step time.
+
+    ``base_bytes``: comm.stats bytes per operation that are not the steps' own (the initial
+    all-gather, the held-out loss); the rest, over the steps run, is the per-step table.
+    """
+    z = engine.config
+    report = engine.memory_report()
+    print0(comm.mpi, memory_table(metrics["memory_bytes"], report["theory"], report["theory_padded"],
+                                  z.stage, comm.size, z.itemsize))
+    if "cupy_pool_bytes" in metrics:
+        pool = metrics["cupy_pool_bytes"]
+        print0(comm.mpi, f"  CuPy memory pool (rank 0): {pool['used']:,} bytes in use, {pool['held']:,} "
+                         f"held; engine model states {report['measured']['total']:,} + buffers at peak "
+                         f"{report['peak_buffers']['bytes']:,} bytes (these include the communicator's "
+                         f"host-side scratch: pinned staging buffers on the MPI path)")
+    steps = len(metrics["step_times_s"])
+    per_op = {op: (s.bytes - base_bytes.get(op, 0)) / steps
+              for op, s in sorted(comm.stats.items()) if op != "sum_scalars"}
+    print0(comm.mpi, comm_table(per_op, engine.comm_theory_bytes(), z.stage))
+    print0(comm.mpi, f"  transient buffers at peak: {report['peak_buffers']['bytes']:,} bytes; "
+                     f"median step {metrics['step_time_s'] * 1e3:.1f} ms")
+    tb = metrics["time_breakdown_s"]
+    print0(comm.mpi, f"  step time, median of steps: {format_breakdown(tb)}, other {tb['other'] * 1e3:.1f} ms; "
+                     f"communication in flight {tb['comm_busy'] * 1e3:.1f} ms, "
+                     f"{metrics['comm_hidden_fraction']:.0%} of it hidden behind compute")

@@ -1,0 +1,221 @@
+"""``mpiexec -n N python -m zerompi.train``: train a built-in model with ZeRO stage 0-3.
+
+This module runs the job: the model and the engine, the step loop (progress, held-out
+loss, checkpoints, stopping on a signal) and main()'s error handling. The flags and
+TrainConfig live in config.py, the banner, final metrics and tables in report.py.
+"""
+import json
+import sys
+import time
+from contextlib import closing
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+
+from ..errors import ConfigError, JobError, agree_on_errors, install_abort_hook
+from ..engine.faults import fault_from_env
+from .config import TrainConfig, parse_config
+from ..comm.watchdog import StopSignal, Watchdog
+
+def build_model(cfg: TrainConfig, xp=np):
+    """(model, data) for cfg.model; the GPT computes on ``xp`` (the MLP's NumPy calls dispatch to CuPy)."""
+    if cfg.model == "gpt":
+        from .data import make_data
+        from .models.gpt import GPT
+        data = make_data(cfg.data, cfg.seq_len, cfg.seed)
+        return GPT(data.vocab, cfg.seq_len, cfg.n_layer, cfg.n_head, cfg.d_model, cfg.seed, xp=xp), data
+    from .models.mlp import MLP, TeacherData
+    return MLP(cfg.width, cfg.depth, cfg.seed), TeacherData(cfg.width, cfg.depth, cfg.seed)
+
+
+def step_losses(model: str) -> Callable[..., List[float]]:
+    """The built-in model's ``train_losses(engine, model, data, step, batch, micro_batches)``:
+    forward and backward of this rank's micro-batches of that step (``batch`` over all
+    ranks), gradients handed to the engine; returns the micro-batch losses."""
+    if model == "gpt":
+        from .models.gpt import train_losses
+    else:
+        from .models.mlp import train_losses
+    return train_losses
+
+
+@dataclass
+class StepLog:
+    """What the step loop records: one entry per step run, in order."""
+
+    first_step: int                              # the first step run (> 0 when resumed)
+    base_bytes: Dict[str, int]                   # comm.stats bytes per op not sent by the steps (initial gather, eval)
+    losses: List[float] = field(default_factory=list)       # the step's loss, mean over ranks
+    times: List[float] = field(default_factory=list)        # this rank's wall seconds of the step
+    comm_bytes: List[int] = field(default_factory=list)     # bytes this rank sent in the step (sum_scalars aside)
+    parts: List[dict] = field(default_factory=list)         # the engine's timers of the step (engine/timers.py)
+    val_losses: List[list] = field(default_factory=list)    # [step, held-out loss] pairs (GPT)
+
+
+def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
+    """Run the job; returns the metrics dict (identical on every rank).
+
+    ``stop``: a watchdog.StopSignal; once any rank has received one, every rank stops
+    after the same step (and saves a checkpoint when save_dir is set). ``placement``: a
+    device.Placement (main() makes it from cfg.device; None: the host, NumPy).
+    """
+    from . import report
+    from ..comm.communicator import Communicator
+    from ..comm.consistency import check_consistent, job_fields
+    from ..engine.zero_engine import ZeroEngine
+    from ..comm.staging import device_communicator
+
+    comm = Communicator(mpi_comm)
+    # The engine's watchdog starts with the engine and times every later wait; this one times the check.
+    with closing(Watchdog(comm.waiting, cfg.zero.timeout_s, comm.rank, comm.mpi)):
+        check_consistent(comm, "train", job_fields(cfg))   # ranks given other flags stop here, not in a collective
+    cfg.check_world(comm.size)
+    xp = placement.xp if placement is not None else np
+    model, data = build_model(cfg, xp)
+    engine = ZeroEngine(model.init_layers(), cfg.zero, device_communicator(comm, xp, cfg.comm), xp=xp)
+    report.print_banner(cfg, engine, comm, placement, data)
+    start = _resume(engine, cfg) if cfg.resume else 0    # the step a resumed run starts at
+    floor = data.entropy_floor if cfg.model == "gpt" else None   # nats/token; None: a user's file, or the MLP
+    log = _run_steps(cfg, engine, comm, model, data, floor, start, stop)
+    metrics = report.final_metrics(cfg, engine, comm, log, floor, placement)   # before engine.close(): still watched
+    report.print_summary(metrics, engine, comm, log.base_bytes)
+    if cfg.metrics_json and comm.rank == 0:
+        with open(cfg.metrics_json, "w") as f:
+            json.dump(metrics, f, indent=1)
+    engine.close()
+    return metrics
+
+
+def _run_steps(cfg: TrainConfig, engine, comm, model, data, floor: Optional[float], start: int, stop) -> StepLog:
+    """Steps start .. cfg.steps - 1, or until a stop signal: train, log, evaluate (GPT), save."""
+    from .report import print0, progress_bar
+    from ..engine.timers import format_breakdown
+    losses_of = step_losses(cfg.model)
+    gpt = cfg.model == "gpt"
+    tty = comm.rank == 0 and sys.stdout.isatty()    # a progress bar only for a person at a terminal
+    sent = lambda: sum(s.bytes for op, s in comm.stats.items() if op != "sum_scalars")
+    log = StepLog(start, {op: s.bytes for op, s in comm.stats.items()})   # so far: the initial parameter all-gather
+    for step in range(start, cfg.steps):
+        t0 = time.perf_counter()
+        engine.timers.take()                        # drop what ran between steps (checkpoints)
+        b0 = sent()
+        local = losses_of(engine, model, data, step, cfg.batch, cfg.zero.micro_batches)
+        result = engine.step()
+        total = comm.sum_scalars([sum(local) / len(local), stop.flag if stop else 0.0])   # + the stop flag
+        loss = float(total[0] / comm.size)
+        stopping = total[1] > 0                 # SIGTERM/SIGINT on some rank: every rank stops after this step
+        log.times.append(time.perf_counter() - t0)
+        log.parts.append(engine.timers.take())
+        log.comm_bytes.append(sent() - b0)
+        log.losses.append(loss)
+        extra, evaluated = "", False            # GPT: held-out loss, floor, throughput
+        if gpt:
+            if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1 or stopping):
+                log.val_losses.append([step + 1, _validate(engine, model, data, log.base_bytes)])
+                evaluated = True
+                extra += f"  val {log.val_losses[-1][1]:.4f}"
+            extra += f"  floor {floor:.4f}" if floor is not None else ""
+            extra += f"  {cfg.batch * cfg.seq_len / log.times[-1]:,.0f} tok/s"
+        if step % cfg.log_every == 0 or step == cfg.steps - 1 or evaluated:
+            skipped = " (skipped: overflow)" if result.skipped else ""
+            lead = "\r\033[K" if tty else ""                 # over the progress bar
+            print0(comm.mpi, f"{lead}step {step + 1:5d}/{cfg.steps}  loss {loss:.6f}{extra}  "
+                             f"scale {result.loss_scale:g}  norm {result.grad_norm:.4g}  {log.times[-1] * 1e3:.1f} ms "
+                             f"({format_breakdown(log.parts[-1])}){skipped}")
+        elif tty:
+            print0(comm.mpi, f"\r{progress_bar(step + 1, cfg.steps)}  loss {loss:.4f}", end="")
+        if cfg.save_dir and (step + 1 == cfg.steps or stopping or (cfg.save_every and (step + 1) % cfg.save_every == 0)):
+            # The data is a function of (seed, step): the next step is the whole data position.
+            path = engine.save(cfg.save_dir, {"data_step": step + 1, "seed": cfg.seed})
+            print0(comm.mpi, f"  saved checkpoint {path}")
+        if stopping:
+            saved = f"checkpoint saved in {cfg.save_dir}" if cfg.save_dir else "no checkpoint (no --save-dir)"
+            print0(comm.mpi, f"zerompi.train: stopped by {stop.received or 'a signal on another rank'} "
+                             f"after step {step + 1} of {cfg.steps}; {saved}")
+            break
+    return log
+
+
+def _validate(engine, model, data, base_bytes: Dict[str, int]) -> float:
+    """The held-out loss; its traffic (stage 3 gathers) goes to base_bytes, out of the per-step table."""
+    from .models.gpt import validation_loss
+    before = {op: s.bytes for op, s in engine.comm.stats.items()}
+    loss = validation_loss(engine, model, data)
+    for op, s in engine.comm.stats.items():
+        base_bytes[op] = base_bytes.get(op, 0) + s.bytes - before.get(op, 0)
+    return loss
+
+
+def _resume(engine, cfg: TrainConfig) -> int:
+    """Load cfg.resume into engine (every rank); returns the first step to run."""
+    from ..checkpoint.collective import CheckpointError
+    from .report import print0
+    info = engine.load(cfg.resume)
+    extra = info.manifest["extra"]
+    start = int(extra.get("data_step", info.manifest["step"]))
+    if start >= cfg.steps:
+        raise CheckpointError(f"{info.path}: is at step {start} and --steps {cfg.steps} leaves nothing to run; "
+                              f"--steps counts from step 0, so use more than {start}")
+    m = info.manifest
+    print0(engine.comm.mpi, f"  resumed from {info.path}: step {start}, saved by {m['world_size']} ranks "
+                            f"at stage {m['stage']} ({m['dtype']})")
+    if extra.get("seed", cfg.seed) != cfg.seed:
+        print0(engine.comm.mpi, f"  note: the checkpoint was trained with seed {extra['seed']}, this run's data "
+                                f"uses seed {cfg.seed}")
+    return start
+
+
+def _one_blas_thread() -> None:
+    """One OpenBLAS thread per rank, unless the user set OPENBLAS_NUM_THREADS or OMP_NUM_THREADS.
+
+    OpenBLAS otherwise starts a spinning thread per core in every rank. Measured on a shared
+    2-core machine: the default GPT step 5-7 s with them at 4 ranks, 0.1 s without; even one
+    rank alone ran 16x slower (GPT, 3.8 s vs 0.23 s) and a width-1024 MLP 2x slower.
+    Parallelism here comes from ranks; the per-rank matrices are small.
+    """
+    import ctypes
+    import os
+    if any(k in os.environ for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")):
+        return
+    try:
+        with open("/proc/self/maps") as f:
+            libs = {line.split()[-1] for line in f if "openblas" in line.lower()}
+    except OSError:
+        return
+    for path in libs:
+        lib = ctypes.CDLL(path)
+        for name in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads", "openblas_set_num_threads"):
+            if hasattr(lib, name):
+                getattr(lib, name)(ctypes.c_int(1))
+                break
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from mpi4py import MPI
+    install_abort_hook(MPI.COMM_WORLD)
+    comm = MPI.COMM_WORLD
+    _one_blas_thread()
+    error = None
+    try:
+        cfg = parse_config(argv)
+        cfg.check_world(comm.Get_size())
+        fault_from_env()                  # a bad ZEROMPI_FAULT stops every rank here
+    except ConfigError as e:
+        error = str(e)
+    if agree_on_errors(comm, error, "zerompi.train"):
+        return 2
+    from ..comm.device import place_every_rank
+    placement = place_every_rank(cfg.device, comm, "zerompi.train")   # gpu: needs CuPy and a GPU
+    if placement is None:
+        return 2
+    from ..checkpoint.collective import CheckpointError
+    try:
+        train(cfg, stop=StopSignal(), placement=placement)
+    except (CheckpointError, JobError) as e:   # raised on every rank together: no rank is left in a collective
+        if comm.Get_rank() == 0:
+            sys.stderr.write(f"zerompi.train: error: {e}\n")
+            sys.stderr.flush()
+        return 2 if isinstance(e, ConfigError) else 1
+    return 0
+
