@@ -17,7 +17,7 @@ setup(
         # MPICH from PyPI: measured faster than the Open MPI wheel here (README, "MPI").
         "mpi": ["mpich"],
         "test": ["pytest>=7", "pytest-mpi", "pytest-timeout"],
-        "gpu": ["cupy-cuda12x"],
+        "gpu": ["cupy-cuda12x>=13"],   # ndarray.get(blocking=False), used by comm/staging.py, is new in CuPy 13
         "plot": ["matplotlib"],
     },
     entry_points={"console_scripts": ["zerompi-train=zerompi.train.run:main"]},

@@ -17,7 +17,7 @@ import pytest
 
 from tests.mpirun import ROOT, mpiexec, run_mpi, run_train
 from zerompi.engine.config import ZeroConfig
-from zerompi.comm.consistency import _ranks, mismatch_message, flatten
+from zerompi.comm.consistency import flatten, mismatch_message, rank_set
 from zerompi.errors import EXIT_TIMEOUT, ConfigError
 from zerompi.engine.faults import Fault, GradientGuard, InjectedFault, parse_fault, range_limit
 from zerompi.comm.watchdog import TIMEOUT_ENV, WaitRecord, Watchdog, default_timeout_s, describe_wait, watched
@@ -192,7 +192,9 @@ def test_max_skipped_steps_is_an_error():
     proc = run_mpi(3, train_args("--stage", "2", "--steps", "20", "--loss-scale", "1e30", "--max-skipped-steps", "4"),
                    timeout=LIMIT, env=env_with(), check=False)
     assert proc.returncode == 1, proc.stderr
-    assert "4 consecutive steps skipped for non-finite fp16 gradients (--max-skipped-steps 4)" in proc.stderr
+    assert ("4 consecutive steps skipped for non-finite fp16 gradients (ZeroConfig.max_skipped_steps, "
+            "--max-skipped-steps: 4)") in proc.stderr
+    assert "every parameter is still finite" in proc.stderr
     assert "step 4: first in bucket 0 on rank 0" in proc.stderr
     assert proc.stdout.count("(skipped: overflow)") == 3
 
@@ -382,7 +384,7 @@ def test_mismatch_message_names_fields_and_rank_ranges():
     msg = mismatch_message("train", tables)
     assert "mismatch" in msg
     assert "a = 1 on ranks 0-4, 2 on rank 5" in msg and "z.s = 2 on ranks 0-2, 4, 3 on ranks 3, 5" in msg
-    assert _ranks([0, 2, 3, 4, 7]) == "ranks 0, 2-4, 7"
+    assert rank_set([0, 2, 3, 4, 7]) == "ranks 0, 2-4, 7"
 
 
 # ---- soak ---------------------------------------------------------------------------------------

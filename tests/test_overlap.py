@@ -159,9 +159,6 @@ class FakeComm(Communicator):
         self.started.append("all_gather")
         return FakeHandle("all_gather", None, self.latency)
 
-    def sum_scalars(self, values):
-        return np.asarray(values, np.float64)
-
 
 def mlp_layers(n=5, width=4):
     rng = np.random.default_rng(1)
@@ -259,9 +256,19 @@ def test_bucket_buffers_are_reused_across_steps(stage):
     eng.close()
 
 
-def test_stage12_publish_waits_only_for_the_bucket_read():
+def test_stage12_publish_is_complete_when_step_returns():
     for stage in (1, 2):
         eng, fake = make_engine(stage)
+        one_micro_batch(eng)
+        eng.step()
+        assert fake.started.count("all_gather") == 5
+        assert all(s is BucketState.UNSHARDED for s in eng.gatherer.state) and not eng.inflight
+        eng.close()
+
+
+def test_stage12_lazy_publish_waits_only_for_the_bucket_read():
+    for stage in (1, 2):
+        eng, fake = make_engine(stage, lazy_publish=True)
         one_micro_batch(eng)
         eng.step()
         assert all(s is BucketState.GATHERING for s in eng.gatherer.state)     # all five started, none waited

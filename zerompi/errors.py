@@ -40,10 +40,13 @@ def install_abort_hook(comm=None) -> None:
 
     mpi4py leaves the other ranks spinning in their next collective when one rank
     raises; this hook prints the traceback with the rank and calls MPI Abort.
-    ConfigError is printed as one line and aborts with status 2.
+    ConfigError is printed as one line and aborts with status 2. Installing it again
+    (every engine does) changes nothing.
     """
     from mpi4py import MPI
 
+    if getattr(sys.excepthook, "zerompi_abort_hook", False):
+        return
     comm = comm or MPI.COMM_WORLD
     previous = sys.excepthook
 
@@ -63,6 +66,7 @@ def install_abort_hook(comm=None) -> None:
         sys.stdout.flush()
         abort_job(comm, code)
 
+    hook.zerompi_abort_hook = True
     sys.excepthook = hook
 
 

@@ -97,6 +97,12 @@ for dname, dtype in (("fp16", np.float16), ("fp32", np.float32)):
         nc.all_reduce(a, 1.0 / n)
         report(f"{dname} L={length} all_reduce", within(a, x64.sum(0) / n, np.abs(x64).sum(0) / n, n + 2))
 
+# A loss-scaled fp16 gradient of 40000 on every rank: summed in fp16 it is inf from two ranks on.
+big = np.full(2 * n, 40000, np.float16)
+big_out = np.zeros(2, np.float16)
+nc.reduce_scatter(big, big_out, 1.0 / n)
+out_lines.append({"loss_scaled": big_out.astype(float).tolist()})
+
 if me == 0:
     for line in out_lines:
         print(json.dumps(line))

@@ -6,6 +6,11 @@ deterministic and identical in every stage, and on the MPICH wheel it measured a
 ``Reduce_scatter_block`` (docs/bench.md). all-gather is ``Allgather`` in place. all-reduce is reduce-scatter then
 all-gather, so its bits equal a reduce-scatter's. Every operation is counted: calls, bytes
 sent by this rank, and seconds.
+
+Counts: a slice travels as ONE element of a contiguous derived datatype ("block") of the
+slice's length, so every count and displacement MPI sees is a rank number, whatever the
+bucket's size (byte counts overflow a C int past 2 GiB). :func:`block_layout` is that
+arithmetic. Every public call checks its arguments' dtypes and lengths (UsageError).
 """
 import ctypes
 import time
@@ -15,10 +20,40 @@ from typing import Callable, Dict, Optional
 import numpy as np
 from mpi4py import MPI
 
+from ..errors import UsageError
 from ..optim import impl
 from .watchdog import WaitRecord
 
 F32 = np.float32
+DTYPES = (np.dtype(np.float16), np.dtype(np.float32))   # what the collectives move and sum
+MAX_BLOCK = 2 ** 31 - 1    # elements in one slice: the block datatype's count is a C int
+_WORD = {2: "UINT16_T", 4: "UINT32_T", 8: "UINT64_T"}   # MPI moves bits: an integer type of the same size
+
+
+def block_layout(size: int, rank: int, k: int):
+    """Alltoallv's (send counts, send displacements, receive counts, receive displacements),
+    in blocks of one slice (``k`` elements): one block to and from every peer, none to
+    ``rank`` itself, the received blocks packed in rank order without a gap for ``rank``.
+    Every number is at most ``size``, so nothing overflows at any slice size up to
+    MAX_BLOCK elements (UsageError beyond)."""
+    if not 0 < k <= MAX_BLOCK:
+        raise UsageError(f"a slice of {k:,} elements is not allowed; use 1 .. {MAX_BLOCK:,} elements per rank "
+                         "(smaller buckets: ZeroConfig.bucket_mb)")
+    counts = [0 if r == rank else 1 for r in range(size)]
+    return counts, list(range(size)), counts, [r - (r > rank) for r in range(size)]
+
+
+def check_flat(what: str, arr, size: int) -> None:
+    """UsageError unless ``arr`` is a C-contiguous float16/float32 array whose length splits into ``size`` slices."""
+    dt = getattr(arr, "dtype", None)
+    if dt not in DTYPES:
+        raise UsageError(f"{what}: an array of {dt if dt is not None else type(arr).__name__} is not allowed; "
+                         "use a float16 or float32 array")
+    if not arr.flags.c_contiguous:
+        raise UsageError(f"{what}: the array is not contiguous; pass a contiguous array (np.ascontiguousarray)")
+    if arr.size == 0 or arr.size % size:
+        raise UsageError(f"{what}: {arr.size} elements do not split into {size} equal slices; "
+                         f"use a length that is a positive multiple of {size}")
 
 
 class RecvRows:
@@ -119,7 +154,8 @@ class Communicator:
         self.scratch_bytes = 0            # bytes of receive buffers currently allocated
         self.peak_scratch_bytes = 0
         self.waiting = WaitRecord()       # the collective this rank is blocked in (comm/watchdog.py)
-        self._block_cache: Dict[int, tuple] = {}   # block bytes -> Alltoallv (counts, displacements)
+        self._layouts: Dict[int, tuple] = {}   # slice elements -> block_layout (a bucket's shape repeats every step)
+        self._types: Dict[tuple, object] = {}  # (slice elements, itemsize) -> committed block datatype
 
     # ---- scratch buffers -------------------------------------------------
     def _recv_rows(self, k: int, dtype) -> RecvRows:
@@ -139,26 +175,28 @@ class Communicator:
             self._pool[(recv.array.shape[1], recv.array.dtype.str)].append(recv)
 
     def free_scratch(self) -> None:
-        """Drop pooled receive buffers (the engine calls this when it is closed)."""
+        """Drop pooled receive buffers and cached datatypes (the engine calls this when it is closed)."""
         self._pool.clear()
         self.scratch_bytes = 0
+        self.free_types()
 
-    def _blocks(self, block_bytes: int):
-        """Alltoallv's (send counts, send displacements, receive counts, receive
-        displacements) in bytes: one block to and from every peer, none to this rank, the
-        received blocks packed in rank order without a gap for this rank.
+    def _block(self, k: int, itemsize: int):
+        """(block datatype, Alltoallv layout) for slices of ``k`` elements of ``itemsize`` bytes.
 
-        Cached per block size: a bucket's shape repeats every step, and at 1 MiB each
-        microsecond of Python is about 1% of a reduce-scatter (docs/bench.md).
-        """
-        blocks = self._block_cache.get(block_bytes)
-        if blocks is None:
-            n, me = self.size, self.rank
-            counts = [0 if r == me else block_bytes for r in range(n)]
-            send_displs = [r * block_bytes for r in range(n)]
-            recv_displs = [(r - (r > me)) * block_bytes for r in range(n)]
-            blocks = self._block_cache[block_bytes] = (counts, send_displs, counts, recv_displs)
-        return blocks
+        Cached: a bucket's shape repeats every step, and at 1 MiB each microsecond of Python
+        is about 1% of a reduce-scatter (docs/bench.md)."""
+        key = (k, itemsize)
+        blk = self._types.get(key)
+        if blk is None:
+            layout = self._layouts.get(k) or self._layouts.setdefault(k, block_layout(self.size, self.rank, k))
+            blk = self._types[key] = (getattr(MPI, _WORD[itemsize]).Create_contiguous(k).Commit(), layout)
+        return blk
+
+    def free_types(self) -> None:
+        """Free the cached block datatypes (a collective in flight keeps its own until it completes)."""
+        for dtype, _ in self._types.values():
+            dtype.Free()
+        self._types.clear()
 
     # ---- reduce-scatter --------------------------------------------------
     def ireduce_scatter(self, send, out, scale: float = 1.0, accumulate: bool = False, tag=None) -> Handle:
@@ -170,8 +208,13 @@ class Communicator:
         of ``send`` (an in-place all-reduce).
         """
         n, me = self.size, self.rank
+        check_flat("reduce_scatter send", send, n)
         k = send.size // n
-        assert send.size == n * k and out.size == k, (send.size, out.size, n)
+        if getattr(out, "dtype", None) != send.dtype or out.size != k:
+            raise UsageError(f"reduce_scatter out: {getattr(out, 'size', '?')} elements of "
+                             f"{getattr(out, 'dtype', type(out).__name__)}; use {k} elements (one slice) of {send.dtype}, "
+                             "the send buffer's dtype")
+        blk, (sc, sd, rc, rd) = self._block(k, send.itemsize)
         recv = self._recv_rows(k, send.dtype)
         st = self.stats["reduce_scatter"]
         st.calls += 1
@@ -181,10 +224,9 @@ class Communicator:
         # Every peer's block at once (Ialltoallv), none to itself. Measured (docs/bench.md):
         # as fast as Ialltoall at N=2 and about 2x faster with more ranks than cores, where
         # Ialltoall's pairwise rounds each wait on the scheduler.
-        sc, sd, rc, rd = self._blocks(block)
         flat = send.reshape(-1)
         wire = MPI.buffer(flat)        # its address costs 0.2 µs; ndarray.ctypes.data costs 1.2 µs
-        req = self.mpi.Ialltoallv([wire, (sc, sd), MPI.BYTE], [recv.wire, (rc, rd), MPI.BYTE])
+        req = self.mpi.Ialltoallv([wire, (sc, sd), blk], [recv.wire, (rc, rd), blk])
         # The sum reads the own slice where it lies: no copy at any N.
         rows = recv.with_own(flat[me * k:(me + 1) * k], wire.address + me * block)
         st.seconds += time.perf_counter() - t
@@ -202,11 +244,13 @@ class Communicator:
     def iall_gather(self, buf, tag=None) -> Handle:
         """Start: every rank's slice r of ``buf`` is copied into slice r of ``buf`` on all ranks, in place."""
         n = self.size
+        check_flat("all_gather buf", buf, n)
+        blk, _ = self._block(buf.size // n, buf.itemsize)
         st = self.stats["all_gather"]
         st.calls += 1
         st.bytes += (n - 1) * (buf.nbytes // n)
         t = time.perf_counter()
-        req = self.mpi.Iallgather(MPI.IN_PLACE, [_bytes_view(buf), MPI.BYTE])
+        req = self.mpi.Iallgather(MPI.IN_PLACE, [MPI.buffer(buf.reshape(-1)), 1, blk])
         st.seconds += time.perf_counter() - t
         return Handle(self, "all_gather", req, (), None, tag)
 
@@ -222,8 +266,9 @@ class Communicator:
         self.reduce_scatter(buf, mine, scale)
         self.all_gather(buf)
 
-    def sum_scalars(self, values) -> np.ndarray:
-        """Sum a few float64 numbers over ranks, in rank order (deterministic, bit-identical everywhere)."""
+    def gather_scalars(self, values) -> np.ndarray:
+        """Every rank's few float64 numbers: a (size, len(values)) table, identical on every rank
+        (one Allgather, counted under "sum_scalars"). Every rank must pass the same count."""
         local = np.ascontiguousarray(values, dtype=np.float64).reshape(-1)
         table = np.empty((self.size, local.size), np.float64)
         t = time.perf_counter()
@@ -233,10 +278,11 @@ class Communicator:
         st.calls += 1
         st.bytes += (self.size - 1) * local.nbytes
         st.seconds += time.perf_counter() - t
-        total = table[0].copy()
-        for r in range(1, self.size):
-            total += table[r]
-        return total
+        return table
+
+    def sum_scalars(self, values) -> np.ndarray:
+        """Sum a few float64 numbers over ranks, in rank order (deterministic, bit-identical everywhere)."""
+        return sum_table(self.gather_scalars(values))
 
     # ---- accounting --------------------------------------------------------
     def snapshot(self) -> Dict[str, dict]:
@@ -249,3 +295,11 @@ class Communicator:
 def mpi_library() -> str:
     """First line of the MPI library's version string, e.g. 'MPICH Version: 4.2.0'."""
     return " ".join(MPI.Get_library_version().splitlines()[0].split())
+
+
+def sum_table(table: np.ndarray) -> np.ndarray:
+    """The rows of a gather_scalars table summed in rank order (the same bits on every rank)."""
+    total = table[0].copy()
+    for r in range(1, table.shape[0]):
+        total += table[r]
+    return total

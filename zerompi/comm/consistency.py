@@ -65,7 +65,7 @@ def mismatch_message(what: str, tables: List[Mapping[str, str]]) -> str:
         for rank, table in enumerate(tables):
             seen.setdefault(table.get(name, "<missing>"), []).append(rank)
         if len(seen) > 1:
-            parts.append(f"{name} = " + ", ".join(f"{_short(v)} on {_ranks(rs)}" for v, rs in seen.items()))
+            parts.append(f"{name} = " + ", ".join(f"{_short(v)} on {rank_set(rs)}" for v, rs in seen.items()))
     more = f"; and {len(parts) - MAX_FIELDS_SHOWN} more fields" if len(parts) > MAX_FIELDS_SHOWN else ""
     return (f"{what} configuration mismatch between ranks: {'; '.join(parts[:MAX_FIELDS_SHOWN])}{more}; "
             "start every rank with the same flags and model")
@@ -77,7 +77,7 @@ def _short(value: str) -> str:
     return f"{value[:MAX_VALUE_CHARS]}... (sha256 {hashlib.sha256(value.encode()).hexdigest()[:8]})"
 
 
-def _ranks(ranks: List[int]) -> str:
+def rank_set(ranks: List[int]) -> str:
     """[0, 1, 2, 5] -> 'ranks 0-2, 5'."""
     runs = []
     start = prev = ranks[0]

@@ -4,9 +4,13 @@ NCCL moves and reduces device memory directly (NVLink, PCIe, InfiniBand with GPU
 with no host staging. Its unique id is broadcast over MPI; the small host-side reductions
 (``sum_scalars``) stay on MPI. Two differences from the MPI path, both NCCL's:
 
-- **The sum**: NCCL adds in the storage dtype, in its own (ring or tree) order, so fp16
-  results can differ in the last bits from the MPI path's fp32 rank-order sum. The scale
-  and the accumulate (``out = [out +] scale * sum``) are then applied in fp32, as there.
+- **The sum**: NCCL adds in its own (ring or tree) order, so results can differ in the
+  last bits from the MPI path's rank-order sum. fp16 buckets are widened to fp32 on the
+  device and summed in fp32, as the MPI path sums: a loss-scaled fp16 gradient summed in
+  fp16 over N ranks overflows N times sooner than each rank's own value does (40000 on
+  every rank of two: inf). So the reduce-scatter moves 4 bytes per fp16 element, twice the
+  MPI path's, and the traffic table says so. The scale and the accumulate
+  (``out = [out +] scale * sum``) are then applied in fp32, as there.
 - **One GPU per rank**: NCCL refuses two ranks of one communicator on the same GPU, so
   several ranks sharing a GPU need the MPI path.
 
@@ -19,8 +23,11 @@ import time
 
 import numpy as np
 
+from ..errors import UsageError
 from ..optim.reference import sum_rows_reference
-from .communicator import Communicator
+from .communicator import Communicator, check_flat
+
+F32 = np.dtype(np.float32)
 
 
 class CupyNccl:
@@ -117,25 +124,31 @@ class NcclCommunicator:
     def ireduce_scatter(self, send, out, scale: float = 1.0, accumulate: bool = False, tag=None) -> NcclHandle:
         """Start: ``out = [out +] scale * sum_r send_r[my slice]`` (NCCL's sum, then fp32 scale)."""
         n = self.size
+        check_flat("reduce_scatter send", send, n)
         k = send.size // n
-        assert send.size == n * k and out.size == k, (send.size, out.size, n)
+        if getattr(out, "dtype", None) != send.dtype or out.size != k:
+            raise UsageError(f"reduce_scatter out: {getattr(out, 'size', '?')} elements of "
+                             f"{getattr(out, 'dtype', type(out).__name__)}; use {k} elements (one slice) of {send.dtype}")
         flat, target = send.reshape(-1), out.reshape(-1)
-        self._count("reduce_scatter", (n - 1) * k * send.itemsize)
-        if scale == 1.0 and not accumulate:
+        if send.dtype == F32 and scale == 1.0 and not accumulate:
+            self._count("reduce_scatter", (n - 1) * k * send.itemsize)
             self.backend.reduce_scatter(flat, target)
             buffers = (send, out)
         else:
-            summed = self.xp.empty(k, send.dtype)
-            self.backend.reduce_scatter(flat, summed)
+            wide = flat if flat.dtype == F32 else flat.astype(F32)   # fp16: the sum runs in fp32 (module docstring)
+            summed = self.xp.empty(k, F32)
+            self._count("reduce_scatter", (n - 1) * k * F32.itemsize)
+            self.backend.reduce_scatter(wide, summed)
             # out = cast([out +] scale * summed) in fp32, the reference's order: enqueued behind the sum
             sum_rows_reference([summed], target, scale, accumulate)
-            buffers = (send, out, summed)
+            buffers = (send, out, wide, summed)
         return NcclHandle(self, "reduce_scatter", self.backend.record(), buffers, tag)
 
     def reduce_scatter(self, send, out, scale: float = 1.0, accumulate: bool = False) -> None:
         self.ireduce_scatter(send, out, scale, accumulate).wait()
 
     def iall_gather(self, buf, tag=None) -> NcclHandle:
+        check_flat("all_gather buf", buf, self.size)
         flat = buf.reshape(-1)
         k = flat.size // self.size
         self._count("all_gather", (self.size - 1) * k * flat.itemsize)
@@ -146,13 +159,18 @@ class NcclCommunicator:
         self.iall_gather(buf, tag).wait()
 
     def all_reduce(self, buf, scale: float = 1.0) -> None:
-        """In place: ``buf = scale * sum_r buf_r`` (NCCL's sum, then the fp32 scale)."""
+        """In place: ``buf = scale * sum_r buf_r`` (NCCL's sum, in fp32 for fp16 buffers, then the fp32 scale)."""
+        check_flat("all_reduce buf", buf, self.size)
         flat = buf.reshape(-1)
-        self._count("all_reduce", 2 * (self.size - 1) * (flat.size // self.size) * flat.itemsize)
-        self.backend.all_reduce(flat)
-        if scale != 1.0:
-            sum_rows_reference([flat], flat, scale, False)   # the fp32 scale, in place
-        NcclHandle(self, "all_reduce", self.backend.record(), (buf,)).wait()
+        wide = flat if flat.dtype == F32 else flat.astype(F32)
+        self._count("all_reduce", 2 * (self.size - 1) * (flat.size // self.size) * wide.itemsize)
+        self.backend.all_reduce(wide)
+        if scale != 1.0 or wide is not flat:
+            sum_rows_reference([wide], flat, scale, False)   # the fp32 scale, in place (cast back for fp16)
+        NcclHandle(self, "all_reduce", self.backend.record(), (buf, wide)).wait()
+
+    def gather_scalars(self, values) -> np.ndarray:
+        return self.host.gather_scalars(values)
 
     def sum_scalars(self, values) -> np.ndarray:
         return self.host.sum_scalars(values)

@@ -17,7 +17,7 @@ The device side is a :class:`Transfers` object: :class:`CupyTransfers` on a GPU;
 """
 import time
 from collections import defaultdict
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 import numpy as np
 
@@ -181,6 +181,9 @@ class StagedCommunicator:
         self._up(h_buf, flat)
         self._give(h_buf)
 
+    def gather_scalars(self, values) -> np.ndarray:
+        return self.host.gather_scalars(values)
+
     def sum_scalars(self, values) -> np.ndarray:
         return self.host.sum_scalars(values)
 
@@ -205,13 +208,21 @@ class StagedCommunicator:
         return self.host.total_bytes()
 
 
-def device_communicator(host: Communicator, xp, comm: str = "mpi"):
+def device_communicator(host: Communicator, xp, comm: str = "mpi", timeout_s: Optional[float] = None):
     """The Communicator for arrays of ``xp``: the host one for NumPy; for CuPy, staged through
     pinned buffers (``comm="mpi"``; CUDA-aware MPI is detected, but device buffers are staged
-    either way until the direct path has been run on a GPU) or NCCL (``comm="nccl"``)."""
+    either way until the direct path has been run on a GPU) or NCCL (``comm="nccl"``: created
+    under a collective watchdog of ``timeout_s`` seconds, since creating it waits for every
+    rank; the caller closes it)."""
     if getattr(xp, "__name__", "") != "cupy":
         return host
     if comm == "nccl":
         from .nccl import NcclCommunicator
-        return NcclCommunicator(host)
+        from .watchdog import Watchdog, default_timeout_s
+        dog = Watchdog(host.waiting, timeout_s or default_timeout_s(), host.rank, host.mpi)
+        try:
+            with host.waiting("nccl: creating the communicator"):
+                return NcclCommunicator(host)
+        finally:
+            dog.close()
     return StagedCommunicator(host, CupyTransfers())

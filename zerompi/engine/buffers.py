@@ -72,6 +72,17 @@ def buffer_classes(lengths: Mapping[int, int], staged: int, gathered: int) -> Di
     return out
 
 
+def plan_classes(layout, config, max_pending: int) -> Dict[int, int]:
+    """The pool's classes for ``layout``, sized for the most buffers the schedule of ``config``
+    holds at once (``max_pending``: reductions in flight, the reducer's cap)."""
+    lengths: Dict[int, int] = {}
+    for bucket in layout.buckets:
+        lengths[bucket.numel] = lengths.get(bucket.numel, 0) + 1
+    staged, gathered = buffer_counts(config.stage, len(layout.buckets), max_pending if config.overlap else 0,
+                                     config.prefetch if config.overlap else 0)
+    return buffer_classes(lengths, staged, gathered)
+
+
 class BucketPool:
     """Bucket buffers by class (``classes``: bucket length -> elements of its buffers),
     allocated through the engine's memory ledger (counted under "buffers") and kept for

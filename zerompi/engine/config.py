@@ -9,6 +9,7 @@ from ..optim.impl import OPTIMIZER_IMPLS
 STAGES = (0, 1, 2, 3)
 DTYPES = ("fp16", "fp32")
 PROGRESS = ("test", "thread")
+INIT_VALUES = ("check", "broadcast")
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,18 @@ class ZeroConfig:
     not compute. None = the environment variable ZEROMPI_TIMEOUT_S, else 300 (docs/failures.md)."""
     max_skipped_steps: int = 50
     """fp16: this many consecutive steps skipped for non-finite gradients is an error (>= 1)."""
+    lazy_publish: bool = False
+    """Stages 1/2: return from step() while the new parameters' all-gathers are still in flight, each
+    completed when its bucket is first read through params() or unshard() (they then run behind the
+    next forward). A parameter view taken before step() holds old values until it is taken again, so
+    only for code that reads parameters through params()/unshard() after every step, as the built-in
+    models do. False (the default): step() returns with every parameter in place."""
+    init_values: str = "check"
+    """The initial parameter values: "check" (every rank must pass the same; a difference stops every
+    rank, naming the parameter and the ranks) or "broadcast" (rank 0's values are used on every rank)."""
+    abort_on_exception: bool = True
+    """An uncaught exception on any rank ends every rank of the job (MPI Abort) instead of leaving the
+    others waiting in a collective until timeout_s; False leaves sys.excepthook alone."""
 
     def __post_init__(self):
         check(self.stage in STAGES, f"stage={self.stage!r} is not allowed; use one of 0, 1, 2, 3")
@@ -90,6 +103,11 @@ class ZeroConfig:
               f"timeout_s={self.timeout_s!r} must be a number of seconds > 0 (how long one collective may wait)")
         check(isinstance(self.max_skipped_steps, int) and self.max_skipped_steps >= 1,
               f"max_skipped_steps={self.max_skipped_steps!r} must be an integer >= 1")
+        check(isinstance(self.lazy_publish, bool), f"lazy_publish={self.lazy_publish!r} must be True or False")
+        check(self.init_values in INIT_VALUES, f"init_values={self.init_values!r} is not allowed; "
+                                               f"use one of {', '.join(INIT_VALUES)}")
+        check(isinstance(self.abort_on_exception, bool), f"abort_on_exception={self.abort_on_exception!r} "
+                                                         "must be True or False")
 
     @property
     def bucket_bytes(self) -> int:

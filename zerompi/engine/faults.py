@@ -142,43 +142,56 @@ class GradientGuard:
         return f is not None and f.point == point and f.step == step
 
     # ---- when the all-reduced flag says non-finite --------------------------------
-    def on_skip(self, step: int, comm, reduced_slices: Sequence[np.ndarray], loss_scale: float) -> None:
+    def on_skip(self, step: int, comm, reduced_slices: Sequence[np.ndarray], loss_scale: float, master=None) -> None:
         """A step whose gradients are non-finite somewhere (every rank calls this together).
 
         Raises NonFiniteError on every rank in fp32, or at ``max_skipped_steps`` skips in a row.
+        ``master``: this rank's fp32 master shard, to say whether the parameters themselves were
+        already non-finite (an earlier update overflowed) or not.
         """
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if step == self._last_skip + 1 else 1
         self._last_skip = step
         if self.fp16 and self.skipped_in_a_row < self.max_skipped_steps:
             return
-        where = self.locate(comm, reduced_slices, step)
+        where, bad_params = self.locate(comm, reduced_slices, step, master)
+        if bad_params:
+            state = (f"the parameters were already non-finite before this step (the master on {bad_params}): an "
+                     "earlier update overflowed float32, so lower the learning rate (ZeroConfig.lr, --lr)")
+        else:
+            state = "every parameter is still finite (this step updated nothing)"
         if not self.fp16:
-            raise NonFiniteError(f"non-finite gradients at step {step}: {where}; fp32 has no loss scale to "
-                                 "lower, so the job stops before any parameter takes a non-finite value "
-                                 "(lower --lr, clip with --clip, or check the data)")
+            raise NonFiniteError(f"non-finite gradients at step {step}: {where}; fp32 has no loss scale to lower, "
+                                 f"so the job stops; {state} (lower the learning rate: ZeroConfig.lr, --lr; clip: "
+                                 "ZeroConfig.clip, --clip; or check the data)")
         raise NonFiniteError(f"{self.skipped_in_a_row} consecutive steps skipped for non-finite fp16 gradients "
-                             f"(--max-skipped-steps {self.max_skipped_steps}); the last, step {step}: {where}; "
-                             f"the loss scale was {loss_scale:g} (lower --loss-scale, --lr, or check the data)")
+                             f"(ZeroConfig.max_skipped_steps, --max-skipped-steps: {self.max_skipped_steps}); the "
+                             f"last, step {step}: {where}; the loss scale was {loss_scale:g}; {state} (lower "
+                             "ZeroConfig.init_loss_scale / --loss-scale or the learning rate, or check the data)")
 
-    def locate(self, comm, reduced_slices: Sequence[np.ndarray], step: int) -> str:
-        """'first in bucket B on rank R': one all-gather (the error path only: every rank is here)."""
+    def locate(self, comm, reduced_slices: Sequence[np.ndarray], step: int, master=None):
+        """('first in bucket B on rank R', the ranks whose master is non-finite, '' for none): one
+        all-gather (the error path only: every rank is here)."""
         local = self.first_bad_bucket if self._step == step else -1
         reduced = next((b for b, g in enumerate(reduced_slices) if not _all_finite(g)), -1)
+        params_ok = master is None or _all_finite(master)
         mpi = getattr(comm, "mpi", comm)
         with watched(comm, "non-finite gradient report: all-gather of where they were", step):
-            table: List[tuple] = mpi.allgather((local, reduced))
-        bad = [(b, r) for r, (b, _) in enumerate(table) if b >= 0]
+            table: List[tuple] = mpi.allgather((local, reduced, params_ok))
+        bad_params = [r for r, (_, _, ok) in enumerate(table) if not ok]
+        params = (f"rank{'s' if len(bad_params) > 1 else ''} {', '.join(map(str, bad_params))}"
+                  if bad_params else "")
+        bad = [(b, r) for r, (b, _, _) in enumerate(table) if b >= 0]
         if bad:
             b, r = min(bad)
             ranks = sorted({rr for bb, rr in bad})
             also = f" (non-finite gradients on ranks {ranks})" if len(ranks) > 1 else ""
-            return f"first in bucket {b} on rank {r}{also}"
-        sums = [(b, r) for r, (_, b) in enumerate(table) if b >= 0]
+            return f"first in bucket {b} on rank {r}{also}", params
+        sums = [(b, r) for r, (_, b, _) in enumerate(table) if b >= 0]
         b, r = min(sums) if sums else (-1, -1)
         return (f"first in bucket {b}, in the slice rank {r} reduces: every rank's own gradients were finite, "
-                "their sum over ranks overflowed the storage dtype")
+                "their sum over ranks overflowed the storage dtype"), params
 
 
 def _all_finite(arr) -> bool:
-    a = np.asarray(arr)
-    return bool(np.isfinite(a).all()) if a.size else True
+    """True when every element is finite; NumPy or CuPy (np.isfinite dispatches, no host copy)."""
+    return bool(np.isfinite(arr).all()) if arr.size else True

@@ -15,6 +15,7 @@ from typing import Dict, List
 import numpy as np
 
 from ..errors import UsageError
+from .contract import GatherLog
 from .schedule import Phase, prefetch_window, visits_after
 
 
@@ -46,6 +47,7 @@ class ParameterGatherer:
         self.handles: Dict[int, object] = {}          # bucket -> in-flight all-gather (stage 3, or 1/2 publish)
         self.holds = [0] * layout.num_layers          # unshard() calls not yet matched by reshard()
         self.peak_gathered_buckets = 0                 # stage 3: most gathered buckets alive at once
+        self.log = GatherLog()                          # buckets gathered since the last step (contract.py)
 
     # ---- where the parameters are ------------------------------------------------
     def param_slice(self, b: int) -> np.ndarray:
@@ -144,6 +146,7 @@ class ParameterGatherer:
         else:
             buf = self.params[bucket.start:bucket.stop]
         self.state[b] = BucketState.GATHERING
+        self.log.add(b)
         self.handles[b] = self.inflight.launch(lambda: self.comm.iall_gather(buf, (b, step)), lambda: self.finish(b))
         if not self.config.overlap:
             self.finish(b)

@@ -62,6 +62,22 @@ class InFlight:
         for on_arrival in [self._seen_complete(h) for h in arrived]:
             on_arrival()
 
+    def drain(self, timeout_s: float) -> None:
+        """Wait for every collective still in flight (at interpreter exit, before MPI is finalized:
+        an engine forgotten or never closed must not leave requests pending). Timed by a watchdog
+        of ``timeout_s``, as every wait is: a rank that left early must not hang the exit."""
+        if not self._pending:
+            return
+        from ..comm.watchdog import Watchdog
+        dog = Watchdog(self.comm.waiting, timeout_s, self.comm.rank, self.comm.mpi)
+        try:
+            for handle in list(self._pending):
+                self._pending.pop(handle)
+                with self.comm.waiting(handle.op, handle.tag):
+                    handle.wait()
+        finally:
+            dog.close()
+
     def close(self) -> None:
         if self.progress_thread is not None:
             self.progress_thread.close()

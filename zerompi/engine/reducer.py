@@ -6,12 +6,21 @@ gradient; stages 2/3: a transient staging bucket from the engine's pool), and on
 layer of a bucket has handed its gradients back, the bucket's reduce-scatter starts,
 non-blocking, into this rank's gradient shard (or the micro-batch accumulator). At most
 MAX_PENDING_REDUCES reductions are in flight: each pins a staging bucket and a receive buffer.
+
+Reductions start in a fixed order, the last bucket first (the order a backward pass
+completes them), whatever order the gradients arrive in: MPI pairs one rank's collectives
+with the others' by call order, so ranks handing layers back in different orders (a layer
+skipped on one rank, data-dependent control flow, another loop order) would otherwise sum
+one bucket's gradients with another's. A bucket completed out of that order is held,
+staged, until every bucket after it has started; ranks handing back in another order get the
+same bits, with less overlap and (stages 2/3) more staging memory.
 """
 from typing import Dict, List, Mapping
 
 import numpy as np
 
 from ..errors import UsageError
+from ..optim import impl
 
 MAX_PENDING_REDUCES = 2   # gradient reduce-scatters in flight at once (per rank)
 
@@ -41,6 +50,8 @@ class GradientReducer:
         self.handles: Dict[int, object] = {}       # bucket -> in-flight reduce-scatter
         self.ready = [False] * layout.num_layers   # layers whose grads arrived this micro-batch
         self._bucket_pending = [len(b.layers) for b in layout.buckets]
+        self._next = len(layout.buckets) - 1       # the bucket whose reduction starts next (the fixed order)
+        self.held: List[int] = []                  # complete buckets waiting for their turn
         self.micro = 0                             # micro-batches completed since the last step
 
     # ---- where the gradients are -------------------------------------------------
@@ -53,6 +64,15 @@ class GradientReducer:
 
     def reduced_slices(self) -> List[np.ndarray]:
         return [self.grad_slice(b.index) for b in self.layout.buckets]
+
+    def stats(self):
+        """(sum of squares, any non-finite) of this rank's reduced gradient shard (one fused pass each)."""
+        sumsq, nonfinite = 0.0, False
+        for g in self.reduced_slices():
+            s, bad = impl.grad_stats(g)
+            sumsq += s
+            nonfinite |= bad
+        return sumsq, nonfinite
 
     @property
     def mid_step(self) -> bool:
@@ -74,6 +94,9 @@ class GradientReducer:
                              f"unknown names {extra}; expected exactly {names}")
         for n in names:
             g = grads[n]
+            if not (hasattr(g, "shape") and hasattr(g, "dtype")):
+                raise UsageError(f"gradient {n!r} is a {type(g).__name__}; pass an array (NumPy, or CuPy on the "
+                                 f"GPU) of shape {lay.params[n].shape}")
             if tuple(g.shape) != lay.params[n].shape:
                 raise UsageError(f"gradient {n!r} has shape {tuple(g.shape)}; the parameter's shape is {lay.params[n].shape}")
             if not np.issubdtype(np.dtype(g.dtype), np.floating):
@@ -98,13 +121,18 @@ class GradientReducer:
         self.ready[layer] = True
         self._bucket_pending[b] -= 1
         if self._bucket_pending[b] == 0:
-            self._start(b, step)
+            self.held.append(b)
+            while self._next in self.held:         # start every complete bucket whose turn has come
+                self.held.remove(self._next)
+                self._start(self._next, step)
+                self._next -= 1
         self.inflight.poll()
         if not all(self.ready):
             return False
         self.micro += 1
         self.ready = [False] * lay.num_layers
         self._bucket_pending = [len(bk.layers) for bk in lay.buckets]
+        self._next = len(lay.buckets) - 1
         return True
 
     def _local_bucket(self, b: int) -> np.ndarray:

@@ -13,14 +13,11 @@ The model drives it layer by layer::
 
 Communication runs behind compute: collectives are non-blocking, tested (moved on) at every
 unshard, reshard and grads_ready, and waited for only when their data is read
-(docs/overlap.md). ``engine.timers`` says where the time went. The parts: gatherer.py
-(the stored parameters, unshard, reshard, prefetch), reducer.py (the gradient buffers,
-grads_ready's staging, the reduce-scatters), inflight.py (the collectives in flight),
-engine/buffers.py (the bucket buffer pool).
-
-Gradients handed back are those of this rank's micro-batch loss, times ``loss_scale``;
+(docs/overlap.md). ``engine.timers`` says where the time went. Gradients handed back are those of this rank's micro-batch loss, times ``loss_scale``;
 the engine averages them over ranks and micro-batches.
 """
+import atexit
+import functools
 import math
 import weakref
 from contextlib import contextmanager
@@ -30,13 +27,14 @@ from typing import Dict, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from ..checkpoint import collective as checkpoint
-from ..comm.communicator import Communicator
+from ..comm.communicator import Communicator, sum_table
 from ..comm.consistency import check_consistent
 from ..comm.watchdog import Watchdog, watched
-from ..errors import ConfigError, UsageError
+from ..errors import ConfigError, UsageError, install_abort_hook
 from ..layout import FlatLayout
 from ..optim import impl
-from .buffers import BucketPool, buffer_classes, buffer_counts
+from . import contract
+from .buffers import BucketPool, plan_classes
 from .config import ZeroConfig
 from .faults import GradientGuard, fault_from_env
 from .gatherer import ParameterGatherer
@@ -48,7 +46,7 @@ from .reducer import MAX_PENDING_REDUCES, GradientReducer
 from .schedule import Phase, infer_phase
 from .timers import StepTimers
 
-F32 = np.float32
+F32_MAX = float(np.finfo(np.float32).max)
 LayersArg = Union[Mapping[str, Mapping[str, np.ndarray]], Sequence[Tuple[str, Mapping[str, np.ndarray]]]]
 
 
@@ -69,26 +67,31 @@ class ZeroEngine:
     every rank must pass the same initial values. ``config``: a ZeroConfig.
     ``comm``: an mpi4py communicator (default COMM_WORLD) or a zerompi Communicator.
 
-    Composed of a :class:`GradientReducer` (``self.reducer``: the gradient buffers and the
-    reduce-scatters) and a :class:`ParameterGatherer` (``self.gatherer``: the stored
-    parameters, unshard / reshard and the all-gathers), which start their collectives through
-    one :class:`InFlight` and take their bucket buffers from one :class:`BucketPool`; the
-    engine owns the fp32 master and Adam moments and runs the step.
+    Composed of its parts, each owning its state: ``reducer`` (GradientReducer: the gradient
+    buffers and reduce-scatters), ``gatherer`` (ParameterGatherer: the stored parameters,
+    unshard / reshard, all-gathers), ``optimizer`` (ShardedAdamW: the fp32 master and Adam
+    moments); the first two start their collectives through one ``inflight`` (InFlight)
+    and take bucket buffers from one ``pool`` (BucketPool). The engine runs the step.
     """
 
     def __init__(self, layers: LayersArg, config: Optional[ZeroConfig] = None, comm=None, xp=np):
         self.config = config or ZeroConfig()
+        if not isinstance(self.config, ZeroConfig):
+            raise UsageError(f"config is a {type(self.config).__name__}; pass a zerompi.ZeroConfig")
         # A Communicator, or one with its interface (staging.StagedCommunicator); else an mpi4py communicator.
         self.comm = comm if hasattr(comm, "ireduce_scatter") else Communicator(comm)
+        if self.config.abort_on_exception:
+            install_abort_hook()          # an exception on one rank ends the job, as in the CLI
         self.xp = xp
         self.rank, self.world_size = self.comm.rank, self.comm.size
         self.optimizer_impl = impl.use_impl(self.config.optimizer_impl, xp, verbose=self.rank == 0)  # "fused"/"numpy"
         self.dtype = np.float16 if self.config.dtype == "fp16" else np.float32
-        pairs = list(layers.items()) if isinstance(layers, Mapping) else list(layers)
+        pairs = contract.check_layers(layers)
         spec = [(lname, [(pname, np.shape(a)) for pname, a in params.items()]) for lname, params in pairs]
         self.layout = FlatLayout(spec, self.world_size, max(1, self.config.bucket_bytes // np.dtype(self.dtype).itemsize),
                                  self.config.align)
         self._start_guards()
+        pairs = contract.agree_initial_values(self.comm, pairs, self.config.init_values)
         self.ledger = MemoryLedger(xp)
         self.scaler = DynamicLossScaler(self.config.init_loss_scale, self.config.loss_scale_window,
                                         self.config.min_loss_scale, enabled=self.config.dtype == "fp16")
@@ -104,8 +107,7 @@ class ZeroEngine:
             with watched(self.comm, "progress thread: duplicating the communicator"):   # a collective
                 progress_thread = ProgressThread(self.comm.mpi)
         self.inflight = InFlight(self.comm, self.timers, progress_thread)
-        pool = BucketPool(self.ledger, self.dtype, self._plan_buffer_classes())   # transient bucket buffers
-        self.pool = pool
+        self.pool = pool = BucketPool(self.ledger, self.dtype, plan_classes(self.layout, self.config, MAX_PENDING_REDUCES))
         self.gatherer = ParameterGatherer(self.layout, self.config, self.comm, self.inflight, pool, self.ledger,
                                           self.dtype)
         self.reducer = GradientReducer(self.layout, self.config, self.comm, self.inflight, pool, self.ledger,
@@ -113,17 +115,9 @@ class ZeroEngine:
         self.optimizer = ShardedAdamW(self.layout, self.config, self.ledger, self.rank)
         self.optimizer.load_initial(pairs, xp)
         self.publish_params(all_gather=True)
-
-    # ---- set-up ------------------------------------------------------------
-    def _plan_buffer_classes(self) -> Dict[int, int]:
-        """The pool's classes for this layout, sized for the most buffers the schedule holds at once."""
-        c, lay = self.config, self.layout
-        lengths: Dict[int, int] = {}
-        for bucket in lay.buckets:
-            lengths[bucket.numel] = lengths.get(bucket.numel, 0) + 1
-        staged, gathered = buffer_counts(c.stage, len(lay.buckets), MAX_PENDING_REDUCES if c.overlap else 0,
-                                         c.prefetch if c.overlap else 0)
-        return buffer_classes(lengths, staged, gathered)
+        # A program that ends without close() must not reach MPI_Finalize with collectives in flight.
+        self._at_exit = functools.partial(self.inflight.drain, self.config.timeout_s)
+        atexit.register(self._at_exit)
 
     # ---- the step's phase: what the timers charge, the direction prefetch follows ----
     def _enter(self, phase: Phase) -> None:
@@ -215,27 +209,33 @@ class ZeroEngine:
         ``lr`` overrides config.lr for this step (a schedule); it must be the same on every rank.
         """
         self._check_open()
-        if lr is not None and not lr > 0:
-            raise ConfigError(f"lr={lr!r} must be > 0")
+        if lr is not None and not (isinstance(lr, (int, float, np.floating)) and 0 < lr <= F32_MAX):
+            raise ConfigError(f"step(lr={lr!r}) is not allowed; use a number > 0 and <= {F32_MAX:.4g} "
+                              "(the update runs in float32)")
         self.reducer.check_complete()
+        if self.gatherer.held:
+            held = [i for i, n in enumerate(self.gatherer.holds) if n]
+            raise UsageError(f"step() while layers {held} are unsharded (unshard without reshard); leave every "
+                             "'with engine.unsharded(i)' block (or call reshard(i)) before step()")
         self._enter(Phase.OPTIMIZER)
         self.synchronize()
         if self.config.stage == 3:
             self.gatherer.free()
         self.reducer.collect()
         lay, grads = self.layout, self.reducer.reduced_slices()
-        sumsq, nonfinite = 0.0, False
-        for g in grads:
-            s, bad = impl.grad_stats(g)
-            sumsq += s
-            nonfinite |= bad
-        with self.timers.blocking():
-            total = self.comm.sum_scalars([sumsq, float(nonfinite)])
+        sumsq, nonfinite = self.reducer.stats()
+        lr = self.config.lr if lr is None else float(lr)
+        with self.timers.blocking():   # + what every rank must agree on (engine/contract.py)
+            table = self.comm.gather_scalars([sumsq, float(nonfinite)]
+                                             + contract.step_columns(lr, self.steps_taken + 1, self.gatherer.log))
+        contract.check_step(self.comm, table, self.gatherer.log)
+        self.gatherer.log.reset()
+        total = sum_table(table[:, :2])
         scale = self.scaler.scale
         overflow = bool(total[1] > 0) or not math.isfinite(total[0])
         self.steps_taken += 1
         if overflow:   # fp32, or too many fp16 skips in a row: NonFiniteError on every rank, nothing updated
-            self.guard.on_skip(self.steps_taken, self.comm, grads, scale)
+            self.guard.on_skip(self.steps_taken, self.comm, grads, scale, self.optimizer.master)
             self.scaler.update(True)
             self._end_step()
             return StepResult(self.step_count, True, float("nan"), 1.0, scale)
@@ -254,8 +254,12 @@ class ZeroEngine:
                 b = bucket.index
                 self.optimizer.update(bucket.shard_slice, grads[b], self.gatherer.param_slice(b), s)   # + the stored copy
                 if self.config.stage in (1, 2):
-                    self.gatherer.start(b, self.steps_taken + 1)   # publish: behind the next buckets' update and the next forward
+                    self.gatherer.start(b, self.steps_taken + 1)   # publish, behind the next buckets' update
                 self.inflight.poll()
+            # Stages 1/2: the new parameters are in place when step() returns, so a view taken
+            # before it reads them, never last step's or a mix; lazy_publish leaves them in flight.
+            if not self.config.lazy_publish:
+                self.gatherer.finish_all()
         self.scaler.update(False)
         self._end_step()
         return StepResult(self.step_count, False, norm, coef, scale)
@@ -358,6 +362,7 @@ class ZeroEngine:
         self.optimizer.close()
         self.comm.free_scratch()
         self._watchdog.close()
+        atexit.unregister(self._at_exit)
         self.closed = True
 
     # ---- failures (docs/failures.md) --------------------------------------------
@@ -369,8 +374,11 @@ class ZeroEngine:
         self._watchdog = Watchdog(self.comm.waiting, self.config.timeout_s, self.rank, self.comm.mpi,
                                   step=lambda: me().steps_taken + 1)
         weakref.finalize(self, self._watchdog.close)
+        lay = self.layout
+        shapes = {name: list(pr.shape) for name, pr in lay.params.items()}   # a difference names the parameter
         try:
-            check_consistent(self.comm, "engine", {"zero": self.config.to_dict(), "layout": self.layout.describe()})
+            check_consistent(self.comm, "engine", {"zero": self.config.to_dict(), "shape": shapes,
+                                                   "layers": lay.layer_names, "layout": lay.describe()})
         except BaseException:
             self._watchdog.close()
             raise
@@ -383,4 +391,3 @@ class ZeroEngine:
     def _check_layer(self, layer: int) -> None:
         if not (isinstance(layer, (int, np.integer)) and 0 <= layer < self.layout.num_layers):
             raise UsageError(f"layer={layer!r} is not a layer index; use 0..{self.layout.num_layers - 1}")
-

@@ -172,7 +172,8 @@ def parse_config(argv: Optional[List[str]] = None) -> TrainConfig:
                       clip=a.clip, micro_batches=a.micro_batches, init_loss_scale=a.loss_scale,
                       optimizer_impl=a.optimizer_impl,
                       loss_scale_window=a.loss_scale_window, overlap=not a.no_overlap, prefetch=a.prefetch,
-                      progress=a.progress, timeout_s=a.timeout_s, max_skipped_steps=a.max_skipped_steps)
+                      progress=a.progress, timeout_s=a.timeout_s, max_skipped_steps=a.max_skipped_steps,
+                      lazy_publish=True)   # the built-in models read parameters through unshard() every step
     return TrainConfig(model=a.model, steps=a.steps, batch=a.batch, width=a.width, depth=a.depth,
                        n_layer=a.n_layer, n_head=a.n_head, d_model=a.d_model, seq_len=a.seq_len, data=a.data,
                        eval_every=a.eval_every, seed=a.seed,

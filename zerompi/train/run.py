@@ -73,7 +73,8 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
     cfg.check_world(comm.size)
     xp = placement.xp if placement is not None else np
     model, data = build_model(cfg, xp)
-    engine = ZeroEngine(model.init_layers(), cfg.zero, device_communicator(comm, xp, cfg.comm), xp=xp)
+    dev_comm = device_communicator(comm, xp, cfg.comm, cfg.zero.timeout_s)
+    engine = ZeroEngine(model.init_layers(), cfg.zero, dev_comm, xp=xp)
     report.print_banner(cfg, engine, comm, placement, data)
     start = _resume(engine, cfg) if cfg.resume else 0    # the step a resumed run starts at
     floor = data.entropy_floor if cfg.model == "gpt" else None   # nats/token; None: a user's file, or the MLP
@@ -84,6 +85,8 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
         with open(cfg.metrics_json, "w") as f:
             json.dump(metrics, f, indent=1)
     engine.close()
+    if dev_comm is not comm:
+        getattr(dev_comm, "close", lambda: None)()   # NCCL's communicator is destroyed here
     return metrics
 
 

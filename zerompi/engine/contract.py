@@ -1,0 +1,160 @@
+"""The cross-rank contract: what every rank must do alike, and where the engine checks it.
+
+ZeRO pairs each rank's collectives with the others' by call order, and builds one model from
+every rank's slices, so ranks that disagree give wrong numbers without an error unless
+someone checks. The contract, and what breaking it gets:
+
+- **Same configuration and layers** (names, shapes, order): compared at construction, one
+  digest per rank (comm/consistency.py); a difference names the field and the ranks.
+- **Same initial values**: a digest per parameter, compared at construction
+  (``init_values="check"``, the default; a difference names the first differing parameter
+  and the ranks), or rank 0's values broadcast to every rank (``init_values="broadcast"``).
+- **Same order of gradient reductions**: nothing to check -- the reducer starts them in a
+  fixed bucket order whatever order the gradients arrive in (reducer.py).
+- **Same unshard order (stage 3), same lr, same step**: every step's gradient-norm
+  all-gather carries three more numbers per rank: the ``lr`` the step uses, the step
+  number, and a fingerprint of the buckets this rank gathered since the last step. A
+  difference stops every rank in ``step()``, before any parameter is updated.
+
+Every failure is a MismatchError raised on every rank at the same point (exit status 2 in
+the CLI), naming the ranks and the values.
+"""
+import hashlib
+from typing import Dict, List, Mapping, Sequence, Tuple
+
+import numpy as np
+
+from ..comm.consistency import rank_set
+from ..comm.watchdog import watched
+from ..errors import MismatchError, UsageError
+
+FINGERPRINT_MOD = 2 ** 52        # fingerprints stay exact integers in a float64
+STEP_COLUMNS = ("lr", "step", "gathers")   # what rides along with the step's all-gather, in order
+
+
+# ---- the layers ----------------------------------------------------------------------
+def check_layers(layers):
+    """``layers`` as a list of (layer name, {param name: array}); UsageError naming what is wrong
+    (not a mapping of layers, or a parameter that is not a floating array)."""
+    pairs = list(layers.items()) if isinstance(layers, Mapping) else list(layers)
+    for item in pairs:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[1], Mapping)):
+            raise UsageError(f"layers: {item!r:.60} is not a (layer name, {{param name: array}}) pair; pass an "
+                             "ordered mapping or a list of such pairs")
+        lname, params = item
+        for pname, arr in params.items():
+            dt = getattr(arr, "dtype", None)
+            if dt is None or not np.issubdtype(dt, np.floating):
+                what = f"dtype {dt}" if dt is not None else f"a {type(arr).__name__}"
+                raise UsageError(f"parameter {pname!r} of layer {lname!r} is {what}; a floating array (float16, "
+                                 "float32 or float64) is required")
+    return pairs
+
+
+# ---- initial values ----------------------------------------------------------------
+def _digest(values: np.ndarray) -> bytes:
+    return hashlib.blake2b(np.ascontiguousarray(values).tobytes(), digest_size=16).digest()
+
+
+def agree_initial_values(comm, pairs, mode: str) -> List[Tuple[str, Dict[str, np.ndarray]]]:
+    """The initial values every rank will use, as fp32 arrays in the callers' shapes.
+
+    ``mode`` "check": MismatchError on every rank unless every rank passed the same values
+    (one 16-byte digest all-gathered; per-parameter digests only on a mismatch).
+    "broadcast": rank 0's values, broadcast to every rank. A collective.
+    """
+    values = [(lname, {p: np.ascontiguousarray(a, dtype=np.float32) for p, a in params.items()})
+              for lname, params in pairs]
+    mpi = comm.mpi
+    if mpi.Get_size() == 1:
+        return values
+    if mode == "broadcast":
+        with watched(comm, "broadcast of rank 0's initial values"):
+            for _, params in values:
+                for arr in params.values():
+                    mpi.Bcast(arr, root=0)
+        return values
+    digests = [(lname, p, _digest(a), float(a.reshape(-1)[0]) if a.size else 0.0)
+               for lname, params in values for p, a in params.items()]
+    mine = hashlib.blake2b(b"".join(d for _, _, d, _ in digests), digest_size=16).digest()
+    with watched(comm, "start-up check of the initial values"):
+        everyone = mpi.allgather(mine)
+        if all(d == everyone[0] for d in everyone):
+            return values
+        tables = mpi.allgather(digests)      # only on a mismatch: every rank is here too
+    raise MismatchError(init_mismatch_message(tables))
+
+
+def init_mismatch_message(tables: Sequence[Sequence[tuple]]) -> str:
+    """One line naming the first parameter whose initial values differ, and which ranks hold which."""
+    for i, (lname, pname, _, _) in enumerate(tables[0]):
+        groups: Dict[bytes, List[int]] = {}
+        first: Dict[bytes, float] = {}
+        for rank, table in enumerate(tables):
+            _, _, d, f = table[i]
+            groups.setdefault(d, []).append(rank)
+            first.setdefault(d, f)
+        if len(groups) > 1:
+            held = "; ".join(f"{rank_set(rs)} (first element {first[d]:.6g})" for d, rs in groups.items())
+            return (f"initial values differ between ranks: parameter {pname!r} of layer {lname!r} has "
+                    f"{len(groups)} different values: {held}; give every rank the same initial values (the "
+                    "same seed), or ZeroConfig(init_values='broadcast') to use rank 0's")
+    return "initial values differ between ranks"   # the digests of the digests differed: not reached
+
+
+# ---- every step ------------------------------------------------------------------------
+class GatherLog:
+    """The buckets this rank started gathering since the last step: a fingerprint (exact in a
+    float64) and the first few bucket numbers, for the message."""
+
+    KEEP = 64
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.fingerprint = 0
+        self.count = 0
+        self.first: List[int] = []
+
+    def add(self, bucket: int) -> None:
+        self.fingerprint = (self.fingerprint * 1_000_003 + bucket + 1) % FINGERPRINT_MOD
+        self.count += 1
+        if len(self.first) < self.KEEP:
+            self.first.append(bucket)
+
+
+def step_columns(lr: float, step: int, gathers: GatherLog) -> List[float]:
+    """The numbers (STEP_COLUMNS) this rank adds to the step's all-gather."""
+    return [float(lr), float(step), float(gathers.fingerprint)]
+
+
+def check_step(comm, table: np.ndarray, gathers: GatherLog) -> None:
+    """MismatchError on every rank when the STEP_COLUMNS of ``table`` (its last columns; one row
+    per rank, identical on every rank) differ between ranks. On a gather mismatch the ranks
+    all-gather their bucket lists to name them (every rank is on this path together)."""
+    cols = table[:, -len(STEP_COLUMNS):]
+    if (cols == cols[0]).all():
+        return
+    lr, step, fp = (cols[:, i] for i in range(3))
+    if not (step == step[0]).all():
+        raise MismatchError("ranks are at different steps: " + _groups(step, lambda v: f"step() call {int(v)}")
+                            + "; every rank must call step() once per step")
+    if not (lr == lr[0]).all():
+        raise MismatchError("ranks called step() with different learning rates: " + _groups(lr, lambda v: f"lr={v:g}")
+                            + "; every rank must use the same lr (and schedule)")
+    with watched(comm, "gather-order report: all-gather of the buckets each rank gathered", int(step[0])):
+        logs = comm.mpi.allgather((gathers.count, gathers.first))
+    shown = []
+    for rank, (count, first) in enumerate(logs):
+        more = f" and {count - len(first)} more" if count > len(first) else ""
+        shown.append(f"rank {rank} {first}{more}")
+    raise MismatchError(f"ranks gathered parameters in different orders before step {int(step[0])} (buckets, in "
+                        f"order: {'; '.join(shown)}); every rank must unshard the same layers in the same order")
+
+
+def _groups(values: np.ndarray, show) -> str:
+    seen: Dict[float, List[int]] = {}
+    for rank, v in enumerate(values.tolist()):
+        seen.setdefault(v, []).append(rank)
+    return ", ".join(f"{show(v)} on {rank_set(rs)}" for v, rs in seen.items())
