@@ -4,6 +4,10 @@ The model below is plain NumPy. zerompi only sees named parameters grouped into 
 each layer is unsharded for its forward and again for its backward (stage 3 gathers it
 then and frees it after), and its gradients are handed back as soon as they exist.
 
+The cross-rank contract (README, "The library"): every rank builds the same layers from the
+same seed (init_values="check" stops every rank if they differ), unshards them in the same
+order, and steps with the same lr; only the data each rank sees differs.
+
     mpiexec -n 4 python examples/custom_model.py --stage 3 --dtype fp16
 """
 import argparse

@@ -4,6 +4,11 @@ Each rank holds a slice of the rows of A and b (the slices may be uneven) and co
 the gradient of its part of  L(x, c) = ||A x + c - b||^2 / m ; zerompi reduces the
 gradients, shards x, c and the optimizer state, and steps.
 
+The cross-rank contract (README, "The library"): every rank builds the engine with the same
+config, layers and initial values (here: zeros) and calls step() with the same lr (here: a
+schedule of the step number); the rows of A each rank holds may differ. A rank that breaks
+it stops every rank with one error naming the ranks.
+
     mpiexec -n 4 python examples/least_squares.py --stage 3
 """
 import argparse

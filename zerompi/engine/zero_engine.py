@@ -138,7 +138,8 @@ class ZeroEngine:
         return self.gatherer.unshard(layer, self._phase, self.reducer.micro, self.steps_taken + 1)
 
     def reshard(self, layer: int) -> None:
-        """Release layer's parameters. Stage 3 frees the gathered bucket once no layer needs it."""
+        """Release layer's parameters (frees nothing itself: stage 3's bucket returns to the pool at
+        the next unshard, begin_forward or step that finds no layer or window needing it)."""
         self._check_layer(layer)
         self.gatherer.reshard(layer)
 
