@@ -196,6 +196,14 @@ def test_non_finite_report_works_on_device_arrays():
         guard.on_skip(2, MPI.COMM_SELF, [DeviceArray([np.nan])], 1.0, master=DeviceArray([np.inf]))
 
 
+def test_nccl_set_up_is_timed_by_the_watchdog():
+    t = time.monotonic()
+    proc = run_mpi(2, [ROOT / "tests" / "drivers" / "nccl_hang.py", "2"], timeout=60, check=False)
+    assert proc.returncode == 3, proc.stderr           # EXIT_TIMEOUT
+    assert "collective timeout" in proc.stderr and "nccl: creating the communicator" in proc.stderr
+    assert "created" not in proc.stdout and time.monotonic() - t < 40
+
+
 def test_gpu_extra_pins_a_cupy_with_non_blocking_get():
     text = (ROOT / "setup.py").read_text()
     assert '"cupy-cuda12x>=13"' in text

@@ -144,7 +144,7 @@ class Watchdog:
         except Exception:      # the engine may be half torn down; the message matters more
             step = None
         self.fired = (f"zerompi: rank {self.rank}: collective timeout: waited {waited:.1f} s in "
-                      f"{describe_wait(op, tag, step)} (timeout {self.timeout_s:g} s; --timeout-s or "
+                      f"{describe_wait(op, tag, step)} (timeout {self.timeout_s:g} s: ZeroConfig.timeout_s, --timeout-s or "
                       f"{TIMEOUT_ENV}); another rank did not join it (it died, hangs, or took another path); "
                       f"aborting the job")
         sys.stderr.write(self.fired + "\n")
