@@ -33,11 +33,14 @@ class LoadInfo:
 def save(engine, directory: str, extra_state: Optional[dict] = None) -> str:
     """Write ``engine``'s state as ``directory``/step_NNNNNN/ and point ``directory``/latest at it.
 
-    A collective: every rank writes its own shard file, rank 0 the manifest. NNNNNN is
-    ``engine.steps_taken``. ``extra_state``: JSON-able dict stored as ``manifest["extra"]``.
-    Returns the new checkpoint's directory. Every rank sees ``directory`` (a shared file system).
+    A collective: the ranks of the first shard group write one shard file each, named by the
+    slice of every bucket they hold (the other groups hold copies), rank 0 the manifest.
+    NNNNNN is ``engine.steps_taken``. ``extra_state``: JSON-able dict stored as
+    ``manifest["extra"]``. Returns the new checkpoint's directory. Every rank sees
+    ``directory`` (a shared file system).
     """
     comm, rank, step = engine.comm, engine.rank, engine.steps_taken
+    writer = rank < engine.layout.world_size      # the first shard group: ranks 0 .. shard_size - 1
     mpi = comm.mpi
     engine.guard.at("save", step)        # ZEROMPI_FAULT=KIND@rankR:stepS:save (engine/faults.py)
     tmp = err = None
@@ -53,18 +56,20 @@ def save(engine, directory: str, extra_state: Optional[dict] = None) -> str:
         raise CheckpointError(err)
     entry = err = None
     try:
-        entry = write_shard(tmp, rank, engine.layout.shard_numel, _own_rows(engine))
+        if writer:
+            entry = write_shard(tmp, engine.slot, engine.layout.shard_numel, _own_rows(engine))
     except OSError as e:
         err = f"rank {rank} could not write its shard in {tmp}: {e}"
     crash_point("after_shards", step)
     with watched(comm, "checkpoint save: gather of shard entries", step):
-        entries = mpi.gather((entry, err), root=0)
+        entries = mpi.gather((engine.slot if writer else None, entry, err), root=0)
     result = None
     if rank == 0:
-        errors = [e for _, e in entries if e]
+        errors = [e for _, _, e in entries if e]
+        shards = [e for _, e in sorted((s, e) for s, e, _ in entries if s is not None)]
         try:
             result = (None, errors[0]) if errors else \
-                (publish(directory, tmp, step, build_manifest(engine, [e for e, _ in entries], extra_state)), None)
+                (publish(directory, tmp, step, build_manifest(engine, shards, extra_state)), None)
         except OSError as e:
             result = (None, f"cannot finish the checkpoint {tmp}: {e}")
     with watched(comm, "checkpoint save: broadcast of the result (manifest written, latest moved)", step):
@@ -78,7 +83,7 @@ def _own_pieces(engine, arr) -> list:
     """This rank's slices of an optimizer array, in shard order (stage 0 holds the whole buffer)."""
     if engine.config.stage > 0:
         return [arr]
-    return [arr[b.world_slice(engine.rank)] for b in engine.layout.buckets]
+    return [arr[b.world_slice(engine.slot)] for b in engine.layout.buckets]
 
 
 def _own_rows(engine):
@@ -139,7 +144,8 @@ def _agree(comm, err: Optional[str], op: str) -> None:
 
 
 def copy_plan(saved: SavedLayout, layout, rank: int, stage: int) -> List[Tuple[int, int, int, int]]:
-    """Runs ``(dst, old_rank, src, numel)`` that fill this rank's optimizer buffers from old shards.
+    """Runs ``(dst, old_slice, src, numel)`` that fill the optimizer buffers of the rank holding
+    slice ``rank`` of every bucket from the old shards (shard file i: slice i).
 
     ``dst`` indexes the engine's buffer (stage 0: the world buffer; else the shard), ``src``
     the old rank's shard. Adjacent runs are merged. Padding is not covered (it stays zero).
@@ -176,7 +182,7 @@ def _locate(saved: SavedLayout, name: str, offset: int, numel: int, dst: int, ru
 
 
 def _restore(engine, ckpt: str, saved: SavedLayout) -> int:
-    runs = copy_plan(saved, engine.layout, engine.rank, engine.config.stage)
+    runs = copy_plan(saved, engine.layout, engine.slot, engine.config.stage)
     shards: Dict[int, np.ndarray] = {}
     nbytes = 0
     for k, row in enumerate(ROWS):

@@ -117,13 +117,13 @@ def write_shard(tmp: str, rank: int, shard_numel: int, chunks: Iterable[np.ndarr
 
 
 def build_manifest(engine, shards: List[dict], extra_state) -> dict:
-    """The manifest of ``engine``'s state; ``shards``: the entries write_shard returned, in rank order."""
+    """The manifest of ``engine``'s state; ``shards``: the entries write_shard returned, in slice order."""
     lay, c = engine.layout, engine.config
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "step": engine.steps_taken,                 # step() calls, skipped ones included: the data position
-        "world_size": engine.world_size,
+        "world_size": lay.world_size,               # slices per bucket: one shard file each
         "stage": c.stage,
         "dtype": c.dtype,
         "shard_numel": lay.shard_numel,

@@ -87,17 +87,26 @@ class RecvRows:
 
 
 class OpStats:
-    """Per-operation counters of one rank: calls, bytes sent, seconds inside MPI calls."""
+    """Per-operation counters of one rank: calls, bytes sent (split by where the peer is), seconds."""
 
-    __slots__ = ("calls", "bytes", "seconds")
+    __slots__ = ("calls", "bytes", "intra", "inter", "seconds")
 
     def __init__(self):
         self.calls = 0      # operations started
-        self.bytes = 0      # bytes this rank sent on the wire
+        self.bytes = 0      # bytes this rank sent on the wire (intra + inter)
+        self.intra = 0      # of them, to peers on this rank's node
+        self.inter = 0      # of them, to peers on other nodes
         self.seconds = 0.0  # wall seconds spent in blocking calls and in wait()
 
+    def sent(self, block: int, peers) -> None:
+        """Count ``block`` bytes to each of ``peers`` = (peers on this node, peers on other nodes)."""
+        self.intra += block * peers[0]
+        self.inter += block * peers[1]
+        self.bytes += block * (peers[0] + peers[1])
+
     def as_dict(self) -> dict:
-        return {"calls": self.calls, "bytes": self.bytes, "seconds": self.seconds}
+        return {"calls": self.calls, "bytes": self.bytes, "intra": self.intra, "inter": self.inter,
+                "seconds": self.seconds}
 
 
 def _bytes_view(arr) -> np.ndarray:
@@ -143,17 +152,28 @@ class Communicator:
 
     Buffers are flat arrays whose length is a multiple of the world size; rank r's slice
     is the r-th of ``size`` equal parts. Counts are in elements, accounting in bytes.
+
+    ``share``: another Communicator whose counters and wait record this one shares (the
+    sub-communicators of a topology count into one table and are timed by one watchdog).
+    ``node_of``: the node of every rank of ``mpi_comm`` (None: all on one node), so that the
+    bytes sent are counted per level: to peers on this node (intra) and on others (inter).
     """
 
-    def __init__(self, mpi_comm=None):
+    def __init__(self, mpi_comm=None, share: Optional["Communicator"] = None, node_of=None):
         self.mpi = mpi_comm if mpi_comm is not None else MPI.COMM_WORLD
         self.rank = self.mpi.Get_rank()   # this process
         self.size = self.mpi.Get_size()   # ranks in the data-parallel group
-        self.stats: Dict[str, OpStats] = defaultdict(OpStats)
+        self.slot = self.rank             # which slice of every bucket this rank holds
+        self.slots = list(range(self.size))   # ... and every rank's, in rank order
+        self.hierarchical = False
+        nodes = node_of if node_of is not None else [0] * self.size
+        same = sum(1 for r in range(self.size) if r != self.rank and nodes[r] == nodes[self.rank])
+        self.peers = (same, self.size - 1 - same)   # (peers on this node, peers on other nodes)
+        self.stats: Dict[str, OpStats] = share.stats if share is not None else defaultdict(OpStats)
         self._pool: Dict[tuple, list] = defaultdict(list)  # reusable receive buffers
         self.scratch_bytes = 0            # bytes of receive buffers currently allocated
         self.peak_scratch_bytes = 0
-        self.waiting = WaitRecord()       # the collective this rank is blocked in (comm/watchdog.py)
+        self.waiting = share.waiting if share is not None else WaitRecord()   # what this rank is blocked in
         self._layouts: Dict[int, tuple] = {}   # slice elements -> block_layout (a bucket's shape repeats every step)
         self._types: Dict[tuple, object] = {}  # (slice elements, itemsize) -> committed block datatype
 
@@ -219,7 +239,7 @@ class Communicator:
         st = self.stats["reduce_scatter"]
         st.calls += 1
         block = k * send.itemsize
-        st.bytes += (n - 1) * block
+        st.sent(block, self.peers)
         t = time.perf_counter()
         # Every peer's block at once (Ialltoallv), none to itself. Measured (docs/bench.md):
         # as fast as Ialltoall at N=2 and about 2x faster with more ranks than cores, where
@@ -248,7 +268,7 @@ class Communicator:
         blk, _ = self._block(buf.size // n, buf.itemsize)
         st = self.stats["all_gather"]
         st.calls += 1
-        st.bytes += (n - 1) * (buf.nbytes // n)
+        st.sent(buf.nbytes // n, self.peers)
         t = time.perf_counter()
         req = self.mpi.Iallgather(MPI.IN_PLACE, [MPI.buffer(buf.reshape(-1)), 1, blk])
         st.seconds += time.perf_counter() - t
@@ -262,7 +282,7 @@ class Communicator:
     def all_reduce(self, buf, scale: float = 1.0) -> None:
         """``buf = scale * sum_r buf_r`` in place: reduce-scatter then all-gather (same bits as RS)."""
         k = buf.size // self.size
-        mine = buf.reshape(-1)[self.rank * k:(self.rank + 1) * k]
+        mine = buf.reshape(-1)[self.slot * k:(self.slot + 1) * k]
         self.reduce_scatter(buf, mine, scale)
         self.all_gather(buf)
 
@@ -276,7 +296,7 @@ class Communicator:
             self.mpi.Allgather(local, table)
         st = self.stats["sum_scalars"]
         st.calls += 1
-        st.bytes += (self.size - 1) * local.nbytes
+        st.sent(local.nbytes, self.peers)
         st.seconds += time.perf_counter() - t
         return table
 
@@ -290,6 +310,11 @@ class Communicator:
 
     def total_bytes(self) -> int:
         return sum(s.bytes for s in self.stats.values())
+
+    def level_bytes(self, exclude=("sum_scalars",)) -> Dict[str, int]:
+        """{"intra": bytes, "inter": bytes} sent so far, over every operation but ``exclude``."""
+        ops = [s for op, s in self.stats.items() if op not in exclude]
+        return {"intra": sum(s.intra for s in ops), "inter": sum(s.inter for s in ops)}
 
 
 def mpi_library() -> str:

@@ -100,7 +100,9 @@ class StagedCommunicator:
     def __init__(self, host: Communicator, transfers):
         self.host = host
         self.transfers = transfers
-        self.mpi, self.rank, self.size = host.mpi, host.rank, host.size
+        self.mpi, self.rank, self.size, self.slot = host.mpi, host.rank, host.size, host.slot
+        self.hierarchical = getattr(host, "hierarchical", False)
+        self.slots = host.slots
         self.stats = host.stats
         self.waiting = host.waiting
         self._pool: Dict[tuple, list] = defaultdict(list)
@@ -158,7 +160,7 @@ class StagedCommunicator:
         """Communicator.iall_gather on a device array: only the own slice goes down, all of it comes up."""
         flat = buf.reshape(-1)
         k = flat.size // self.size
-        mine = slice(self.rank * k, (self.rank + 1) * k)
+        mine = slice(self.slot * k, (self.slot + 1) * k)
         h_buf = self._take(flat.size, flat.dtype)
         self._down([(flat[mine], h_buf[mine])])
         inner = self.host.iall_gather(h_buf, tag)
@@ -171,6 +173,31 @@ class StagedCommunicator:
 
     def all_gather(self, buf, tag=None) -> None:
         self.iall_gather(buf, tag).wait()
+
+    def super_slice(self, n: int):
+        return self.host.super_slice(n)
+
+    @property
+    def k(self) -> int:
+        return self.host.k
+
+    def iall_gather_intra(self, buf, tag=None) -> StagedHandle:
+        """The host's gather inside the node (hpZ): this rank's super-slice goes down, the bucket comes up."""
+        flat = buf.reshape(-1)
+        lo, hi = self.host.super_slice(flat.size)
+        h_buf = self._take(flat.size, flat.dtype)
+        self._down([(flat[lo:hi], h_buf[lo:hi])])
+        inner = self.host.iall_gather_intra(h_buf, tag)
+
+        def finish():
+            self._up(h_buf, flat)
+            self._give(h_buf)
+
+        return StagedHandle(inner, finish)
+
+    def rewrap(self, host) -> "StagedCommunicator":
+        """The same staging over another host Communicator (a topology's sub-communicators)."""
+        return StagedCommunicator(host, self.transfers)
 
     def all_reduce(self, buf, scale: float = 1.0) -> None:
         """In place, through one host buffer: the host Communicator's all-reduce (same bits)."""

@@ -67,6 +67,15 @@ class ZeroConfig:
     next forward). A parameter view taken before step() holds old values until it is taken again, so
     only for code that reads parameters through params()/unshard() after every step, as the built-in
     models do. False (the default): step() returns with every parameter in place."""
+    node_size: Optional[int] = None
+    """Ranks per node: blocks of consecutive ranks that share the fast links. None: $ZEROMPI_NODE_SIZE,
+    else MPI's shared-memory split. Setting it on one machine simulates several nodes (comm/topology.py)."""
+    shard_size: Optional[int] = None
+    """Ranks that share one sharded copy of the model states (MiCS / hybrid sharding): groups of this
+    many consecutive ranks, whole nodes, each replicated across the N / shard_size groups. None: all N."""
+    hpz: bool = False
+    """Stage 3, ZeRO++'s hpZ: keep a node-local secondary copy (1/node_size of the parameters per rank)
+    after each gather across nodes, and gather from it inside the node until the next step."""
     init_values: str = "check"
     """The initial parameter values: "check" (every rank must pass the same; a difference stops every
     rank, naming the parameter and the ranks) or "broadcast" (rank 0's values are used on every rank)."""
@@ -103,6 +112,17 @@ class ZeroConfig:
               f"timeout_s={self.timeout_s!r} must be a number of seconds > 0 (how long one collective may wait)")
         check(isinstance(self.max_skipped_steps, int) and self.max_skipped_steps >= 1,
               f"max_skipped_steps={self.max_skipped_steps!r} must be an integer >= 1")
+        for name in ("node_size", "shard_size"):
+            v = getattr(self, name)
+            check(v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+                  f"{name}={v!r} must be a whole number of ranks >= 1 (or None)")
+        if self.node_size and self.shard_size:
+            check(self.shard_size % self.node_size == 0,
+                  f"shard_size={self.shard_size} is not a multiple of node_size={self.node_size}; shard groups are "
+                  "whole nodes")
+        check(isinstance(self.hpz, bool), f"hpz={self.hpz!r} must be True or False")
+        check(not self.hpz or self.stage == 3, f"hpz=True needs stage 3 (stage={self.stage}): it keeps a "
+                                               "node-local copy of the parameters stage 3 shards")
         check(isinstance(self.lazy_publish, bool), f"lazy_publish={self.lazy_publish!r} must be True or False")
         check(self.init_values in INIT_VALUES, f"init_values={self.init_values!r} is not allowed; "
                                                f"use one of {', '.join(INIT_VALUES)}")

@@ -20,6 +20,7 @@ Every failure is a MismatchError raised on every rank at the same point (exit st
 the CLI), naming the ranks and the values.
 """
 import hashlib
+from dataclasses import asdict
 from typing import Dict, List, Mapping, Sequence, Tuple
 
 import numpy as np
@@ -33,6 +34,15 @@ STEP_COLUMNS = ("lr", "step", "gathers")   # what rides along with the step's al
 
 
 # ---- the layers ----------------------------------------------------------------------
+def setup_fields(config, layout, topology) -> dict:
+    """What every rank must have alike at construction, for comm/consistency.check_consistent: the
+    config, each parameter's shape as a field of its own (a difference names it), the layer
+    order, the layout and the topology."""
+    return {"zero": config.to_dict(), "shape": {name: list(pr.shape) for name, pr in layout.params.items()},
+            "layers": layout.layer_names, "layout": layout.describe(), "topology": asdict(topology)}
+
+
+
 def check_layers(layers):
     """``layers`` as a list of (layer name, {param name: array}); UsageError naming what is wrong
     (not a mapping of layers, or a parameter that is not a floating array)."""

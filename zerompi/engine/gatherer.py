@@ -30,17 +30,27 @@ class ParameterGatherer:
     """Owns the stored parameters (the whole model in stages 0-2, the shard in stage 3), the
     stage-3 gathered buckets, the all-gathers in flight and the layers held unsharded.
 
-    Uses the engine's ``layout``, ``config``, ``comm`` (a Communicator), ``inflight`` (where
-    its collectives are started and polled), ``pool`` (stage-3 bucket buffers) and
-    ``ledger`` (where the parameters are counted).
+    Uses the engine's ``layout``, ``config``, ``comm`` (the shard group's Communicator, flat or
+    two-level), ``inflight`` (where its collectives are started and polled), ``pool``
+    (stage-3 bucket buffers) and ``ledger`` (where the parameters are counted).
+
+    hpZ (``config.hpz``, stage 3, a group across nodes): a bucket gathered across nodes also
+    keeps this rank's super-slice (1/node_size of it) as a secondary copy; until the next
+    step changes the parameters, the bucket is gathered from those copies inside the node.
     """
 
     def __init__(self, layout, config, comm, inflight, pool, ledger, dtype):
         self.layout, self.config, self.comm = layout, config, comm
         self.inflight, self.pool = inflight, pool
-        self.rank = comm.rank
+        self.slot = comm.slot
         st = config.stage
         self.params = ledger.alloc("params", layout.numel if st < 3 else layout.shard_numel, dtype)
+        # hpZ: this rank's super-slice of every bucket (ledger category "secondary"), and whether it is current
+        self.secondary = None
+        if st == 3 and config.hpz and comm.hierarchical:
+            self.secondary = [ledger.alloc("secondary", b.numel // comm.k, dtype) for b in layout.buckets]
+        self.fresh = [False] * len(layout.buckets)
+        self._keep = set()             # buckets whose gather in flight refreshes their secondary
         nb = len(layout.buckets)
         self.state = [BucketState.UNSHARDED if st < 3 else BucketState.SHARDED] * nb
         self.gathered: Dict[int, np.ndarray] = {}     # stage 3: bucket -> whole bucket buffer
@@ -54,7 +64,7 @@ class ParameterGatherer:
         """This rank's slice of bucket b's stored parameters (what the step writes)."""
         bucket = self.layout.buckets[b]
         if self.config.stage < 3:
-            return self.params[bucket.world_slice(self.rank)]
+            return self.params[bucket.world_slice(self.slot)]
         return self.params[bucket.shard_slice]
 
     def bucket_params(self, b: int) -> np.ndarray:
@@ -137,23 +147,40 @@ class ParameterGatherer:
         """All-gather bucket b in place: stage 3 into a fresh bucket buffer, stages 1/2 in the
         stored parameters (their publish after the step)."""
         bucket = self.layout.buckets[b]
+        gather = self.comm.iall_gather
         if self.config.stage == 3:
             buf = self.pool.take(bucket.numel)
-            lo, hi = bucket.slice_bounds(self.rank)
-            buf[lo:hi] = self.params[bucket.shard_slice]
+            if self.secondary is not None and self.fresh[b]:     # hpZ: inside the node, from the copies
+                lo, hi = self.comm.super_slice(bucket.numel)
+                buf[lo:hi] = self.secondary[b]
+                gather = self.comm.iall_gather_intra
+            else:
+                lo, hi = bucket.slice_bounds(self.slot)
+                buf[lo:hi] = self.params[bucket.shard_slice]
+                if self.secondary is not None:
+                    self._keep.add(b)
             self.gathered[b] = buf
             self.peak_gathered_buckets = max(self.peak_gathered_buckets, len(self.gathered))
         else:
             buf = self.params[bucket.start:bucket.stop]
         self.state[b] = BucketState.GATHERING
         self.log.add(b)
-        self.handles[b] = self.inflight.launch(lambda: self.comm.iall_gather(buf, (b, step)), lambda: self.finish(b))
+        self.handles[b] = self.inflight.launch(lambda: gather(buf, (b, step)), lambda: self.finish(b))
         if not self.config.overlap:
             self.finish(b)
 
     def finish(self, b: int) -> None:
         self.inflight.finish(self.handles.pop(b))
         self.state[b] = BucketState.UNSHARDED
+        if b in self._keep:                      # hpZ: keep this rank's super-slice for the next gathers
+            self._keep.discard(b)
+            lo, hi = self.comm.super_slice(self.layout.buckets[b].numel)
+            self.secondary[b][...] = self.gathered[b][lo:hi]
+            self.fresh[b] = True
+
+    def parameters_changed(self) -> None:
+        """The step (or a load) rewrote the parameters: hpZ's secondary copies are stale."""
+        self.fresh = [False] * len(self.layout.buckets)
 
     def finish_all(self) -> None:
         for b in list(self.handles):
@@ -175,4 +202,4 @@ class ParameterGatherer:
     def close(self) -> None:
         self.finish_all()
         self.gathered.clear()
-        self.params = None
+        self.params = self.secondary = None

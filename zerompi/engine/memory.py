@@ -1,21 +1,25 @@
 """Per-rank memory: a ledger of what the engine allocated, and the ZeRO formulas beside it.
 
 Categories: "params", "grads", "optimizer" (fp32 master + m + v) are the model states of
-DESIGN.md's table; "buffers" are transient (gradient staging buckets, stage-3 gathered
+DESIGN.md's table; "secondary" is hpZ's node-local copy of the parameters (stage 3, counted
+with the model states when it is on); "buffers" are transient (gradient staging buckets, stage-3 gathered
 buckets, the micro-batch gradient accumulator of stages 0/1, communication scratch).
 """
 from typing import Dict
 
-CATEGORIES = ("params", "grads", "optimizer", "buffers")
+CATEGORIES = ("params", "grads", "optimizer", "secondary", "buffers")
 OPTIMIZER_BYTES = 12  # fp32 master + Adam m + Adam v, bytes per parameter
 
 
-def theory_bytes(stage: int, numel: int, world_size: int, itemsize: int, shard_numel: int = None) -> Dict[str, int]:
+def theory_bytes(stage: int, numel: int, world_size: int, itemsize: int, shard_numel: int = None,
+                 secondary: float = 0) -> Dict[str, int]:
     """Model-state bytes per rank by DESIGN.md's table.
 
     ``numel`` is Psi (pass the padded world length to get the exact figure the engine
-    allocates); ``shard_numel`` is the per-rank shard length (default numel / world_size,
-    which is exact only when numel divides).
+    allocates); ``world_size`` the ranks one copy is sharded over (the shard group's size);
+    ``shard_numel`` is the per-rank shard length (default numel / world_size, which is exact
+    only when numel divides). ``secondary``: elements of hpZ's node-local copy (numel /
+    node_size; 0 without hpZ, and then the row is left out).
     """
     n = world_size
     shard = shard_numel if shard_numel is not None else numel / n
@@ -28,6 +32,8 @@ def theory_bytes(stage: int, numel: int, world_size: int, itemsize: int, shard_n
         3: (shard_p, shard_p, OPTIMIZER_BYTES * shard),
     }[stage]
     out = {k: int(round(v)) for k, v in zip(("params", "grads", "optimizer"), rows)}
+    if secondary:
+        out["secondary"] = int(round(itemsize * secondary))
     out["total"] = sum(out.values())
     return out
 
@@ -44,6 +50,22 @@ def theory_comm_bytes(stage: int, numel: int, world_size: int, itemsize: int, mi
     if stage == 3:
         return micro_batches * 3 * one_pass
     return (micro_batches + 1) * one_pass
+
+
+def memory_report(ledger, layout, stage: int, group_size: int, itemsize: int, secondary_parts: int,
+                  scratch: int) -> Dict[str, Dict[str, int]]:
+    """An engine's bytes per rank: ``measured`` (its ledger's model states now), ``theory`` (the
+    formula on Psi), ``theory_padded`` (on the padded layout), ``peak_buffers`` (the most transient
+    bytes held at once, ``scratch``: the communicators' receive buffers, included).
+    ``secondary_parts``: the node size when hpZ keeps a copy of 1/node_size of the parameters, else 0."""
+    k = secondary_parts
+    return {
+        "measured": ledger.model_states(),
+        "theory": theory_bytes(stage, layout.params_numel, group_size, itemsize, secondary=k and layout.params_numel / k),
+        "theory_padded": theory_bytes(stage, layout.numel, group_size, itemsize, layout.shard_numel,
+                                      secondary=k and layout.numel // k),
+        "peak_buffers": {"bytes": ledger.peak["buffers"] + scratch},
+    }
 
 
 class MemoryLedger:
@@ -69,6 +91,7 @@ class MemoryLedger:
         self.peak_total = max(self.peak_total, sum(self.current.values()))
 
     def model_states(self) -> Dict[str, int]:
-        out = {k: self.current[k] for k in ("params", "grads", "optimizer")}
+        names = ("params", "grads", "optimizer") + (("secondary",) if self.current["secondary"] else ())
+        out = {k: self.current[k] for k in names}
         out["total"] = sum(out.values())
         return out

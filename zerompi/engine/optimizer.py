@@ -20,8 +20,8 @@ class ShardedAdamW:
     """``master``, ``exp_avg``, ``exp_avg_sq``: fp32 arrays of the shard (stage 0: the whole model),
     counted under "optimizer" in the ledger."""
 
-    def __init__(self, layout, config, ledger, rank: int):
-        self.layout, self.config, self.rank = layout, config, rank
+    def __init__(self, layout, config, ledger, slot: int):
+        self.layout, self.config, self.slot = layout, config, slot     # the slice of every bucket this rank holds
         n = layout.numel if config.stage == 0 else layout.shard_numel
         self.master = ledger.alloc("optimizer", n, F32)
         self.exp_avg = ledger.alloc("optimizer", n, F32)
@@ -44,7 +44,7 @@ class ShardedAdamW:
                 pr = lay.params[pname]
                 values = np.asarray(arr, dtype=F32).reshape(-1)
                 b = lay.buckets[pr.bucket]
-                lo, hi = b.slice_bounds(self.rank)
+                lo, hi = b.slice_bounds(self.slot)
                 a, z = max(lo, pr.bucket_offset), min(hi, pr.bucket_offset + pr.numel)
                 if a < z:
                     dst = b.shard_start + (a - lo)
@@ -60,18 +60,21 @@ class ShardedAdamW:
         parameters into ``param_out``."""
         impl.adamw_update(self.master[sl], self.exp_avg[sl], self.exp_avg_sq[sl], grad, param_out, s)
 
-    def gather(self, comm, step: int) -> np.ndarray:
-        """The whole padded fp32 master in world layout, as a NumPy array on every rank (a collective)."""
+    def gather(self, group, step: int) -> np.ndarray:
+        """The whole padded fp32 master in world layout, as a NumPy array on every rank: an
+        all-gather over the shard ``group`` (a collective), each rank's slice put at its slot."""
         lay = self.layout
         host = _to_numpy(self.master)
         if self.config.stage == 0:
             return host.copy()
-        from mpi4py import MPI
         out = np.zeros(lay.numel, F32)
         for bucket in lay.buckets:
-            out[bucket.world_slice(self.rank)] = host[bucket.shard_slice]
-            with comm.waiting("gather_master (fp32 all-gather)", (bucket.index, step)):
-                comm.mpi.Allgather(MPI.IN_PLACE, out[bucket.start:bucket.stop])   # timed by the watchdog
+            k = bucket.slice_numel
+            table = np.empty((len(group.slots), k), F32)
+            with group.waiting("gather_master (fp32 all-gather)", (bucket.index, step)):
+                group.mpi.Allgather(np.ascontiguousarray(host[bucket.shard_slice]), table)   # timed by the watchdog
+            for g, s in enumerate(group.slots):
+                out[bucket.start + s * k:bucket.start + (s + 1) * k] = table[g]
         return out
 
     def close(self) -> None:

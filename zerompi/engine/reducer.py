@@ -29,16 +29,18 @@ class GradientReducer:
     """Owns the gradient buffers (the local or sharded gradient, the micro-batch accumulator,
     the staging buckets) and the reductions in flight.
 
-    Uses the engine's ``layout``, ``config``, ``comm`` (a Communicator), ``inflight`` (where
-    its collectives are started and polled), ``pool`` (staging buckets), ``ledger`` (where
-    its buffers are counted) and ``guard`` (faults.GradientGuard).
+    Uses the engine's ``layout``, ``config``, ``comm`` (the shard group's Communicator, flat or
+    two-level: comm/topology.py), ``replica`` (the Communicator across shard groups, or None),
+    ``ranks`` (every rank of the job: the average's divisor), ``inflight`` (where its
+    collectives are started and polled), ``pool`` (staging buckets), ``ledger`` (where its
+    buffers are counted) and ``guard`` (faults.GradientGuard).
     """
 
-    def __init__(self, layout, config, comm, inflight, pool, ledger, guard, dtype):
-        self.layout, self.config, self.comm = layout, config, comm
+    def __init__(self, layout, config, comm, replica, ranks, inflight, pool, ledger, guard, dtype):
+        self.layout, self.config, self.comm, self.replica = layout, config, comm, replica
         self.inflight, self.pool, self.guard = inflight, pool, guard
-        st, rank = config.stage, comm.rank
-        self.rank, self.world_size = rank, comm.size
+        st = config.stage
+        self.slot, self.world_size = comm.slot, ranks
         # The gradient model state: stages 0/1 the whole local gradient, stages 2/3 the shard.
         self.grads = ledger.alloc("grads", layout.numel if st < 2 else layout.shard_numel, dtype)
         # Stages 0/1 with several micro-batches: the local gradient buffer is rewritten by
@@ -59,7 +61,7 @@ class GradientReducer:
         """This rank's reduced-gradient slice of bucket b (where the reduce-scatter lands)."""
         bucket = self.layout.buckets[b]
         if self.config.stage < 2:
-            return self.grads[bucket.world_slice(self.rank)]
+            return self.grads[bucket.world_slice(self.slot)]
         return self.grads[bucket.shard_slice]
 
     def reduced_slices(self) -> List[np.ndarray]:
@@ -189,6 +191,13 @@ class GradientReducer:
             for bucket in self.layout.buckets:
                 self.grad_slice(bucket.index)[...] = self.accum[bucket.shard_slice]
         self.micro = 0
+
+    def reduce_replicas(self) -> None:
+        """Shard groups: sum each reduced slice over the groups holding the same slice (an
+        all-reduce across groups, once per step: the micro-batches were summed inside the group)."""
+        if self.replica is not None:
+            for g in self.reduced_slices():
+                self.replica.all_reduce(g)
 
     def all_gather(self, step: int) -> None:
         """Stage 0: complete the all-reduce, so every rank holds the whole reduced gradient."""

@@ -9,12 +9,12 @@ The model drives it layer by layer::
     for layer in reversed(range(L)):             # backward
         with engine.unsharded(layer) as p: ...
         engine.grads_ready(layer, grads)         # starts the bucket's reduce-scatter
-    result = engine.step()                       # stages 1/2: starts the parameter all-gathers
+    result = engine.step()                       # stages 1/2: all-gathers the new parameters
 
-Communication runs behind compute: collectives are non-blocking, tested (moved on) at every
-unshard, reshard and grads_ready, and waited for only when their data is read
-(docs/overlap.md). ``engine.timers`` says where the time went. Gradients handed back are those of this rank's micro-batch loss, times ``loss_scale``;
-the engine averages them over ranks and micro-batches.
+Collectives run behind compute: non-blocking, moved on at every unshard, reshard and
+grads_ready, waited for when their data is read (docs/overlap.md; ``engine.timers``).
+Gradients handed back are this rank's micro-batch loss's, times ``loss_scale``; the engine
+averages them over ranks and micro-batches.
 """
 import atexit
 import functools
@@ -29,18 +29,19 @@ import numpy as np
 from ..checkpoint import collective as checkpoint
 from ..comm.communicator import Communicator, sum_table
 from ..comm.consistency import check_consistent
+from ..comm.topology import arrange, topology_of
 from ..comm.watchdog import Watchdog, watched
 from ..errors import ConfigError, UsageError, install_abort_hook
 from ..layout import FlatLayout
 from ..optim import impl
-from . import contract
+from . import contract, traffic
 from .buffers import BucketPool, plan_classes
 from .config import ZeroConfig
 from .faults import GradientGuard, fault_from_env
 from .gatherer import ParameterGatherer
 from .inflight import InFlight
 from .loss_scale import DynamicLossScaler
-from .memory import MemoryLedger, theory_bytes, theory_comm_bytes
+from .memory import MemoryLedger, memory_report
 from .optimizer import ShardedAdamW
 from .reducer import MAX_PENDING_REDUCES, GradientReducer
 from .schedule import Phase, infer_phase
@@ -88,10 +89,16 @@ class ZeroEngine:
         self.dtype = np.float16 if self.config.dtype == "fp16" else np.float32
         pairs = contract.check_layers(layers)
         spec = [(lname, [(pname, np.shape(a)) for pname, a in params.items()]) for lname, params in pairs]
-        self.layout = FlatLayout(spec, self.world_size, max(1, self.config.bucket_bytes // np.dtype(self.dtype).itemsize),
-                                 self.config.align)
+        # Nodes and shard groups (comm/topology.py): a bucket is cut into shard_size slices, each a
+        # multiple of align * replicas elements (the all-reduce across groups splits it again).
+        self.topology = topo = topology_of(self.comm, self.config.node_size, self.config.shard_size)
+        self.layout = FlatLayout(spec, topo.shard_size, max(1, self.config.bucket_bytes // np.dtype(self.dtype).itemsize),
+                                 self.config.align * topo.replicas)
         self._start_guards()
         pairs = contract.agree_initial_values(self.comm, pairs, self.config.init_values)
+        comms = arrange(self.comm, topo)
+        self.group, self.replica = comms.group, comms.replica   # gradients and parameters; across groups
+        self.slot = self.group.slot
         self.ledger = MemoryLedger(xp)
         self.scaler = DynamicLossScaler(self.config.init_loss_scale, self.config.loss_scale_window,
                                         self.config.min_loss_scale, enabled=self.config.dtype == "fp16")
@@ -108,11 +115,11 @@ class ZeroEngine:
                 progress_thread = ProgressThread(self.comm.mpi)
         self.inflight = InFlight(self.comm, self.timers, progress_thread)
         self.pool = pool = BucketPool(self.ledger, self.dtype, plan_classes(self.layout, self.config, MAX_PENDING_REDUCES))
-        self.gatherer = ParameterGatherer(self.layout, self.config, self.comm, self.inflight, pool, self.ledger,
+        self.gatherer = ParameterGatherer(self.layout, self.config, self.group, self.inflight, pool, self.ledger,
                                           self.dtype)
-        self.reducer = GradientReducer(self.layout, self.config, self.comm, self.inflight, pool, self.ledger,
-                                       self.guard, self.dtype)
-        self.optimizer = ShardedAdamW(self.layout, self.config, self.ledger, self.rank)
+        self.reducer = GradientReducer(self.layout, self.config, self.group, self.replica, self.world_size,
+                                       self.inflight, pool, self.ledger, self.guard, self.dtype)
+        self.optimizer = ShardedAdamW(self.layout, self.config, self.ledger, self.slot)
         self.optimizer.load_initial(pairs, xp)
         self.publish_params(all_gather=True)
         # A program that ends without close() must not reach MPI_Finalize with collectives in flight.
@@ -223,6 +230,8 @@ class ZeroEngine:
         if self.config.stage == 3:
             self.gatherer.free()
         self.reducer.collect()
+        with self.timers.blocking():
+            self.reducer.reduce_replicas()
         lay, grads = self.layout, self.reducer.reduced_slices()
         sumsq, nonfinite = self.reducer.stats()
         lr = self.config.lr if lr is None else float(lr)
@@ -231,7 +240,7 @@ class ZeroEngine:
                                              + contract.step_columns(lr, self.steps_taken + 1, self.gatherer.log))
         contract.check_step(self.comm, table, self.gatherer.log)
         self.gatherer.log.reset()
-        total = sum_table(table[:, :2])
+        total = sum_table(table[:self.topology.shard_size, :2])   # one shard group: the others hold copies
         scale = self.scaler.scale
         overflow = bool(total[1] > 0) or not math.isfinite(total[0])
         self.steps_taken += 1
@@ -261,6 +270,7 @@ class ZeroEngine:
             # before it reads them, never last step's or a mix; lazy_publish leaves them in flight.
             if not self.config.lazy_publish:
                 self.gatherer.finish_all()
+        self.gatherer.parameters_changed()
         self.scaler.update(False)
         self._end_step()
         return StepResult(self.step_count, False, norm, coef, scale)
@@ -276,6 +286,7 @@ class ZeroEngine:
         """Write the stored-dtype parameters from the master; stages 1/2 then all-gather them
         (every rank calls it: after the master was written other than by step(), as load() does)."""
         st, params, master = self.config.stage, self.gatherer.params, self.optimizer.master
+        self.gatherer.parameters_changed()
         if st == 0:
             params[...] = master
             return
@@ -283,24 +294,18 @@ class ZeroEngine:
             self.gatherer.param_slice(bucket.index)[...] = master[bucket.shard_slice]
         if all_gather and st in (1, 2):
             for bucket in self.layout.buckets:
-                self.comm.all_gather(params[bucket.start:bucket.stop])
+                self.group.all_gather(params[bucket.start:bucket.stop])
 
     # ---- checkpoints (zerompi/checkpoint/, docs/checkpoint.md) ---------------
     def save(self, path: str, extra_state: Optional[dict] = None) -> str:
-        """Write a sharded checkpoint under directory ``path`` (a collective, between steps).
-
-        Every rank writes its fp32 master, exp_avg and exp_avg_sq slices; rank 0 the manifest.
-        Returns the new checkpoint directory; ``path``/latest names it once it is complete.
-        """
+        """Write a sharded checkpoint under directory ``path`` (a collective, between steps); returns
+        the new checkpoint directory, which ``path``/latest names once it is complete."""
         self._check_between_steps("save")
         return checkpoint.save(self, path, extra_state)
 
     def load(self, path: str):
-        """Restore from a checkpoint saved at any world size, stage or bucket size (a collective).
-
-        ``path``: a checkpoint directory or a save directory (its ``latest``). Returns a
-        checkpoint.LoadInfo; raises checkpoint.CheckpointError on every rank on bad input.
-        """
+        """Restore from a checkpoint (directory, or a save directory's ``latest``) saved at any world
+        size, stage or bucket size (a collective); returns a LoadInfo, CheckpointError on bad input."""
         self._check_between_steps("load")
         return checkpoint.load(self, path)
 
@@ -328,7 +333,7 @@ class ZeroEngine:
     def gather_master(self) -> np.ndarray:
         """The whole padded fp32 master in world layout on every rank (a collective)."""
         self.synchronize()
-        return self.optimizer.gather(self.comm, self.steps_taken)
+        return self.optimizer.gather(self.group, self.steps_taken)
 
     def unpadded_master(self) -> np.ndarray:
         """fp32 master parameters in layout order without padding (a collective)."""
@@ -339,20 +344,20 @@ class ZeroEngine:
         """Bytes per rank: ``measured`` (allocated by this engine now), ``theory`` (DESIGN.md formula
         on Psi, unpadded), ``theory_padded`` (the same formula on the padded layout),
         ``peak_buffers`` (largest transient bytes held at once, communication scratch included)."""
-        lay, c = self.layout, self.config
-        isz = np.dtype(self.dtype).itemsize
-        measured = self.ledger.model_states()
-        return {
-            "measured": measured,
-            "theory": theory_bytes(c.stage, lay.params_numel, self.world_size, isz),
-            "theory_padded": theory_bytes(c.stage, lay.numel, self.world_size, isz, lay.shard_numel),
-            "peak_buffers": {"bytes": self.ledger.peak["buffers"] + self.comm.peak_scratch_bytes},
-        }
+        k = self.group.k if self.gatherer.secondary is not None else 0    # hpZ's copy: 1/node_size
+        return memory_report(self.ledger, self.layout, self.config.stage, self.topology.shard_size,
+                             np.dtype(self.dtype).itemsize, k, sum(c.peak_scratch_bytes for c in self._comms()))
 
     def comm_theory_bytes(self) -> int:
         """Bytes per step one rank should send for the gradient and parameter collectives (padded layout)."""
-        isz = np.dtype(self.dtype).itemsize
-        return theory_comm_bytes(self.config.stage, self.layout.numel, self.world_size, isz, self.config.micro_batches)
+        return sum(self.comm_theory_bytes_by_level().values())
+
+    def comm_theory_bytes_by_level(self) -> Dict[str, int]:
+        """The same, as {"intra": bytes inside this rank's node, "inter": bytes across nodes} (engine/traffic.py)."""
+        c, t = self.config, self.topology
+        return traffic.step_bytes(c.stage, [b.numel for b in self.layout.buckets], np.dtype(self.dtype).itemsize,
+                                  t.size, t.node_size, t.shard_size, c.micro_batches, c.prefetch if c.overlap else 0,
+                                  self.gatherer.secondary is not None)
 
     def close(self) -> None:
         """Free every buffer. The engine cannot be used afterwards (a collective: every rank calls it)."""
@@ -361,7 +366,8 @@ class ZeroEngine:
         self.pool.clear()
         self.inflight.close()
         self.optimizer.close()
-        self.comm.free_scratch()
+        for c in self._comms():
+            c.free_scratch()
         self._watchdog.close()
         atexit.unregister(self._at_exit)
         self.closed = True
@@ -375,14 +381,14 @@ class ZeroEngine:
         self._watchdog = Watchdog(self.comm.waiting, self.config.timeout_s, self.rank, self.comm.mpi,
                                   step=lambda: me().steps_taken + 1)
         weakref.finalize(self, self._watchdog.close)
-        lay = self.layout
-        shapes = {name: list(pr.shape) for name, pr in lay.params.items()}   # a difference names the parameter
         try:
-            check_consistent(self.comm, "engine", {"zero": self.config.to_dict(), "shape": shapes,
-                                                   "layers": lay.layer_names, "layout": lay.describe()})
+            check_consistent(self.comm, "engine", contract.setup_fields(self.config, self.layout, self.topology))
         except BaseException:
             self._watchdog.close()
             raise
+
+    def _comms(self):   # the distinct communicators used: the world's, the group's, across groups
+        return list({id(c): c for c in (self.comm, self.group, self.replica) if c is not None}.values())
 
     # ---- checks -----------------------------------------------------------------
     def _check_open(self) -> None:

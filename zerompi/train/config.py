@@ -108,6 +108,9 @@ class TrainConfig:
         check(self.batch % parts == 0,
               f"batch={self.batch} does not split over {world_size} ranks x {self.zero.micro_batches} "
               f"micro-batches; use a multiple of {parts}")
+        if world_size > 1 and (self.zero.node_size or self.zero.shard_size):   # before any collective
+            from ..comm.topology import Topology
+            Topology(world_size, self.zero.node_size or 1, self.zero.shard_size or world_size)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -162,6 +165,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="abort the job when one collective waits longer (default: $ZEROMPI_TIMEOUT_S or 300)")
     p.add_argument("--max-skipped-steps", type=int, default=ZeroConfig.max_skipped_steps, metavar="K",
                    help="fp16: K consecutive steps skipped for non-finite gradients is an error")
+    p.add_argument("--node-size", type=int, default=None, metavar="K",
+                   help="ranks per node (default: $ZEROMPI_NODE_SIZE, else MPI's shared-memory split); "
+                        "smaller than the ranks of one machine, it simulates several nodes")
+    p.add_argument("--shard-size", type=int, default=None, metavar="K",
+                   help="shard the model states over groups of K ranks (whole nodes), replicated across "
+                        "the groups (MiCS / hybrid sharding; default: all ranks)")
+    p.add_argument("--hpz", action="store_true",
+                   help="stage 3: keep a node-local copy of the parameters after each gather across nodes "
+                        "(ZeRO++ hpZ)")
     return p
 
 
@@ -173,6 +185,7 @@ def parse_config(argv: Optional[List[str]] = None) -> TrainConfig:
                       optimizer_impl=a.optimizer_impl,
                       loss_scale_window=a.loss_scale_window, overlap=not a.no_overlap, prefetch=a.prefetch,
                       progress=a.progress, timeout_s=a.timeout_s, max_skipped_steps=a.max_skipped_steps,
+                      node_size=a.node_size, shard_size=a.shard_size, hpz=a.hpz,
                       lazy_publish=True)   # the built-in models read parameters through unshard() every step
     return TrainConfig(model=a.model, steps=a.steps, batch=a.batch, width=a.width, depth=a.depth,
                        n_layer=a.n_layer, n_head=a.n_head, d_model=a.d_model, seq_len=a.seq_len, data=a.data,

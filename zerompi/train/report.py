@@ -32,8 +32,9 @@ def human_bytes(n: float) -> str:
 
 
 def memory_table(measured: Dict[str, int], theory: Dict[str, int], padded: Dict[str, int],
-                 stage: int, world_size: int, itemsize: int) -> str:
-    """Measured model-state bytes per rank beside DESIGN.md's formula."""
+                 stage: int, world_size: int, itemsize: int, node_size: int = 1) -> str:
+    """Measured model-state bytes per rank beside DESIGN.md's formula (N: the ranks one copy of
+    the model states is sharded over; hpZ's node-local copy, when there is one, on its own row)."""
     p = itemsize
     formulas = {
         0: (f"{p}Ψ", f"{p}Ψ", "12Ψ"),
@@ -42,7 +43,11 @@ def memory_table(measured: Dict[str, int], theory: Dict[str, int], padded: Dict[
         3: (f"{p}Ψ/N", f"{p}Ψ/N", "12Ψ/N"),
     }[stage]
     totals = {0: f"{2 * p + 12}Ψ", 1: f"{2 * p}Ψ + 12Ψ/N", 2: f"{p}Ψ + {p + 12}Ψ/N", 3: f"{2 * p + 12}Ψ/N"}[stage]
-    rows = [("params", formulas[0]), ("grads", formulas[1]), ("optimizer", formulas[2]), ("total", totals)]
+    rows = [("params", formulas[0]), ("grads", formulas[1]), ("optimizer", formulas[2])]
+    if "secondary" in measured:
+        rows.append(("secondary", f"{p}Ψ/K (hpZ, K={node_size} per node)"))
+        totals += f" + {p}Ψ/K"
+    rows.append(("total", totals))
     lines = [f"memory per rank (stage {stage}, N={world_size}): measured vs formula",
              f"  {'':10} {'measured':>14} {'formula':>14} {'formula, padded':>16}  formula",
              ]
@@ -52,14 +57,20 @@ def memory_table(measured: Dict[str, int], theory: Dict[str, int], padded: Dict[
     return "\n".join(lines)
 
 
-def comm_table(measured: Dict[str, float], theory: float, stage: int) -> str:
-    """Measured bytes sent per rank per step beside the formula."""
+def comm_table(measured: Dict[str, float], theory: float, stage: int, levels=None, level_theory=None) -> str:
+    """Measured bytes sent per rank per step beside the formula; ``levels``: the bytes of a steady
+    step inside the node and across nodes, beside ``level_theory`` (engine/traffic.py)."""
     lines = ["communication per rank per step: measured vs formula"]
     for op, nbytes in measured.items():
         lines.append(f"  {op:16} {human_bytes(nbytes):>14}")
     total = sum(measured.values())
-    what = "3Ψ (gather fwd + gather bwd + reduce-scatter)" if stage == 3 else "2Ψ (reduce-scatter + all-gather)"
+    what = "3Ψ (gather fwd + gather bwd + reduce-scatter), less the buckets kept at turns" if stage == 3 \
+        else "2Ψ (reduce-scatter + all-gather)"
     lines.append(f"  {'total':16} {human_bytes(total):>14}   formula {human_bytes(theory)} = {what} × (N-1)/N bytes")
+    if levels is not None:
+        lines.append("  a steady step (the rows above are means over every step run; the first can differ):")
+        for key, name in (("intra", "inside a node"), ("inter", "across nodes")):
+            lines.append(f"  {name:16} {human_bytes(levels[key]):>14}   formula {human_bytes(level_theory[key])}")
     return "\n".join(lines)
 
 
@@ -78,6 +89,10 @@ def print_banner(cfg, engine, comm, placement, data) -> None:
                      f"all-gather = Allgather in place; {describe_buffers(placement, engine.comm)}")
     print0(comm.mpi, f"  layout: {len(lay.buckets)} buckets (target {z.bucket_mb} MiB), "
                      f"{lay.numel - lay.params_numel:,} padding elements; optimizer: {impl.adamw_update.__name__}")
+    hpz = "; hpZ: a node-local copy of 1/node_size of the parameters" if engine.gatherer.secondary is not None else \
+        ("; hpZ: nothing to keep (each shard group is one node)" if z.hpz else "")
+    two = "; collectives in two levels (inside the node, then across)" if engine.group.hierarchical else ""
+    print0(comm.mpi, f"  topology: {engine.topology.describe()}{two}{hpz}")
     if cfg.model != "gpt":
         return
     print0(comm.mpi, f"  GPT: n_layer {cfg.n_layer}, n_head {cfg.n_head}, d_model {cfg.d_model}, vocab "
@@ -100,14 +115,16 @@ def final_metrics(cfg, engine, comm, log, entropy_floor, placement) -> dict:
     engine.guard.at("metrics", step)          # ZEROMPI_FAULT=KIND@rankR:stepS:metrics (engine/faults.py)
     report = engine.memory_report()
     names = list(report["measured"])
-    top = np.array([report["measured"][k] for k in names] + [report["peak_buffers"]["bytes"], max(log.comm_bytes)],
-                   np.int64)
+    # A steady step's traffic: the median over steps (the first can differ: stage 3 gathers the next
+    # forward's first buckets at the end of a step); then the maximum over ranks.
+    steady = [int(statistics.median(log.comm_bytes))] + [int(statistics.median(v)) for v in zip(*log.level_bytes)]
+    top = np.array([report["measured"][k] for k in names] + [report["peak_buffers"]["bytes"]] + steady, np.int64)
     # The buffer form, not mpi4py's pickled allreduce: that one holds the GIL while it waits
     # (measured, mpi4py 4.1), so the watchdog thread could never run and a hang here would be forever.
     with watched(comm, "final metrics: all-reduce (max) of memory and traffic bytes", step):
         comm.mpi.Allreduce(MPI.IN_PLACE, top, op=MPI.MAX)
     mem = {k: int(v) for k, v in zip(names, top)}
-    peak, traffic = int(top[-2]), int(top[-1])
+    peak, traffic, levels = int(top[len(names)]), int(top[len(names) + 1]), [int(v) for v in top[len(names) + 2:]]
     master = engine.unpadded_master()
     times = log.times
     breakdown, hidden = summarize(log.parts, times)
@@ -127,6 +144,10 @@ def final_metrics(cfg, engine, comm, log, entropy_floor, placement) -> dict:
         "peak_buffer_bytes": peak,
         "comm_bytes_per_step": traffic,
         "comm_theory_bytes_per_step": engine.comm_theory_bytes(),
+        "comm_bytes_per_step_by_level": dict(zip(("intra", "inter"), levels)),
+        "comm_theory_bytes_per_step_by_level": engine.comm_theory_bytes_by_level(),
+        "topology": {"node_size": engine.topology.node_size, "shard_size": engine.topology.shard_size,
+                     "hpz": engine.gatherer.secondary is not None},
         "step_time_s": statistics.median(times),
         "steps_applied": engine.step_count,
         "optimizer_impl": engine.optimizer_impl,
@@ -157,7 +178,7 @@ def print_summary(metrics: dict, engine, comm, base_bytes: Dict[str, int]) -> No
     z = engine.config
     report = engine.memory_report()
     print0(comm.mpi, memory_table(metrics["memory_bytes"], report["theory"], report["theory_padded"],
-                                  z.stage, comm.size, z.itemsize))
+                                  z.stage, engine.topology.shard_size, z.itemsize, engine.topology.node_size))
     if "cupy_pool_bytes" in metrics:
         pool = metrics["cupy_pool_bytes"]
         print0(comm.mpi, f"  CuPy memory pool (rank 0): {pool['used']:,} bytes in use, {pool['held']:,} "
@@ -167,7 +188,8 @@ def print_summary(metrics: dict, engine, comm, base_bytes: Dict[str, int]) -> No
     steps = len(metrics["step_times_s"])
     per_op = {op: (s.bytes - base_bytes.get(op, 0)) / steps
               for op, s in sorted(comm.stats.items()) if op != "sum_scalars"}
-    print0(comm.mpi, comm_table(per_op, engine.comm_theory_bytes(), z.stage))
+    print0(comm.mpi, comm_table(per_op, engine.comm_theory_bytes(), z.stage, metrics["comm_bytes_per_step_by_level"],
+                                metrics["comm_theory_bytes_per_step_by_level"]))
     print0(comm.mpi, f"  transient buffers at peak: {report['peak_buffers']['bytes']:,} bytes; "
                      f"median step {metrics['step_time_s'] * 1e3:.1f} ms")
     tb = metrics["time_breakdown_s"]

@@ -49,6 +49,7 @@ class StepLog:
     losses: List[float] = field(default_factory=list)       # the step's loss, mean over ranks
     times: List[float] = field(default_factory=list)        # this rank's wall seconds of the step
     comm_bytes: List[int] = field(default_factory=list)     # bytes this rank sent in the step (sum_scalars aside)
+    level_bytes: List[list] = field(default_factory=list)   # the same as [inside its node, across nodes]
     parts: List[dict] = field(default_factory=list)         # the engine's timers of the step (engine/timers.py)
     val_losses: List[list] = field(default_factory=list)    # [step, held-out loss] pairs (GPT)
 
@@ -102,7 +103,7 @@ def _run_steps(cfg: TrainConfig, engine, comm, model, data, floor: Optional[floa
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
         engine.timers.take()                        # drop what ran between steps (checkpoints)
-        b0 = sent()
+        b0, l0 = sent(), comm.level_bytes()
         local = losses_of(engine, model, data, step, cfg.batch, cfg.zero.micro_batches)
         result = engine.step()
         total = comm.sum_scalars([sum(local) / len(local), stop.flag if stop else 0.0])   # + the stop flag
@@ -111,6 +112,8 @@ def _run_steps(cfg: TrainConfig, engine, comm, model, data, floor: Optional[floa
         log.times.append(time.perf_counter() - t0)
         log.parts.append(engine.timers.take())
         log.comm_bytes.append(sent() - b0)
+        l1 = comm.level_bytes()
+        log.level_bytes.append([l1["intra"] - l0["intra"], l1["inter"] - l0["inter"]])
         log.losses.append(loss)
         extra, evaluated = "", False            # GPT: held-out loss, floor, throughput
         if gpt:

@@ -1,0 +1,52 @@
+"""Bytes one rank sends per optimizer step, by level (inside its node, across nodes): the formula.
+
+Each collective is counted the way the Communicator counts it: a rank sends its block to
+every peer of the collective, so a reduce-scatter or all-gather over G ranks of a bucket of
+B elements sends (G - 1) * B / G. Over a shard group of S = K * M ranks (K per node, M
+nodes), the two-level collectives (comm/hierarchical.py) send (K - 1) * B / K inside the
+node and (M - 1) * B / S across nodes. Per step:
+
+- every stage: a reduce-scatter of every bucket per micro-batch; with R = N / S shard groups,
+  an all-reduce of the reduced shard across groups once per step (2 (R - 1) / R of it, all
+  across nodes, since groups are whole nodes);
+- stage 0: an all-gather of the gradient; stages 1/2: an all-gather of the new parameters;
+- stage 3: a gather of every bucket in every forward and backward pass, except the
+  buckets a turn keeps (the last ``1 + ahead`` of the forward are those the backward starts
+  with; between micro-batches, the first ``1 + ahead``); with hpZ, only the first forward
+  after a step gathers across nodes, every other gather stays inside the node.
+
+The single-node, single-group case is the classic ZeRO table: 2 passes of (N - 1) / N Psi
+for stages 0-2 (one reduce-scatter per micro-batch), 3 per micro-batch for stage 3.
+"""
+from typing import Dict, Sequence
+
+
+def step_bytes(stage: int, buckets: Sequence[int], itemsize: int, ranks: int, node_size: int, shard_size: int,
+               micro_batches: int = 1, ahead: int = 0, hpz: bool = False) -> Dict[str, int]:
+    """{"intra": bytes, "inter": bytes} one rank sends per step. ``buckets``: every bucket's padded
+    length in elements, in layout order; ``ahead``: stage 3's prefetch depth (0 with overlap off)."""
+    k = min(node_size, shard_size)
+    m = shard_size // k
+    r = ranks // shard_size
+    intra = inter = 0
+
+    def two_level(b: int, times: int = 1) -> None:
+        nonlocal intra, inter
+        intra += times * (k - 1) * b // k
+        inter += times * (m - 1) * b // shard_size
+
+    for b in buckets:
+        two_level(b, micro_batches)                            # the gradient reduce-scatters
+        inter += 2 * (r - 1) * (b // shard_size) // r          # the all-reduce across shard groups
+        if stage < 3:
+            two_level(b)                                       # gradient (0) or parameter (1, 2) all-gather
+    if stage == 3:
+        nb, t = len(buckets), min(1 + ahead, len(buckets))
+        for i, b in enumerate(buckets):
+            gathers = 2 * micro_batches - micro_batches * (i >= nb - t) - (micro_batches - 1) * (i < t)
+            if hpz and m > 1:
+                two_level(b)                                   # the first forward after the step
+                intra += (gathers - 1) * (k - 1) * b // k      # the others from the node-local copies
+            else:
+                two_level(b, gathers)
+    return {"intra": itemsize * intra, "inter": itemsize * inter}
