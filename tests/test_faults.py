@@ -126,7 +126,8 @@ def test_hang_before_a_library_collective_ends_the_job(tmp_path, what, op):
 def test_config_mismatch_mpmd_ends_at_once():
     """`mpiexec -n 1 ... --width 64 : -n 1 ... --width 128`: both parse; the check names field and ranks."""
     t = time.monotonic()
-    proc = run_mpmd([["-m", "zerompi.train", "--width", "64"], ["-m", "zerompi.train", "--width", "128"]])
+    proc = run_mpmd([["-m", "zerompi.train", "--model", "mlp", "--width", "64"],
+                     ["-m", "zerompi.train", "--model", "mlp", "--width", "128"]])
     assert proc.returncode == 2, proc.stderr
     lines = [l for l in proc.stderr.splitlines() if l.strip()]
     assert len(lines) == 1 and "mismatch" in lines[0], proc.stderr

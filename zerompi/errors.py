@@ -3,6 +3,7 @@ import os
 import sys
 import time
 import traceback
+from typing import Optional
 
 
 class ConfigError(ValueError):
@@ -26,7 +27,24 @@ class NonFiniteError(JobError, RuntimeError):
     """Non-finite gradients that the step cannot skip (fp32, or too many consecutive fp16 skips)."""
 
 
+class OutputError(Exception):
+    """An output file (metrics, records) could not be written at the end of a run whose work is
+    done: printed as one line that says what was kept, exit status EXIT_OUTPUT."""
+
+
+class HelpRequested(Exception):
+    """``--help`` on a rank of an MPI tool: carries the usage text, printed once every rank has
+    reached the start-up agreement (:func:`agree_on_start`), so no rank leaves before the others."""
+
+    def __init__(self, text: str):
+        super().__init__(text)
+        self.text = text
+
+
 EXIT_TIMEOUT = 3   # exit status of a job a collective watchdog aborted (docs/failures.md)
+EXIT_OUTPUT = 1    # the work is done, but an output file could not be written (docs/failures.md)
+EXIT_CLOSED_STDOUT = 141   # stdout was closed under a tool (``| head -1``): the shell's status for SIGPIPE
+START_TIMEOUT_S = 30.0     # seconds the ranks wait for each other in the start-up agreement
 
 
 def check(cond: bool, message: str) -> None:
@@ -52,7 +70,9 @@ def install_abort_hook(comm=None) -> None:
 
     def hook(kind, value, tb):
         rank = comm.Get_rank()
-        if issubclass(kind, (ConfigError, JobError)):
+        if issubclass(kind, BrokenPipeError):     # stdout closed under us (``| head``): leave quietly
+            code = quiet_exit_on_closed_stdout()
+        elif issubclass(kind, (ConfigError, JobError)):
             sys.stderr.write(f"zerompi: error: {value}\n")
             code = 2 if issubclass(kind, ConfigError) else 1
         elif issubclass(kind, KeyboardInterrupt):
@@ -92,19 +112,109 @@ def abort_job(comm, code: int) -> None:
     os._exit(code)
 
 
-def agree_on_errors(comm, error, prog: str) -> bool:
-    """After every rank validated its input: True when any rank found an error.
+def quiet_exit_on_closed_stdout() -> int:
+    """After a BrokenPipeError on stdout: point stdout at /dev/null, so that Python's own flush at
+    exit cannot raise again, and return EXIT_CLOSED_STDOUT (the status of a tool SIGPIPE ends)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+    return EXIT_CLOSED_STDOUT
 
-    One small collective (an allgather of each rank's message or None), so that ranks
-    given different flags stop together instead of leaving others in a collective.
-    Rank 0 prints the first message as one line, naming the rank when they differ.
+
+def agree_on_errors(comm, error, prog: str, timeout_s: float = START_TIMEOUT_S) -> bool:
+    """After every rank validated its input: True when any rank found an error (rank 0 has
+    printed it as one line; the caller exits 2). :func:`agree_on_start` without ``--help``."""
+    return agree_on_start(comm, error, prog, timeout_s) is not None
+
+
+_REPORT_TAG, _VERDICT_TAG = 0x7A51, 0x7A52   # the start-up agreement's messages (COMM_WORLD, point to point)
+
+
+def agree_on_start(comm, error, prog: str, timeout_s: float = START_TIMEOUT_S) -> Optional[int]:
+    """The ranks agree whether the job may start: None when it may, else the exit status every rank
+    returns (2 on an error; 0 when every rank was given ``--help`` and rank 0 printed it once).
+
+    ``error``: this rank's one-line message, None, or a HelpRequested. ``prog`` names the program
+    ("zerompi.train"): ranks that run different programs are an error (an MPMD launch of train
+    beside bench would otherwise pair unrelated collectives). Every rank reports to rank 0, which
+    prints the one line (naming the rank when they differ) and sends the verdict back.
+
+    Timed, as no other start-up step can be: rank 0 waits ``timeout_s`` for every report, the
+    others twice that for the verdict (ranks above 1 a second more, so that one line is printed);
+    then the rank that waits prints which rank never came (it exited or hangs) and aborts the
+    job with status 2.
     """
-    errors = comm.allgather(error)
-    if not any(errors):
-        return False
-    if comm.Get_rank() == 0:
-        rank, msg = next((r, m) for r, m in enumerate(errors) if m)
-        where = "" if all(m == msg for m in errors) else f" (rank {rank})"
-        sys.stderr.write(f"{prog}: error{where}: {msg}\n")
+    from mpi4py import MPI
+    help_text = error.text if isinstance(error, HelpRequested) else None
+    mine = (prog, help_text is not None, None if error is None or help_text is not None else str(error))
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if rank != 0:
+        request = comm.isend(mine, dest=0, tag=_REPORT_TAG)
+        later = min(rank - 1, 1)          # if rank 0 never answers, rank 1 says so; its abort ends the others
+        _poll(comm, 0, _VERDICT_TAG, time.monotonic() + 2 * timeout_s + later, prog,
+              lambda: f"rank 0 sent no start-up verdict within {2 * timeout_s:g} s (it exited or hangs)")
+        verdict = comm.recv(source=0, tag=_VERDICT_TAG)
+        request.wait()
+        return verdict
+    reports = {0: mine}
+    status, deadline = MPI.Status(), time.monotonic() + timeout_s
+    while len(reports) < size:
+        source = _poll(comm, MPI.ANY_SOURCE, _REPORT_TAG, deadline, prog, lambda: _missing(reports, size, timeout_s),
+                       status)
+        reports[source] = comm.recv(source=source, tag=_REPORT_TAG)
+    verdict, line = _judge([reports[r] for r in range(size)], prog)
+    requests = [comm.isend(verdict, dest=r, tag=_VERDICT_TAG) for r in range(1, size)]
+    if verdict == 0:
+        sys.stdout.write(help_text or "")
+        sys.stdout.flush()
+    elif line:
+        sys.stderr.write(line + "\n")
         sys.stderr.flush()
-    return True
+    MPI.Request.Waitall(requests)
+    return verdict
+
+
+def _poll(comm, source: int, tag: int, deadline: float, prog: str, why, status=None) -> int:
+    """Wait until a message from ``source`` with ``tag`` is there (returns its source), or
+    print ``why()`` and abort the job with status 2 at ``deadline``."""
+    while not comm.Iprobe(source=source, tag=tag, status=status):
+        if time.monotonic() > deadline:
+            sys.stderr.write(f"{prog}: error: {why()}; start every rank with the same program and flags\n")
+            abort_job(comm, 2)
+        time.sleep(0.002)
+    return source if status is None else status.Get_source()
+
+
+def _missing(reports, size: int, timeout_s: float) -> str:
+    gone = [r for r in range(size) if r not in reports]
+    return f"{_ranks(gone)} did not reach the start-up agreement within {timeout_s:g} s (exited or hangs)"
+
+
+def _judge(reports, prog: str):
+    """(verdict, line) from every rank's (program, asked for help, message): see agree_on_start."""
+    programs = {}
+    for r, (name, _, _) in enumerate(reports):
+        programs.setdefault(name, []).append(r)
+    if len(programs) > 1:
+        which = ", ".join(f"{name} on {_ranks(rs)}" for name, rs in programs.items())
+        return 2, f"{prog}: error: the ranks run different programs: {which}; start every rank with the same program"
+    errors = [(r, m) for r, (_, _, m) in enumerate(reports) if m is not None]
+    if errors:
+        rank, msg = errors[0]
+        where = "" if all(m == msg for _, _, m in reports) else f" (rank {rank})"
+        return 2, f"{prog}: error{where}: {msg}"
+    helped = [r for r, (_, asked, _) in enumerate(reports) if asked]
+    if helped and len(helped) == len(reports):
+        return 0, None
+    if helped:
+        return 2, (f"{prog}: error: --help was given to {_ranks(helped)} only; give it to every rank, "
+                   "or to none to run the job")
+    return None, None
+
+
+def _ranks(ranks) -> str:
+    """[1] -> 'rank 1'; [0, 2] -> 'ranks 0, 2'."""
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)

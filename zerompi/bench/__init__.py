@@ -3,5 +3,6 @@
 run (options, the measurements, the tables, main), cases (what one measured case does,
 its oracle, the timing loops).
 
-May import: zerompi.errors, zerompi.optim, zerompi.comm.
+May import: zerompi.errors, zerompi.optim, zerompi.comm, zerompi.checkpoint (outputs: the
+--json file), zerompi.estimate (machine: the memory a rank may take).
 """

@@ -23,7 +23,7 @@ then the compute in OVERLAP_CHUNKS pieces with a test() between pieces (the way 
 engine progresses its handles), then wait(); overlap = 1 - (t_ovl - t_cpu) / t_pure.
 """
 import argparse
-import json
+import math
 import statistics
 import sys
 from dataclasses import dataclass, replace
@@ -32,8 +32,10 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from .cases import Case, Spinner, copy_seconds, make_case, measure_overlap, overlap_pct, time_medians
+from ..checkpoint.outputs import check_file, save_json
 from ..optim.impl import OPTIMIZER_IMPLS
-from ..errors import ConfigError, agree_on_errors, check, install_abort_hook
+from ..errors import (EXIT_OUTPUT, ConfigError, HelpRequested, agree_on_errors, agree_on_start, check,
+                      install_abort_hook)
 
 OPS = ("reduce_scatter", "all_gather", "all_reduce")
 DTYPES = {"fp16": np.float16, "fp32": np.float32}
@@ -41,6 +43,7 @@ IMPLS = ("zerompi", "mpi")
 DEVICES = ("cpu", "gpu")
 COMMS = ("mpi", "nccl")
 SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+MAX_SIZES = 1000     # sizes one run may measure: -b, -e and -f must not ask for more
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -57,7 +60,8 @@ def parse_size(text: str) -> int:
         value = float(t[:len(t) - len(unit)]) * SUFFIXES[unit]
     except ValueError:
         raise ConfigError(f"size {text!r} is not a byte count; use e.g. 4096, 8K, 64M or 1G")
-    check(value >= 1 and value == int(value), f"size {text!r} must be a whole number of bytes >= 1")
+    check(math.isfinite(value) and value >= 1 and value == int(value),
+          f"size {text!r} must be a whole number of bytes >= 1")
     return int(value)
 
 
@@ -109,7 +113,10 @@ class BenchConfig:
         check(self.min_bytes >= 1, f"min size={self.min_bytes} must be >= 1 byte")
         check(self.min_bytes <= self.max_bytes,
               f"min size={self.min_bytes} bytes is larger than max size={self.max_bytes} bytes; use -b <= -e")
-        check(self.factor > 1, f"factor={self.factor:g} must be > 1")
+        check(math.isfinite(self.factor) and self.factor > 1, f"factor={self.factor:g} must be a finite number > 1")
+        count = math.floor(math.log(self.max_bytes / self.min_bytes) / math.log(self.factor)) + 1
+        check(count <= MAX_SIZES, f"factor={self.factor!r} makes {count:,} sizes from {self.min_bytes} to "
+                                  f"{self.max_bytes} bytes; at most {MAX_SIZES} are allowed (use a larger -f)")
         check(self.iters >= 1, f"iters={self.iters} must be >= 1")
         check(self.warmup >= 0, f"warmup={self.warmup} must be >= 0")
         check(self.sum_impl in OPTIMIZER_IMPLS,
@@ -118,7 +125,7 @@ class BenchConfig:
     def sizes(self) -> List[int]:
         """min, min*f, min*f^2, ... <= max (bytes, before padding to whole slices)."""
         out, s = [], float(self.min_bytes)
-        while int(s) <= self.max_bytes:
+        while s <= self.max_bytes:
             if not out or int(s) != out[-1]:
                 out.append(int(s))
             s *= self.factor
@@ -128,6 +135,9 @@ class BenchConfig:
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2 (argparse's own prints the whole usage)
         raise ConfigError(message)
+
+    def print_help(self, file=None):  # printed once every rank has reached the start-up agreement
+        raise HelpRequested(self.format_help())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -175,6 +185,23 @@ def padded_count(nbytes: int, itemsize: int, n: int) -> int:
     quantum = n * max(1, 4 // itemsize)
     elems = -(-nbytes // itemsize)
     return -(-elems // quantum) * quantum
+
+
+def memory_error(cfg: BenchConfig, n: int, placement) -> Optional[str]:
+    """One line when the largest size cannot fit in this rank's share of the machine, else None.
+
+    A rank holds at least the whole buffer, the output slice, and a pristine copy of its input per
+    implementation (make_case) at once; the copy-bandwidth scratch one more buffer before them.
+    """
+    from ..estimate.machine import available_per_rank, human_bytes
+    have = available_per_rank(placement)
+    nbytes = padded_count(cfg.max_bytes, np.dtype(DTYPES[cfg.dtype]).itemsize, n) * np.dtype(DTYPES[cfg.dtype]).itemsize
+    need = nbytes * (1 + len(cfg.impls)) + nbytes // n
+    if have is None or need <= have[0]:
+        return None
+    return (f"max size={cfg.max_bytes} bytes needs at least {human_bytes(need)} per rank (the buffer, its output "
+            f"slice and a copy per implementation) and this rank has {human_bytes(have[0])} ({have[1]}); "
+            f"use a smaller -e")
 
 
 def run_bench(cfg: BenchConfig, comm, device_comm=None, xp=np) -> List[dict]:
@@ -315,15 +342,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     error = None
     try:
         cfg = parse_config(argv)
+        if world.Get_rank() == 0:
+            check_file(cfg.json_path, "json")   # rank 0 writes it: checked before any measurement
         # what the engine's constructor does; "fused" raises here when the C kernels cannot be had
         cfg = replace(cfg, local_sum=impl.use_impl(cfg.sum_impl, verbose=world.Get_rank() == 0))
-    except ConfigError as e:
-        error = str(e)
-    if agree_on_errors(world, error, "zerompi.bench"):
-        return 2
+    except (ConfigError, HelpRequested) as e:
+        error = e if isinstance(e, HelpRequested) else str(e)
+    status = agree_on_start(world, error, "zerompi.bench")
+    if status is not None:
+        return status
     placement = place_every_rank(cfg.device, world, "zerompi.bench")   # gpu: needs CuPy and a GPU
     if placement is None:
         return 2
+    if agree_on_errors(world, memory_error(cfg, world.Get_size(), placement), "zerompi.bench"):
+        return 2                                            # before the first buffer is allocated
     comm = Communicator(world)
     from ..comm.staging import device_communicator
     device_comm = device_communicator(comm, placement.xp, cfg.comm)   # the host one on the CPU
@@ -332,8 +364,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                  f"iters {cfg.iters} (median) after {cfg.warmup} warmup, local sum {cfg.local_sum}")
     print0(comm, "# time: per-rank median over iterations, then min/avg/max over ranks; bw from the avg")
     records = run_bench(cfg, comm, device_comm, placement.xp)
-    if cfg.json_path and comm.rank == 0:
-        with open(cfg.json_path, "w") as f:
-            json.dump(records, f, indent=1)
+    problem = save_json(cfg.json_path, records, "json") if cfg.json_path and comm.rank == 0 else None
+    if problem:                  # the table is on stdout; the line says where the records are
+        sys.stderr.write(f"zerompi.bench: error: {problem}\n")
+        return EXIT_OUTPUT
     return 0
-

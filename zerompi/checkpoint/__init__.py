@@ -2,9 +2,10 @@
 
 collective (save / load, the collective protocol and resharding), format (the manifest,
 shard files, checksums, the atomic publish), cli (``python -m zerompi.checkpoint
-inspect | consolidate``, offline and without MPI).
+inspect | consolidate``, offline and without MPI), outputs (every tool's output files:
+checked before the work, written atomically).
 
 May import: zerompi.errors, zerompi.layout, zerompi.comm; it works on the engine object it is
 given (ZeroEngine.save / load call it). Importing this package imports nothing; format and
-cli load without MPI.
+cli and outputs load without MPI.
 """

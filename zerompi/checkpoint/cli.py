@@ -7,8 +7,10 @@ and no watchdog). Run through ``python -m zerompi.checkpoint`` (checkpoint/colle
     python -m zerompi.checkpoint consolidate DIR OUT.npz   # full fp32 parameters by name
     python -m zerompi.checkpoint inspect DIR               # the manifest as a table
 
-Exit status 0, or 2 with one line ``zerompi.checkpoint: error: ...`` on bad input.
+Exit status 0 (``--help`` too), or 2 with one line ``zerompi.checkpoint: error: ...`` on bad
+input; quietly 141 when stdout is closed under it (``inspect DIR | head -1``).
 """
+import argparse
 import json
 import os
 import sys
@@ -16,7 +18,9 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from ..errors import ConfigError, quiet_exit_on_closed_stdout
 from .format import F32, CheckpointError, read_manifest, resolve, verify_shard
+from .outputs import check_file, write_atomic
 
 
 def consolidate(path: str, out: str) -> Dict[str, np.ndarray]:
@@ -24,8 +28,10 @@ def consolidate(path: str, out: str) -> Dict[str, np.ndarray]:
 
     Shards are checksummed, then read one at a time (memory-mapped, master row only): peak
     memory is the output plus a read buffer. ``out`` is written under a temporary name and
-    renamed, and may not lie inside the checkpoint.
+    renamed, and may not lie inside the checkpoint; it must be a new path or a regular file
+    (checked before any shard is read: never a folder or a device such as /dev/full).
     """
+    check_file(out, "out")
     ckpt = resolve(path)
     manifest, saved = read_manifest(ckpt)
     here, there = os.path.realpath(os.path.dirname(os.path.abspath(out))), os.path.realpath(ckpt)
@@ -43,12 +49,7 @@ def consolidate(path: str, out: str) -> Dict[str, np.ndarray]:
                     src = bucket.shard_start + a - lo
                     params[pr.name].reshape(-1)[a - pr.bucket_offset:z - pr.bucket_offset] = master[src:src + z - a]
         del master
-    partial = out + ".partial"
-    with open(partial, "wb") as f:
-        np.savez(f, **params)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, out)
+    write_atomic(out, lambda f: np.savez(f, **params))
     return params
 
 
@@ -82,19 +83,48 @@ def inspect_text(path: str) -> str:
     return "\n".join(lines)
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):   # one line and exit 2, not argparse's usage dump
+        raise ConfigError(f"{message}; use 'consolidate DIR OUT.npz' or 'inspect DIR' (--help for more)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m zerompi.checkpoint",
+                description="Offline checkpoint tools: one process, no MPI (docs/checkpoint.md).")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{consolidate,inspect}", parser_class=_Parser)
+    c = sub.add_parser("consolidate", help="write the full fp32 parameters by name to OUT.npz",
+                       description="Write the full fp32 parameters by name to OUT.npz (a new path or a regular file).")
+    c.add_argument("dir", metavar="DIR", help="a checkpoint directory, or a run's --save-dir (its latest)")
+    c.add_argument("out", metavar="OUT.npz", help="the output file (written under a temporary name, then renamed)")
+    i = sub.add_parser("inspect", help="print the manifest as a table", description="Print the manifest as a table.")
+    i.add_argument("dir", metavar="DIR", help="a checkpoint directory, or a run's --save-dir (its latest)")
+    return p
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """``consolidate DIR OUT.npz`` or ``inspect DIR``; returns the exit status (0, or 2 on bad input)."""
-    args = sys.argv[1:] if argv is None else list(argv)
     try:
-        if len(args) == 3 and args[0] == "consolidate":
-            params = consolidate(args[1], args[2])
-            print(f"wrote {args[2]}: {len(params)} parameters, "
+        status = _run(sys.argv[1:] if argv is None else list(argv))
+        sys.stdout.flush()
+        return status
+    except BrokenPipeError:
+        return quiet_exit_on_closed_stdout()
+
+
+def _run(args: List[str]) -> int:
+    try:
+        a = build_parser().parse_args(args)
+        if a.command == "consolidate":
+            params = consolidate(a.dir, a.out)
+            print(f"wrote {a.out}: {len(params)} parameters, "
                   f"{sum(p.size for p in params.values()):,} fp32 values")
-        elif len(args) == 2 and args[0] == "inspect":
-            print(inspect_text(args[1]))
         else:
-            raise CheckpointError(f"arguments {args} are not allowed; use 'consolidate DIR OUT.npz' or 'inspect DIR'")
-    except (CheckpointError, OSError) as e:
+            print(inspect_text(a.dir))
+    except SystemExit as e:          # --help: the usage is printed
+        return e.code or 0
+    except BrokenPipeError:
+        raise
+    except (ConfigError, OSError) as e:
         sys.stderr.write(f"zerompi.checkpoint: error: {e}\n")
         return 2
     return 0

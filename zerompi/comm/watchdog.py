@@ -27,10 +27,17 @@ from ..errors import EXIT_TIMEOUT, ConfigError, abort_job
 
 DEFAULT_TIMEOUT_S = 300.0           # seconds one collective may wait before the job is aborted
 TIMEOUT_ENV = "ZEROMPI_TIMEOUT_S"   # overrides DEFAULT_TIMEOUT_S (a --timeout-s flag overrides both)
+MIN_INTERVAL_S = 0.001              # the thread never checks more often than this (a tiny timeout must not spin)
+_fired: list = []                   # the message of every watchdog of this process that fired
 
 
 def default_timeout_s(environ=os.environ) -> float:
-    """ZEROMPI_TIMEOUT_S when set (seconds, > 0), else DEFAULT_TIMEOUT_S."""
+    """ZEROMPI_TIMEOUT_S when set (seconds, > 0), else DEFAULT_TIMEOUT_S.
+
+    Read when a job starts (the train CLI's flag parsing, or a Watchdog given no timeout),
+    never at import: a bad value is then one line and exit status 2, and tools that do not
+    wait in collectives (estimate, checkpoint inspect) never read it.
+    """
     text = environ.get(TIMEOUT_ENV)
     if text is None or text.strip() == "":
         return DEFAULT_TIMEOUT_S
@@ -111,13 +118,14 @@ class Watchdog:
 
     ``step()`` names the current step for waits not labelled with one. ``abort(code)``
     ends the job (default: MPI Abort on ``mpi_comm``, or os._exit where that is unsafe).
-    Checks every min(1 s, timeout_s / 10), so it fires within 10% (or 1 s) of the timeout.
+    Checks every min(1 s, timeout_s / 10) (at least MIN_INTERVAL_S apart), so it fires within
+    10% (or 1 s) of the timeout. ``timeout_s`` None: :func:`default_timeout_s`, read now.
     """
 
-    def __init__(self, record: WaitRecord, timeout_s: float, rank: int, mpi_comm=None,
+    def __init__(self, record: WaitRecord, timeout_s: Optional[float], rank: int, mpi_comm=None,
                  step: Callable[[], Optional[int]] = lambda: None, abort: Optional[Callable[[int], None]] = None):
         self.record = record
-        self.timeout_s = float(timeout_s)   # seconds one wait may last
+        self.timeout_s = float(default_timeout_s() if timeout_s is None else timeout_s)   # seconds one wait may last
         self.rank = rank
         self.fired: Optional[str] = None    # the message, once it has fired
         self._step = step
@@ -127,7 +135,7 @@ class Watchdog:
         self._thread.start()
 
     def _run(self) -> None:
-        interval = min(1.0, self.timeout_s / 10)
+        interval = min(1.0, max(MIN_INTERVAL_S, self.timeout_s / 10))
         while not self._stop.wait(interval):
             entry = self.record.current
             if entry is None:
@@ -147,6 +155,7 @@ class Watchdog:
                       f"{describe_wait(op, tag, step)} (timeout {self.timeout_s:g} s: ZeroConfig.timeout_s, --timeout-s or "
                       f"{TIMEOUT_ENV}); another rank did not join it (it died, hangs, or took another path); "
                       f"aborting the job")
+        _fired.append(self.fired)    # before the abort: the main thread may finish the job meanwhile
         sys.stderr.write(self.fired + "\n")
         sys.stderr.flush()
         self._abort(EXIT_TIMEOUT)
@@ -156,6 +165,15 @@ class Watchdog:
         self._stop.set()
         if wait and self._thread is not threading.current_thread():
             self._thread.join()
+
+
+def fired() -> Optional[str]:
+    """The message of the first watchdog of this process that fired, or None.
+
+    A CLI checks it before it exits: the abort takes a moment (abort_job lets the output
+    through first), and a short job can reach its end meanwhile; it must not then exit 0.
+    """
+    return _fired[0] if _fired else None
 
 
 class StopSignal:

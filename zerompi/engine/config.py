@@ -1,15 +1,47 @@
 """ZeroConfig: every knob of the engine, validated once, frozen."""
+import math
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Callable, Optional
 
-from ..comm.watchdog import default_timeout_s
-from ..errors import check
+import numpy as np
+
+from ..errors import ConfigError, check
 from ..optim.impl import OPTIMIZER_IMPLS
 
 STAGES = (0, 1, 2, 3)
 DTYPES = ("fp16", "fp32")
 PROGRESS = ("test", "thread")
 INIT_VALUES = ("check", "broadcast")
+F32_MAX = float(np.finfo(np.float32).max)   # 3.4028235e+38: the optimizer's numbers are float32
+
+# The float fields: what each must be, and whether it enters the optimizer's float32 arithmetic
+# (then its float32 value must be finite and obey the rule too: lr=1e39 is inf there, beta2=1-1e-9 is 1).
+FLOAT_RULES = {
+    "bucket_mb": ("> 0 (MiB per bucket)", lambda v: v > 0, False),
+    "lr": ("> 0", lambda v: v > 0, True),
+    "beta1": ("in [0, 1)", lambda v: 0 <= v < 1, True),
+    "beta2": ("in [0, 1)", lambda v: 0 <= v < 1, True),
+    "eps": ("> 0", lambda v: v > 0, True),
+    "weight_decay": (">= 0", lambda v: v >= 0, True),
+    "clip": (">= 0 (0 = off)", lambda v: v >= 0, True),
+    "init_loss_scale": ("> 0", lambda v: v > 0, True),
+    "min_loss_scale": ("> 0", lambda v: v > 0, True),
+}
+
+
+def check_float(name: str, value, rule: str, ok: Callable[[float], bool], float32: bool) -> None:
+    """ConfigError naming ``name=value`` unless value is a finite real number for which ``ok`` holds,
+    and, with ``float32``, so does its float32 value (at most F32_MAX in magnitude, not rounded to 0 or 1)."""
+    real = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not real or not math.isfinite(value):
+        raise ConfigError(f"{name}={value!r} is not allowed; use a finite number {rule}")
+    check(ok(value), f"{name}={value!r} must be {rule}")
+    if float32:
+        with np.errstate(over="ignore"):
+            stored = float(np.float32(value))
+        check(math.isfinite(stored) and ok(stored),
+              f"{name}={value!r} is {stored!r} in float32, the precision of the optimizer's arithmetic; "
+              f"use a number {rule} that float32 holds (magnitude at most {F32_MAX:.8g})")
 
 
 @dataclass(frozen=True)
@@ -58,7 +90,8 @@ class ZeroConfig:
     unshard, reshard and grads_ready) or "thread" (also a polling thread; needs MPI_THREAD_MULTIPLE)."""
     timeout_s: Optional[float] = None
     """Seconds one collective may wait before the watchdog aborts the job (> 0); only waiting counts,
-    not compute. None = the environment variable ZEROMPI_TIMEOUT_S, else 300 (docs/failures.md)."""
+    not compute. None = the environment variable ZEROMPI_TIMEOUT_S, else 300, read when the engine's
+    watchdog starts (docs/failures.md); the train CLI reads it when the job starts."""
     max_skipped_steps: int = 50
     """fp16: this many consecutive steps skipped for non-finite gradients is an error (>= 1)."""
     lazy_publish: bool = False
@@ -86,18 +119,16 @@ class ZeroConfig:
     def __post_init__(self):
         check(self.stage in STAGES, f"stage={self.stage!r} is not allowed; use one of 0, 1, 2, 3")
         check(self.dtype in DTYPES, f"dtype={self.dtype!r} is not allowed; use fp16 or fp32")
-        check(self.bucket_mb > 0, f"bucket_mb={self.bucket_mb!r} must be > 0 (MiB per bucket)")
-        check(self.lr > 0, f"lr={self.lr!r} must be > 0")
-        check(0 <= self.beta1 < 1, f"beta1={self.beta1!r} must be in [0, 1)")
-        check(0 <= self.beta2 < 1, f"beta2={self.beta2!r} must be in [0, 1)")
-        check(self.eps > 0, f"eps={self.eps!r} must be > 0")
-        check(self.weight_decay >= 0, f"weight_decay={self.weight_decay!r} must be >= 0")
-        check(self.clip >= 0, f"clip={self.clip!r} must be >= 0 (0 = off)")
+        for name, (rule, ok, float32) in FLOAT_RULES.items():
+            check_float(name, getattr(self, name), rule, ok, float32)
+        decay = self.lr * self.weight_decay   # AdamW multiplies every parameter by 1 - lr x weight_decay per step
+        check(decay <= 1, f"weight_decay={self.weight_decay!r} with lr={self.lr!r}: lr x weight_decay = {decay:g} "
+                          "must be <= 1 (each step multiplies every parameter by 1 - lr x weight_decay)")
         check(isinstance(self.micro_batches, int) and self.micro_batches >= 1,
               f"micro_batches={self.micro_batches!r} must be an integer >= 1")
-        check(self.init_loss_scale > 0, f"init_loss_scale={self.init_loss_scale!r} must be > 0")
-        check(self.loss_scale_window >= 1, f"loss_scale_window={self.loss_scale_window!r} must be >= 1")
-        check(0 < self.min_loss_scale <= self.init_loss_scale,
+        check(isinstance(self.loss_scale_window, int) and self.loss_scale_window >= 1,
+              f"loss_scale_window={self.loss_scale_window!r} must be an integer >= 1")
+        check(self.min_loss_scale <= self.init_loss_scale,
               f"min_loss_scale={self.min_loss_scale!r} must be in (0, init_loss_scale]")
         check(self.optimizer_impl in OPTIMIZER_IMPLS, f"optimizer_impl={self.optimizer_impl!r} is not allowed; "
                                                       f"use one of {', '.join(OPTIMIZER_IMPLS)}")
@@ -106,10 +137,9 @@ class ZeroConfig:
         check(isinstance(self.prefetch, int) and not isinstance(self.prefetch, bool) and self.prefetch >= 0,
               f"prefetch={self.prefetch!r} must be an integer >= 0 (buckets gathered ahead; 0 = off)")
         check(self.progress in PROGRESS, f"progress={self.progress!r} is not allowed; use one of {', '.join(PROGRESS)}")
-        if self.timeout_s is None:   # resolved once here, so every reader sees the same number
-            object.__setattr__(self, "timeout_s", default_timeout_s())
-        check(isinstance(self.timeout_s, (int, float)) and 0 < self.timeout_s < float("inf"),
-              f"timeout_s={self.timeout_s!r} must be a number of seconds > 0 (how long one collective may wait)")
+        t = self.timeout_s
+        check(t is None or (isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < float("inf")),
+              f"timeout_s={t!r} must be a finite number of seconds > 0 (how long one collective may wait)")
         check(isinstance(self.max_skipped_steps, int) and self.max_skipped_steps >= 1,
               f"max_skipped_steps={self.max_skipped_steps!r} must be an integer >= 1")
         for name in ("node_size", "shard_size"):

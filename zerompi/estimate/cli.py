@@ -8,12 +8,14 @@ the measured bytes beside it. No arithmetic about memory lives here.
 """
 import argparse
 import json
+import math
 import sys
 from typing import List, Optional
 
+from ..checkpoint.outputs import check_file, save_json
 from ..engine import reducer
 from ..engine.config import ZeroConfig
-from ..errors import ConfigError, check
+from ..errors import EXIT_OUTPUT, ConfigError, check, quiet_exit_on_closed_stdout
 from .stages import BUFFER_ROWS, DEFAULT_PREFETCH, estimate
 
 UNITS = ((1e9, "GB", 2 ** 30, "GiB"), (1e6, "MB", 2 ** 20, "MiB"), (1e3, "kB", 2 ** 10, "KiB"), (1, "B", 1, "B"))
@@ -27,9 +29,23 @@ def parse_count(text: str) -> float:
     """'10e9', '1.3e9', '7B', '350M' -> a number of parameters."""
     scale = {"k": 1e3, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}.get(text[-1:], 1)
     try:
-        return float(text[:-1] if scale != 1 else text) * scale
+        value = float(text[:-1] if scale != 1 else text) * scale
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number; write e.g. 10e9 or 10B")
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number; write e.g. 10e9 or 10B")
+    return value
+
+
+def parse_finite(text: str) -> float:
+    """A float option: a finite number (inf and nan are refused here, with the option's name)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number")
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
 
 
 def format_table(est: dict) -> str:
@@ -101,6 +117,25 @@ def run_estimate(metrics: dict, **overrides) -> dict:
     return estimate(**kwargs)
 
 
+RUN_KEYS = ("params", "world_size", "dtype", "stage", "memory_bytes", "peak_buffer_bytes", "comm_bytes_per_step")
+
+
+def read_run(path: str) -> dict:
+    """A train run's --metrics-json, checked for what --from-run reads (ConfigError naming the file)."""
+    check(path != "", "from_run='' is an empty path; give a train run's --metrics-json file")
+    try:
+        with open(path) as f:
+            metrics = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"from_run={path!r} is not a readable metrics JSON ({e})")
+    what = f"from_run={path!r} is not the --metrics-json of a zerompi.train run"
+    check(isinstance(metrics, dict), f"{what} (it holds a JSON {type(metrics).__name__}, not an object)")
+    missing = [k for k in RUN_KEYS if k not in metrics]
+    check(not missing, f"{what} (it has no {', '.join(missing)})")
+    check(metrics["stage"] in (0, 1, 2, 3), f"{what} (stage={metrics['stage']!r})")
+    return metrics
+
+
 def compare_run(est: dict, metrics: dict) -> dict:
     """Measured bytes of a run beside the estimate for its stage (buffers: at the cap and the best case)."""
     row = est["stages"][metrics["stage"]]
@@ -138,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--params", type=parse_count, help="Ψ, parameters of the model (10e9, 10B, 350M)")
     p.add_argument("--ranks", type=int, help="N, data-parallel ranks")
     p.add_argument("--dtype", default="fp16", help="fp16 or fp32 storage of parameters and gradients")
-    p.add_argument("--bucket-mb", type=float, default=ZeroConfig.bucket_mb, help="bucket size in MiB")
+    p.add_argument("--bucket-mb", type=parse_finite, default=ZeroConfig.bucket_mb, help="bucket size in MiB")
     shape = p.add_mutually_exclusive_group()
     shape.add_argument("--layers", type=int, help="the model has this many layers of equal size")
     shape.add_argument("--largest-layer", type=parse_count, help="parameters of the largest layer")
@@ -149,8 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default: the engine's cap, {reducer.MAX_PENDING_REDUCES}; 0: the best case)")
     p.add_argument("--no-overlap", action="store_true",
                    help="as zerompi.train --no-overlap: every collective waited for as it starts")
-    p.add_argument("--bandwidth-gbps", type=float, default=100.0, help="link bandwidth, gigabits per second")
-    p.add_argument("--latency-us", type=float, default=5.0, help="latency per message, microseconds")
+    p.add_argument("--bandwidth-gbps", type=parse_finite, default=100.0, help="link bandwidth, gigabits per second")
+    p.add_argument("--latency-us", type=parse_finite, default=5.0, help="latency per message, microseconds")
     p.add_argument("--json", metavar="PATH", help="also write the table as JSON")
     p.add_argument("--from-run", metavar="METRICS.json",
                    help="a train run's --metrics-json: estimate its configuration and show measured beside it")
@@ -158,23 +193,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """Exit status: 0; 2 with one line on bad input; 1 (EXIT_OUTPUT) with one line when the table
+    was printed but --json could not be written; 141, quietly, when stdout was closed (``| head``)."""
     try:
-        a = build_parser().parse_args(argv)
+        try:
+            a = build_parser().parse_args(argv)
+        except SystemExit as e:              # --help: the usage is printed
+            sys.stdout.flush()
+            return e.code or 0
+        check_file(a.json, "json")           # before any work: a path that cannot take the file is bad input
         largest = None if a.largest_layer is None else int(a.largest_layer)
         opts = dict(bucket_mb=a.bucket_mb, prefetch=a.prefetch, micro_batches=a.micro_batches,
                     in_flight=a.in_flight, bandwidth_gbps=a.bandwidth_gbps, latency_us=a.latency_us,
                     overlap=not a.no_overlap)
-        if a.from_run:
-            try:
-                with open(a.from_run) as f:
-                    metrics = json.load(f)
-            except (OSError, ValueError) as e:
-                raise ConfigError(f"from_run={a.from_run!r} is not a readable metrics JSON ({e})")
+        if a.from_run is not None:
+            metrics = read_run(a.from_run)
             given = {k: v for k, v in (("params", a.params), ("ranks", a.ranks), ("layers", a.layers),
                                        ("largest_layer", largest)) if v is not None}
-            est = run_estimate(metrics, in_flight=a.in_flight, bandwidth_gbps=a.bandwidth_gbps,
-                               latency_us=a.latency_us, **given)
-            cmp = compare_run(est, metrics)
+            try:
+                est = run_estimate(metrics, in_flight=a.in_flight, bandwidth_gbps=a.bandwidth_gbps,
+                                   latency_us=a.latency_us, **given)
+                cmp = compare_run(est, metrics)
+            except (KeyError, TypeError, IndexError, AttributeError) as e:
+                raise ConfigError(f"from_run={a.from_run!r} is not the --metrics-json of a zerompi.train run "
+                                  f"({type(e).__name__}: {e})")
         else:
             check(a.params is not None and a.ranks is not None, "give --params and --ranks (or --from-run)")
             est = estimate(a.params, a.ranks, a.dtype, layers=a.layers, largest_layer=largest, **opts)
@@ -182,12 +224,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ConfigError as e:
         sys.stderr.write(f"zerompi.estimate: error: {e}\n")
         return 2
-    print(format_table(est))
-    if cmp is not None:
-        print()
-        print(format_compare(cmp, est))
-        est = dict(est, from_run=cmp)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(est, f, indent=1)
+    except BrokenPipeError:
+        return quiet_exit_on_closed_stdout()
+    try:
+        print(format_table(est))
+        if cmp is not None:
+            print()
+            print(format_compare(cmp, est))
+            est = dict(est, from_run=cmp)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return quiet_exit_on_closed_stdout()
+    problem = save_json(a.json, est, "json") if a.json else None
+    if problem:
+        sys.stderr.write(f"zerompi.estimate: error: {problem}\n")
+        return EXIT_OUTPUT
     return 0

@@ -8,7 +8,8 @@ from typing import List, Optional
 
 from ..engine.config import ZeroConfig
 from ..comm.device import DEVICES
-from ..errors import ConfigError, check
+from ..comm.watchdog import default_timeout_s
+from ..errors import ConfigError, HelpRequested, check
 
 # --help's description: the train module's docstring, where the parser used to live.
 DESCRIPTION = "``mpiexec -n N python -m zerompi.train``: train a built-in model with ZeRO stage 0-3."
@@ -17,6 +18,10 @@ COMMS = ("mpi", "nccl")   # how device buffers are reduced and gathered (--comm)
 # Per-model defaults of the fields left as None: the GPT needs more steps than the MLP's 30 to learn.
 MODEL_DEFAULTS = {"gpt": {"steps": 300, "batch": 48, "log_every": 10},
                   "mlp": {"steps": 30, "batch": 64, "log_every": 1}}
+# The fields (and flags) that only one model reads: given with the other model, they are an error.
+MODEL_ONLY = {"gpt": ("n_layer", "n_head", "d_model", "seq_len", "data", "eval_every"), "mlp": ("width", "depth")}
+PATHS = ("data", "metrics_json", "save_dir", "resume")    # path fields: None = not given, never ""
+FLAG_OF_FIELD = {"init_loss_scale": "--loss-scale"}        # ZeroConfig fields whose flag has another name
 
 
 @dataclass(frozen=True)
@@ -79,8 +84,12 @@ class TrainConfig:
         for name, value in MODEL_DEFAULTS[self.model].items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
+        for name in PATHS:
+            check(getattr(self, name) != "", f"{name}='' is an empty path; give a path, or leave --{_flag(name)} out")
         self._check_gpt()
         check(self.steps >= 1, f"steps={self.steps} must be >= 1")
+        check(isinstance(self.seed, int) and self.seed >= 0,
+              f"seed={self.seed!r} must be an integer >= 0 (it seeds NumPy's generators)")
         check(self.batch >= 1, f"batch={self.batch} must be >= 1")
         check(self.width >= 1, f"width={self.width} must be >= 1")
         check(self.depth >= 1, f"depth={self.depth} must be >= 1")
@@ -113,9 +122,16 @@ class TrainConfig:
             Topology(world_size, self.zero.node_size or 1, self.zero.shard_size or world_size)
 
 
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2 (argparse's own prints the whole usage)
         raise ConfigError(message)
+
+    def print_help(self, file=None):  # printed once every rank has reached the start-up agreement
+        raise HelpRequested(self.format_help())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,16 +150,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer-impl", default=ZeroConfig.optimizer_impl,
                    help="AdamW step: fused (one-pass kernels), numpy (reference) or auto")
     p.add_argument("--seed", type=int, default=TrainConfig.seed)
-    p.add_argument("--width", type=int, default=TrainConfig.width)
-    p.add_argument("--depth", type=int, default=TrainConfig.depth)
-    p.add_argument("--n-layer", type=int, default=TrainConfig.n_layer, help="GPT: transformer blocks")
-    p.add_argument("--n-head", type=int, default=TrainConfig.n_head, help="GPT: attention heads")
-    p.add_argument("--d-model", type=int, default=TrainConfig.d_model, help="GPT: embedding width")
-    p.add_argument("--seq-len", type=int, default=TrainConfig.seq_len, help="GPT: tokens per sequence")
+    # The model-specific flags default to None (given or not must be known); TrainConfig has the defaults.
+    p.add_argument("--width", type=int, default=None, help=f"MLP: features per layer (default {TrainConfig.width})")
+    p.add_argument("--depth", type=int, default=None, help=f"MLP: Linear+GELU blocks (default {TrainConfig.depth})")
+    p.add_argument("--n-layer", type=int, default=None, help=f"GPT: transformer blocks (default {TrainConfig.n_layer})")
+    p.add_argument("--n-head", type=int, default=None, help=f"GPT: attention heads (default {TrainConfig.n_head})")
+    p.add_argument("--d-model", type=int, default=None, help=f"GPT: embedding width (default {TrainConfig.d_model})")
+    p.add_argument("--seq-len", type=int, default=None, help=f"GPT: tokens per sequence (default {TrainConfig.seq_len})")
     p.add_argument("--data", default=None, metavar="FILE",
                    help="GPT: train on this file's bytes (default: a generated corpus with a known entropy)")
-    p.add_argument("--eval-every", type=int, default=TrainConfig.eval_every, metavar="K",
-                   help="GPT: held-out loss every K steps (0 = never)")
+    p.add_argument("--eval-every", type=int, default=None, metavar="K",
+                   help=f"GPT: held-out loss every K steps (0 = never; default {TrainConfig.eval_every})")
     p.add_argument("--batch", type=int, default=TrainConfig.batch,
                    help="global batch: MLP rows, GPT sequences (default: gpt 48, mlp 64)")
     p.add_argument("--log-every", type=int, default=TrainConfig.log_every)
@@ -177,18 +194,35 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_config(argv: Optional[List[str]] = None) -> TrainConfig:
-    """CLI flags -> TrainConfig (raises ConfigError on bad input)."""
+def parse_config(argv: Optional[List[str]] = None, environ=None) -> TrainConfig:
+    """CLI flags -> TrainConfig (raises ConfigError on bad input, HelpRequested on --help).
+
+    Reads ZEROMPI_TIMEOUT_S (from ``environ``, default os.environ) when --timeout-s is not given:
+    the job's settings are read when it starts, so a bad value is one line and exit status 2.
+    """
     a = build_parser().parse_args(argv)
-    zero = ZeroConfig(stage=a.stage, dtype=a.dtype, bucket_mb=a.bucket_mb, lr=a.lr, weight_decay=a.weight_decay,
-                      clip=a.clip, micro_batches=a.micro_batches, init_loss_scale=a.loss_scale,
-                      optimizer_impl=a.optimizer_impl,
-                      loss_scale_window=a.loss_scale_window, overlap=not a.no_overlap, prefetch=a.prefetch,
-                      progress=a.progress, timeout_s=a.timeout_s, max_skipped_steps=a.max_skipped_steps,
-                      node_size=a.node_size, shard_size=a.shard_size, hpz=a.hpz,
-                      lazy_publish=True)   # the built-in models read parameters through unshard() every step
-    return TrainConfig(model=a.model, steps=a.steps, batch=a.batch, width=a.width, depth=a.depth,
-                       n_layer=a.n_layer, n_head=a.n_head, d_model=a.d_model, seq_len=a.seq_len, data=a.data,
-                       eval_every=a.eval_every, seed=a.seed,
+    timeout_s = a.timeout_s if a.timeout_s is not None else (
+        default_timeout_s() if environ is None else default_timeout_s(environ))
+    try:
+        zero = ZeroConfig(stage=a.stage, dtype=a.dtype, bucket_mb=a.bucket_mb, lr=a.lr, weight_decay=a.weight_decay,
+                          clip=a.clip, micro_batches=a.micro_batches, init_loss_scale=a.loss_scale,
+                          optimizer_impl=a.optimizer_impl,
+                          loss_scale_window=a.loss_scale_window, overlap=not a.no_overlap, prefetch=a.prefetch,
+                          progress=a.progress, timeout_s=timeout_s, max_skipped_steps=a.max_skipped_steps,
+                          node_size=a.node_size, shard_size=a.shard_size, hpz=a.hpz,
+                          lazy_publish=True)   # the built-in models read parameters through unshard() every step
+    except ConfigError as e:         # ZeroConfig names its fields; say the flag where its name differs
+        flag = next((f for field, f in FLAG_OF_FIELD.items() if str(e).startswith(field + "=")), None)
+        raise ConfigError(f"{flag}: {e}" if flag else str(e)) from None
+    specific = {}                   # model-specific flags given; the other model's are an error
+    for model, names in MODEL_ONLY.items():
+        for name in names:
+            value = getattr(a, name)
+            if value is None:
+                continue
+            check(a.model not in MODELS or a.model == model,
+                  f"{name}={value!r} applies to model {model} only; drop --{_flag(name)} or use --model {model}")
+            specific[name] = value
+    return TrainConfig(model=a.model, steps=a.steps, batch=a.batch, seed=a.seed,
                        log_every=a.log_every, metrics_json=a.metrics_json, save_dir=a.save_dir,
-                       save_every=a.save_every, resume=a.resume, device=a.device, comm=a.comm, zero=zero)
+                       save_every=a.save_every, resume=a.resume, device=a.device, comm=a.comm, zero=zero, **specific)

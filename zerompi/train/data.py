@@ -10,9 +10,11 @@ from typing import Optional
 
 import numpy as np
 
-from ..errors import check
+from ..errors import ConfigError, check
 
 TRAIN, VAL = 1, 2                 # stream ids: training rows and held-out rows never share a seed
+GENERATED_VOCAB = 32              # tokens of the generated corpus
+FILE_VOCAB = 256                  # tokens of a --data file: its bytes
 VAL_SEQUENCES = 256               # rows in the held-out set (fewer if a file's held-out part is short)
 VAL_FRACTION = 0.1                # share of a --data file kept for validation (its tail)
 
@@ -124,7 +126,7 @@ class MarkovCorpus:
 class GeneratedData:
     """Rows drawn fresh from a MarkovCorpus: unlimited training rows, a fixed held-out set."""
 
-    def __init__(self, seq_len: int, seed: int, vocab: int = 32, order: int = 2, concentration: float = 0.2,
+    def __init__(self, seq_len: int, seed: int, vocab: int = GENERATED_VOCAB, order: int = 2, concentration: float = 0.2,
                  backoff: float = 1.0):
         self.seq_len, self.seed = seq_len, seed
         self.corpus = MarkovCorpus(vocab, order, concentration, backoff, seed)
@@ -166,26 +168,43 @@ def _val_bytes(size: int, seq_len: int) -> int:
 class FileData:
     """Byte-level tokens (vocab 256) of any file; the last VAL_FRACTION is held out.
 
-    The file is memory-mapped: a rank reads only the windows of its own rows.
+    A rank reads only the windows of its own rows, with positioned reads (os.pread) of the
+    open file: a file truncated while the run reads it is then a one-line error naming it,
+    where a memory map would die of SIGBUS with no message.
     """
 
     def __init__(self, path: str, seq_len: int, seed: int):
         check_file(path, seq_len)
         self.seq_len, self.seed, self.path = seq_len, seed, path
-        self.tokens = np.memmap(path, dtype=np.uint8, mode="r")
-        n = self.tokens.shape[0]
+        self._file = open(path, "rb")
+        n = os.fstat(self._file.fileno()).st_size
+        self.size = n                         # bytes when the run started
         self.n_val = _val_bytes(n, seq_len)
         self.n_train = n - self.n_val
-        self.vocab = 256
+        self.vocab = FILE_VOCAB
         self.entropy_floor = None            # unknown for a user's file
         self.val_size = min(VAL_SEQUENCES, self.n_val - seq_len)
         self.source = f"{path}: {n:,} bytes, byte-level tokens, last {self.n_val:,} held out"
+
+    def __del__(self):
+        if getattr(self, "_file", None) is not None:
+            self._file.close()
+
+    def _read(self, start: int, length: int) -> np.ndarray:
+        """Bytes start .. start + length - 1 of the file as int64 tokens (ConfigError if they are gone)."""
+        data = os.pread(self._file.fileno(), length, start)
+        if len(data) != length:
+            now = os.fstat(self._file.fileno()).st_size
+            raise ConfigError(f"data={self.path!r} was truncated while the run reads it: it has {now:,} bytes, "
+                              f"{self.size:,} when the run started; restore the file, or train on a copy that "
+                              "nothing writes to")
+        return np.frombuffer(data, np.uint8).astype(np.int64)
 
     def _windows(self, starts) -> np.ndarray:
         w = self.seq_len + 1
         if not len(starts):
             return np.empty((0, w), np.int64)
-        return np.stack([np.asarray(self.tokens[s:s + w], dtype=np.int64) for s in starts])
+        return np.stack([self._read(s, w) for s in starts])
 
     def train_rows(self, step: int, rows) -> np.ndarray:
         """Rows ``rows`` of step's batch: windows at random offsets of the training part."""

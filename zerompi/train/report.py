@@ -117,7 +117,7 @@ def final_metrics(cfg, engine, comm, log, entropy_floor, placement) -> dict:
     names = list(report["measured"])
     # A steady step's traffic: the median over steps (the first can differ: stage 3 gathers the next
     # forward's first buckets at the end of a step); then the maximum over ranks.
-    steady = [int(statistics.median(log.comm_bytes))] + [int(statistics.median(v)) for v in zip(*log.level_bytes)]
+    steady = [int(statistics.median(v)) if v else 0 for v in [log.comm_bytes] + list(zip(*log.level_bytes or [(0, 0)]))]
     top = np.array([report["measured"][k] for k in names] + [report["peak_buffers"]["bytes"]] + steady, np.int64)
     # The buffer form, not mpi4py's pickled allreduce: that one holds the GIL while it waits
     # (measured, mpi4py 4.1), so the watchdog thread could never run and a hang here would be forever.
@@ -126,9 +126,9 @@ def final_metrics(cfg, engine, comm, log, entropy_floor, placement) -> dict:
     mem = {k: int(v) for k, v in zip(names, top)}
     peak, traffic, levels = int(top[len(names)]), int(top[len(names) + 1]), [int(v) for v in top[len(names) + 2:]]
     master = engine.unpadded_master()
-    times = log.times
-    breakdown, hidden = summarize(log.parts, times)
-    tokens = cfg.batch * cfg.seq_len * len(times)       # GPT: the tokens of the steps run, over all ranks
+    times = list(log.times)                            # the last history.HISTORY_STEPS steps
+    breakdown, hidden = summarize(list(log.parts), times)
+    tokens = cfg.batch * cfg.seq_len * log.steps_run    # GPT: the tokens of the steps run, over all ranks
     metrics = {
         "world_size": comm.size,
         "stage": cfg.zero.stage,
@@ -136,7 +136,7 @@ def final_metrics(cfg, engine, comm, log, entropy_floor, placement) -> dict:
         "model": cfg.model,
         "params": engine.layout.params_numel,
         "padded_params": engine.layout.numel,
-        "losses": log.losses,
+        "losses": list(log.losses),
         "final_params_sha256": hashlib.sha256(master.astype("<f4").tobytes()).hexdigest(),
         "memory_bytes": mem,                       # maxima over ranks, as peak_buffer_bytes and comm_bytes_per_step
         "theory_bytes": report["theory"],
@@ -153,14 +153,16 @@ def final_metrics(cfg, engine, comm, log, entropy_floor, placement) -> dict:
         "optimizer_impl": engine.optimizer_impl,
         "loss_scale": engine.loss_scale,
         "config": {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name != "zero"} | {"zero": cfg.zero.to_dict()},
-        "first_step": log.first_step,              # losses[i] is the loss of step first_step + i
+        "first_step": log.first_kept,              # losses[i] is the loss of step first_step + i
+        "steps_run": log.steps_run,                # steps this run made; losses keeps the last history_steps
+        "history_steps": log.cap,
         "time_breakdown_s": breakdown,
         "comm_hidden_fraction": hidden,
         "peak_gathered_buckets": engine.gatherer.peak_gathered_buckets,
-        "step_times_s": times,                     # rank 0's wall seconds of each step, in order
-        "val_losses": log.val_losses,              # [step, mean held-out loss (nats/token)] pairs
+        "step_times_s": times,                     # rank 0's wall seconds of each (kept) step, in order
+        "val_losses": list(log.val_losses),        # [step, mean held-out loss (nats/token)] pairs
         "entropy_floor": entropy_floor,            # nats/token; null for --data and the MLP
-        "tokens_per_s": tokens / sum(times) if cfg.model == "gpt" else None,   # global, rank 0's clock
+        "tokens_per_s": tokens / log.total_time if cfg.model == "gpt" else None,   # global, rank 0's clock
         "device": placement.describe() if placement is not None else "cpu (NumPy)",
     }
     if engine.xp is not np:      # what CuPy's allocator holds (rank 0), printed beside the engine's own accounting
@@ -185,7 +187,7 @@ def print_summary(metrics: dict, engine, comm, base_bytes: Dict[str, int]) -> No
                          f"held; engine model states {report['measured']['total']:,} + buffers at peak "
                          f"{report['peak_buffers']['bytes']:,} bytes (these include the communicator's "
                          f"host-side scratch: pinned staging buffers on the MPI path)")
-    steps = len(metrics["step_times_s"])
+    steps = metrics["steps_run"]
     per_op = {op: (s.bytes - base_bytes.get(op, 0)) / steps
               for op, s in sorted(comm.stats.items()) if op != "sum_scalars"}
     print0(comm.mpi, comm_table(per_op, engine.comm_theory_bytes(), z.stage, metrics["comm_bytes_per_step_by_level"],

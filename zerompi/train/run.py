@@ -4,18 +4,19 @@ This module runs the job: the model and the engine, the step loop (progress, hel
 loss, checkpoints, stopping on a signal) and main()'s error handling. The flags and
 TrainConfig live in config.py, the banner, final metrics and tables in report.py.
 """
-import json
 import sys
 import time
 from contextlib import closing
-from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
-from ..errors import ConfigError, JobError, agree_on_errors, install_abort_hook
+from ..errors import (EXIT_OUTPUT, EXIT_TIMEOUT, ConfigError, HelpRequested, JobError, OutputError, agree_on_errors,
+                      agree_on_start, install_abort_hook)
 from ..engine.faults import fault_from_env
 from .config import TrainConfig, parse_config
+from .history import StepLog
+from ..comm import watchdog
 from ..comm.watchdog import StopSignal, Watchdog
 
 def build_model(cfg: TrainConfig, xp=np):
@@ -38,20 +39,6 @@ def step_losses(model: str) -> Callable[..., List[float]]:
     else:
         from .models.mlp import train_losses
     return train_losses
-
-
-@dataclass
-class StepLog:
-    """What the step loop records: one entry per step run, in order."""
-
-    first_step: int                              # the first step run (> 0 when resumed)
-    base_bytes: Dict[str, int]                   # comm.stats bytes per op not sent by the steps (initial gather, eval)
-    losses: List[float] = field(default_factory=list)       # the step's loss, mean over ranks
-    times: List[float] = field(default_factory=list)        # this rank's wall seconds of the step
-    comm_bytes: List[int] = field(default_factory=list)     # bytes this rank sent in the step (sum_scalars aside)
-    level_bytes: List[list] = field(default_factory=list)   # the same as [inside its node, across nodes]
-    parts: List[dict] = field(default_factory=list)         # the engine's timers of the step (engine/timers.py)
-    val_losses: List[list] = field(default_factory=list)    # [step, held-out loss] pairs (GPT)
 
 
 def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
@@ -82,12 +69,15 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
     log = _run_steps(cfg, engine, comm, model, data, floor, start, stop)
     metrics = report.final_metrics(cfg, engine, comm, log, floor, placement)   # before engine.close(): still watched
     report.print_summary(metrics, engine, comm, log.base_bytes)
-    if cfg.metrics_json and comm.rank == 0:
-        with open(cfg.metrics_json, "w") as f:
-            json.dump(metrics, f, indent=1)
+    problem = None
+    if cfg.metrics_json and comm.rank == 0:      # atomically: a full disk leaves the old file, not an empty one
+        from ..checkpoint.outputs import save_json
+        problem = save_json(cfg.metrics_json, metrics, "metrics_json")
     engine.close()
     if dev_comm is not comm:
         getattr(dev_comm, "close", lambda: None)()   # NCCL's communicator is destroyed here
+    if problem:                                  # rank 0 only, after the last collective
+        raise OutputError(problem)
     return metrics
 
 
@@ -109,12 +99,9 @@ def _run_steps(cfg: TrainConfig, engine, comm, model, data, floor: Optional[floa
         total = comm.sum_scalars([sum(local) / len(local), stop.flag if stop else 0.0])   # + the stop flag
         loss = float(total[0] / comm.size)
         stopping = total[1] > 0                 # SIGTERM/SIGINT on some rank: every rank stops after this step
-        log.times.append(time.perf_counter() - t0)
-        log.parts.append(engine.timers.take())
-        log.comm_bytes.append(sent() - b0)
         l1 = comm.level_bytes()
-        log.level_bytes.append([l1["intra"] - l0["intra"], l1["inter"] - l0["inter"]])
-        log.losses.append(loss)
+        log.record(loss, time.perf_counter() - t0, sent() - b0, engine.timers.take(),   # bounded (history.py)
+                   (l1["intra"] - l0["intra"], l1["inter"] - l0["inter"]))
         extra, evaluated = "", False            # GPT: held-out loss, floor, throughput
         if gpt:
             if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1 or stopping):
@@ -202,19 +189,24 @@ def main(argv: Optional[List[str]] = None) -> int:
     install_abort_hook(MPI.COMM_WORLD)
     comm = MPI.COMM_WORLD
     _one_blas_thread()
+    from . import preflight
     error = None
     try:
-        cfg = parse_config(argv)
+        cfg = parse_config(argv)          # reads ZEROMPI_TIMEOUT_S too: now, not at import
         cfg.check_world(comm.Get_size())
-        fault_from_env()                  # a bad ZEROMPI_FAULT stops every rank here
-    except ConfigError as e:
-        error = str(e)
-    if agree_on_errors(comm, error, "zerompi.train"):
-        return 2
+        preflight.check_fault(fault_from_env(), comm.Get_size(), cfg)   # a bad ZEROMPI_FAULT stops every rank here
+        preflight.check_outputs(cfg, comm.Get_rank())                    # before the first step, not after the last
+    except (ConfigError, HelpRequested) as e:
+        error = e if isinstance(e, HelpRequested) else str(e)
+    status = agree_on_start(comm, error, "zerompi.train")   # timed; --help on every rank prints it once
+    if status is not None:
+        return status
     from ..comm.device import place_every_rank
     placement = place_every_rank(cfg.device, comm, "zerompi.train")   # gpu: needs CuPy and a GPU
     if placement is None:
         return 2
+    if agree_on_errors(comm, preflight.memory_error(cfg, comm.Get_size(), placement), "zerompi.train"):
+        return 2                          # a job that cannot fit stops before it allocates
     from ..checkpoint.collective import CheckpointError
     try:
         train(cfg, stop=StopSignal(), placement=placement)
@@ -223,5 +215,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             sys.stderr.write(f"zerompi.train: error: {e}\n")
             sys.stderr.flush()
         return 2 if isinstance(e, ConfigError) else 1
-    return 0
-
+    except OutputError as e:                   # rank 0 only: the run is done, its metrics file is not
+        sys.stderr.write(f"zerompi.train: error: {e}\n")
+        sys.stderr.flush()
+        return EXIT_OUTPUT
+    return EXIT_TIMEOUT if watchdog.fired() else 0   # a watchdog that fired ends the job non-zero, even if it finished

@@ -1,0 +1,132 @@
+"""Output files the tools write: checked before the work starts, written atomically.
+
+One concern: the files a run leaves besides its checkpoints (``--metrics-json``, ``bench
+--json``, ``estimate --json``, ``checkpoint consolidate``'s OUT, and the folder
+``--save-dir``). Nothing here touches MPI.
+
+- :func:`check_file` / :func:`check_folder`, before the work: one ConfigError line unless the
+  path can take the output. A file must be a new name or a regular file (never a folder, a
+  device such as /dev/full, a FIFO) in an existing folder where this process can create a
+  file (tried: a temporary file is created and removed, which also catches read-only file
+  systems and root-squashed mounts that permission bits do not show).
+- :func:`write_atomic`: a temporary file beside the target, fsynced, renamed over it; on any
+  failure (a full disk) the temporary file is removed and what was at the path stays.
+- :func:`save_json`: write_atomic of a JSON text; when that fails, a copy in the system's
+  temporary folder, and one line that says which.
+"""
+import json
+import os
+import stat
+import tempfile
+from typing import BinaryIO, Callable, Optional
+
+from ..errors import ConfigError, check
+
+KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+         (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
+
+
+def check_file(path: Optional[str], what: str) -> None:
+    """ConfigError (naming ``what=path``) unless ``path`` can be written as an output file; None passes."""
+    if path is None:
+        return
+    check(path != "", f"{what}='' is an empty path; give a file path")
+    target = os.path.realpath(path)
+    try:
+        mode = os.stat(target).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        mode = None
+    except OSError as e:
+        raise ConfigError(f"{what}={path!r} cannot be used: {e.strerror}")
+    if mode is not None and not stat.S_ISREG(mode):
+        kind = next((name for test, name in KINDS if test(mode)), "not a regular file")
+        raise ConfigError(f"{what}={path!r} is {kind}; give a new file name or a regular file to replace")
+    _check_creatable(os.path.dirname(target), what, path)
+
+
+def check_folder(path: Optional[str], what: str) -> None:
+    """ConfigError unless ``path`` is a folder this process can create files in, or can be made
+    one (its nearest existing ancestor is such a folder); None passes. Creates nothing."""
+    if path is None:
+        return
+    check(path != "", f"{what}='' is an empty path; give a folder")
+    target = os.path.realpath(path)
+    probe = target
+    while not os.path.lexists(probe):
+        probe = os.path.dirname(probe)
+    if os.path.exists(probe) and not os.path.isdir(probe):
+        where = "is a file" if probe == target else f"cannot be made: {probe!r} is a file"
+        raise ConfigError(f"{what}={path!r} {where}, not a folder; give a folder (it is made if missing)")
+    _check_creatable(probe, what, path)
+
+
+def _check_creatable(folder: str, what: str, path: str) -> None:
+    """ConfigError unless a file can be created in the existing folder ``folder``."""
+    if not os.path.isdir(folder):
+        why = "does not exist" if not os.path.lexists(folder) else "is a file, not a folder"
+        raise ConfigError(f"{what}={path!r}: the folder {folder!r} {why}; create it first or give another path")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".zerompi-probe-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"{what}={path!r}: cannot create files in {folder!r} ({e.strerror})")
+
+
+def write_atomic(path: str, write: Callable[[BinaryIO], None]) -> None:
+    """Write a file through ``write(f)``: into a temporary file beside ``path``, fsynced, then
+    renamed over it (a symbolic link's target is what is replaced). Raises OSError; the
+    temporary file is then removed and whatever was at ``path`` is untouched."""
+    target = os.path.realpath(path)
+    if os.path.exists(target) and not os.path.isfile(target):
+        raise IsADirectoryError(21, "not a regular file", path)    # changed since it was checked
+    mode = _mode_for(target)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=os.path.dirname(target))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _mode_for(target: str) -> int:
+    """The replaced file's permission bits, else what open() would give a new file (0666 less the umask)."""
+    try:
+        return stat.S_IMODE(os.stat(target).st_mode)
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
+def save_json(path: str, obj, what: str) -> Optional[str]:
+    """Write ``obj`` as indented JSON to ``path`` (atomically): None, or the one line that says why it
+    could not be and where a copy went instead (the system's temporary folder), if anywhere."""
+    data = json.dumps(obj, indent=1).encode()
+    try:
+        write_atomic(path, lambda f: f.write(data))
+        return None
+    except OSError as e:
+        reason = e.strerror or str(e)
+    folder = tempfile.gettempdir()
+    try:
+        fd, kept = tempfile.mkstemp(prefix="zerompi-", suffix=f"-{os.path.basename(path) or 'out'}", dir=folder)
+    except OSError as e:
+        return f"cannot write {what}={path!r} ({reason}), nor a copy in {folder} ({e.strerror}): it is lost"
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        os.unlink(kept)
+        return f"cannot write {what}={path!r} ({reason}), nor a copy in {folder} ({e.strerror}): it is lost"
+    return f"cannot write {what}={path!r} ({reason}); a copy is in {kept}"

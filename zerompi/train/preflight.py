@@ -1,0 +1,85 @@
+"""What the train CLI checks when the job starts, before the first step: that its outputs can be
+written, that an injected fault names a rank and a step of this job, and that the job fits in
+memory. Each returns or raises one line (ConfigError); main() makes the ranks agree on them.
+"""
+from typing import List, Optional
+
+from ..checkpoint.outputs import check_file, check_folder
+from ..errors import ConfigError, check
+from .config import TrainConfig
+from .data import FILE_VOCAB, GENERATED_VOCAB
+
+
+def check_outputs(cfg: TrainConfig, rank: int) -> None:
+    """--metrics-json on rank 0 (which writes it); --save-dir on every rank (each writes its shard)."""
+    if rank == 0:
+        check_file(cfg.metrics_json, "metrics_json")
+    check_folder(cfg.save_dir, "save_dir")
+
+
+def check_fault(fault, world_size: int, cfg: TrainConfig) -> None:
+    """ConfigError unless ``fault`` (engine.faults.Fault, or None) can fire in this job: its rank
+    exists, its step is run, and its point (save, metrics) comes after that step."""
+    if fault is None:
+        return
+    text = f"ZEROMPI_FAULT='{fault}'"
+    check(fault.rank < world_size, f"{text} names rank {fault.rank}; this job has ranks 0-{world_size - 1}")
+    check(fault.step <= cfg.steps, f"{text} names step {fault.step}; this job runs steps 1-{cfg.steps} (--steps)")
+    if fault.point == "metrics":
+        check(fault.step == cfg.steps, f"{text}: the final metrics follow the last step, {cfg.steps}; "
+                                       f"use step{cfg.steps}:metrics")
+    if fault.point == "save":
+        saves = cfg.save_dir and (fault.step == cfg.steps or (cfg.save_every and fault.step % cfg.save_every == 0))
+        check(bool(saves), f"{text}: no checkpoint is saved after step {fault.step} (saves follow the last step "
+                           "and every --save-every steps, with --save-dir)")
+
+
+def layer_sizes(cfg: TrainConfig) -> List[int]:
+    """Parameters of each engine layer of the built-in model, without building it."""
+    if cfg.model == "mlp":
+        return [cfg.width * cfg.width + cfg.width] * cfg.depth
+    c, vocab = cfg.d_model, FILE_VOCAB if cfg.data else GENERATED_VOCAB
+    return [vocab * c + cfg.seq_len * c] + [12 * c * c + 13 * c] * cfg.n_layer + [2 * c]
+
+
+def memory_needed(cfg: TrainConfig, world_size: int) -> dict:
+    """Bytes one rank holds at once at least, by part: the model states and engine buffers (zerompi.estimate,
+    best case), and the model's initial fp32 parameters (alive while the engine copies them) with the MLP's
+    teacher (float64, built first and kept), or for the GPT the larger of the initial parameters and the
+    attention probabilities one micro-batch keeps for the backward."""
+    from ..estimate.stages import estimate
+    sizes = layer_sizes(cfg)
+    psi, z = sum(sizes), cfg.zero
+    shape = dict(layers=cfg.depth) if cfg.model == "mlp" else dict(largest_layer=max(sizes))
+    est = estimate(params=psi, ranks=world_size, dtype=z.dtype, bucket_mb=z.bucket_mb, prefetch=z.prefetch,
+                   micro_batches=z.micro_batches, overlap=z.overlap, align=z.align, **shape)
+    parts = {"model states and buffers": est["stages"][z.stage]["total_bytes_best_case"]}
+    init = 4 * psi
+    if cfg.model == "mlp":        # the teacher is built before the engine and kept: both are alive at the start
+        parts.update({"initial fp32 parameters": init, "teacher network (float64)": 8 * psi})
+        return parts
+    rows = max(1, cfg.batch // (world_size * z.micro_batches))
+    attention = 4 * cfg.n_layer * rows * cfg.n_head * cfg.seq_len ** 2
+    # The initial parameters are freed before the first step: the larger of the two counts.
+    parts.update({"attention probabilities": attention} if attention > init else {"initial fp32 parameters": init})
+    return parts
+
+
+def memory_error(cfg: TrainConfig, world_size: int, placement) -> Optional[str]:
+    """One line when the job cannot fit in this rank's share of the machine (before anything is
+    allocated), else None. A lower bound is compared, so a job refused here cannot run."""
+    from ..estimate.machine import available_per_rank, human_bytes
+    have = available_per_rank(placement)
+    try:
+        parts = memory_needed(cfg, world_size)
+    except ConfigError as e:       # the estimate refused the layout: say so, as the ranks agree on it
+        return str(e)
+    if placement is not None and placement.kind == "gpu":     # the device holds these; the host the rest
+        parts = {k: v for k, v in parts.items() if k in ("model states and buffers", "attention probabilities")}
+    need = sum(parts.values())
+    if have is None or need <= have[0]:
+        return None
+    detail = ", ".join(f"{k} {human_bytes(v)}" for k, v in parts.items())
+    return (f"the job needs at least {human_bytes(need)} per rank ({detail}; stage {cfg.zero.stage}, "
+            f"{world_size} ranks, by zerompi.estimate) and this rank has {human_bytes(have[0])} ({have[1]}); "
+            "use a smaller model, more ranks or a higher --stage")
