@@ -17,26 +17,7 @@
 #define ZMP_VEC 8            // elements per vector step: 16 B of fp16, 2 x 16 B of fp32
 #define ZMP_THREADS 256      // threads per block of every kernel here (a power of two)
 
-typedef unsigned short zmp_half;
-
-__device__ __forceinline__ float zmp_h2f(zmp_half h)
-{
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
-
-__device__ __forceinline__ zmp_half zmp_f2h(float f)
-{
-    zmp_half h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));   // round to nearest even
-    return h;
-}
-
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(zmp_half x) { return zmp_h2f(x); }
-__device__ __forceinline__ void store_as(float *p, float x) { *p = x; }
-__device__ __forceinline__ void store_as(zmp_half *p, float x) { *p = zmp_f2h(x); }
+#include "cuda_half.h"
 
 // Eight consecutive elements starting at element 8 * c, through 16-byte accesses.
 __device__ __forceinline__ void load8(const float *p, long long c, float r[ZMP_VEC])

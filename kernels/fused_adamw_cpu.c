@@ -4,7 +4,8 @@
  *                            AdamW with bias correction (adamw_math.h), write master, m, v
  *                            and the parameter copy in the storage dtype
  *   zmp_grad_stats_{f16,f32} the pre-pass: sum of squares in float64 + non-finite flag
- *   zmp_sum_rows_{f16,f32}   the reduce-scatter's local sum (comm.sum_rows_reference)
+ *   zmp_sum_rows_{f16,f32}   the reduce-scatter's local sum (optim/reference.sum_rows_reference)
+ *   zmp_quantize_*, zmp_dequant_sum_*   block quantization (quantize_cpu.h, included below)
  *
  * Build with -O3 -ffp-contract=off (never -ffast-math): the compiler vectorizes the
  * float32 loops, and without contraction or reassociation every element is rounded as
@@ -17,7 +18,7 @@
 
 #include "adamw_math.h"
 
-#define ZMP_ABI_VERSION 2
+#define ZMP_ABI_VERSION 3
 #define ZMP_BLOCK 512       /* elements per block: the float32 scratch stays in L1 */
 #define ZMP_LANES 32        /* independent float64 partial sums of the pre-pass */
 
@@ -341,3 +342,5 @@ const char *zmp_fp16_path(void) { return ZMP_FP16_PATH; }
 void zmp_halves_to_floats(float *dst, const uint16_t *src, int64_t n) { halves_to_floats(dst, src, n); }
 
 void zmp_floats_to_halves(uint16_t *dst, const float *src, int64_t n) { floats_to_halves(dst, src, n); }
+
+#include "quantize_cpu.h"

@@ -92,3 +92,37 @@ def test_staged_collectives_on_gpu_equal_the_host_ones(n):
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     cases = [r for r in lines if "case" in r]
     assert cases and not [r for r in cases if r["bits_differ"] or r["wrong"]], proc.stdout
+
+
+# ---- block quantization (kernels/quantize.cu) -------------------------------------------------
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("block", [8, 256, 1024])
+def test_quantize_gpu_equals_the_reference_bits(cp, dtype, bits, block):
+    from .test_quantize import LENGTHS as QLENGTHS, data
+    rng = np.random.default_rng(bits + block)
+    for n in QLENGTHS:
+        for special in (False, True):
+            x = data(n, dtype, rng, special)
+            qr, sr = reference.quantize_reference(x, bits, block)
+            qg, sg = cuda.quantize_fused_gpu(cp.asarray(x), bits, block)
+            qg, sg = cp.asnumpy(qg), cp.asnumpy(sg)
+            assert np.array_equal(qr, qg), (n, special)
+            nan = np.isnan(sr)
+            assert np.array_equal(nan, np.isnan(sg)) and np.array_equal(sr[~nan], sg[~nan]), (n, special)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_dequant_sum_gpu_equals_the_reference_bits(cp, dtype, bits):
+    from .test_quantize import LENGTHS as QLENGTHS, data
+    rng = np.random.default_rng(bits)
+    for n in QLENGTHS:
+        rows = [reference.quantize_reference(data(n, dtype, rng), bits, 64) for _ in range(3)]
+        for scale, acc in ((1.0, False), (0.25, True)):
+            want = np.full(n, 0.5, dtype)
+            got = cp.asarray(want)
+            reference.dequant_sum_reference([q for q, _ in rows], [s for _, s in rows], n, bits, 64, want, scale, acc)
+            cuda.dequant_sum_fused_gpu([cp.asarray(q) for q, _ in rows], [cp.asarray(s) for _, s in rows], n, bits, 64,
+                                       got, scale, acc)
+            assert np.array_equal(want.view(np.uint8), cp.asnumpy(got).view(np.uint8)), (n, scale, acc)

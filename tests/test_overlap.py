@@ -150,12 +150,12 @@ class FakeComm(Communicator):
         self.latency = latency   # tests until a non-blocking collective completes
         self.started = []        # "reduce_scatter" / "all_gather", in start order
 
-    def ireduce_scatter(self, send, out, scale=1.0, accumulate=False, tag=None):
+    def ireduce_scatter(self, send, out, scale=1.0, accumulate=False, tag=None, quant=None):
         self.started.append("reduce_scatter")
         rows = send.reshape(1, -1).copy()
         return FakeHandle("reduce_scatter", lambda: sum_rows_reference(rows, out, scale, accumulate), self.latency)
 
-    def iall_gather(self, buf, tag=None):
+    def iall_gather(self, buf, tag=None, logical_block=None):
         self.started.append("all_gather")
         return FakeHandle("all_gather", None, self.latency)
 

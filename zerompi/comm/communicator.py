@@ -25,9 +25,10 @@ from ..optim import impl
 from .watchdog import WaitRecord
 
 F32 = np.float32
-DTYPES = (np.dtype(np.float16), np.dtype(np.float32))   # what the collectives move and sum
+DTYPES = (np.dtype(np.float16), np.dtype(np.float32))   # what the collectives sum
+MOVED = DTYPES + (np.dtype(np.uint8),)                  # what the all-gather moves (uint8: quantized wire blocks)
 MAX_BLOCK = 2 ** 31 - 1    # elements in one slice: the block datatype's count is a C int
-_WORD = {2: "UINT16_T", 4: "UINT32_T", 8: "UINT64_T"}   # MPI moves bits: an integer type of the same size
+_WORD = {1: "BYTE", 2: "UINT16_T", 4: "UINT32_T", 8: "UINT64_T"}   # MPI moves bits: an integer type of the same size
 
 
 def block_layout(size: int, rank: int, k: int):
@@ -43,12 +44,12 @@ def block_layout(size: int, rank: int, k: int):
     return counts, list(range(size)), counts, [r - (r > rank) for r in range(size)]
 
 
-def check_flat(what: str, arr, size: int) -> None:
-    """UsageError unless ``arr`` is a C-contiguous float16/float32 array whose length splits into ``size`` slices."""
+def check_flat(what: str, arr, size: int, dtypes=DTYPES) -> None:
+    """UsageError unless ``arr`` is a C-contiguous array of ``dtypes`` whose length splits into ``size`` slices."""
     dt = getattr(arr, "dtype", None)
-    if dt not in DTYPES:
+    if dt not in dtypes:
         raise UsageError(f"{what}: an array of {dt if dt is not None else type(arr).__name__} is not allowed; "
-                         "use a float16 or float32 array")
+                         f"use a {' or '.join(d.name for d in dtypes)} array")
     if not arr.flags.c_contiguous:
         raise UsageError(f"{what}: the array is not contiguous; pass a contiguous array (np.ascontiguousarray)")
     if arr.size == 0 or arr.size % size:
@@ -89,24 +90,27 @@ class RecvRows:
 class OpStats:
     """Per-operation counters of one rank: calls, bytes sent (split by where the peer is), seconds."""
 
-    __slots__ = ("calls", "bytes", "intra", "inter", "seconds")
+    __slots__ = ("calls", "bytes", "intra", "inter", "logical", "seconds")
 
     def __init__(self):
         self.calls = 0      # operations started
         self.bytes = 0      # bytes this rank sent on the wire (intra + inter)
         self.intra = 0      # of them, to peers on this rank's node
         self.inter = 0      # of them, to peers on other nodes
+        self.logical = 0    # what they would have been unquantized (= bytes when nothing is quantized)
         self.seconds = 0.0  # wall seconds spent in blocking calls and in wait()
 
-    def sent(self, block: int, peers) -> None:
-        """Count ``block`` bytes to each of ``peers`` = (peers on this node, peers on other nodes)."""
+    def sent(self, block: int, peers, logical: int = None) -> None:
+        """Count ``block`` bytes to each of ``peers`` = (peers on this node, peers on other nodes);
+        ``logical``: the block's unquantized size (default ``block``)."""
         self.intra += block * peers[0]
         self.inter += block * peers[1]
         self.bytes += block * (peers[0] + peers[1])
+        self.logical += (block if logical is None else logical) * (peers[0] + peers[1])
 
     def as_dict(self) -> dict:
         return {"calls": self.calls, "bytes": self.bytes, "intra": self.intra, "inter": self.inter,
-                "seconds": self.seconds}
+                "logical": self.logical, "seconds": self.seconds}
 
 
 def _bytes_view(arr) -> np.ndarray:
@@ -176,6 +180,7 @@ class Communicator:
         self.waiting = share.waiting if share is not None else WaitRecord()   # what this rank is blocked in
         self._layouts: Dict[int, tuple] = {}   # slice elements -> block_layout (a bucket's shape repeats every step)
         self._types: Dict[tuple, object] = {}  # (slice elements, itemsize) -> committed block datatype
+        self._wire_pool: Dict[int, list] = {}  # bytes -> quantized send buffers (qgZ), kept for reuse
 
     # ---- scratch buffers -------------------------------------------------
     def _recv_rows(self, k: int, dtype) -> RecvRows:
@@ -197,6 +202,7 @@ class Communicator:
     def free_scratch(self) -> None:
         """Drop pooled receive buffers and cached datatypes (the engine calls this when it is closed)."""
         self._pool.clear()
+        self._wire_pool.clear()
         self.scratch_bytes = 0
         self.free_types()
 
@@ -219,14 +225,18 @@ class Communicator:
         self._types.clear()
 
     # ---- reduce-scatter --------------------------------------------------
-    def ireduce_scatter(self, send, out, scale: float = 1.0, accumulate: bool = False, tag=None) -> Handle:
+    def ireduce_scatter(self, send, out, scale: float = 1.0, accumulate: bool = False, tag=None,
+                        quant=None) -> Handle:
         """Start: ``out = [out +] scale * sum_r send_r[my slice]``, summed in fp32 in rank order.
 
         ``send``: flat array of ``size * k`` elements (this rank's contribution to every slice),
         not to be written until ``wait()`` (the sum reads the own slice where it lies).
         ``out``: ``k`` elements, same dtype; written only in ``wait()``; may be the own slice
-        of ``send`` (an in-place all-reduce).
+        of ``send`` (an in-place all-reduce). ``quant``: a comm.quantized.Quantization: the
+        slices travel quantized and are dequantized into the sum (qgZ).
         """
+        if quant is not None:
+            return self._ireduce_scatter_quantized(send, out, scale, accumulate, tag, quant)
         n, me = self.size, self.rank
         check_flat("reduce_scatter send", send, n)
         k = send.size // n
@@ -256,27 +266,64 @@ class Communicator:
 
         return Handle(self, "reduce_scatter", req, (recv, send, out), finish, tag)
 
-    def reduce_scatter(self, send, out, scale: float = 1.0, accumulate: bool = False) -> None:
+    def reduce_scatter(self, send, out, scale: float = 1.0, accumulate: bool = False, quant=None) -> None:
         """Blocking form of :meth:`ireduce_scatter`."""
-        self.ireduce_scatter(send, out, scale, accumulate).wait()
+        self.ireduce_scatter(send, out, scale, accumulate, quant=quant).wait()
+
+    def _ireduce_scatter_quantized(self, send, out, scale, accumulate, tag, quant) -> Handle:
+        """qgZ: every slice quantized into a wire block, an all-to-all of the blocks, then the
+        N rows dequantized and summed in fp32 in rank order (the own row quantized too, so that
+        every rank's contribution is treated alike)."""
+        n, me = self.size, self.rank
+        check_flat("reduce_scatter send", send, n)
+        k = send.size // n
+        if getattr(out, "dtype", None) != send.dtype or out.size != k:
+            raise UsageError(f"reduce_scatter out: {getattr(out, 'size', '?')} elements of "
+                             f"{getattr(out, 'dtype', type(out).__name__)}; use {k} elements (one slice) of {send.dtype}")
+        wb = quant.wire_bytes(k)
+        flat = send.reshape(-1)
+        wire = self._recv_rows(wb, np.uint8)       # the peers' wire blocks (pooled)
+        spare = self._wire_pool.get(n * wb)
+        blocks = spare.pop() if spare else np.empty(n * wb, np.uint8)   # this rank's: one per slice
+        for r in range(n):
+            quant.pack(flat[r * k:(r + 1) * k], blocks[r * wb:(r + 1) * wb])
+        blk, (sc, sd, rc, rd) = self._block(wb, 1)
+        st = self.stats["reduce_scatter"]
+        st.calls += 1
+        st.sent(wb, self.peers, logical=k * send.itemsize)
+        t = time.perf_counter()
+        req = self.mpi.Ialltoallv([blocks, (sc, sd), blk], [wire.wire, (rc, rd), blk])
+        st.seconds += time.perf_counter() - t
+        rows = [wire.rows[r] if r != me else blocks[me * wb:(me + 1) * wb] for r in range(n)]
+
+        def finish():
+            parts = [quant.rows(row, k) for row in rows]
+            impl.dequant_sum([v for v, _ in parts], [s for _, s in parts], k, quant.bits, quant.block, out, scale,
+                             accumulate)
+            self._wire_pool.setdefault(blocks.size, []).append(blocks)
+
+        return Handle(self, "reduce_scatter", req, (wire, blocks, send, out), finish, tag)
 
     # ---- all-gather --------------------------------------------------------
-    def iall_gather(self, buf, tag=None) -> Handle:
-        """Start: every rank's slice r of ``buf`` is copied into slice r of ``buf`` on all ranks, in place."""
+    def iall_gather(self, buf, tag=None, logical_block: int = None) -> Handle:
+        """Start: every rank's slice r of ``buf`` is copied into slice r of ``buf`` on all ranks, in place.
+
+        ``buf`` may be uint8 (quantized wire blocks, comm/quantized.py); ``logical_block``: then
+        the bytes of one slice unquantized, for the counters."""
         n = self.size
-        check_flat("all_gather buf", buf, n)
+        check_flat("all_gather buf", buf, n, MOVED)
         blk, _ = self._block(buf.size // n, buf.itemsize)
         st = self.stats["all_gather"]
         st.calls += 1
-        st.sent(buf.nbytes // n, self.peers)
+        st.sent(buf.nbytes // n, self.peers, logical_block)
         t = time.perf_counter()
         req = self.mpi.Iallgather(MPI.IN_PLACE, [MPI.buffer(buf.reshape(-1)), 1, blk])
         st.seconds += time.perf_counter() - t
         return Handle(self, "all_gather", req, (), None, tag)
 
-    def all_gather(self, buf, tag=None) -> None:
+    def all_gather(self, buf, tag=None, logical_block: int = None) -> None:
         """Blocking form of :meth:`iall_gather`."""
-        self.iall_gather(buf, tag).wait()
+        self.iall_gather(buf, tag, logical_block).wait()
 
     # ---- all-reduce --------------------------------------------------------
     def all_reduce(self, buf, scale: float = 1.0) -> None:
@@ -310,6 +357,10 @@ class Communicator:
 
     def total_bytes(self) -> int:
         return sum(s.bytes for s in self.stats.values())
+
+    def logical_bytes(self, exclude=("sum_scalars",)) -> int:
+        """What the bytes sent so far would have been unquantized."""
+        return sum(s.logical for op, s in self.stats.items() if op not in exclude)
 
     def level_bytes(self, exclude=("sum_scalars",)) -> Dict[str, int]:
         """{"intra": bytes, "inter": bytes} sent so far, over every operation but ``exclude``."""

@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 from ..errors import UsageError
-from .communicator import Communicator, check_flat
+from .communicator import MOVED, Communicator, check_flat
 
 
 class TwoLevelHandle:
@@ -145,32 +145,37 @@ class HierarchicalCommunicator:
             c.free_scratch()
 
     # ---- reduce-scatter ----------------------------------------------------------
-    def ireduce_scatter(self, send, out, scale: float = 1.0, accumulate: bool = False, tag=None) -> TwoLevelHandle:
-        """``out = [out +] scale * sum over the group of send[this rank's slice]``, in two levels."""
+    def ireduce_scatter(self, send, out, scale: float = 1.0, accumulate: bool = False, tag=None,
+                        quant=None) -> TwoLevelHandle:
+        """``out = [out +] scale * sum over the group of send[this rank's slice]``, in two levels
+        (``quant``: each level quantizes what it sends: the node's partial sum is re-quantized)."""
         check_flat("reduce_scatter send", send, self.size)
         k = send.size // self.size
         if getattr(out, "dtype", None) != send.dtype or out.size != k:
             raise UsageError(f"reduce_scatter out: {getattr(out, 'size', '?')} elements of "
                              f"{getattr(out, 'dtype', type(out).__name__)}; use {k} elements (one slice) of {send.dtype}")
         partial = self._take(self.m * k, send.dtype)
-        first = self.intra.ireduce_scatter(send, partial, scale, False, tag)
-        then = lambda: self.inter_second.ireduce_scatter(partial, out, 1.0, accumulate, tag)
+        first = self.intra.ireduce_scatter(send, partial, scale, False, tag, quant)
+        then = lambda: self.inter_second.ireduce_scatter(partial, out, 1.0, accumulate, tag, quant)
         return TwoLevelHandle("reduce_scatter", tag, first, then, self._rs, lambda: self._give(partial))
 
-    def reduce_scatter(self, send, out, scale: float = 1.0, accumulate: bool = False) -> None:
-        self.ireduce_scatter(send, out, scale, accumulate).wait()
+    def reduce_scatter(self, send, out, scale: float = 1.0, accumulate: bool = False, quant=None) -> None:
+        self.ireduce_scatter(send, out, scale, accumulate, quant=quant).wait()
 
     # ---- all-gather -----------------------------------------------------------------
-    def iall_gather(self, buf, tag=None) -> TwoLevelHandle:
-        """In place: every rank's slice of ``buf`` on every rank of the group (across nodes, then inside)."""
-        check_flat("all_gather buf", buf, self.size)
+    def iall_gather(self, buf, tag=None, logical_block: int = None) -> TwoLevelHandle:
+        """In place: every rank's slice of ``buf`` on every rank of the group (across nodes, then
+        inside). ``logical_block``: a slice's unquantized bytes, when ``buf`` holds wire blocks."""
+        check_flat("all_gather buf", buf, self.size, MOVED)
         span = buf.size // self.k           # one super-slice
         mine = buf.reshape(-1)[self.intra.rank * span:(self.intra.rank + 1) * span]
-        first = self.inter.iall_gather(mine, tag)
-        return TwoLevelHandle("all_gather", tag, first, lambda: self.intra_second.iall_gather(buf, tag), self._ag)
+        first = self.inter.iall_gather(mine, tag, logical_block)
+        logical_span = None if logical_block is None else logical_block * self.m
+        return TwoLevelHandle("all_gather", tag, first,
+                              lambda: self.intra_second.iall_gather(buf, tag, logical_span), self._ag)
 
-    def all_gather(self, buf, tag=None) -> None:
-        self.iall_gather(buf, tag).wait()
+    def all_gather(self, buf, tag=None, logical_block: int = None) -> None:
+        self.iall_gather(buf, tag, logical_block).wait()
 
     def iall_gather_intra(self, buf, tag=None) -> TwoLevelHandle:
         """In place, inside the node only: ``buf`` already holds this rank's super-slice (hpZ).

@@ -140,12 +140,14 @@ class StagedCommunicator:
         self.staged["seconds"] += time.perf_counter() - t
 
     # ---- the Communicator's interface --------------------------------------------
-    def ireduce_scatter(self, send, out, scale: float = 1.0, accumulate: bool = False, tag=None) -> StagedHandle:
-        """Communicator.ireduce_scatter on device arrays (same arithmetic, same bits)."""
+    def ireduce_scatter(self, send, out, scale: float = 1.0, accumulate: bool = False, tag=None,
+                        quant=None) -> StagedHandle:
+        """Communicator.ireduce_scatter on device arrays (same arithmetic, same bits; ``quant``:
+        quantized on the host, after the copy down)."""
         h_send = self._take(send.size, send.dtype)
         h_out = self._take(out.size, out.dtype)
         self._down([(send.reshape(-1), h_send)] + ([(out.reshape(-1), h_out)] if accumulate else []))
-        inner = self.host.ireduce_scatter(h_send, h_out, scale, accumulate, tag)
+        inner = self.host.ireduce_scatter(h_send, h_out, scale, accumulate, tag, quant)
 
         def finish():
             self._up(h_out, out.reshape(-1))
@@ -153,17 +155,17 @@ class StagedCommunicator:
 
         return StagedHandle(inner, finish)
 
-    def reduce_scatter(self, send, out, scale: float = 1.0, accumulate: bool = False) -> None:
-        self.ireduce_scatter(send, out, scale, accumulate).wait()
+    def reduce_scatter(self, send, out, scale: float = 1.0, accumulate: bool = False, quant=None) -> None:
+        self.ireduce_scatter(send, out, scale, accumulate, quant=quant).wait()
 
-    def iall_gather(self, buf, tag=None) -> StagedHandle:
+    def iall_gather(self, buf, tag=None, logical_block: int = None) -> StagedHandle:
         """Communicator.iall_gather on a device array: only the own slice goes down, all of it comes up."""
         flat = buf.reshape(-1)
         k = flat.size // self.size
         mine = slice(self.slot * k, (self.slot + 1) * k)
         h_buf = self._take(flat.size, flat.dtype)
         self._down([(flat[mine], h_buf[mine])])
-        inner = self.host.iall_gather(h_buf, tag)
+        inner = self.host.iall_gather(h_buf, tag, logical_block)
 
         def finish():
             self._up(h_buf, flat)
@@ -171,8 +173,8 @@ class StagedCommunicator:
 
         return StagedHandle(inner, finish)
 
-    def all_gather(self, buf, tag=None) -> None:
-        self.iall_gather(buf, tag).wait()
+    def all_gather(self, buf, tag=None, logical_block: int = None) -> None:
+        self.iall_gather(buf, tag, logical_block).wait()
 
     def super_slice(self, n: int):
         return self.host.super_slice(n)

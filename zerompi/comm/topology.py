@@ -133,10 +133,14 @@ def topology_of(comm, node_size: Optional[int], shard_size: Optional[int]) -> To
     return Topology(n, k, shard_size or n)
 
 
-def arrange(comm, topo: Topology) -> Communicators:
+def arrange(comm, topo: Topology, quantized: bool = False) -> Communicators:
     """The communicators of ``topo`` over ``comm``: ``comm`` itself when there is one node and
     one shard group; else split from its host Communicator and, for device buffers, staged
-    again through the same transfers (collectives: every rank calls it)."""
+    again through the same transfers (collectives: every rank calls it). ``quantized``: the
+    engine will quantize what travels (comm/quantized.py), which NCCL's path does not offer."""
+    if quantized and getattr(comm, "host", None) is not None and getattr(comm, "rewrap", None) is None:
+        raise ConfigError(f"quantized communication is not available over {getattr(comm, 'path', type(comm).__name__)}; "
+                          "use --comm mpi")
     if topo.nodes == 1 and topo.replicas == 1:
         return Communicators(comm, None, comm)
     rewrap = getattr(comm, "rewrap", None)

@@ -109,6 +109,14 @@ class ZeroConfig:
     hpz: bool = False
     """Stage 3, ZeRO++'s hpZ: keep a node-local secondary copy (1/node_size of the parameters per rank)
     after each gather across nodes, and gather from it inside the node until the next step."""
+    quantize_weights: Optional[str] = None
+    """ZeRO++ qwZ: None, or "int8": the parameter all-gathers (stage 3's, and stages 1/2's publish)
+    send int8 blocks with a float32 scale each; the master stays exact (comm/quantized.py)."""
+    quantize_grads: Optional[str] = None
+    """ZeRO++ qgZ: None, "int8" or "int4": the gradient reduce-scatters send quantized blocks, summed
+    in fp32 after dequantization (across nodes: each level re-quantizes its partial sum)."""
+    quant_block: int = 256
+    """Elements per quantization block (one float32 scale each): a power of two >= 8."""
     init_values: str = "check"
     """The initial parameter values: "check" (every rank must pass the same; a difference stops every
     rank, naming the parameter and the ranks) or "broadcast" (rank 0's values are used on every rank)."""
@@ -153,6 +161,15 @@ class ZeroConfig:
         check(isinstance(self.hpz, bool), f"hpz={self.hpz!r} must be True or False")
         check(not self.hpz or self.stage == 3, f"hpz=True needs stage 3 (stage={self.stage}): it keeps a "
                                                "node-local copy of the parameters stage 3 shards")
+        check(self.quantize_weights in (None, "int8"), f"quantize_weights={self.quantize_weights!r} is not "
+              "allowed; use None or 'int8' (int4 weights are not offered: too coarse for parameters)")
+        check(self.quantize_grads in (None, "int8", "int4"), f"quantize_grads={self.quantize_grads!r} is not "
+                                                             "allowed; use None, 'int8' or 'int4'")
+        check(isinstance(self.quant_block, int) and not isinstance(self.quant_block, bool) and self.quant_block >= 8
+              and self.quant_block & (self.quant_block - 1) == 0,
+              f"quant_block={self.quant_block!r} is not allowed; use a power of two >= 8 (elements per scale)")
+        check(self.quantize_weights is None or self.stage > 0, f"quantize_weights={self.quantize_weights!r} needs "
+              f"stage 1, 2 or 3 (stage={self.stage} all-gathers no parameters)")
         check(isinstance(self.lazy_publish, bool), f"lazy_publish={self.lazy_publish!r} must be True or False")
         check(self.init_values in INIT_VALUES, f"init_values={self.init_values!r} is not allowed; "
                                                f"use one of {', '.join(INIT_VALUES)}")

@@ -14,6 +14,7 @@ from typing import Dict, List
 
 import numpy as np
 
+from ..comm.quantized import QuantizedGather, quantization
 from ..errors import UsageError
 from .contract import GatherLog
 from .schedule import Phase, prefetch_window, visits_after
@@ -50,6 +51,8 @@ class ParameterGatherer:
         if st == 3 and config.hpz and comm.hierarchical:
             self.secondary = [ledger.alloc("secondary", b.numel // comm.k, dtype) for b in layout.buckets]
         self.fresh = [False] * len(layout.buckets)
+        self.wire_quant = q = quantization(config.quantize_weights, config.quant_block)
+        self.wire = QuantizedGather(comm, q) if q is not None else comm   # qwZ: what the gathers send
         self._keep = set()             # buckets whose gather in flight refreshes their secondary
         nb = len(layout.buckets)
         self.state = [BucketState.UNSHARDED if st < 3 else BucketState.SHARDED] * nb
@@ -147,7 +150,7 @@ class ParameterGatherer:
         """All-gather bucket b in place: stage 3 into a fresh bucket buffer, stages 1/2 in the
         stored parameters (their publish after the step)."""
         bucket = self.layout.buckets[b]
-        gather = self.comm.iall_gather
+        gather = self.wire.iall_gather
         if self.config.stage == 3:
             buf = self.pool.take(bucket.numel)
             if self.secondary is not None and self.fresh[b]:     # hpZ: inside the node, from the copies

@@ -19,6 +19,7 @@ from typing import Dict, List, Mapping
 
 import numpy as np
 
+from ..comm.quantized import quantization
 from ..errors import UsageError
 from ..optim import impl
 
@@ -41,6 +42,7 @@ class GradientReducer:
         self.inflight, self.pool, self.guard = inflight, pool, guard
         st = config.stage
         self.slot, self.world_size = comm.slot, ranks
+        self.quant = quantization(config.quantize_grads, config.quant_block)   # qgZ, or None
         # The gradient model state: stages 0/1 the whole local gradient, stages 2/3 the shard.
         self.grads = ledger.alloc("grads", layout.numel if st < 2 else layout.shard_numel, dtype)
         # Stages 0/1 with several micro-batches: the local gradient buffer is rewritten by
@@ -160,7 +162,8 @@ class GradientReducer:
         # without a cap a slow network would let stages 2/3 hold the whole local gradient.
         while len(self.handles) >= MAX_PENDING_REDUCES:
             self.finish(next(iter(self.handles)))
-        self.handles[b] = self.inflight.launch(lambda: self.comm.ireduce_scatter(send, out, scale, not first, tag),
+        self.handles[b] = self.inflight.launch(lambda: self.comm.ireduce_scatter(send, out, scale, not first, tag,
+                                                                                 self.quant),
                                                lambda: self.finish(b))
         if not self.config.overlap:
             self.finish(b)

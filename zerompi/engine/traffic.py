@@ -17,36 +17,57 @@ node and (M - 1) * B / S across nodes. Per step:
 
 The single-node, single-group case is the classic ZeRO table: 2 passes of (N - 1) / N Psi
 for stages 0-2 (one reduce-scatter per micro-batch), 3 per micro-batch for stage 3.
+
+Quantized (comm/quantized.py), a block travels as its wire size (the int8/int4 values,
+padded to 4 bytes, and a float32 scale per quantization block): qgZ for the reduce-scatters
+(the node level quantizes super-slices, the level across nodes slices), qwZ for the
+parameter gathers; the all-reduce across groups, stage 0's gradient all-gather and hpZ's
+gathers inside the node travel unquantized.
 """
-from typing import Dict, Sequence
+from typing import Dict, Optional, Sequence
 
 
 def step_bytes(stage: int, buckets: Sequence[int], itemsize: int, ranks: int, node_size: int, shard_size: int,
-               micro_batches: int = 1, ahead: int = 0, hpz: bool = False) -> Dict[str, int]:
+               micro_batches: int = 1, ahead: int = 0, hpz: bool = False, weights=None, grads=None) -> Dict[str, int]:
     """{"intra": bytes, "inter": bytes} one rank sends per step. ``buckets``: every bucket's padded
-    length in elements, in layout order; ``ahead``: stage 3's prefetch depth (0 with overlap off)."""
+    length in elements, in layout order; ``ahead``: stage 3's prefetch depth (0 with overlap off).
+    ``weights`` / ``grads``: the comm.quantized.Quantization of the parameter gathers (qwZ) and
+    the gradient reduce-scatters (qgZ), or None; with them the bytes are those on the wire
+    (values + scales), and the same call without them gives the logical bytes."""
     k = min(node_size, shard_size)
     m = shard_size // k
     r = ranks // shard_size
     intra = inter = 0
 
-    def two_level(b: int, times: int = 1) -> None:
+    def size(q: Optional[object], n: int) -> int:        # bytes one block of n elements travels as
+        return n * itemsize if q is None else q.wire_bytes(n)
+
+    def reduce_scatter(b: int, times: int) -> None:     # node level: super-slices; across: slices
         nonlocal intra, inter
-        intra += times * (k - 1) * b // k
-        inter += times * (m - 1) * b // shard_size
+        s = b // shard_size
+        intra += times * (k - 1) * size(grads, m * s)
+        inter += times * (m - 1) * size(grads, s)
+
+    def gather(b: int, times: int, q) -> None:          # across: slices; node level: m of them
+        nonlocal intra, inter
+        s = b // shard_size
+        inter += times * (m - 1) * size(q, s)
+        intra += times * (k - 1) * m * size(q, s)
 
     for b in buckets:
-        two_level(b, micro_batches)                            # the gradient reduce-scatters
-        inter += 2 * (r - 1) * (b // shard_size) // r          # the all-reduce across shard groups
-        if stage < 3:
-            two_level(b)                                       # gradient (0) or parameter (1, 2) all-gather
+        reduce_scatter(b, micro_batches)                        # the gradient reduce-scatters
+        inter += 2 * (r - 1) * (b // shard_size) // r * itemsize   # the all-reduce across shard groups
+        if stage == 0:
+            gather(b, 1, None)                                   # the gradient all-gather
+        elif stage < 3:
+            gather(b, 1, weights)                                # the parameter publish
     if stage == 3:
         nb, t = len(buckets), min(1 + ahead, len(buckets))
         for i, b in enumerate(buckets):
             gathers = 2 * micro_batches - micro_batches * (i >= nb - t) - (micro_batches - 1) * (i < t)
             if hpz and m > 1:
-                two_level(b)                                   # the first forward after the step
-                intra += (gathers - 1) * (k - 1) * b // k      # the others from the node-local copies
+                gather(b, 1, weights)                            # the first forward after the step
+                intra += (gathers - 1) * (k - 1) * (b // k) * itemsize   # the others from the node-local copies
             else:
-                two_level(b, gathers)
-    return {"intra": itemsize * intra, "inter": itemsize * inter}
+                gather(b, gathers, weights)
+    return {"intra": intra, "inter": inter}

@@ -96,7 +96,7 @@ class ZeroEngine:
                                  self.config.align * topo.replicas)
         self._start_guards()
         pairs = contract.agree_initial_values(self.comm, pairs, self.config.init_values)
-        comms = arrange(self.comm, topo)
+        comms = arrange(self.comm, topo, bool(self.config.quantize_weights or self.config.quantize_grads))
         self.group, self.replica = comms.group, comms.replica   # gradients and parameters; across groups
         self.slot = self.group.slot
         self.ledger = MemoryLedger(xp)
@@ -294,7 +294,7 @@ class ZeroEngine:
             self.gatherer.param_slice(bucket.index)[...] = master[bucket.shard_slice]
         if all_gather and st in (1, 2):
             for bucket in self.layout.buckets:
-                self.group.all_gather(params[bucket.start:bucket.stop])
+                self.gatherer.wire.all_gather(params[bucket.start:bucket.stop])   # quantized with qwZ
 
     # ---- checkpoints (zerompi/checkpoint/, docs/checkpoint.md) ---------------
     def save(self, path: str, extra_state: Optional[dict] = None) -> str:
@@ -352,12 +352,13 @@ class ZeroEngine:
         """Bytes per step one rank should send for the gradient and parameter collectives (padded layout)."""
         return sum(self.comm_theory_bytes_by_level().values())
 
-    def comm_theory_bytes_by_level(self) -> Dict[str, int]:
-        """The same, as {"intra": bytes inside this rank's node, "inter": bytes across nodes} (engine/traffic.py)."""
+    def comm_theory_bytes_by_level(self, logical: bool = False) -> Dict[str, int]:
+        """{"intra": bytes inside the node, "inter": across} (engine/traffic.py; ``logical``: unquantized)."""
         c, t = self.config, self.topology
+        q = {} if logical else {"weights": self.gatherer.wire_quant, "grads": self.reducer.quant}
         return traffic.step_bytes(c.stage, [b.numel for b in self.layout.buckets], np.dtype(self.dtype).itemsize,
                                   t.size, t.node_size, t.shard_size, c.micro_batches, c.prefetch if c.overlap else 0,
-                                  self.gatherer.secondary is not None)
+                                  self.gatherer.secondary is not None, **q)
 
     def close(self) -> None:
         """Free every buffer. The engine cannot be used afterwards (a collective: every rank calls it)."""
@@ -388,9 +389,8 @@ class ZeroEngine:
             raise
 
     def _comms(self):   # the distinct communicators used: the world's, the group's, across groups
-        return list({id(c): c for c in (self.comm, self.group, self.replica) if c is not None}.values())
+        return list({id(c): c for c in (self.comm, self.group, self.replica) if c}.values())
 
-    # ---- checks -----------------------------------------------------------------
     def _check_open(self) -> None:
         if self.closed:
             raise UsageError("this engine was closed; create a new one")

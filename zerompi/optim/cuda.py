@@ -1,11 +1,13 @@
-"""The CUDA fused AdamW and gradient pre-pass (kernels/fused_adamw.cu), through CuPy.
+"""The CUDA kernels through CuPy: the fused AdamW and gradient pre-pass (kernels/fused_adamw.cu)
+and block quantization (kernels/quantize.cu).
 
-CuPy is imported on first use only, so this module imports on machines without it. The
+CuPy is imported on first use only, so this module imports on machines without it. Each
 source is compiled once per process by NVRTC (``cupy.RawModule``; CuPy also keeps the
 binary in its own disk cache) with ``--fmad=false``: no multiply-add contraction, so the
-GPU rounds every operation as reference.adamw_reference does. adamw_math.h is pasted into the
-source text rather than included, so CuPy's cache key (the text) changes with it.
+GPU rounds every operation as the NumPy references do. The local headers are pasted into
+the source text rather than included, so CuPy's cache key (the text) changes with them.
 """
+import re
 from functools import lru_cache
 from typing import Tuple
 
@@ -15,25 +17,35 @@ from . import reference
 from .sources import read_source
 
 SOURCE = "fused_adamw.cu"
-HEADER = "adamw_math.h"
+QUANT_SOURCE = "quantize.cu"
 OPTIONS = ("--std=c++14", "--fmad=false")
 THREADS = 256          # ZMP_THREADS in the source: block_sum assumes it
 VEC = 8                # ZMP_VEC: elements per vector step
 MAX_PREPASS_BLOCKS = 1024
 
 
-def full_source() -> str:
-    """The .cu text with adamw_math.h pasted in place of its #include."""
-    include = f'#include "{HEADER}"'
-    source = read_source(SOURCE)
-    assert include in source, f"{SOURCE} no longer includes {HEADER}"
-    return source.replace(include, read_source(HEADER), 1)
+_INCLUDE = re.compile(r'^#include "([\w.]+)"$', re.M)
+
+
+def full_source(name: str = SOURCE) -> str:
+    """The .cu text with its local headers (``#include "x.h"``) pasted in, each once."""
+    seen = set()
+
+    def paste(text: str) -> str:
+        def one(m):
+            header = m.group(1)
+            if header in seen:
+                return ""
+            seen.add(header)
+            return paste(read_source(header))
+        return _INCLUDE.sub(one, text)
+    return paste(read_source(name))
 
 
 @lru_cache(maxsize=None)
-def _module():
+def _module(name: str = SOURCE):
     import cupy
-    return cupy.RawModule(code=full_source(), options=OPTIONS)
+    return cupy.RawModule(code=full_source(name), options=OPTIONS)
 
 
 @lru_cache(maxsize=None)
@@ -102,3 +114,36 @@ def grad_stats_fused_gpu(grad) -> Tuple[float, bool]:
     mod.get_function("zmp_sum_partials")((1,), (THREADS,), (partials, np.int32(blocks), out))
     sumsq, bad = out.get()
     return float(sumsq), bool(bad)
+
+
+# ---- block quantization ---------------------------------------------------------------------
+def quantize_fused_gpu(x, bits: int, block: int):
+    """reference.quantize_reference on CuPy arrays: (q, scales) as CuPy arrays, the same bits."""
+    import cupy
+    io = np.dtype(x.dtype)
+    if io not in (np.float16, np.float32) or not x.flags.c_contiguous:
+        q, scales = reference.quantize_reference(cupy.asnumpy(x), bits, block)
+        return cupy.asarray(q), cupy.asarray(scales)
+    n = x.size
+    nb = -(-n // block)
+    q = cupy.empty(reference.quantized_bytes(n, bits), np.uint8)
+    scales = cupy.empty(nb, np.float32)
+    if n:
+        kernel = _module(QUANT_SOURCE).get_function("zmp_quantize_f16" if io == np.float16 else "zmp_quantize_f32")
+        kernel((nb,), (THREADS,), (x, np.int64(n), np.int32(bits), np.int64(block), q, scales))
+    return q, scales
+
+
+def dequant_sum_fused_gpu(q_rows, scale_rows, n: int, bits: int, block: int, out, scale: float,
+                          accumulate: bool) -> None:
+    """reference.dequant_sum_reference on CuPy arrays (the same bits), one kernel launch."""
+    import cupy
+    io = np.dtype(out.dtype)
+    if n == 0:
+        return
+    qp = cupy.asarray(np.array([q.data.ptr for q in q_rows], np.uint64))
+    sp = cupy.asarray(np.array([s.data.ptr for s in scale_rows], np.uint64))
+    blocks = max(1, min(_grid_limit(), -(-n // THREADS)))
+    kernel = _module(QUANT_SOURCE).get_function("zmp_dequant_sum_f16" if io == np.float16 else "zmp_dequant_sum_f32")
+    kernel((blocks,), (THREADS,), (qp, sp, np.int32(len(q_rows)), np.int64(n), np.int32(bits), np.int64(block), out,
+                                   np.float32(scale), np.int32(scale != 1.0), np.int32(bool(accumulate))))

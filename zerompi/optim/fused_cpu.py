@@ -28,8 +28,8 @@ from . import reference
 from .sources import kernels_dir
 
 SOURCE = "fused_adamw_cpu.c"
-HEADERS = ("adamw_math.h",)
-ABI_VERSION = 2                      # must match ZMP_ABI_VERSION in the C source
+HEADERS = ("adamw_math.h", "quant_math.h", "quantize_cpu.h")
+ABI_VERSION = 3                      # must match ZMP_ABI_VERSION in the C source
 BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-std=gnu11", "-fPIC", "-shared")
 NATIVE_FLAGS = ("-march=native",)    # tried first; dropped if the compiler rejects it
 F16, F32 = np.dtype(np.float16), np.dtype(np.float32)
@@ -143,6 +143,12 @@ def load(path: Path) -> ctypes.CDLL:
     for name in ("zmp_sum_rows_f16", "zmp_sum_rows_f32"):
         getattr(lib, name).argtypes = [p, i64, i64, p, f32, i32, i32]
         getattr(lib, name).restype = None
+    for name in ("zmp_quantize_f16", "zmp_quantize_f32"):
+        getattr(lib, name).argtypes = [p, i64, i32, i64, p, p]
+        getattr(lib, name).restype = None
+    for name in ("zmp_dequant_sum_f16", "zmp_dequant_sum_f32"):
+        getattr(lib, name).argtypes = [p, p, i64, i64, i32, i64, p, f32, i32, i32]
+        getattr(lib, name).restype = None
     for name in ("zmp_halves_to_floats", "zmp_floats_to_halves"):
         getattr(lib, name).argtypes = [p, p, i64]
         getattr(lib, name).restype = None
@@ -235,3 +241,32 @@ def sum_rows_fused_cpu(rows, out, scale: float, accumulate: bool, addrs=None, li
         return reference.sum_rows_reference(rows, out, scale, accumulate)
     fn = lib.zmp_sum_rows_f16 if dt == F16 else lib.zmp_sum_rows_f32
     fn(addrs, len(rows), out.size, _ptr(out), float(np.float32(scale)), int(scale != 1.0), int(bool(accumulate)))
+
+
+def quantize_fused_cpu(x, bits: int, block: int, lib=None):
+    """reference.quantize_reference in C: the same (q, scales), bit for bit."""
+    lib = lib or library()
+    dt = getattr(x, "dtype", None)
+    if dt not in (F16, F32) or not _flat_ok(x, dt):
+        return reference.quantize_reference(x, bits, block)
+    n = x.size
+    q = np.empty(reference.quantized_bytes(n, bits), np.uint8)
+    scales = np.empty(-(-n // block), F32)
+    fn = lib.zmp_quantize_f16 if dt == F16 else lib.zmp_quantize_f32
+    fn(_ptr(x), n, bits, block, _ptr(q), _ptr(scales))
+    return q, scales
+
+
+def dequant_sum_fused_cpu(q_rows, scale_rows, n: int, bits: int, block: int, out, scale: float,
+                          accumulate: bool, lib=None) -> None:
+    """reference.dequant_sum_reference in C (the same bits); anything else goes to the reference."""
+    lib = lib or library()
+    dt = out.dtype
+    ok = (dt in (F16, F32) and _flat_ok(out, dt) and out.size == n and len(q_rows) == len(scale_rows) > 0
+          and all(_flat_ok(q, np.dtype(np.uint8)) for q in q_rows) and all(_flat_ok(s, F32) for s in scale_rows))
+    if not ok:
+        return reference.dequant_sum_reference(q_rows, scale_rows, n, bits, block, out, scale, accumulate)
+    qs = (ctypes.c_void_p * len(q_rows))(*[_ptr(q) for q in q_rows])
+    ss = (ctypes.c_void_p * len(scale_rows))(*[_ptr(s) for s in scale_rows])
+    fn = lib.zmp_dequant_sum_f16 if dt == F16 else lib.zmp_dequant_sum_f32
+    fn(qs, ss, len(q_rows), n, bits, block, _ptr(out), float(np.float32(scale)), int(scale != 1.0), int(bool(accumulate)))

@@ -13,6 +13,8 @@ OPTIMIZER_IMPLS = ("auto", "fused", "numpy")
 adamw_update = reference.adamw_reference
 grad_stats = reference.grad_stats_reference
 sum_rows = reference.sum_rows_reference
+quantize = reference.quantize_reference
+dequant_sum = reference.dequant_sum_reference
 
 
 def use_impl(name: str, xp=None, verbose: bool = True) -> str:
@@ -23,7 +25,7 @@ def use_impl(name: str, xp=None, verbose: bool = True) -> str:
     reference and, when ``verbose``, a one-line note on stderr saying why).
     Process-wide. Returns what was chosen: "fused" or "numpy".
     """
-    global adamw_update, grad_stats, sum_rows
+    global adamw_update, grad_stats, sum_rows, quantize, dequant_sum
     from ..errors import ConfigError
     if name not in OPTIMIZER_IMPLS:
         raise ConfigError(f"optimizer_impl={name!r} is not allowed; use one of {', '.join(OPTIMIZER_IMPLS)}")
@@ -50,4 +52,39 @@ def use_impl(name: str, xp=None, verbose: bool = True) -> str:
             print(f"zerompi: fused optimizer kernels unavailable ({reason}); using the NumPy reference",
                   file=sys.stderr, flush=True)
     adamw_update, grad_stats, sum_rows = chosen
+    # Quantization runs where the collectives run, on the host (comm/quantized.py): the C kernels.
+    host = name != "numpy" and chosen[2] is not reference.sum_rows_reference
+    if host:
+        from . import fused_cpu
+    quantize = fused_cpu.quantize_fused_cpu if host else reference.quantize_reference
+    dequant_sum = fused_cpu.dequant_sum_fused_cpu if host else reference.dequant_sum_reference
     return "numpy" if chosen[0] is reference.adamw_reference else "fused"
+
+
+def _on_gpu(arr) -> bool:
+    return type(arr).__module__.split(".")[0] == "cupy"
+
+
+def array_module(arr):
+    """numpy, or cupy for a CuPy array."""
+    if _on_gpu(arr):
+        import cupy
+        return cupy
+    import numpy
+    return numpy
+
+
+def quantize_any(x, bits: int, block: int):
+    """``quantize`` for a host array, the CUDA kernel for a CuPy one (the same bits either way)."""
+    if _on_gpu(x):
+        from . import cuda
+        return cuda.quantize_fused_gpu(x, bits, block)
+    return quantize(x, bits, block)
+
+
+def dequant_sum_any(q_rows, scale_rows, n: int, bits: int, block: int, out, scale: float, accumulate: bool) -> None:
+    """``dequant_sum`` into a host array, the CUDA kernel into a CuPy one (the same bits either way)."""
+    if _on_gpu(out):
+        from . import cuda
+        return cuda.dequant_sum_fused_gpu(q_rows, scale_rows, n, bits, block, out, scale, accumulate)
+    return dequant_sum(q_rows, scale_rows, n, bits, block, out, scale, accumulate)

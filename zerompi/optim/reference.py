@@ -1,5 +1,5 @@
 """The NumPy references: AdamW on a flat shard (and the scalars of one step), the gradient
-pre-pass, and the reduce-scatter's local sum.
+pre-pass, the reduce-scatter's local sum, and block quantization (kernels/quant_math.h).
 
 The reference does, element by element and in float32, exactly the operations the
 fused kernels do (kernels/adamw_math.h), in the same order, so the fused kernels match
@@ -75,6 +75,71 @@ def sum_rows_reference(rows, out, scale: float, accumulate: bool, addrs=None) ->
         acc = rows[0].astype(F32)
         for r in range(1, len(rows)):
             np.add(acc, rows[r], out=acc)
+        if scale != 1.0:
+            np.multiply(acc, F32(scale), out=acc)
+        if accumulate:
+            np.add(acc, out, out=acc)
+        out[...] = acc
+
+
+# ---- block quantization (kernels/quant_math.h: the same float32 operations) -------------------
+QMAX = {8: F32(127.0), 4: F32(7.0)}
+
+
+def quantized_bytes(n: int, bits: int) -> int:
+    """Bytes of the quantized values of n elements (int4: two per byte)."""
+    return n if bits == 8 else (n + 1) // 2
+
+
+def quantize_reference(x, bits: int, block: int):
+    """(q, scales): ``x`` (float16/float32, 1-D) in blocks of ``block`` elements, symmetric, one
+    float32 scale per block (max |x| / qmax), values rounded half to even; int8 one per byte,
+    int4 two per byte (element 2j in the low nibble). A block whose scale is 0, inf or NaN is
+    stored as zeros (its scale says which)."""
+    xf = np.asarray(x).astype(F32).reshape(-1)
+    n = xf.size
+    nb = -(-n // block)
+    pad = np.zeros(nb * block, F32)
+    pad[:n] = xf
+    blocks = pad.reshape(nb, block)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        amax = np.max(np.abs(blocks), axis=1)                 # NaN propagates, as in the kernels
+        scales = (amax / QMAX[bits]).astype(F32)
+        zero = ~((scales > 0) & np.isfinite(scales))
+        q = np.rint(blocks / np.where(zero, F32(1), scales)[:, None])
+    q = np.clip(q, -QMAX[bits], QMAX[bits])
+    q[zero] = 0
+    q = q.reshape(-1)[:n].astype(np.int8)
+    if bits == 8:
+        return q.view(np.uint8), scales
+    nib = (q.astype(np.int16) & 0xF).astype(np.uint8)
+    if n % 2:
+        nib = np.append(nib, np.uint8(0))
+    return (nib[0::2] | (nib[1::2] << 4)).astype(np.uint8), scales
+
+
+def dequantize_reference(q, scales, n: int, bits: int, block: int) -> np.ndarray:
+    """The float32 values of n quantized elements."""
+    if bits == 8:
+        v = q[:n].view(np.int8).astype(F32)
+    else:
+        lo = (q & 0xF).astype(np.int16)
+        hi = (q >> 4).astype(np.int16)
+        v = np.empty(2 * q.size, np.int16)
+        v[0::2], v[1::2] = lo, hi
+        v = np.where(v >= 8, v - 16, v)[:n].astype(F32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        return v * np.repeat(scales, block)[:n]
+
+
+def dequant_sum_reference(q_rows, scale_rows, n: int, bits: int, block: int, out, scale: float,
+                          accumulate: bool) -> None:
+    """``out = cast([out +] scale * sum_r dequantized(row r))``, float32 in row order (sum_rows over
+    quantized rows)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        acc = dequantize_reference(q_rows[0], scale_rows[0], n, bits, block)
+        for r in range(1, len(q_rows)):
+            np.add(acc, dequantize_reference(q_rows[r], scale_rows[r], n, bits, block), out=acc)
         if scale != 1.0:
             np.multiply(acc, F32(scale), out=acc)
         if accumulate:

@@ -188,6 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-size", type=int, default=None, metavar="K",
                    help="shard the model states over groups of K ranks (whole nodes), replicated across "
                         "the groups (MiCS / hybrid sharding; default: all ranks)")
+    p.add_argument("--quantize-weights", default=None, metavar="int8",
+                   help="stages 1-3: all-gather the parameters as int8 blocks with a scale each (ZeRO++ qwZ)")
+    p.add_argument("--quantize-grads", default=None, metavar="int8|int4",
+                   help="reduce-scatter the gradients as int8 or int4 blocks (ZeRO++ qgZ)")
+    p.add_argument("--quant-block", type=int, default=ZeroConfig.quant_block, metavar="B",
+                   help="elements per quantization block (a power of two >= 8)")
     p.add_argument("--hpz", action="store_true",
                    help="stage 3: keep a node-local copy of the parameters after each gather across nodes "
                         "(ZeRO++ hpZ)")
@@ -210,6 +216,8 @@ def parse_config(argv: Optional[List[str]] = None, environ=None) -> TrainConfig:
                           loss_scale_window=a.loss_scale_window, overlap=not a.no_overlap, prefetch=a.prefetch,
                           progress=a.progress, timeout_s=timeout_s, max_skipped_steps=a.max_skipped_steps,
                           node_size=a.node_size, shard_size=a.shard_size, hpz=a.hpz,
+                          quantize_weights=a.quantize_weights, quantize_grads=a.quantize_grads,
+                          quant_block=a.quant_block,
                           lazy_publish=True)   # the built-in models read parameters through unshard() every step
     except ConfigError as e:         # ZeroConfig names its fields; say the flag where its name differs
         flag = next((f for field, f in FLAG_OF_FIELD.items() if str(e).startswith(field + "=")), None)

@@ -30,7 +30,7 @@ class StepLog:
     steps_run: int = 0                           # steps recorded, all of them
     total_time: float = 0.0                      # their wall seconds, summed
     comm_bytes: Deque[int] = field(default=None)   # bytes this rank sent in the step (sum_scalars aside)
-    level_bytes: Deque[tuple] = field(default=None)   # the same as (inside its node, across nodes)
+    level_bytes: Deque[tuple] = field(default=None)   # the same as (inside its node, across nodes, unquantized)
 
     def __post_init__(self):
         self.cap = HISTORY_STEPS if self.cap is None else self.cap

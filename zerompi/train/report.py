@@ -57,7 +57,8 @@ def memory_table(measured: Dict[str, int], theory: Dict[str, int], padded: Dict[
     return "\n".join(lines)
 
 
-def comm_table(measured: Dict[str, float], theory: float, stage: int, levels=None, level_theory=None) -> str:
+def comm_table(measured: Dict[str, float], theory: float, stage: int, levels=None, level_theory=None,
+               logical=None) -> str:
     """Measured bytes sent per rank per step beside the formula; ``levels``: the bytes of a steady
     step inside the node and across nodes, beside ``level_theory`` (engine/traffic.py)."""
     lines = ["communication per rank per step: measured vs formula"]
@@ -71,6 +72,9 @@ def comm_table(measured: Dict[str, float], theory: float, stage: int, levels=Non
         lines.append("  a steady step (the rows above are means over every step run; the first can differ):")
         for key, name in (("intra", "inside a node"), ("inter", "across nodes")):
             lines.append(f"  {name:16} {human_bytes(levels[key]):>14}   formula {human_bytes(level_theory[key])}")
+    if logical is not None:
+        lines.append(f"  {'unquantized':16} {human_bytes(logical[0]):>14}   formula {human_bytes(logical[1])} "
+                     f"(what travels is {sum(levels.values()) / max(logical[0], 1):.2f} of it)")
     return "\n".join(lines)
 
 
@@ -117,7 +121,7 @@ def final_metrics(cfg, engine, comm, log, entropy_floor, placement) -> dict:
     names = list(report["measured"])
     # A steady step's traffic: the median over steps (the first can differ: stage 3 gathers the next
     # forward's first buckets at the end of a step); then the maximum over ranks.
-    steady = [int(statistics.median(v)) if v else 0 for v in [log.comm_bytes] + list(zip(*log.level_bytes or [(0, 0)]))]
+    steady = [int(statistics.median(v)) if v else 0 for v in [log.comm_bytes] + list(zip(*log.level_bytes or [(0, 0, 0)]))]
     top = np.array([report["measured"][k] for k in names] + [report["peak_buffers"]["bytes"]] + steady, np.int64)
     # The buffer form, not mpi4py's pickled allreduce: that one holds the GIL while it waits
     # (measured, mpi4py 4.1), so the watchdog thread could never run and a hang here would be forever.
@@ -125,6 +129,7 @@ def final_metrics(cfg, engine, comm, log, entropy_floor, placement) -> dict:
         comm.mpi.Allreduce(MPI.IN_PLACE, top, op=MPI.MAX)
     mem = {k: int(v) for k, v in zip(names, top)}
     peak, traffic, levels = int(top[len(names)]), int(top[len(names) + 1]), [int(v) for v in top[len(names) + 2:]]
+    levels, logical = levels[:2], levels[2]
     master = engine.unpadded_master()
     times = list(log.times)                            # the last history.HISTORY_STEPS steps
     breakdown, hidden = summarize(list(log.parts), times)
@@ -146,8 +151,12 @@ def final_metrics(cfg, engine, comm, log, entropy_floor, placement) -> dict:
         "comm_theory_bytes_per_step": engine.comm_theory_bytes(),
         "comm_bytes_per_step_by_level": dict(zip(("intra", "inter"), levels)),
         "comm_theory_bytes_per_step_by_level": engine.comm_theory_bytes_by_level(),
+        "comm_logical_bytes_per_step": logical,    # what the same step would send unquantized (= comm_bytes without)
+        "comm_theory_logical_bytes_per_step": sum(engine.comm_theory_bytes_by_level(logical=True).values()),
         "topology": {"node_size": engine.topology.node_size, "shard_size": engine.topology.shard_size,
                      "hpz": engine.gatherer.secondary is not None},
+        "quantization": {"weights": cfg.zero.quantize_weights, "grads": cfg.zero.quantize_grads,
+                         "block": cfg.zero.quant_block},
         "step_time_s": statistics.median(times),
         "steps_applied": engine.step_count,
         "optimizer_impl": engine.optimizer_impl,
@@ -190,8 +199,11 @@ def print_summary(metrics: dict, engine, comm, base_bytes: Dict[str, int]) -> No
     steps = metrics["steps_run"]
     per_op = {op: (s.bytes - base_bytes.get(op, 0)) / steps
               for op, s in sorted(comm.stats.items()) if op != "sum_scalars"}
+    quantized = z.quantize_weights or z.quantize_grads
     print0(comm.mpi, comm_table(per_op, engine.comm_theory_bytes(), z.stage, metrics["comm_bytes_per_step_by_level"],
-                                metrics["comm_theory_bytes_per_step_by_level"]))
+                                metrics["comm_theory_bytes_per_step_by_level"],
+                                (metrics["comm_logical_bytes_per_step"], metrics["comm_theory_logical_bytes_per_step"])
+                                if quantized else None))
     print0(comm.mpi, f"  transient buffers at peak: {report['peak_buffers']['bytes']:,} bytes; "
                      f"median step {metrics['step_time_s'] * 1e3:.1f} ms")
     tb = metrics["time_breakdown_s"]

@@ -93,7 +93,7 @@ def _run_steps(cfg: TrainConfig, engine, comm, model, data, floor: Optional[floa
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
         engine.timers.take()                        # drop what ran between steps (checkpoints)
-        b0, l0 = sent(), comm.level_bytes()
+        b0, l0, q0 = sent(), comm.level_bytes(), comm.logical_bytes()
         local = losses_of(engine, model, data, step, cfg.batch, cfg.zero.micro_batches)
         result = engine.step()
         total = comm.sum_scalars([sum(local) / len(local), stop.flag if stop else 0.0])   # + the stop flag
@@ -101,7 +101,7 @@ def _run_steps(cfg: TrainConfig, engine, comm, model, data, floor: Optional[floa
         stopping = total[1] > 0                 # SIGTERM/SIGINT on some rank: every rank stops after this step
         l1 = comm.level_bytes()
         log.record(loss, time.perf_counter() - t0, sent() - b0, engine.timers.take(),   # bounded (history.py)
-                   (l1["intra"] - l0["intra"], l1["inter"] - l0["inter"]))
+                   (l1["intra"] - l0["intra"], l1["inter"] - l0["inter"], comm.logical_bytes() - q0))
         extra, evaluated = "", False            # GPT: held-out loss, floor, throughput
         if gpt:
             if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1 or stopping):
