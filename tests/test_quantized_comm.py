@@ -88,4 +88,4 @@ def test_cli_reports_wire_and_logical_bytes(tmp_path):
     assert m["comm_bytes_per_step_by_level"] == m["comm_theory_bytes_per_step_by_level"]
     assert m["comm_logical_bytes_per_step"] == m["comm_theory_logical_bytes_per_step"]
     assert m["comm_bytes_per_step"] < 0.5 * m["comm_logical_bytes_per_step"]
-    assert m["quantization"] == {"weights": "int8", "grads": "int4", "block": 256}
+    assert m["quantization"] == {"weights": "int8", "grads": "int4", "block": 64}

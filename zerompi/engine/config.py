@@ -115,7 +115,7 @@ class ZeroConfig:
     quantize_grads: Optional[str] = None
     """ZeRO++ qgZ: None, "int8" or "int4": the gradient reduce-scatters send quantized blocks, summed
     in fp32 after dequantization (across nodes: each level re-quantizes its partial sum)."""
-    quant_block: int = 256
+    quant_block: int = 64
     """Elements per quantization block (one float32 scale each): a power of two >= 8."""
     init_values: str = "check"
     """The initial parameter values: "check" (every rank must pass the same; a difference stops every
