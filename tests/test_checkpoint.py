@@ -45,7 +45,7 @@ def world(arr):
         comm.Allgather(MPI.IN_PLACE, buf[b.start:b.stop])
     return buf
 
-state = {row: world(getattr(engine.optimizer, row)) for row in ("master", "exp_avg", "exp_avg_sq")}
+state = {row: world(engine.optimizer.read_row(row)) for row in ("master", "exp_avg", "exp_avg_sq")}
 stored_ok = True
 for i in range(lay.num_layers):
     with engine.unsharded(i) as p:

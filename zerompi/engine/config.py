@@ -117,6 +117,14 @@ class ZeroConfig:
     in fp32 after dequantization (across nodes: each level re-quantizes its partial sum)."""
     quant_block: int = 64
     """Elements per quantization block (one float32 scale each): a power of two >= 8."""
+    offload_optimizer: str = "none"
+    """Where the fp32 master and Adam moments live (stages 1-3; engine/offload.py): "none" (with the
+    parameters), "cpu" (host memory; the update runs there; on the CPU device the normal path) or
+    "nvme" (files under offload_dir, streamed bucket by bucket through a few host buffers)."""
+    offload_params: str = "none"
+    """Stage 3: "nvme" keeps the stored parameter shard in a file under offload_dir."""
+    offload_dir: Optional[str] = None
+    """The folder of the offload files (needed by "nvme"; checked at start for room)."""
     init_values: str = "check"
     """The initial parameter values: "check" (every rank must pass the same; a difference stops every
     rank, naming the parameter and the ranks) or "broadcast" (rank 0's values are used on every rank)."""
@@ -170,6 +178,19 @@ class ZeroConfig:
               f"quant_block={self.quant_block!r} is not allowed; use a power of two >= 8 (elements per scale)")
         check(self.quantize_weights is None or self.stage > 0, f"quantize_weights={self.quantize_weights!r} needs "
               f"stage 1, 2 or 3 (stage={self.stage} all-gathers no parameters)")
+        check(self.offload_optimizer in ("none", "cpu", "nvme"), f"offload_optimizer={self.offload_optimizer!r} "
+                                                                  "is not allowed; use none, cpu or nvme")
+        check(self.offload_params in ("none", "nvme"), f"offload_params={self.offload_params!r} is not allowed; "
+                                                       "use none or nvme")
+        check(self.offload_optimizer == "none" or self.stage > 0, f"offload_optimizer={self.offload_optimizer!r} "
+              "needs stage 1, 2 or 3 (stage 0 keeps the whole state on every rank)")
+        check(self.offload_params == "none" or self.stage == 3, f"offload_params={self.offload_params!r} needs "
+              f"stage 3 (stage={self.stage} keeps every parameter on every rank)")
+        nvme = "nvme" in (self.offload_optimizer, self.offload_params)
+        check(not nvme or bool(self.offload_dir), "offload to nvme needs offload_dir (--offload-dir DIR): a "
+                                                  "folder for the state files")
+        check(self.offload_dir is None or isinstance(self.offload_dir, str) and self.offload_dir != "",
+              f"offload_dir={self.offload_dir!r} must be a folder's path")
         check(isinstance(self.lazy_publish, bool), f"lazy_publish={self.lazy_publish!r} must be True or False")
         check(self.init_values in INIT_VALUES, f"init_values={self.init_values!r} is not allowed; "
                                                f"use one of {', '.join(INIT_VALUES)}")

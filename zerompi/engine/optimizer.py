@@ -2,69 +2,143 @@
 
 Stage 0 keeps them for the whole model, stages 1-3 for this rank's slice of every bucket
 (the shard, in bucket order). :class:`ShardedAdamW` fills the master from the caller's
-initial arrays, updates one bucket's slice at a time (through ``optim.impl``: the fused
-kernel or the NumPy reference, same bits), and gathers the whole master for a caller
-that asks for the parameters by name.
+initial arrays, updates one bucket's slice at a time, and gathers the whole master for a
+caller that asks for the parameters by name.
+
+Where the rows live is engine/offload.py's: on the device (the update runs there, through
+``optim.impl``: the fused kernel or the NumPy reference, same bits), in host memory
+(``offload_optimizer="cpu"``) or in a file (``"nvme"``). Offloaded, the update runs on the
+host with the C kernel (the same bits as the CUDA one): a bucket's reduced gradient is
+copied down, the rows updated, and the new stored-dtype parameters copied up; with a file,
+the rows stream through host buffers, the next bucket's read overlapping this one's update.
+On the CPU device ``"cpu"`` is the normal path: the rows are host memory already, no copies.
 """
+import os
 from typing import Optional
 
 import numpy as np
 
 from ..optim import impl
 from ..optim.reference import AdamWScalars, adamw_scalars
+from .offload import ArrayRows, FileRows, check_dir
 
 F32 = np.float32
 
 
 class ShardedAdamW:
-    """``master``, ``exp_avg``, ``exp_avg_sq``: fp32 arrays of the shard (stage 0: the whole model),
-    counted under "optimizer" in the ledger."""
+    """The rows (``rows``: offload.ArrayRows or FileRows) of the shard (stage 0: the whole model),
+    counted under "optimizer" in the ledger, on their place."""
 
-    def __init__(self, layout, config, ledger, slot: int):
+    def __init__(self, layout, config, ledger, slot: int, rank: int, transfers=None):
         self.layout, self.config, self.slot = layout, config, slot     # the slice of every bucket this rank holds
-        n = layout.numel if config.stage == 0 else layout.shard_numel
-        self.master = ledger.alloc("optimizer", n, F32)
-        self.exp_avg = ledger.alloc("optimizer", n, F32)
-        self.exp_avg_sq = ledger.alloc("optimizer", n, F32)
+        self.transfers = transfers       # device <-> host copies (a GPU, or its stand-in); None: the host
+        self.n = n = layout.numel if config.stage == 0 else layout.shard_numel
+        self.ledger = ledger
+        mode = config.offload_optimizer
+        if mode == "nvme":
+            largest = max(b.slice_numel for b in layout.buckets)
+            check_dir(config.offload_dir, 12 * n)
+            self.rows = FileRows(config.offload_dir, f"zerompi-optimizer-rank{rank}-pid{os.getpid()}.bin", n, largest,
+                                 len(layout.buckets), lambda k: ledger.alloc("buffers", k, F32, place="host"))
+            ledger.count("optimizer", 12 * n, "disk")
+        else:
+            place = "host" if mode == "cpu" else "device"
+            self.rows = ArrayRows(lambda k: ledger.alloc("optimizer", k, F32, place=place), n, place)
+        self.offloaded = mode != "none"
+        self._host = {}                  # staging buffers for offloaded updates on a device (grad, param out)
+
+    # ---- the master, wherever it is ---------------------------------------------------
+    @property
+    def master(self):
+        """The whole master row as an array (a host copy when it lives in a file)."""
+        return self.rows.read("master")
+
+    def master_slice(self, sl: slice):
+        """Part of the master (device or host, as it lives; a host copy from a file)."""
+        return self.rows.read("master", sl)
+
+    def read_row(self, name: str) -> np.ndarray:
+        """A whole row as a host array (checkpoints)."""
+        return _to_numpy(self.rows.read(name))
+
+    def write_row(self, name: str, host: np.ndarray, xp) -> None:
+        """Overwrite a whole row from a host array (checkpoints)."""
+        self.rows.write(name, slice(None), xp.asarray(host) if self.rows.place == "device" else host)
 
     def load_initial(self, pairs, xp) -> None:
         """Fill the master from the caller's arrays (``pairs``: [(layer, {name: array})]); each
         rank keeps only its slice of every bucket (stage 0: everything)."""
         lay = self.layout
-        if self.config.stage == 0:
-            full = np.zeros(lay.numel, F32)
-            for _, params in pairs:
-                for pname, arr in params.items():
-                    pr = lay.params[pname]
-                    full[pr.start:pr.stop] = np.asarray(arr, dtype=F32).reshape(-1)
-            self.master[...] = xp.asarray(full)
-            return
+        full = np.zeros(self.n, F32)
         for _, params in pairs:
             for pname, arr in params.items():
                 pr = lay.params[pname]
                 values = np.asarray(arr, dtype=F32).reshape(-1)
+                if self.config.stage == 0:
+                    full[pr.start:pr.stop] = values
+                    continue
                 b = lay.buckets[pr.bucket]
                 lo, hi = b.slice_bounds(self.slot)
                 a, z = max(lo, pr.bucket_offset), min(hi, pr.bucket_offset + pr.numel)
                 if a < z:
                     dst = b.shard_start + (a - lo)
-                    self.master[dst:dst + (z - a)] = xp.asarray(values[a - pr.bucket_offset:z - pr.bucket_offset])
+                    full[dst:dst + (z - a)] = values[a - pr.bucket_offset:z - pr.bucket_offset]
+        self.rows.write("master", slice(None), full if self.rows.place != "device" else xp.asarray(full))
 
     def scalars(self, lr: Optional[float], step: int, grad_scale: float) -> AdamWScalars:
         """The constants of update number ``step``; ``lr`` None: the config's."""
         c = self.config
+        self.rows.at_step(step)
         return adamw_scalars(c.lr if lr is None else lr, c.beta1, c.beta2, c.eps, c.weight_decay, step, grad_scale)
 
-    def update(self, sl, grad, param_out, s: AdamWScalars) -> None:
-        """AdamW on the state rows ``[sl]`` from the reduced ``grad``; writes the new stored-dtype
-        parameters into ``param_out``."""
-        impl.adamw_update(self.master[sl], self.exp_avg[sl], self.exp_avg_sq[sl], grad, param_out, s)
+    # ---- the update ----------------------------------------------------------------------
+    def step(self, parts, s: AdamWScalars, after=None) -> None:
+        """AdamW on every ``(rows slice, reduced grad, stored-param out)`` of ``parts``, in order;
+        ``after(i)`` runs after part i (the engine publishes that bucket and moves MPI on)."""
+        parts = list(parts)
+        self.rows.begin([sl for sl, _, _ in parts])
+        for i, (sl, grad, param_out) in enumerate(parts):
+            self.update(sl, grad, param_out, s)
+            if after is not None:
+                after(i)
+        self.rows.end()
 
+    def update(self, sl, grad, param_out, s: AdamWScalars) -> None:
+        """AdamW on the rows ``[sl]`` from the reduced ``grad``; writes the new stored-dtype
+        parameters into ``param_out`` (an array, or a callable given the host result)."""
+        master, m, v = self.rows.fetch(sl)
+        if not self.offloaded:
+            impl.adamw_update(master, m, v, grad, param_out, s)
+        else:
+            g = grad if self.transfers is None else self._down(grad, "grad")
+            out = param_out if self.transfers is None and not callable(param_out) else self._buffer("param", grad)
+            impl.host_adamw_update(master, m, v, g, out, s)
+            if callable(param_out):
+                param_out(out)
+            elif out is not param_out:
+                self.transfers.to_device(out, param_out)
+                self.transfers.synchronize()
+        self.rows.commit(sl)
+
+    def _buffer(self, key: str, like) -> np.ndarray:
+        buf = self._host.get((key, like.dtype.str))
+        if buf is None or buf.size < like.size:
+            alloc = self.transfers.pinned if self.transfers is not None else (lambda k, dt: np.empty(k, dt))
+            buf = self._host[(key, like.dtype.str)] = alloc(int(like.size), like.dtype)
+        return buf[:like.size]
+
+    def _down(self, dev, key: str) -> np.ndarray:
+        host = self._buffer(key, dev)
+        self.transfers.to_host(dev, host)
+        self.transfers.synchronize()
+        return host
+
+    # ---- the whole master ------------------------------------------------------------------
     def gather(self, group, step: int) -> np.ndarray:
         """The whole padded fp32 master in world layout, as a NumPy array on every rank: an
         all-gather over the shard ``group`` (a collective), each rank's slice put at its slot."""
         lay = self.layout
-        host = _to_numpy(self.master)
+        host = _to_numpy(self.rows.read("master"))
         if self.config.stage == 0:
             return host.copy()
         out = np.zeros(lay.numel, F32)
@@ -78,7 +152,7 @@ class ShardedAdamW:
         return out
 
     def close(self) -> None:
-        self.master = self.exp_avg = self.exp_avg_sq = None
+        self.rows.close()
 
 
 def _to_numpy(arr) -> np.ndarray:

@@ -29,6 +29,7 @@ import numpy as np
 from ..checkpoint import collective as checkpoint
 from ..comm.communicator import Communicator, sum_table
 from ..comm.consistency import check_consistent
+from ..comm.staging import device_transfers
 from ..comm.topology import arrange, topology_of
 from ..comm.watchdog import Watchdog, watched
 from ..errors import ConfigError, UsageError, install_abort_hook
@@ -99,7 +100,8 @@ class ZeroEngine:
         comms = arrange(self.comm, topo, bool(self.config.quantize_weights or self.config.quantize_grads))
         self.group, self.replica = comms.group, comms.replica   # gradients and parameters; across groups
         self.slot = self.group.slot
-        self.ledger = MemoryLedger(xp)
+        transfers = device_transfers(self.comm, xp)     # device <-> host copies, for offloaded state
+        self.ledger = MemoryLedger(xp, transfers and transfers.pinned)
         self.scaler = DynamicLossScaler(self.config.init_loss_scale, self.config.loss_scale_window,
                                         self.config.min_loss_scale, enabled=self.config.dtype == "fp16")
         self.step_count = 0             # optimizer updates applied
@@ -116,10 +118,10 @@ class ZeroEngine:
         self.inflight = InFlight(self.comm, self.timers, progress_thread)
         self.pool = pool = BucketPool(self.ledger, self.dtype, plan_classes(self.layout, self.config, MAX_PENDING_REDUCES))
         self.gatherer = ParameterGatherer(self.layout, self.config, self.group, self.inflight, pool, self.ledger,
-                                          self.dtype)
+                                          self.dtype, self.rank)
         self.reducer = GradientReducer(self.layout, self.config, self.group, self.replica, self.world_size,
                                        self.inflight, pool, self.ledger, self.guard, self.dtype)
-        self.optimizer = ShardedAdamW(self.layout, self.config, self.ledger, self.slot)
+        self.optimizer = ShardedAdamW(self.layout, self.config, self.ledger, self.slot, self.rank, transfers)
         self.optimizer.load_initial(pairs, xp)
         self.publish_params(all_gather=True)
         # A program that ends without close() must not reach MPI_Finalize with collectives in flight.
@@ -260,15 +262,13 @@ class ZeroEngine:
         if self.config.stage == 0:
             self.optimizer.update(slice(None), self.reducer.grads, self.gatherer.params, s)
         else:
-            for bucket in lay.buckets:
-                b = bucket.index
-                self.optimizer.update(bucket.shard_slice, grads[b], self.gatherer.param_slice(b), s)   # + the stored copy
+            def after(b):           # stages 1/2 publish bucket b behind the next buckets' update
                 if self.config.stage in (1, 2):
-                    self.gatherer.start(b, self.steps_taken + 1)   # publish, behind the next buckets' update
+                    self.gatherer.start(b, self.steps_taken + 1)
                 self.inflight.poll()
-            # Stages 1/2: the new parameters are in place when step() returns, so a view taken
-            # before it reads them, never last step's or a mix; lazy_publish leaves them in flight.
-            if not self.config.lazy_publish:
+            self.optimizer.step([(bk.shard_slice, grads[bk.index], self.gatherer.param_out(bk.index))
+                                 for bk in lay.buckets], s, after)       # + the stored copy
+            if not self.config.lazy_publish:   # views taken before step() read new values, never a mix
                 self.gatherer.finish_all()
         self.gatherer.parameters_changed()
         self.scaler.update(False)
@@ -285,13 +285,13 @@ class ZeroEngine:
     def publish_params(self, all_gather: bool = True) -> None:
         """Write the stored-dtype parameters from the master; stages 1/2 then all-gather them
         (every rank calls it: after the master was written other than by step(), as load() does)."""
-        st, params, master = self.config.stage, self.gatherer.params, self.optimizer.master
+        st, params = self.config.stage, self.gatherer.params
         self.gatherer.parameters_changed()
         if st == 0:
-            params[...] = master
+            params[...] = self.optimizer.master
             return
         for bucket in self.layout.buckets:
-            self.gatherer.param_slice(bucket.index)[...] = master[bucket.shard_slice]
+            self.gatherer.set_shard(bucket.index, self.optimizer.master_slice(bucket.shard_slice))
         if all_gather and st in (1, 2):
             for bucket in self.layout.buckets:
                 self.gatherer.wire.all_gather(params[bucket.start:bucket.stop])   # quantized with qwZ
@@ -345,7 +345,7 @@ class ZeroEngine:
         on Psi, unpadded), ``theory_padded`` (the same formula on the padded layout),
         ``peak_buffers`` (largest transient bytes held at once, communication scratch included)."""
         k = self.group.k if self.gatherer.secondary is not None else 0    # hpZ's copy: 1/node_size
-        return memory_report(self.ledger, self.layout, self.config.stage, self.topology.shard_size,
+        return memory_report(self.ledger, self.layout, self.config, self.topology.shard_size,
                              np.dtype(self.dtype).itemsize, k, sum(c.peak_scratch_bytes for c in self._comms()))
 
     def comm_theory_bytes(self) -> int:

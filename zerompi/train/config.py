@@ -194,6 +194,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reduce-scatter the gradients as int8 or int4 blocks (ZeRO++ qgZ)")
     p.add_argument("--quant-block", type=int, default=ZeroConfig.quant_block, metavar="B",
                    help="elements per quantization block (a power of two >= 8)")
+    p.add_argument("--offload-optimizer", default=ZeroConfig.offload_optimizer, metavar="none|cpu|nvme",
+                   help="stages 1-3: keep the fp32 master and Adam moments in host memory (cpu) or in files "
+                        "under --offload-dir (nvme), updated there bucket by bucket")
+    p.add_argument("--offload-params", default=ZeroConfig.offload_params, metavar="none|nvme",
+                   help="stage 3: keep the stored parameter shard in a file under --offload-dir")
+    p.add_argument("--offload-dir", default=None, metavar="DIR", help="the folder of the offload files (nvme)")
     p.add_argument("--hpz", action="store_true",
                    help="stage 3: keep a node-local copy of the parameters after each gather across nodes "
                         "(ZeRO++ hpZ)")
@@ -217,7 +223,8 @@ def parse_config(argv: Optional[List[str]] = None, environ=None) -> TrainConfig:
                           progress=a.progress, timeout_s=timeout_s, max_skipped_steps=a.max_skipped_steps,
                           node_size=a.node_size, shard_size=a.shard_size, hpz=a.hpz,
                           quantize_weights=a.quantize_weights, quantize_grads=a.quantize_grads,
-                          quant_block=a.quant_block,
+                          quant_block=a.quant_block, offload_optimizer=a.offload_optimizer,
+                          offload_params=a.offload_params, offload_dir=a.offload_dir,
                           lazy_publish=True)   # the built-in models read parameters through unshard() every step
     except ConfigError as e:         # ZeroConfig names its fields; say the flag where its name differs
         flag = next((f for field, f in FLAG_OF_FIELD.items() if str(e).startswith(field + "=")), None)

@@ -144,6 +144,8 @@ def final_metrics(cfg, engine, comm, log, entropy_floor, placement) -> dict:
         "losses": list(log.losses),
         "final_params_sha256": hashlib.sha256(master.astype("<f4").tobytes()).hexdigest(),
         "memory_bytes": mem,                       # maxima over ranks, as peak_buffer_bytes and comm_bytes_per_step
+        "memory_bytes_by_place": engine.ledger.by_place(),   # rank 0's: device, host (offloaded), disk (files)
+        "theory_bytes_by_place": engine.memory_report()["theory_by_place"],
         "theory_bytes": report["theory"],
         "theory_bytes_padded": report["theory_padded"],
         "peak_buffer_bytes": peak,
