@@ -137,19 +137,28 @@ class ShardedAdamW:
     def gather(self, group, step: int) -> np.ndarray:
         """The whole padded fp32 master in world layout, as a NumPy array on every rank: an
         all-gather over the shard ``group`` (a collective), each rank's slice put at its slot."""
-        lay = self.layout
-        host = _to_numpy(self.rows.read("master"))
-        if self.config.stage == 0:
-            return host.copy()
-        out = np.zeros(lay.numel, F32)
-        for bucket in lay.buckets:
+        out = np.zeros(self.layout.numel, F32)
+        for bucket, values in self.gather_buckets(group, step):
+            out[bucket.start:bucket.stop] = values
+        return out
+
+    def gather_buckets(self, group, step: int):
+        """(bucket, its whole fp32 master as a NumPy array) for every bucket in order, one at a time
+        (a collective per bucket): the whole model is never held at once."""
+        stage0 = self.config.stage == 0
+        for bucket in self.layout.buckets:
+            if stage0:
+                yield bucket, _to_numpy(self.rows.read("master", slice(bucket.start, bucket.stop)))
+                continue
             k = bucket.slice_numel
+            mine = np.ascontiguousarray(_to_numpy(self.rows.read("master", bucket.shard_slice)))
             table = np.empty((len(group.slots), k), F32)
             with group.waiting("gather_master (fp32 all-gather)", (bucket.index, step)):
-                group.mpi.Allgather(np.ascontiguousarray(host[bucket.shard_slice]), table)   # timed by the watchdog
+                group.mpi.Allgather(mine, table)   # timed by the watchdog
+            values = np.empty(bucket.numel, F32)
             for g, s in enumerate(group.slots):
-                out[bucket.start + s * k:bucket.start + (s + 1) * k] = table[g]
-        return out
+                values[s * k:(s + 1) * k] = table[g]
+            yield bucket, values
 
     def close(self) -> None:
         self.rows.close()
