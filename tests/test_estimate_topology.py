@@ -67,6 +67,7 @@ KEPT = 13107200 + 12313600
 
 
 def test_eight_nodes_of_eight_by_hand():
+    calls_3 = 3 * 763 - 2         # stage 3: reduce-scatters and gathers of a step
     flat = zerompi.estimate(params=10e9, ranks=64, node_size=8, **NET)["stages"]
     groups = zerompi.estimate(params=10e9, ranks=64, node_size=8, shard_size=8, **NET)["stages"]
     hpz = zerompi.estimate(params=10e9, ranks=64, node_size=8, hpz=True, **NET)["stages"]
@@ -82,12 +83,16 @@ def test_eight_nodes_of_eight_by_hand():
     assert inter(flat, 3) == 2 * 7 * (3 * PSI - KEPT) // 64          # reduce-scatter, 2 gathers
     assert inter(hpz, 3) == 2 * 7 * (2 * PSI) // 64                   # the backward gathers stay inside
     assert inter(groups, 3) == inter(groups, 2) == 2 * 2 * 7 * (PSI // 8) // 8   # only the all-reduce of Ψ/S
-    assert flat[3]["comm_inter_bytes_per_step_if_flat"] == 2 * 56 * (3 * PSI - KEPT) // 64
+    # flat collectives over the 64 (before two levels) send 56/64 of a bucket across nodes, 7/64 inside
+    assert flat[3]["comm_bytes_per_step_if_flat"] == {"intra": 2 * 7 * (3 * PSI - KEPT) // 64,
+                                                     "inter": 2 * 56 * (3 * PSI - KEPT) // 64}
+    assert flat[3]["comm_seconds_per_step_if_flat"]["inter"] == \
+        pytest.approx(calls_3 * 56 * 5e-6 + 2 * 56 * (3 * PSI - KEPT) // 64 * 8 / 25e9)
     assert flat[3]["comm_bytes_per_step_by_level"]["intra"] == 2 * 7 * (3 * PSI - KEPT) // 8
     # time: ring steps x 5 us + bytes / bandwidth per level; hpZ across nodes: 2 x 763 gathers/reduce-
     # scatters of 7 steps each; inside: the same 2 x 763 and the 763 - 2 backward gathers, 7 steps each
     assert hpz[3]["comm_seconds_per_step_by_level"]["inter"] == pytest.approx(2 * 763 * 7 * 5e-6 + 4.375 * 8 / 25)
-    calls = 3 * 763 - 2
+    calls = calls_3
     intra_bytes = 2 * 7 * (3 * PSI - KEPT) // 8
     assert hpz[3]["comm_seconds_per_step_by_level"]["intra"] == pytest.approx(calls * 7 * 5e-6 + intra_bytes * 8 / 200e9)
     assert hpz[3]["comm_seconds_per_step_levels"] == pytest.approx(sum(hpz[3]["comm_seconds_per_step_by_level"].values()))

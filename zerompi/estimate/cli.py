@@ -105,11 +105,13 @@ def level_rows(est: dict, line, dec, unit: str) -> List[str]:
     level = lambda key, lvl: [r[key][lvl] for r in rows]
     out = [line(f"sent inside nodes / step, {unit}", [dec(b) for b in level("comm_bytes_per_step_by_level", "intra")]),
            line(f"sent across nodes / step, {unit}", [dec(b) for b in level("comm_bytes_per_step_by_level", "inter")])]
-    if est["nodes"] > 1:
-        out.append(line(f"  across, if flat, {unit}", [dec(r["comm_inter_bytes_per_step_if_flat"]) for r in rows]))
     out += [line("time inside nodes, s", [f"{t:.4f}" for t in level("comm_seconds_per_step_by_level", "intra")]),
             line("time across nodes, s", [f"{t:.4f}" for t in level("comm_seconds_per_step_by_level", "inter")]),
             line("communication time, s", [f"{r['comm_seconds_per_step_levels']:.4f}" for r in rows])]
+    if est["nodes"] > 1:
+        out += [line(f"if flat: across nodes, {unit}", [dec(b) for b in level("comm_bytes_per_step_if_flat", "inter")]),
+                line("if flat: communication time, s",
+                     [f"{sum(r['comm_seconds_per_step_if_flat'].values()):.4f}" for r in rows])]
     return out
 
 
@@ -131,8 +133,8 @@ def level_notes(est: dict) -> List[str]:
                f"across; time per level = ring steps x {est['latency_us']:g} us + bytes / bandwidth "
                f"({est['intra_gbps']:g} Gbit/s inside nodes, {est['inter_gbps']:g} across), the two levels added")
     if est["nodes"] > 1:
-        out.append("across, if flat: what the same collectives would send across nodes flat over the group, "
-                   "unaware of nodes ((S-K)/S of every bucket), as before two levels")
+        out.append("if flat: the same collectives flat over each shard group, unaware of nodes, as before two "
+                   "levels: (S-K)/S of every bucket crosses (hpZ needs two levels: left out)")
     return out
 
 

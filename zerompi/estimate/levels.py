@@ -110,14 +110,23 @@ def level_traffic(stage: int, plan: BucketPlan, itemsize: int, lv: Levels, micro
     return {"bytes": sent, "messages": steps, "seconds": seconds}
 
 
-def flat_inter_bytes(stage: int, plan: BucketPlan, itemsize: int, lv: Levels, micro_batches: int, ahead: int) -> int:
-    """Bytes one rank would send across nodes per step if the shard group's collectives were flat,
-    unaware of nodes (as before there were two levels): each rank sends a bucket's slice to every
-    peer, (S - K) / S of the bucket to the peers on other nodes; hpZ needs two levels, so none."""
+def flat_traffic(stage: int, plan: BucketPlan, itemsize: int, lv: Levels, micro_batches: int, ahead: int,
+                 latency_us: float, intra_gbps: float, inter_gbps: float) -> Dict[str, Dict[str, float]]:
+    """:func:`level_traffic` if the shard group's collectives were flat, unaware of nodes (as before
+    there were two levels): a rank sends a bucket's slice to each of its S - 1 peers, K - 1 of them
+    on its node; hpZ needs two levels, so it is left out."""
     calls = traffic.step_calls(stage, plan.runs, lv.ranks, lv.node_size, lv.shard_size, micro_batches, ahead)
     s, k = lv.shard_size, lv.k
-    group = sum(times * (s - k) * (b // s) * itemsize for kind in traffic.GROUP_KINDS
-                for b, times in calls[kind].items())
-    replicas = sum(times * traffic.call_bytes("replicas", b, itemsize, lv.ranks, lv.node_size, s)[1]
-                   for b, times in calls["replicas"].items())
-    return group + replicas
+    sent, steps = dict.fromkeys(LEVELS, 0), dict.fromkeys(LEVELS, 0)
+    for kind in traffic.GROUP_KINDS:
+        for b, times in calls[kind].items():
+            sent["intra"] += times * (k - 1) * (b // s) * itemsize
+            sent["inter"] += times * (s - k) * (b // s) * itemsize
+            steps["intra"] += times * (k - 1)
+            steps["inter"] += times * (s - k)
+    for b, times in calls["replicas"].items():
+        sent["inter"] += times * traffic.call_bytes("replicas", b, itemsize, lv.ranks, lv.node_size, s)[1]
+        steps["inter"] += times * 2 * (lv.replicas - 1)
+    gbps = {"intra": intra_gbps, "inter": inter_gbps}
+    seconds = {lvl: steps[lvl] * latency_us * 1e-6 + sent[lvl] * 8 / (gbps[lvl] * 1e9) for lvl in LEVELS}
+    return {"bytes": sent, "messages": steps, "seconds": seconds}

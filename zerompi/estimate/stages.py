@@ -24,7 +24,7 @@ from ..layout import FlatLayout
 from ..engine.memory import theory_bytes, theory_comm_bytes
 from ..engine import reducer
 from ..errors import check
-from .levels import Levels, check_levels, flat_inter_bytes, level_traffic, scratch_elements
+from .levels import Levels, check_levels, flat_traffic, level_traffic, scratch_elements
 from .plan import BucketPlan, bucket_numel, plan_buckets
 
 DEFAULT_PREFETCH = getattr(ZeroConfig, "prefetch", 0)   # the engine's default stage-3 prefetch depth
@@ -87,6 +87,7 @@ def _stage_row(stage: int, plan: BucketPlan, itemsize: int, micro_batches: int, 
         reuse = isz * (m * last + (m - 1) * first) * (n - 1) // n
     buffer_bytes = sum(buffers.values())
     by_level = level_traffic(stage, plan, isz, lv, m, ahead, latency_us, *gbps)
+    flat = flat_traffic(stage, plan, isz, lv, m, ahead, latency_us, *gbps)
     return {
         "stage": stage,
         "params_bytes": states["params"],
@@ -107,7 +108,9 @@ def _stage_row(stage: int, plan: BucketPlan, itemsize: int, micro_batches: int, 
         "comm_messages_per_step_by_level": by_level["messages"],
         "comm_seconds_per_step_by_level": by_level["seconds"],
         "comm_seconds_per_step_levels": sum(by_level["seconds"].values()),
-        "comm_inter_bytes_per_step_if_flat": flat_inter_bytes(stage, plan, isz, lv, m, ahead),
+        # the same collectives flat over the group, unaware of nodes (as before two levels)
+        "comm_bytes_per_step_if_flat": flat["bytes"],
+        "comm_seconds_per_step_if_flat": flat["seconds"],
     }
 
 
