@@ -112,10 +112,10 @@ def record(mode: str, runs, serial: dict, a) -> dict:
         "padded_params": first["padded_params"],
         "final_params_sha256": first["final_params_sha256"],
     }
-    if mode.startswith("flat"):    # were the 4 ranks 2 nodes of 2, what flat collectives would send across
-        flat = zerompi.estimate(params=first["params"], ranks=N, dtype=a.dtype, bucket_mb=a.bucket_mb,
-                                layers=a.depth, prefetch=first["config"]["zero"]["prefetch"], node_size=NODE)
-        rec["bytes_per_step_if_nodes_of_2"] = flat["stages"][first["stage"]]["comm_bytes_per_step_if_flat"]
+    if mode.startswith("flat"):    # were the 4 ranks 2 nodes of 2: what these flat collectives send across
+        flat = zerompi.estimate(params=serial["params"], ranks=N, dtype=a.dtype, bucket_mb=a.bucket_mb,
+                                layers=a.depth, overlap=False, node_size=NODE)     # as the --no-overlap run
+        rec["bytes_per_step_if_nodes_of_2"] = flat["stages"][serial["stage"]]["comm_bytes_per_step_if_flat"]
     return rec
 
 
