@@ -180,6 +180,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.warmup >= a.steps:
         p.error(f"--warmup {a.warmup} must be below --steps {a.steps}")
+    if a.steps < 3:   # the first step can differ (stage 3 gathers the next forward's first buckets at its end)
+        p.error(f"--steps {a.steps} must be at least 3, so that the median over steps is a steady step")
     runs = {mode: [] for mode in MODES}
     rng = random.Random(a.seed)
     with tempfile.TemporaryDirectory() as tmp:
