@@ -123,6 +123,10 @@ class ZeroConfig:
     "nvme" (files under offload_dir, streamed bucket by bucket through a few host buffers)."""
     offload_params: str = "none"
     """Stage 3: "nvme" keeps the stored parameter shard in a file under offload_dir."""
+    offload_delayed_update: bool = False
+    """ZeRO-Offload's one-step delayed parameter update (offload_optimizer="cpu"): step k's update runs
+    on the host in the background while step k + 1's forward and backward run, so the gradients of
+    step k + 1 are taken at the parameters before update k (staleness one step; docs/offload.md)."""
     offload_dir: Optional[str] = None
     """The folder of the offload files (needed by "nvme"; checked at start for room)."""
     init_values: str = "check"
@@ -186,6 +190,10 @@ class ZeroConfig:
               "needs stage 1, 2 or 3 (stage 0 keeps the whole state on every rank)")
         check(self.offload_params == "none" or self.stage == 3, f"offload_params={self.offload_params!r} needs "
               f"stage 3 (stage={self.stage} keeps every parameter on every rank)")
+        check(isinstance(self.offload_delayed_update, bool) and (not self.offload_delayed_update
+                                                                 or self.offload_optimizer == "cpu"),
+              f"offload_delayed_update={self.offload_delayed_update!r} needs offload_optimizer='cpu' (the update runs "
+              "on the host while the device computes the next step)")
         nvme = "nvme" in (self.offload_optimizer, self.offload_params)
         check(not nvme or bool(self.offload_dir), "offload to nvme needs offload_dir (--offload-dir DIR): a "
                                                   "folder for the state files")

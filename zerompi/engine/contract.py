@@ -20,17 +20,38 @@ Every failure is a MismatchError raised on every rank at the same point (exit st
 the CLI), naming the ranks and the values.
 """
 import hashlib
+import weakref
 from dataclasses import asdict
 from typing import Dict, List, Mapping, Sequence, Tuple
 
 import numpy as np
 
 from ..comm.consistency import rank_set
-from ..comm.watchdog import watched
+from ..comm.consistency import check_consistent
+from ..comm.watchdog import Watchdog, watched
 from ..errors import MismatchError, UsageError
+from .faults import GradientGuard, fault_from_env
 
 FINGERPRINT_MOD = 2 ** 52        # fingerprints stay exact integers in a float64
 STEP_COLUMNS = ("lr", "step", "gathers")   # what rides along with the step's all-gather, in order
+
+
+# ---- at construction ------------------------------------------------------------------
+def start_guards(engine):
+    """(faults.GradientGuard, comm.watchdog.Watchdog) of a new engine: before its first collective
+    that depends on the config the watchdog starts, then every rank must have the same config,
+    layers and topology (comm/consistency.py; MismatchError on every rank otherwise)."""
+    guard = GradientGuard(engine.rank, engine.dtype, engine.config.max_skipped_steps, fault_from_env())
+    me = weakref.ref(engine)      # the thread must not keep a forgotten engine alive
+    dog = Watchdog(engine.comm.waiting, engine.config.timeout_s, engine.rank, engine.comm.mpi,
+                   step=lambda: me().steps_taken + 1)
+    weakref.finalize(engine, dog.close)
+    try:
+        check_consistent(engine.comm, "engine", setup_fields(engine.config, engine.layout, engine.topology))
+    except BaseException:
+        dog.close()
+        raise
+    return guard, dog
 
 
 # ---- the layers ----------------------------------------------------------------------

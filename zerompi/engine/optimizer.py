@@ -46,6 +46,14 @@ class ShardedAdamW:
             self.rows = ArrayRows(lambda k: ledger.alloc("optimizer", k, F32, place=place), n, place)
         self.offloaded = mode != "none"
         self._host = {}                  # staging buffers for offloaded updates on a device (grad, param out)
+        self.delayed = config.offload_delayed_update
+        self._background = None          # delayed update: the update in flight (a future)
+        self.unpublished = False         # ... and the master it wrote is not yet in the stored parameters
+        if self.delayed:
+            from concurrent.futures import ThreadPoolExecutor
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerompi-delayed-update")
+            self._grads = ledger.alloc("buffers", n, np.dtype(np.float16 if config.dtype == "fp16" else F32),
+                                       place="host")
 
     # ---- the master, wherever it is ---------------------------------------------------
     @property
@@ -102,6 +110,38 @@ class ShardedAdamW:
             if after is not None:
                 after(i)
         self.rows.end()
+
+    # ---- the delayed update (offload_delayed_update) ------------------------------------------
+    def launch(self, parts, s: AdamWScalars) -> None:
+        """Start AdamW on every ``(rows slice, reduced grad, _)`` of ``parts`` in the background, from a
+        host copy of the gradients (the next backward rewrites them); the stored parameters are
+        written later, from the master, by the engine's publish after :meth:`wait`."""
+        self.wait()
+        jobs = []
+        for sl, grad, _ in parts:
+            host = self._grads[sl]
+            if self.transfers is None:
+                host[...] = grad
+            else:
+                self.transfers.to_host(grad, host)
+            jobs.append((sl, host))
+        if self.transfers is not None:
+            self.transfers.synchronize()
+
+        def run():
+            for sl, g in jobs:
+                master, m, v = self.rows.fetch(sl)
+                impl.host_adamw_update(master, m, v, g, np.empty(g.size, g.dtype), s)
+        self._background = self._executor.submit(run)
+        self.unpublished = True
+
+    def wait(self) -> bool:
+        """Wait for the update in flight; True when there was one (the master changed)."""
+        if self._background is None:
+            return False
+        self._background.result()
+        self._background = None
+        return True
 
     def update(self, sl, grad, param_out, s: AdamWScalars) -> None:
         """AdamW on the rows ``[sl]`` from the reduced ``grad``; writes the new stored-dtype
@@ -161,6 +201,9 @@ class ShardedAdamW:
             yield bucket, values
 
     def close(self) -> None:
+        self.wait()
+        if self.delayed:
+            self._executor.shutdown()
         self.rows.close()
 
 

@@ -19,7 +19,6 @@ averages them over ranks and micro-batches.
 import atexit
 import functools
 import math
-import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Dict, Mapping, Optional, Sequence, Tuple, Union
@@ -28,17 +27,15 @@ import numpy as np
 
 from ..checkpoint import collective as checkpoint
 from ..comm.communicator import Communicator, sum_table
-from ..comm.consistency import check_consistent
 from ..comm.staging import device_transfers
 from ..comm.topology import arrange, topology_of
-from ..comm.watchdog import Watchdog, watched
+from ..comm.watchdog import watched
 from ..errors import ConfigError, UsageError, install_abort_hook
 from ..layout import FlatLayout
 from ..optim import impl
 from . import contract, traffic
 from .buffers import BucketPool, plan_classes
 from .config import ZeroConfig
-from .faults import GradientGuard, fault_from_env
 from .gatherer import ParameterGatherer
 from .inflight import InFlight
 from .loss_scale import DynamicLossScaler
@@ -95,7 +92,7 @@ class ZeroEngine:
         self.topology = topo = topology_of(self.comm, self.config.node_size, self.config.shard_size)
         self.layout = FlatLayout(spec, topo.shard_size, max(1, self.config.bucket_bytes // np.dtype(self.dtype).itemsize),
                                  self.config.align * topo.replicas)
-        self._start_guards()
+        self.guard, self._watchdog = contract.start_guards(self)   # the watchdog, then the start-up check
         pairs = contract.agree_initial_values(self.comm, pairs, self.config.init_values)
         comms = arrange(self.comm, topo, bool(self.config.quantize_weights or self.config.quantize_grads))
         self.group, self.replica = comms.group, comms.replica   # gradients and parameters; across groups
@@ -259,7 +256,12 @@ class ZeroEngine:
             with self.timers.blocking():
                 self.reducer.all_gather(self.steps_taken)
         s = self.optimizer.scalars(lr, self.step_count, coef / scale)
-        if self.config.stage == 0:
+        if self.optimizer.delayed:     # publish update k - 1 (its master), start update k behind the next step
+            self.optimizer.wait()
+            if self.optimizer.unpublished:
+                self.publish_params()
+            self.optimizer.launch([(bk.shard_slice, grads[bk.index], None) for bk in lay.buckets], s)
+        elif self.config.stage == 0:
             self.optimizer.update(slice(None), self.reducer.grads, self.gatherer.params, s)
         else:
             def after(b):           # stages 1/2 publish bucket b behind the next buckets' update
@@ -286,6 +288,7 @@ class ZeroEngine:
         """Write the stored-dtype parameters from the master; stages 1/2 then all-gather them
         (every rank calls it: after the master was written other than by step(), as load() does)."""
         st, params = self.config.stage, self.gatherer.params
+        self.optimizer.unpublished = False
         self.gatherer.parameters_changed()
         if st == 0:
             params[...] = self.optimizer.master
@@ -315,6 +318,7 @@ class ZeroEngine:
             raise UsageError(f"{what}() in the middle of a step (micro-batches handed back or layers "
                              "unsharded); call it after step()")
         self.synchronize()
+        self.optimizer.wait()           # a delayed update in flight writes the rows a checkpoint reads
         if self.config.stage == 3:      # a gathered bucket would go stale when the master changes
             self.gatherer.free()
 
@@ -333,6 +337,7 @@ class ZeroEngine:
     def gather_master(self) -> np.ndarray:
         """The whole padded fp32 master in world layout on every rank (a collective)."""
         self.synchronize()
+        self.optimizer.wait()          # a delayed update in flight: the master is whole again
         return self.optimizer.gather(self.group, self.steps_taken)
 
     def unpadded_master(self) -> np.ndarray:
@@ -374,20 +379,6 @@ class ZeroEngine:
         self.closed = True
 
     # ---- failures (docs/failures.md) --------------------------------------------
-    def _start_guards(self) -> None:
-        """Before the first collective that depends on the config: start the collective
-        watchdog, then check that every rank has the same ZeroConfig and layout."""
-        self.guard = GradientGuard(self.rank, self.dtype, self.config.max_skipped_steps, fault_from_env())
-        me = weakref.ref(self)      # the thread must not keep a forgotten engine alive
-        self._watchdog = Watchdog(self.comm.waiting, self.config.timeout_s, self.rank, self.comm.mpi,
-                                  step=lambda: me().steps_taken + 1)
-        weakref.finalize(self, self._watchdog.close)
-        try:
-            check_consistent(self.comm, "engine", contract.setup_fields(self.config, self.layout, self.topology))
-        except BaseException:
-            self._watchdog.close()
-            raise
-
     def _comms(self):   # the distinct communicators used: the world's, the group's, across groups
         return list({id(c): c for c in (self.comm, self.group, self.replica) if c}.values())
 

@@ -200,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offload-params", default=ZeroConfig.offload_params, metavar="none|nvme",
                    help="stage 3: keep the stored parameter shard in a file under --offload-dir")
     p.add_argument("--offload-dir", default=None, metavar="DIR", help="the folder of the offload files (nvme)")
+    p.add_argument("--offload-delayed-update", action="store_true",
+                   help="with --offload-optimizer cpu: run step k's update behind step k+1 (one step stale)")
     p.add_argument("--hpz", action="store_true",
                    help="stage 3: keep a node-local copy of the parameters after each gather across nodes "
                         "(ZeRO++ hpZ)")
@@ -225,6 +227,7 @@ def parse_config(argv: Optional[List[str]] = None, environ=None) -> TrainConfig:
                           quantize_weights=a.quantize_weights, quantize_grads=a.quantize_grads,
                           quant_block=a.quant_block, offload_optimizer=a.offload_optimizer,
                           offload_params=a.offload_params, offload_dir=a.offload_dir,
+                          offload_delayed_update=a.offload_delayed_update,
                           lazy_publish=True)   # the built-in models read parameters through unshard() every step
     except ConfigError as e:         # ZeroConfig names its fields; say the flag where its name differs
         flag = next((f for field, f in FLAG_OF_FIELD.items() if str(e).startswith(field + "=")), None)
