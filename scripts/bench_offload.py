@@ -13,7 +13,6 @@ reading and writing the state once at the ceiling.
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -32,18 +31,20 @@ def mpiexec() -> str:
 
 
 def disk_ceiling(directory: str, nbytes: int, repeats: int = 3) -> dict:
-    """Sequential write (fsync'd) and read bandwidth of a file of ``nbytes`` in ``directory``, medians."""
+    """Sequential write and read bandwidth of a file of ``nbytes`` in ``directory``, medians: the write
+    as the offload writes (through the page cache, no fsync per step) and, beside it, with fsync."""
     buf = np.ones(min(nbytes, 64 << 20) // 4, np.float32)
-    writes, reads = [], []
+    writes, synced, reads = [], [], []
     for _ in range(repeats):
         fd, path = tempfile.mkstemp(dir=directory)
         try:
             t = time.perf_counter()
             done = 0
             while done < nbytes:
-                done += os.pwrite(fd, memoryview(buf)[:max(1, min(buf.nbytes, nbytes - done))].cast("B"), done)
-            os.fsync(fd)
+                done += os.pwrite(fd, memoryview(buf).cast("B")[:min(buf.nbytes, nbytes - done)], done)
             writes.append(nbytes / (time.perf_counter() - t))
+            os.fsync(fd)
+            synced.append(nbytes / (time.perf_counter() - t))
             out = bytearray(buf.nbytes)
             t = time.perf_counter()
             done = 0
@@ -54,7 +55,8 @@ def disk_ceiling(directory: str, nbytes: int, repeats: int = 3) -> dict:
         finally:
             os.close(fd)
             os.unlink(path)
-    return {"write_bytes_per_s": statistics.median(writes), "read_bytes_per_s": statistics.median(reads)}
+    return {"write_bytes_per_s": statistics.median(writes), "read_bytes_per_s": statistics.median(reads),
+            "write_fsync_bytes_per_s": statistics.median(synced)}
 
 
 def run(mode: str, args, directory: str) -> dict:
@@ -65,10 +67,13 @@ def run(mode: str, args, directory: str) -> dict:
                "--steps", str(args.steps), "--stage", str(args.stage), "--dtype", "fp32",
                "--bucket-mb", str(args.bucket_mb), "--offload-optimizer", mode, "--offload-dir", directory,
                "--log-every", "1000", "--metrics-json", str(metrics)]
-        before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-        subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=str(ROOT), timeout=1800,
-                       env=dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1"))
-        rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+        # A wrapper process per run: its children's peak RSS is this run's largest rank (ru_maxrss, KiB).
+        wrapper = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, capture_output=True); "
+                   "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+        out = subprocess.run([sys.executable, "-c", wrapper, *cmd], check=True, capture_output=True, text=True,
+                             cwd=str(ROOT), timeout=1800,
+                             env=dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1"))
+        rss = int(out.stdout.split()[-1])
         m = json.loads(metrics.read_text())
     shard = m["padded_params"] // args.ranks
     return {
@@ -77,7 +82,7 @@ def run(mode: str, args, directory: str) -> dict:
         "step_s": m["step_time_s"],
         "optimizer_bytes_read_per_step": 12 * shard if mode == "nvme" else 0,
         "optimizer_bytes_written_per_step": 12 * shard if mode == "nvme" else 0,
-        "peak_rss_bytes": rss * 1024 if rss > before else None,   # the largest rank so far (ru_maxrss: KiB)
+        "peak_rss_bytes": rss * 1024,
         "memory_bytes_by_place": m["memory_bytes_by_place"],
     }
 
@@ -106,7 +111,8 @@ def main() -> int:
             r["state_once_at_ceiling_s"] = state / both
             host = r["memory_bytes_by_place"]["host"].get("buffers", 0)
             r["resident_optimizer_bytes"] = host
-            r["buckets_of_rows_resident"] = host / (12 * args.bucket_mb * 2 ** 20 / 4 / args.ranks)
+            bucket = max(args.width * args.width + args.width, args.bucket_mb * 2 ** 20 / 4)   # buckets hold whole layers
+            r["buckets_of_rows_resident"] = host / (12 * bucket / args.ranks)
     print(json.dumps({"params": params, "ranks": args.ranks, "stage": args.stage,
                       "state_bytes_per_rank": state, "ceiling": ceiling, "rows": rows}, indent=1))
     return 0

@@ -123,3 +123,20 @@ def test_cli_refuses_offload_without_a_folder(tmp_path):
                    check=False)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and "needs offload_dir" in lines[0], proc.stderr
+
+
+@pytest.mark.parametrize("stage,opt,par", [(1, "cpu", "none"), (2, "nvme", "none"), (3, "nvme", "nvme"), (3, "none", "none")])
+def test_the_estimate_splits_model_states_by_place_as_the_engine_holds_them(tmp_path, stage, opt, par):
+    import numpy as np
+    import zerompi
+    layers = [(f"l{i}", {f"w{i}": np.zeros(300 + 7 * i, np.float32)}) for i in range(5)]
+    cfg = ZeroConfig(stage=stage, dtype="fp16", bucket_mb=0.001, offload_optimizer=opt, offload_params=par,
+                     offload_dir=str(tmp_path) if "nvme" in (opt, par) else None)
+    eng = ZeroEngine(layers, cfg)
+    row = zerompi.estimate(layout=eng.layout, dtype="fp16", offload_optimizer=opt,
+                           offload_params=par)["stages"][stage]["model_state_bytes_by_place"]
+    held = eng.ledger.by_place()
+    for place in ("device", "host", "disk"):
+        states = {k: v for k, v in held[place].items() if k in ("params", "grads", "optimizer")}
+        assert states == {k: v for k, v in row[place].items() if k != "total"}, (place, held, row)
+    eng.close()

@@ -65,6 +65,10 @@ def format_table(est: dict) -> str:
         out.append(line("secondary copy (hpZ)", [dec(r["secondary_bytes"]) if r["secondary_bytes"] else "-"
                                                  for r in rows]))
     out.append(line(f"model states, {unit}", [dec(r["model_state_bytes"]) for r in rows]))
+    if est.get("offload", {}).get("optimizer", "none") != "none" or est.get("offload", {}).get("params", "none") != "none":
+        for place, label in (("device", "of them on the device"), ("host", "in host memory (offload)"),
+                             ("disk", "in files (offload)")):
+            out.append(line(label, [dec(r["model_state_bytes_by_place"][place]["total"]) for r in rows]))
     out.append(line(f"model states, {bunit}", [binary(r["model_state_bytes"]) for r in rows]))
     out.append(line("formula", [r["formula"] for r in rows]))
     labels = {"grad_buckets": "gradient buckets", "gathered_params": "gathered layers (stage 3)",
@@ -255,6 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                                          "(default: --bandwidth-gbps)")
     p.add_argument("--inter-gbps", type=parse_finite, default=None, help="bandwidth across nodes, Gbit/s "
                                                                          "(default: --bandwidth-gbps)")
+    p.add_argument("--offload-optimizer", default="none", metavar="none|cpu|nvme",
+                   help="where the master and Adam moments live (stages 1-3): the table splits the states by place")
+    p.add_argument("--offload-params", default="none", metavar="none|nvme", help="stage 3: parameters in files")
     p.add_argument("--json", metavar="PATH", help="also write the table as JSON")
     p.add_argument("--from-run", metavar="METRICS.json",
                    help="a train run's --metrics-json: estimate its configuration and show measured beside it")
@@ -274,7 +281,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         largest = None if a.largest_layer is None else int(a.largest_layer)
         opts = dict(bucket_mb=a.bucket_mb, prefetch=a.prefetch, micro_batches=a.micro_batches,
                     in_flight=a.in_flight, bandwidth_gbps=a.bandwidth_gbps, latency_us=a.latency_us,
-                    overlap=not a.no_overlap, intra_gbps=a.intra_gbps, inter_gbps=a.inter_gbps)
+                    overlap=not a.no_overlap, intra_gbps=a.intra_gbps, inter_gbps=a.inter_gbps,
+                    offload_optimizer=a.offload_optimizer, offload_params=a.offload_params)
         topo = {k: v for k, v in (("node_size", a.node_size), ("shard_size", a.shard_size), ("hpz", a.hpz or None))
                 if v is not None}
         if a.from_run is not None:

@@ -14,6 +14,7 @@ whatever the network's timing; the best case is the figure when every reduction 
 before the next bucket's gradients arrive.
 """
 import math
+from types import SimpleNamespace
 from typing import Optional
 
 # The engine's own rules, imported (no copy here to go stale): the cap on gradient
@@ -21,7 +22,7 @@ from typing import Optional
 from ..engine.buffers import buffer_counts
 from ..engine.config import DTYPES, STAGES, ZeroConfig
 from ..layout import FlatLayout
-from ..engine.memory import theory_bytes, theory_comm_bytes
+from ..engine.memory import theory_by_place, theory_bytes, theory_comm_bytes
 from ..engine import reducer
 from ..errors import check
 from .levels import Levels, check_levels, flat_traffic, level_traffic, scratch_elements
@@ -120,7 +121,8 @@ def estimate(params: Optional[float] = None, ranks: Optional[int] = None, dtype:
              in_flight: Optional[int] = None, bandwidth_gbps: float = 100.0, latency_us: float = 5.0,
              layout: Optional[FlatLayout] = None, align: int = ZeroConfig.align, overlap: bool = True,
              node_size: Optional[int] = None, shard_size: Optional[int] = None, hpz: bool = False,
-             intra_gbps: Optional[float] = None, inter_gbps: Optional[float] = None) -> dict:
+             intra_gbps: Optional[float] = None, inter_gbps: Optional[float] = None,
+             offload_optimizer: str = "none", offload_params: str = "none") -> dict:
     """Bytes per rank and communication per step for ZeRO stages 0-3.
 
     ``params``: Psi, parameters of the model; ``ranks``: N. Or ``layout``: the engine's
@@ -149,6 +151,9 @@ def estimate(params: Optional[float] = None, ranks: Optional[int] = None, dtype:
     ConfigError on bad input.
     """
     check(dtype in DTYPES, f"dtype={dtype!r} is not allowed; use fp16 or fp32")
+    check(offload_optimizer in ("none", "cpu", "nvme"), f"offload_optimizer={offload_optimizer!r} is not allowed; "
+                                                        "use none, cpu or nvme")
+    check(offload_params in ("none", "nvme"), f"offload_params={offload_params!r} is not allowed; use none or nvme")
     itemsize = ZeroConfig(dtype=dtype).itemsize
     check(isinstance(micro_batches, int) and micro_batches >= 1, f"micro_batches={micro_batches!r} must be an integer >= 1")
     check(isinstance(prefetch, int) and prefetch >= 0, f"prefetch={prefetch!r} must be an integer >= 0 (0 = off)")
@@ -198,6 +203,12 @@ def estimate(params: Optional[float] = None, ranks: Optional[int] = None, dtype:
         row["buffer_bytes_best_case"] = best["buffer_bytes"]
         row["total_bytes_best_case"] = best["total_bytes"]
         row["total_bytes_one_in_flight"] = best["total_bytes"]   # the best case's name before the cap
+        # where offload puts the model states (stage 0 offloads nothing, params only at stage 3)
+        where = SimpleNamespace(offload_optimizer=offload_optimizer if s > 0 else "none",
+                                offload_params=offload_params if s == 3 else "none")
+        row["model_state_bytes_by_place"] = theory_by_place(
+            {"params": row["params_bytes"], "grads": row["grads_bytes"], "optimizer": row["optimizer_bytes"],
+             "secondary": row.get("secondary_bytes", 0)}, where)
         stages.append(row)
     return {
         "params": plan.params_numel,
@@ -212,6 +223,7 @@ def estimate(params: Optional[float] = None, ranks: Optional[int] = None, dtype:
         "overlap": overlap,
         "micro_batches": micro_batches,
         "in_flight": pending,
+        "offload": {"optimizer": offload_optimizer, "params": offload_params},
         "engine_max_pending": reducer.MAX_PENDING_REDUCES,
         "bandwidth_gbps": bandwidth_gbps,
         "latency_us": latency_us,
