@@ -22,6 +22,7 @@ from mpi4py import MPI
 
 from ..errors import UsageError
 from ..optim import impl
+from ..optim.dtypes import is_bf16
 from .watchdog import WaitRecord
 
 F32 = np.float32
@@ -45,11 +46,12 @@ def block_layout(size: int, rank: int, k: int):
 
 
 def check_flat(what: str, arr, size: int, dtypes=DTYPES) -> None:
-    """UsageError unless ``arr`` is a C-contiguous array of ``dtypes`` whose length splits into ``size`` slices."""
+    """UsageError unless ``arr`` is a C-contiguous array of ``dtypes`` (and bfloat16, which every
+    collective here takes: sums run in float32) whose length splits into ``size`` slices."""
     dt = getattr(arr, "dtype", None)
-    if dt not in dtypes:
+    if dt not in dtypes and not (dt is not None and is_bf16(dt)):
         raise UsageError(f"{what}: an array of {dt if dt is not None else type(arr).__name__} is not allowed; "
-                         f"use a {' or '.join(d.name for d in dtypes)} array")
+                         f"use a {' or '.join([d.name for d in dtypes] + ['bfloat16'])} array")
     if not arr.flags.c_contiguous:
         raise UsageError(f"{what}: the array is not contiguous; pass a contiguous array (np.ascontiguousarray)")
     if arr.size == 0 or arr.size % size:

@@ -1,7 +1,7 @@
 """ZeroConfig: every knob of the engine, validated once, frozen."""
 import math
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import numpy as np
 
@@ -9,7 +9,7 @@ from ..errors import ConfigError, check
 from ..optim.impl import OPTIMIZER_IMPLS
 
 STAGES = (0, 1, 2, 3)
-DTYPES = ("fp16", "fp32")
+DTYPES = ("fp16", "fp32", "bf16")
 PROGRESS = ("test", "thread")
 INIT_VALUES = ("check", "broadcast")
 F32_MAX = float(np.finfo(np.float32).max)   # 3.4028235e+38: the optimizer's numbers are float32
@@ -51,7 +51,8 @@ class ZeroConfig:
     stage: int = 2
     """ZeRO stage: 0 (plain data parallel), 1 (shard optimizer state), 2 (+ gradients), 3 (+ parameters)."""
     dtype: str = "fp16"
-    """Storage dtype of parameters and gradients: "fp16" (with dynamic loss scaling) or "fp32"."""
+    """Storage dtype of parameters and gradients: "fp16" (with dynamic loss scaling), "bf16" (bfloat16:
+    float32's range, no loss scaling; NumPy's bfloat16 comes from the ml_dtypes package) or "fp32"."""
     bucket_mb: float = 25.0
     """Target bucket size in MiB of the storage dtype; buckets are cut at layer boundaries."""
     lr: float = 1e-3
@@ -63,7 +64,11 @@ class ZeroConfig:
     eps: float = 1e-8
     """AdamW denominator epsilon (> 0)."""
     weight_decay: float = 0.0
-    """Decoupled (AdamW) weight decay, >= 0; applied to every parameter."""
+    """Decoupled (AdamW) weight decay, >= 0; applied to every parameter but those ``no_decay`` names."""
+    no_decay: Tuple[str, ...] = ()
+    """Parameters exempt from weight decay, by shell-style patterns on their names (``"*.bias"``,
+    ``"ln_f.*"``, ``"wte"``: fnmatch, case-sensitive); a pattern matching no parameter is an error
+    when the engine starts. Groups follow names, so they survive resharding (engine/decay.py)."""
     clip: float = 0.0
     """Clip gradients to this global L2 norm; 0 turns clipping off."""
     micro_batches: int = 1
@@ -138,7 +143,11 @@ class ZeroConfig:
 
     def __post_init__(self):
         check(self.stage in STAGES, f"stage={self.stage!r} is not allowed; use one of 0, 1, 2, 3")
-        check(self.dtype in DTYPES, f"dtype={self.dtype!r} is not allowed; use fp16 or fp32")
+        check(self.dtype in DTYPES, f"dtype={self.dtype!r} is not allowed; use fp16, bf16 or fp32")
+        if isinstance(self.no_decay, list):            # lists (JSON, a user's literal) are taken as tuples
+            object.__setattr__(self, "no_decay", tuple(self.no_decay))
+        check(isinstance(self.no_decay, tuple) and all(isinstance(p, str) and p for p in self.no_decay),
+              f"no_decay={self.no_decay!r} must be a tuple of parameter-name patterns (non-empty strings)")
         for name, (rule, ok, float32) in FLOAT_RULES.items():
             check_float(name, getattr(self, name), rule, ok, float32)
         decay = self.lr * self.weight_decay   # AdamW multiplies every parameter by 1 - lr x weight_decay per step
@@ -212,8 +221,8 @@ class ZeroConfig:
 
     @property
     def itemsize(self) -> int:
-        """Bytes per stored parameter or gradient element (2 for fp16, 4 for fp32)."""
-        return 2 if self.dtype == "fp16" else 4
+        """Bytes per stored parameter or gradient element (2 for fp16 and bf16, 4 for fp32)."""
+        return 4 if self.dtype == "fp32" else 2
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -29,7 +29,8 @@ import numpy as np
 from ..comm.consistency import rank_set
 from ..comm.consistency import check_consistent
 from ..comm.watchdog import Watchdog, watched
-from ..errors import MismatchError, UsageError
+from ..errors import ConfigError, MismatchError, UsageError
+from ..optim import dtypes
 from .faults import GradientGuard, fault_from_env
 
 FINGERPRINT_MOD = 2 ** 52        # fingerprints stay exact integers in a float64
@@ -75,11 +76,24 @@ def check_layers(layers):
         lname, params = item
         for pname, arr in params.items():
             dt = getattr(arr, "dtype", None)
-            if dt is None or not np.issubdtype(dt, np.floating):
+            if dt is None or not dtypes.is_float(dt):
                 what = f"dtype {dt}" if dt is not None else f"a {type(arr).__name__}"
                 raise UsageError(f"parameter {pname!r} of layer {lname!r} is {what}; a floating array (float16, "
-                                 "float32 or float64) is required")
+                                 "bfloat16, float32 or float64) is required")
     return pairs
+
+
+def storage_dtype(name: str, xp):
+    """The NumPy dtype of ZeroConfig.dtype; ConfigError where bf16 cannot be had (no ml_dtypes, or
+    a CuPy without bfloat16 arrays)."""
+    dt = dtypes.storage_dtype(name)
+    if name == "bf16" and getattr(xp, "__name__", "") == "cupy":
+        try:
+            xp.zeros(1, dt)
+        except Exception as e:   # CuPy before 14 refuses the dtype (TypeError, ValueError)
+            raise ConfigError(f"dtype='bf16' on the GPU needs a CuPy with bfloat16 arrays (14 or later; this is "
+                              f"{getattr(xp, '__version__', '?')}: {type(e).__name__}); use fp16 or fp32 on it") from None
+    return dt
 
 
 # ---- initial values ----------------------------------------------------------------

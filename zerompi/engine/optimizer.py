@@ -18,8 +18,9 @@ from typing import Optional
 
 import numpy as np
 
-from ..optim import impl
+from ..optim import dtypes, impl
 from ..optim.reference import AdamWScalars, adamw_scalars
+from .decay import exempt_runs, pieces
 from .offload import ArrayRows, FileRows, check_dir
 
 F32 = np.float32
@@ -34,6 +35,7 @@ class ShardedAdamW:
         self.transfers = transfers       # device <-> host copies (a GPU, or its stand-in); None: the host
         self.n = n = layout.numel if config.stage == 0 else layout.shard_numel
         self.ledger = ledger
+        self.no_decay = exempt_runs(layout, config.no_decay, config.stage, slot)   # rows with no weight decay
         mode = config.offload_optimizer
         if mode == "nvme":
             largest = max(b.slice_numel for b in layout.buckets)
@@ -52,7 +54,7 @@ class ShardedAdamW:
         if self.delayed:
             from concurrent.futures import ThreadPoolExecutor
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerompi-delayed-update")
-            self._grads = ledger.alloc("buffers", n, np.dtype(np.float16 if config.dtype == "fp16" else F32),
+            self._grads = ledger.alloc("buffers", n, dtypes.storage_dtype(config.dtype),
                                        place="host")
 
     # ---- the master, wherever it is ---------------------------------------------------
@@ -131,7 +133,7 @@ class ShardedAdamW:
         def run():
             for sl, g in jobs:
                 master, m, v = self.rows.fetch(sl)
-                impl.host_adamw_update(master, m, v, g, np.empty(g.size, g.dtype), s)
+                self._adamw(impl.host_adamw_update, sl, master, m, v, g, np.empty(g.size, g.dtype), s)
         self._background = self._executor.submit(run)
         self.unpublished = True
 
@@ -148,17 +150,27 @@ class ShardedAdamW:
         parameters into ``param_out`` (an array, or a callable given the host result)."""
         master, m, v = self.rows.fetch(sl)
         if not self.offloaded:
-            impl.adamw_update(master, m, v, grad, param_out, s)
+            self._adamw(impl.adamw_update, sl, master, m, v, grad, param_out, s)
         else:
             g = grad if self.transfers is None else self._down(grad, "grad")
             out = param_out if self.transfers is None and not callable(param_out) else self._buffer("param", grad)
-            impl.host_adamw_update(master, m, v, g, out, s)
+            self._adamw(impl.host_adamw_update, sl, master, m, v, g, out, s)
             if callable(param_out):
                 param_out(out)
             elif out is not param_out:
                 self.transfers.to_device(out, param_out)
                 self.transfers.synchronize()
         self.rows.commit(sl)
+
+    def _adamw(self, fn, sl, master, m, v, grad, param_out, s: AdamWScalars) -> None:
+        """``fn`` (an AdamW implementation) on rows ``[sl]``, each run of the weight-decay groups
+        (engine/decay.py) with its decay: elementwise, so the cuts change no bits."""
+        start, stop, _ = sl.indices(self.n)
+        if not self.no_decay or s.weight_decay == 0:
+            return fn(master, m, v, grad, param_out, s)
+        plain = s._replace(weight_decay=F32(0.0))
+        for lo, hi, decays in pieces(self.no_decay, start, stop):
+            fn(master[lo:hi], m[lo:hi], v[lo:hi], grad[lo:hi], param_out[lo:hi], s if decays else plain)
 
     def _buffer(self, key: str, like) -> np.ndarray:
         buf = self._host.get((key, like.dtype.str))

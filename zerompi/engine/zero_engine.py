@@ -84,7 +84,7 @@ class ZeroEngine:
         self.xp = xp
         self.rank, self.world_size = self.comm.rank, self.comm.size
         self.optimizer_impl = impl.use_impl(self.config.optimizer_impl, xp, verbose=self.rank == 0)  # "fused"/"numpy"
-        self.dtype = np.float16 if self.config.dtype == "fp16" else np.float32
+        self.dtype = contract.storage_dtype(self.config.dtype, xp)   # bf16: ConfigError where it cannot be had
         pairs = contract.check_layers(layers)
         spec = [(lname, [(pname, np.shape(a)) for pname, a in params.items()]) for lname, params in pairs]
         # Nodes and shard groups (comm/topology.py): a bucket is cut into shard_size slices, each a

@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m zerompi.estimate", description="Memory and communication per rank for ZeRO stages 0-3.")
     p.add_argument("--params", type=parse_count, help="Ψ, parameters of the model (10e9, 10B, 350M)")
     p.add_argument("--ranks", type=int, help="N, data-parallel ranks")
-    p.add_argument("--dtype", default="fp16", help="fp16 or fp32 storage of parameters and gradients")
+    p.add_argument("--dtype", default="fp16", help="fp16, bf16 or fp32 storage of parameters and gradients")
     p.add_argument("--bucket-mb", type=parse_finite, default=ZeroConfig.bucket_mb, help="bucket size in MiB")
     shape = p.add_mutually_exclusive_group()
     shape.add_argument("--layers", type=int, help="the model has this many layers of equal size")

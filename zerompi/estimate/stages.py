@@ -150,7 +150,7 @@ def estimate(params: Optional[float] = None, ranks: Optional[int] = None, dtype:
     comm_seconds_per_step_by_level, ...}], ...}`` with every size in bytes per rank. Raises
     ConfigError on bad input.
     """
-    check(dtype in DTYPES, f"dtype={dtype!r} is not allowed; use fp16 or fp32")
+    check(dtype in DTYPES, f"dtype={dtype!r} is not allowed; use fp16, bf16 or fp32")
     check(offload_optimizer in ("none", "cpu", "nvme"), f"offload_optimizer={offload_optimizer!r} is not allowed; "
                                                         "use none, cpu or nvme")
     check(offload_params in ("none", "nvme"), f"offload_params={offload_params!r} is not allowed; use none or nvme")

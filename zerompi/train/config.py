@@ -21,6 +21,9 @@ MODEL_DEFAULTS = {"gpt": {"steps": 300, "batch": 48, "log_every": 10},
 # The fields (and flags) that only one model reads: given with the other model, they are an error.
 MODEL_ONLY = {"gpt": ("n_layer", "n_head", "d_model", "seq_len", "data", "eval_every"), "mlp": ("width", "depth")}
 PATHS = ("data", "metrics_json", "save_dir", "resume")    # path fields: None = not given, never ""
+# The parameters each model exempts from weight decay by default (--no-decay replaces them, --decay-all
+# drops them): the GPT's biases (".b"), LayerNorm gains (".g") and embeddings, as GPT-2 recipes do.
+NO_DECAY = {"gpt": ("wte", "wpe", "*.b", "*.g"), "mlp": ()}
 FLAG_OF_FIELD = {"init_loss_scale": "--loss-scale"}        # ZeroConfig fields whose flag has another name
 
 
@@ -139,10 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stage", type=int, default=ZeroConfig.stage, help="ZeRO stage 0, 1, 2 or 3")
     p.add_argument("--model", default=TrainConfig.model, help=f"one of {', '.join(MODELS)}")
     p.add_argument("--steps", type=int, default=TrainConfig.steps)
-    p.add_argument("--dtype", default=ZeroConfig.dtype, help="fp16 or fp32 storage")
+    p.add_argument("--dtype", default=ZeroConfig.dtype, help="fp16 (with loss scaling), bf16 or fp32 storage")
     p.add_argument("--bucket-mb", type=float, default=ZeroConfig.bucket_mb, help="bucket size in MiB")
     p.add_argument("--lr", type=float, default=ZeroConfig.lr)
     p.add_argument("--weight-decay", type=float, default=ZeroConfig.weight_decay)
+    p.add_argument("--no-decay", action="append", default=None, metavar="PATTERN",
+                   help="parameters exempt from weight decay, by name pattern (repeat for more; default: "
+                        "gpt: wte, wpe, *.b, *.g (biases, LayerNorm gains, embeddings); mlp: none)")
+    p.add_argument("--decay-all", action="store_true", help="decay every parameter (no exemptions)")
     p.add_argument("--micro-batches", type=int, default=ZeroConfig.micro_batches)
     p.add_argument("--clip", type=float, default=ZeroConfig.clip, help="global-norm clip, 0 = off")
     p.add_argument("--loss-scale", type=float, default=ZeroConfig.init_loss_scale, help="fp16 initial loss scale")
@@ -217,8 +224,11 @@ def parse_config(argv: Optional[List[str]] = None, environ=None) -> TrainConfig:
     a = build_parser().parse_args(argv)
     timeout_s = a.timeout_s if a.timeout_s is not None else (
         default_timeout_s() if environ is None else default_timeout_s(environ))
+    check(not (a.decay_all and a.no_decay), "--decay-all and --no-decay contradict each other; give one")
+    no_decay = () if a.decay_all else tuple(a.no_decay) if a.no_decay else NO_DECAY.get(a.model, ())
     try:
         zero = ZeroConfig(stage=a.stage, dtype=a.dtype, bucket_mb=a.bucket_mb, lr=a.lr, weight_decay=a.weight_decay,
+                          no_decay=no_decay,
                           clip=a.clip, micro_batches=a.micro_batches, init_loss_scale=a.loss_scale,
                           optimizer_impl=a.optimizer_impl,
                           loss_scale_window=a.loss_scale_window, overlap=not a.no_overlap, prefetch=a.prefetch,
