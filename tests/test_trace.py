@@ -274,7 +274,10 @@ def test_every_stage_traces_in_one_process(stage, tmp_path):
 
 
 class FakeTimers:
-    def busy_total(self):
+    def now(self):
+        return trace_mod.CLOCK()
+
+    def busy_total(self, now):
         return 0.0
 
     def wait_total(self):

@@ -31,12 +31,12 @@ class InFlight:
     def launch(self, start: Callable[[], object], on_arrival: Callable[[], None]):
         """Start a collective (``start()`` returns its handle); ``on_arrival`` runs when
         :meth:`poll` sees it complete (the owner then finishes it)."""
-        launch = self.trace.launching() if self.trace is not None else None
-        self.timers.comm_started()
+        sent = self.trace.launching() if self.trace is not None else None
+        t = self.timers.comm_started()
         with self.timers.exposed("start"):
             handle = start()
-        if launch is not None:
-            self.trace.launched(launch, handle)
+        if sent is not None:
+            self.trace.launched(handle, t, sent)
         self._pending[handle] = on_arrival
         if self.progress_thread is not None:
             self.progress_thread.busy(True)
@@ -44,9 +44,9 @@ class InFlight:
 
     def _seen_complete(self, handle) -> Callable[[], None]:
         on_arrival = self._pending.pop(handle)
-        self.timers.comm_completed()
+        t = self.timers.comm_completed()
         if self.trace is not None:
-            self.trace.completed(handle)
+            self.trace.completed(handle, t)
         if self.progress_thread is not None and not self._pending:
             self.progress_thread.busy(False)
         return on_arrival

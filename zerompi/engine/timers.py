@@ -66,39 +66,43 @@ class StepTimers:
         try:
             yield
         finally:
-            dt = self._clock() - t
+            end = self._clock()
+            dt = end - t
             self.seconds["comm_wait"] += dt
             self._phase_wait += dt
             self._wait_sum += dt
             if self.trace is not None:
-                self.trace.wait(what, dt, handle)
+                self.trace.wait(what, t, end, handle)
 
-    def comm_started(self) -> None:
-        """A collective is about to start (call before the MPI call that starts it)."""
+    def comm_started(self) -> float:
+        """A collective is about to start (call before the MPI call that starts it); returns the time."""
+        now = self._clock()
         if self._in_flight == 0:
-            self._busy_since = self._clock()
+            self._busy_since = now
         self._in_flight += 1
+        return now
 
-    def comm_completed(self) -> None:
-        """A collective was seen complete by a test or a wait."""
+    def comm_completed(self) -> float:
+        """A collective was seen complete by a test or a wait; returns the time."""
+        now = self._clock()
         self._in_flight -= 1
         if self._in_flight == 0:
-            dt = self._clock() - self._busy_since
-            self.comm_busy += dt
-            self._busy_sum += dt
+            self.comm_busy += now - self._busy_since
+            self._busy_sum += now - self._busy_since
+        return now
 
     @contextmanager
     def blocking(self, what: str = "blocking collective"):
         """A blocking collective (``what`` names it in the trace): in flight and exposed for its whole duration."""
-        record = self.trace.comm_begin(what) if self.trace is not None else None
-        self.comm_started()
+        t = self.comm_started()
+        record = self.trace.comm_begin(what, t) if self.trace is not None else None
         try:
             with self.exposed(what):
                 yield
         finally:
-            self.comm_completed()
+            t = self.comm_completed()
             if record is not None:
-                self.trace.comm_end(record)
+                self.trace.comm_end(record, t)
 
     # ---- reading -------------------------------------------------------------
     def take(self) -> Dict[str, float]:
@@ -117,9 +121,13 @@ class StepTimers:
         self.comm_busy = 0.0
         return out
 
-    def busy_total(self) -> float:
-        """Seconds with >= 1 collective in flight since this object was made (an open interval up to now)."""
-        return self._busy_sum + (self._clock() - self._busy_since if self._in_flight else 0.0)
+    def now(self) -> float:
+        """This object's clock."""
+        return self._clock()
+
+    def busy_total(self, now: float) -> float:
+        """Seconds with >= 1 collective in flight since this object was made, up to ``now`` (its clock)."""
+        return self._busy_sum + (now - self._busy_since if self._in_flight else 0.0)
 
     def wait_total(self) -> float:
         """Exposed seconds since this object was made."""

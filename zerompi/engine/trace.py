@@ -116,6 +116,7 @@ class Tracer:
         if self.rank == 0:
             check_file(path, "trace")     # the library's check (the train CLI checked it at start)
         self.clock = CLOCK
+        self._shift = self.clock() - timers.now()     # the timers' instants on this clock (0 unless skewed)
         self.step_of = step_of            # the step in progress (1-based), as the engine numbers it
         self.parts = []                   # the engine's parts whose ``trace`` is this
         self._stats = getattr(comm, "stats", {})
@@ -135,16 +136,17 @@ class Tracer:
     # ---- steps (the timers' phase changes; the engine's end of step) ----------------------
     def phase(self, phase: Phase) -> None:
         if phase is not Phase.IDLE and self._step is None:
-            self._step = (self.clock(), self.timers.busy_total(), self.timers.wait_total())
+            t = self.timers.now()          # one instant for the span and the timers' totals
+            self._step = (t + self._shift, self.timers.busy_total(t), self.timers.wait_total())
 
     def step_done(self, step: int) -> None:
         """step() returned (``step``: steps taken): the step's span closes and its events join the ring."""
         if self._step is not None:
             t0, busy, wait = self._step
-            t1 = self.clock()
-            args = {"step": step, "timers_comm_busy_ms": (self.timers.busy_total() - busy) * 1e3,
+            t = self.timers.now()
+            args = {"step": step, "timers_comm_busy_ms": (self.timers.busy_total(t) - busy) * 1e3,
                     "timers_comm_wait_ms": (self.timers.wait_total() - wait) * 1e3}
-            self._events.append(("X", STEP, f"step {step}", t0, t1, args))
+            self._events.append(("X", STEP, f"step {step}", t0, t + self._shift, args))
             self._step = None
         self._ring.append(self._events)
         self._events = []
@@ -209,14 +211,13 @@ class Tracer:
         self._events.append(("X", BACKGROUND, f"optimizer b{b}", t0, self.clock(), {"bucket": b}))
 
     # ---- the wait track -------------------------------------------------------------
-    def wait(self, what: str, seconds: float, handle=None) -> None:
-        """An exposed block of ``seconds`` ended now (timers.exposed)."""
-        now = self.clock()
+    def wait(self, what: str, t0: float, t1: float, handle=None) -> None:
+        """An exposed block from ``t0`` to ``t1`` (the timers' clock; timers.exposed)."""
         args = None
         if handle is not None:
             b, step = _bucket_step(handle.tag)
             what, args = f"{what} {handle.op} b{b}", {"op": handle.op, "bucket": b, "step": step}
-        self._events.append(("X", WAIT, what, now - seconds, now, args))
+        self._events.append(("X", WAIT, what, t0 + self._shift, t1 + self._shift, args))
 
     # ---- the comm lanes -------------------------------------------------------------------
     def _bytes(self) -> int:
@@ -231,38 +232,39 @@ class Tracer:
         self._open.append(record)
         return record
 
-    def _complete(self, record: list) -> None:
-        """Kept with the step it completes in: one in flight across a step's start is in that step."""
-        record[4] = self.clock()
+    def _complete(self, record: list, t: float) -> None:
+        """Complete at ``t`` (the timers' clock); kept with the step it completes in, so that one in
+        flight across a step's start is kept with that step."""
+        record[4] = t + self._shift
         self._lanes[record[1]] = False
         self._open.remove(record)
         self._events.append(record)
 
-    def launching(self):
-        """Before a collective is started (InFlight.launch): the time and the bytes sent so far."""
-        return self.clock(), self._bytes()
+    def launching(self) -> int:
+        """Before a collective is started (InFlight.launch): the bytes sent so far."""
+        return self._bytes()
 
-    def launched(self, launch, handle) -> None:
-        t0, sent = launch
+    def launched(self, handle, t: float, sent: int) -> None:
+        """``handle`` was started at ``t`` (the timers' clock: the instant they count it in flight from)."""
         b, step = _bucket_step(handle.tag)
         name = handle.op if b is None else f"{handle.op} b{b}"
-        self._pending[handle] = self._comm(name, t0, {"op": handle.op, "bucket": b, "step": step,
-                                                      "bytes": self._bytes() - sent})
+        self._pending[handle] = self._comm(name, t + self._shift, {"op": handle.op, "bucket": b, "step": step,
+                                                                   "bytes": self._bytes() - sent})
 
-    def completed(self, handle) -> None:
-        """A test or a wait saw ``handle`` complete."""
+    def completed(self, handle, t: float) -> None:
+        """A test or a wait saw ``handle`` complete at ``t`` (the timers' clock)."""
         record = self._pending.pop(handle, None)
         if record is not None:
-            self._complete(record)
+            self._complete(record, t)
 
-    def comm_begin(self, what: str) -> list:
-        """A blocking collective begins (timers.blocking)."""
-        return self._comm(what, self.clock(), {"op": what, "bucket": None, "step": self.step_of(),
-                                               "bytes": self._bytes()})
+    def comm_begin(self, what: str, t: float) -> list:
+        """A blocking collective begins at ``t`` (timers.blocking)."""
+        return self._comm(what, t + self._shift, {"op": what, "bucket": None, "step": self.step_of(),
+                                                  "bytes": self._bytes()})
 
-    def comm_end(self, record: list) -> None:
+    def comm_end(self, record: list, t: float) -> None:
         record[5]["bytes"] = self._bytes() - record[5]["bytes"]
-        self._complete(record)
+        self._complete(record, t)
 
     # ---- the file -------------------------------------------------------------------
     def events(self, now: Optional[float] = None) -> list:
