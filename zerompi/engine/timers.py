@@ -155,11 +155,11 @@ def summarize(per_step, step_times):
     return out, fraction
 
 
-def per_step(per_step, step_times):
+def per_step(parts, step_times):
     """{part: [seconds of each step]} from :meth:`StepTimers.take` dicts and the steps' wall times:
     the parts of :func:`summarize` (``other`` as there), step by step (the metrics' step_breakdown_s)."""
-    out = {k: [p[k] for p in per_step] for k in KEYS + ("comm_busy",)}
-    out["other"] = [max(0.0, t - sum(p[k] for k in KEYS)) for p, t in zip(per_step, step_times)]
+    out = {k: [p[k] for p in parts] for k in KEYS + ("comm_busy",)}
+    out["other"] = [max(0.0, t - sum(p[k] for k in KEYS)) for p, t in zip(parts, step_times)]
     return out
 
 

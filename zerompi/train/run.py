@@ -71,7 +71,7 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
         log = _run_steps(cfg, engine, comm, model, data, floor, start, stop)
     except (JobError, CheckpointError):    # raised on every rank together: --trace keeps what there is
         if engine.trace is not None:
-            engine.trace.write()
+            engine.trace.close()
         raise
     metrics = report.final_metrics(cfg, engine, comm, log, floor, placement)   # before engine.close(): still watched
     report.print_summary(metrics, engine, comm, log.base_bytes)
