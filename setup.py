@@ -16,7 +16,7 @@ setup(
     extras_require={
         # MPICH from PyPI: measured faster than the Open MPI wheel here (README, "MPI").
         "mpi": ["mpich"],
-        "test": ["pytest>=7", "pytest-mpi", "pytest-timeout"],
+        "test": ["pytest>=7", "pytest-mpi", "pytest-timeout", "matplotlib"],   # matplotlib: the plot tests draw
         "gpu": ["cupy-cuda12x>=13"],   # ndarray.get(blocking=False), used by comm/staging.py, is new in CuPy 13
         "plot": ["matplotlib"],
     },

@@ -90,16 +90,34 @@ def install_abort_hook(comm=None) -> None:
     sys.excepthook = hook
 
 
+_AT_ABORT: list = []   # callables abort_job runs first (engine/trace.py: this rank's events are written)
+
+
+def at_abort(fn, add: bool = True) -> None:
+    """Have :func:`abort_job` call ``fn()`` before it ends the job (its errors are ignored);
+    ``add=False`` takes it off again."""
+    if add:
+        _AT_ABORT.append(fn)
+    elif fn in _AT_ABORT:
+        _AT_ABORT.remove(fn)
+
+
 def abort_job(comm, code: int) -> None:
     """End every rank of ``comm``'s job now with exit status ``code``; never returns.
 
     MPI Abort when it is safe from this thread (the main thread, or MPI_THREAD_MULTIPLE);
     otherwise this process exits at once, and mpiexec ends the others when it sees that.
+    What :func:`at_abort` registered runs first.
     """
     import threading
 
     from mpi4py import MPI
 
+    for fn in list(_AT_ABORT):
+        try:
+            fn()
+        except Exception:          # the abort matters more than what a hook could not do
+            pass
     sys.stderr.flush()
     sys.stdout.flush()
     if comm.Get_size() > 1:

@@ -25,7 +25,6 @@ engine progresses its handles), then wait(); overlap = 1 - (t_ovl - t_cpu) / t_p
 """
 import argparse
 import math
-import statistics
 import sys
 from dataclasses import dataclass, replace
 from typing import List, Optional, Tuple
@@ -33,7 +32,9 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from .cases import Case, Spinner, copy_seconds, make_case, measure_overlap, overlap_pct, time_medians
-from .levels import HEADER, TWO_LEVEL, banner, check_node_size, columns, communicators, level_record
+from .levels import TWO_LEVEL, banner, check_node_size, columns, communicators, level_record
+from .plot import check_plot, save_plot
+from .table import footer, print0, table_header, table_row
 from ..checkpoint.outputs import check_file, save_json
 from ..optim.impl import OPTIMIZER_IMPLS
 from ..errors import (EXIT_OUTPUT, ConfigError, HelpRequested, agree_on_errors, agree_on_start, check,
@@ -97,6 +98,8 @@ class BenchConfig:
     """Measure non-blocking overlap (OSU method)."""
     json_path: Optional[str] = None
     """Write the records as a JSON list here (rank 0)."""
+    plot_path: Optional[str] = None
+    """Draw busbw against size here, an image (rank 0; bench/plot.py, needs matplotlib)."""
     sum_impl: str = "auto"
     """zerompi's local reduce-scatter sum: auto (fused C when it builds), fused, or numpy (impl.use_impl)."""
     local_sum: Optional[str] = None
@@ -169,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true", help="count wrong elements against a float64 oracle")
     p.add_argument("--no-overlap", action="store_true", help="skip the non-blocking overlap measurement")
     p.add_argument("--json", default=None, metavar="PATH", help="write the records as a JSON list")
+    p.add_argument("--plot", default=None, metavar="PNG", help="draw busbw against size (needs matplotlib)")
     p.add_argument("--sum-impl", default=BenchConfig.sum_impl, help=f"zerompi's local sum: {' | '.join(OPTIMIZER_IMPLS)}")
     p.add_argument("--node-size", type=int, default=None, metavar="K",
                    help="simulate nodes of K consecutive ranks: add the two-level rows (zerompi-2level) and the "
@@ -190,7 +194,7 @@ def parse_config(argv: Optional[List[str]] = None) -> BenchConfig:
                       warmup=a.warmup, impls=IMPLS if a.impl == "both" else (a.impl,), device=a.device,
                       comm=a.comm,
                       check=a.check, overlap=not a.no_overlap, json_path=a.json, sum_impl=a.sum_impl,
-                      node_size=a.node_size)
+                      node_size=a.node_size, plot_path=a.plot)
     return cfg
 
 
@@ -294,67 +298,6 @@ def _ranks(mpi, value: float) -> dict:
     return {"min": min(vals), "avg": sum(vals) / len(vals), "max": max(vals)}
 
 
-# ---- printing -------------------------------------------------------------------
-PLACE = {"reduce_scatter": "out-of-place (bucket -> own slice)", "all_gather": "in place",
-         "all_reduce": "in place"}
-
-
-def table_header(op: str, levels: bool = False) -> str:
-    more, w = (HEADER, len(TWO_LEVEL)) if levels else (("", ""), 8)
-    return (f"#\n# {op}: {PLACE[op]}\n"
-            f"# {'size':>10} {'count':>10} {'type':>6} {'impl':>{w}} {'time_min':>9} {'time_avg':>9} "
-            f"{'time_max':>9} {'algbw':>7} {'busbw':>7} {'#wrong':>6} {'overlap':>7}{more[0]}\n"
-            f"# {'(B)':>10} {'(elts)':>10} {'':>6} {'':>{w}} {'(us)':>9} {'(us)':>9} {'(us)':>9} "
-            f"{'(GB/s)':>7} {'(GB/s)':>7} {'':>6} {'(%)':>7}{more[1]}")
-
-
-def table_row(r: dict) -> str:
-    wrong = "N/A" if r["wrong"] is None else str(r["wrong"])
-    ovl = "-" if r["overlap_pct"] is None else f"{r['overlap_pct']:.0f}"
-    w = len(TWO_LEVEL) if "node_size" in r else 8      # the two-level rows' name is longer
-    return (f"  {r['bytes']:>10} {r['count']:>10} {r['type']:>6} {r['impl']:>{w}} {r['time_us_min']:>9.1f} "
-            f"{r['time_us']:>9.1f} {r['time_us_max']:>9.1f} {r['algbw']:>7.2f} {r['busbw']:>7.2f} "
-            f"{wrong:>6} {ovl:>7}")
-
-
-def footer(records: List[dict], cfg: BenchConfig) -> str:
-    lines = ["#"]
-    for impl in cfg.row_impls():
-        mine = [r for r in records if r["impl"] == impl]
-        per_op = ", ".join(f"{op} {statistics.mean(r['busbw'] for r in mine if r['op'] == op):.2f}"
-                           for op in cfg.ops)
-        lines.append(f"# Avg bus bandwidth {impl:>8}: {statistics.mean(r['busbw'] for r in mine):.2f} GB/s "
-                     f"({per_op})")
-    copies = sorted({r["bytes"]: r["copy_GBps"] for r in records}.items())
-    lines.append(f"# Copy bandwidth of the same buffers (np.copyto, all ranks at once; ceiling per rank): "
-                 f"median {statistics.median(c for _, c in copies):.2f} GB/s, "
-                 f"{min(c for _, c in copies):.2f}..{max(c for _, c in copies):.2f} over sizes")
-    ratios = rs_ratios(records)
-    if ratios:
-        worst = min(ratios, key=lambda x: x[1])
-        lines.append(f"# reduce_scatter busbw zerompi/mpi at sizes >= 1 MiB: min {worst[1]:.2f} "
-                     f"(at {worst[0]} B), median {statistics.median(x for _, x in ratios):.2f}")
-    if cfg.dtype == "fp16" and "mpi" in cfg.impls and any(o != "all_gather" for o in cfg.ops):
-        lines.append("# float*: MPI has no fp16 sum; the built-in reduces fp32 elements of the same byte size")
-    if cfg.check:
-        lines.append(f"# #wrong: {sum(r['wrong'] for r in records)} elements in all rows "
-                     f"(tolerance N x eps x sum|x| for sums, bit-exact for all_gather)")
-    return "\n".join(lines)
-
-
-def rs_ratios(records: List[dict]) -> List[Tuple[int, float]]:
-    """(bytes, zerompi busbw / mpi busbw) of the reduce-scatter rows >= 1 MiB."""
-    rows = {(r["impl"], r["bytes"]): r["busbw"] for r in records if r["op"] == "reduce_scatter"}
-    return [(b, bw / rows[("mpi", b)]) for (impl, b), bw in sorted(rows.items())
-            if impl == "zerompi" and b >= 1 << 20 and rows.get(("mpi", b), 0) > 0]
-
-
-def print0(comm, text: str) -> None:
-    if comm.rank == 0:
-        print(text)
-        sys.stdout.flush()
-
-
 # ---- entry point ----------------------------------------------------------------
 def main(argv: Optional[List[str]] = None) -> int:
     from mpi4py import MPI
@@ -370,6 +313,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         check_node_size(cfg.node_size, world.Get_size(), cfg.device)
         if world.Get_rank() == 0:
             check_file(cfg.json_path, "json")   # rank 0 writes it: checked before any measurement
+            check_plot(cfg.plot_path)
         # what the engine's constructor does; "fused" raises here when the C kernels cannot be had
         cfg = replace(cfg, local_sum=impl.use_impl(cfg.sum_impl, verbose=world.Get_rank() == 0))
     except (ConfigError, HelpRequested) as e:
@@ -393,6 +337,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print0(comm, banner(world.Get_size(), cfg.node_size))
     records = run_bench(cfg, comm, device_comm, placement.xp, two_level)
     problem = save_json(cfg.json_path, records, "json") if cfg.json_path and comm.rank == 0 else None
+    problem = problem or (save_plot(records, cfg.plot_path) if cfg.plot_path and comm.rank == 0 else None)
     if problem:                  # the table is on stdout; the line says where the records are
         sys.stderr.write(f"zerompi.bench: error: {problem}\n")
         return EXIT_OUTPUT

@@ -11,7 +11,7 @@ One concern: the files a run leaves besides its checkpoints (``--metrics-json``,
   systems and root-squashed mounts that permission bits do not show).
 - :func:`write_atomic`: a temporary file beside the target, fsynced, renamed over it; on any
   failure (a full disk) the temporary file is removed and what was at the path stays.
-- :func:`save_json`: write_atomic of a JSON text; when that fails, a copy in the system's
+- :func:`save_json` (:func:`save_bytes`): write_atomic of a JSON text; when that fails, a copy in the system's
   temporary folder, and one line that says which.
 """
 import json
@@ -110,7 +110,11 @@ def _mode_for(target: str) -> int:
 def save_json(path: str, obj, what: str) -> Optional[str]:
     """Write ``obj`` as indented JSON to ``path`` (atomically): None, or the one line that says why it
     could not be and where a copy went instead (the system's temporary folder), if anywhere."""
-    data = json.dumps(obj, indent=1).encode()
+    return save_bytes(path, json.dumps(obj, indent=1).encode(), what)
+
+
+def save_bytes(path: str, data: bytes, what: str) -> Optional[str]:
+    """:func:`save_json` of bytes already made (a trace's JSON text)."""
     try:
         write_atomic(path, lambda f: f.write(data))
         return None

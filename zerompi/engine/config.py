@@ -140,6 +140,11 @@ class ZeroConfig:
     abort_on_exception: bool = True
     """An uncaught exception on any rank ends every rank of the job (MPI Abort) instead of leaving the
     others waiting in a collective until timeout_s; False leaves sys.excepthook alone."""
+    trace: Optional[str] = None
+    """Record a timeline of every rank's compute and collectives and write it to this file at close(), as
+    Chrome trace-event JSON (Perfetto, chrome://tracing; engine/trace.py). None (the default): off."""
+    trace_steps: int = 20
+    """With trace: the timeline keeps the last this many steps (>= 1) and the step in progress."""
 
     def __post_init__(self):
         check(self.stage in STAGES, f"stage={self.stage!r} is not allowed; use one of 0, 1, 2, 3")
@@ -213,6 +218,10 @@ class ZeroConfig:
                                                f"use one of {', '.join(INIT_VALUES)}")
         check(isinstance(self.abort_on_exception, bool), f"abort_on_exception={self.abort_on_exception!r} "
                                                          "must be True or False")
+        check(self.trace is None or (isinstance(self.trace, str) and self.trace != ""),
+              f"trace={self.trace!r} is not allowed; use a file path, or None for no trace")
+        check(isinstance(self.trace_steps, int) and not isinstance(self.trace_steps, bool) and self.trace_steps >= 1,
+              f"trace_steps={self.trace_steps!r} must be an integer >= 1 (the steps the trace keeps)")
 
     @property
     def bucket_bytes(self) -> int:

@@ -73,6 +73,7 @@ class ParameterGatherer:
         self.holds = [0] * layout.num_layers          # unshard() calls not yet matched by reshard()
         self.peak_gathered_buckets = 0                 # stage 3: most gathered buckets alive at once
         self.log = GatherLog()                          # buckets gathered since the last step (contract.py)
+        self.trace = None                               # the timeline's Tracer (engine/trace.py), or None
 
     # ---- where the parameters are ------------------------------------------------
     def param_slice(self, b: int) -> np.ndarray:
@@ -132,6 +133,8 @@ class ParameterGatherer:
     def unshard(self, layer: int, phase: Phase, micro: int, step: int) -> Dict[str, np.ndarray]:
         """Make layer's parameters whole and hold them; ``phase`` and ``micro`` (micro-batches
         done) say which layers come next, for the prefetch window; ``step`` names the gathers."""
+        if self.trace is not None:
+            self.trace.pause()               # a held layer's compute stops while the engine runs
         b = self.layout.layer_bucket[layer]
         if self.config.stage == 3:
             window = self._window(layer, phase, micro)
@@ -143,13 +146,19 @@ class ParameterGatherer:
         if self.state[b] is BucketState.GATHERING:
             self.finish(b)
         self.holds[layer] += 1
+        if self.trace is not None:
+            self.trace.hold(layer, phase)    # its compute span starts
         return self.views(layer)
 
     def reshard(self, layer: int) -> None:
         if self.holds[layer] == 0:
             raise UsageError(f"reshard({layer}) without a matching unshard({layer})")
+        if self.trace is not None:
+            self.trace.release(layer)
         self.holds[layer] -= 1
         self.inflight.poll()
+        if self.trace is not None:
+            self.trace.resume()              # a layer still held computes again
 
     def read(self, layer: int) -> Dict[str, np.ndarray]:
         """Layer's stored parameters without holding them (stage 3: only while held)."""

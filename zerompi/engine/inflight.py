@@ -6,7 +6,8 @@ MPI on between layers -- and hands each one that has arrived back to its owner (
 ``on_arrival`` given at launch), so a reduction's staging bucket is freed as soon as its
 data is in. :meth:`InFlight.finish` blocks until one has arrived (exposed time) and runs
 its local part. The timers learn when collectives start and end; the progress thread (when
-there is one) polls MPI only while something is in flight.
+there is one) polls MPI only while something is in flight; the trace (engine/trace.py, when
+on) records each collective from launch to completion, and each local part.
 """
 from typing import Callable, Dict
 
@@ -19,6 +20,7 @@ class InFlight:
         self.timers = timers                    # StepTimers: exposed time and the busy interval
         self.progress_thread = progress_thread  # ProgressThread or None
         self._pending: Dict[object, Callable[[], None]] = {}   # handle -> on_arrival, in launch order
+        self.trace = None                       # the timeline's Tracer (engine/trace.py), or None
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -29,9 +31,12 @@ class InFlight:
     def launch(self, start: Callable[[], object], on_arrival: Callable[[], None]):
         """Start a collective (``start()`` returns its handle); ``on_arrival`` runs when
         :meth:`poll` sees it complete (the owner then finishes it)."""
-        self.timers.comm_started()
-        with self.timers.exposed():
+        sent = self.trace.launching() if self.trace is not None else None
+        t = self.timers.comm_started()
+        with self.timers.exposed("start"):
             handle = start()
+        if sent is not None:
+            self.trace.launched(handle, t, sent)
         self._pending[handle] = on_arrival
         if self.progress_thread is not None:
             self.progress_thread.busy(True)
@@ -39,7 +44,9 @@ class InFlight:
 
     def _seen_complete(self, handle) -> Callable[[], None]:
         on_arrival = self._pending.pop(handle)
-        self.timers.comm_completed()
+        t = self.timers.comm_completed()
+        if self.trace is not None:
+            self.trace.completed(handle, t)
         if self.progress_thread is not None and not self._pending:
             self.progress_thread.busy(False)
         return on_arrival
@@ -47,17 +54,20 @@ class InFlight:
     def finish(self, handle) -> None:
         """Block until the handle's data has arrived (exposed time), then run its local part."""
         if handle in self._pending:
-            with self.timers.exposed(), self.comm.waiting(handle.op, handle.tag):   # the watchdog times this
+            with self.timers.exposed("wait", handle), self.comm.waiting(handle.op, handle.tag):   # the watchdog times this
                 while not handle.test():     # test, not wait: the local sum below is compute, not waiting
                     pass
             self._seen_complete(handle)
-        handle.wait()
+        if self.trace is not None:
+            self.trace.local_part(handle)    # handle.wait(), as a span of the compute track
+        else:
+            handle.wait()
 
     def poll(self) -> None:
         """Test every in-flight collective once, and hand those that have arrived to their owners."""
         if not self._pending:
             return
-        with self.timers.exposed():
+        with self.timers.exposed("test"):
             arrived = [h for h in self._pending if h.test()]
         for on_arrival in [self._seen_complete(h) for h in arrived]:
             on_arrival()

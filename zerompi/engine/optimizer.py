@@ -50,6 +50,7 @@ class ShardedAdamW:
         self._host = {}                  # staging buffers for offloaded updates on a device (grad, param out)
         self.delayed = config.offload_delayed_update
         self._background = None          # delayed update: the update in flight (a future)
+        self.trace = None                # the timeline's Tracer (engine/trace.py), or None
         self.unpublished = False         # ... and the master it wrote is not yet in the stored parameters
         if self.delayed:
             from concurrent.futures import ThreadPoolExecutor
@@ -130,10 +131,15 @@ class ShardedAdamW:
         if self.transfers is not None:
             self.transfers.synchronize()
 
+        trace = self.trace
+
         def run():
             for sl, g in jobs:
+                t0 = trace.clock() if trace is not None else 0.0
                 master, m, v = self.rows.fetch(sl)
                 self._adamw(impl.host_adamw_update, sl, master, m, v, g, np.empty(g.size, g.dtype), s)
+                if trace is not None:
+                    trace.background(sl, t0)
         self._background = self._executor.submit(run)
         self.unpublished = True
 
@@ -148,6 +154,8 @@ class ShardedAdamW:
     def update(self, sl, grad, param_out, s: AdamWScalars) -> None:
         """AdamW on the rows ``[sl]`` from the reduced ``grad``; writes the new stored-dtype
         parameters into ``param_out`` (an array, or a callable given the host result)."""
+        if self.trace is not None:
+            self.trace.optimizer(sl)     # a span of the compute track, to the end of this update
         master, m, v = self.rows.fetch(sl)
         if not self.offloaded:
             self._adamw(impl.adamw_update, sl, master, m, v, grad, param_out, s)
@@ -161,6 +169,8 @@ class ShardedAdamW:
                 self.transfers.to_device(out, param_out)
                 self.transfers.synchronize()
         self.rows.commit(sl)
+        if self.trace is not None:
+            self.trace.pop()
 
     def _adamw(self, fn, sl, master, m, v, grad, param_out, s: AdamWScalars) -> None:
         """``fn`` (an AdamW implementation) on rows ``[sl]``, each run of the weight-decay groups

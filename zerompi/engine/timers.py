@@ -13,6 +13,9 @@ Two kinds of time are kept:
 Completion is only seen at the next test, so ``comm_busy`` can overstate a collective by
 up to the compute between two progress calls (one layer): the hidden fraction is an upper
 estimate, exact when every collective is waited for.
+
+``trace`` (engine/trace.py, None when off) hears of phase changes, exposed blocks and
+blocking collectives; :meth:`busy_total` and :meth:`wait_total` are never reset by take().
 """
 import time
 from contextlib import contextmanager
@@ -35,6 +38,8 @@ class StepTimers:
         self.comm_busy = 0.0               # seconds with >= 1 collective in flight
         self._in_flight = 0                # collectives started and not yet seen complete
         self._busy_since = 0.0
+        self._busy_sum = self._wait_sum = 0.0   # comm_busy and comm_wait since creation (take() keeps them)
+        self.trace = None                  # the timeline's Tracer (engine/trace.py), or None
 
     # ---- phases --------------------------------------------------------------
     def enter(self, phase: Phase) -> None:
@@ -43,6 +48,8 @@ class StepTimers:
             return
         self._close_phase()
         self.phase = phase
+        if self.trace is not None:
+            self.trace.phase(phase)
 
     def _close_phase(self) -> None:
         now = self._clock()
@@ -52,37 +59,50 @@ class StepTimers:
 
     # ---- communication -----------------------------------------------------
     @contextmanager
-    def exposed(self):
-        """Charge the enclosed block (an MPI call on the training thread) as exposed communication."""
+    def exposed(self, what: str = "wait", handle=None):
+        """Charge the enclosed block (an MPI call on the training thread) as exposed communication;
+        ``what`` (and the ``handle`` waited for) name it in the trace."""
         t = self._clock()
         try:
             yield
         finally:
-            dt = self._clock() - t
+            end = self._clock()
+            dt = end - t
             self.seconds["comm_wait"] += dt
             self._phase_wait += dt
+            self._wait_sum += dt
+            if self.trace is not None:
+                self.trace.wait(what, t, end, handle)
 
-    def comm_started(self) -> None:
-        """A collective is about to start (call before the MPI call that starts it)."""
+    def comm_started(self) -> float:
+        """A collective is about to start (call before the MPI call that starts it); returns the time."""
+        now = self._clock()
         if self._in_flight == 0:
-            self._busy_since = self._clock()
+            self._busy_since = now
         self._in_flight += 1
+        return now
 
-    def comm_completed(self) -> None:
-        """A collective was seen complete by a test or a wait."""
+    def comm_completed(self) -> float:
+        """A collective was seen complete by a test or a wait; returns the time."""
+        now = self._clock()
         self._in_flight -= 1
         if self._in_flight == 0:
-            self.comm_busy += self._clock() - self._busy_since
+            self.comm_busy += now - self._busy_since
+            self._busy_sum += now - self._busy_since
+        return now
 
     @contextmanager
-    def blocking(self):
-        """A blocking collective: in flight and exposed for its whole duration."""
-        self.comm_started()
+    def blocking(self, what: str = "blocking collective"):
+        """A blocking collective (``what`` names it in the trace): in flight and exposed for its whole duration."""
+        t = self.comm_started()
+        record = self.trace.comm_begin(what, t) if self.trace is not None else None
         try:
-            with self.exposed():
+            with self.exposed(what):
                 yield
         finally:
-            self.comm_completed()
+            t = self.comm_completed()
+            if record is not None:
+                self.trace.comm_end(record, t)
 
     # ---- reading -------------------------------------------------------------
     def take(self) -> Dict[str, float]:
@@ -94,11 +114,24 @@ class StepTimers:
         now = self._clock()
         if self._in_flight:
             self.comm_busy += now - self._busy_since
+            self._busy_sum += now - self._busy_since
             self._busy_since = now
         out = dict(self.seconds, comm_busy=self.comm_busy)
         self.seconds = dict.fromkeys(KEYS, 0.0)
         self.comm_busy = 0.0
         return out
+
+    def now(self) -> float:
+        """This object's clock."""
+        return self._clock()
+
+    def busy_total(self, now: float) -> float:
+        """Seconds with >= 1 collective in flight since this object was made, up to ``now`` (its clock)."""
+        return self._busy_sum + (now - self._busy_since if self._in_flight else 0.0)
+
+    def wait_total(self) -> float:
+        """Exposed seconds since this object was made."""
+        return self._wait_sum
 
 
 def hidden_fraction(comm_busy: float, comm_wait: float) -> float:
@@ -120,6 +153,14 @@ def summarize(per_step, step_times):
     out["other"] = statistics.median(max(0.0, t - sum(p[k] for k in KEYS)) for p, t in zip(per_step, step_times))
     fraction = hidden_fraction(sum(p["comm_busy"] for p in per_step), sum(p["comm_wait"] for p in per_step))
     return out, fraction
+
+
+def per_step(parts, step_times):
+    """{part: [seconds of each step]} from :meth:`StepTimers.take` dicts and the steps' wall times:
+    the parts of :func:`summarize` (``other`` as there), step by step (the metrics' step_breakdown_s)."""
+    out = {k: [p[k] for p in parts] for k in KEYS + ("comm_busy",)}
+    out["other"] = [max(0.0, t - sum(p[k] for k in KEYS)) for p, t in zip(parts, step_times)]
+    return out
 
 
 def format_breakdown(parts) -> str:

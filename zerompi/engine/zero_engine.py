@@ -33,7 +33,7 @@ from ..comm.watchdog import watched
 from ..errors import ConfigError, UsageError, install_abort_hook
 from ..layout import FlatLayout
 from ..optim import impl
-from . import contract, traffic
+from . import contract, trace, traffic
 from .buffers import BucketPool, plan_classes
 from .config import ZeroConfig
 from .gatherer import ParameterGatherer
@@ -120,6 +120,7 @@ class ZeroEngine:
                                        self.inflight, pool, self.ledger, self.guard, self.dtype)
         self.optimizer = ShardedAdamW(self.layout, self.config, self.ledger, self.slot, self.rank, transfers)
         self.optimizer.load_initial(pairs, xp)
+        self.trace = trace.attach(self) if self.config.trace else None   # the timeline (engine/trace.py)
         self.publish_params(all_gather=True)
         # A program that ends without close() must not reach MPI_Finalize with collectives in flight.
         self._at_exit = functools.partial(self.inflight.drain, self.config.timeout_s)
@@ -229,12 +230,13 @@ class ZeroEngine:
         if self.config.stage == 3:
             self.gatherer.free()
         self.reducer.collect()
-        with self.timers.blocking():
-            self.reducer.reduce_replicas()
+        if self.replica is not None:   # several shard groups: one all-reduce across them
+            with self.timers.blocking("all_reduce across shard groups"):
+                self.reducer.reduce_replicas()
         lay, grads = self.layout, self.reducer.reduced_slices()
         sumsq, nonfinite = self.reducer.stats()
         lr = self.config.lr if lr is None else float(lr)
-        with self.timers.blocking():   # + what every rank must agree on (engine/contract.py)
+        with self.timers.blocking("gather_scalars"):   # + what every rank must agree on (engine/contract.py)
             table = self.comm.gather_scalars([sumsq, float(nonfinite)]
                                              + contract.step_columns(lr, self.steps_taken + 1, self.gatherer.log))
         contract.check_step(self.comm, table, self.gatherer.log)
@@ -253,7 +255,7 @@ class ZeroEngine:
         coef = clip / (norm + 1e-6) if clip > 0 and norm > clip else 1.0
         self.step_count += 1
         if self.config.stage == 0:
-            with self.timers.blocking():
+            with self.timers.blocking("all_gather (stage 0)"):
                 self.reducer.all_gather(self.steps_taken)
         s = self.optimizer.scalars(lr, self.step_count, coef / scale)
         if self.optimizer.delayed:     # publish update k - 1 (its master), start update k behind the next step
@@ -283,6 +285,8 @@ class ZeroEngine:
             self.gatherer.prefetch_forward(self.steps_taken + 1)
         self._last_layer = None
         self._enter(Phase.IDLE)
+        if self.trace is not None:
+            self.trace.step_done(self.steps_taken)
 
     def publish_params(self, all_gather: bool = True) -> None:
         """Write the stored-dtype parameters from the master; stages 1/2 then all-gather them
@@ -374,6 +378,8 @@ class ZeroEngine:
         self.optimizer.close()
         for c in self._comms():
             c.free_scratch()
+        if self.trace is not None:      # a collective: rank 0 writes the merged timeline
+            self.trace.close()
         self._watchdog.close()
         atexit.unregister(self._at_exit)
         self.closed = True

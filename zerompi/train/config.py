@@ -212,6 +212,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hpz", action="store_true",
                    help="stage 3: keep a node-local copy of the parameters after each gather across nodes "
                         "(ZeRO++ hpZ)")
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help="write a timeline of every rank's compute and collectives to FILE (Chrome trace-event "
+                        "JSON: open it in ui.perfetto.dev or chrome://tracing)")
+    p.add_argument("--trace-steps", type=int, default=ZeroConfig.trace_steps, metavar="K",
+                   help=f"with --trace: keep the last K steps (default {ZeroConfig.trace_steps})")
     return p
 
 
@@ -237,7 +242,8 @@ def parse_config(argv: Optional[List[str]] = None, environ=None) -> TrainConfig:
                           quantize_weights=a.quantize_weights, quantize_grads=a.quantize_grads,
                           quant_block=a.quant_block, offload_optimizer=a.offload_optimizer,
                           offload_params=a.offload_params, offload_dir=a.offload_dir,
-                          offload_delayed_update=a.offload_delayed_update,
+                          offload_delayed_update=a.offload_delayed_update, trace=a.trace,
+                          trace_steps=a.trace_steps,
                           lazy_publish=True)   # the built-in models read parameters through unshard() every step
     except ConfigError as e:         # ZeroConfig names its fields; say the flag where its name differs
         flag = next((f for field, f in FLAG_OF_FIELD.items() if str(e).startswith(field + "=")), None)

@@ -11,9 +11,10 @@ from .data import FILE_VOCAB, GENERATED_VOCAB
 
 
 def check_outputs(cfg: TrainConfig, rank: int) -> None:
-    """--metrics-json on rank 0 (which writes it); --save-dir on every rank (each writes its shard)."""
+    """--metrics-json and --trace on rank 0 (which writes them); --save-dir on every rank (each writes its shard)."""
     if rank == 0:
         check_file(cfg.metrics_json, "metrics_json")
+        check_file(cfg.zero.trace, "trace")
     check_folder(cfg.save_dir, "save_dir")
 
 

@@ -12,7 +12,7 @@ from mpi4py import MPI
 from ..optim import impl
 from ..comm.communicator import mpi_library
 from ..comm.device import describe_buffers
-from ..engine.timers import format_breakdown, summarize
+from ..engine.timers import format_breakdown, per_step, summarize
 from ..comm.watchdog import watched
 
 
@@ -177,6 +177,7 @@ def final_metrics(cfg, engine, comm, log, entropy_floor, placement) -> dict:
         "comm_hidden_fraction": hidden,
         "peak_gathered_buckets": engine.gatherer.peak_gathered_buckets,
         "step_times_s": times,                     # rank 0's wall seconds of each (kept) step, in order
+        "step_breakdown_s": per_step(list(log.parts), times),   # the same steps' time_breakdown_s parts, each
         "val_losses": list(log.val_losses),        # [step, mean held-out loss (nats/token)] pairs
         "entropy_floor": entropy_floor,            # nats/token; null for --data and the MLP
         "tokens_per_s": tokens / log.total_time if cfg.model == "gpt" else None,   # global, rank 0's clock

@@ -53,6 +53,7 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
     from ..comm.consistency import check_consistent, job_fields
     from ..engine.zero_engine import ZeroEngine
     from ..comm.staging import device_communicator
+    from ..checkpoint.collective import CheckpointError
 
     comm = Communicator(mpi_comm)
     # The engine's watchdog starts with the engine and times every later wait; this one times the check.
@@ -66,13 +67,20 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
     report.print_banner(cfg, engine, comm, placement, data)
     start = _resume(engine, cfg) if cfg.resume else 0    # the step a resumed run starts at
     floor = data.entropy_floor if cfg.model == "gpt" else None   # nats/token; None: a user's file, or the MLP
-    log = _run_steps(cfg, engine, comm, model, data, floor, start, stop)
+    try:
+        log = _run_steps(cfg, engine, comm, model, data, floor, start, stop)
+    except (JobError, CheckpointError):    # raised on every rank together: --trace keeps what there is
+        if engine.trace is not None:
+            engine.trace.close()
+        raise
     metrics = report.final_metrics(cfg, engine, comm, log, floor, placement)   # before engine.close(): still watched
     report.print_summary(metrics, engine, comm, log.base_bytes)
     problem = None
     if cfg.metrics_json and comm.rank == 0:      # atomically: a full disk leaves the old file, not an empty one
         from ..checkpoint.outputs import save_json
         problem = save_json(cfg.metrics_json, metrics, "metrics_json")
+    if engine.trace is not None:                 # --trace: a collective; rank 0 writes the ranks' timeline
+        problem = engine.trace.write() or problem
     engine.close()
     if dev_comm is not comm:
         getattr(dev_comm, "close", lambda: None)()   # NCCL's communicator is destroyed here

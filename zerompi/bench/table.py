@@ -1,0 +1,68 @@
+"""The nccl-tests-style table the benchmark prints on rank 0: per op a header, a row per
+(size, implementation), and the footer (average bus bandwidth, the copy ceiling, the
+reduce-scatter ratio against MPI's own)."""
+import statistics
+import sys
+from typing import List, Tuple
+
+from .levels import HEADER, TWO_LEVEL
+
+PLACE = {"reduce_scatter": "out-of-place (bucket -> own slice)", "all_gather": "in place",
+         "all_reduce": "in place"}
+
+
+def table_header(op: str, levels: bool = False) -> str:
+    more, w = (HEADER, len(TWO_LEVEL)) if levels else (("", ""), 8)
+    return (f"#\n# {op}: {PLACE[op]}\n"
+            f"# {'size':>10} {'count':>10} {'type':>6} {'impl':>{w}} {'time_min':>9} {'time_avg':>9} "
+            f"{'time_max':>9} {'algbw':>7} {'busbw':>7} {'#wrong':>6} {'overlap':>7}{more[0]}\n"
+            f"# {'(B)':>10} {'(elts)':>10} {'':>6} {'':>{w}} {'(us)':>9} {'(us)':>9} {'(us)':>9} "
+            f"{'(GB/s)':>7} {'(GB/s)':>7} {'':>6} {'(%)':>7}{more[1]}")
+
+
+def table_row(r: dict) -> str:
+    wrong = "N/A" if r["wrong"] is None else str(r["wrong"])
+    ovl = "-" if r["overlap_pct"] is None else f"{r['overlap_pct']:.0f}"
+    w = len(TWO_LEVEL) if "node_size" in r else 8      # the two-level rows' name is longer
+    return (f"  {r['bytes']:>10} {r['count']:>10} {r['type']:>6} {r['impl']:>{w}} {r['time_us_min']:>9.1f} "
+            f"{r['time_us']:>9.1f} {r['time_us_max']:>9.1f} {r['algbw']:>7.2f} {r['busbw']:>7.2f} "
+            f"{wrong:>6} {ovl:>7}")
+
+
+def footer(records: List[dict], cfg) -> str:
+    """The lines under the tables (``cfg``: the run's BenchConfig)."""
+    lines = ["#"]
+    for impl in cfg.row_impls():
+        mine = [r for r in records if r["impl"] == impl]
+        per_op = ", ".join(f"{op} {statistics.mean(r['busbw'] for r in mine if r['op'] == op):.2f}"
+                           for op in cfg.ops)
+        lines.append(f"# Avg bus bandwidth {impl:>8}: {statistics.mean(r['busbw'] for r in mine):.2f} GB/s "
+                     f"({per_op})")
+    copies = sorted({r["bytes"]: r["copy_GBps"] for r in records}.items())
+    lines.append(f"# Copy bandwidth of the same buffers (np.copyto, all ranks at once; ceiling per rank): "
+                 f"median {statistics.median(c for _, c in copies):.2f} GB/s, "
+                 f"{min(c for _, c in copies):.2f}..{max(c for _, c in copies):.2f} over sizes")
+    ratios = rs_ratios(records)
+    if ratios:
+        worst = min(ratios, key=lambda x: x[1])
+        lines.append(f"# reduce_scatter busbw zerompi/mpi at sizes >= 1 MiB: min {worst[1]:.2f} "
+                     f"(at {worst[0]} B), median {statistics.median(x for _, x in ratios):.2f}")
+    if cfg.dtype == "fp16" and "mpi" in cfg.impls and any(o != "all_gather" for o in cfg.ops):
+        lines.append("# float*: MPI has no fp16 sum; the built-in reduces fp32 elements of the same byte size")
+    if cfg.check:
+        lines.append(f"# #wrong: {sum(r['wrong'] for r in records)} elements in all rows "
+                     f"(tolerance N x eps x sum|x| for sums, bit-exact for all_gather)")
+    return "\n".join(lines)
+
+
+def rs_ratios(records: List[dict]) -> List[Tuple[int, float]]:
+    """(bytes, zerompi busbw / mpi busbw) of the reduce-scatter rows >= 1 MiB."""
+    rows = {(r["impl"], r["bytes"]): r["busbw"] for r in records if r["op"] == "reduce_scatter"}
+    return [(b, bw / rows[("mpi", b)]) for (impl, b), bw in sorted(rows.items())
+            if impl == "zerompi" and b >= 1 << 20 and rows.get(("mpi", b), 0) > 0]
+
+
+def print0(comm, text: str) -> None:
+    if comm.rank == 0:
+        print(text)
+        sys.stdout.flush()
