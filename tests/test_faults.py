@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.mpirun import ROOT, mpiexec, run_mpi, run_train
+from tests.mpirun import ROOT, mpi_env, mpiexec, one_line, run_mpi, run_train
 from zerompi.engine.config import ZeroConfig
 from zerompi.comm.consistency import flatten, mismatch_message, rank_set
 from zerompi.errors import EXIT_TIMEOUT, ConfigError
@@ -128,10 +128,7 @@ def test_config_mismatch_mpmd_ends_at_once():
     t = time.monotonic()
     proc = run_mpmd([["-m", "zerompi.train", "--model", "mlp", "--width", "64"],
                      ["-m", "zerompi.train", "--model", "mlp", "--width", "128"]])
-    assert proc.returncode == 2, proc.stderr
-    lines = [l for l in proc.stderr.splitlines() if l.strip()]
-    assert len(lines) == 1 and "mismatch" in lines[0], proc.stderr
-    assert "width = 64 on rank 0, 128 on rank 1" in lines[0]
+    one_line(proc, 2, "mismatch", "width = 64 on rank 0, 128 on rank 1")
     assert time.monotonic() - t < LIMIT
 
 
@@ -166,11 +163,8 @@ def test_engine_mismatch_raises_on_every_rank():
 def test_nan_in_fp32_is_an_error_naming_step_bucket_rank():
     proc = run_mpi(3, train_args("--stage", "2", "--dtype", "fp32", "--steps", "6"), timeout=LIMIT,
                    env=env_with(ZEROMPI_FAULT="nan@rank2:step2"), check=False)
-    assert proc.returncode == 1, proc.stderr
-    lines = [l for l in proc.stderr.splitlines() if l.strip()]
-    assert len(lines) == 1, proc.stderr
     # Every gradient of rank 2 is NaN, so the first bucket (0) is the first non-finite one.
-    assert "non-finite gradients at step 2: first in bucket 0 on rank 2;" in lines[0]
+    one_line(proc, 1, "non-finite gradients at step 2: first in bucket 0 on rank 2;")
     assert "step     2/" not in proc.stdout
 
 
@@ -265,9 +259,7 @@ def test_watched_labels_name_the_operation_and_step():
 
 def test_bad_fault_env_exits_2_with_one_line():
     proc = run_mpi(3, train_args("--steps", "2"), timeout=LIMIT, env=env_with(ZEROMPI_FAULT="nan@rank1"), check=False)
-    assert proc.returncode == 2
-    lines = [l for l in proc.stderr.splitlines() if l.strip()]
-    assert len(lines) == 1 and "ZEROMPI_FAULT='nan@rank1' is not a fault" in lines[0], proc.stderr
+    one_line(proc, 2, "ZEROMPI_FAULT='nan@rank1' is not a fault")
 
 
 def test_timeout_setting_precedence_and_validation():
@@ -403,9 +395,7 @@ def test_soak_memory_is_flat_and_a_leak_is_caught():
 
 # ---- helpers -----------------------------------------------------------------------------------
 def _env():
-    env = env_with(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
+    return mpi_env(env_with(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1"))
 
 
 def run_mpmd(programs, timeout=LIMIT) -> subprocess.CompletedProcess:

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.mpirun import run_mpi, run_train
+from tests.mpirun import one_line, run_mpi, run_train
 from zerompi.train.data import GeneratedData
 from zerompi.train.models.gpt import GPT
 
@@ -131,5 +131,4 @@ def test_byte_level_file(tmp_path):
 ])
 def test_bad_gpt_flags_exit_2_with_one_line(flags, needle):
     proc = run_mpi(2, ["-m", "zerompi.train"] + flags, timeout=60, check=False)
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr
+    one_line(proc, 2, needle)

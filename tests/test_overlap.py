@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from tests.mpirun import run_mpi
+from tests.mpirun import one_line, run_mpi
 from tests.reference import train_reference
 from zerompi import BucketState, ConfigError, ZeroConfig, ZeroEngine
 from zerompi.comm.communicator import Communicator
@@ -96,8 +96,7 @@ def test_prefetch_matches_float64_reference(tmp_path):
                                           (["--progress", "poll"], "progress='poll'")])
 def test_bad_overlap_flags_exit_2(flags, needle):
     proc = run_mpi(2, ["-m", "zerompi.train", "--model", "mlp"] + flags, timeout=60, check=False)
-    lines = [l for l in proc.stderr.splitlines() if l.strip()]
-    assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr
+    one_line(proc, 2, needle)
 
 
 def test_config_validates_overlap_fields():
