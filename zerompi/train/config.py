@@ -6,10 +6,11 @@ import argparse
 from dataclasses import dataclass
 from typing import List, Optional
 
-from ..engine.config import ZeroConfig
+from ..engine.config import PROGRESS, ZeroConfig
 from ..comm.device import DEVICES
 from ..comm.watchdog import default_timeout_s
 from ..errors import ConfigError, HelpRequested, check
+from .console import PROGRESS_MODES
 
 # --help's description: the train module's docstring, where the parser used to live.
 DESCRIPTION = "``mpiexec -n N python -m zerompi.train``: train a built-in model with ZeRO stage 0-3."
@@ -24,7 +25,8 @@ PATHS = ("data", "metrics_json", "save_dir", "resume")    # path fields: None = 
 # The parameters each model exempts from weight decay by default (--no-decay replaces them, --decay-all
 # drops them): the GPT's biases (".b"), LayerNorm gains (".g") and embeddings, as GPT-2 recipes do.
 NO_DECAY = {"gpt": ("wte", "wpe", "*.b", "*.g"), "mlp": ()}
-FLAG_OF_FIELD = {"init_loss_scale": "--loss-scale"}        # ZeroConfig fields whose flag has another name
+# ZeroConfig fields whose flag has another name:
+FLAG_OF_FIELD = {"init_loss_scale": "--loss-scale", "progress": "--comm-progress"}
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,9 @@ class TrainConfig:
     comm: str = "mpi"
     """How device buffers are reduced and gathered: mpi (staged through pinned host buffers on a GPU) or
     nccl (device to device; needs device gpu and one GPU per rank)."""
+    progress: str = "auto"
+    """How rank 0 shows the steps: bar (redrawn in place), lines (one per logged step) or auto (a bar
+    only for a person at a terminal; console.py)."""
     zero: ZeroConfig = ZeroConfig()
     """Engine configuration."""
 
@@ -100,6 +105,12 @@ class TrainConfig:
         check(isinstance(self.save_every, int) and self.save_every >= 0,
               f"save_every={self.save_every!r} must be an integer >= 0 (steps between checkpoints; 0 = at the end)")
         check(self.save_every == 0 or self.save_dir, f"save_every={self.save_every} needs save_dir (--save-dir DIR)")
+        self._check_progress()
+
+    def _check_progress(self) -> None:
+        moved = f" (how collectives advance is --comm-progress {self.progress})" if self.progress in PROGRESS else ""
+        check(self.progress in PROGRESS_MODES,
+              f"progress={self.progress!r} is not allowed; use one of {', '.join(PROGRESS_MODES)}{moved}")
 
     def _check_gpt(self) -> None:
         check(self.n_layer >= 1, f"n_layer={self.n_layer} must be >= 1")
@@ -176,7 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stage 3: buckets gathered ahead of the computing layer (0 = off)")
     p.add_argument("--no-overlap", action="store_true",
                    help="wait for every collective as soon as it starts (the serial baseline)")
-    p.add_argument("--progress", default=ZeroConfig.progress, help="how collectives advance: test or thread")
+    p.add_argument("--progress", default=TrainConfig.progress,
+                   help="auto (a bar for a person at a terminal, else step lines), bar or lines")
+    p.add_argument("--comm-progress", default=ZeroConfig.progress, help="how collectives advance: test or thread")
     p.add_argument("--save-dir", default=None, metavar="DIR", help="write checkpoints here (after the last step)")
     p.add_argument("--save-every", type=int, default=TrainConfig.save_every, metavar="K",
                    help="also save every K steps (needs --save-dir)")
@@ -232,7 +245,7 @@ def parse_config(argv: Optional[List[str]] = None, environ=None) -> TrainConfig:
                           clip=a.clip, micro_batches=a.micro_batches, init_loss_scale=a.loss_scale,
                           optimizer_impl=a.optimizer_impl,
                           loss_scale_window=a.loss_scale_window, overlap=not a.no_overlap, prefetch=a.prefetch,
-                          progress=a.progress, timeout_s=timeout_s, max_skipped_steps=a.max_skipped_steps,
+                          progress=a.comm_progress, timeout_s=timeout_s, max_skipped_steps=a.max_skipped_steps,
                           node_size=a.node_size, shard_size=a.shard_size, hpz=a.hpz,
                           quantize_weights=a.quantize_weights, quantize_grads=a.quantize_grads,
                           quant_block=a.quant_block, offload_optimizer=a.offload_optimizer,
@@ -253,4 +266,5 @@ def parse_config(argv: Optional[List[str]] = None, environ=None) -> TrainConfig:
             specific[name] = value
     return TrainConfig(model=a.model, steps=a.steps, batch=a.batch, seed=a.seed,
                        log_every=a.log_every, metrics_json=a.metrics_json, save_dir=a.save_dir,
-                       save_every=a.save_every, resume=a.resume, device=a.device, comm=a.comm, zero=zero, **specific)
+                       save_every=a.save_every, resume=a.resume, device=a.device, comm=a.comm,
+                       progress=a.progress, zero=zero, **specific)
