@@ -7,7 +7,6 @@ take a non-finite value" is a run without the fault that stops one step earlier.
 """
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -343,30 +342,7 @@ def test_long_compute_does_not_trip_the_watchdog():
     assert proc.stdout.strip() == "done 0 done 1 done 2"
 
 
-# ---- SIGTERM / SIGINT --------------------------------------------------------------------------
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_finishes_the_step_saves_and_exits_0(tmp_path, sig):
-    ck = tmp_path / "ck"
-    out = tmp_path / "out.txt"
-    cmd = [mpiexec(), "-n", "2", sys.executable, *train_args("--stage", "3", "--steps", "1000000", "--log-every",
-                                                            "1", "--save-dir", ck)]
-    with open(out, "w") as f:
-        proc = subprocess.Popen([str(c) for c in cmd], stdout=f, stderr=subprocess.STDOUT, env=_env(), cwd=str(ROOT))
-    try:
-        assert _wait_for(lambda: "step     3/" in out.read_text(), limit=60), out.read_text()
-        proc.send_signal(sig)                # mpiexec forwards it to every rank
-        rc = proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    text = out.read_text()
-    assert rc == 0, text
-    line = next(l for l in text.splitlines() if l.startswith("zerompi.train: stopped by"))
-    assert line.startswith(f"zerompi.train: stopped by {sig.name} after step ") and f"saved in {ck}" in line
-    stopped_at = int(line.split("after step ")[1].split()[0])
-    assert (ck / f"step_{stopped_at:06d}").is_dir() and (ck / "latest").exists()
-    assert f"step {stopped_at + 1:5d}/" not in text
+# ---- SIGTERM / SIGINT / SIGUSR1 and the stop file: tests/test_stop.py ----------------------------------
 
 
 # ---- the consistency message ---------------------------------------------------------------------

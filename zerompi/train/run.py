@@ -99,7 +99,7 @@ def _run_steps(cfg: TrainConfig, engine, comm, model, data, floor: Optional[floa
         result = engine.step()
         total = comm.sum_scalars([sum(local) / len(local), stop.flag if stop else 0.0])   # + the stop flag
         loss = float(total[0] / comm.size)
-        stopping = total[1] > 0                 # SIGTERM/SIGINT on some rank: every rank stops after this step
+        stopping = total[1] > 0                 # a signal or the stop file on some rank: every rank stops here
         l1 = comm.level_bytes()
         log.record(loss, time.perf_counter() - t0, sent() - b0, engine.timers.take(),   # bounded (history.py)
                    (l1["intra"] - l0["intra"], l1["inter"] - l0["inter"], comm.logical_bytes() - q0))
@@ -210,7 +210,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2                          # a job that cannot fit stops before it allocates
     from ..checkpoint.collective import CheckpointError
     try:
-        train(cfg, stop=StopSignal(), placement=placement)
+        train(cfg, stop=StopSignal(cfg.stop_file if comm.Get_rank() == 0 else None), placement=placement)
     except (CheckpointError, JobError) as e:   # raised on every rank together: no rank is left in a collective
         if comm.Get_rank() == 0:
             sys.stderr.write(f"zerompi.train: error: {e}\n")
