@@ -76,6 +76,7 @@ def test_bad_flags_raise_config_error(flags, needle):
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.every_mpi
 @pytest.mark.parametrize("flags,needle", [(["-b", "64M", "-e", "1M"], "larger than max size"),
                                           (["--op", "broadcast"], "op='broadcast'"),
                                           (["--device", "gpu"], "device='gpu'")])

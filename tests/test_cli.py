@@ -5,6 +5,8 @@ import pytest
 
 from tests.mpirun import one_line, run_mpi
 
+pytestmark = pytest.mark.every_mpi       # CI runs these under Open MPI too (.ci/run)
+
 BAD = [
     (["--stage", "5"], "stage=5"),
     (["--model", "resnet"], "model='resnet'"),

@@ -21,6 +21,8 @@ from zerompi.errors import EXIT_TIMEOUT, ConfigError
 from zerompi.engine.faults import Fault, GradientGuard, InjectedFault, parse_fault, range_limit
 from zerompi.comm.watchdog import TIMEOUT_ENV, WaitRecord, Watchdog, default_timeout_s, describe_wait, watched
 
+pytestmark = pytest.mark.every_mpi       # CI runs these under Open MPI too (.ci/run)
+
 SMALL = ["--model", "mlp", "--width", "32", "--depth", "3", "--batch", "12", "--bucket-mb", "0.002"]
 TIMEOUT_S = 5      # the watchdog's timeout in these jobs: short, so a hang ends fast
 LIMIT = 90         # every job must end within this (the bar)

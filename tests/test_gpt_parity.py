@@ -125,6 +125,7 @@ def test_byte_level_file(tmp_path):
     assert m["val_losses"][-1][1] < m["losses"][0] - 0.5
 
 
+@pytest.mark.every_mpi
 @pytest.mark.parametrize("flags,needle", [
     (["--d-model", "30", "--n-head", "4"], "d_model=30 is not divisible by n_head=4"),
     (["--data", "no/such/file"], "data='no/such/file' is not a file"),
