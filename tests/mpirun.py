@@ -45,6 +45,16 @@ def launcher() -> str:
     return "mpich" if "HYDRA" in text or "MPICH" in text else "other"
 
 
+def launcher_env() -> dict:
+    """What :func:`launcher` needs in the environment here: Open MPI's OPEN_MPI_ENV, else nothing."""
+    return dict(OPEN_MPI_ENV) if launcher() == "openmpi" else {}
+
+
+def env_flag(key: str, value: str) -> list:
+    """mpiexec's flags that set KEY=VALUE for the ranks of one MPMD part (hydra -env, Open MPI -x)."""
+    return ["-x", f"{key}={value}"] if launcher() == "openmpi" else ["-env", key, value]
+
+
 def mpi_env(env=None) -> dict:
     """The environment of a job: this one, one BLAS thread, the repository on PYTHONPATH,
     Open MPI's settings for root and oversubscription when it is the launcher, then ``env``."""
@@ -52,9 +62,8 @@ def mpi_env(env=None) -> dict:
     full_env.setdefault("OMP_NUM_THREADS", "1")
     full_env.setdefault("OPENBLAS_NUM_THREADS", "1")
     full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
-    if launcher() == "openmpi":
-        for key, value in OPEN_MPI_ENV.items():
-            full_env.setdefault(key, value)
+    for key, value in launcher_env().items():
+        full_env.setdefault(key, value)
     if env:
         full_env.update(env)
     return full_env
@@ -83,10 +92,16 @@ def run_train(n: int, tmp_path, *flags, timeout: float = 120, env=None, tag: str
 PYTHON_NOISE = ("Traceback (most recent call last)", "Warning: ")   # never printed by a clean exit
 
 
-def zerompi_lines(text: str) -> List[str]:
+def zerompi_lines(text: str, prefixes=("zerompi",)) -> List[str]:
     """The lines zerompi printed in ``text``: those that start with ``zerompi`` (its messages
-    do: ``zerompi.train: error: ...``, ``zerompi: rank 1: collective timeout ...``)."""
-    return [line for line in text.splitlines() if line.startswith("zerompi")]
+    do: ``zerompi.train: error: ...``, ``zerompi: rank 1: collective timeout ...``), or with
+    one of ``prefixes`` (a test driver's program name)."""
+    return [line for line in text.splitlines() if line.startswith(tuple(prefixes))]
+
+
+def no_python_noise(text: str) -> None:
+    """Assert that ``text`` holds no Python traceback or warning (PYTHON_NOISE)."""
+    assert not any(noise in text for noise in PYTHON_NOISE), text
 
 
 def one_line(proc: subprocess.CompletedProcess, status: int, *needles: str) -> str:
@@ -98,5 +113,5 @@ def one_line(proc: subprocess.CompletedProcess, status: int, *needles: str) -> s
     assert proc.returncode == status, f"exit {proc.returncode}, expected {status}\n{err}"
     assert len(lines) == 1, err
     assert all(needle in lines[0] for needle in needles), (needles, err)
-    assert not any(noise in err for noise in PYTHON_NOISE), err
+    no_python_noise(err)
     return lines[0]

@@ -9,9 +9,11 @@ import time
 
 import pytest
 
-from tests.mpirun import ROOT, mpiexec, run_mpi
+from tests.mpirun import ROOT, env_flag, launcher_env, mpiexec, no_python_noise, run_mpi, zerompi_lines
 from zerompi.comm.watchdog import TIMEOUT_ENV
 from zerompi.errors import EXIT_TIMEOUT
+
+pytestmark = pytest.mark.every_mpi       # CI runs these under Open MPI too (.ci/run): MPMD, a rank that leaves
 
 MLP = ["-m", "zerompi.train", "--model", "mlp", "--width", "16", "--depth", "2", "--batch", "4", "--steps", "2"]
 LIMIT = 60     # seconds: each job here ends in about one start-up of the ranks; the old hangs were for ever
@@ -19,7 +21,7 @@ LIMIT = 60     # seconds: each job here ends in about one start-up of the ranks;
 
 def clean_env(**kv):
     env = {k: v for k, v in os.environ.items() if k not in (TIMEOUT_ENV, "ZEROMPI_FAULT")}
-    env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT), **kv)
+    env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT), **launcher_env(), **kv)
     return env
 
 
@@ -29,7 +31,7 @@ def mpmd(*parts, timeout=LIMIT):
     for i, (env, args) in enumerate(parts):
         cmd += ([":"] if i else []) + ["-n", "1"]
         for k, v in env.items():
-            cmd += ["-env", k, v]
+            cmd += env_flag(k, v)
         cmd += [sys.executable, *map(str, args)]
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=clean_env(), cwd=str(ROOT))
@@ -38,7 +40,9 @@ def mpmd(*parts, timeout=LIMIT):
 
 
 def error_lines(proc):
-    return [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("Abort(")]
+    """zerompi's lines on stderr (and the leave_early driver's), not the launcher's (tests/mpirun.py)."""
+    no_python_noise(proc.stderr)
+    return zerompi_lines(proc.stderr, ("zerompi", "leave_early"))
 
 
 # ---- ZEROMPI_TIMEOUT_S is read when the job starts ---------------------------------------------
