@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     p.add_argument("--baseline", action="store_true",
                    help="also run each configuration with --no-overlap: the serial baseline, whose exposed "
                         "communication is all of it (adds hidden_vs_serial to each record)")
-    p.add_argument("train_args", nargs="*", help="after --: more train CLI flags (e.g. -- --progress thread)")
+    p.add_argument("train_args", nargs="*", help="after --: more train CLI flags (e.g. -- --comm-progress thread)")
     a = p.parse_args(argv)
     if a.bar:
         a.ranks, a.stages, a.dtypes, a.width, a.depth, a.batch_per_rank = "2", "2,3", "fp16", 2048, 8, 32

@@ -7,7 +7,6 @@ take a non-finite value" is a run without the fault that stops one step earlier.
 """
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,12 +14,14 @@ import time
 import numpy as np
 import pytest
 
-from tests.mpirun import ROOT, mpiexec, run_mpi, run_train
+from tests.mpirun import ROOT, mpi_env, mpiexec, one_line, run_mpi, run_train
 from zerompi.engine.config import ZeroConfig
 from zerompi.comm.consistency import flatten, mismatch_message, rank_set
 from zerompi.errors import EXIT_TIMEOUT, ConfigError
 from zerompi.engine.faults import Fault, GradientGuard, InjectedFault, parse_fault, range_limit
 from zerompi.comm.watchdog import TIMEOUT_ENV, WaitRecord, Watchdog, default_timeout_s, describe_wait, watched
+
+pytestmark = pytest.mark.every_mpi       # CI runs these under Open MPI too (.ci/run)
 
 SMALL = ["--model", "mlp", "--width", "32", "--depth", "3", "--batch", "12", "--bucket-mb", "0.002"]
 TIMEOUT_S = 5      # the watchdog's timeout in these jobs: short, so a hang ends fast
@@ -128,10 +129,7 @@ def test_config_mismatch_mpmd_ends_at_once():
     t = time.monotonic()
     proc = run_mpmd([["-m", "zerompi.train", "--model", "mlp", "--width", "64"],
                      ["-m", "zerompi.train", "--model", "mlp", "--width", "128"]])
-    assert proc.returncode == 2, proc.stderr
-    lines = [l for l in proc.stderr.splitlines() if l.strip()]
-    assert len(lines) == 1 and "mismatch" in lines[0], proc.stderr
-    assert "width = 64 on rank 0, 128 on rank 1" in lines[0]
+    one_line(proc, 2, "mismatch", "width = 64 on rank 0, 128 on rank 1")
     assert time.monotonic() - t < LIMIT
 
 
@@ -166,11 +164,8 @@ def test_engine_mismatch_raises_on_every_rank():
 def test_nan_in_fp32_is_an_error_naming_step_bucket_rank():
     proc = run_mpi(3, train_args("--stage", "2", "--dtype", "fp32", "--steps", "6"), timeout=LIMIT,
                    env=env_with(ZEROMPI_FAULT="nan@rank2:step2"), check=False)
-    assert proc.returncode == 1, proc.stderr
-    lines = [l for l in proc.stderr.splitlines() if l.strip()]
-    assert len(lines) == 1, proc.stderr
     # Every gradient of rank 2 is NaN, so the first bucket (0) is the first non-finite one.
-    assert "non-finite gradients at step 2: first in bucket 0 on rank 2;" in lines[0]
+    one_line(proc, 1, "non-finite gradients at step 2: first in bucket 0 on rank 2;")
     assert "step     2/" not in proc.stdout
 
 
@@ -265,9 +260,7 @@ def test_watched_labels_name_the_operation_and_step():
 
 def test_bad_fault_env_exits_2_with_one_line():
     proc = run_mpi(3, train_args("--steps", "2"), timeout=LIMIT, env=env_with(ZEROMPI_FAULT="nan@rank1"), check=False)
-    assert proc.returncode == 2
-    lines = [l for l in proc.stderr.splitlines() if l.strip()]
-    assert len(lines) == 1 and "ZEROMPI_FAULT='nan@rank1' is not a fault" in lines[0], proc.stderr
+    one_line(proc, 2, "ZEROMPI_FAULT='nan@rank1' is not a fault")
 
 
 def test_timeout_setting_precedence_and_validation():
@@ -351,30 +344,7 @@ def test_long_compute_does_not_trip_the_watchdog():
     assert proc.stdout.strip() == "done 0 done 1 done 2"
 
 
-# ---- SIGTERM / SIGINT --------------------------------------------------------------------------
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_finishes_the_step_saves_and_exits_0(tmp_path, sig):
-    ck = tmp_path / "ck"
-    out = tmp_path / "out.txt"
-    cmd = [mpiexec(), "-n", "2", sys.executable, *train_args("--stage", "3", "--steps", "1000000", "--log-every",
-                                                            "1", "--save-dir", ck)]
-    with open(out, "w") as f:
-        proc = subprocess.Popen([str(c) for c in cmd], stdout=f, stderr=subprocess.STDOUT, env=_env(), cwd=str(ROOT))
-    try:
-        assert _wait_for(lambda: "step     3/" in out.read_text(), limit=60), out.read_text()
-        proc.send_signal(sig)                # mpiexec forwards it to every rank
-        rc = proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    text = out.read_text()
-    assert rc == 0, text
-    line = next(l for l in text.splitlines() if l.startswith("zerompi.train: stopped by"))
-    assert line.startswith(f"zerompi.train: stopped by {sig.name} after step ") and f"saved in {ck}" in line
-    stopped_at = int(line.split("after step ")[1].split()[0])
-    assert (ck / f"step_{stopped_at:06d}").is_dir() and (ck / "latest").exists()
-    assert f"step {stopped_at + 1:5d}/" not in text
+# ---- SIGTERM / SIGINT / SIGUSR1 and the stop file: tests/test_stop.py ----------------------------------
 
 
 # ---- the consistency message ---------------------------------------------------------------------
@@ -403,9 +373,7 @@ def test_soak_memory_is_flat_and_a_leak_is_caught():
 
 # ---- helpers -----------------------------------------------------------------------------------
 def _env():
-    env = env_with(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
+    return mpi_env(env_with(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1"))
 
 
 def run_mpmd(programs, timeout=LIMIT) -> subprocess.CompletedProcess:

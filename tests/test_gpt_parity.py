@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.mpirun import run_mpi, run_train
+from tests.mpirun import one_line, run_mpi, run_train
 from zerompi.train.data import GeneratedData
 from zerompi.train.models.gpt import GPT
 
@@ -125,11 +125,11 @@ def test_byte_level_file(tmp_path):
     assert m["val_losses"][-1][1] < m["losses"][0] - 0.5
 
 
+@pytest.mark.every_mpi
 @pytest.mark.parametrize("flags,needle", [
     (["--d-model", "30", "--n-head", "4"], "d_model=30 is not divisible by n_head=4"),
     (["--data", "no/such/file"], "data='no/such/file' is not a file"),
 ])
 def test_bad_gpt_flags_exit_2_with_one_line(flags, needle):
     proc = run_mpi(2, ["-m", "zerompi.train"] + flags, timeout=60, check=False)
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr
+    one_line(proc, 2, needle)

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from tests.mpirun import ROOT, run_mpi
+from tests.mpirun import ROOT, one_line, run_mpi
 from zerompi import ConfigError, ZeroConfig, ZeroEngine
 
 DRIVER = ROOT / "tests" / "drivers" / "offload.py"
@@ -121,8 +121,7 @@ def test_offload_dir_is_checked_at_start(tmp_path, monkeypatch):
 def test_cli_refuses_offload_without_a_folder(tmp_path):
     proc = run_mpi(2, ["-m", "zerompi.train", "--model", "mlp", "--offload-optimizer", "nvme"], timeout=60,
                    check=False)
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 2 and len(lines) == 1 and "needs offload_dir" in lines[0], proc.stderr
+    one_line(proc, 2, "needs offload_dir")
 
 
 @pytest.mark.parametrize("stage,opt,par", [(1, "cpu", "none"), (2, "nvme", "none"), (3, "nvme", "nvme"), (3, "none", "none")])

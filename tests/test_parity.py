@@ -6,6 +6,8 @@ import pytest
 from tests.mpirun import run_mpi
 from zerompi.engine.memory import theory_bytes, theory_comm_bytes
 
+pytestmark = pytest.mark.every_mpi       # CI runs these under Open MPI too (.ci/run)
+
 BASE = ["--model", "mlp", "--width", "40", "--depth", "3", "--steps", "4", "--lr", "1e-2", "--bucket-mb", "0.004"]
 OPTIONS = {"plain": [], "clip+micro": ["--clip", "0.05", "--micro-batches", "2"]}
 

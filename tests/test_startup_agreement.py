@@ -3,15 +3,18 @@ rank reaches a timed agreement on start-up errors (a bad value or --help on one 
 launch, a rank that left, ranks running different programs), and a watchdog that fired ends
 the job non-zero. Each job runs under mpiexec with a timeout: a hang fails the test."""
 import os
+import signal
 import subprocess
 import sys
 import time
 
 import pytest
 
-from tests.mpirun import ROOT, mpiexec, run_mpi
+from tests.mpirun import ROOT, env_flag, launcher, launcher_env, mpiexec, no_python_noise, run_mpi, zerompi_lines
 from zerompi.comm.watchdog import TIMEOUT_ENV
 from zerompi.errors import EXIT_TIMEOUT
+
+pytestmark = pytest.mark.every_mpi       # CI runs these under Open MPI too (.ci/run): MPMD, a rank that leaves
 
 MLP = ["-m", "zerompi.train", "--model", "mlp", "--width", "16", "--depth", "2", "--batch", "4", "--steps", "2"]
 LIMIT = 60     # seconds: each job here ends in about one start-up of the ranks; the old hangs were for ever
@@ -19,7 +22,7 @@ LIMIT = 60     # seconds: each job here ends in about one start-up of the ranks;
 
 def clean_env(**kv):
     env = {k: v for k, v in os.environ.items() if k not in (TIMEOUT_ENV, "ZEROMPI_FAULT")}
-    env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT), **kv)
+    env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT), **launcher_env(), **kv)
     return env
 
 
@@ -29,7 +32,7 @@ def mpmd(*parts, timeout=LIMIT):
     for i, (env, args) in enumerate(parts):
         cmd += ([":"] if i else []) + ["-n", "1"]
         for k, v in env.items():
-            cmd += ["-env", k, v]
+            cmd += env_flag(k, v)
         cmd += [sys.executable, *map(str, args)]
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=clean_env(), cwd=str(ROOT))
@@ -38,7 +41,9 @@ def mpmd(*parts, timeout=LIMIT):
 
 
 def error_lines(proc):
-    return [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("Abort(")]
+    """zerompi's lines on stderr (and the leave_early driver's), not the launcher's (tests/mpirun.py)."""
+    no_python_noise(proc.stderr)
+    return zerompi_lines(proc.stderr, ("zerompi", "leave_early"))
 
 
 # ---- ZEROMPI_TIMEOUT_S is read when the job starts ---------------------------------------------
@@ -109,12 +114,21 @@ def test_a_rank_that_leaves_before_the_agreement_is_named(leaver):
     t = time.monotonic()
     proc = run_mpi(3, ["tests/drivers/leave_early.py", leaver, 2], timeout=LIMIT, check=False)
     lines = error_lines(proc)
-    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert proc.returncode == 2 or _open_mpi_died_in_the_abort(proc), proc.stderr
+    assert len(lines) == 1, proc.stderr
     if leaver:
         assert "rank 1 did not reach the start-up agreement within 2 s" in lines[0], lines[0]
     else:
         assert "rank 0 sent no start-up verdict within 4 s" in lines[0], lines[0]
     assert time.monotonic() - t < LIMIT
+
+
+def _open_mpi_died_in_the_abort(proc) -> bool:
+    """Open MPI 5.0.11's mpirun itself sometimes dies of SIGSEGV while it ends a job in which
+    one rank had already exited when another called MPI_Abort (5 of 24 runs here; other aborts
+    never): its banner names the abort, and the ranks' part, the one line, is still checked."""
+    return (launcher() == "openmpi" and proc.returncode in (-signal.SIGSEGV, 128 + signal.SIGSEGV)
+            and "MPI_ABORT was invoked" in proc.stderr)
 
 
 # ---- a watchdog that fired ends the job non-zero ---------------------------------------------------

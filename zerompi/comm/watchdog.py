@@ -12,8 +12,9 @@ Blocking MPI calls made directly on the mpi4py communicator (checkpoint protocol
 metrics, full parameters, the consistency check) go under the same record with
 :func:`watched`, so no collective of a job is left untimed (docs/failures.md).
 
-The stop signal: SIGTERM or SIGINT sets a flag that the training loop adds to its per-step
-all-reduce, so every rank stops after the same step (docs/failures.md).
+The stop signal: SIGTERM, SIGINT or SIGUSR1 (or a stop file appearing) sets a flag that the
+training loop adds to its per-step all-reduce, so every rank stops after the same step
+(docs/failures.md; README, "On a cluster", for what each launcher does with signals).
 """
 import os
 import signal
@@ -177,18 +178,24 @@ def fired() -> Optional[str]:
 
 
 class StopSignal:
-    """SIGTERM and SIGINT ask the training loop to stop after the current step.
+    """SIGTERM, SIGINT and SIGUSR1 ask the training loop to stop after the current step, and
+    so does ``stop_file`` appearing.
 
     The first signal only sets :attr:`received`; the loop all-reduces :attr:`flag` with its
     per-step numbers, so every rank stops after the same step. The previous handlers come
     back at once, so a second signal acts as usual (SIGINT: KeyboardInterrupt, which
     aborts the job). Install from the main thread; :meth:`restore` puts the old handlers back.
+
+    SIGUSR1 is for Open MPI's mpirun: it passes SIGUSR1 on to every rank and lets the job end,
+    where SIGTERM or SIGINT make it kill the ranks half a second later. ``stop_file`` works
+    under any launcher; one rank watching it (the caller passes it on rank 0) is enough.
     """
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
-    def __init__(self):
-        self.received: Optional[str] = None    # name of the first signal, e.g. "SIGTERM"
+    def __init__(self, stop_file: Optional[str] = None):
+        self.received: Optional[str] = None    # what asked: "SIGTERM", ..., or "the stop file PATH"
+        self.stop_file = stop_file             # looked for at every flag read; None: no file
         self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
 
     def _handle(self, signum, frame) -> None:
@@ -198,7 +205,10 @@ class StopSignal:
 
     @property
     def flag(self) -> float:
-        """1.0 once a signal arrived on this rank, else 0.0 (summed over ranks by the loop)."""
+        """1.0 once a signal arrived on this rank or the stop file exists, else 0.0 (summed
+        over ranks by the loop, once per step)."""
+        if self.received is None and self.stop_file is not None and os.path.lexists(self.stop_file):
+            self.received = f"the stop file {self.stop_file}"
         return 0.0 if self.received is None else 1.0
 
     def restore(self) -> None:

@@ -3,13 +3,15 @@
 ``python -m zerompi.train --help`` lists the flags; ``parse_config`` turns them into a TrainConfig.
 """
 import argparse
+import os
 from dataclasses import dataclass
 from typing import List, Optional
 
-from ..engine.config import ZeroConfig
+from ..engine.config import PROGRESS, ZeroConfig
 from ..comm.device import DEVICES
 from ..comm.watchdog import default_timeout_s
 from ..errors import ConfigError, HelpRequested, check
+from .console import PROGRESS_MODES
 
 # --help's description: the train module's docstring, where the parser used to live.
 DESCRIPTION = "``mpiexec -n N python -m zerompi.train``: train a built-in model with ZeRO stage 0-3."
@@ -20,11 +22,12 @@ MODEL_DEFAULTS = {"gpt": {"steps": 300, "batch": 48, "log_every": 10},
                   "mlp": {"steps": 30, "batch": 64, "log_every": 1}}
 # The fields (and flags) that only one model reads: given with the other model, they are an error.
 MODEL_ONLY = {"gpt": ("n_layer", "n_head", "d_model", "seq_len", "data", "eval_every"), "mlp": ("width", "depth")}
-PATHS = ("data", "metrics_json", "save_dir", "resume")    # path fields: None = not given, never ""
+PATHS = ("data", "metrics_json", "save_dir", "resume", "stop_file")   # path fields: None = not given, never ""
 # The parameters each model exempts from weight decay by default (--no-decay replaces them, --decay-all
 # drops them): the GPT's biases (".b"), LayerNorm gains (".g") and embeddings, as GPT-2 recipes do.
 NO_DECAY = {"gpt": ("wte", "wpe", "*.b", "*.g"), "mlp": ()}
-FLAG_OF_FIELD = {"init_loss_scale": "--loss-scale"}        # ZeroConfig fields whose flag has another name
+# ZeroConfig fields whose flag has another name:
+FLAG_OF_FIELD = {"init_loss_scale": "--loss-scale", "progress": "--comm-progress"}
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,12 @@ class TrainConfig:
     comm: str = "mpi"
     """How device buffers are reduced and gathered: mpi (staged through pinned host buffers on a GPU) or
     nccl (device to device; needs device gpu and one GPU per rank)."""
+    progress: str = "auto"
+    """How rank 0 shows the steps: bar (redrawn in place), lines (one per logged step) or auto (a bar
+    only for a person at a terminal; console.py)."""
+    stop_file: Optional[str] = None
+    """Stop after the step at which this file appears (as rank 0 sees it), saving a checkpoint when
+    save_dir is set, and exit 0: a graceful stop under any launcher. Must not exist at the start."""
     zero: ZeroConfig = ZeroConfig()
     """Engine configuration."""
 
@@ -100,6 +109,18 @@ class TrainConfig:
         check(isinstance(self.save_every, int) and self.save_every >= 0,
               f"save_every={self.save_every!r} must be an integer >= 0 (steps between checkpoints; 0 = at the end)")
         check(self.save_every == 0 or self.save_dir, f"save_every={self.save_every} needs save_dir (--save-dir DIR)")
+        self._check_progress()
+        self._check_stop_file()
+
+    def _check_progress(self) -> None:
+        moved = f" (how collectives advance is --comm-progress {self.progress})" if self.progress in PROGRESS else ""
+        check(self.progress in PROGRESS_MODES,
+              f"progress={self.progress!r} is not allowed; use one of {', '.join(PROGRESS_MODES)}{moved}")
+
+    def _check_stop_file(self) -> None:
+        check(self.stop_file is None or not os.path.lexists(self.stop_file),
+              f"stop_file={self.stop_file!r} already exists; remove it before starting "
+              f"(the job stops after the step at which it appears)")
 
     def _check_gpt(self) -> None:
         check(self.n_layer >= 1, f"n_layer={self.n_layer} must be >= 1")
@@ -176,7 +197,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stage 3: buckets gathered ahead of the computing layer (0 = off)")
     p.add_argument("--no-overlap", action="store_true",
                    help="wait for every collective as soon as it starts (the serial baseline)")
-    p.add_argument("--progress", default=ZeroConfig.progress, help="how collectives advance: test or thread")
+    p.add_argument("--progress", default=TrainConfig.progress,
+                   help="auto (a bar for a person at a terminal, else step lines), bar or lines")
+    p.add_argument("--comm-progress", default=ZeroConfig.progress, help="how collectives advance: test or thread")
+    p.add_argument("--stop-file", default=None, metavar="PATH",
+                   help="stop after the step at which PATH appears, save (with --save-dir) and exit 0")
     p.add_argument("--save-dir", default=None, metavar="DIR", help="write checkpoints here (after the last step)")
     p.add_argument("--save-every", type=int, default=TrainConfig.save_every, metavar="K",
                    help="also save every K steps (needs --save-dir)")
@@ -237,7 +262,7 @@ def parse_config(argv: Optional[List[str]] = None, environ=None) -> TrainConfig:
                           clip=a.clip, micro_batches=a.micro_batches, init_loss_scale=a.loss_scale,
                           optimizer_impl=a.optimizer_impl,
                           loss_scale_window=a.loss_scale_window, overlap=not a.no_overlap, prefetch=a.prefetch,
-                          progress=a.progress, timeout_s=timeout_s, max_skipped_steps=a.max_skipped_steps,
+                          progress=a.comm_progress, timeout_s=timeout_s, max_skipped_steps=a.max_skipped_steps,
                           node_size=a.node_size, shard_size=a.shard_size, hpz=a.hpz,
                           quantize_weights=a.quantize_weights, quantize_grads=a.quantize_grads,
                           quant_block=a.quant_block, offload_optimizer=a.offload_optimizer,
@@ -259,4 +284,5 @@ def parse_config(argv: Optional[List[str]] = None, environ=None) -> TrainConfig:
             specific[name] = value
     return TrainConfig(model=a.model, steps=a.steps, batch=a.batch, seed=a.seed,
                        log_every=a.log_every, metrics_json=a.metrics_json, save_dir=a.save_dir,
-                       save_every=a.save_every, resume=a.resume, device=a.device, comm=a.comm, zero=zero, **specific)
+                       save_every=a.save_every, resume=a.resume, device=a.device, comm=a.comm,
+                       progress=a.progress, stop_file=a.stop_file, zero=zero, **specific)

@@ -91,11 +91,12 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
 
 def _run_steps(cfg: TrainConfig, engine, comm, model, data, floor: Optional[float], start: int, stop) -> StepLog:
     """Steps start .. cfg.steps - 1, or until a stop signal: train, log, evaluate (GPT), save."""
+    from .console import choose_progress
     from .report import print0, progress_bar
     from ..engine.timers import format_breakdown
     losses_of = step_losses(cfg.model)
     gpt = cfg.model == "gpt"
-    tty = comm.rank == 0 and sys.stdout.isatty()    # a progress bar only for a person at a terminal
+    bar = comm.rank == 0 and choose_progress(cfg.progress) == "bar"    # auto: a bar only for a person at a terminal
     sent = lambda: sum(s.bytes for op, s in comm.stats.items() if op != "sum_scalars")
     log = StepLog(start, {op: s.bytes for op, s in comm.stats.items()})   # so far: the initial parameter all-gather
     for step in range(start, cfg.steps):
@@ -106,7 +107,7 @@ def _run_steps(cfg: TrainConfig, engine, comm, model, data, floor: Optional[floa
         result = engine.step()
         total = comm.sum_scalars([sum(local) / len(local), stop.flag if stop else 0.0])   # + the stop flag
         loss = float(total[0] / comm.size)
-        stopping = total[1] > 0                 # SIGTERM/SIGINT on some rank: every rank stops after this step
+        stopping = total[1] > 0                 # a signal or the stop file on some rank: every rank stops here
         l1 = comm.level_bytes()
         log.record(loss, time.perf_counter() - t0, sent() - b0, engine.timers.take(),   # bounded (history.py)
                    (l1["intra"] - l0["intra"], l1["inter"] - l0["inter"], comm.logical_bytes() - q0))
@@ -120,11 +121,11 @@ def _run_steps(cfg: TrainConfig, engine, comm, model, data, floor: Optional[floa
             extra += f"  {cfg.batch * cfg.seq_len / log.times[-1]:,.0f} tok/s"
         if step % cfg.log_every == 0 or step == cfg.steps - 1 or evaluated:
             skipped = " (skipped: overflow)" if result.skipped else ""
-            lead = "\r\033[K" if tty else ""                 # over the progress bar
+            lead = "\r\033[K" if bar else ""                 # over the progress bar
             print0(comm.mpi, f"{lead}step {step + 1:5d}/{cfg.steps}  loss {loss:.6f}{extra}  "
                              f"scale {result.loss_scale:g}  norm {result.grad_norm:.4g}  {log.times[-1] * 1e3:.1f} ms "
                              f"({format_breakdown(log.parts[-1])}){skipped}")
-        elif tty:
+        elif bar:
             print0(comm.mpi, f"\r{progress_bar(step + 1, cfg.steps)}  loss {loss:.4f}", end="")
         if cfg.save_dir and (step + 1 == cfg.steps or stopping or (cfg.save_every and (step + 1) % cfg.save_every == 0)):
             # The data is a function of (seed, step): the next step is the whole data position.
@@ -217,7 +218,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2                          # a job that cannot fit stops before it allocates
     from ..checkpoint.collective import CheckpointError
     try:
-        train(cfg, stop=StopSignal(), placement=placement)
+        train(cfg, stop=StopSignal(cfg.stop_file if comm.Get_rank() == 0 else None), placement=placement)
     except (CheckpointError, JobError) as e:   # raised on every rank together: no rank is left in a collective
         if comm.Get_rank() == 0:
             sys.stderr.write(f"zerompi.train: error: {e}\n")
