@@ -52,12 +52,13 @@ class MLP:
         return gelu(z), (x, z)
 
     def backward_layer(self, i, params, cache, dy):
-        """Returns (dx, {param name: grad}) for upstream gradient dy."""
+        """Returns (dx, {param name: grad}) for upstream gradient dy; dx is None for layer 0
+        (the data's gradient: nothing reads it, so that matrix multiply is not made)."""
         x, z = cache
         dz = dy if z is None else dy * gelu_grad(z)
         w = params[f"block{i}.weight"].astype(F32, copy=False)
         grads = {f"block{i}.weight": x.T @ dz, f"block{i}.bias": dz.sum(axis=0)}
-        return dz @ w.T, grads
+        return (dz @ w.T if i else None), grads
 
     @staticmethod
     def loss(y, target):
