@@ -258,3 +258,31 @@ def test_without_a_compiler_auto_takes_numpy_and_c_says_why(tmp_path):
     lines = out.stdout.splitlines()
     assert lines[0] == "numpy", out
     assert lines[1].startswith("RuntimeError the GPT's C kernels cannot be used") and "no-such-cc" in lines[1], out
+
+
+def test_upcast_is_numpys_conversion(rng):
+    h = (rng.standard_normal((33, 17)) * 100).astype(np.float16)
+    h.flat[:4] = [np.inf, -np.inf, np.nan, 6e-8]                      # inf, NaN and a subnormal kept
+    out = np.empty(h.shape, F32)
+    got = MK.upcast(h, F32, out)
+    assert got is out or MK.library() is None
+    np.testing.assert_array_equal(got.view(np.uint32), h.astype(F32).view(np.uint32))
+    np.testing.assert_array_equal(MK.upcast(h[:, ::2], F32), h[:, ::2].astype(F32))   # strided: NumPy's
+    f = h.astype(F32)
+    assert MK.upcast(f, F32) is f
+
+
+def test_fp16_parameters_are_converted_again_for_each_block(rng):
+    """Stored fp16 parameters (as the engine hands them) through the blocks' shared conversion buffers:
+    the same bits as parameters converted up front, and as without a workspace."""
+    model = G.GPT(vocab=9, seq_len=6, n_layer=3, n_head=2, d_model=8, seed=2)
+    half = [(n, {k: (v + 0.2 * rng.standard_normal(v.shape)).astype(np.float16) for k, v in p.items()})
+            for n, p in model.init_layers()]
+    full = [(n, {k: v.astype(F32) for k, v in p.items()}) for n, p in half]
+    rows = rng.integers(0, 9, (4, 7))
+    want = model.loss_and_grads(full, rows[:, :-1], rows[:, 1:])
+    for ws in (Workspace(persistent=True), FRESH):
+        got = model.loss_and_grads(half, rows[:, :-1], rows[:, 1:], ws=ws)
+        assert got[0] == want[0]
+        for name in want[1]:
+            np.testing.assert_array_equal(got[1][name], want[1][name], err_msg=name)

@@ -23,6 +23,7 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 
+from ..model_kernels import upcast
 from .gpt_fast import FRESH, Workspace, fused_layers
 from .gpt_numpy import (LN_EPS, NumpyLayers, attention, attention_backward, gelu, gelu_grad, layernorm,
                         layernorm_backward, linear, linear_backward)
@@ -83,8 +84,16 @@ class GPT:
         layers.append(("ln_f", {"ln_f.g": ones(C), "ln_f.b": zeros(C)}))
         return layers
 
-    def _cast(self, params, names) -> Dict[str, object]:
-        return {k: params[v].astype(self.dtype, copy=False) for k, v in names.items()}
+    def _cast(self, params, names, ws: Workspace = FRESH) -> Dict[str, object]:
+        """{short name: parameter in the compute dtype}. Stored fp16 ones are converted (F16C where it
+        can, model_kernels.upcast), with a persistent workspace into one set of buffers that every
+        block shares (a block's are converted again for its backward: no fp32 copy of the model kept)."""
+        out = {}
+        for k, v in names.items():
+            a = params[v]
+            reuse = ws.persistent and self.xp is np and a.dtype != self.dtype
+            out[k] = upcast(a, self.dtype, ws.get(("param", k), a.shape, self.dtype) if reuse else None)
+        return out
 
     # -- per engine layer -----------------------------------------------------------------
     def forward_layer(self, i: int, params, x, ws: Workspace = FRESH):
@@ -96,7 +105,7 @@ class GPT:
         if i == 0:
             return self.embed_forward(params, x)
         if i <= self.n_layer:
-            return self.layers.block_forward(self._cast(params, self.block_names(i - 1)), x, ws, i)
+            return self.layers.block_forward(self._cast(params, self.block_names(i - 1), ws), x, ws, i)
         p = self._cast(params, {"g": "ln_f.g", "b": "ln_f.b"})
         return self.layers.ln_forward(x, p["g"], p["b"], ws, i)
 
@@ -109,7 +118,7 @@ class GPT:
             return None, self.embed_backward(cache, dy)
         if i <= self.n_layer:
             names = self.block_names(i - 1)
-            dx, g = self.layers.block_backward(self._cast(params, names), cache, dy, ws, i)
+            dx, g = self.layers.block_backward(self._cast(params, names, ws), cache, dy, ws, i)
             return dx, {names[k]: v for k, v in g.items()}
         p = self._cast(params, {"g": "ln_f.g"})
         dx, dg, db = self.layers.ln_backward(dy, cache, p["g"], ws, i)
@@ -118,8 +127,7 @@ class GPT:
     # -- embeddings and the tied head ------------------------------------------------------
     def embed_forward(self, params, idx):
         T = idx.shape[1]
-        wte = params[WTE].astype(self.dtype, copy=False)
-        wpe = params[WPE].astype(self.dtype, copy=False)
+        wte, wpe = upcast(params[WTE], self.dtype), upcast(params[WPE], self.dtype)
         return wte[idx] + wpe[:T], idx
 
     def embed_backward(self, idx, dh):
@@ -140,7 +148,7 @@ class GPT:
         Returns (loss in nats as a float, d hf, d wte), the gradients of ``scale * loss``.
         """
         xp = self.xp
-        wte = wte_stored.astype(self.dtype, copy=False)
+        wte = upcast(wte_stored, self.dtype)
         B, T, C = hf.shape
         h2 = hf.reshape(-1, C)
         logits = h2 @ wte.T                                       # (B T, V)
@@ -158,7 +166,7 @@ class GPT:
     def token_losses(self, wte_stored, hf, targets):
         """Cross-entropy of every target (B, T), nats; no gradient (evaluation)."""
         xp = self.xp
-        wte = wte_stored.astype(self.dtype, copy=False)
+        wte = upcast(wte_stored, self.dtype)
         logits = hf @ wte.T
         logits = logits - logits.max(axis=-1, keepdims=True)
         lse = xp.log(xp.exp(logits).sum(axis=-1))

@@ -5,6 +5,7 @@ from typing import List
 import numpy as np
 
 from .. import loop
+from ..model_kernels import upcast
 
 F32 = np.float32
 _C = F32(np.sqrt(2.0 / np.pi))   # a float32 scalar keeps float32 arrays float32 (NEP 50)
@@ -42,9 +43,18 @@ class MLP:
     def init_layers(self):
         return init_mlp(self.width, self.depth, self.seed)
 
+    def _weight(self, params, i):
+        """Layer i's weight in float32; a stored fp16 one is converted into one buffer that every
+        layer shares (model_kernels.upcast: F16C where it can, ~20x NumPy's astype here)."""
+        w = params[f"block{i}.weight"]
+        if w.dtype != F32 and isinstance(w, np.ndarray):
+            self._w32 = upcast(w, F32, getattr(self, "_w32", None))
+            return self._w32
+        return w.astype(F32, copy=False)
+
     def forward_layer(self, i, params, x):
         """y = gelu(x @ W + b) (no GELU after the last block); returns (y, cache)."""
-        w = params[f"block{i}.weight"].astype(F32, copy=False)
+        w = self._weight(params, i)
         b = params[f"block{i}.bias"].astype(F32, copy=False)
         z = x @ w + b
         if i == self.depth - 1:
@@ -56,7 +66,7 @@ class MLP:
         (the data's gradient: nothing reads it, so that matrix multiply is not made)."""
         x, z = cache
         dz = dy if z is None else dy * gelu_grad(z)
-        w = params[f"block{i}.weight"].astype(F32, copy=False)
+        w = self._weight(params, i)
         grads = {f"block{i}.weight": x.T @ dz, f"block{i}.bias": dz.sum(axis=0)}
         return (dz @ w.T if i else None), grads
 
