@@ -174,19 +174,21 @@ def worker(name: str, repeats: int, stages) -> None:
         fn()
     for s in stages:
         breakdowns[s].clear()
-    times = {k: [] for k in parts}
+    times, cpu = {k: [] for k in parts}, {k: [] for k in parts}
     for _ in range(repeats):
         for k, fn in parts.items():
             comm.Barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fn()
-            times[k].append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))   # the slowest rank
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
+            times[k].append(comm.allreduce(dt, op=MPI.MAX))     # the slowest rank
+            cpu[k].append(comm.allreduce(dc, op=MPI.MAX))
     for engine in engines.values():
         engine.close()
     if rank == 0:                                     # rank 0's breakdown, as the train CLI reports it
         impl = getattr(getattr(model, "layers", None), "name", "numpy")
-        print("FLOOR " + json.dumps({"times_s": times, "breakdowns_s": breakdowns, "gemms": sum(g[4] for g in gemms),
-                                     "kernels": impl}), flush=True)
+        print("FLOOR " + json.dumps({"times_s": times, "cpu_s": cpu, "breakdowns_s": breakdowns,
+                                     "gemms": sum(g[4] for g in gemms), "kernels": impl}), flush=True)
 
 
 # ---- the launcher -------------------------------------------------------------------------------
@@ -225,15 +227,16 @@ def record(name: str, n: int, stages, workers, clis) -> dict:
     """Medians over every (round, repeat); each ratio is taken within one repeat (the same moment) first."""
     med = statistics.median
     pool = lambda k: [t for w in workers for t in w["times_s"][k]]
-    ratio = lambda k: med([t / f for w in workers for t, f in zip(w["times_s"][k], w["times_s"]["floor"])])
+    ratio = lambda k, of="times_s": med([t / f for w in workers for t, f in zip(w[of][k], w[of]["floor"])])
     rec = {"model": name, "N": n, "flags": MODELS[name], "kernels": workers[0]["kernels"],
            "gemms": workers[0]["gemms"], "rounds": len(workers), "floor_s": med(pool("floor"))}
     for k in ("fwd_bwd", "data"):
-        rec[f"{k}_s"], rec[f"{k}_over_floor"] = med(pool(k)), ratio(k)
+        rec[f"{k}_s"], rec[f"{k}_over_floor"], rec[f"{k}_cpu_over_floor"] = med(pool(k)), ratio(k), ratio(k, "cpu_s")
     rec["stages"] = {}
     for s in stages:
         parts = [b for w in workers for b in w["breakdowns_s"][str(s)]]
         rec["stages"][s] = st = {"step_s": med(pool(f"stage{s}")), "over_floor": ratio(f"stage{s}"),
+                                 "cpu_over_floor": ratio(f"stage{s}", "cpu_s"),
                                  "breakdown_s": {k: med(b[k] for b in parts) for k in parts[0]},
                                  "other_share": med(b["other"] / t for b, t in zip(parts, pool(f"stage{s}")))}
         if clis.get(s):
@@ -245,15 +248,17 @@ def record(name: str, n: int, stages, workers, clis) -> dict:
 
 
 def markdown(records) -> str:
-    """The README's table: medians (ms) and, in brackets, the ratio to the floor of the same moment."""
+    """The README's table: the floor (ms), then each part's ratio to the floor of the same repeat,
+    wall time / CPU time; the largest ``other`` share of a stage's step; the data's time (ms)."""
     stages = sorted({s for r in records for s in r["stages"]})
-    head = ("| model | N | GEMM floor | fwd+bwd | " + " | ".join(f"stage {s}" for s in stages)
-            + " | other / step (worst stage) | data |")
+    head = ("| model | N | GEMM floor, ms | fwd+bwd | " + " | ".join(f"stage {s}" for s in stages)
+            + " | other / step (worst stage) | data, ms |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     ms = lambda t: f"{t * 1e3:.1f}" if t >= 0.01 else f"{t * 1e3:.2f}"
     for r in records:
-        cells = [r["model"], str(r["N"]), ms(r["floor_s"]), f"{ms(r['fwd_bwd_s'])} ({r['fwd_bwd_over_floor']:.2f}×)"]
-        cells += [f"{ms(r['stages'][s]['step_s'])} ({r['stages'][s]['over_floor']:.2f}×)" for s in stages]
+        x = lambda wall, cpu: f"{wall:.2f} / {cpu:.2f}"
+        cells = [r["model"], str(r["N"]), ms(r["floor_s"]), x(r["fwd_bwd_over_floor"], r["fwd_bwd_cpu_over_floor"])]
+        cells += [x(r["stages"][s]["over_floor"], r["stages"][s]["cpu_over_floor"]) for s in stages]
         cells.append(f"{max(v['other_share'] for v in r['stages'].values()):.1%}" if r["stages"] else "")
         cells.append(ms(r["data_s"]))
         lines.append("| " + " | ".join(cells) + " |")
