@@ -12,7 +12,7 @@ setup(
     package_dir={"zerompi.kernels": "kernels"},
     package_data={"zerompi.kernels": ["*.h", "*.c", "*.cu"]},
     python_requires=">=3.9",
-    install_requires=["numpy>=1.22", "mpi4py>=3.1"],
+    install_requires=["numpy>=1.22", "mpi4py>=3.1", "ml_dtypes>=0.2"],   # ml_dtypes: NumPy's bfloat16 (--dtype bf16)
     extras_require={
         # MPICH from PyPI: measured faster than the Open MPI wheel here (README, "MPI").
         "mpi": ["mpich"],

@@ -1,17 +1,17 @@
 // The GPU fused AdamW step and its gradient pre-pass, loaded by zerompi/kernels_gpu.py
 // through cupy.RawModule (NVRTC, --fmad=false), and compiled by the tests with nvcc.
 //
-//   zmp_adamw_f16 / zmp_adamw_f32    one pass over a shard slice: unscale + clip
+//   zmp_adamw_f16 / _bf16 / _f32    one pass over a shard slice: unscale + clip
 //       (grad_scale), AdamW with bias correction (adamw_math.h), write master, m, v and
 //       the parameter copy. Grid-stride loop; with vec != 0 (every pointer 16-byte
 //       aligned, checked on the host) 8 elements per thread step through 16-byte loads
 //       and stores, then a scalar tail; correct for any n.
-//   zmp_grad_sumsq_f16 / _f32 + zmp_sum_partials    the pre-pass: sum of squares in
+//   zmp_grad_sumsq_f16 / _bf16 / _f32 + zmp_sum_partials    the pre-pass: sum of squares in
 //       float64 (block partials, then one block adds them in a fixed tree) and the
 //       non-finite flag, from one read of the gradient.
 //
-// Storage "f16" is IEEE binary16 passed as unsigned short bits; the conversions are PTX
-// cvt instructions so that no CUDA header is needed under NVRTC.
+// Storage "f16" is IEEE binary16 passed as unsigned short bits, "bf16" bfloat16 as a struct of
+// its bits (cuda_half.h); no CUDA header is needed under NVRTC.
 #include "adamw_math.h"
 
 #define ZMP_VEC 8            // elements per vector step: 16 B of fp16, 2 x 16 B of fp32
@@ -38,6 +38,16 @@ __device__ __forceinline__ void load8(const zmp_half *p, long long c, float r[ZM
     }
 }
 
+__device__ __forceinline__ void load8(const zmp_bf16 *p, long long c, float r[ZMP_VEC])
+{
+    const uint4 w = reinterpret_cast<const uint4 *>(p)[c];
+    const unsigned int words[4] = {w.x, w.y, w.z, w.w};
+    for (int j = 0; j < 4; j++) {
+        r[2 * j] = __uint_as_float(words[j] << 16);
+        r[2 * j + 1] = __uint_as_float(words[j] & 0xffff0000u);
+    }
+}
+
 __device__ __forceinline__ void store8(float *p, long long c, const float r[ZMP_VEC])
 {
     reinterpret_cast<float4 *>(p)[2 * c] = make_float4(r[0], r[1], r[2], r[3]);
@@ -49,6 +59,14 @@ __device__ __forceinline__ void store8(zmp_half *p, long long c, const float r[Z
     unsigned int words[4];
     for (int j = 0; j < 4; j++)
         words[j] = (unsigned int)zmp_f2h(r[2 * j]) | ((unsigned int)zmp_f2h(r[2 * j + 1]) << 16);
+    reinterpret_cast<uint4 *>(p)[c] = make_uint4(words[0], words[1], words[2], words[3]);
+}
+
+__device__ __forceinline__ void store8(zmp_bf16 *p, long long c, const float r[ZMP_VEC])
+{
+    unsigned int words[4];
+    for (int j = 0; j < 4; j++)
+        words[j] = (unsigned int)zmp_f2b(r[2 * j]).bits | ((unsigned int)zmp_f2b(r[2 * j + 1]).bits << 16);
     reinterpret_cast<uint4 *>(p)[c] = make_uint4(words[0], words[1], words[2], words[3]);
 }
 
@@ -85,6 +103,13 @@ __device__ __forceinline__ void adamw_slice(float *master, float *m, float *v, c
 
 extern "C" __global__ void zmp_adamw_f16(float *master, float *m, float *v, const zmp_half *grad,
                                          zmp_half *param_out, long long n, int vec, ZMP_SCALAR_PARAMS)
+{
+    const zmp_adamw_scalars s = ZMP_SCALARS;
+    adamw_slice(master, m, v, grad, param_out, n, vec, s);
+}
+
+extern "C" __global__ void zmp_adamw_bf16(float *master, float *m, float *v, const zmp_bf16 *grad,
+                                          zmp_bf16 *param_out, long long n, int vec, ZMP_SCALAR_PARAMS)
 {
     const zmp_adamw_scalars s = ZMP_SCALARS;
     adamw_slice(master, m, v, grad, param_out, n, vec, s);
@@ -140,6 +165,11 @@ __device__ __forceinline__ void sumsq_slice(const T *grad, long long n, int vec,
 }
 
 extern "C" __global__ void zmp_grad_sumsq_f16(const zmp_half *grad, long long n, int vec, double *partials)
+{
+    sumsq_slice(grad, n, vec, partials);
+}
+
+extern "C" __global__ void zmp_grad_sumsq_bf16(const zmp_bf16 *grad, long long n, int vec, double *partials)
 {
     sumsq_slice(grad, n, vec, partials);
 }

@@ -6,6 +6,7 @@
  *   zmp_grad_stats_{f16,f32} the pre-pass: sum of squares in float64 + non-finite flag
  *   zmp_sum_rows_{f16,f32}   the reduce-scatter's local sum (optim/reference.sum_rows_reference)
  *   zmp_quantize_*, zmp_dequant_sum_*   block quantization (quantize_cpu.h, included below)
+ *   *_bf16                   the same on bfloat16 storage (bf16_cpu.h, included below)
  *
  * Build with -O3 -ffp-contract=off (never -ffast-math): the compiler vectorizes the
  * float32 loops, and without contraction or reassociation every element is rounded as
@@ -18,7 +19,7 @@
 
 #include "adamw_math.h"
 
-#define ZMP_ABI_VERSION 3
+#define ZMP_ABI_VERSION 4
 #define ZMP_BLOCK 512       /* elements per block: the float32 scratch stays in L1 */
 #define ZMP_LANES 32        /* independent float64 partial sums of the pre-pass */
 
@@ -343,4 +344,5 @@ void zmp_halves_to_floats(float *dst, const uint16_t *src, int64_t n) { halves_t
 
 void zmp_floats_to_halves(uint16_t *dst, const float *src, int64_t n) { floats_to_halves(dst, src, n); }
 
+#include "bf16_cpu.h"
 #include "quantize_cpu.h"

@@ -1,11 +1,11 @@
 // Block quantization on the GPU (quant_math.h), loaded by zerompi/optim/cuda.py through
 // cupy.RawModule (NVRTC, --fmad=false), and compiled by the tests with nvcc.
 //
-//   zmp_quantize_f16 / _f32     one CUDA block per quantization block: the block's max |x|
+//   zmp_quantize_f16 / _bf16 / _f32    one CUDA block per quantization block: the block's max |x|
 //       (NaN sticky) by a shared-memory tree, then every thread quantizes its elements
 //       (int4: a pair per byte). The same bits as the C kernels and the NumPy reference:
 //       a max is exact in any order, the rest is per element.
-//   zmp_dequant_sum_f16 / _f32  out = cast([out +] scale * sum_r dequantized(row r)), float32
+//   zmp_dequant_sum_f16 / _bf16 / _f32 out = cast([out +] scale * sum_r dequantized(row r)), float32
 //       in row order, one element per thread (grid-stride); rows given as pointer arrays.
 #include "cuda_half.h"
 #include "quant_math.h"
@@ -53,6 +53,12 @@ extern "C" __global__ void zmp_quantize_f16(const zmp_half *x, long long n, int 
     quantize_block(x, n, bits, block, q, scales);
 }
 
+extern "C" __global__ void zmp_quantize_bf16(const zmp_bf16 *x, long long n, int bits, long long block,
+                                             unsigned char *q, float *scales)
+{
+    quantize_block(x, n, bits, block, q, scales);
+}
+
 extern "C" __global__ void zmp_quantize_f32(const float *x, long long n, int bits, long long block,
                                             unsigned char *q, float *scales)
 {
@@ -87,6 +93,13 @@ __device__ __forceinline__ void dequant_sum(const unsigned long long *q_rows, co
 extern "C" __global__ void zmp_dequant_sum_f16(const unsigned long long *q_rows, const unsigned long long *scale_rows,
                                                int nrows, long long n, int bits, long long block, zmp_half *out,
                                                float scale, int do_scale, int accumulate)
+{
+    dequant_sum(q_rows, scale_rows, nrows, n, bits, block, out, scale, do_scale, accumulate);
+}
+
+extern "C" __global__ void zmp_dequant_sum_bf16(const unsigned long long *q_rows, const unsigned long long *scale_rows,
+                                                int nrows, long long n, int bits, long long block, zmp_bf16 *out,
+                                                float scale, int do_scale, int accumulate)
 {
     dequant_sum(q_rows, scale_rows, nrows, n, bits, block, out, scale, do_scale, accumulate);
 }

@@ -13,6 +13,7 @@
 #define ZMP_QCHUNK 512
 
 static inline float load_f16(const uint16_t *x, int64_t i) { return half_to_float(x[i]); }
+static inline float load_bf16(const uint16_t *x, int64_t i) { return bf16_to_float(x[i]); }
 static inline float load_f32(const float *x, int64_t i) { return x[i]; }
 
 #define ZMP_QUANTIZE(NAME, T, LOAD)                                                          \
@@ -53,6 +54,7 @@ void NAME(const T *restrict x, int64_t n, int bits, int64_t block, uint8_t *rest
 
 ZMP_QUANTIZE(zmp_quantize_f16, uint16_t, load_f16)
 ZMP_QUANTIZE(zmp_quantize_f32, float, load_f32)
+ZMP_QUANTIZE(zmp_quantize_bf16, uint16_t, load_bf16)
 
 /* The dequantized value of element i of row (q, scales). */
 static inline float zmp_deq(const uint8_t *q, const float *scales, int64_t i, int bits, int64_t block)
@@ -103,6 +105,24 @@ void zmp_dequant_sum_f32(const uint8_t *const *q_rows, const float *const *scale
             if (accumulate)
                 a = a + out[lo + i];
             out[lo + i] = a;
+        }
+    }
+}
+
+void zmp_dequant_sum_bf16(const uint8_t *const *q_rows, const float *const *scale_rows, int64_t nrows, int64_t n,
+                          int bits, int64_t block, uint16_t *out, float scale, int do_scale, int accumulate)
+{
+    float acc[ZMP_QCHUNK];
+    for (int64_t lo = 0; lo < n; lo += ZMP_QCHUNK) {
+        const int64_t m = n - lo < ZMP_QCHUNK ? n - lo : ZMP_QCHUNK;
+        dequant_sum_f32acc(acc, q_rows, scale_rows, nrows, lo, m, bits, block);
+        for (int64_t i = 0; i < m; i++) {
+            float a = acc[i];
+            if (do_scale)
+                a = a * scale;
+            if (accumulate)
+                a = a + bf16_to_float(out[lo + i]);
+            out[lo + i] = float_to_bf16(a);
         }
     }
 }

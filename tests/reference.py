@@ -34,9 +34,13 @@ def mlp_loss_and_grads(ws, bs, x, y):
     return loss, gws, gbs
 
 
-def train_reference(width, depth, seed, steps, batch, lr, beta1=0.9, beta2=0.999, eps=1e-8, wd=0.0, clip=0.0):
+def train_reference(width, depth, seed, steps, batch, lr, beta1=0.9, beta2=0.999, eps=1e-8, wd=0.0, clip=0.0,
+                    stored=None, no_decay=()):
     """AdamW (decoupled decay, bias correction) with global-norm clipping, all float64.
 
+    ``stored``: a dtype the model sees its parameters in (rounded to it from float64 through
+    float32 before each forward), as an engine storing parameters in that dtype shows them.
+    ``no_decay``: names of the parameters that take no weight decay.
     Returns (losses, {param name: final array}).
     """
     layers = init_mlp(width, depth, seed)
@@ -49,18 +53,20 @@ def train_reference(width, depth, seed, steps, batch, lr, beta1=0.9, beta2=0.999
     losses = []
     for t in range(1, steps + 1):
         x, y = data.global_batch(t - 1, batch)
-        loss, gws, gbs = mlp_loss_and_grads(ws, bs, x.astype(np.float64), y.astype(np.float64))
+        seen = [p if stored is None else p.astype(np.float32).astype(stored).astype(np.float64) for p in params]
+        loss, gws, gbs = mlp_loss_and_grads(seen[:depth], seen[depth:], x.astype(np.float64), y.astype(np.float64))
         losses.append(loss)
         grads = gws + gbs
         norm = np.sqrt(sum(np.sum(g * g) for g in grads))
         coef = clip / (norm + 1e-6) if clip > 0 and norm > clip else 1.0
-        for p, g, mi, vi in zip(params, grads, m, v):
+        names = [f"block{i}.weight" for i in range(depth)] + [f"block{i}.bias" for i in range(depth)]
+        for name, p, g, mi, vi in zip(names, params, grads, m, v):
             g = g * coef
             mi[...] = beta1 * mi + (1 - beta1) * g
             vi[...] = beta2 * vi + (1 - beta2) * g * g
             mhat = mi / (1 - beta1 ** t)
             vhat = vi / (1 - beta2 ** t)
-            p -= lr * (mhat / (np.sqrt(vhat) + eps) + wd * p)
+            p -= lr * (mhat / (np.sqrt(vhat) + eps) + (0.0 if name in no_decay else wd) * p)
     out = {}
     for i in range(depth):
         out[f"block{i}.weight"] = ws[i]

@@ -126,3 +126,36 @@ def test_dequant_sum_gpu_equals_the_reference_bits(cp, dtype, bits):
             cuda.dequant_sum_fused_gpu([cp.asarray(q) for q, _ in rows], [cp.asarray(s) for _, s in rows], n, bits, 64,
                                        got, scale, acc)
             assert np.array_equal(want.view(np.uint8), cp.asnumpy(got).view(np.uint8)), (n, scale, acc)
+
+
+# ---- bfloat16 (CuPy 14 and later has bfloat16 arrays through ml_dtypes) ------------------------
+def _cupy_bf16(cp):
+    from zerompi.optim import dtypes
+    bf = dtypes.bfloat16(required=False)
+    if bf is None:
+        pytest.skip("ml_dtypes is not installed")
+    try:
+        cp.zeros(1, bf)
+    except Exception as e:
+        pytest.skip(f"this CuPy has no bfloat16 arrays: {type(e).__name__}")
+    return bf
+
+
+@pytest.mark.parametrize("n", [1, 9, 4099, 100003])
+def test_adamw_and_prepass_gpu_bf16_match_reference_bits(cp, n):
+    bf = _cupy_bf16(cp)
+    rng = np.random.default_rng(n)
+    master = rng.standard_normal(n).astype(np.float32)
+    m = (rng.standard_normal(n) * 1e-2).astype(np.float32)
+    v = (rng.random(n) * 1e-4).astype(np.float32)
+    grad = (rng.standard_normal(n) * 3).astype(bf)
+    s = reference.adamw_scalars(1e-3, 0.9, 0.95, 1e-8, 0.1, 7, 0.37)
+    dev = [cp.asarray(a) for a in (master, m, v)]
+    p_dev = cp.empty(n, bf)
+    cuda.adamw_fused_gpu(*dev, cp.asarray(grad), p_dev, s)
+    ref = [master.copy(), m.copy(), v.copy(), np.empty(n, bf)]
+    reference.adamw_reference(*ref[:3], grad, ref[3], s)
+    for g, r in zip([cp.asnumpy(a) for a in dev] + [cp.asnumpy(p_dev)], ref):
+        assert np.array_equal(g.view(np.uint8), r.view(np.uint8))
+    sumsq, bad = cuda.grad_stats_fused_gpu(cp.asarray(grad))
+    assert not bad and sumsq == pytest.approx(float(np.sum(grad.astype(np.float64) ** 2)), rel=1e-12)

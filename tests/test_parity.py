@@ -12,8 +12,8 @@ OPTIONS = {"plain": [], "clip+micro": ["--clip", "0.05", "--micro-batches", "2"]
 
 def run_all(n, batch):
     configs = []
-    for dtype in ("fp32", "fp16"):
-        for opt in OPTIONS.values():
+    for dtype in ("fp32", "fp16", "bf16"):
+        for opt in (OPTIONS.values() if dtype != "bf16" else [OPTIONS["plain"]]):
             for stage in range(4):
                 configs.append(BASE + ["--batch", str(batch), "--dtype", dtype, "--stage", str(stage)] + opt)
     proc = run_mpi(n, ["tests/drivers/train_many.py", json.dumps(configs)], timeout=240)
@@ -24,7 +24,7 @@ def run_all(n, batch):
 def runs(request):
     n = request.param
     results = run_all(n, batch=12 * n)
-    assert len(results) == 16
+    assert len(results) == 20
     return n, results
 
 
@@ -34,18 +34,18 @@ def test_stages_bit_identical(runs):
     for m in results:
         key = (m["dtype"], m["config"]["zero"]["micro_batches"], m["config"]["zero"]["clip"])
         groups.setdefault(key, {})[m["stage"]] = m["final_params_sha256"]
-    assert len(groups) == 4
+    assert len(groups) == 5
     for key, shas in groups.items():
         assert sorted(shas) == [0, 1, 2, 3]
         assert len(set(shas.values())) == 1, (n, key, shas)
     # The runs differ between groups: the hash is not a constant.
-    assert len({next(iter(s.values())) for s in groups.values()}) == 4
+    assert len({next(iter(s.values())) for s in groups.values()}) == 5
 
 
 def test_memory_equals_formula(runs):
     n, results = runs
     for m in results:
-        isz = 2 if m["dtype"] == "fp16" else 4
+        isz = 4 if m["dtype"] == "fp32" else 2
         mem, padded = m["memory_bytes"], m["padded_params"]
         # Exact on the padded layout (each bucket pads to a multiple of N * align elements).
         shard = padded // n
@@ -59,7 +59,7 @@ def test_memory_equals_formula(runs):
 def test_traffic_equals_formula(runs):
     n, results = runs
     for m in results:
-        isz = 2 if m["dtype"] == "fp16" else 4
+        isz = 4 if m["dtype"] == "fp32" else 2
         micro = m["config"]["zero"]["micro_batches"]
         want = theory_comm_bytes(m["stage"], m["padded_params"], n, isz, micro)
         got = m["comm_bytes_per_step"]

@@ -90,11 +90,16 @@ class _Request:
 def make_case(op: str, impl: str, comm, buf: np.ndarray, out: np.ndarray, dtype_name: str, xp=np) -> Case:
     """Set up op on ``buf`` (the whole buffer) and ``out`` (one slice) for impl.
 
-    ``xp`` other than NumPy (CuPy, for the zerompi rows of ``--device gpu``): the case runs
-    on device copies of the buffers, and verify() reads them back to the host.
+    ``impl``: "mpi" (the library's collective on ``comm.mpi``), else one of zerompi's (the
+    collectives of ``comm``: a Communicator, or a two-level one whose rank holds slice
+    ``comm.slot``). ``xp`` other than NumPy (CuPy, for the zerompi rows of ``--device gpu``):
+    the case runs on device copies of the buffers, and verify() reads them back to the host.
     """
     from mpi4py import MPI
     n, me, mpi = comm.size, comm.rank, comm.mpi
+    ours = impl != "mpi"
+    slot = getattr(comm, "slot", me) if ours else me                         # the slice this rank holds
+    owner = {s: r for r, s in enumerate(getattr(comm, "slots", range(n)) if ours else range(n))}   # slice -> rank
     k = buf.size // n
     wire = buf
     type_name = TYPE_NAMES[dtype_name]
@@ -117,25 +122,25 @@ def make_case(op: str, impl: str, comm, buf: np.ndarray, out: np.ndarray, dtype_
             wout[...] = np.nan
 
         def verify():
-            want, mag = oracle_sum(wire.dtype, n, me * kw, (me + 1) * kw)
+            want, mag = oracle_sum(wire.dtype, n, slot * kw, (slot + 1) * kw)
             return count_wrong(host(wout), want, mag, n)
-        if impl == "zerompi":
+        if ours:
             run, start = (lambda: comm.reduce_scatter(wire, wout)), (lambda: comm.ireduce_scatter(wire, wout))
         else:
             run = lambda: mpi.Reduce_scatter_block([wire, mtype], [wout, mtype], op=MPI.SUM)
             start = lambda: _Request(mpi.Ireduce_scatter_block([wire, mtype], [wout, mtype], op=MPI.SUM))
     elif op == "all_gather":
         def reset():
-            wire[me * k:(me + 1) * k] = pristine[me * k:(me + 1) * k]
+            wire[slot * k:(slot + 1) * k] = pristine[slot * k:(slot + 1) * k]
 
         def poison():
-            wire[:me * k] = np.nan
-            wire[(me + 1) * k:] = np.nan
+            wire[:slot * k] = np.nan
+            wire[(slot + 1) * k:] = np.nan
 
         def verify():
-            want = np.concatenate([rank_values(r, r * k, (r + 1) * k).astype(wire.dtype) for r in range(n)])
+            want = np.concatenate([rank_values(owner[s], s * k, (s + 1) * k).astype(wire.dtype) for s in range(n)])
             return count_wrong(host(wire), want.astype(np.float64), None, n)
-        if impl == "zerompi":
+        if ours:
             run, start = (lambda: comm.all_gather(wire)), (lambda: comm.iall_gather(wire))
         else:
             byt = wire.view(np.uint8)
@@ -149,7 +154,7 @@ def make_case(op: str, impl: str, comm, buf: np.ndarray, out: np.ndarray, dtype_
         def verify():
             want, mag = oracle_sum(wire.dtype, n, 0, wire.size)
             return count_wrong(host(wire), want, mag, n)
-        if impl == "zerompi":
+        if ours:
             run, start = (lambda: comm.all_reduce(wire)), None   # the engine never starts a non-blocking all-reduce
         else:
             run = lambda: mpi.Allreduce(MPI.IN_PLACE, [wire, mtype], op=MPI.SUM)

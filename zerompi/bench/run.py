@@ -5,8 +5,9 @@ the engine's own Communicator, exactly as the engine calls it (reduce-scatter = 
 + fp32 sum in rank order, all-gather = Iallgather in place, all-reduce = the two in
 sequence; the local sum is the one impl.use_impl picks, as in the engine);
 ``mpi`` is the MPI library's built-in collective on the same memory (Reduce_scatter_block,
-Allgather in place, Allreduce in place). The implementations take turns iteration by
-iteration, so that load from other processes hits both alike.
+Allgather in place, Allreduce in place); with --node-size K, ``zerompi-2level`` is the
+two-level Communicator over nodes of K ranks (bench/levels.py). The implementations take
+turns iteration by iteration, so that load from other processes hits them alike.
 
 Definitions (as in nccl-tests):
   size   bytes of the whole buffer (N slices); count = elements of it.
@@ -32,6 +33,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from .cases import Case, Spinner, copy_seconds, make_case, measure_overlap, overlap_pct, time_medians
+from .levels import HEADER, TWO_LEVEL, banner, check_node_size, columns, communicators, level_record
 from ..checkpoint.outputs import check_file, save_json
 from ..optim.impl import OPTIMIZER_IMPLS
 from ..errors import (EXIT_OUTPUT, ConfigError, HelpRequested, agree_on_errors, agree_on_start, check,
@@ -99,6 +101,9 @@ class BenchConfig:
     """zerompi's local reduce-scatter sum: auto (fused C when it builds), fused, or numpy (impl.use_impl)."""
     local_sum: Optional[str] = None
     """What sum_impl resolved to ("fused" or "numpy"), once impl.use_impl has run."""
+    node_size: Optional[int] = None
+    """Simulate nodes of this many consecutive ranks: adds the two-level rows (zerompi-2level) and
+    the bytes of one call inside and across nodes (bench/levels.py)."""
 
     def __post_init__(self):
         for op in self.ops:
@@ -119,8 +124,17 @@ class BenchConfig:
                                   f"{self.max_bytes} bytes; at most {MAX_SIZES} are allowed (use a larger -f)")
         check(self.iters >= 1, f"iters={self.iters} must be >= 1")
         check(self.warmup >= 0, f"warmup={self.warmup} must be >= 0")
+        check(self.node_size is None or (isinstance(self.node_size, int) and self.node_size >= 1),
+              f"node_size={self.node_size!r} must be a whole number of ranks >= 1")
         check(self.sum_impl in OPTIMIZER_IMPLS,
               f"sum_impl={self.sum_impl!r} is not allowed; use one of {', '.join(OPTIMIZER_IMPLS)}")
+
+    def row_impls(self) -> Tuple[str, ...]:
+        """The implementations of the rows: the two-level one beside zerompi's flat one with node_size."""
+        if self.node_size is None:
+            return self.impls
+        at = self.impls.index("zerompi") + 1 if "zerompi" in self.impls else 0
+        return self.impls[:at] + (TWO_LEVEL,) + self.impls[at:]
 
     def sizes(self) -> List[int]:
         """min, min*f, min*f^2, ... <= max (bytes, before padding to whole slices)."""
@@ -156,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-overlap", action="store_true", help="skip the non-blocking overlap measurement")
     p.add_argument("--json", default=None, metavar="PATH", help="write the records as a JSON list")
     p.add_argument("--sum-impl", default=BenchConfig.sum_impl, help=f"zerompi's local sum: {' | '.join(OPTIMIZER_IMPLS)}")
+    p.add_argument("--node-size", type=int, default=None, metavar="K",
+                   help="simulate nodes of K consecutive ranks: add the two-level rows (zerompi-2level) and the "
+                        "bytes of one call inside and across nodes")
     return p
 
 
@@ -172,7 +189,8 @@ def parse_config(argv: Optional[List[str]] = None) -> BenchConfig:
                       max_bytes=parse_size(a.maxbytes), factor=factor, dtype=a.dtype, iters=a.iters,
                       warmup=a.warmup, impls=IMPLS if a.impl == "both" else (a.impl,), device=a.device,
                       comm=a.comm,
-                      check=a.check, overlap=not a.no_overlap, json_path=a.json, sum_impl=a.sum_impl)
+                      check=a.check, overlap=not a.no_overlap, json_path=a.json, sum_impl=a.sum_impl,
+                      node_size=a.node_size)
     return cfg
 
 
@@ -196,7 +214,7 @@ def memory_error(cfg: BenchConfig, n: int, placement) -> Optional[str]:
     from ..estimate.machine import available_per_rank, human_bytes
     have = available_per_rank(placement)
     nbytes = padded_count(cfg.max_bytes, np.dtype(DTYPES[cfg.dtype]).itemsize, n) * np.dtype(DTYPES[cfg.dtype]).itemsize
-    need = nbytes * (1 + len(cfg.impls)) + nbytes // n
+    need = nbytes * (1 + len(cfg.row_impls())) + nbytes // n
     if have is None or need <= have[0]:
         return None
     return (f"max size={cfg.max_bytes} bytes needs at least {human_bytes(need)} per rank (the buffer, its output "
@@ -204,36 +222,41 @@ def memory_error(cfg: BenchConfig, n: int, placement) -> Optional[str]:
             f"use a smaller -e")
 
 
-def run_bench(cfg: BenchConfig, comm, device_comm=None, xp=np) -> List[dict]:
+def run_bench(cfg: BenchConfig, comm, device_comm=None, xp=np, two_level=None) -> List[dict]:
     """Every (op, size, impl) row; returns the records (the same on every rank).
 
     ``device_comm`` and ``xp``: with ``--device gpu``, the zerompi rows run the staged
     Communicator on CuPy buffers; the MPI rows always move host buffers (the MPI library
-    is not assumed CUDA-aware).
+    is not assumed CUDA-aware). ``two_level``: with ``cfg.node_size``, the two-level
+    Communicator over the same ranks (its counters shared with ``comm``'s).
     """
     mpi, n = comm.mpi, comm.size
     device_comm = device_comm or comm
     dtype = DTYPES[cfg.dtype]
     spinner = Spinner() if cfg.overlap else None
     records = []
+    impls = cfg.row_impls()
+    by_impl = {"mpi": comm, "zerompi": device_comm, TWO_LEVEL: two_level}
     for op in cfg.ops:
-        print0(comm, table_header(op))
+        print0(comm, table_header(op, cfg.node_size is not None))
         for nbytes in cfg.sizes():
             count = padded_count(nbytes, np.dtype(dtype).itemsize, n)
             buf = np.zeros(count, dtype)
             out = np.empty(count // n, dtype)
             copy_s = _ranks(mpi, copy_seconds(mpi, buf, cfg.iters, cfg.warmup))["avg"]
-            cases = [make_case(op, impl, device_comm, buf, out, cfg.dtype, xp) if impl == "zerompi"
-                     else make_case(op, impl, comm, buf, out, cfg.dtype) for impl in cfg.impls]
+            cases = [make_case(op, impl, by_impl[impl], buf, out, cfg.dtype, xp if impl == "zerompi" else np)
+                     for impl in impls]
             wrong = [check_case(mpi, c) if cfg.check else None for c in cases]
             medians = time_medians(mpi, [(c.run, c.reset) for c in cases], cfg.iters, cfg.warmup)
-            for impl, case, w, t in zip(cfg.impls, cases, wrong, medians):
+            for impl, case, w, t in zip(impls, cases, wrong, medians):
                 rec = make_record(cfg, comm, op, impl, case, buf, _ranks(mpi, t), w)
+                if cfg.node_size is not None:
+                    rec.update(level_record(cfg.node_size, impl, mpi, comm.stats, case))
                 if spinner is not None and case.start is not None:
                     rec.update(overlap_record(mpi, case, spinner, cfg))
                 rec["copy_GBps"] = buf.nbytes / copy_s / 1e9
                 records.append(rec)
-                print0(comm, table_row(rec))
+                print0(comm, table_row(rec) + (columns(rec) if cfg.node_size is not None else ""))
     print0(comm, footer(records, cfg))
     if xp is not np:
         print0(comm, "# --device gpu: zerompi rows include the copies between the GPU and pinned host buffers; "
@@ -255,7 +278,7 @@ def make_record(cfg: BenchConfig, comm, op: str, impl: str, case: Case, buf, t: 
     return {"op": op, "impl": impl, "dtype": cfg.dtype, "type": case.type_name, "ranks": comm.size,
             "bytes": buf.nbytes, "count": case.count, "time_us": t["avg"] * 1e6, "time_us_min": t["min"] * 1e6,
             "time_us_max": t["max"] * 1e6, "algbw": algbw, "busbw": algbw * bus_factor(op, comm.size),
-            "wrong": wrong, "overlap_pct": None, "local_sum": cfg.local_sum if impl == "zerompi" else None}
+            "wrong": wrong, "overlap_pct": None, "local_sum": cfg.local_sum if impl != "mpi" else None}
 
 
 def overlap_record(mpi, case: Case, spinner, cfg: BenchConfig) -> dict:
@@ -276,25 +299,27 @@ PLACE = {"reduce_scatter": "out-of-place (bucket -> own slice)", "all_gather": "
          "all_reduce": "in place"}
 
 
-def table_header(op: str) -> str:
+def table_header(op: str, levels: bool = False) -> str:
+    more, w = (HEADER, len(TWO_LEVEL)) if levels else (("", ""), 8)
     return (f"#\n# {op}: {PLACE[op]}\n"
-            f"# {'size':>10} {'count':>10} {'type':>6} {'impl':>8} {'time_min':>9} {'time_avg':>9} "
-            f"{'time_max':>9} {'algbw':>7} {'busbw':>7} {'#wrong':>6} {'overlap':>7}\n"
-            f"# {'(B)':>10} {'(elts)':>10} {'':>6} {'':>8} {'(us)':>9} {'(us)':>9} {'(us)':>9} "
-            f"{'(GB/s)':>7} {'(GB/s)':>7} {'':>6} {'(%)':>7}")
+            f"# {'size':>10} {'count':>10} {'type':>6} {'impl':>{w}} {'time_min':>9} {'time_avg':>9} "
+            f"{'time_max':>9} {'algbw':>7} {'busbw':>7} {'#wrong':>6} {'overlap':>7}{more[0]}\n"
+            f"# {'(B)':>10} {'(elts)':>10} {'':>6} {'':>{w}} {'(us)':>9} {'(us)':>9} {'(us)':>9} "
+            f"{'(GB/s)':>7} {'(GB/s)':>7} {'':>6} {'(%)':>7}{more[1]}")
 
 
 def table_row(r: dict) -> str:
     wrong = "N/A" if r["wrong"] is None else str(r["wrong"])
     ovl = "-" if r["overlap_pct"] is None else f"{r['overlap_pct']:.0f}"
-    return (f"  {r['bytes']:>10} {r['count']:>10} {r['type']:>6} {r['impl']:>8} {r['time_us_min']:>9.1f} "
+    w = len(TWO_LEVEL) if "node_size" in r else 8      # the two-level rows' name is longer
+    return (f"  {r['bytes']:>10} {r['count']:>10} {r['type']:>6} {r['impl']:>{w}} {r['time_us_min']:>9.1f} "
             f"{r['time_us']:>9.1f} {r['time_us_max']:>9.1f} {r['algbw']:>7.2f} {r['busbw']:>7.2f} "
             f"{wrong:>6} {ovl:>7}")
 
 
 def footer(records: List[dict], cfg: BenchConfig) -> str:
     lines = ["#"]
-    for impl in cfg.impls:
+    for impl in cfg.row_impls():
         mine = [r for r in records if r["impl"] == impl]
         per_op = ", ".join(f"{op} {statistics.mean(r['busbw'] for r in mine if r['op'] == op):.2f}"
                            for op in cfg.ops)
@@ -335,13 +360,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     from mpi4py import MPI
 
     from ..optim import impl
-    from ..comm.communicator import Communicator, mpi_library
+    from ..comm.communicator import mpi_library
     from ..comm.device import describe_buffers, place_every_rank
     install_abort_hook(MPI.COMM_WORLD)
     world = MPI.COMM_WORLD
     error = None
     try:
         cfg = parse_config(argv)
+        check_node_size(cfg.node_size, world.Get_size(), cfg.device)
         if world.Get_rank() == 0:
             check_file(cfg.json_path, "json")   # rank 0 writes it: checked before any measurement
         # what the engine's constructor does; "fused" raises here when the C kernels cannot be had
@@ -356,14 +382,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     if agree_on_errors(world, memory_error(cfg, world.Get_size(), placement), "zerompi.bench"):
         return 2                                            # before the first buffer is allocated
-    comm = Communicator(world)
+    comm, two_level = communicators(world, cfg.node_size)
     from ..comm.staging import device_communicator
     device_comm = device_communicator(comm, placement.xp, cfg.comm)   # the host one on the CPU
     print0(comm, f"# zerompi.bench: {comm.size} ranks, {mpi_library()}, {describe_buffers(placement, device_comm)}, "
                  f"dtype {cfg.dtype}, "
                  f"iters {cfg.iters} (median) after {cfg.warmup} warmup, local sum {cfg.local_sum}")
     print0(comm, "# time: per-rank median over iterations, then min/avg/max over ranks; bw from the avg")
-    records = run_bench(cfg, comm, device_comm, placement.xp)
+    if two_level is not None:
+        print0(comm, banner(world.Get_size(), cfg.node_size))
+    records = run_bench(cfg, comm, device_comm, placement.xp, two_level)
     problem = save_json(cfg.json_path, records, "json") if cfg.json_path and comm.rank == 0 else None
     if problem:                  # the table is on stdout; the line says where the records are
         sys.stderr.write(f"zerompi.bench: error: {problem}\n")

@@ -89,7 +89,7 @@ def _own_pieces(engine, arr) -> list:
 def _own_rows(engine):
     """This rank's shard-file contents, one host piece at a time: ROWS in order, each in shard order."""
     for row in ROWS:
-        for piece in _own_pieces(engine, getattr(engine.optimizer, row)):
+        for piece in _own_pieces(engine, engine.optimizer.read_row(row)):
             yield _to_host(piece)
 
 
@@ -186,15 +186,12 @@ def _restore(engine, ckpt: str, saved: SavedLayout) -> int:
     shards: Dict[int, np.ndarray] = {}
     nbytes = 0
     for k, row in enumerate(ROWS):
-        target = getattr(engine.optimizer, row)
-        host = target if isinstance(target, np.ndarray) else np.empty(target.size, F32)
-        host[...] = 0
+        host = np.zeros(engine.optimizer.n, F32)   # the row, wherever it lives (device, host, file)
         for dst, r, src, n in runs:
             if r not in shards:   # memory-mapped: only the pages of the pieces copied are read
                 shards[r] = np.load(os.path.join(ckpt, shard_file(r)), mmap_mode="r")
             host[dst:dst + n] = shards[r][k, src:src + n]
             nbytes += 4 * n
-        if host is not target:
-            target[...] = engine.xp.asarray(host)
+        engine.optimizer.write_row(row, host, engine.xp)
     return nbytes
 

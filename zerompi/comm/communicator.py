@@ -22,6 +22,7 @@ from mpi4py import MPI
 
 from ..errors import UsageError
 from ..optim import impl
+from ..optim.dtypes import is_bf16
 from .watchdog import WaitRecord
 
 F32 = np.float32
@@ -45,11 +46,12 @@ def block_layout(size: int, rank: int, k: int):
 
 
 def check_flat(what: str, arr, size: int, dtypes=DTYPES) -> None:
-    """UsageError unless ``arr`` is a C-contiguous array of ``dtypes`` whose length splits into ``size`` slices."""
+    """UsageError unless ``arr`` is a C-contiguous array of ``dtypes`` (and bfloat16, which every
+    collective here takes: sums run in float32) whose length splits into ``size`` slices."""
     dt = getattr(arr, "dtype", None)
-    if dt not in dtypes:
+    if dt not in dtypes and not (dt is not None and is_bf16(dt)):
         raise UsageError(f"{what}: an array of {dt if dt is not None else type(arr).__name__} is not allowed; "
-                         f"use a {' or '.join(d.name for d in dtypes)} array")
+                         f"use a {' or '.join([d.name for d in dtypes] + ['bfloat16'])} array")
     if not arr.flags.c_contiguous:
         raise UsageError(f"{what}: the array is not contiguous; pass a contiguous array (np.ascontiguousarray)")
     if arr.size == 0 or arr.size % size:
@@ -167,6 +169,7 @@ class Communicator:
         self.mpi = mpi_comm if mpi_comm is not None else MPI.COMM_WORLD
         self.rank = self.mpi.Get_rank()   # this process
         self.size = self.mpi.Get_size()   # ranks in the data-parallel group
+        self.counting = True              # False: the caller counts this one's calls (comm/hierarchical.py)
         self.slot = self.rank             # which slice of every bucket this rank holds
         self.slots = list(range(self.size))   # ... and every rank's, in rank order
         self.hierarchical = False
@@ -247,9 +250,9 @@ class Communicator:
         blk, (sc, sd, rc, rd) = self._block(k, send.itemsize)
         recv = self._recv_rows(k, send.dtype)
         st = self.stats["reduce_scatter"]
-        st.calls += 1
         block = k * send.itemsize
-        st.sent(block, self.peers)
+        if self.counting:
+            self.count("reduce_scatter", block)
         t = time.perf_counter()
         # Every peer's block at once (Ialltoallv), none to itself. Measured (docs/bench.md):
         # as fast as Ialltoall at N=2 and about 2x faster with more ranks than cores, where
@@ -289,8 +292,8 @@ class Communicator:
             quant.pack(flat[r * k:(r + 1) * k], blocks[r * wb:(r + 1) * wb])
         blk, (sc, sd, rc, rd) = self._block(wb, 1)
         st = self.stats["reduce_scatter"]
-        st.calls += 1
-        st.sent(wb, self.peers, logical=k * send.itemsize)
+        if self.counting:
+            self.count("reduce_scatter", wb, k * send.itemsize)
         t = time.perf_counter()
         req = self.mpi.Ialltoallv([blocks, (sc, sd), blk], [wire.wire, (rc, rd), blk])
         st.seconds += time.perf_counter() - t
@@ -314,8 +317,8 @@ class Communicator:
         check_flat("all_gather buf", buf, n, MOVED)
         blk, _ = self._block(buf.size // n, buf.itemsize)
         st = self.stats["all_gather"]
-        st.calls += 1
-        st.sent(buf.nbytes // n, self.peers, logical_block)
+        if self.counting:
+            self.count("all_gather", buf.nbytes // n, logical_block)
         t = time.perf_counter()
         req = self.mpi.Iallgather(MPI.IN_PLACE, [MPI.buffer(buf.reshape(-1)), 1, blk])
         st.seconds += time.perf_counter() - t
@@ -357,6 +360,12 @@ class Communicator:
 
     def total_bytes(self) -> int:
         return sum(s.bytes for s in self.stats.values())
+
+    def count(self, op: str, block: int, logical: int = None) -> None:
+        """One call of ``op`` sending ``block`` bytes to each peer (``logical``: unquantized)."""
+        st = self.stats[op]
+        st.calls += 1
+        st.sent(block, self.peers, logical)
 
     def logical_bytes(self, exclude=("sum_scalars",)) -> int:
         """What the bytes sent so far would have been unquantized."""

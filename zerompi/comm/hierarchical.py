@@ -104,6 +104,9 @@ class HierarchicalCommunicator:
         # second steps in the order of their first; hpZ's node-only gathers queue with the latter.
         self.intra_second = Communicator(intra.mpi.Dup(), share=intra)
         self.inter_second = Communicator(inter.mpi.Dup(), share=inter, node_of=list(range(inter.size)))
+        # A second step's bytes are counted when the collective is called, not when the step
+        # starts (it may start in the next training step): the counters stay per call.
+        self.intra_second.counting = self.inter_second.counting = False
         self._rs, self._ag = SecondStages(), SecondStages()
         self.k, self.m = intra.size, inter.size
         self.size = self.k * self.m
@@ -156,6 +159,8 @@ class HierarchicalCommunicator:
                              f"{getattr(out, 'dtype', type(out).__name__)}; use {k} elements (one slice) of {send.dtype}")
         partial = self._take(self.m * k, send.dtype)
         first = self.intra.ireduce_scatter(send, partial, scale, False, tag, quant)
+        self.inter_second.count("reduce_scatter", k * send.itemsize if quant is None else quant.wire_bytes(k),
+                                k * send.itemsize)
         then = lambda: self.inter_second.ireduce_scatter(partial, out, 1.0, accumulate, tag, quant)
         return TwoLevelHandle("reduce_scatter", tag, first, then, self._rs, lambda: self._give(partial))
 
@@ -171,6 +176,7 @@ class HierarchicalCommunicator:
         mine = buf.reshape(-1)[self.intra.rank * span:(self.intra.rank + 1) * span]
         first = self.inter.iall_gather(mine, tag, logical_block)
         logical_span = None if logical_block is None else logical_block * self.m
+        self.intra_second.count("all_gather", span * buf.itemsize, logical_span)
         return TwoLevelHandle("all_gather", tag, first,
                               lambda: self.intra_second.iall_gather(buf, tag, logical_span), self._ag)
 
@@ -180,6 +186,7 @@ class HierarchicalCommunicator:
     def iall_gather_intra(self, buf, tag=None) -> TwoLevelHandle:
         """In place, inside the node only: ``buf`` already holds this rank's super-slice (hpZ).
         It queues behind the all-gathers' second steps, which use the same communicator."""
+        self.intra_second.count("all_gather", buf.nbytes // self.k)
         return TwoLevelHandle("all_gather", tag, _Arrived(), lambda: self.intra_second.iall_gather(buf, tag), self._ag)
 
     def super_slice(self, n: int):

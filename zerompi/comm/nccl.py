@@ -24,6 +24,7 @@ import time
 import numpy as np
 
 from ..errors import UsageError
+from ..optim.dtypes import bfloat16
 from ..optim.reference import sum_rows_reference
 from .communicator import Communicator, check_flat
 
@@ -46,6 +47,9 @@ class CupyNccl:
             uid = host.mpi.bcast(uid, root=0)
         self._comm = nccl.NcclCommunicator(host.size, uid, host.rank)
         self._types = {np.dtype(np.float16): nccl.NCCL_FLOAT16, np.dtype(np.float32): nccl.NCCL_FLOAT32}
+        bf16 = bfloat16(required=False)
+        if bf16 is not None:   # only all-gathered (moved, never summed: sums run in float32), so any 2-byte type
+            self._types[bf16] = nccl.NCCL_FLOAT16
         self.xp = cupy
 
     def _stream(self) -> int:

@@ -255,3 +255,12 @@ def device_communicator(host: Communicator, xp, comm: str = "mpi", timeout_s: Op
         finally:
             dog.close()
     return StagedCommunicator(host, CupyTransfers())
+
+
+def device_transfers(comm, xp):
+    """The device <-> host copies for buffers of ``xp``: a staged Communicator's (a GPU's, or the
+    tests' stand-in), CuPy's for CuPy arrays, else None (the arrays are host memory)."""
+    transfers = getattr(comm, "transfers", None)
+    if transfers is None and getattr(xp, "__name__", "") == "cupy":
+        transfers = CupyTransfers()
+    return transfers

@@ -1,7 +1,7 @@
 """ZeroConfig: every knob of the engine, validated once, frozen."""
 import math
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import numpy as np
 
@@ -9,7 +9,7 @@ from ..errors import ConfigError, check
 from ..optim.impl import OPTIMIZER_IMPLS
 
 STAGES = (0, 1, 2, 3)
-DTYPES = ("fp16", "fp32")
+DTYPES = ("fp16", "fp32", "bf16")
 PROGRESS = ("test", "thread")
 INIT_VALUES = ("check", "broadcast")
 F32_MAX = float(np.finfo(np.float32).max)   # 3.4028235e+38: the optimizer's numbers are float32
@@ -51,7 +51,8 @@ class ZeroConfig:
     stage: int = 2
     """ZeRO stage: 0 (plain data parallel), 1 (shard optimizer state), 2 (+ gradients), 3 (+ parameters)."""
     dtype: str = "fp16"
-    """Storage dtype of parameters and gradients: "fp16" (with dynamic loss scaling) or "fp32"."""
+    """Storage dtype of parameters and gradients: "fp16" (with dynamic loss scaling), "bf16" (bfloat16:
+    float32's range, no loss scaling; NumPy's bfloat16 comes from the ml_dtypes package) or "fp32"."""
     bucket_mb: float = 25.0
     """Target bucket size in MiB of the storage dtype; buckets are cut at layer boundaries."""
     lr: float = 1e-3
@@ -63,7 +64,11 @@ class ZeroConfig:
     eps: float = 1e-8
     """AdamW denominator epsilon (> 0)."""
     weight_decay: float = 0.0
-    """Decoupled (AdamW) weight decay, >= 0; applied to every parameter."""
+    """Decoupled (AdamW) weight decay, >= 0; applied to every parameter but those ``no_decay`` names."""
+    no_decay: Tuple[str, ...] = ()
+    """Parameters exempt from weight decay, by shell-style patterns on their names (``"*.bias"``,
+    ``"ln_f.*"``, ``"wte"``: fnmatch, case-sensitive); a pattern matching no parameter is an error
+    when the engine starts. Groups follow names, so they survive resharding (engine/decay.py)."""
     clip: float = 0.0
     """Clip gradients to this global L2 norm; 0 turns clipping off."""
     micro_batches: int = 1
@@ -117,6 +122,18 @@ class ZeroConfig:
     in fp32 after dequantization (across nodes: each level re-quantizes its partial sum)."""
     quant_block: int = 64
     """Elements per quantization block (one float32 scale each): a power of two >= 8."""
+    offload_optimizer: str = "none"
+    """Where the fp32 master and Adam moments live (stages 1-3; engine/offload.py): "none" (with the
+    parameters), "cpu" (host memory; the update runs there; on the CPU device the normal path) or
+    "nvme" (files under offload_dir, streamed bucket by bucket through a few host buffers)."""
+    offload_params: str = "none"
+    """Stage 3: "nvme" keeps the stored parameter shard in a file under offload_dir."""
+    offload_delayed_update: bool = False
+    """ZeRO-Offload's one-step delayed parameter update (offload_optimizer="cpu"): step k's update runs
+    on the host in the background while step k + 1's forward and backward run, so the gradients of
+    step k + 1 are taken at the parameters before update k (staleness one step; docs/offload.md)."""
+    offload_dir: Optional[str] = None
+    """The folder of the offload files (needed by "nvme"; checked at start for room)."""
     init_values: str = "check"
     """The initial parameter values: "check" (every rank must pass the same; a difference stops every
     rank, naming the parameter and the ranks) or "broadcast" (rank 0's values are used on every rank)."""
@@ -126,7 +143,11 @@ class ZeroConfig:
 
     def __post_init__(self):
         check(self.stage in STAGES, f"stage={self.stage!r} is not allowed; use one of 0, 1, 2, 3")
-        check(self.dtype in DTYPES, f"dtype={self.dtype!r} is not allowed; use fp16 or fp32")
+        check(self.dtype in DTYPES, f"dtype={self.dtype!r} is not allowed; use fp16, bf16 or fp32")
+        if isinstance(self.no_decay, list):            # lists (JSON, a user's literal) are taken as tuples
+            object.__setattr__(self, "no_decay", tuple(self.no_decay))
+        check(isinstance(self.no_decay, tuple) and all(isinstance(p, str) and p for p in self.no_decay),
+              f"no_decay={self.no_decay!r} must be a tuple of parameter-name patterns (non-empty strings)")
         for name, (rule, ok, float32) in FLOAT_RULES.items():
             check_float(name, getattr(self, name), rule, ok, float32)
         decay = self.lr * self.weight_decay   # AdamW multiplies every parameter by 1 - lr x weight_decay per step
@@ -170,6 +191,23 @@ class ZeroConfig:
               f"quant_block={self.quant_block!r} is not allowed; use a power of two >= 8 (elements per scale)")
         check(self.quantize_weights is None or self.stage > 0, f"quantize_weights={self.quantize_weights!r} needs "
               f"stage 1, 2 or 3 (stage={self.stage} all-gathers no parameters)")
+        check(self.offload_optimizer in ("none", "cpu", "nvme"), f"offload_optimizer={self.offload_optimizer!r} "
+                                                                  "is not allowed; use none, cpu or nvme")
+        check(self.offload_params in ("none", "nvme"), f"offload_params={self.offload_params!r} is not allowed; "
+                                                       "use none or nvme")
+        check(self.offload_optimizer == "none" or self.stage > 0, f"offload_optimizer={self.offload_optimizer!r} "
+              "needs stage 1, 2 or 3 (stage 0 keeps the whole state on every rank)")
+        check(self.offload_params == "none" or self.stage == 3, f"offload_params={self.offload_params!r} needs "
+              f"stage 3 (stage={self.stage} keeps every parameter on every rank)")
+        check(isinstance(self.offload_delayed_update, bool) and (not self.offload_delayed_update
+                                                                 or self.offload_optimizer == "cpu"),
+              f"offload_delayed_update={self.offload_delayed_update!r} needs offload_optimizer='cpu' (the update runs "
+              "on the host while the device computes the next step)")
+        nvme = "nvme" in (self.offload_optimizer, self.offload_params)
+        check(not nvme or bool(self.offload_dir), "offload to nvme needs offload_dir (--offload-dir DIR): a "
+                                                  "folder for the state files")
+        check(self.offload_dir is None or isinstance(self.offload_dir, str) and self.offload_dir != "",
+              f"offload_dir={self.offload_dir!r} must be a folder's path")
         check(isinstance(self.lazy_publish, bool), f"lazy_publish={self.lazy_publish!r} must be True or False")
         check(self.init_values in INIT_VALUES, f"init_values={self.init_values!r} is not allowed; "
                                                f"use one of {', '.join(INIT_VALUES)}")
@@ -183,8 +221,8 @@ class ZeroConfig:
 
     @property
     def itemsize(self) -> int:
-        """Bytes per stored parameter or gradient element (2 for fp16, 4 for fp32)."""
-        return 2 if self.dtype == "fp16" else 4
+        """Bytes per stored parameter or gradient element (2 for fp16 and bf16, 4 for fp32)."""
+        return 4 if self.dtype == "fp32" else 2
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -20,17 +20,39 @@ Every failure is a MismatchError raised on every rank at the same point (exit st
 the CLI), naming the ranks and the values.
 """
 import hashlib
+import weakref
 from dataclasses import asdict
 from typing import Dict, List, Mapping, Sequence, Tuple
 
 import numpy as np
 
 from ..comm.consistency import rank_set
-from ..comm.watchdog import watched
-from ..errors import MismatchError, UsageError
+from ..comm.consistency import check_consistent
+from ..comm.watchdog import Watchdog, watched
+from ..errors import ConfigError, MismatchError, UsageError
+from ..optim import dtypes
+from .faults import GradientGuard, fault_from_env
 
 FINGERPRINT_MOD = 2 ** 52        # fingerprints stay exact integers in a float64
 STEP_COLUMNS = ("lr", "step", "gathers")   # what rides along with the step's all-gather, in order
+
+
+# ---- at construction ------------------------------------------------------------------
+def start_guards(engine):
+    """(faults.GradientGuard, comm.watchdog.Watchdog) of a new engine: before its first collective
+    that depends on the config the watchdog starts, then every rank must have the same config,
+    layers and topology (comm/consistency.py; MismatchError on every rank otherwise)."""
+    guard = GradientGuard(engine.rank, engine.dtype, engine.config.max_skipped_steps, fault_from_env())
+    me = weakref.ref(engine)      # the thread must not keep a forgotten engine alive
+    dog = Watchdog(engine.comm.waiting, engine.config.timeout_s, engine.rank, engine.comm.mpi,
+                   step=lambda: me().steps_taken + 1)
+    weakref.finalize(engine, dog.close)
+    try:
+        check_consistent(engine.comm, "engine", setup_fields(engine.config, engine.layout, engine.topology))
+    except BaseException:
+        dog.close()
+        raise
+    return guard, dog
 
 
 # ---- the layers ----------------------------------------------------------------------
@@ -54,11 +76,24 @@ def check_layers(layers):
         lname, params = item
         for pname, arr in params.items():
             dt = getattr(arr, "dtype", None)
-            if dt is None or not np.issubdtype(dt, np.floating):
+            if dt is None or not dtypes.is_float(dt):
                 what = f"dtype {dt}" if dt is not None else f"a {type(arr).__name__}"
                 raise UsageError(f"parameter {pname!r} of layer {lname!r} is {what}; a floating array (float16, "
-                                 "float32 or float64) is required")
+                                 "bfloat16, float32 or float64) is required")
     return pairs
+
+
+def storage_dtype(name: str, xp):
+    """The NumPy dtype of ZeroConfig.dtype; ConfigError where bf16 cannot be had (no ml_dtypes, or
+    a CuPy without bfloat16 arrays)."""
+    dt = dtypes.storage_dtype(name)
+    if name == "bf16" and getattr(xp, "__name__", "") == "cupy":
+        try:
+            xp.zeros(1, dt)
+        except Exception as e:   # CuPy before 14 refuses the dtype (TypeError, ValueError)
+            raise ConfigError(f"dtype='bf16' on the GPU needs a CuPy with bfloat16 arrays (14 or later; this is "
+                              f"{getattr(xp, '__version__', '?')}: {type(e).__name__}); use fp16 or fp32 on it") from None
+    return dt
 
 
 # ---- initial values ----------------------------------------------------------------

@@ -34,6 +34,7 @@ import numpy as np
 
 from ..errors import ConfigError, NonFiniteError
 from ..comm.watchdog import watched
+from ..optim import dtypes
 
 FAULT_ENV = "ZEROMPI_FAULT"
 KINDS = ("raise", "exit", "hang", "nan")
@@ -100,7 +101,7 @@ def fire(fault: Fault) -> None:
 
 def range_limit(dtype) -> float:
     """Smallest magnitude that becomes inf when stored in ``dtype`` (round to nearest)."""
-    fi = np.finfo(dtype)
+    fi = dtypes.finfo(dtype)
     return float(fi.max) + 2.0 ** (fi.maxexp - fi.nmant - 2)   # max + half its ulp: 65520 for fp16
 
 
@@ -109,7 +110,7 @@ class GradientGuard:
 
     def __init__(self, rank: int, dtype, max_skipped_steps: int, fault: Optional[Fault] = None):
         self.rank = rank
-        self.fp16 = np.dtype(dtype) == np.float16          # fp16 skips non-finite steps; fp32 stops
+        self.fp16 = np.dtype(dtype) == np.float16          # fp16 skips non-finite steps; fp32 and bf16 stop
         self.limit = range_limit(dtype)                     # |g| >= limit is inf once stored
         self.max_skipped_steps = max_skipped_steps
         self.fault = fault if fault is not None and fault.rank == rank else None   # only this rank's

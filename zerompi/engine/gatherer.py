@@ -9,6 +9,7 @@ the same gathers after the step, and ``unshard`` / ``params`` wait for a bucket 
 it is read.
 Each bucket's state is a :class:`BucketState` (docs/overlap.md).
 """
+import os
 from enum import Enum
 from typing import Dict, List
 
@@ -16,6 +17,8 @@ import numpy as np
 
 from ..comm.quantized import QuantizedGather, quantization
 from ..errors import UsageError
+from ..optim import impl
+from .offload import ParamFile, check_dir
 from .contract import GatherLog
 from .schedule import Phase, prefetch_window, visits_after
 
@@ -40,12 +43,21 @@ class ParameterGatherer:
     step changes the parameters, the bucket is gathered from those copies inside the node.
     """
 
-    def __init__(self, layout, config, comm, inflight, pool, ledger, dtype):
+    def __init__(self, layout, config, comm, inflight, pool, ledger, dtype, rank: int = 0):
         self.layout, self.config, self.comm = layout, config, comm
         self.inflight, self.pool = inflight, pool
         self.slot = comm.slot
         st = config.stage
-        self.params = ledger.alloc("params", layout.numel if st < 3 else layout.shard_numel, dtype)
+        self.param_file = None           # stage 3, offload_params="nvme": the stored shard in a file
+        if config.offload_params == "nvme":
+            n = layout.shard_numel * np.dtype(dtype).itemsize
+            check_dir(config.offload_dir, n)
+            self.param_file = ParamFile(config.offload_dir, f"zerompi-params-rank{rank}-pid{os.getpid()}.bin",
+                                        layout.shard_numel, dtype)
+            ledger.count("params", n, "disk")
+            self.params = None
+        else:
+            self.params = ledger.alloc("params", layout.numel if st < 3 else layout.shard_numel, dtype)
         # hpZ: this rank's super-slice of every bucket (ledger category "secondary"), and whether it is current
         self.secondary = None
         if st == 3 and config.hpz and comm.hierarchical:
@@ -69,6 +81,31 @@ class ParameterGatherer:
         if self.config.stage < 3:
             return self.params[bucket.world_slice(self.slot)]
         return self.params[bucket.shard_slice]
+
+    def param_out(self, b: int):
+        """Where the step writes bucket b's new stored parameters: this rank's slice, or (with the
+        shard in a file) a callable that writes the host result there."""
+        if self.param_file is not None:
+            return lambda host: self.param_file.write(self.layout.buckets[b].shard_slice, host)
+        return self.param_slice(b)
+
+    def set_shard(self, b: int, values) -> None:
+        """This rank's slice of bucket b from fp32 ``values`` (host or device), in the stored dtype."""
+        if self.param_file is not None:
+            self.param_file.write(self.layout.buckets[b].shard_slice, impl.to_host(values).astype(self.param_file.dtype))
+            return
+        dst = self.param_slice(b)
+        dst[...] = impl.array_module(dst).asarray(values)
+
+    def _read_shard(self, b: int, out) -> None:
+        """This rank's slice of bucket b's stored parameters into ``out`` (from the file when there is one)."""
+        sl = self.layout.buckets[b].shard_slice
+        if self.param_file is None:
+            out[...] = self.params[sl]
+        elif impl.array_module(out) is np:
+            self.param_file.read(sl, out)
+        else:
+            out[...] = impl.array_module(out).asarray(self.param_file.read(sl))
 
     def bucket_params(self, b: int) -> np.ndarray:
         """The whole bucket of stored parameters (stage 3: only while gathered)."""
@@ -159,7 +196,9 @@ class ParameterGatherer:
                 gather = self.comm.iall_gather_intra
             else:
                 lo, hi = bucket.slice_bounds(self.slot)
-                buf[lo:hi] = self.params[bucket.shard_slice]
+                if self.param_file is not None:
+                    self.param_file.at_step(step)
+                self._read_shard(b, buf[lo:hi])
                 if self.secondary is not None:
                     self._keep.add(b)
             self.gathered[b] = buf
@@ -206,3 +245,5 @@ class ParameterGatherer:
         self.finish_all()
         self.gathered.clear()
         self.params = self.secondary = None
+        if self.param_file is not None:
+            self.param_file.close()

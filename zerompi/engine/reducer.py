@@ -21,7 +21,7 @@ import numpy as np
 
 from ..comm.quantized import quantization
 from ..errors import UsageError
-from ..optim import impl
+from ..optim import dtypes, impl
 
 MAX_PENDING_REDUCES = 2   # gradient reduce-scatters in flight at once (per rank)
 
@@ -103,7 +103,7 @@ class GradientReducer:
                                  f"GPU) of shape {lay.params[n].shape}")
             if tuple(g.shape) != lay.params[n].shape:
                 raise UsageError(f"gradient {n!r} has shape {tuple(g.shape)}; the parameter's shape is {lay.params[n].shape}")
-            if not np.issubdtype(np.dtype(g.dtype), np.floating):
+            if not dtypes.is_float(g.dtype):
                 raise UsageError(f"gradient {n!r} has dtype {g.dtype}; a floating dtype is required")
         if self.micro == self.config.micro_batches:
             raise UsageError(f"all {self.config.micro_batches} micro-batches already handed back; call step() first")

@@ -23,8 +23,13 @@ padded to 4 bytes, and a float32 scale per quantization block): qgZ for the redu
 (the node level quantizes super-slices, the level across nodes slices), qwZ for the
 parameter gathers; the all-reduce across groups, stage 0's gradient all-gather and hpZ's
 gathers inside the node travel unquantized.
+
+:func:`step_bytes` takes every bucket's length; :func:`step_calls` and :func:`step_bytes_runs`
+take them run-length encoded, ``(length, consecutive buckets of it)`` as the estimate's
+BucketPlan holds them, so a model of 10^10 parameters costs a few runs, not a list per bucket
+(tested equal to :func:`step_bytes` on the engine's layouts).
 """
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, Tuple
 
 
 def step_bytes(stage: int, buckets: Sequence[int], itemsize: int, ranks: int, node_size: int, shard_size: int,
@@ -70,4 +75,84 @@ def step_bytes(stage: int, buckets: Sequence[int], itemsize: int, ranks: int, no
                 intra += (gathers - 1) * (k - 1) * (b // k) * itemsize   # the others from the node-local copies
             else:
                 gather(b, gathers, weights)
+    return {"intra": intra, "inter": inter}
+
+
+# ---- the same, run-length encoded ------------------------------------------------------------
+KINDS = ("reduce_scatter", "gather", "grad_gather", "node", "replicas")
+"""The collectives of a step, by kind: over the shard group (two-level when it spans nodes) a
+gradient ``reduce_scatter`` (qgZ when quantized), a parameter ``gather`` (qwZ), stage 0's
+gradient all-gather ``grad_gather``; ``node``: hpZ's gather inside the node from the secondary
+copies; ``replicas``: the all-reduce of a bucket's reduced slice across the shard groups."""
+GROUP_KINDS = KINDS[:3]
+
+
+def levels(ranks: int, node_size: int, shard_size: int) -> Tuple[int, int, int]:
+    """(K ranks of the group per node, M nodes per group, R shard groups)."""
+    k = min(node_size, shard_size)
+    return k, shard_size // k, ranks // shard_size
+
+
+def call_bytes(kind: str, b: int, itemsize: int, ranks: int, node_size: int, shard_size: int,
+               weights=None, grads=None) -> Tuple[int, int]:
+    """(inside the node, across nodes): bytes one rank sends in one collective of ``kind`` on a
+    bucket of ``b`` elements (a multiple of shard_size x R, as FlatLayout cuts the engine's buckets),
+    counted as :func:`step_bytes` counts them."""
+    k, m, r = levels(ranks, node_size, shard_size)
+    s = b // shard_size
+    q = {"reduce_scatter": grads, "gather": weights}.get(kind)
+    size = (lambda n: n * itemsize) if q is None else q.wire_bytes
+    if kind == "reduce_scatter":
+        return (k - 1) * size(m * s), (m - 1) * size(s)
+    if kind in ("gather", "grad_gather"):
+        return (k - 1) * m * size(s), (m - 1) * size(s)
+    if kind == "node":
+        return (k - 1) * (b // k) * itemsize, 0
+    return 0, 2 * (r - 1) * s // r * itemsize
+
+
+def step_calls(stage: int, runs: Sequence[Tuple[int, int]], ranks: int, node_size: int, shard_size: int,
+               micro_batches: int = 1, ahead: int = 0, hpz: bool = False) -> Dict[str, Dict[int, int]]:
+    """{kind: {bucket length: collectives per step}} (KINDS), as :func:`step_bytes` counts them.
+    ``runs``: (padded bucket length, consecutive buckets of that length), in layout order."""
+    k, m, r = levels(ranks, node_size, shard_size)
+    out: Dict[str, Dict[int, int]] = {kind: {} for kind in KINDS}
+
+    def add(kind: str, b: int, times: int) -> None:
+        if times:
+            out[kind][b] = out[kind].get(b, 0) + times
+
+    nb = sum(c for _, c in runs)
+    t = min(1 + ahead, nb)
+    pos = 0
+    for b, c in runs:
+        add("reduce_scatter", b, c * micro_batches)
+        if r > 1:
+            add("replicas", b, c)
+        if stage == 0:
+            add("grad_gather", b, c)
+        elif stage < 3:
+            add("gather", b, c)                                 # the parameter publish
+        else:
+            first = max(0, min(pos + c, t) - pos)               # of this run, among the first t buckets
+            last = max(0, pos + c - max(pos, nb - t))           # ... and among the last t
+            gathers = 2 * micro_batches * c - micro_batches * last - (micro_batches - 1) * first
+            if hpz and m > 1:
+                add("gather", b, c)                             # the first forward after the step
+                add("node", b, gathers - c)                     # the others from the node-local copies
+            else:
+                add("gather", b, gathers)
+        pos += c
+    return out
+
+
+def step_bytes_runs(stage: int, runs: Sequence[Tuple[int, int]], itemsize: int, ranks: int, node_size: int,
+                    shard_size: int, micro_batches: int = 1, ahead: int = 0, hpz: bool = False, weights=None,
+                    grads=None) -> Dict[str, int]:
+    """:func:`step_bytes` for buckets given as runs (length, count) in layout order."""
+    intra = inter = 0
+    for kind, per in step_calls(stage, runs, ranks, node_size, shard_size, micro_batches, ahead, hpz).items():
+        for b, times in per.items():
+            a, e = call_bytes(kind, b, itemsize, ranks, node_size, shard_size, weights, grads)
+            intra, inter = intra + times * a, inter + times * e
     return {"intra": intra, "inter": inter}

@@ -19,7 +19,6 @@ averages them over ranks and micro-batches.
 import atexit
 import functools
 import math
-import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Dict, Mapping, Optional, Sequence, Tuple, Union
@@ -28,16 +27,15 @@ import numpy as np
 
 from ..checkpoint import collective as checkpoint
 from ..comm.communicator import Communicator, sum_table
-from ..comm.consistency import check_consistent
+from ..comm.staging import device_transfers
 from ..comm.topology import arrange, topology_of
-from ..comm.watchdog import Watchdog, watched
+from ..comm.watchdog import watched
 from ..errors import ConfigError, UsageError, install_abort_hook
 from ..layout import FlatLayout
 from ..optim import impl
 from . import contract, traffic
 from .buffers import BucketPool, plan_classes
 from .config import ZeroConfig
-from .faults import GradientGuard, fault_from_env
 from .gatherer import ParameterGatherer
 from .inflight import InFlight
 from .loss_scale import DynamicLossScaler
@@ -86,7 +84,7 @@ class ZeroEngine:
         self.xp = xp
         self.rank, self.world_size = self.comm.rank, self.comm.size
         self.optimizer_impl = impl.use_impl(self.config.optimizer_impl, xp, verbose=self.rank == 0)  # "fused"/"numpy"
-        self.dtype = np.float16 if self.config.dtype == "fp16" else np.float32
+        self.dtype = contract.storage_dtype(self.config.dtype, xp)   # bf16: ConfigError where it cannot be had
         pairs = contract.check_layers(layers)
         spec = [(lname, [(pname, np.shape(a)) for pname, a in params.items()]) for lname, params in pairs]
         # Nodes and shard groups (comm/topology.py): a bucket is cut into shard_size slices, each a
@@ -94,12 +92,13 @@ class ZeroEngine:
         self.topology = topo = topology_of(self.comm, self.config.node_size, self.config.shard_size)
         self.layout = FlatLayout(spec, topo.shard_size, max(1, self.config.bucket_bytes // np.dtype(self.dtype).itemsize),
                                  self.config.align * topo.replicas)
-        self._start_guards()
+        self.guard, self._watchdog = contract.start_guards(self)   # the watchdog, then the start-up check
         pairs = contract.agree_initial_values(self.comm, pairs, self.config.init_values)
         comms = arrange(self.comm, topo, bool(self.config.quantize_weights or self.config.quantize_grads))
         self.group, self.replica = comms.group, comms.replica   # gradients and parameters; across groups
         self.slot = self.group.slot
-        self.ledger = MemoryLedger(xp)
+        transfers = device_transfers(self.comm, xp)     # device <-> host copies, for offloaded state
+        self.ledger = MemoryLedger(xp, transfers and transfers.pinned)
         self.scaler = DynamicLossScaler(self.config.init_loss_scale, self.config.loss_scale_window,
                                         self.config.min_loss_scale, enabled=self.config.dtype == "fp16")
         self.step_count = 0             # optimizer updates applied
@@ -116,10 +115,10 @@ class ZeroEngine:
         self.inflight = InFlight(self.comm, self.timers, progress_thread)
         self.pool = pool = BucketPool(self.ledger, self.dtype, plan_classes(self.layout, self.config, MAX_PENDING_REDUCES))
         self.gatherer = ParameterGatherer(self.layout, self.config, self.group, self.inflight, pool, self.ledger,
-                                          self.dtype)
+                                          self.dtype, self.rank)
         self.reducer = GradientReducer(self.layout, self.config, self.group, self.replica, self.world_size,
                                        self.inflight, pool, self.ledger, self.guard, self.dtype)
-        self.optimizer = ShardedAdamW(self.layout, self.config, self.ledger, self.slot)
+        self.optimizer = ShardedAdamW(self.layout, self.config, self.ledger, self.slot, self.rank, transfers)
         self.optimizer.load_initial(pairs, xp)
         self.publish_params(all_gather=True)
         # A program that ends without close() must not reach MPI_Finalize with collectives in flight.
@@ -257,18 +256,21 @@ class ZeroEngine:
             with self.timers.blocking():
                 self.reducer.all_gather(self.steps_taken)
         s = self.optimizer.scalars(lr, self.step_count, coef / scale)
-        if self.config.stage == 0:
+        if self.optimizer.delayed:     # publish update k - 1 (its master), start update k behind the next step
+            self.optimizer.wait()
+            if self.optimizer.unpublished:
+                self.publish_params()
+            self.optimizer.launch([(bk.shard_slice, grads[bk.index], None) for bk in lay.buckets], s)
+        elif self.config.stage == 0:
             self.optimizer.update(slice(None), self.reducer.grads, self.gatherer.params, s)
         else:
-            for bucket in lay.buckets:
-                b = bucket.index
-                self.optimizer.update(bucket.shard_slice, grads[b], self.gatherer.param_slice(b), s)   # + the stored copy
+            def after(b):           # stages 1/2 publish bucket b behind the next buckets' update
                 if self.config.stage in (1, 2):
-                    self.gatherer.start(b, self.steps_taken + 1)   # publish, behind the next buckets' update
+                    self.gatherer.start(b, self.steps_taken + 1)
                 self.inflight.poll()
-            # Stages 1/2: the new parameters are in place when step() returns, so a view taken
-            # before it reads them, never last step's or a mix; lazy_publish leaves them in flight.
-            if not self.config.lazy_publish:
+            self.optimizer.step([(bk.shard_slice, grads[bk.index], self.gatherer.param_out(bk.index))
+                                 for bk in lay.buckets], s, after)       # + the stored copy
+            if not self.config.lazy_publish:   # views taken before step() read new values, never a mix
                 self.gatherer.finish_all()
         self.gatherer.parameters_changed()
         self.scaler.update(False)
@@ -285,13 +287,14 @@ class ZeroEngine:
     def publish_params(self, all_gather: bool = True) -> None:
         """Write the stored-dtype parameters from the master; stages 1/2 then all-gather them
         (every rank calls it: after the master was written other than by step(), as load() does)."""
-        st, params, master = self.config.stage, self.gatherer.params, self.optimizer.master
+        st, params = self.config.stage, self.gatherer.params
+        self.optimizer.unpublished = False
         self.gatherer.parameters_changed()
         if st == 0:
-            params[...] = master
+            params[...] = self.optimizer.master
             return
         for bucket in self.layout.buckets:
-            self.gatherer.param_slice(bucket.index)[...] = master[bucket.shard_slice]
+            self.gatherer.set_shard(bucket.index, self.optimizer.master_slice(bucket.shard_slice))
         if all_gather and st in (1, 2):
             for bucket in self.layout.buckets:
                 self.gatherer.wire.all_gather(params[bucket.start:bucket.stop])   # quantized with qwZ
@@ -315,6 +318,7 @@ class ZeroEngine:
             raise UsageError(f"{what}() in the middle of a step (micro-batches handed back or layers "
                              "unsharded); call it after step()")
         self.synchronize()
+        self.optimizer.wait()           # a delayed update in flight writes the rows a checkpoint reads
         if self.config.stage == 3:      # a gathered bucket would go stale when the master changes
             self.gatherer.free()
 
@@ -333,6 +337,7 @@ class ZeroEngine:
     def gather_master(self) -> np.ndarray:
         """The whole padded fp32 master in world layout on every rank (a collective)."""
         self.synchronize()
+        self.optimizer.wait()          # a delayed update in flight: the master is whole again
         return self.optimizer.gather(self.group, self.steps_taken)
 
     def unpadded_master(self) -> np.ndarray:
@@ -345,7 +350,7 @@ class ZeroEngine:
         on Psi, unpadded), ``theory_padded`` (the same formula on the padded layout),
         ``peak_buffers`` (largest transient bytes held at once, communication scratch included)."""
         k = self.group.k if self.gatherer.secondary is not None else 0    # hpZ's copy: 1/node_size
-        return memory_report(self.ledger, self.layout, self.config.stage, self.topology.shard_size,
+        return memory_report(self.ledger, self.layout, self.config, self.topology.shard_size,
                              np.dtype(self.dtype).itemsize, k, sum(c.peak_scratch_bytes for c in self._comms()))
 
     def comm_theory_bytes(self) -> int:
@@ -374,20 +379,6 @@ class ZeroEngine:
         self.closed = True
 
     # ---- failures (docs/failures.md) --------------------------------------------
-    def _start_guards(self) -> None:
-        """Before the first collective that depends on the config: start the collective
-        watchdog, then check that every rank has the same ZeroConfig and layout."""
-        self.guard = GradientGuard(self.rank, self.dtype, self.config.max_skipped_steps, fault_from_env())
-        me = weakref.ref(self)      # the thread must not keep a forgotten engine alive
-        self._watchdog = Watchdog(self.comm.waiting, self.config.timeout_s, self.rank, self.comm.mpi,
-                                  step=lambda: me().steps_taken + 1)
-        weakref.finalize(self, self._watchdog.close)
-        try:
-            check_consistent(self.comm, "engine", contract.setup_fields(self.config, self.layout, self.topology))
-        except BaseException:
-            self._watchdog.close()
-            raise
-
     def _comms(self):   # the distinct communicators used: the world's, the group's, across groups
         return list({id(c): c for c in (self.comm, self.group, self.replica) if c}.values())
 

@@ -9,13 +9,15 @@ bucket buffers, the micro-batch accumulator, the reduce-scatter receive scratch)
 bytes and time of one step's communication (alpha-beta time model).
 
 plan (the engine's bucket layout for a model described by its size: BucketPlan),
-stages (the arithmetic: ``estimate``, ``formula``), cli (the options, the table, ``--from-run``).
+stages (the arithmetic: ``estimate``, ``formula``), levels (nodes and shard groups: the
+topology's checks, bytes and time inside and across nodes), cli (the options, the table,
+``--from-run``).
 
 In Python, ``zerompi.estimate(params=10e9, ranks=64)`` returns the same table as a dict:
 this package is callable (it calls :func:`zerompi.estimate.stages.estimate`).
 
 May import: zerompi.errors, and the MPI-free parts of zerompi.engine (config, layout,
-buffers, memory, reducer). Runs where mpi4py cannot be imported.
+buffers, memory, reducer, traffic). Runs where mpi4py cannot be imported.
 """
 import sys
 import types

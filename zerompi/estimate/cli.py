@@ -61,7 +61,14 @@ def format_table(est: dict) -> str:
     for key, label in (("params_bytes", "params"), ("grads_bytes", "grads"),
                        ("optimizer_bytes", "optimizer (master, m, v)")):
         out.append(line(label, [dec(r[key]) for r in rows]))
+    if est.get("hpz_applies"):
+        out.append(line("secondary copy (hpZ)", [dec(r["secondary_bytes"]) if r["secondary_bytes"] else "-"
+                                                 for r in rows]))
     out.append(line(f"model states, {unit}", [dec(r["model_state_bytes"]) for r in rows]))
+    if est.get("offload", {}).get("optimizer", "none") != "none" or est.get("offload", {}).get("params", "none") != "none":
+        for place, label in (("device", "of them on the device"), ("host", "in host memory (offload)"),
+                             ("disk", "in files (offload)")):
+            out.append(line(label, [dec(r["model_state_bytes_by_place"][place]["total"]) for r in rows]))
     out.append(line(f"model states, {bunit}", [binary(r["model_state_bytes"]) for r in rows]))
     out.append(line("formula", [r["formula"] for r in rows]))
     labels = {"grad_buckets": "gradient buckets", "gathered_params": "gathered layers (stage 3)",
@@ -74,21 +81,65 @@ def format_table(est: dict) -> str:
     out.append(line(f"total ({pending:,} pending), {bunit}", [binary(r["total_bytes"]) for r in rows]))
     if pending > 0:
         out.append(line(f"total (best case), {unit}", [dec(r["total_bytes_best_case"]) for r in rows]))
-    out.append(line(f"communication per step, {unit}", [dec(r["comm_bytes_per_step"]) for r in rows]))
-    out.append(line("collective calls per step", [f"{r['comm_calls_per_step']:,}" for r in rows]))
-    out.append(line("communication time, s", [f"{r['comm_seconds_per_step']:.4f}" for r in rows]))
+    if est.get("by_level"):
+        out += level_rows(est, line, dec, unit)
+    else:
+        out.append(line(f"communication per step, {unit}", [dec(r["comm_bytes_per_step"]) for r in rows]))
+        out.append(line("collective calls per step", [f"{r['comm_calls_per_step']:,}" for r in rows]))
+        out.append(line("communication time, s", [f"{r['comm_seconds_per_step']:.4f}" for r in rows]))
     padding = est["padded_params"] - est["params"]
     out += ["",
             f"layout: {est['buckets']:,} buckets of up to {est['bucket_numel']:,} elements ({est['bucket_mb']:g} MiB), "
             f"{padding:,} padding elements; stage-3 prefetch {est['prefetch']}; "
             f"{est['micro_batches']} micro-batch(es)",
-            _pending_note(est),
-            f"communication: ring volumes, (N-1)/N of the buffer per pass; time = calls x (N-1) x "
+            _pending_note(est)]
+    if est.get("by_level"):
+        return "\n".join(out + level_notes(est))
+    out += [f"communication: ring volumes, (N-1)/N of the buffer per pass; time = calls x (N-1) x "
             f"{est['latency_us']:g} us + bytes / {est['bandwidth_gbps']:g} Gbit/s",
             f"stage 3 moves 3 passes per micro-batch (gather forward, gather backward, reduce-scatter); the engine "
             f"keeps the buckets it holds gathered across each forward/backward turn, so it sends up to "
             f"{rows[3]['comm_bytes_kept_at_turns']:,} bytes less than that"]
     return "\n".join(out)
+
+
+def level_rows(est: dict, line, dec, unit: str) -> List[str]:
+    """The communication rows by level: bytes sent inside and across nodes per step, and their time."""
+    rows = est["stages"]
+    level = lambda key, lvl: [r[key][lvl] for r in rows]
+    out = [line(f"sent inside nodes / step, {unit}", [dec(b) for b in level("comm_bytes_per_step_by_level", "intra")]),
+           line(f"sent across nodes / step, {unit}", [dec(b) for b in level("comm_bytes_per_step_by_level", "inter")])]
+    out += [line("time inside nodes, s", [f"{t:.4f}" for t in level("comm_seconds_per_step_by_level", "intra")]),
+            line("time across nodes, s", [f"{t:.4f}" for t in level("comm_seconds_per_step_by_level", "inter")]),
+            line("communication time, s", [f"{r['comm_seconds_per_step_levels']:.4f}" for r in rows])]
+    if est["nodes"] > 1:
+        out += [line(f"if flat: across nodes, {unit}", [dec(b) for b in level("comm_bytes_per_step_if_flat", "inter")]),
+                line("if flat: communication time, s",
+                     [f"{sum(r['comm_seconds_per_step_if_flat'].values()):.4f}" for r in rows])]
+    return out
+
+
+def level_notes(est: dict) -> List[str]:
+    """The footer of the by-level table: the topology, what hpZ applies to, the time model."""
+    n, k, s = est["ranks"], est["node_size"], est["shard_size"]
+    nodes = f"{est['nodes']} node{'s' if est['nodes'] > 1 else ''} of {k}"
+    groups = (f"one shard group of all {n} ranks (N)" if est["shard_groups"] == 1 else
+              f"{est['shard_groups']} shard groups of S = {s} ranks, replicated (model states with S in place of N; "
+              f"each step all-reduces the gradient shard across the groups)")
+    out = [f"topology: {n} ranks in {nodes}; {groups}"]
+    if est["hpz"]:
+        out.append("hpZ: applies to the stage-3 column only (stages 0-2 keep whole parameters); " +
+                   ("a node-local secondary copy of 1/K of the parameters (K = node size), so only the first "
+                    "forward after a step gathers across nodes" if est["hpz_applies"] else
+                    "no effect here: a shard group is one node, so no gather leaves the node"))
+    out.append(f"communication: the bytes the engine sends per step (engine/traffic.py): within a group across "
+               f"nodes, a reduce-scatter or all-gather moves (K-1)/K of a bucket inside the node and 1/K x (M-1)/M "
+               f"across; time per level = ring steps x {est['latency_us']:g} us + bytes / bandwidth "
+               f"({est['intra_gbps']:g} Gbit/s inside nodes, {est['inter_gbps']:g} across), the two levels added")
+    if est["nodes"] > 1:
+        out.append("if flat: the same collectives flat over each shard group, unaware of nodes, as before two "
+                   "levels: (S-K)/S of every bucket crosses (hpZ needs two levels: left out)")
+    return out
 
 
 def _pending_note(est: dict) -> str:
@@ -113,6 +164,10 @@ def run_estimate(metrics: dict, **overrides) -> dict:
                   bucket_mb=zero.get("bucket_mb", ZeroConfig.bucket_mb), layers=layers,
                   micro_batches=zero.get("micro_batches", 1), prefetch=zero.get("prefetch", DEFAULT_PREFETCH),
                   overlap=zero.get("overlap", True), align=zero.get("align", ZeroConfig.align))
+    topo = metrics.get("topology") or {}
+    if topo.get("node_size", metrics["world_size"]) < metrics["world_size"] or \
+            topo.get("shard_size", metrics["world_size"]) < metrics["world_size"]:    # nodes or shard groups
+        kwargs.update(node_size=topo["node_size"], shard_size=topo["shard_size"], hpz=bool(topo.get("hpz")))
     kwargs.update(overrides)
     return estimate(**kwargs)
 
@@ -144,18 +199,24 @@ def compare_run(est: dict, metrics: dict) -> dict:
                 "model_state_bytes": mem["total"], "buffer_bytes": metrics["peak_buffer_bytes"],
                 "total_bytes": mem["total"] + metrics["peak_buffer_bytes"],
                 "comm_bytes_per_step": metrics["comm_bytes_per_step"]}
+    estimated = {k: row[k] for k in measured}
+    levels = metrics.get("comm_bytes_per_step_by_level")
+    if levels:        # what the engine sent, by level, beside its formula (engine/traffic.py)
+        for lvl in ("intra", "inter"):
+            measured[f"comm_{lvl}_bytes_per_step"] = levels[lvl]
+            estimated[f"comm_{lvl}_bytes_per_step"] = row["comm_bytes_per_step_by_level"][lvl]
     best = {"buffer_bytes": row["buffer_bytes_best_case"], "total_bytes": row["total_bytes_best_case"]}
-    return {"stage": metrics["stage"], "measured": measured, "estimate": {k: row[k] for k in measured},
+    return {"stage": metrics["stage"], "measured": measured, "estimate": estimated,
             "estimate_best_case": best, "estimate_one_in_flight": best}   # the latter: its name before the cap
 
 
 def format_compare(cmp: dict, est: dict) -> str:
     lines = [f"measured in the run (stage {cmp['stage']}) beside the estimate for its configuration, bytes per rank",
-             f"  {'':22}{'measured':>14}{'estimate':>14}{'difference':>12}{'best case':>14}"]
+             f"  {'':26}{'measured':>14}{'estimate':>14}{'difference':>12}{'best case':>14}"]
     for key, m in cmp["measured"].items():
         e = cmp["estimate"][key]
         best = cmp["estimate_best_case"].get(key)
-        lines.append(f"  {key:22}{m:>14,}{e:>14,}{m - e:>12,}" + (f"{best:>14,}" if best is not None else ""))
+        lines.append(f"  {key:26}{m:>14,}{e:>14,}{m - e:>12,}" + (f"{best:>14,}" if best is not None else ""))
     bound = (f"up to {est['in_flight']} reductions pending while the next bucket fills"
              if est["overlap"] else "overlap off, no reduction pending while the next bucket fills")
     lines.append(f"  (estimate: {bound}, the most a rank holds; best case: each reduction done before the next "
@@ -172,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m zerompi.estimate", description="Memory and communication per rank for ZeRO stages 0-3.")
     p.add_argument("--params", type=parse_count, help="Ψ, parameters of the model (10e9, 10B, 350M)")
     p.add_argument("--ranks", type=int, help="N, data-parallel ranks")
-    p.add_argument("--dtype", default="fp16", help="fp16 or fp32 storage of parameters and gradients")
+    p.add_argument("--dtype", default="fp16", help="fp16, bf16 or fp32 storage of parameters and gradients")
     p.add_argument("--bucket-mb", type=parse_finite, default=ZeroConfig.bucket_mb, help="bucket size in MiB")
     shape = p.add_mutually_exclusive_group()
     shape.add_argument("--layers", type=int, help="the model has this many layers of equal size")
@@ -186,6 +247,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="as zerompi.train --no-overlap: every collective waited for as it starts")
     p.add_argument("--bandwidth-gbps", type=parse_finite, default=100.0, help="link bandwidth, gigabits per second")
     p.add_argument("--latency-us", type=parse_finite, default=5.0, help="latency per message, microseconds")
+    p.add_argument("--node-size", type=int, default=None, metavar="K",
+                   help="ranks per node (default: all ranks on one node); prints bytes and time per level")
+    p.add_argument("--shard-size", type=int, default=None, metavar="S",
+                   help="shard the model states over groups of S ranks (whole nodes), replicated across the "
+                        "N/S groups (MiCS / hybrid sharding; default: all ranks)")
+    p.add_argument("--hpz", action="store_true",
+                   help="ZeRO++ hpZ in the stage-3 column: a node-local copy of 1/K of the parameters, the "
+                        "backward gathers inside the node")
+    p.add_argument("--intra-gbps", type=parse_finite, default=None, help="bandwidth inside a node, Gbit/s "
+                                                                         "(default: --bandwidth-gbps)")
+    p.add_argument("--inter-gbps", type=parse_finite, default=None, help="bandwidth across nodes, Gbit/s "
+                                                                         "(default: --bandwidth-gbps)")
+    p.add_argument("--offload-optimizer", default="none", metavar="none|cpu|nvme",
+                   help="where the master and Adam moments live (stages 1-3): the table splits the states by place")
+    p.add_argument("--offload-params", default="none", metavar="none|nvme", help="stage 3: parameters in files")
     p.add_argument("--json", metavar="PATH", help="also write the table as JSON")
     p.add_argument("--from-run", metavar="METRICS.json",
                    help="a train run's --metrics-json: estimate its configuration and show measured beside it")
@@ -205,21 +281,25 @@ def main(argv: Optional[List[str]] = None) -> int:
         largest = None if a.largest_layer is None else int(a.largest_layer)
         opts = dict(bucket_mb=a.bucket_mb, prefetch=a.prefetch, micro_batches=a.micro_batches,
                     in_flight=a.in_flight, bandwidth_gbps=a.bandwidth_gbps, latency_us=a.latency_us,
-                    overlap=not a.no_overlap)
+                    overlap=not a.no_overlap, intra_gbps=a.intra_gbps, inter_gbps=a.inter_gbps,
+                    offload_optimizer=a.offload_optimizer, offload_params=a.offload_params)
+        topo = {k: v for k, v in (("node_size", a.node_size), ("shard_size", a.shard_size), ("hpz", a.hpz or None))
+                if v is not None}
         if a.from_run is not None:
             metrics = read_run(a.from_run)
             given = {k: v for k, v in (("params", a.params), ("ranks", a.ranks), ("layers", a.layers),
                                        ("largest_layer", largest)) if v is not None}
             try:
                 est = run_estimate(metrics, in_flight=a.in_flight, bandwidth_gbps=a.bandwidth_gbps,
-                                   latency_us=a.latency_us, **given)
+                                   latency_us=a.latency_us, intra_gbps=a.intra_gbps, inter_gbps=a.inter_gbps,
+                                   **given, **topo)
                 cmp = compare_run(est, metrics)
             except (KeyError, TypeError, IndexError, AttributeError) as e:
                 raise ConfigError(f"from_run={a.from_run!r} is not the --metrics-json of a zerompi.train run "
                                   f"({type(e).__name__}: {e})")
         else:
             check(a.params is not None and a.ranks is not None, "give --params and --ranks (or --from-run)")
-            est = estimate(a.params, a.ranks, a.dtype, layers=a.layers, largest_layer=largest, **opts)
+            est = estimate(a.params, a.ranks, a.dtype, layers=a.layers, largest_layer=largest, **opts, **topo)
             cmp = None
     except ConfigError as e:
         sys.stderr.write(f"zerompi.estimate: error: {e}\n")

@@ -23,6 +23,21 @@ def host_available_bytes(meminfo: str = "/proc/meminfo") -> Optional[int]:
         return None
 
 
+def address_space_left() -> Optional[int]:
+    """Bytes this process may still map under its address-space limit (``ulimit -v``, ``prlimit --as``),
+    or None when there is none."""
+    try:
+        import resource
+        limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if limit == resource.RLIM_INFINITY:
+            return None
+        with open("/proc/self/status") as f:
+            size = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+        return max(0, limit - size)
+    except (ImportError, OSError, ValueError, StopIteration):
+        return None
+
+
 def gpu_free_bytes(xp) -> Optional[int]:
     """Free bytes of the current GPU (``xp``: CuPy), or None when it cannot be asked."""
     try:
@@ -43,7 +58,11 @@ def available_per_rank(placement) -> Optional[tuple]:
         where = f"free memory on GPU {placement.gpu}"
     if total is None:
         return None
-    return total // sharing, f"{human_bytes(total)} {where}, shared by {sharing} rank{'s' if sharing > 1 else ''} here"
+    have = total // sharing, f"{human_bytes(total)} {where}, shared by {sharing} rank{'s' if sharing > 1 else ''} here"
+    left = address_space_left() if placement is None or placement.kind == "cpu" else None
+    if left is not None and left < have[0]:
+        have = left, f"its address-space limit leaves {human_bytes(left)} (ulimit -v / prlimit --as)"
+    return have
 
 
 def human_bytes(n: float) -> str:

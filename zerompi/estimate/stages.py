@@ -14,6 +14,7 @@ whatever the network's timing; the best case is the figure when every reduction 
 before the next bucket's gradients arrive.
 """
 import math
+from types import SimpleNamespace
 from typing import Optional
 
 # The engine's own rules, imported (no copy here to go stale): the cap on gradient
@@ -21,9 +22,10 @@ from typing import Optional
 from ..engine.buffers import buffer_counts
 from ..engine.config import DTYPES, STAGES, ZeroConfig
 from ..layout import FlatLayout
-from ..engine.memory import theory_bytes, theory_comm_bytes
+from ..engine.memory import theory_by_place, theory_bytes, theory_comm_bytes
 from ..engine import reducer
 from ..errors import check
+from .levels import Levels, check_levels, flat_traffic, level_traffic, scratch_elements
 from .plan import BucketPlan, bucket_numel, plan_buckets
 
 DEFAULT_PREFETCH = getattr(ZeroConfig, "prefetch", 0)   # the engine's default stage-3 prefetch depth
@@ -31,24 +33,30 @@ DEFAULT_PREFETCH = getattr(ZeroConfig, "prefetch", 0)   # the engine's default s
 BUFFER_ROWS = ("grad_buckets", "gathered_params", "spare_buffers", "grad_accumulator", "comm_scratch")
 
 
-def formula(stage: int, itemsize: int) -> str:
-    """The model-state formula of a stage, e.g. '4Ψ + 12Ψ/N', read off theory_bytes itself."""
+def formula(stage: int, itemsize: int, group: str = "N", node: Optional[str] = None) -> str:
+    """The model-state formula of a stage, e.g. '4Ψ + 12Ψ/N', read off theory_bytes itself.
+    ``group``: the letter of the ranks one copy is sharded over (S for shard groups); ``node``: the
+    letter of the node size when hpZ keeps its copy (1/node of the parameters), else None."""
     whole = theory_bytes(stage, 1, 1, itemsize, shard_numel=0)["total"]   # bytes per element kept whole
     shard = theory_bytes(stage, 0, 1, itemsize, shard_numel=1)["total"]   # bytes per element sharded
-    parts = ([f"{whole}Ψ"] if whole else []) + ([f"{shard}Ψ/N"] if shard else [])
+    extra = theory_bytes(stage, 0, 1, itemsize, shard_numel=0, secondary=1).get("secondary", 0) if node else 0
+    parts = ([f"{whole}Ψ"] if whole else []) + ([f"{shard}Ψ/{group}"] if shard else []) + \
+        ([f"{extra}Ψ/{node}"] if extra else [])
     return " + ".join(parts)
 
 
 def _stage_row(stage: int, plan: BucketPlan, itemsize: int, micro_batches: int, prefetch: int, overlap: bool,
-               pending: int, bandwidth_gbps: float, latency_us: float, cap: int) -> dict:
+               pending: int, bandwidth_gbps: float, latency_us: float, cap: int, lv: Levels, gbps: tuple) -> dict:
     """One stage's bytes per rank (model states, buffers) and communication per step.
 
     ``pending``: reductions pending when a bucket fills (the timing this row is for);
-    ``cap``: the engine's bound on them, which its buffer classes are sized for.
+    ``cap``: the engine's bound on them, which its buffer classes are sized for; ``lv``: nodes
+    and shard groups (the plan is cut for one shard group); ``gbps``: (inside, across) nodes.
     """
     n, isz, m = plan.world_size, itemsize, micro_batches
     ahead = prefetch if overlap else 0
-    states = theory_bytes(stage, plan.numel, n, isz, plan.shard_numel)
+    secondary = lv.secondary_numel(stage, plan.numel)
+    states = theory_bytes(stage, plan.numel, n, isz, plan.shard_numel, secondary=secondary)
     staged, gathered = buffer_counts(stage, plan.num_buckets, pending, ahead)
     classes = plan.classes(*buffer_counts(stage, plan.num_buckets, cap, ahead))
     buffers = {
@@ -63,7 +71,8 @@ def _stage_row(stage: int, plan: BucketPlan, itemsize: int, micro_batches: int, 
         "grad_accumulator": isz * plan.shard_numel if stage < 2 and m > 1 else 0,
         # reduce-scatter receive buffers (the N-1 peers' slices of a bucket), pooled per bucket
         # length and kept: as many of a length as were ever in flight at once (one at least)
-        "comm_scratch": isz * plan.per_size(max(pending, 1)) * (n - 1) // n,
+        # (with nodes and shard groups: the two levels' and the all-reduce across groups', levels.py)
+        "comm_scratch": isz * scratch_elements(plan, lv, pending),
     }
     comm = theory_comm_bytes(stage, plan.numel, n, isz, m)
     buckets = plan.num_buckets
@@ -78,13 +87,16 @@ def _stage_row(stage: int, plan: BucketPlan, itemsize: int, micro_batches: int, 
         first, last = plan.ends(1 + ahead)
         reuse = isz * (m * last + (m - 1) * first) * (n - 1) // n
     buffer_bytes = sum(buffers.values())
+    by_level = level_traffic(stage, plan, isz, lv, m, ahead, latency_us, *gbps)
+    flat = flat_traffic(stage, plan, isz, lv, m, ahead, latency_us, *gbps)
     return {
         "stage": stage,
         "params_bytes": states["params"],
         "grads_bytes": states["grads"],
         "optimizer_bytes": states["optimizer"],
+        "secondary_bytes": states.get("secondary", 0),
         "model_state_bytes": states["total"],
-        "formula": formula(stage, isz),
+        "formula": formula(stage, isz, "N" if lv.replicas == 1 else "S", "K" if secondary else None),
         "buffers": buffers,
         "buffer_bytes": buffer_bytes,
         "total_bytes": states["total"] + buffer_bytes,
@@ -92,6 +104,14 @@ def _stage_row(stage: int, plan: BucketPlan, itemsize: int, micro_batches: int, 
         "comm_bytes_kept_at_turns": reuse,
         "comm_calls_per_step": calls,
         "comm_seconds_per_step": seconds,
+        # what the engine sends (engine.traffic, to the byte), inside and across nodes, and its time
+        "comm_bytes_per_step_by_level": by_level["bytes"],
+        "comm_messages_per_step_by_level": by_level["messages"],
+        "comm_seconds_per_step_by_level": by_level["seconds"],
+        "comm_seconds_per_step_levels": sum(by_level["seconds"].values()),
+        # the same collectives flat over the group, unaware of nodes (as before two levels)
+        "comm_bytes_per_step_if_flat": flat["bytes"],
+        "comm_seconds_per_step_if_flat": flat["seconds"],
     }
 
 
@@ -99,7 +119,10 @@ def estimate(params: Optional[float] = None, ranks: Optional[int] = None, dtype:
              bucket_mb: float = ZeroConfig.bucket_mb, layers: Optional[int] = None,
              largest_layer: Optional[int] = None, prefetch: int = DEFAULT_PREFETCH, micro_batches: int = 1,
              in_flight: Optional[int] = None, bandwidth_gbps: float = 100.0, latency_us: float = 5.0,
-             layout: Optional[FlatLayout] = None, align: int = ZeroConfig.align, overlap: bool = True) -> dict:
+             layout: Optional[FlatLayout] = None, align: int = ZeroConfig.align, overlap: bool = True,
+             node_size: Optional[int] = None, shard_size: Optional[int] = None, hpz: bool = False,
+             intra_gbps: Optional[float] = None, inter_gbps: Optional[float] = None,
+             offload_optimizer: str = "none", offload_params: str = "none") -> dict:
     """Bytes per rank and communication per step for ZeRO stages 0-3.
 
     ``params``: Psi, parameters of the model; ``ranks``: N. Or ``layout``: the engine's
@@ -113,19 +136,42 @@ def estimate(params: Optional[float] = None, ranks: Optional[int] = None, dtype:
     the best case, always given as ``total_bytes_best_case``; a K above the cap describes an
     engine with a cap of K).
     ``bandwidth_gbps``: link speed in gigabits per second; ``latency_us``: per message.
+    Nodes and shard groups (docs/hierarchical.md): ``node_size`` K ranks per node (default: one
+    node of all N), ``shard_size`` S ranks share one sharded copy of the model states (whole nodes;
+    default N: the plan is cut for S ranks, the states follow the stage formulas with S in place
+    of N), ``hpz`` ZeRO++'s node-local secondary copy (the stage-3 row only; it changes nothing
+    when a shard group is one node), ``intra_gbps`` / ``inter_gbps`` the bandwidth inside and
+    across nodes (default ``bandwidth_gbps``). With a ``layout``, ``ranks`` defaults to the
+    layout's and the layout must be cut for the shard group, as the engine cuts it.
     Returns ``{"stages": [{stage, model_state_bytes, params_bytes, grads_bytes,
-    optimizer_bytes, buffers, buffer_bytes, total_bytes, total_bytes_best_case,
-    comm_bytes_per_step, ...}], ...}`` with every size in bytes per rank. Raises ConfigError on bad input.
+    optimizer_bytes, secondary_bytes, buffers, buffer_bytes, total_bytes, total_bytes_best_case,
+    comm_bytes_per_step (the ring volumes over one shard group: 2 or 3 passes per micro-batch),
+    comm_bytes_per_step_by_level ({"intra", "inter"}: what the engine sends, engine.traffic),
+    comm_seconds_per_step_by_level, ...}], ...}`` with every size in bytes per rank. Raises
+    ConfigError on bad input.
     """
-    check(dtype in DTYPES, f"dtype={dtype!r} is not allowed; use fp16 or fp32")
+    check(dtype in DTYPES, f"dtype={dtype!r} is not allowed; use fp16, bf16 or fp32")
+    check(offload_optimizer in ("none", "cpu", "nvme"), f"offload_optimizer={offload_optimizer!r} is not allowed; "
+                                                        "use none, cpu or nvme")
+    check(offload_params in ("none", "nvme"), f"offload_params={offload_params!r} is not allowed; use none or nvme")
     itemsize = ZeroConfig(dtype=dtype).itemsize
     check(isinstance(micro_batches, int) and micro_batches >= 1, f"micro_batches={micro_batches!r} must be an integer >= 1")
     check(isinstance(prefetch, int) and prefetch >= 0, f"prefetch={prefetch!r} must be an integer >= 0 (0 = off)")
     check(bandwidth_gbps > 0, f"bandwidth_gbps={bandwidth_gbps!r} must be > 0 (gigabits per second)")
     check(latency_us >= 0, f"latency_us={latency_us!r} must be >= 0 (microseconds)")
     check(isinstance(overlap, bool), f"overlap={overlap!r} must be True or False")
+    gbps = tuple(bandwidth_gbps if g is None else g for g in (intra_gbps, inter_gbps))
+    for name, g in zip(("intra_gbps", "inter_gbps"), gbps):
+        check(isinstance(g, (int, float)) and math.isfinite(g) and g > 0,
+              f"{name}={g!r} must be a finite number > 0 (gigabits per second)")
     target = bucket_numel(dtype, bucket_mb)
     if layout is not None:
+        ranks = layout.world_size if ranks is None else ranks
+        check(isinstance(ranks, int) and ranks >= 1, f"ranks={ranks!r} must be an integer >= 1")
+        lv = check_levels(ranks, node_size, shard_size, hpz)
+        check(layout.world_size == lv.shard_size, f"layout is cut for {layout.world_size} ranks; with {ranks} ranks "
+                                                  f"and shard_size={lv.shard_size} it must be cut for {lv.shard_size}, "
+                                                  "the shard group (as the engine cuts it)")
         plan = BucketPlan.from_layout(layout)
     else:
         shown = f"{params:g}" if isinstance(params, float) else repr(params)
@@ -139,7 +185,9 @@ def estimate(params: Optional[float] = None, ranks: Optional[int] = None, dtype:
               f"layers={layers!r} must be an integer in 1..params ({psi})")
         check(largest_layer is None or (isinstance(largest_layer, int) and 1 <= largest_layer <= psi),
               f"largest_layer={largest_layer!r} must be an integer in 1..params ({psi})")
-        plan = plan_buckets(psi, ranks, target, layers, largest_layer, align)
+        lv = check_levels(ranks, node_size, shard_size, hpz)
+        # as the engine: buckets cut into S slices, each a multiple of align x R (the all-reduce splits it)
+        plan = plan_buckets(psi, lv.shard_size, target, layers, largest_layer, align * lv.replicas)
     check(in_flight is None or (isinstance(in_flight, int) and not isinstance(in_flight, bool) and in_flight >= 0),
           f"in_flight={in_flight!r} must be an integer >= 0 (reductions pending at once; "
           f"default: the engine's cap, {reducer.MAX_PENDING_REDUCES})")
@@ -149,16 +197,23 @@ def estimate(params: Optional[float] = None, ranks: Optional[int] = None, dtype:
     cap = max(pending, reducer.MAX_PENDING_REDUCES) if overlap else 0   # what the engine's buffer pool is sized for
     stages = []
     for s in STAGES:
-        row = _stage_row(s, plan, itemsize, micro_batches, prefetch, overlap, pending, bandwidth_gbps, latency_us, cap)
-        best = _stage_row(s, plan, itemsize, micro_batches, prefetch, overlap, 0, bandwidth_gbps, latency_us, cap)
+        common = (bandwidth_gbps, latency_us, cap, lv, gbps)
+        row = _stage_row(s, plan, itemsize, micro_batches, prefetch, overlap, pending, *common)
+        best = _stage_row(s, plan, itemsize, micro_batches, prefetch, overlap, 0, *common)
         row["buffer_bytes_best_case"] = best["buffer_bytes"]
         row["total_bytes_best_case"] = best["total_bytes"]
         row["total_bytes_one_in_flight"] = best["total_bytes"]   # the best case's name before the cap
+        # where offload puts the model states (stage 0 offloads nothing, params only at stage 3)
+        where = SimpleNamespace(offload_optimizer=offload_optimizer if s > 0 else "none",
+                                offload_params=offload_params if s == 3 else "none")
+        row["model_state_bytes_by_place"] = theory_by_place(
+            {"params": row["params_bytes"], "grads": row["grads_bytes"], "optimizer": row["optimizer_bytes"],
+             "secondary": row.get("secondary_bytes", 0)}, where)
         stages.append(row)
     return {
         "params": plan.params_numel,
         "padded_params": plan.numel,
-        "ranks": plan.world_size,
+        "ranks": lv.ranks,
         "dtype": dtype,
         "bucket_mb": bucket_mb,
         "bucket_numel": target,
@@ -168,8 +223,19 @@ def estimate(params: Optional[float] = None, ranks: Optional[int] = None, dtype:
         "overlap": overlap,
         "micro_batches": micro_batches,
         "in_flight": pending,
+        "offload": {"optimizer": offload_optimizer, "params": offload_params},
         "engine_max_pending": reducer.MAX_PENDING_REDUCES,
         "bandwidth_gbps": bandwidth_gbps,
         "latency_us": latency_us,
+        "node_size": lv.node_size,
+        "shard_size": lv.shard_size,
+        "nodes": lv.nodes,
+        "shard_groups": lv.replicas,
+        "hpz": hpz,
+        "hpz_applies": lv.hpz_applies,
+        "intra_gbps": gbps[0],
+        "inter_gbps": gbps[1],
+        # the table prints the levels when a topology or a bandwidth per level was asked for
+        "by_level": any(v is not None for v in (node_size, shard_size, intra_gbps, inter_gbps)) or hpz,
         "stages": stages,
     }

@@ -13,7 +13,7 @@ from typing import Tuple
 
 import numpy as np
 
-from . import reference
+from . import dtypes, reference
 from .sources import read_source
 
 SOURCE = "fused_adamw.cu"
@@ -67,12 +67,23 @@ def _grid_limit() -> int:
     return 8 * cupy.cuda.Device().attributes["MultiProcessorCount"]
 
 
+def _suffix(dt) -> str:
+    """The kernel variant for storage dtype ``dt``: "f16", "f32", "bf16", or "" (none: the reference)."""
+    dt = np.dtype(dt)
+    if dt == np.float16:
+        return "f16"
+    if dt == np.float32:
+        return "f32"
+    return "bf16" if dtypes.is_bf16(dt) else ""
+
+
 def _aligned(*arrays) -> bool:
     return all(a.data.ptr % 16 == 0 for a in arrays)
 
 
 def adamw_fused_gpu(master, m, v, grad, param_out, s: reference.AdamWScalars) -> None:
-    """reference.adamw_reference in one kernel launch over CuPy arrays (fp16/fp16 or fp32/fp32)."""
+    """reference.adamw_reference in one kernel launch over CuPy arrays (fp16, bf16 or fp32 grad and
+    param_out, the same dtype)."""
     import cupy
     n = master.size
     io = np.dtype(grad.dtype)
@@ -80,7 +91,7 @@ def adamw_fused_gpu(master, m, v, grad, param_out, s: reference.AdamWScalars) ->
         raise ValueError(f"adamw: lengths differ: master {n}, m {m.size}, v {v.size}, "
                          f"grad {grad.size}, param_out {param_out.size}")
     arrays = (master, m, v, grad, param_out)
-    if (io not in (np.float16, np.float32) or param_out.dtype != io or master.dtype != np.float32
+    if (not _suffix(io) or param_out.dtype != io or master.dtype != np.float32
             or not all(isinstance(a, cupy.ndarray) and a.flags.c_contiguous for a in arrays)):
         return reference.adamw_reference(master, m, v, grad, param_out, s)
     if n == 0:
@@ -88,7 +99,7 @@ def adamw_fused_gpu(master, m, v, grad, param_out, s: reference.AdamWScalars) ->
     vec = _aligned(*arrays)
     work = -(-n // VEC) if vec else n
     blocks = max(1, min(_grid_limit(), -(-work // THREADS)))
-    kernel = _module().get_function("zmp_adamw_f16" if io == np.float16 else "zmp_adamw_f32")
+    kernel = _module().get_function("zmp_adamw_" + _suffix(io))
     kernel((blocks,), (THREADS,), (*arrays, np.int64(n), np.int32(vec), *[np.float32(x) for x in s]))
 
 
@@ -100,7 +111,7 @@ def grad_stats_fused_gpu(grad) -> Tuple[float, bool]:
     """
     import cupy
     io = np.dtype(grad.dtype)
-    if io not in (np.float16, np.float32) or not grad.flags.c_contiguous:
+    if not _suffix(io) or not grad.flags.c_contiguous:
         return reference.grad_stats_reference(grad)
     n = grad.size
     if n == 0:
@@ -109,7 +120,7 @@ def grad_stats_fused_gpu(grad) -> Tuple[float, bool]:
     partials = cupy.empty(blocks, np.float64)
     out = cupy.empty(2, np.float64)
     mod = _module()
-    kernel = mod.get_function("zmp_grad_sumsq_f16" if io == np.float16 else "zmp_grad_sumsq_f32")
+    kernel = mod.get_function("zmp_grad_sumsq_" + _suffix(io))
     kernel((blocks,), (THREADS,), (grad, np.int64(n), np.int32(_aligned(grad)), partials))
     mod.get_function("zmp_sum_partials")((1,), (THREADS,), (partials, np.int32(blocks), out))
     sumsq, bad = out.get()
@@ -121,7 +132,7 @@ def quantize_fused_gpu(x, bits: int, block: int):
     """reference.quantize_reference on CuPy arrays: (q, scales) as CuPy arrays, the same bits."""
     import cupy
     io = np.dtype(x.dtype)
-    if io not in (np.float16, np.float32) or not x.flags.c_contiguous:
+    if not _suffix(io) or not x.flags.c_contiguous:
         q, scales = reference.quantize_reference(cupy.asnumpy(x), bits, block)
         return cupy.asarray(q), cupy.asarray(scales)
     n = x.size
@@ -129,7 +140,7 @@ def quantize_fused_gpu(x, bits: int, block: int):
     q = cupy.empty(reference.quantized_bytes(n, bits), np.uint8)
     scales = cupy.empty(nb, np.float32)
     if n:
-        kernel = _module(QUANT_SOURCE).get_function("zmp_quantize_f16" if io == np.float16 else "zmp_quantize_f32")
+        kernel = _module(QUANT_SOURCE).get_function("zmp_quantize_" + _suffix(io))
         kernel((nb,), (THREADS,), (x, np.int64(n), np.int32(bits), np.int64(block), q, scales))
     return q, scales
 
@@ -144,6 +155,6 @@ def dequant_sum_fused_gpu(q_rows, scale_rows, n: int, bits: int, block: int, out
     qp = cupy.asarray(np.array([q.data.ptr for q in q_rows], np.uint64))
     sp = cupy.asarray(np.array([s.data.ptr for s in scale_rows], np.uint64))
     blocks = max(1, min(_grid_limit(), -(-n // THREADS)))
-    kernel = _module(QUANT_SOURCE).get_function("zmp_dequant_sum_f16" if io == np.float16 else "zmp_dequant_sum_f32")
+    kernel = _module(QUANT_SOURCE).get_function("zmp_dequant_sum_" + _suffix(io))
     kernel((blocks,), (THREADS,), (qp, sp, np.int32(len(q_rows)), np.int64(n), np.int32(bits), np.int64(block), out,
                                    np.float32(scale), np.int32(scale != 1.0), np.int32(bool(accumulate))))

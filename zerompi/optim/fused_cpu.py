@@ -24,15 +24,16 @@ from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
-from . import reference
+from . import dtypes, reference
 from .sources import kernels_dir
 
 SOURCE = "fused_adamw_cpu.c"
-HEADERS = ("adamw_math.h", "quant_math.h", "quantize_cpu.h")
-ABI_VERSION = 3                      # must match ZMP_ABI_VERSION in the C source
+HEADERS = ("adamw_math.h", "quant_math.h", "bf16_cpu.h", "quantize_cpu.h")
+ABI_VERSION = 4                      # must match ZMP_ABI_VERSION in the C source
 BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-std=gnu11", "-fPIC", "-shared")
 NATIVE_FLAGS = ("-march=native",)    # tried first; dropped if the compiler rejects it
 F16, F32 = np.dtype(np.float16), np.dtype(np.float32)
+SUFFIXES = ("f16", "f32", "bf16")    # each kernel's variants: fp16, fp32 and bfloat16 storage
 
 
 class BuildError(RuntimeError):
@@ -137,19 +138,19 @@ def load(path: Path) -> ctypes.CDLL:
     if lib.zmp_abi_version() != ABI_VERSION:
         raise BuildError(f"{path} has ABI {lib.zmp_abi_version()}, expected {ABI_VERSION}")
     p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-    for name in ("zmp_adamw_f16", "zmp_adamw_f32"):
+    for name in (f"zmp_adamw_{x}" for x in SUFFIXES):
         getattr(lib, name).argtypes = [p, p, p, p, p, i64, ctypes.POINTER(_Scalars)]
         getattr(lib, name).restype = None
-    for name in ("zmp_grad_stats_f16", "zmp_grad_stats_f32"):
+    for name in (f"zmp_grad_stats_{x}" for x in SUFFIXES):
         getattr(lib, name).argtypes = [p, i64, ctypes.POINTER(ctypes.c_double)]
         getattr(lib, name).restype = i32
-    for name in ("zmp_sum_rows_f16", "zmp_sum_rows_f32"):
+    for name in (f"zmp_sum_rows_{x}" for x in SUFFIXES):
         getattr(lib, name).argtypes = [p, i64, i64, p, f32, i32, i32]
         getattr(lib, name).restype = None
-    for name in ("zmp_quantize_f16", "zmp_quantize_f32"):
+    for name in (f"zmp_quantize_{x}" for x in SUFFIXES):
         getattr(lib, name).argtypes = [p, i64, i32, i64, p, p]
         getattr(lib, name).restype = None
-    for name in ("zmp_dequant_sum_f16", "zmp_dequant_sum_f32"):
+    for name in (f"zmp_dequant_sum_{x}" for x in SUFFIXES):
         getattr(lib, name).argtypes = [p, p, i64, i64, i32, i64, p, f32, i32, i32]
         getattr(lib, name).restype = None
     for name in ("zmp_halves_to_floats", "zmp_floats_to_halves"):
@@ -186,22 +187,32 @@ def _flat_ok(a, dtype) -> bool:
     return isinstance(a, np.ndarray) and a.dtype == dtype and a.flags.c_contiguous
 
 
+def _suffix(dt) -> str:
+    """The kernel variant for storage dtype ``dt``: "f16", "f32", "bf16", or "" (none: the reference)."""
+    if dt == F16:
+        return "f16"
+    if dt == F32:
+        return "f32"
+    return "bf16" if dt is not None and dtypes.is_bf16(dt) else ""
+
+
 def adamw_fused_cpu(master, m, v, grad, param_out, s: reference.AdamWScalars, lib=None) -> None:
     """reference.adamw_reference in one pass (C): same arguments, same float32 results.
 
-    fp16/fp16 or fp32/fp32 grad/param_out on contiguous arrays; other combinations go to
-    the reference.
+    fp16, bf16 or fp32 grad and param_out (the same dtype) on contiguous arrays; other
+    combinations go to the reference.
     """
     lib = lib or library()
     n = master.size
     if not (m.size == v.size == grad.size == param_out.size == n):
         raise ValueError(f"adamw: lengths differ: master {n}, m {m.size}, v {v.size}, "
                          f"grad {grad.size}, param_out {param_out.size}")
-    io = grad.dtype if grad.dtype == param_out.dtype and grad.dtype in (F16, F32) else None
-    if io is None or not all(_flat_ok(a, F32) for a in (master, m, v)) or not all(
+    io = grad.dtype if grad.dtype == param_out.dtype else None
+    sfx = _suffix(io)
+    if not sfx or not all(_flat_ok(a, F32) for a in (master, m, v)) or not all(
             _flat_ok(a, io) for a in (grad, param_out)):
         return reference.adamw_reference(master, m, v, grad, param_out, s)
-    fn = lib.zmp_adamw_f16 if io == F16 else lib.zmp_adamw_f32
+    fn = getattr(lib, "zmp_adamw_" + sfx)
     fn(_ptr(master), _ptr(m), _ptr(v), _ptr(grad), _ptr(param_out), n, ctypes.byref(_Scalars(*s)))
 
 
@@ -213,10 +224,11 @@ def grad_stats_fused_cpu(grad, lib=None) -> Tuple[float, bool]:
     only on the values and their order, never on where the slice lies in memory.
     """
     lib = lib or library()
-    if not (_flat_ok(grad, F16) or _flat_ok(grad, F32)):
+    sfx = _suffix(getattr(grad, "dtype", None))
+    if not sfx or not _flat_ok(grad, grad.dtype):
         return reference.grad_stats_reference(grad)
     out = ctypes.c_double()
-    fn = lib.zmp_grad_stats_f16 if grad.dtype == F16 else lib.zmp_grad_stats_f32
+    fn = getattr(lib, "zmp_grad_stats_" + sfx)
     bad = fn(_ptr(grad), grad.size, ctypes.byref(out))
     return out.value, bool(bad)
 
@@ -231,7 +243,8 @@ def sum_rows_fused_cpu(rows, out, scale: float, accumulate: bool, addrs=None, li
     """
     lib = lib or library()
     dt = out.dtype
-    if not (dt in (F16, F32) and _flat_ok(out, dt)):
+    sfx = _suffix(dt)
+    if not (sfx and _flat_ok(out, dt)):
         addrs = None
         ok = False
     elif addrs is None:
@@ -242,7 +255,7 @@ def sum_rows_fused_cpu(rows, out, scale: float, accumulate: bool, addrs=None, li
         ok = len(addrs) == len(rows)
     if not ok or not len(rows):
         return reference.sum_rows_reference(rows, out, scale, accumulate)
-    fn = lib.zmp_sum_rows_f16 if dt == F16 else lib.zmp_sum_rows_f32
+    fn = getattr(lib, "zmp_sum_rows_" + sfx)
     fn(addrs, len(rows), out.size, _ptr(out), float(np.float32(scale)), int(scale != 1.0), int(bool(accumulate)))
 
 
@@ -250,12 +263,13 @@ def quantize_fused_cpu(x, bits: int, block: int, lib=None):
     """reference.quantize_reference in C: the same (q, scales), bit for bit."""
     lib = lib or library()
     dt = getattr(x, "dtype", None)
-    if dt not in (F16, F32) or not _flat_ok(x, dt):
+    sfx = _suffix(dt)
+    if not sfx or not _flat_ok(x, dt):
         return reference.quantize_reference(x, bits, block)
     n = x.size
     q = np.empty(reference.quantized_bytes(n, bits), np.uint8)
     scales = np.empty(-(-n // block), F32)
-    fn = lib.zmp_quantize_f16 if dt == F16 else lib.zmp_quantize_f32
+    fn = getattr(lib, "zmp_quantize_" + sfx)
     fn(_ptr(x), n, bits, block, _ptr(q), _ptr(scales))
     return q, scales
 
@@ -265,11 +279,12 @@ def dequant_sum_fused_cpu(q_rows, scale_rows, n: int, bits: int, block: int, out
     """reference.dequant_sum_reference in C (the same bits); anything else goes to the reference."""
     lib = lib or library()
     dt = out.dtype
-    ok = (dt in (F16, F32) and _flat_ok(out, dt) and out.size == n and len(q_rows) == len(scale_rows) > 0
+    sfx = _suffix(dt)
+    ok = (sfx and _flat_ok(out, dt) and out.size == n and len(q_rows) == len(scale_rows) > 0
           and all(_flat_ok(q, np.dtype(np.uint8)) for q in q_rows) and all(_flat_ok(s, F32) for s in scale_rows))
     if not ok:
         return reference.dequant_sum_reference(q_rows, scale_rows, n, bits, block, out, scale, accumulate)
     qs = (ctypes.c_void_p * len(q_rows))(*[_ptr(q) for q in q_rows])
     ss = (ctypes.c_void_p * len(scale_rows))(*[_ptr(s) for s in scale_rows])
-    fn = lib.zmp_dequant_sum_f16 if dt == F16 else lib.zmp_dequant_sum_f32
+    fn = getattr(lib, "zmp_dequant_sum_" + sfx)
     fn(qs, ss, len(q_rows), n, bits, block, _ptr(out), float(np.float32(scale)), int(scale != 1.0), int(bool(accumulate)))

@@ -15,6 +15,7 @@ grad_stats = reference.grad_stats_reference
 sum_rows = reference.sum_rows_reference
 quantize = reference.quantize_reference
 dequant_sum = reference.dequant_sum_reference
+host_adamw_update = reference.adamw_reference   # AdamW on host arrays (offloaded optimizer state)
 
 
 def use_impl(name: str, xp=None, verbose: bool = True) -> str:
@@ -25,7 +26,7 @@ def use_impl(name: str, xp=None, verbose: bool = True) -> str:
     reference and, when ``verbose``, a one-line note on stderr saying why).
     Process-wide. Returns what was chosen: "fused" or "numpy".
     """
-    global adamw_update, grad_stats, sum_rows, quantize, dequant_sum
+    global adamw_update, grad_stats, sum_rows, quantize, dequant_sum, host_adamw_update
     from ..errors import ConfigError
     if name not in OPTIMIZER_IMPLS:
         raise ConfigError(f"optimizer_impl={name!r} is not allowed; use one of {', '.join(OPTIMIZER_IMPLS)}")
@@ -58,6 +59,7 @@ def use_impl(name: str, xp=None, verbose: bool = True) -> str:
         from . import fused_cpu
     quantize = fused_cpu.quantize_fused_cpu if host else reference.quantize_reference
     dequant_sum = fused_cpu.dequant_sum_fused_cpu if host else reference.dequant_sum_reference
+    host_adamw_update = fused_cpu.adamw_fused_cpu if host else reference.adamw_reference
     return "numpy" if chosen[0] is reference.adamw_reference else "fused"
 
 
@@ -72,6 +74,14 @@ def array_module(arr):
         return cupy
     import numpy
     return numpy
+
+
+def to_host(arr):
+    """A host (NumPy) array of ``arr``'s values: itself, or a copy from the device."""
+    if _on_gpu(arr):
+        return arr.get()
+    import numpy
+    return numpy.asarray(arr)
 
 
 def quantize_any(x, bits: int, block: int):

@@ -21,6 +21,9 @@ MODEL_DEFAULTS = {"gpt": {"steps": 300, "batch": 48, "log_every": 10},
 # The fields (and flags) that only one model reads: given with the other model, they are an error.
 MODEL_ONLY = {"gpt": ("n_layer", "n_head", "d_model", "seq_len", "data", "eval_every"), "mlp": ("width", "depth")}
 PATHS = ("data", "metrics_json", "save_dir", "resume")    # path fields: None = not given, never ""
+# The parameters each model exempts from weight decay by default (--no-decay replaces them, --decay-all
+# drops them): the GPT's biases (".b"), LayerNorm gains (".g") and embeddings, as GPT-2 recipes do.
+NO_DECAY = {"gpt": ("wte", "wpe", "*.b", "*.g"), "mlp": ()}
 FLAG_OF_FIELD = {"init_loss_scale": "--loss-scale"}        # ZeroConfig fields whose flag has another name
 
 
@@ -139,10 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stage", type=int, default=ZeroConfig.stage, help="ZeRO stage 0, 1, 2 or 3")
     p.add_argument("--model", default=TrainConfig.model, help=f"one of {', '.join(MODELS)}")
     p.add_argument("--steps", type=int, default=TrainConfig.steps)
-    p.add_argument("--dtype", default=ZeroConfig.dtype, help="fp16 or fp32 storage")
+    p.add_argument("--dtype", default=ZeroConfig.dtype, help="fp16 (with loss scaling), bf16 or fp32 storage")
     p.add_argument("--bucket-mb", type=float, default=ZeroConfig.bucket_mb, help="bucket size in MiB")
     p.add_argument("--lr", type=float, default=ZeroConfig.lr)
     p.add_argument("--weight-decay", type=float, default=ZeroConfig.weight_decay)
+    p.add_argument("--no-decay", action="append", default=None, metavar="PATTERN",
+                   help="parameters exempt from weight decay, by name pattern (repeat for more; default: "
+                        "gpt: wte, wpe, *.b, *.g (biases, LayerNorm gains, embeddings); mlp: none)")
+    p.add_argument("--decay-all", action="store_true", help="decay every parameter (no exemptions)")
     p.add_argument("--micro-batches", type=int, default=ZeroConfig.micro_batches)
     p.add_argument("--clip", type=float, default=ZeroConfig.clip, help="global-norm clip, 0 = off")
     p.add_argument("--loss-scale", type=float, default=ZeroConfig.init_loss_scale, help="fp16 initial loss scale")
@@ -194,6 +201,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reduce-scatter the gradients as int8 or int4 blocks (ZeRO++ qgZ)")
     p.add_argument("--quant-block", type=int, default=ZeroConfig.quant_block, metavar="B",
                    help="elements per quantization block (a power of two >= 8)")
+    p.add_argument("--offload-optimizer", default=ZeroConfig.offload_optimizer, metavar="none|cpu|nvme",
+                   help="stages 1-3: keep the fp32 master and Adam moments in host memory (cpu) or in files "
+                        "under --offload-dir (nvme), updated there bucket by bucket")
+    p.add_argument("--offload-params", default=ZeroConfig.offload_params, metavar="none|nvme",
+                   help="stage 3: keep the stored parameter shard in a file under --offload-dir")
+    p.add_argument("--offload-dir", default=None, metavar="DIR", help="the folder of the offload files (nvme)")
+    p.add_argument("--offload-delayed-update", action="store_true",
+                   help="with --offload-optimizer cpu: run step k's update behind step k+1 (one step stale)")
     p.add_argument("--hpz", action="store_true",
                    help="stage 3: keep a node-local copy of the parameters after each gather across nodes "
                         "(ZeRO++ hpZ)")
@@ -209,15 +224,20 @@ def parse_config(argv: Optional[List[str]] = None, environ=None) -> TrainConfig:
     a = build_parser().parse_args(argv)
     timeout_s = a.timeout_s if a.timeout_s is not None else (
         default_timeout_s() if environ is None else default_timeout_s(environ))
+    check(not (a.decay_all and a.no_decay), "--decay-all and --no-decay contradict each other; give one")
+    no_decay = () if a.decay_all else tuple(a.no_decay) if a.no_decay else NO_DECAY.get(a.model, ())
     try:
         zero = ZeroConfig(stage=a.stage, dtype=a.dtype, bucket_mb=a.bucket_mb, lr=a.lr, weight_decay=a.weight_decay,
+                          no_decay=no_decay,
                           clip=a.clip, micro_batches=a.micro_batches, init_loss_scale=a.loss_scale,
                           optimizer_impl=a.optimizer_impl,
                           loss_scale_window=a.loss_scale_window, overlap=not a.no_overlap, prefetch=a.prefetch,
                           progress=a.progress, timeout_s=timeout_s, max_skipped_steps=a.max_skipped_steps,
                           node_size=a.node_size, shard_size=a.shard_size, hpz=a.hpz,
                           quantize_weights=a.quantize_weights, quantize_grads=a.quantize_grads,
-                          quant_block=a.quant_block,
+                          quant_block=a.quant_block, offload_optimizer=a.offload_optimizer,
+                          offload_params=a.offload_params, offload_dir=a.offload_dir,
+                          offload_delayed_update=a.offload_delayed_update,
                           lazy_publish=True)   # the built-in models read parameters through unshard() every step
     except ConfigError as e:         # ZeroConfig names its fields; say the flag where its name differs
         flag = next((f for field, f in FLAG_OF_FIELD.items() if str(e).startswith(field + "=")), None)

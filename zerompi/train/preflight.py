@@ -53,7 +53,10 @@ def memory_needed(cfg: TrainConfig, world_size: int) -> dict:
     shape = dict(layers=cfg.depth) if cfg.model == "mlp" else dict(largest_layer=max(sizes))
     est = estimate(params=psi, ranks=world_size, dtype=z.dtype, bucket_mb=z.bucket_mb, prefetch=z.prefetch,
                    micro_batches=z.micro_batches, overlap=z.overlap, align=z.align, **shape)
-    parts = {"model states and buffers": est["stages"][z.stage]["total_bytes_best_case"]}
+    row = est["stages"][z.stage]
+    offloaded = (row["optimizer_bytes"] if z.offload_optimizer == "nvme" else 0) + \
+        (row["params_bytes"] if z.offload_params == "nvme" else 0)       # in files, not in memory
+    parts = {"model states and buffers": row["total_bytes_best_case"] - offloaded}
     init = 4 * psi
     if cfg.model == "mlp":        # the teacher is built before the engine and kept: both are alive at the start
         parts.update({"initial fp32 parameters": init, "teacher network (float32)": 4 * psi})
@@ -82,4 +85,4 @@ def memory_error(cfg: TrainConfig, world_size: int, placement) -> Optional[str]:
     detail = ", ".join(f"{k} {human_bytes(v)}" for k, v in parts.items())
     return (f"the job needs at least {human_bytes(need)} per rank ({detail}; stage {cfg.zero.stage}, "
             f"{world_size} ranks, by zerompi.estimate) and this rank has {human_bytes(have[0])} ({have[1]}); "
-            "use a smaller model, more ranks or a higher --stage")
+            "use a smaller model, more ranks, a higher --stage or --offload-optimizer nvme")

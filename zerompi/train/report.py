@@ -130,7 +130,13 @@ def final_metrics(cfg, engine, comm, log, entropy_floor, placement) -> dict:
     mem = {k: int(v) for k, v in zip(names, top)}
     peak, traffic, levels = int(top[len(names)]), int(top[len(names) + 1]), [int(v) for v in top[len(names) + 2:]]
     levels, logical = levels[:2], levels[2]
-    master = engine.unpadded_master()
+    digest, lay = hashlib.sha256(), engine.layout      # the parameters in layout order, no padding, hashed
+    engine.synchronize()                                # a bucket at a time: the model is never whole here
+    for bucket, values in engine.optimizer.gather_buckets(engine.group, step):
+        for layer in bucket.layers:
+            for name in lay.layer_params[layer]:
+                pr = lay.params[name]
+                digest.update(np.ascontiguousarray(values[pr.bucket_offset:pr.bucket_offset + pr.numel], "<f4").data)
     times = list(log.times)                            # the last history.HISTORY_STEPS steps
     breakdown, hidden = summarize(list(log.parts), times)
     tokens = cfg.batch * cfg.seq_len * log.steps_run    # GPT: the tokens of the steps run, over all ranks
@@ -142,8 +148,10 @@ def final_metrics(cfg, engine, comm, log, entropy_floor, placement) -> dict:
         "params": engine.layout.params_numel,
         "padded_params": engine.layout.numel,
         "losses": list(log.losses),
-        "final_params_sha256": hashlib.sha256(master.astype("<f4").tobytes()).hexdigest(),
+        "final_params_sha256": digest.hexdigest(),
         "memory_bytes": mem,                       # maxima over ranks, as peak_buffer_bytes and comm_bytes_per_step
+        "memory_bytes_by_place": engine.ledger.by_place(),   # rank 0's: device, host (offloaded), disk (files)
+        "theory_bytes_by_place": engine.memory_report()["theory_by_place"],
         "theory_bytes": report["theory"],
         "theory_bytes_padded": report["theory_padded"],
         "peak_buffer_bytes": peak,
