@@ -43,6 +43,12 @@ def tiny_model(**kw):
     return G.GPT(**sizes, dtype=F64)
 
 
+# Both implementations of the blocks: the plain array code and the C kernels (their float64
+# build, libm's exp and tanh) with the fast path's buffers and views.
+KERNELS = [pytest.param("numpy"), pytest.param("c", marks=pytest.mark.skipif(
+    G.GPT(7, 5, 1, 1, 4, kernels="auto").layers.name != "c", reason="the GPT's C kernels do not build here"))]
+
+
 def perturbed_layers(model, rng, spread=0.3):
     """init_layers in float64 plus noise, so LayerNorm gains, biases and attention are not trivial."""
     return [(name, {k: v.astype(F64) + spread * rng.standard_normal(v.shape) for k, v in p.items()})
@@ -84,8 +90,10 @@ def test_attention_backward_is_causal_and_exact(rng):
     np.testing.assert_array_equal(G.attention(np, later, H)[0][:, :-1], y[:, :-1])
 
 
-def test_block_backward(rng):
-    model = tiny_model()
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_block_backward(rng, kernels):
+    model = tiny_model(kernels=kernels)
+    assert model.layers.name == kernels
     params = perturbed_layers(model, rng)[1][1]
     short = {k: params[v] for k, v in model.block_names(0).items()}
     x = rng.standard_normal((2, 5, 8))
@@ -111,8 +119,9 @@ def test_embedding_backward(rng):
     assert not grads[G.WPE][4:].any()
 
 
-def test_final_layernorm_tied_head_and_cross_entropy(rng):
-    model = tiny_model()
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_final_layernorm_tied_head_and_cross_entropy(rng, kernels):
+    model = tiny_model(kernels=kernels)
     layers = perturbed_layers(model, rng)
     lnf, wte = layers[-1][1], layers[0][1][G.WTE]
     last = model.num_layers - 1
@@ -142,8 +151,9 @@ def test_final_layernorm_tied_head_and_cross_entropy(rng):
     np.testing.assert_allclose(dwte2, 8 * dwte, rtol=1e-12)
 
 
-def test_whole_model_gradient(rng):
-    model = tiny_model()
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_whole_model_gradient(rng, kernels):
+    model = tiny_model(kernels=kernels)
     layers = perturbed_layers(model, rng)
     idx, targets = rng.integers(0, 7, (3, 5)), rng.integers(0, 7, (3, 5))
     loss, grads = model.loss_and_grads(layers, idx, targets)

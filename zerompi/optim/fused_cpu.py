@@ -90,29 +90,32 @@ def _compiler_identity(cc: list) -> str:
     return " ".join(cc) + "|" + (out.stdout.splitlines() or [""])[0]
 
 
-def build(directory: Optional[Path] = None, extra_flags: Sequence[str] = (), compiler: Optional[list] = None) -> Path:
+def build(directory: Optional[Path] = None, extra_flags: Sequence[str] = (), compiler: Optional[list] = None,
+          source: str = SOURCE, headers: Sequence[str] = HEADERS, prefix: str = "zerompi_fused_cpu") -> Path:
     """Compile the C kernels unless a library for these sources, flags, compiler and CPU exists.
 
     Returns the library's path; raises BuildError when no compiler works.
     ``extra_flags`` (e.g. ``-DZMP_FP16_SOFT``) lets tests build the other code paths.
+    ``source``, ``headers`` and ``prefix`` (the library's file name) build another kernel
+    file of kernels/ the same way (the model's kernels: train/model_kernels.py).
     """
     cc = compiler or find_compiler()
     if not cc:
         raise BuildError("no C compiler found (looked for $CC, cc, gcc, clang)")
     src = kernels_dir()
-    text = b"".join((src / name).read_bytes() for name in (SOURCE,) + HEADERS)
+    text = b"".join((src / name).read_bytes() for name in (source,) + tuple(headers))
     ident = _compiler_identity(cc)
     directory = Path(directory) if directory is not None else cache_dir()
     errors = []
     for flags in (BASE_FLAGS + NATIVE_FLAGS + tuple(extra_flags), BASE_FLAGS + tuple(extra_flags)):
         cpu = _cpu_identity() if NATIVE_FLAGS[0] in flags else platform.machine()
         key = hashlib.sha256(b"\0".join([text, " ".join(flags).encode(), ident.encode(), cpu.encode()])).hexdigest()
-        path = directory / f"zerompi_fused_cpu-{key[:20]}.so"
+        path = directory / f"{prefix}-{key[:20]}.so"
         if path.exists():
             return path
         fd, tmp = tempfile.mkstemp(suffix=".so", prefix=path.stem + ".", dir=directory)
         os.close(fd)
-        cmd = cc + list(flags) + ["-I", str(src), str(src / SOURCE), "-o", tmp]
+        cmd = cc + list(flags) + ["-I", str(src), str(src / source), "-o", tmp]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         except (OSError, subprocess.SubprocessError) as e:
@@ -123,7 +126,7 @@ def build(directory: Optional[Path] = None, extra_flags: Sequence[str] = (), com
             return path
         os.unlink(tmp)
         errors.append((proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1])
-    raise BuildError(f"{' '.join(cc)} failed to compile {SOURCE}: {errors[-1]}")
+    raise BuildError(f"{' '.join(cc)} failed to compile {source}: {errors[-1]}")
 
 
 def load(path: Path) -> ctypes.CDLL:

@@ -46,7 +46,7 @@ def layer_sizes(cfg: TrainConfig) -> List[int]:
 def memory_needed(cfg: TrainConfig, world_size: int) -> dict:
     """Bytes one rank holds at once at least, by part: the model states and engine buffers (zerompi.estimate,
     best case), and the model's initial fp32 parameters (alive while the engine copies them) with the MLP's
-    teacher (float64, built first and kept), or for the GPT the larger of the initial parameters and the
+    teacher (float32, built first and kept), or for the GPT the larger of the initial parameters and the
     attention probabilities one micro-batch keeps for the backward."""
     from ..estimate.stages import estimate
     sizes = layer_sizes(cfg)
@@ -60,7 +60,7 @@ def memory_needed(cfg: TrainConfig, world_size: int) -> dict:
     parts = {"model states and buffers": row["total_bytes_best_case"] - offloaded}
     init = 4 * psi
     if cfg.model == "mlp":        # the teacher is built before the engine and kept: both are alive at the start
-        parts.update({"initial fp32 parameters": init, "teacher network (float64)": 8 * psi})
+        parts.update({"initial fp32 parameters": init, "teacher network (float32)": 4 * psi})
         return parts
     rows = max(1, cfg.batch // (world_size * z.micro_batches))
     attention = 4 * cfg.n_layer * rows * cfg.n_head * cfg.seq_len ** 2

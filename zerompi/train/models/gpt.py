@@ -11,88 +11,28 @@ handed back once per micro-batch, last.
 Arrays are (batch, time, channels). Compute runs in ``dtype`` (float32 for training,
 float64 in the gradient checks) on ``xp`` (NumPy, or CuPy later); stored parameters of any
 float dtype are upcast per layer. Shapes: B rows, T positions, C = d_model, H heads, V vocab.
+
+The blocks and the final LayerNorm run in one of two implementations of the same
+mathematics (``kernels``): "c", gpt_fast.FusedLayers (NumPy with the C kernels of
+kernels/gpt_cpu.c, buffers from a Workspace), or "numpy", gpt_numpy.NumpyLayers (plain
+array code: CuPy, or no C compiler); "auto" takes "c" where it can run. The engine driver
+(run_micro_batch) passes the model's persistent workspace, so a training step reuses the
+previous step's buffers; called without one, every layer returns new arrays.
 """
 from typing import Dict, List, Tuple
 
 import numpy as np
 
-_C = float(np.sqrt(2.0 / np.pi))   # a Python float: a NumPy float64 scalar would promote float32 arrays
-LN_EPS = 1e-5
+from ..model_kernels import upcast
+from .gpt_fast import FRESH, Workspace, fused_layers
+from .gpt_numpy import (LN_EPS, NumpyLayers, attention, attention_backward, gelu, gelu_grad, layernorm,
+                        layernorm_backward, linear, linear_backward)
+
+__all__ = ["GPT", "LN_EPS", "WPE", "WTE", "attention", "attention_backward", "evaluate", "gelu", "gelu_grad",
+           "layernorm", "layernorm_backward", "linear", "linear_backward", "run_micro_batch", "train_losses",
+           "validation_loss"]
 WTE, WPE = "wte", "wpe"
-
-
-# ---- elementwise pieces ----------------------------------------------------------
-# x * x * x, not x ** 3: NumPy's power ufunc measured ~800x slower here (it calls libm pow).
-def gelu(xp, x):
-    """tanh-approximate GELU; returns (y, t) where t = tanh(...) is kept for the backward."""
-    t = xp.tanh(_C * x * (1.0 + 0.044715 * (x * x)))
-    return 0.5 * x * (1.0 + t), t
-
-
-def gelu_grad(x, t):
-    """d gelu / dx at x, given t from gelu()."""
-    return 0.5 * (1.0 + t) + (0.5 * _C) * x * (1.0 - t * t) * (1.0 + 3 * 0.044715 * (x * x))
-
-
-def layernorm(xp, x, g, b):
-    """LayerNorm over the last axis; returns (y, cache)."""
-    mu = x.mean(axis=-1, keepdims=True)
-    xc = x - mu
-    rstd = 1.0 / xp.sqrt((xc * xc).mean(axis=-1, keepdims=True) + LN_EPS)
-    xhat = xc * rstd
-    return xhat * g + b, (xhat, rstd)
-
-
-def layernorm_backward(dy, cache, g):
-    """(dx, dg, db) of LayerNorm for upstream dy."""
-    xhat, rstd = cache
-    dxhat = dy * g
-    dx = rstd * (dxhat - dxhat.mean(axis=-1, keepdims=True) - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True))
-    axes = tuple(range(dy.ndim - 1))
-    return dx, (dy * xhat).sum(axis=axes), dy.sum(axis=axes)
-
-
-def linear(x, w, b):
-    """x @ w + b on the last axis of x."""
-    return x @ w + b
-
-
-def linear_backward(dy, x, w):
-    """(dx, dw, db) of y = x @ w + b."""
-    x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
-    return dy @ w.T, x2.T @ dy2, dy2.sum(axis=0)
-
-
-# ---- attention ------------------------------------------------------------------------
-def attention(xp, qkv, n_head):
-    """Causal multi-head self-attention core on (B, T, 3C) -> (B, T, C); returns (y, cache)."""
-    B, T, C3 = qkv.shape
-    C = C3 // 3
-    hd = C // n_head
-    q, k, v = (qkv[..., i * C:(i + 1) * C].reshape(B, T, n_head, hd).transpose(0, 2, 1, 3) for i in range(3))
-    scale = 1.0 / float(np.sqrt(hd))
-    s = (q @ k.transpose(0, 1, 3, 2)) * scale                 # (B, H, T, T)
-    future = xp.triu(xp.ones((T, T), dtype=bool), k=1)
-    s = xp.where(future, -xp.inf, s)
-    s = s - s.max(axis=-1, keepdims=True)
-    att = xp.exp(s)
-    att /= att.sum(axis=-1, keepdims=True)
-    y = (att @ v).transpose(0, 2, 1, 3).reshape(B, T, C)
-    return y, (q, k, v, att, scale)
-
-
-def attention_backward(xp, dy, cache):
-    """d qkv (B, T, 3C) for upstream dy (B, T, C)."""
-    q, k, v, att, scale = cache
-    B, H, T, hd = q.shape
-    dy = dy.reshape(B, T, H, hd).transpose(0, 2, 1, 3)
-    dv = att.transpose(0, 1, 3, 2) @ dy
-    datt = dy @ v.transpose(0, 1, 3, 2)
-    ds = att * (datt - (datt * att).sum(axis=-1, keepdims=True))   # softmax backward; masked entries stay 0
-    dq = (ds @ k) * scale
-    dk = (ds.transpose(0, 1, 3, 2) @ q) * scale
-    merge = lambda a: a.transpose(0, 2, 1, 3).reshape(B, T, H * hd)
-    return xp.concatenate([merge(dq), merge(dk), merge(dv)], axis=-1)
+KERNELS = ("auto", "c", "numpy")
 
 
 # ---- the model ------------------------------------------------------------------------
@@ -100,12 +40,16 @@ class GPT:
     """Sizes, initial parameters, and per-layer forward/backward in ``dtype`` on ``xp``."""
 
     def __init__(self, vocab: int, seq_len: int, n_layer: int, n_head: int, d_model: int, seed: int = 0,
-                 xp=np, dtype=np.float32):
+                 xp=np, dtype=np.float32, kernels: str = "auto"):
         if d_model % n_head:
             raise ValueError(f"d_model={d_model} must be divisible by n_head={n_head}")
+        if kernels not in KERNELS:
+            raise ValueError(f"kernels={kernels!r} is not allowed; use one of {', '.join(KERNELS)}")
         self.vocab, self.seq_len, self.n_layer = vocab, seq_len, n_layer
         self.n_head, self.d_model, self.seed = n_head, d_model, seed
         self.xp, self.dtype = xp, dtype
+        self.layers = fused_layers(xp, dtype, n_head, kernels) or NumpyLayers(xp, n_head)
+        self.workspace = Workspace(persistent=True)    # the engine driver's buffers, kept across steps
 
     @property
     def num_layers(self) -> int:
@@ -140,36 +84,50 @@ class GPT:
         layers.append(("ln_f", {"ln_f.g": ones(C), "ln_f.b": zeros(C)}))
         return layers
 
-    def _cast(self, params, names) -> Dict[str, object]:
-        return {k: params[v].astype(self.dtype, copy=False) for k, v in names.items()}
+    def _cast(self, params, names, ws: Workspace = FRESH) -> Dict[str, object]:
+        """{short name: parameter in the compute dtype}. Stored fp16 ones are converted (F16C where it
+        can, model_kernels.upcast), with a persistent workspace into one set of buffers that every
+        block shares (a block's are converted again for its backward: no fp32 copy of the model kept)."""
+        out = {}
+        for k, v in names.items():
+            a = params[v]
+            reuse = ws.persistent and self.xp is np and a.dtype != self.dtype
+            out[k] = upcast(a, self.dtype, ws.get(("param", k), a.shape, self.dtype) if reuse else None)
+        return out
 
     # -- per engine layer -----------------------------------------------------------------
-    def forward_layer(self, i: int, params, x):
-        """Layer i's forward: token ids (B, T) -> h for i = 0, h -> h after. Returns (out, cache)."""
+    def forward_layer(self, i: int, params, x, ws: Workspace = FRESH):
+        """Layer i's forward: token ids (B, T) -> h for i = 0, h -> h after. Returns (out, cache).
+
+        ``ws``: where the buffers come from (the default: new arrays). With a persistent
+        workspace the output and the cache are this layer's buffers, valid until its next
+        forward; the engine driver passes ``self.workspace``."""
         if i == 0:
             return self.embed_forward(params, x)
         if i <= self.n_layer:
-            return self.block_forward(self._cast(params, self.block_names(i - 1)), x)
+            return self.layers.block_forward(self._cast(params, self.block_names(i - 1), ws), x, ws, i)
         p = self._cast(params, {"g": "ln_f.g", "b": "ln_f.b"})
-        return layernorm(self.xp, x, p["g"], p["b"])
+        return self.layers.ln_forward(x, p["g"], p["b"], ws, i)
 
-    def backward_layer(self, i: int, params, cache, dy):
-        """(dx, {param name: grad}) of layer i; layer 0 reads no parameters (params may be None)."""
+    def backward_layer(self, i: int, params, cache, dy, ws: Workspace = FRESH):
+        """(dx, {param name: grad}) of layer i; layer 0 reads no parameters (params may be None).
+
+        With a persistent ``ws`` dx is the layer's buffer and a block's gradients are buffers
+        shared by every block: read (or copy) them before the next backward_layer call."""
         if i == 0:
             return None, self.embed_backward(cache, dy)
         if i <= self.n_layer:
             names = self.block_names(i - 1)
-            dx, g = self.block_backward(self._cast(params, names), cache, dy)
+            dx, g = self.layers.block_backward(self._cast(params, names, ws), cache, dy, ws, i)
             return dx, {names[k]: v for k, v in g.items()}
         p = self._cast(params, {"g": "ln_f.g"})
-        dx, dg, db = layernorm_backward(dy, cache, p["g"])
+        dx, dg, db = self.layers.ln_backward(dy, cache, p["g"], ws, i)
         return dx, {"ln_f.g": dg, "ln_f.b": db}
 
     # -- embeddings and the tied head ------------------------------------------------------
     def embed_forward(self, params, idx):
         T = idx.shape[1]
-        wte = params[WTE].astype(self.dtype, copy=False)
-        wpe = params[WPE].astype(self.dtype, copy=False)
+        wte, wpe = upcast(params[WTE], self.dtype), upcast(params[WPE], self.dtype)
         return wte[idx] + wpe[:T], idx
 
     def embed_backward(self, idx, dh):
@@ -190,7 +148,7 @@ class GPT:
         Returns (loss in nats as a float, d hf, d wte), the gradients of ``scale * loss``.
         """
         xp = self.xp
-        wte = wte_stored.astype(self.dtype, copy=False)
+        wte = upcast(wte_stored, self.dtype)
         B, T, C = hf.shape
         h2 = hf.reshape(-1, C)
         logits = h2 @ wte.T                                       # (B T, V)
@@ -208,51 +166,35 @@ class GPT:
     def token_losses(self, wte_stored, hf, targets):
         """Cross-entropy of every target (B, T), nats; no gradient (evaluation)."""
         xp = self.xp
-        wte = wte_stored.astype(self.dtype, copy=False)
+        wte = upcast(wte_stored, self.dtype)
         logits = hf @ wte.T
         logits = logits - logits.max(axis=-1, keepdims=True)
         lse = xp.log(xp.exp(logits).sum(axis=-1))
         return lse - xp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
 
-    # -- a transformer block ---------------------------------------------------------------
+    # -- a transformer block (short parameter names; new arrays) ----------------------------
     def block_forward(self, p, x):
-        xp = self.xp
-        a, ln1 = layernorm(xp, x, p["ln1.g"], p["ln1.b"])
-        y, att = attention(xp, linear(a, p["qkv.w"], p["qkv.b"]), self.n_head)
-        x1 = x + linear(y, p["proj.w"], p["proj.b"])
-        m, ln2 = layernorm(xp, x1, p["ln2.g"], p["ln2.b"])
-        f = linear(m, p["fc.w"], p["fc.b"])
-        gf, t = gelu(xp, f)
-        out = x1 + linear(gf, p["out.w"], p["out.b"])
-        return out, (ln1, a, att, y, ln2, m, f, t, gf)
+        return self.layers.block_forward(p, x)
 
     def block_backward(self, p, cache, dout):
         """(dx, {short name: grad}) of one block."""
-        xp = self.xp
-        ln1, a, att, y, ln2, m, f, t, gf = cache
-        g = {}
-        dgf, g["out.w"], g["out.b"] = linear_backward(dout, gf, p["out.w"])
-        dm, g["fc.w"], g["fc.b"] = linear_backward(dgf * gelu_grad(f, t), m, p["fc.w"])
-        dx1, g["ln2.g"], g["ln2.b"] = layernorm_backward(dm, ln2, p["ln2.g"])
-        dx1 = dx1 + dout
-        dy, g["proj.w"], g["proj.b"] = linear_backward(dx1, y, p["proj.w"])
-        da, g["qkv.w"], g["qkv.b"] = linear_backward(attention_backward(xp, dy, att), a, p["qkv.w"])
-        dx, g["ln1.g"], g["ln1.b"] = layernorm_backward(da, ln1, p["ln1.g"])
-        return dx + dx1, g
+        return self.layers.block_backward(p, cache, dout)
 
     # -- the whole model in one process (tests, references) --------------------------------
-    def loss_and_grads(self, layers, idx, targets, scale: float = 1.0):
-        """(loss, {param name: grad of scale * loss}) without an engine; ``layers`` as init_layers()."""
+    def loss_and_grads(self, layers, idx, targets, scale: float = 1.0, ws: Workspace = FRESH):
+        """(loss, {param name: grad of scale * loss}) without an engine; ``layers`` as init_layers().
+
+        With a persistent ``ws`` (buffers reused, as in training) the gradients are copied out."""
         params = [p for _, p in layers]
         h, caches = idx, []
         for i, p in enumerate(params):
-            h, c = self.forward_layer(i, p, h)
+            h, c = self.forward_layer(i, p, h, ws)
             caches.append(c)
         loss, dh, dwte = self.head(params[0][WTE], h, targets, scale)
         grads = {}
         for i in reversed(range(len(params))):
-            dh, g = self.backward_layer(i, params[i], caches[i], dh)
-            grads.update(g)
+            dh, g = self.backward_layer(i, params[i], caches[i], dh, ws)
+            grads.update({k: v.copy() for k, v in g.items()} if ws.persistent else g)
         grads[WTE] = grads[WTE] + dwte
         return loss, grads
 
@@ -270,17 +212,18 @@ def run_micro_batch(engine, model: GPT, idx, targets) -> float:
     """
     n = model.num_layers
     caches = [None] * n
+    ws = model.workspace               # the buffers of the previous micro-batch, reused
     engine.begin_forward()
     with engine.unsharded(0) as embed:
         h, caches[0] = model.forward_layer(0, embed, idx)
         for i in range(1, n):
             with engine.unsharded(i) as p:
-                h, caches[i] = model.forward_layer(i, p, h)
+                h, caches[i] = model.forward_layer(i, p, h, ws)
         loss, dh, dwte_head = model.head(embed[WTE], h, targets, engine.loss_scale)
     engine.begin_backward()
     for i in reversed(range(1, n)):
         with engine.unsharded(i) as p:
-            dh, grads = model.backward_layer(i, p, caches[i], dh)
+            dh, grads = model.backward_layer(i, p, caches[i], dh, ws)
         caches[i] = None
         engine.grads_ready(i, grads)
     # The lookup's backward reads no parameter; the visit keeps the schedule the engine prefetches by.

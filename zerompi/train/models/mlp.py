@@ -5,6 +5,7 @@ from typing import List
 import numpy as np
 
 from .. import loop
+from ..model_kernels import upcast
 
 F32 = np.float32
 _C = F32(np.sqrt(2.0 / np.pi))   # a float32 scalar keeps float32 arrays float32 (NEP 50)
@@ -42,9 +43,18 @@ class MLP:
     def init_layers(self):
         return init_mlp(self.width, self.depth, self.seed)
 
+    def _weight(self, params, i):
+        """Layer i's weight in float32; a stored fp16 one is converted into one buffer that every
+        layer shares (model_kernels.upcast: F16C where it can, ~20x NumPy's astype here)."""
+        w = params[f"block{i}.weight"]
+        if w.dtype != F32 and isinstance(w, np.ndarray):
+            self._w32 = upcast(w, F32, getattr(self, "_w32", None))
+            return self._w32
+        return w.astype(F32, copy=False)
+
     def forward_layer(self, i, params, x):
         """y = gelu(x @ W + b) (no GELU after the last block); returns (y, cache)."""
-        w = params[f"block{i}.weight"].astype(F32, copy=False)
+        w = self._weight(params, i)
         b = params[f"block{i}.bias"].astype(F32, copy=False)
         z = x @ w + b
         if i == self.depth - 1:
@@ -52,12 +62,13 @@ class MLP:
         return gelu(z), (x, z)
 
     def backward_layer(self, i, params, cache, dy):
-        """Returns (dx, {param name: grad}) for upstream gradient dy."""
+        """Returns (dx, {param name: grad}) for upstream gradient dy; dx is None for layer 0
+        (the data's gradient: nothing reads it, so that matrix multiply is not made)."""
         x, z = cache
         dz = dy if z is None else dy * gelu_grad(z)
-        w = params[f"block{i}.weight"].astype(F32, copy=False)
+        w = self._weight(params, i)
         grads = {f"block{i}.weight": x.T @ dz, f"block{i}.bias": dz.sum(axis=0)}
-        return dz @ w.T, grads
+        return (dz @ w.T if i else None), grads
 
     @staticmethod
     def loss(y, target):
@@ -66,40 +77,66 @@ class MLP:
         return float(np.mean(diff.astype(np.float64) ** 2)), (2.0 / diff.size) * diff
 
 
-class TeacherData:
-    """Inputs x ~ N(0, 1) drawn from (seed, step); targets from a fixed random teacher MLP.
+TEACHER_BLOCK = 16    # rows per teacher matrix multiply
 
-    ``global_batch(step)`` is the same on every rank; each rank slices its own rows.
+
+class TeacherData:
+    """Inputs x ~ N(0, 1) and targets from a fixed random teacher MLP, float32.
+
+    The inputs of step ``s`` are one generator's draws (seed, s), row after row, as
+    float32: row ``j`` is the same in every global batch that has it. The targets are the
+    teacher's outputs for the float32 inputs, computed in float32 a block of
+    TEACHER_BLOCK rows at a time (block ``j // TEACHER_BLOCK`` holds row ``j``). A BLAS
+    may round a row differently in a matrix multiply of another height, so the height is
+    always one block: a target depends on (seed, s, j) only, never on the batch size, the
+    world size or which rank computes it. Each rank computes the targets of the blocks
+    that hold its own rows, and draws the inputs up to its last row. (Before: every rank
+    computed the whole global batch with a float64 teacher; the inputs are the same, the
+    targets differ from those by float32 rounding.)
     """
 
     def __init__(self, width: int, depth: int, seed: int):
         self.width, self.seed = width, seed
-        self.teacher = [(p[f"block{i}.weight"].astype(np.float64), p[f"block{i}.bias"].astype(np.float64))
-                        for i, (_, p) in enumerate(init_mlp(width, depth, seed + 1_000_003))]
         rng = np.random.default_rng(seed + 7)
-        for i, (w, _) in enumerate(self.teacher):
-            self.teacher[i] = (w, rng.standard_normal(width) * 0.1)
+        self.teacher = [(p[f"block{i}.weight"], (rng.standard_normal(width) * 0.1).astype(F32))
+                        for i, (_, p) in enumerate(init_mlp(width, depth, seed + 1_000_003))]
+
+    def _targets(self, x):
+        """The teacher's outputs for x, one block of rows per matrix multiply (layer by layer,
+        so each weight matrix is read from memory once for all the blocks)."""
+        hs = [x[k:k + TEACHER_BLOCK] for k in range(0, len(x), TEACHER_BLOCK)]
+        for i, (w, b) in enumerate(self.teacher):
+            for k, h in enumerate(hs):
+                h = h @ w
+                h += b
+                hs[k] = gelu(h) if i < len(self.teacher) - 1 else h
+        return np.concatenate(hs)
+
+    def rows(self, step: int, rows: range):
+        """(x, y) of rows ``rows`` (global indices) of step ``step``: float32 (len(rows), width) each."""
+        if not len(rows):
+            return np.empty((0, self.width), F32), np.empty((0, self.width), F32)
+        first, stop = rows.start // TEACHER_BLOCK, -(-rows.stop // TEACHER_BLOCK)
+        x = np.random.default_rng([self.seed, step]).standard_normal((stop * TEACHER_BLOCK, self.width))
+        x = x[first * TEACHER_BLOCK:].astype(F32)
+        y = self._targets(x)
+        lo = rows.start - first * TEACHER_BLOCK
+        return x[lo:lo + len(rows)], y[lo:lo + len(rows)]
 
     def global_batch(self, step: int, batch: int):
-        rng = np.random.default_rng([self.seed, step])
-        x = rng.standard_normal((batch, self.width))
-        h = x
-        for i, (w, b) in enumerate(self.teacher):
-            h = h @ w + b
-            if i < len(self.teacher) - 1:
-                h = gelu(h)
-        return x.astype(F32), h.astype(F32)
+        """(x, y) of the whole global batch of ``step`` (rows 0 .. batch-1)."""
+        return self.rows(step, range(batch))
 
 
 def train_losses(engine, model: MLP, data: TeacherData, step: int, batch: int, micro_batches: int) -> List[float]:
     """This rank's micro-batch losses of training step ``step`` (as models.gpt.train_losses).
 
-    ``batch`` rows per step over all ranks. The global batch is drawn on the host, NumPy;
-    each micro-batch moves to the engine's array module (CuPy for --device gpu), on which
-    the model's NumPy calls then dispatch.
+    ``batch`` rows per step over all ranks; the rank computes only its own rows
+    (TeacherData.rows), on the host, NumPy; each micro-batch moves to the engine's array
+    module (CuPy for --device gpu), on which the model's NumPy calls then dispatch.
     """
-    x, y = data.global_batch(step, batch)
     rows = loop.local_rows(batch, engine.rank, engine.world_size)
+    x, y = data.rows(step, range(rows.start, rows.stop))
     xp = engine.xp
     return [loop.run_micro_batch(engine, model, xp.asarray(xm), xp.asarray(ym))
-            for xm, ym in loop.micro_batches(x[rows], y[rows], micro_batches)]
+            for xm, ym in loop.micro_batches(x, y, micro_batches)]

@@ -1,0 +1,181 @@
+"""The GPT's blocks on the CPU at the speed of their matrix multiplies.
+
+Same mathematics as gpt_numpy.NumpyLayers, arranged so that the time goes to BLAS:
+
+- every linear layer is one matrix multiply over all B*T rows, written into its buffer
+  (``np.matmul(..., out=)``); the bias and the residual add are one pass after it
+  (kernels/gpt_cpu.c ``bias_residual``), the fc bias rides in the GELU pass;
+- GELU and its gradient are one pass each (tanh recomputed in the backward, nothing but
+  the pre-activation kept), the gradient pass also sums the fc bias gradient;
+- LayerNorm keeps the mean and 1/std per row, not x-hat: two passes forward, two back;
+- attention reads q, k and v where the qkv projection wrote them ((B, T, 3C) viewed as
+  (B, H, T, hd): unit stride along a head, so BLAS takes the views as they are), writes
+  its output straight into (B, T, C) and its q/k/v gradients straight into d qkv: no
+  transpose or concatenate copies. The causal softmax and its backward run in place on
+  the (B, H, T, T) scores, the lower triangle only;
+- the buffers come from a Workspace: with ``persistent`` the same arrays serve every step.
+
+Float32 or float64 NumPy arrays only (the kernels' types); models.gpt picks this path.
+"""
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+
+from .gpt_numpy import LN_EPS
+
+
+class Workspace:
+    """Arrays by key: ``persistent`` keeps each and hands the same one back while its shape
+    and dtype match (buffers reused across steps); otherwise every request is a new array."""
+
+    def __init__(self, persistent: bool = True):
+        self.persistent = persistent
+        self._arrays: Dict[Tuple, np.ndarray] = {}
+
+    def get(self, key, shape, dtype) -> np.ndarray:
+        if not self.persistent:
+            return np.empty(shape, dtype)
+        a = self._arrays.get(key)
+        if a is None or a.shape != tuple(shape) or a.dtype != dtype:
+            a = self._arrays[key] = np.empty(shape, dtype)
+        return a
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self._arrays.values())
+
+    def clear(self) -> None:
+        self._arrays.clear()
+
+
+FRESH = Workspace(persistent=False)
+
+
+def _heads(qkv, B: int, T: int, H: int):
+    """q, k, v as (B, H, T, hd) views of a (B*T, 3C) array (no copies)."""
+    hd = qkv.shape[-1] // (3 * H)
+    v = qkv.reshape(B, T, 3, H, hd)
+    return tuple(v[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+
+
+class FusedLayers:
+    """A transformer block and the final LayerNorm with the C kernels on NumPy.
+
+    ``ws`` (a Workspace) gives the buffers, ``key`` tells one layer's from another's.
+    What a layer keeps for its backward, its output and its input gradient are the
+    layer's own buffers; the scratch of a backward and the parameter gradients are
+    shared by all blocks (handed back and copied before the next block runs).
+    """
+
+    name = "c"
+
+    def __init__(self, kernels, n_head: int):
+        self.k, self.n_head, self.dtype = kernels, n_head, kernels.dtype
+
+    @staticmethod
+    def _flat(x):
+        return np.ascontiguousarray(x).reshape(-1, x.shape[-1])
+
+    def _p(self, p, name):
+        return np.ascontiguousarray(p[name], dtype=self.dtype)
+
+    # ---- the final LayerNorm ---------------------------------------------------------------
+    def ln_forward(self, x, g, b, ws: Workspace = FRESH, key=None):
+        x2 = self._flat(x)
+        rows, c = x2.shape
+        y = ws.get((key, "y"), x2.shape, self.dtype)
+        mean, rstd = ws.get((key, "mean"), (rows,), self.dtype), ws.get((key, "rstd"), (rows,), self.dtype)
+        self.k.layernorm_fwd(x2, np.ascontiguousarray(g), np.ascontiguousarray(b), y, mean, rstd, LN_EPS)
+        return y.reshape(x.shape), (x2, mean, rstd)
+
+    def ln_backward(self, dy, cache, g, ws: Workspace = FRESH, key=None):
+        x2, mean, rstd = cache
+        c = x2.shape[1]
+        dx = ws.get((key, "dx"), x2.shape, self.dtype)
+        dg, db = np.empty(c, self.dtype), np.empty(c, self.dtype)
+        self.k.layernorm_bwd(self._flat(dy), x2, mean, rstd, np.ascontiguousarray(g), None, dx, dg, db)
+        return dx.reshape(dy.shape), dg, db
+
+    # ---- a transformer block ---------------------------------------------------------------
+    def block_forward(self, p, x, ws: Workspace = FRESH, key=None):
+        k, dt, H = self.k, self.dtype, self.n_head
+        B, T, C = x.shape
+        n = B * T
+        own = lambda name, shape: ws.get((key, name), shape, dt)
+        x2 = self._flat(x)
+        a, mu1, rs1 = own("a", (n, C)), own("mu1", (n,)), own("rs1", (n,))
+        k.layernorm_fwd(x2, self._p(p, "ln1.g"), self._p(p, "ln1.b"), a, mu1, rs1, LN_EPS)
+        qkv = own("qkv", (n, 3 * C))
+        np.matmul(a, self._p(p, "qkv.w"), out=qkv)
+        qkv += self._p(p, "qkv.b")
+        att, y = own("att", (B, H, T, T)), own("y", (n, C))
+        q, kk, v = _heads(qkv, B, T, H)
+        scale = 1.0 / float(np.sqrt(C // H))
+        np.matmul(q, kk.transpose(0, 1, 3, 2), out=att)
+        k.softmax_causal_fwd(att, scale)
+        np.matmul(att, v, out=y.reshape(B, T, H, C // H).transpose(0, 2, 1, 3))
+        x1 = own("x1", (n, C))
+        np.matmul(y, self._p(p, "proj.w"), out=x1)
+        k.bias_residual(x1, x2, self._p(p, "proj.b"))
+        m, mu2, rs2 = own("m", (n, C)), own("mu2", (n,)), own("rs2", (n,))
+        k.layernorm_fwd(x1, self._p(p, "ln2.g"), self._p(p, "ln2.b"), m, mu2, rs2, LN_EPS)
+        f, gf = own("f", (n, 4 * C)), own("gf", (n, 4 * C))
+        np.matmul(m, self._p(p, "fc.w"), out=f)
+        k.gelu_fwd(f, self._p(p, "fc.b"), gf)
+        out = own("out", (n, C))
+        np.matmul(gf, self._p(p, "out.w"), out=out)
+        k.bias_residual(out, x1, self._p(p, "out.b"))
+        return out.reshape(B, T, C), (x2, mu1, rs1, a, qkv, att, y, x1, mu2, rs2, m, f, gf, scale)
+
+    def block_backward(self, p, cache, dout, ws: Workspace = FRESH, key=None):
+        """(dx, {short name: grad}) of one block."""
+        k, dt, H = self.k, self.dtype, self.n_head
+        x2, mu1, rs1, a, qkv, att, y, x1, mu2, rs2, m, f, gf, scale = cache
+        B, _, T, _ = att.shape
+        n, C = x2.shape
+        shared = lambda name, shape: ws.get(("block", name), shape, dt)
+        g = {name: shared("g." + name, self._p(p, name).shape) for name in p}
+        dout2 = self._flat(dout)
+        np.matmul(gf.T, dout2, out=g["out.w"])
+        dout2.sum(axis=0, out=g["out.b"])
+        dz = shared("dz", (n, 4 * C))
+        np.matmul(dout2, self._p(p, "out.w").T, out=dz)
+        k.gelu_bwd(dz, f, g["fc.b"])
+        np.matmul(m.T, dz, out=g["fc.w"])
+        dm = shared("dm", (n, C))
+        np.matmul(dz, self._p(p, "fc.w").T, out=dm)
+        dx1 = ws.get((key, "dx1"), (n, C), dt)
+        k.layernorm_bwd(dm, x1, mu2, rs2, self._p(p, "ln2.g"), dout2, dx1, g["ln2.g"], g["ln2.b"])
+        np.matmul(y.T, dx1, out=g["proj.w"])
+        dx1.sum(axis=0, out=g["proj.b"])
+        dy = shared("dy", (n, C))
+        np.matmul(dx1, self._p(p, "proj.w").T, out=dy)
+        dqkv, datt = shared("dqkv", (n, 3 * C)), shared("datt", att.shape)
+        q, kk, v = _heads(qkv, B, T, H)
+        dq, dk, dv = _heads(dqkv, B, T, H)
+        dy4 = dy.reshape(B, T, H, C // H).transpose(0, 2, 1, 3)
+        np.matmul(att.transpose(0, 1, 3, 2), dy4, out=dv)
+        np.matmul(dy4, v.transpose(0, 1, 3, 2), out=datt)
+        k.softmax_causal_bwd(datt, att, scale)          # the scale is folded in here
+        np.matmul(datt, kk, out=dq)
+        np.matmul(datt.transpose(0, 1, 3, 2), q, out=dk)
+        np.matmul(a.T, dqkv, out=g["qkv.w"])
+        dqkv.sum(axis=0, out=g["qkv.b"])
+        da = shared("da", (n, C))
+        np.matmul(dqkv, self._p(p, "qkv.w").T, out=da)
+        dx = ws.get((key, "dx"), (n, C), dt)
+        k.layernorm_bwd(da, x2, mu1, rs1, self._p(p, "ln1.g"), dx1, dx, g["ln1.g"], g["ln1.b"])
+        return dx.reshape(B, T, C), g
+
+
+def fused_layers(xp, dtype, n_head: int, kernels: str) -> Optional[FusedLayers]:
+    """FusedLayers when ``kernels`` allows them and they can run here (NumPy, float32/float64,
+    the C library loads), else None. ``kernels="c"`` raises RuntimeError when they cannot."""
+    if kernels == "numpy":
+        return None
+    from ..model_kernels import kernels_for, unavailable_reason
+    k = kernels_for(dtype) if xp is np else None
+    if k is None and kernels == "c":
+        why = "they run on NumPy only" if xp is not np else (unavailable_reason() or f"dtype {np.dtype(dtype)}")
+        raise RuntimeError(f"the GPT's C kernels cannot be used: {why}")
+    return FusedLayers(k, n_head) if k is not None else None
