@@ -88,7 +88,7 @@ def save(engine, directory: str, extra_state: Optional[dict] = None, blocking: b
         raise CheckpointError(err)
     pending = PendingSave(engine, directory, tmp, step, manifest, keep_last, finish)
     if not blocking:
-        pending.start()                  # the host copy here, the write on a thread
+        pending.start()                  # the host copy and the write on a thread
         setattr(engine, PENDING, pending)
         return pending
     pending.write_now()
@@ -103,6 +103,7 @@ def poll(engine) -> None:
     tells every rank the path. A rank's failure is raised on every rank (CheckpointError)."""
     pending = getattr(engine, PENDING, None)
     if pending is not None:
+        pending.wait_copied()            # the update that follows may change what is being copied
         _advance(engine, pending, _states(engine, pending), wait=False)
 
 
@@ -179,6 +180,7 @@ def load(engine, path: str) -> LoadInfo:
     checksumming and agree on one verdict: on bad input every rank raises CheckpointError.
     """
     between_steps(engine, "load")
+    finish(engine)                       # a background save copies and writes the state it replaces
     comm = engine.comm
     ckpt = manifest = saved = None
     try:

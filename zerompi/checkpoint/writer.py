@@ -4,7 +4,7 @@ One concern: what a rank writes and on which thread. :class:`PendingSave` is one
 under way: its temporary directory, the manifest rank 0 built when the save started, and
 this rank's write, either done at once (``write_now``: a blocking save streams the arrays
 piece by piece, no copy) or on a background thread (``start``: the shard is first copied
-into a host buffer, :func:`snapshot`, so training may change the arrays meanwhile).
+into a host buffer, :func:`snapshot`, before the next optimizer update may change it).
 
 The background threads do file I/O only (write, CRC-32, fsync; rank 0's publication), never
 an MPI call: mpi4py's thread level need not allow one. Whether every rank's file is complete,
@@ -25,7 +25,8 @@ from .format import publish as publish_files
 from .savedir import retain
 
 HOST_BUFFER = "_checkpoint_host"     # the engine attribute holding the reusable host copy
-DELAY_ENV = "ZEROMPI_CHECKPOINT_DELAY_S"   # test hook: a background write first sleeps this many seconds
+DELAY_ENV = "ZEROMPI_CHECKPOINT_DELAY_S"             # test hook: the background write starts this late
+COPY_DELAY_ENV = "ZEROMPI_CHECKPOINT_COPY_DELAY_S"   # test hook: the background host copy starts this late
 
 
 class PendingSave:
@@ -49,6 +50,7 @@ class PendingSave:
         self.error: Optional[str] = None        # the failure every rank raised
         self.removed: list = []                 # checkpoints removed by retention after publication (rank 0)
         self._thread: Optional[threading.Thread] = None
+        self._copied = threading.Event()        # set once the shard is in host memory (or not needed)
 
     # ---- this rank's shard -----------------------------------------------------------
     def write_now(self) -> None:
@@ -57,19 +59,41 @@ class PendingSave:
             self._write(own_rows(self.engine))
 
     def start(self) -> None:
-        """Copy the shard into the host buffer (this thread), then write it on a background thread."""
+        """Write the shard on a background thread from a host copy. On a GPU the copy is made here
+        (pinned memory, fast); on the host the thread makes it, while the next step's forward and
+        backward run (they do not change the optimizer state), and :meth:`wait_copied`, called by
+        the next step() before its update, waits for it."""
         if not self.writer:
+            self._copied.set()
             return
-        host = snapshot(self.engine)
-        self._thread = threading.Thread(target=self._write, args=(iter(host),),
+        host = host_buffer(self.engine)
+        if self.engine.xp is not np:
+            snapshot(self.engine, host)
+            self._copied.set()
+        self._thread = threading.Thread(target=self._copy_and_write, args=(host,),
                                         name=f"zerompi-checkpoint-{self.step}", daemon=True)
         self._thread.start()
+
+    def wait_copied(self) -> None:
+        """Return once the host copy is complete: the optimizer state may change from then on."""
+        self._copied.wait()
+
+    def _copy_and_write(self, host) -> None:
+        try:
+            if not self._copied.is_set():
+                _delay(COPY_DELAY_ENV)
+                snapshot(self.engine, host)
+        except Exception as exc:
+            self.failure = f"rank {self.engine.rank} could not copy its shard to host memory: {exc}"
+            return
+        finally:
+            self._copied.set()
+        _delay(DELAY_ENV)
+        self._write(iter(host))
 
     def _write(self, rows) -> None:
         e = self.engine
         try:
-            if self._thread is not None and os.environ.get(DELAY_ENV):   # test hook: a slow disk
-                time.sleep(float(os.environ[DELAY_ENV]))
             self.entry = write_shard(self.tmp, e.slot, e.layout.shard_numel, rows, crash=(self.step, e.rank))
         except Exception as exc:    # handed to the agreement: every rank raises it, none hangs
             why = exc.strerror if isinstance(exc, OSError) and exc.strerror else f"{type(exc).__name__}: {exc}"
@@ -108,7 +132,7 @@ class PendingSave:
         return self._thread is not None and self._thread.is_alive()
 
     def join(self) -> None:
-        """Wait for this rank's background write (no MPI: a local wait)."""
+        """Wait for this rank's background copy, write or publication (no MPI: a local wait)."""
         if self._thread is not None:
             self._thread.join()
 
@@ -138,28 +162,33 @@ class PendingSave:
 
 # ---- the shard file ------------------------------------------------------------------
 class _ShardWriter:
-    """Writes a file in chunks of at most WRITE_CHUNK_BYTES; each chunk is checksummed on a
-    helper thread while it is written (both release the GIL), and its writeback to the disk is
-    started at once (Linux: posix_fadvise DONTNEED), so checksumming, copying and the disk
-    overlap instead of all waiting for the final fsync."""
+    """Writes a file in chunks that end at multiples of WRITE_CHUNK_BYTES (file offsets); each chunk
+    is checksummed on a helper thread while it is written (both release the GIL), and once a whole
+    aligned span is written its writeback to the disk is started (Linux: posix_fadvise DONTNEED,
+    which also drops those pages from the cache once written), so checksumming, copying and the
+    disk overlap instead of all waiting for the final fsync. Only whole aligned spans are handed
+    over: a page that the next write still fills is never written back, or dropped, early."""
 
     def __init__(self, f, hasher: ThreadPoolExecutor):
-        self.f, self.hasher, self.sum, self.offset = f, hasher, Crc32(), 0
+        self.f, self.hasher, self.sum, self.offset, self.flushed = f, hasher, Crc32(), 0, 0
 
     def write(self, data) -> None:
         view = memoryview(data).cast("B")
-        for at in range(0, len(view), WRITE_CHUNK_BYTES):
-            chunk = view[at:at + WRITE_CHUNK_BYTES]
+        at = 0
+        while at < len(view):
+            n = min(len(view) - at, WRITE_CHUNK_BYTES - self.offset % WRITE_CHUNK_BYTES)
+            chunk = view[at:at + n]
             hashed = self.hasher.submit(self.sum.update, chunk)
             try:
                 done = 0
-                while done < len(chunk):          # a raw file may write less than asked
+                while done < n:                   # a raw file may write less than asked
                     done += self.f.write(chunk[done:])
             finally:
                 hashed.result()
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(self.f.fileno(), self.offset, len(chunk), os.POSIX_FADV_DONTNEED)
-            self.offset += len(chunk)
+            at, self.offset = at + n, self.offset + n
+            if self.offset % WRITE_CHUNK_BYTES == 0 and hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(self.f.fileno(), self.flushed, self.offset - self.flushed, os.POSIX_FADV_DONTNEED)
+                self.flushed = self.offset
 
 
 def write_shard(tmp: str, rank: int, shard_numel: int, chunks: Iterable[np.ndarray],
@@ -200,17 +229,21 @@ def own_rows(engine) -> Iterator[np.ndarray]:
             yield np.asarray(piece)
 
 
-def snapshot(engine) -> np.ndarray:
-    """Copy this rank's shard into a host buffer (ROWS x shard_numel, float32) and return it.
-
-    The buffer is allocated at the first asynchronous save and reused by the next ones (pinned
-    memory on a GPU, so the device copies at full speed); ``free_snapshot`` drops it.
-    """
+def host_buffer(engine) -> np.ndarray:
+    """The host buffer of asynchronous saves (ROWS x shard_numel, float32): allocated at the first
+    and reused by the next ones (pinned memory on a GPU, so the device copies at full speed);
+    ``free_snapshot`` drops it."""
     shape = (len(ROWS), engine.layout.shard_numel)
     host = getattr(engine, HOST_BUFFER, None)
     if host is None or host.shape != shape:
         host = _empty_host(shape, engine.xp)
         setattr(engine, HOST_BUFFER, host)
+    return host
+
+
+def snapshot(engine, host: Optional[np.ndarray] = None) -> np.ndarray:
+    """Copy this rank's shard into ``host`` (default: :func:`host_buffer`) and return it."""
+    host = host_buffer(engine) if host is None else host
     for k, row in enumerate(ROWS):
         at = 0
         for piece in own_pieces(engine, _live_row(engine, row)):
@@ -232,6 +265,13 @@ def _live_row(engine, name: str):
 def free_snapshot(engine) -> None:
     if getattr(engine, HOST_BUFFER, None) is not None:
         setattr(engine, HOST_BUFFER, None)
+
+
+def _delay(name: str) -> None:
+    """Test hooks: ``ZEROMPI_CHECKPOINT_COPY_DELAY_S`` / ``ZEROMPI_CHECKPOINT_DELAY_S`` make the background
+    thread wait that many seconds before the host copy / before the write (a slow machine, a slow disk)."""
+    if os.environ.get(name):
+        time.sleep(float(os.environ[name]))
 
 
 def _empty_host(shape, xp) -> np.ndarray:
