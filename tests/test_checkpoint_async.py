@@ -22,6 +22,7 @@ from tests.test_checkpoint import SMALL, checkpoint_cli, reassemble, snapshot
 
 TRAIN = ["-m", "zerompi.train"]
 SLOW = {"ZEROMPI_CHECKPOINT_DELAY_S": "1.5"}   # each background write starts 1.5 s late: steps run meanwhile
+SLOW_COPY = {"ZEROMPI_CHECKPOINT_COPY_DELAY_S": "1.5"}   # the host copy too: the next update must wait for it
 
 
 def errors_of(proc):
@@ -33,18 +34,21 @@ def tree(directory):
 
 
 # ---- the background save ---------------------------------------------------------------
-@pytest.mark.parametrize("n,flags", [
-    (2, ["--stage", "2", "--dtype", "fp16", "--loss-scale-window", "2"]),
-    (3, ["--stage", "3", "--dtype", "fp32", "--micro-batches", "2", "--batch", "12"]),
+@pytest.mark.parametrize("n,flags,env", [
+    (2, ["--stage", "2", "--dtype", "fp16", "--loss-scale-window", "2"], SLOW),
+    (3, ["--stage", "3", "--dtype", "fp32", "--micro-batches", "2", "--batch", "12"], SLOW),
+    (2, ["--stage", "1", "--dtype", "fp32"], SLOW_COPY),
+    (2, ["--stage", "0", "--dtype", "fp16"], SLOW_COPY),
 ])
-def test_async_checkpoints_are_the_sync_ones_and_resume_bit_identically(tmp_path, n, flags):
+def test_async_checkpoints_are_the_sync_ones_and_resume_bit_identically(tmp_path, n, flags, env):
     common = SMALL + flags + ["--steps", "6", "--save-every", "2", "--log-every", "1"]
     sync = run_train(n, tmp_path, *common, "--save-dir", tmp_path / "s", tag="sync")
     proc = run_mpi(n, [*TRAIN, *common, "--save-dir", tmp_path / "a", "--async-save",
-                       "--metrics-json", tmp_path / "async.json"], env=SLOW)
+                       "--metrics-json", tmp_path / "async.json"], env=env)
     lines = proc.stdout.splitlines()
-    # The write of step 2's checkpoint starts 1.5 s late: steps 3 and 4 ran (and changed the optimizer
-    # state) before it was written, and it was published after them.
+    # The write (or the host copy) of step 2's checkpoint starts 1.5 s late: step 3's forward and
+    # backward ran meanwhile, step 4 changed the optimizer state before it was written, and it was
+    # published after them.
     saved = next(i for i, line in enumerate(lines) if "step_000002 (written in the background)" in line)
     assert any(line.startswith("step     4/6") for line in lines[:saved]), proc.stdout
     # Every checkpoint is the synchronous one, byte for byte (shards and manifest).
