@@ -25,6 +25,7 @@ from .format import (F32, ROWS, CheckpointError, SavedLayout, build_manifest, ch
 from .writer import PendingSave, free_snapshot
 
 PENDING = "_checkpoint_pending"      # the engine attribute holding the save under way (or None)
+STATE_CODES = {"busy": 0, "done": 1, "failed": 2, "published": 3}   # PendingSave.state()[0], as poll sends it
 
 
 @dataclass(frozen=True)
@@ -97,14 +98,23 @@ def save(engine, directory: str, extra_state: Optional[dict] = None, blocking: b
 
 
 def poll(engine) -> None:
-    """At a step boundary, while a background save is under way (else nothing, no collective): one
-    small allgather of every rank's state. Once every shard file is complete rank 0 publishes it
-    (manifest, rename, ``latest``, retention) on a background thread too; the poll after that
-    tells every rank the path. A rank's failure is raised on every rank (CheckpointError)."""
+    """At a step boundary, while a background save is under way (else nothing, no collective): wait
+    for this rank's host copy, then one Allgather of a byte per rank (busy, done, failed,
+    published). Once every shard file is complete rank 0 publishes it (manifest, rename,
+    ``latest``, retention) on a background thread too; the poll that sees it published tells
+    every rank the path. A rank's failure is raised on every rank (CheckpointError)."""
     pending = getattr(engine, PENDING, None)
-    if pending is not None:
-        pending.wait_copied()            # the update that follows may change what is being copied
-        _advance(engine, pending, _states(engine, pending), wait=False)
+    if pending is None:
+        return
+    pending.wait_copied()                # the update that follows may change what is being copied
+    # Each step: one byte per rank (one Allgather); the pickled states only once none is busy or one failed.
+    mine = np.array([STATE_CODES[pending.state()[0]]], np.int8)
+    codes = np.empty(engine.comm.size, np.int8)
+    with watched(engine.comm, "checkpoint save: agreement on the shard files", pending.step):
+        engine.comm.mpi.Allgather(mine, codes)
+    if (codes == STATE_CODES["busy"]).any() and not (codes == STATE_CODES["failed"]).any():
+        return
+    _advance(engine, pending, _states(engine, pending), wait=False)
 
 
 def finish(engine, release: bool = False) -> Optional[str]:
