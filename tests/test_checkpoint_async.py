@@ -39,8 +39,13 @@ def tree(directory):
     (3, ["--stage", "3", "--dtype", "fp32", "--micro-batches", "2", "--batch", "12"], SLOW),
     (2, ["--stage", "1", "--dtype", "fp32"], SLOW_COPY),
     (2, ["--stage", "0", "--dtype", "fp16"], SLOW_COPY),
+    # The optimizer rows in a file, and the delayed update (running behind the next step): the copy is
+    # still taken before they change.
+    (2, ["--stage", "2", "--offload-optimizer", "nvme", "--offload-dir", "OFFLOAD"], SLOW_COPY),
+    (2, ["--stage", "1", "--offload-optimizer", "cpu", "--offload-delayed-update"], SLOW_COPY),
 ])
 def test_async_checkpoints_are_the_sync_ones_and_resume_bit_identically(tmp_path, n, flags, env):
+    flags = [str(tmp_path / "offload") if f == "OFFLOAD" else f for f in flags]
     common = SMALL + flags + ["--steps", "6", "--save-every", "2", "--log-every", "1"]
     sync = run_train(n, tmp_path, *common, "--save-dir", tmp_path / "s", tag="sync")
     proc = run_mpi(n, [*TRAIN, *common, "--save-dir", tmp_path / "a", "--async-save",
