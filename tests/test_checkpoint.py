@@ -114,6 +114,7 @@ def run_worker(n, tmp_path, flags, ckpt, tag):
     (3, 1, ["--dtype", "fp16", "--micro-batches", "2", "--loss-scale-window", "2"]),
     (2, 2, ["--dtype", "fp16", "--loss-scale-window", "2", "--clip", "0.5"]),
     (3, 3, ["--dtype", "fp32", "--weight-decay", "0.01"]),
+    (3, 2, ["--dtype", "bf16", "--weight-decay", "0.5", "--no-decay", "*.bias"]),
 ])
 def test_exact_resume_is_bit_identical(tmp_path, n, stage, flags):
     common = SMALL + ["--stage", str(stage), *flags, "--steps", "6"]

@@ -125,7 +125,7 @@ def test_communicator_is_public_and_checks_dtypes_and_lengths():
         comm.reduce_scatter(send, np.zeros(8, np.float32))
     with pytest.raises(UsageError, match="reduce_scatter out: 4 elements of float16; use 8"):
         comm.reduce_scatter(send, np.zeros(4, np.float16))
-    with pytest.raises(UsageError, match="an array of int32 is not allowed; use a float16 or float32 array"):
+    with pytest.raises(UsageError, match="an array of int32 is not allowed; use a float16 or float32 or bfloat16 array"):
         comm.reduce_scatter(np.ones(8, np.int32), np.zeros(8, np.int32))
     with pytest.raises(UsageError, match="not contiguous"):
         comm.all_gather(np.ones(16, np.float32)[::2])
