@@ -43,9 +43,12 @@ def tree(directory):
     # still taken before they change.
     (2, ["--stage", "2", "--offload-optimizer", "nvme", "--offload-dir", "OFFLOAD"], SLOW_COPY),
     (2, ["--stage", "1", "--offload-optimizer", "cpu", "--offload-delayed-update"], SLOW_COPY),
+    # bf16 storage with a no-decay group: the shards hold the fp32 master, m and v all the same.
+    (2, ["--stage", "3", "--dtype", "bf16", "--weight-decay", "0.5", "--no-decay", "*.bias"], SLOW),
 ])
 def test_async_checkpoints_are_the_sync_ones_and_resume_bit_identically(tmp_path, n, flags, env):
     flags = [str(tmp_path / "offload") if f == "OFFLOAD" else f for f in flags]
+    (tmp_path / "offload").mkdir()       # --offload-dir must be an existing folder
     common = SMALL + flags + ["--steps", "6", "--save-every", "2", "--log-every", "1"]
     sync = run_train(n, tmp_path, *common, "--save-dir", tmp_path / "s", tag="sync")
     proc = run_mpi(n, [*TRAIN, *common, "--save-dir", tmp_path / "a", "--async-save",
@@ -60,12 +63,15 @@ def test_async_checkpoints_are_the_sync_ones_and_resume_bit_identically(tmp_path
     for step in ("step_000002", "step_000004", "step_000006"):
         assert snapshot(tmp_path / "a" / step) == snapshot(tmp_path / "s" / step), step
     assert json.loads((tmp_path / "async.json").read_text())["final_params_sha256"] == sync["final_params_sha256"]
-    # Resumed from the async checkpoint: the straight run's bits, like from the sync one.
-    for src in ("a", "s"):
-        resumed = run_train(n, tmp_path, *SMALL, *flags, "--steps", "6", "--resume", tmp_path / src / "step_000002",
-                            tag=f"resumed-{src}")
-        assert resumed["final_params_sha256"] == sync["final_params_sha256"], src
-        assert resumed["losses"] == sync["losses"][2:]
+    # Resumed from the async checkpoint: the bits of the resume from the sync one, which are the straight
+    # run's (except with the delayed update, whose one-step lag starts afresh at a resume: docs/checkpoint.md).
+    resumed = {src: run_train(n, tmp_path, *SMALL, *flags, "--steps", "6", "--resume", tmp_path / src / "step_000002",
+                              tag=f"resumed-{src}") for src in ("a", "s")}
+    assert resumed["a"]["final_params_sha256"] == resumed["s"]["final_params_sha256"]
+    assert resumed["a"]["losses"] == resumed["s"]["losses"]
+    if "--offload-delayed-update" not in flags:
+        assert resumed["s"]["final_params_sha256"] == sync["final_params_sha256"]
+        assert resumed["s"]["losses"] == sync["losses"][2:]
 
 
 def test_async_checkpoint_loads_across_world_size_and_stage(tmp_path):
