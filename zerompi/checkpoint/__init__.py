@@ -1,11 +1,13 @@
 """Sharded checkpoints: saved by every rank, loaded at any world size, stage or bucket size.
 
-collective (save / load, the collective protocol and resharding), format (the manifest,
-shard files, checksums, the atomic publish), cli (``python -m zerompi.checkpoint
-inspect | consolidate``, offline and without MPI), outputs (every tool's output files:
-checked before the work, written atomically).
+collective (save / load, the collective protocol and resharding), writer (a rank's shard
+file, written now or by a background thread from a host copy), format (the manifest,
+checksums, the atomic publish, reading and verifying), savedir (the save directory's lock,
+no silent overwrite, retention), cli (``python -m zerompi.checkpoint inspect | consolidate``,
+offline and without MPI), outputs (every tool's output files: checked before the work,
+written atomically).
 
 May import: zerompi.errors, zerompi.layout, zerompi.comm; it works on the engine object it is
-given (ZeroEngine.save / load call it). Importing this package imports nothing; format and
-cli and outputs load without MPI.
+given (ZeroEngine.save / load call it). Importing this package imports nothing; format, writer,
+savedir, cli and outputs load without MPI.
 """

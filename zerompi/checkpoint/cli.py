@@ -5,21 +5,23 @@ and no watchdog). Run through ``python -m zerompi.checkpoint`` (checkpoint/colle
 :func:`main`)::
 
     python -m zerompi.checkpoint consolidate DIR OUT.npz   # full fp32 parameters by name
-    python -m zerompi.checkpoint inspect DIR               # the manifest as a table
+    python -m zerompi.checkpoint inspect DIR               # the manifest as a table, every checksum verified
 
 Exit status 0 (``--help`` too), or 2 with one line ``zerompi.checkpoint: error: ...`` on bad
-input; quietly 141 when stdout is closed under it (``inspect DIR | head -1``).
+input (``inspect`` of a damaged checkpoint: the table, then that line naming every damaged
+file); quietly 141 when stdout is closed under it (``inspect DIR | head -1``).
 """
 import argparse
 import json
 import os
 import sys
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 from ..errors import ConfigError, quiet_exit_on_closed_stdout
-from .format import F32, CheckpointError, read_manifest, resolve, verify_shard
+from .format import (F32, MANIFEST_SHA, CheckpointError, complete_checkpoints, read_manifest, resolve,
+                     verify_shard)
 from .outputs import check_file, write_atomic
 
 
@@ -53,12 +55,14 @@ def consolidate(path: str, out: str) -> Dict[str, np.ndarray]:
     return params
 
 
-def inspect_text(path: str) -> str:
-    """The manifest of the checkpoint ``path`` names, as a table."""
+def inspect(path: str) -> Tuple[str, List[str]]:
+    """The manifest of the checkpoint ``path`` names, as a table, with every checksum verified:
+    (the table, the problems found). A damaged manifest raises CheckpointError."""
     ckpt = resolve(path)
-    m, saved = read_manifest(ckpt)
+    m, saved = read_manifest(ckpt)           # checks the manifest's own sha256 (format 2)
     opt, sc = m["optimizer"], m["loss_scaler"]
-    lines = [f"checkpoint {ckpt}  ({m['format']} v{m['format_version']})",
+    own = "sha256 verified" if MANIFEST_SHA in m else "no checksum of its own (format 1)"
+    lines = [f"checkpoint {ckpt}  ({m['format']} v{m['format_version']}; manifest {own})",
              f"  step {m['step']} (optimizer updates {opt['step']}), world size {m['world_size']}, "
              f"stage {m['stage']}, dtype {m['dtype']}, {m['params_numel']:,} parameters, "
              f"shard {m['shard_numel']:,} elements",
@@ -77,10 +81,29 @@ def inspect_text(path: str) -> str:
     for b in saved.buckets:
         lines.append(f"  {b.index:>6} {b.start:>12,} {b.numel:>12,} {b.used:>12,} {b.slice_numel:>10,} "
                      f"{b.shard_start:>12,}  {','.join(m['layer_names'][i] for i in b.layers)}")
-    lines.append(f"  {'shard':<16} {'bytes':>14}  sha256")
-    for s in m["shards"]:
-        lines.append(f"  {s['file']:<16} {s['bytes']:>14,}  {s['sha256']}")
-    return "\n".join(lines)
+    lines.append(f"  {'shard':<16} {'bytes':>14}  {'checksum':<17}  verified")
+    problems = []
+    for r, s in enumerate(m["shards"]):
+        try:
+            verify_shard(ckpt, m, r)
+            verdict = "ok"
+        except CheckpointError as e:
+            problems.append(str(e))
+            verdict = "DAMAGED"
+        kind = "crc32" if "crc32" in s else "sha256"
+        lines.append(f"  {s['file']:<16} {s['bytes']:>14,}  {kind} {s[kind][:10]:<10}  {verdict}")
+    if os.path.realpath(ckpt) != os.path.realpath(path):      # a save directory: what else it holds
+        lines.append(f"  complete checkpoints in {path}: {', '.join(complete_checkpoints(path))} "
+                     f"(latest: {os.path.basename(ckpt)})")
+    return "\n".join(lines), problems
+
+
+def inspect_text(path: str) -> str:
+    """The table of :func:`inspect`; CheckpointError naming every damaged file, if any."""
+    text, problems = inspect(path)
+    if problems:
+        raise CheckpointError("; ".join(problems))
+    return text
 
 
 class _Parser(argparse.ArgumentParser):
@@ -96,7 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Write the full fp32 parameters by name to OUT.npz (a new path or a regular file).")
     c.add_argument("dir", metavar="DIR", help="a checkpoint directory, or a run's --save-dir (its latest)")
     c.add_argument("out", metavar="OUT.npz", help="the output file (written under a temporary name, then renamed)")
-    i = sub.add_parser("inspect", help="print the manifest as a table", description="Print the manifest as a table.")
+    i = sub.add_parser("inspect", help="print the manifest as a table and verify every checksum",
+                       description="Print the manifest as a table and verify every checksum (the manifest's own "
+                                   "and every shard's): exit 2 naming the damaged files.")
     i.add_argument("dir", metavar="DIR", help="a checkpoint directory, or a run's --save-dir (its latest)")
     return p
 
@@ -119,7 +144,11 @@ def _run(args: List[str]) -> int:
             print(f"wrote {a.out}: {len(params)} parameters, "
                   f"{sum(p.size for p in params.values()):,} fp32 values")
         else:
-            print(inspect_text(a.dir))
+            text, problems = inspect(a.dir)
+            print(text)
+            if problems:                 # the table is printed; one line says what is damaged
+                sys.stdout.flush()
+                raise CheckpointError(f"{len(problems)} of the checkpoint's files damaged: " + "; ".join(problems))
     except SystemExit as e:          # --help: the usage is printed
         return e.code or 0
     except BrokenPipeError:

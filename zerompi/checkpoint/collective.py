@@ -1,14 +1,17 @@
 """Sharded checkpoints, the collective protocol: every rank saves its slices and loads its new ones.
 
-One concern: what each rank writes and reads, and how the ranks agree, in ``save`` and
-``load`` (collectives over the engine's communicator, each one timed by the watchdog).
+One concern: what each rank writes and reads, and how the ranks agree, in ``save`` (with
+``poll`` and ``finish`` for a save written in the background) and ``load`` (collectives over
+the engine's communicator, each one timed by the watchdog, all on the main thread).
 Loading maps every parameter through the saved layout, so the world size, stage and
 bucket size may all change; :func:`copy_plan` gives the pieces of the old shards that make
 up a rank's new slices, and each rank reads only those.
 
-The files themselves (manifest, shard files, checksums, the atomic move of ``latest``) are
-format.py's; the offline tools (``python -m zerompi.checkpoint``) are cli.py's.
+The files themselves (manifest, checksums, the atomic move of ``latest``) are format.py's,
+the writing of a shard file (now or on a thread) writer.py's, retention savedir.py's; the
+offline tools (``python -m zerompi.checkpoint``) are cli.py's.
 """
+import json
 import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -16,9 +19,13 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ..comm.watchdog import watched
-from .format import (F32, ROWS, CheckpointError, SavedLayout, build_manifest, check_model,
-                     crash_point, make_temp_dir, publish, read_manifest, resolve, shard_file, verify_shard,
-                     write_shard)
+from ..errors import UsageError
+from .format import (F32, ROWS, CheckpointError, SavedLayout, build_manifest, check_model, crash_point,
+                     make_temp_dir, read_manifest, remove_dir, resolve, shard_file, verify_shard, wait_removals)
+from .writer import PendingSave, free_snapshot
+
+PENDING = "_checkpoint_pending"      # the engine attribute holding the save under way (or None)
+STATE_CODES = {"busy": 0, "done": 1, "failed": 2, "published": 3}   # PendingSave.state()[0], as poll sends it
 
 
 @dataclass(frozen=True)
@@ -29,72 +36,148 @@ class LoadInfo:
     bytes_read: int    # bytes of shard data this rank copied (checksumming not counted)
 
 
+def between_steps(engine, what: str) -> None:
+    """UsageError unless ``engine`` is open and between steps; then completes its in-flight collectives
+    (and frees stage 3's gathered buckets, which would go stale when a load changes the master)."""
+    engine._check_open()
+    if engine.reducer.mid_step or engine.gatherer.held:
+        raise UsageError(f"{what}() in the middle of a step (micro-batches handed back or layers "
+                         "unsharded); call it after step()")
+    engine.synchronize()
+    engine.optimizer.wait()              # a delayed update in flight writes the rows a checkpoint reads
+    if engine.config.stage == 3:
+        engine.gatherer.free()
+
+
 # ---- save -------------------------------------------------------------------------
-def save(engine, directory: str, extra_state: Optional[dict] = None) -> str:
+def save(engine, directory: str, extra_state: Optional[dict] = None, blocking: bool = True,
+         keep_last: Optional[int] = None):
     """Write ``engine``'s state as ``directory``/step_NNNNNN/ and point ``directory``/latest at it.
 
     A collective: the ranks of the first shard group write one shard file each, named by the
     slice of every bucket they hold (the other groups hold copies), rank 0 the manifest.
     NNNNNN is ``engine.steps_taken``. ``extra_state``: JSON-able dict stored as
-    ``manifest["extra"]``. Returns the new checkpoint's directory. Every rank sees
-    ``directory`` (a shared file system).
+    ``manifest["extra"]``. Every rank sees ``directory`` (a shared file system).
+
+    ``blocking``: write, agree and publish now; returns the new checkpoint's directory.
+    Else each rank copies its shard to host memory and a background thread writes it; returns
+    a :class:`~zerompi.checkpoint.writer.PendingSave` at once. The checkpoint is published
+    (``latest`` moved) by rank 0 in the background too, after a ``step()`` found every rank's
+    file complete (:func:`poll`), or at the next save, ``close()`` or ``PendingSave.wait()``,
+    which wait for it. A failed write raises CheckpointError on every rank at the next of
+    these. ``keep_last``: after publication, remove all but the newest ``keep_last``
+    checkpoints (savedir.retain); None keeps them all.
     """
+    between_steps(engine, "save")
+    finish(engine)                       # the previous background save first
     comm, rank, step = engine.comm, engine.rank, engine.steps_taken
-    writer = rank < engine.layout.world_size      # the first shard group: ranks 0 .. shard_size - 1
-    mpi = comm.mpi
     engine.guard.at("save", step)        # ZEROMPI_FAULT=KIND@rankR:stepS:save (engine/faults.py)
-    tmp = err = None
+    tmp = err = manifest = None
     if rank == 0:
         try:
+            manifest = build_manifest(engine, [], extra_state)
+            json.dumps(manifest)         # extra_state must be JSON: found before anything is written
             tmp = make_temp_dir(directory, step)
         except OSError as e:
             err = f"cannot create a checkpoint in {directory}: {e}"
+        except (TypeError, ValueError) as e:
+            err = f"extra_state cannot be stored in the manifest as JSON: {e}"
     # Each collective is timed by the watchdog: a rank that dies or hangs in a save ends the job.
     with watched(comm, "checkpoint save: broadcast of the temporary directory", step):
-        tmp, err = mpi.bcast((tmp, err), root=0)
+        tmp, err = comm.mpi.bcast((tmp, err), root=0)
     if err:
         raise CheckpointError(err)
-    entry = err = None
-    try:
-        if writer:
-            entry = write_shard(tmp, engine.slot, engine.layout.shard_numel, _own_rows(engine))
-    except OSError as e:
-        err = f"rank {rank} could not write its shard in {tmp}: {e}"
+    pending = PendingSave(engine, directory, tmp, step, manifest, keep_last, finish)
+    if not blocking:
+        pending.start()                  # the host copy and the write on a thread
+        setattr(engine, PENDING, pending)
+        return pending
+    pending.write_now()
     crash_point("after_shards", step)
-    with watched(comm, "checkpoint save: gather of shard entries", step):
-        entries = mpi.gather((engine.slot if writer else None, entry, err), root=0)
-    result = None
-    if rank == 0:
-        errors = [e for _, _, e in entries if e]
-        shards = [e for _, e in sorted((s, e) for s, e, _ in entries if s is not None)]
-        try:
-            result = (None, errors[0]) if errors else \
-                (publish(directory, tmp, step, build_manifest(engine, shards, extra_state)), None)
-        except OSError as e:
-            result = (None, f"cannot finish the checkpoint {tmp}: {e}")
-    with watched(comm, "checkpoint save: broadcast of the result (manifest written, latest moved)", step):
-        path, err = mpi.bcast(result, root=0)
-    if err:
-        raise CheckpointError(err)
+    return _advance(engine, pending, _states(engine, pending), wait=True)
+
+
+def poll(engine) -> None:
+    """At a step boundary, while a background save is under way (else nothing, no collective): wait
+    for this rank's host copy, then one Allgather of a byte per rank (busy, done, failed,
+    published). Once every shard file is complete rank 0 publishes it (manifest, rename,
+    ``latest``, retention) on a background thread too; the poll that sees it published tells
+    every rank the path. A rank's failure is raised on every rank (CheckpointError)."""
+    pending = getattr(engine, PENDING, None)
+    if pending is None:
+        return
+    pending.wait_copied()                # the update that follows may change what is being copied
+    # Each step: one byte per rank (one Allgather); the pickled states only once none is busy or one failed.
+    mine = np.array([STATE_CODES[pending.state()[0]]], np.int8)
+    codes = np.empty(engine.comm.size, np.int8)
+    with watched(engine.comm, "checkpoint save: agreement on the shard files", pending.step):
+        engine.comm.mpi.Allgather(mine, codes)
+    if (codes == STATE_CODES["busy"]).any() and not (codes == STATE_CODES["failed"]).any():
+        return
+    _advance(engine, pending, _states(engine, pending), wait=False)
+
+
+def finish(engine, release: bool = False) -> Optional[str]:
+    """Wait for the background save (a collective) and publish it; returns its path, or None when
+    none was under way. ``release``: also free the host buffer of asynchronous saves (close())."""
+    pending = getattr(engine, PENDING, None)
+    if pending is not None:
+        pending.join()
+        _advance(engine, pending, _states(engine, pending), wait=True)
+    wait_removals()                      # retention's deletions (rank 0) finish before a save or close
+    if release:
+        free_snapshot(engine)
+    return pending.path if pending is not None else None
+
+
+def _states(engine, pending: PendingSave) -> list:
+    with watched(engine.comm, "checkpoint save: agreement on the shard files", pending.step):
+        return engine.comm.mpi.allgather(pending.state())
+
+
+def _advance(engine, pending: PendingSave, states: list, wait: bool) -> Optional[str]:
+    """Move a save on, on every rank alike (``states``: every rank's PendingSave.state()).
+
+    A rank failed: every rank waits for its own thread, rank 0 removes the temporary directory,
+    every rank raises the first failure. A thread still busy: nothing yet (never when ``wait``:
+    every rank joined its thread). Every shard complete: with ``wait``, rank 0 publishes now and
+    broadcasts the result; else rank 0 starts publishing in the background. Published: done.
+    Returns the published path, or None while the save goes on.
+    """
+    comm, rank, step = engine.comm, engine.rank, pending.step
+    failures = [s[1] for s in states if s[0] == "failed"]
+    if failures:
+        setattr(engine, PENDING, None)
+        pending.join()
+        with watched(comm, "checkpoint save: agreement that every write stopped", step):
+            comm.mpi.allgather(None)
+        if rank == 0:
+            remove_dir(pending.tmp)
+        pending.error = (f"{failures[0]}; the checkpoint of step {step} was not saved "
+                         f"({pending.directory}/latest is unchanged)")
+        raise CheckpointError(pending.error)
+    if any(s[0] == "busy" for s in states):
+        return None
+    path = next((s[1] for s in states if s[0] == "published"), None)
+    if path is None and not wait:
+        if rank == 0:
+            pending.start_publish(states)
+        return None
+    setattr(engine, PENDING, None)
+    if path is None:
+        result = None
+        if rank == 0:
+            try:
+                result = (pending.publish(states), None)
+            except OSError as e:
+                result = (None, f"cannot finish the checkpoint {pending.tmp}: {e}")
+        with watched(comm, "checkpoint save: broadcast of the result (manifest written, latest moved)", step):
+            path, err = comm.mpi.bcast(result, root=0)
+        if err:
+            pending.error = err
+            raise CheckpointError(err)
+    pending.path = path
     return path
-
-
-def _own_pieces(engine, arr) -> list:
-    """This rank's slices of an optimizer array, in shard order (stage 0 holds the whole buffer)."""
-    if engine.config.stage > 0:
-        return [arr]
-    return [arr[b.world_slice(engine.slot)] for b in engine.layout.buckets]
-
-
-def _own_rows(engine):
-    """This rank's shard-file contents, one host piece at a time: ROWS in order, each in shard order."""
-    for row in ROWS:
-        for piece in _own_pieces(engine, engine.optimizer.read_row(row)):
-            yield _to_host(piece)
-
-
-def _to_host(arr) -> np.ndarray:
-    return arr.get() if hasattr(arr, "get") else np.asarray(arr)
 
 
 # ---- load -------------------------------------------------------------------------
@@ -106,6 +189,8 @@ def load(engine, path: str) -> LoadInfo:
     loss scaler, then republishes the stored parameters from the master. The ranks share the
     checksumming and agree on one verdict: on bad input every rank raises CheckpointError.
     """
+    between_steps(engine, "load")
+    finish(engine)                       # a background save copies and writes the state it replaces
     comm = engine.comm
     ckpt = manifest = saved = None
     try:

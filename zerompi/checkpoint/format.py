@@ -1,27 +1,32 @@
 """The on-disk checkpoint format: what the files hold and how they get there without a torn state.
 
 One concern: files. Nothing here is a collective or touches MPI; the save/load protocol
-that decides which rank writes or reads what is in checkpoint/collective.py. Format version 1
-(docs/checkpoint.md)::
+that decides which rank writes or reads what is in checkpoint/collective.py. Format version 2
+(docs/checkpoint.md; version 1 is still read: sha256 per shard, no checksum of the manifest)::
 
     DIR/latest                        name of the newest complete checkpoint ("step_000010")
-    DIR/step_000010/manifest.json     model, layout, step, optimizer, loss scale, config, checksums
+    DIR/step_000010/manifest.json     model, layout, step, optimizer, loss scale, config, each shard's
+                                      size and CRC-32, and last the sha256 of the manifest itself
     DIR/step_000010/shard_00000.npy   rank 0's slices, float32 (3, shard_numel):
                                       rows master, exp_avg, exp_avg_sq, padding included
 
 A checkpoint is written into a hidden temporary directory, fsynced, renamed into place,
 and only then named by ``latest`` (itself replaced by an atomic rename), so a crash at
-any point leaves the previous checkpoint loadable. Reading checks the manifest, and each
-shard's size, sha256 and array header, before any of it is used.
+any point leaves the previous checkpoint loadable. Reading checks the manifest (its own
+sha256 over its exact bytes, then its fields), and each shard's size, CRC-32 and array
+header, before any of it is used.
 """
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
+import threading
 import uuid
+import zlib
 from dataclasses import asdict
-from typing import Iterable, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 
@@ -29,12 +34,17 @@ from ..errors import ConfigError
 from ..layout import Bucket, ParamRange
 
 FORMAT = "zerompi-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2                           # written; READ_VERSIONS are read
+READ_VERSIONS = (1, 2)                       # 1: shards checked by sha256, no checksum of the manifest
 ROWS = ("master", "exp_avg", "exp_avg_sq")   # engine.optimizer's arrays, one row each in a shard file
 MANIFEST = "manifest.json"
 LATEST = "latest"
-CHUNK_BYTES = 1 << 20                        # read size when checksumming a shard
-CRASH_ENV = "ZEROMPI_CHECKPOINT_CRASH"       # test hook: "POINT@STEP" exits the process there
+MANIFEST_SHA = "manifest_sha256"             # the manifest's last key: sha256 of its text with this value zeroed
+CHUNK_BYTES = 4 << 20                        # read size when checksumming a shard
+WRITE_CHUNK_BYTES = 64 << 20                 # a shard is written, checksummed and handed to the disk in such chunks
+CRASH_ENV = "ZEROMPI_CHECKPOINT_CRASH"       # test hook: "POINT@STEP[:rankR]" exits the process there
+CHECKPOINT_NAME = re.compile(r"step_(\d+)(?:-(\d+))?")   # a published checkpoint's directory name
+_ZERO_SHA = "0" * 64
 F32 = np.float32
 
 
@@ -75,45 +85,32 @@ def shard_file(rank: int) -> str:
 
 # ---- write ----------------------------------------------------------------------------
 def make_temp_dir(directory: str, step: int) -> str:
-    """Rank 0: a fresh hidden directory; leftovers of crashed saves are removed first."""
+    """Rank 0: a fresh hidden directory; leftovers of crashed saves (and of interrupted
+    removals) are removed first. Only one job saves into a directory (savedir.SaveDirLock)
+    and a save starts after the previous one finished, so no leftover is being written."""
     os.makedirs(directory, exist_ok=True)
     for name in os.listdir(directory):
-        if name.startswith(".tmp-step_"):
+        if name.startswith((".tmp-step_", ".trash-")):
             shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
     tmp = os.path.join(directory, f".tmp-step_{step:06d}-{uuid.uuid4().hex[:8]}")
     os.mkdir(tmp)
     return tmp
 
 
-class _HashingWriter:
-    """A file wrapper that feeds every byte written into a sha256."""
+class Crc32:
+    """zlib's CRC-32 (the gzip and zip polynomial) as a running checksum: ``update``, ``hexdigest``.
 
-    def __init__(self, f):
-        self.f, self.sha = f, hashlib.sha256()
+    A shard's checksum (format 2): it finds any change of up to 4 bytes in a row, and misses
+    other damage with odds 2**-32, at a quarter of sha256's CPU time (docs/checkpoint.md)."""
 
-    def write(self, data) -> None:
-        self.sha.update(data)
-        self.f.write(data)
+    def __init__(self):
+        self.value = 0
 
+    def update(self, data) -> None:
+        self.value = zlib.crc32(data, self.value)    # releases the GIL on large buffers
 
-def write_shard(tmp: str, rank: int, shard_numel: int, chunks: Iterable[np.ndarray]) -> dict:
-    """Write and fsync ``rank``'s shard file in ``tmp``; returns its manifest entry (file, bytes, sha256).
-
-    ``chunks``: host arrays, row by row (ROWS order) and in shard order within a row, that
-    add up to ``len(ROWS) * shard_numel`` elements; consumed one at a time, so a caller's
-    generator keeps at most one piece on the host.
-    """
-    name = shard_file(rank)
-    path = os.path.join(tmp, name)
-    header = {"descr": "<f4", "fortran_order": False, "shape": (len(ROWS), shard_numel)}
-    with open(path, "wb") as f:
-        out = _HashingWriter(f)
-        np.lib.format.write_array_header_1_0(out, header)
-        for chunk in chunks:
-            out.write(np.ascontiguousarray(chunk, dtype="<f4").data)
-        f.flush()
-        os.fsync(f.fileno())
-    return {"file": name, "bytes": os.path.getsize(path), "sha256": out.sha.hexdigest()}
+    def hexdigest(self) -> str:
+        return f"{self.value:08x}"
 
 
 def build_manifest(engine, shards: List[dict], extra_state) -> dict:
@@ -140,16 +137,25 @@ def build_manifest(engine, shards: List[dict], extra_state) -> dict:
     }
 
 
+def manifest_text(manifest: dict) -> str:
+    """The manifest as JSON text whose last key, MANIFEST_SHA, is the sha256 of this very text
+    with that value replaced by 64 zeros: any changed byte of the file is found."""
+    body = json.dumps({**manifest, MANIFEST_SHA: _ZERO_SHA}, indent=1)
+    head, marker, tail = body.rpartition(f'"{MANIFEST_SHA}": "{_ZERO_SHA}"')
+    digest = hashlib.sha256(body.encode()).hexdigest()
+    return f'{head}"{MANIFEST_SHA}": "{digest}"{tail}'
+
+
 def publish(directory: str, tmp: str, step: int, manifest: dict) -> str:
     """Rank 0, once every shard is on disk: manifest, rename into place, then move ``latest``.
 
     Returns the checkpoint's final directory.
     """
-    _write_durable(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1))
+    _write_durable(os.path.join(tmp, MANIFEST), manifest_text(manifest))
     _fsync_dir(tmp)
     crash_point("before_rename", step)
     base = f"step_{step:06d}"
-    if os.path.isdir(os.path.join(directory, base)) and _latest_name(directory) != base:
+    if os.path.isdir(os.path.join(directory, base)) and latest_name(directory) != base:
         shutil.rmtree(os.path.join(directory, base))   # a stray of a crashed save: nothing points at it
     taken = set(os.listdir(directory))
     # ``latest`` may name a checkpoint of this very step: write beside it, never over it.
@@ -169,12 +175,52 @@ def publish(directory: str, tmp: str, step: int, manifest: dict) -> str:
     return final
 
 
-def _latest_name(directory: str) -> Optional[str]:
+def latest_name(directory: str) -> Optional[str]:
+    """The name ``directory``/latest holds (stripped), or None when it is missing or unreadable."""
     try:
         with open(os.path.join(directory, LATEST)) as f:
-            return f.read().strip()
-    except OSError:
+            return f.read(4096).strip()
+    except (OSError, UnicodeDecodeError):
         return None
+
+
+def remove_dir(path: str, background: bool = False) -> None:
+    """Remove a checkpoint or temporary directory: renamed to a hidden ``.trash-`` name first (one
+    atomic step), so an interrupted removal never leaves a half-deleted checkpoint that looks complete.
+    ``background``: the deletion itself runs on a thread (:func:`wait_removals` waits for it)."""
+    parent, name = os.path.split(path)
+    trash = os.path.join(parent, f".trash-{name.lstrip('.')}-{uuid.uuid4().hex[:8]}")
+    try:
+        os.rename(path, trash)
+    except OSError:
+        trash = path
+    if not background:
+        shutil.rmtree(trash, ignore_errors=True)
+        return
+    thread = threading.Thread(target=shutil.rmtree, args=(trash, True), name="zerompi-remove", daemon=True)
+    thread.start()
+    _removals.append(thread)
+
+
+_removals: List[threading.Thread] = []     # deletions under way (remove_dir background=True)
+
+
+def wait_removals() -> None:
+    """Wait for the deletions remove_dir started in the background (before the next save, at close)."""
+    while _removals:
+        _removals.pop().join()
+
+
+def complete_checkpoints(directory: str) -> List[str]:
+    """The published checkpoints in a save directory (``step_NNNNNN`` or ``step_NNNNNN-K`` with a
+    manifest), by step; temporary directories of saves under way or interrupted are not listed."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    found = [(int(m.group(1)), int(m.group(2) or 0), n) for n in names
+             if (m := CHECKPOINT_NAME.fullmatch(n)) and os.path.isfile(os.path.join(directory, n, MANIFEST))]
+    return [n for _, _, n in sorted(found)]
 
 
 def _write_durable(path: str, text: str) -> None:
@@ -192,9 +238,11 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def crash_point(point: str, step: int) -> None:
-    """Test hook: ``ZEROMPI_CHECKPOINT_CRASH=POINT@STEP`` ends the process here, without cleanup."""
-    if os.environ.get(CRASH_ENV) == f"{point}@{step}":
+def crash_point(point: str, step: int, rank: Optional[int] = None) -> None:
+    """Test hook: ``ZEROMPI_CHECKPOINT_CRASH=POINT@STEP`` ends the process here, without cleanup
+    (``POINT@STEP:rankR``: only on rank R). Points: after_shards, mid_shard (the shard file half
+    written; in the background writer with an async save), before_rename, before_latest."""
+    if os.environ.get(CRASH_ENV) in (f"{point}@{step}", f"{point}@{step}:rank{rank}"):
         sys.stderr.write(f"zerompi.checkpoint: simulated crash at {point}, step {step}\n")
         sys.stderr.flush()
         os._exit(17)
@@ -202,42 +250,72 @@ def crash_point(point: str, step: int) -> None:
 
 # ---- read and verify ----------------------------------------------------------------
 def resolve(path: str) -> str:
-    """The checkpoint directory ``path`` names: itself if it holds a manifest, else what ``latest`` says."""
+    """The checkpoint directory ``path`` names: itself if it holds a manifest, else what ``latest`` says.
+
+    A missing or broken ``latest`` is refused with the complete checkpoints that are there.
+    """
     if os.path.isfile(os.path.join(path, MANIFEST)):
         return path
-    latest = os.path.join(path, LATEST)
-    if not os.path.isfile(latest):
-        what = "does not exist" if not os.path.exists(path) else f"has neither {MANIFEST} nor a {LATEST} pointer"
+    if not os.path.isdir(path):
+        what = "does not exist" if not os.path.exists(path) else "is a file, not a checkpoint directory"
         raise CheckpointError(f"{path}: {what}; pass a checkpoint directory or the --save-dir of a run")
-    name = _latest_name(path)
-    if not name or os.sep in name or not os.path.isfile(os.path.join(path, name, MANIFEST)):
-        raise CheckpointError(f"{latest}: names {name!r}, which is not a complete checkpoint")
-    return os.path.join(path, name)
+    latest = os.path.join(path, LATEST)
+    name = latest_name(path)
+    if name and CHECKPOINT_NAME.fullmatch(name) and os.path.isfile(os.path.join(path, name, MANIFEST)):
+        return os.path.join(path, name)
+    if not os.path.lexists(latest):
+        problem = f"has neither {MANIFEST} nor a {LATEST} pointer"
+    else:
+        problem = f"{latest} names {name!r}, which is not a complete checkpoint" if name else \
+            f"{latest} is empty or unreadable"
+    found = complete_checkpoints(path)
+    if not found:
+        raise CheckpointError(f"{path}: {problem}, and holds no complete checkpoint; "
+                              "pass a checkpoint directory or the --save-dir of a run")
+    raise CheckpointError(f"{path}: {problem}; the complete checkpoints there are {', '.join(found)}: "
+                          f"name one to use it, e.g. --resume {os.path.join(path, found[-1])}")
 
 
 def read_manifest(ckpt: str) -> Tuple[dict, SavedLayout]:
     """Parse and sanity-check ``ckpt``/manifest.json (raises CheckpointError naming the file)."""
     path = os.path.join(ckpt, MANIFEST)
     try:
-        with open(path) as f:
-            manifest = json.load(f)
+        with open(path, "rb") as f:
+            raw = f.read()
+        manifest = json.loads(raw)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: cannot read the manifest: {e}")
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a zerompi checkpoint manifest (format {manifest.get('format')!r})"
                               if isinstance(manifest, dict) else f"{path}: not a zerompi checkpoint manifest")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: format version {manifest.get('format_version')!r}; "
-                              f"this zerompi reads version {FORMAT_VERSION}")
+    version = manifest.get("format_version")
+    if version not in READ_VERSIONS or isinstance(version, bool):
+        raise CheckpointError(f"{path}: format version {version!r}; this zerompi reads versions "
+                              f"{', '.join(map(str, READ_VERSIONS))}")
+    if version >= 2 or MANIFEST_SHA in manifest:
+        _check_manifest_sha(path, raw, manifest.get(MANIFEST_SHA))
     try:
         saved = SavedLayout(manifest)
         names = [s["file"] for s in manifest["shards"]]
         if names != [shard_file(r) for r in range(saved.world_size)]:
             raise ValueError(f"shard list {names} does not match world_size {saved.world_size}")
+        for entry in manifest["shards"]:                  # each checked by verify_shard
+            int(entry["bytes"]), str(entry["crc32" if version >= 2 else "sha256"])
         manifest["step"], manifest["optimizer"]["step"] = int(manifest["step"]), int(manifest["optimizer"]["step"])
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: malformed manifest: {type(e).__name__}: {e}")
     return manifest, saved
+
+
+def _check_manifest_sha(path: str, raw: bytes, want) -> None:
+    """Raise unless ``raw`` (the manifest file's bytes) hashes to ``want`` with ``want`` zeroed."""
+    if not (isinstance(want, str) and re.fullmatch(r"[0-9a-f]{64}", want)):
+        raise CheckpointError(f"{path}: the manifest's own checksum ({MANIFEST_SHA}) is missing or malformed: "
+                              "the manifest was changed or is corrupted")
+    head, marker, tail = raw.rpartition(f'"{MANIFEST_SHA}": "{want}"'.encode())
+    body = head + f'"{MANIFEST_SHA}": "{_ZERO_SHA}"'.encode() + tail
+    if not marker or hashlib.sha256(body).hexdigest() != want:
+        raise CheckpointError(f"{path}: sha256 checksum mismatch: the manifest was changed or is corrupted")
 
 
 def check_model(ckpt: str, saved: SavedLayout, layout) -> None:
@@ -266,12 +344,13 @@ def verify_shard(ckpt: str, manifest: dict, r: int) -> str:
     if size != entry["bytes"]:
         what = "truncated" if size < entry["bytes"] else "longer than written"
         raise CheckpointError(f"{path}: {size} bytes, the manifest says {entry['bytes']}: the file is {what}")
-    sha = hashlib.sha256()
+    kind = "crc32" if "crc32" in entry else "sha256"      # format 2, or 1
+    check = Crc32() if kind == "crc32" else hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(CHUNK_BYTES), b""):
-            sha.update(block)
-    if sha.hexdigest() != entry["sha256"]:
-        raise CheckpointError(f"{path}: sha256 checksum mismatch: the file is corrupted")
+            check.update(block)
+    if check.hexdigest() != entry[kind]:
+        raise CheckpointError(f"{path}: {kind} checksum mismatch: the file is corrupted")
     arr = np.load(path, mmap_mode="r")
     want = (len(ROWS), manifest["shard_numel"])
     if arr.shape != want or arr.dtype != np.dtype("<f4"):

@@ -227,6 +227,7 @@ class ZeroEngine:
                              "'with engine.unsharded(i)' block (or call reshard(i)) before step()")
         self._enter(Phase.OPTIMIZER)
         self.synchronize()
+        checkpoint.poll(self)     # a background save: published, or a rank's write failure raised on every rank
         if self.config.stage == 3:
             self.gatherer.free()
         self.reducer.collect()
@@ -304,27 +305,18 @@ class ZeroEngine:
                 self.gatherer.wire.all_gather(params[bucket.start:bucket.stop])   # quantized with qwZ
 
     # ---- checkpoints (zerompi/checkpoint/, docs/checkpoint.md) ---------------
-    def save(self, path: str, extra_state: Optional[dict] = None) -> str:
-        """Write a sharded checkpoint under directory ``path`` (a collective, between steps); returns
-        the new checkpoint directory, which ``path``/latest names once it is complete."""
-        self._check_between_steps("save")
-        return checkpoint.save(self, path, extra_state)
+    def save(self, path: str, extra_state: Optional[dict] = None, blocking: bool = True,
+             keep_last: Optional[int] = None):
+        """Write a sharded checkpoint under directory ``path`` (a collective, between steps); returns the new
+        checkpoint directory, which ``path``/latest names once it is complete. ``blocking=False``: copy the
+        shard to host memory, write it in the background and return a PendingSave (published at a later
+        step(), the next save or close()). ``keep_last``: then keep the newest K (checkpoint/collective.py)."""
+        return checkpoint.save(self, path, extra_state, blocking, keep_last)
 
     def load(self, path: str):
         """Restore from a checkpoint (directory, or a save directory's ``latest``) saved at any world
         size, stage or bucket size (a collective); returns a LoadInfo, CheckpointError on bad input."""
-        self._check_between_steps("load")
         return checkpoint.load(self, path)
-
-    def _check_between_steps(self, what: str) -> None:
-        self._check_open()
-        if self.reducer.mid_step or self.gatherer.held:
-            raise UsageError(f"{what}() in the middle of a step (micro-batches handed back or layers "
-                             "unsharded); call it after step()")
-        self.synchronize()
-        self.optimizer.wait()           # a delayed update in flight writes the rows a checkpoint reads
-        if self.config.stage == 3:      # a gathered bucket would go stale when the master changes
-            self.gatherer.free()
 
     # ---- results and reports ---------------------------------------------------
     @property
@@ -371,6 +363,7 @@ class ZeroEngine:
 
     def close(self) -> None:
         """Free every buffer. The engine cannot be used afterwards (a collective: every rank calls it)."""
+        checkpoint.finish(self, release=True)      # a background save is published first
         self.reducer.close()
         self.gatherer.close()
         self.pool.clear()

@@ -71,6 +71,14 @@ class TrainConfig:
     resume: Optional[str] = None
     """Resume from this checkpoint (a save_dir, whose ``latest`` is used, or one step_NNNNNN/ directory);
     the world size, stage and bucket size may differ from the saving run's."""
+    async_save: bool = False
+    """Save the checkpoints of save_every in the background: each rank copies its shard to host memory and
+    training goes on while a thread writes it (the last step's save still waits). Needs save_dir."""
+    keep_last: Optional[int] = None
+    """Keep only the newest this many checkpoints in save_dir (>= 1); None keeps every one. Needs save_dir."""
+    overwrite: bool = False
+    """Allow a run without resume to save into a save_dir that holds checkpoints; they are removed once
+    this run's first checkpoint is saved. Needs save_dir."""
     device: str = "cpu"
     """Where the engine's buffers and the model's compute live: cpu (NumPy), gpu (CuPy; rank r binds GPU
     local rank mod GPUs) or auto (gpu when CuPy sees one). cpu is the default until the GPU path has
@@ -109,6 +117,11 @@ class TrainConfig:
         check(isinstance(self.save_every, int) and self.save_every >= 0,
               f"save_every={self.save_every!r} must be an integer >= 0 (steps between checkpoints; 0 = at the end)")
         check(self.save_every == 0 or self.save_dir, f"save_every={self.save_every} needs save_dir (--save-dir DIR)")
+        check(self.keep_last is None or (isinstance(self.keep_last, int) and self.keep_last >= 1),
+              f"keep_last={self.keep_last!r} must be an integer >= 1 (checkpoints kept; leave it out to keep all)")
+        for name in ("async_save", "keep_last", "overwrite"):
+            check(getattr(self, name) in (None, False) or self.save_dir,
+                  f"{name}={getattr(self, name)!r} needs save_dir (--save-dir DIR)")
         self._check_progress()
         self._check_stop_file()
 
@@ -206,6 +219,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, default=TrainConfig.save_every, metavar="K",
                    help="also save every K steps (needs --save-dir)")
     p.add_argument("--resume", default=None, metavar="DIR", help="resume from a checkpoint (any world size/stage)")
+    p.add_argument("--async-save", action="store_true",
+                   help="write the --save-every checkpoints in the background while training goes on")
+    p.add_argument("--keep-last", type=int, default=None, metavar="K",
+                   help="keep only the newest K checkpoints in --save-dir (default: all)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="without --resume, replace the checkpoints already in --save-dir (else refused)")
     p.add_argument("--device", default=TrainConfig.device,
                    help="cpu (NumPy), gpu (CuPy, GPU local-rank mod GPUs) or auto (gpu when CuPy sees one)")
     p.add_argument("--comm", default=TrainConfig.comm,
@@ -285,4 +304,5 @@ def parse_config(argv: Optional[List[str]] = None, environ=None) -> TrainConfig:
     return TrainConfig(model=a.model, steps=a.steps, batch=a.batch, seed=a.seed,
                        log_every=a.log_every, metrics_json=a.metrics_json, save_dir=a.save_dir,
                        save_every=a.save_every, resume=a.resume, device=a.device, comm=a.comm,
-                       progress=a.progress, stop_file=a.stop_file, zero=zero, **specific)
+                       progress=a.progress, stop_file=a.stop_file, zero=zero,
+                       async_save=a.async_save, keep_last=a.keep_last, overwrite=a.overwrite, **specific)

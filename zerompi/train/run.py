@@ -66,6 +66,9 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
     engine = ZeroEngine(model.init_layers(), cfg.zero, dev_comm, xp=xp)
     report.print_banner(cfg, engine, comm, placement, data)
     start = _resume(engine, cfg) if cfg.resume else 0    # the step a resumed run starts at
+    if cfg.save_dir:
+        from .saves import disk_line
+        report.print0(comm.mpi, disk_line(cfg, engine, start))
     floor = data.entropy_floor if cfg.model == "gpt" else None   # nats/token; None: a user's file, or the MLP
     try:
         log = _run_steps(cfg, engine, comm, model, data, floor, start, stop)
@@ -94,6 +97,8 @@ def _run_steps(cfg: TrainConfig, engine, comm, model, data, floor: Optional[floa
     from .console import choose_progress
     from .report import print0, progress_bar
     from ..engine.timers import format_breakdown
+    from .saves import Saves
+    saves = Saves(cfg, engine, comm.mpi)            # checkpoints: --save-dir, --save-every, --async-save
     losses_of = step_losses(cfg.model)
     gpt = cfg.model == "gpt"
     bar = comm.rank == 0 and choose_progress(cfg.progress) == "bar"    # auto: a bar only for a person at a terminal
@@ -127,15 +132,13 @@ def _run_steps(cfg: TrainConfig, engine, comm, model, data, floor: Optional[floa
                              f"({format_breakdown(log.parts[-1])}){skipped}")
         elif bar:
             print0(comm.mpi, f"\r{progress_bar(step + 1, cfg.steps)}  loss {loss:.4f}", end="")
-        if cfg.save_dir and (step + 1 == cfg.steps or stopping or (cfg.save_every and (step + 1) % cfg.save_every == 0)):
-            # The data is a function of (seed, step): the next step is the whole data position.
-            path = engine.save(cfg.save_dir, {"data_step": step + 1, "seed": cfg.seed})
-            print0(comm.mpi, f"  saved checkpoint {path}")
+        saves.after_step(step + 1, stopping)
         if stopping:
             saved = f"checkpoint saved in {cfg.save_dir}" if cfg.save_dir else "no checkpoint (no --save-dir)"
             print0(comm.mpi, f"zerompi.train: stopped by {stop.received or 'a signal on another rank'} "
                              f"after step {step + 1} of {cfg.steps}; {saved}")
             break
+    saves.finish()                              # a background save is published before the run ends
     return log
 
 
@@ -199,12 +202,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     comm = MPI.COMM_WORLD
     _one_blas_thread()
     from . import preflight
+    from .saves import claim_save_dir
     error = None
     try:
         cfg = parse_config(argv)          # reads ZEROMPI_TIMEOUT_S too: now, not at import
         cfg.check_world(comm.Get_size())
         preflight.check_fault(fault_from_env(), comm.Get_size(), cfg)   # a bad ZEROMPI_FAULT stops every rank here
         preflight.check_outputs(cfg, comm.Get_rank())                    # before the first step, not after the last
+        claim_save_dir(cfg, comm.Get_rank())             # rank 0: the --save-dir lock; no silent overwrite
     except (ConfigError, HelpRequested) as e:
         error = e if isinstance(e, HelpRequested) else str(e)
     status = agree_on_start(comm, error, "zerompi.train")   # timed; --help on every rank prints it once

@@ -1,0 +1,154 @@
+"""The save directory as a whole: one job at a time, no silent overwrite, bounded disk use.
+
+One concern: the policy around a run's ``--save-dir``, on top of format.py's files. Nothing
+here is a collective or touches MPI; rank 0 calls these, and the caller makes the ranks agree.
+
+- :class:`SaveDirLock`: ``DIR/.zerompi.lock`` holds the host, pid and start of the job that
+  saves there. A second job stops at start naming them. A lock left by a process that is gone
+  (same host, that pid not running, or running since another time: the pid was reused) is
+  taken over, and the taker is told so; a lock of another host cannot be checked from here
+  and is refused with the file to delete.
+- :func:`check_fresh`: a run that does not resume may not save into a directory that already
+  holds checkpoints, unless told to replace them (``overwrite``).
+- :func:`retain`: after a checkpoint is published, keep the newest ``keep_last`` (by the time
+  they were published), never the one ``latest`` names; :func:`replace`: drop the checkpoints
+  an ``overwrite`` run found there, once its own first one is published.
+"""
+import json
+import os
+import socket
+import time
+from typing import List, Optional
+
+from ..errors import ConfigError
+from .format import LATEST, MANIFEST, complete_checkpoints, latest_name, remove_dir
+
+LOCK = ".zerompi.lock"
+
+
+def _process_start(pid: int) -> Optional[str]:
+    """When process ``pid`` started (Linux: /proc/PID/stat field 22, clock ticks since boot), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(pid: int, start: Optional[str]) -> bool:
+    """True when ``pid`` runs on this host and (where both are known) started at ``start``."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        pass                        # another user's process: it exists
+    now = _process_start(pid)
+    return start is None or now is None or now == start
+
+
+class SaveDirLock:
+    """``DIR/.zerompi.lock``, created atomically (O_EXCL) by :meth:`acquire`; :meth:`release` removes
+    it if it is still this process's. ``note``: the line to print when a stale lock was taken over."""
+
+    def __init__(self, directory: str):
+        self.directory, self.path, self.note, self.held = directory, os.path.join(directory, LOCK), None, False
+        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "start": _process_start(os.getpid()),
+                   "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+    def acquire(self) -> "SaveDirLock":
+        """Take the lock or raise ConfigError naming its holder (a live job, or another host's)."""
+        os.makedirs(self.directory, exist_ok=True)
+        for _ in range(3):          # a lock that vanishes or goes stale meanwhile: try again
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                self._take_over_if_stale()
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(self.me) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            self.held = True
+            return self
+        raise ConfigError(f"save_dir={self.directory!r}: cannot take the lock {self.path}; another job keeps "
+                          "taking it")
+
+    def _take_over_if_stale(self) -> None:
+        try:
+            with open(self.path) as f:
+                other = json.loads(f.read(4096))
+            host, pid, start, since = other["host"], int(other["pid"]), other.get("start"), other.get("since", "?")
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, KeyError, TypeError):
+            raise ConfigError(f"save_dir={self.directory!r}: the lock {self.path} is unreadable; if no job saves "
+                              "there, delete it") from None
+        if host != self.me["host"]:
+            raise ConfigError(f"save_dir={self.directory!r} is locked by pid {pid} on host {host} since {since} "
+                              f"({self.path}): another job saves there; use another --save-dir, or delete that "
+                              "file if no job runs there")
+        if _alive(pid, start):
+            raise ConfigError(f"save_dir={self.directory!r} is in use by another job (pid {pid} on this host, "
+                              f"{host}, since {since}; {self.path}); use another --save-dir or wait for it to end")
+        stale = f"{self.path}.stale-{os.getpid()}"
+        try:
+            os.rename(self.path, stale)          # one taker wins; the others find the new lock
+        except FileNotFoundError:
+            return
+        os.unlink(stale)
+        self.note = (f"took over the lock {self.path} left by pid {pid} on this host ({host}, since {since}), "
+                     "which is no longer running")
+
+    def release(self) -> None:
+        if not self.held:
+            return
+        self.held = False
+        try:
+            with open(self.path) as f:
+                mine = json.loads(f.read(4096)).get("pid") == self.me["pid"]
+            if mine:
+                os.unlink(self.path)
+        except (OSError, ValueError, AttributeError):
+            pass
+
+
+def check_fresh(directory: str, resume: Optional[str], overwrite: bool) -> List[str]:
+    """A run without ``resume`` into a ``directory`` that holds checkpoints: ConfigError, unless
+    ``overwrite``. Returns the checkpoints there (an ``overwrite`` run replaces them later)."""
+    found = complete_checkpoints(directory)
+    if not found and not os.path.lexists(os.path.join(directory, LATEST)) or resume or overwrite:
+        return found
+    latest = latest_name(directory)
+    listed = ", ".join(found) if found else "none complete"
+    raise ConfigError(f"save_dir={directory!r} already holds checkpoints ({listed}; {LATEST}: {latest}) of "
+                      f"another run; pass --resume {directory} to continue it, --overwrite to replace them "
+                      "(removed once this run's first checkpoint is saved), or another --save-dir")
+
+
+def _published_at(directory: str, name: str) -> float:
+    try:
+        return os.path.getmtime(os.path.join(directory, name, MANIFEST))
+    except OSError:
+        return 0.0
+
+
+def retain(directory: str, keep_last: Optional[int], current: str) -> List[str]:
+    """Remove all but the newest ``keep_last`` checkpoints (by publication time), ``current`` (the one
+    ``latest`` names) always kept; None keeps everything. Returns the names removed."""
+    if not keep_last:
+        return []
+    others = [n for n in complete_checkpoints(directory) if n != current]
+    others.sort(key=lambda n: (_published_at(directory, n), n))
+    doomed = others[:max(0, len(others) - (keep_last - 1))]
+    for name in doomed:
+        remove_dir(os.path.join(directory, name), background=True)
+    return doomed
+
+
+def replace(directory: str, old: List[str], current: str) -> List[str]:
+    """Remove the checkpoints ``old`` (those an ``overwrite`` run found), except ``current``."""
+    doomed = [n for n in old if n != current and os.path.isdir(os.path.join(directory, n))]
+    for name in doomed:
+        remove_dir(os.path.join(directory, name), background=True)
+    return doomed
