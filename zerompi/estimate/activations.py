@@ -67,3 +67,39 @@ def formula_text(checkpoint: bool, itemsize: int = 4) -> str:
     if checkpoint:
         return f"{itemsize}(L nC + 2 min(L,2) nC + 30nC + 6n + 2A + 3nV)"
     return f"{itemsize}(L (18nC + 4n + A) + 14nC + 2n + A + 3nV)"
+
+
+GPT_FLAGS = ("n_layer", "d_model", "n_head", "seq_len", "batch", "vocab")   # the estimate's GPT options
+
+
+def gpt_layer_sizes(vocab: int, seq_len: int, d_model: int, n_layer: int):
+    """Parameters of each engine layer of the built-in GPT: embeddings, blocks, final LayerNorm."""
+    c = d_model
+    return [vocab * c + seq_len * c] + [12 * c * c + 13 * c] * n_layer + [2 * c]
+
+
+def gpt_activations(dims: dict, ranks: int, micro_batches: int = 1, checkpoint: bool = False) -> dict:
+    """The estimate's activation entry for a GPT of ``dims`` (GPT_FLAGS; ``batch``: sequences per step
+    over all ranks, as zerompi.train --batch): rows per rank per micro-batch, bytes by term, the
+    formula. Raises ConfigError on bad input."""
+    for name in GPT_FLAGS:
+        v = dims[name]
+        check(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"{name}={v!r} must be an integer >= 1")
+    parts = ranks * micro_batches
+    check(dims["batch"] % parts == 0, f"batch={dims['batch']} does not split over {ranks} ranks x {micro_batches} "
+                                      f"micro-batches; use a multiple of {parts}")
+    rows = dims["batch"] // parts
+    terms = gpt_activation_bytes(rows, dims["seq_len"], dims["d_model"], dims["n_layer"], dims["n_head"],
+                                 dims["vocab"], checkpoint)
+    return {"bytes": terms["total"], "terms": terms, "rows_per_rank": rows, "checkpoint": checkpoint,
+            "formula": formula_text(checkpoint), **dims}
+
+
+def with_activations(est: dict, act: dict) -> dict:
+    """The estimate with the activations on every stage's row: activation_bytes, and the totals with them
+    (total_bytes_with_activations, and its best case): what a rank needs."""
+    for row in est["stages"]:
+        row["activation_bytes"] = act["bytes"]
+        row["total_bytes_with_activations"] = row["total_bytes"] + act["bytes"]
+        row["total_bytes_with_activations_best_case"] = row["total_bytes_best_case"] + act["bytes"]
+    return dict(est, activations=act)
