@@ -16,6 +16,7 @@ from ..checkpoint.outputs import check_file, save_json
 from ..engine import reducer
 from ..engine.config import ZeroConfig
 from ..errors import EXIT_OUTPUT, ConfigError, check, quiet_exit_on_closed_stdout
+from .activations import GPT_FLAGS, gpt_activations, gpt_layer_sizes, with_activations
 from .stages import BUFFER_ROWS, DEFAULT_PREFETCH, estimate
 
 UNITS = ((1e9, "GB", 2 ** 30, "GiB"), (1e6, "MB", 2 ** 20, "MiB"), (1e3, "kB", 2 ** 10, "KiB"), (1, "B", 1, "B"))
@@ -81,6 +82,11 @@ def format_table(est: dict) -> str:
     out.append(line(f"total ({pending:,} pending), {bunit}", [binary(r["total_bytes"]) for r in rows]))
     if pending > 0:
         out.append(line(f"total (best case), {unit}", [dec(r["total_bytes_best_case"]) for r in rows]))
+    act = est.get("activations")
+    if act:
+        out.append(line(f"+ activations (GPT), {unit}", [dec(r["activation_bytes"]) for r in rows]))
+        out.append(line(f"total with activations, {unit}", [dec(r["total_bytes_with_activations"]) for r in rows]))
+        out.append(line(f"total with activations, {bunit}", [binary(r["total_bytes_with_activations"]) for r in rows]))
     if est.get("by_level"):
         out += level_rows(est, line, dec, unit)
     else:
@@ -88,6 +94,7 @@ def format_table(est: dict) -> str:
         out.append(line("collective calls per step", [f"{r['comm_calls_per_step']:,}" for r in rows]))
         out.append(line("communication time, s", [f"{r['comm_seconds_per_step']:.4f}" for r in rows]))
     padding = est["padded_params"] - est["params"]
+    out += ["", activation_note(act)] if act else []
     out += ["",
             f"layout: {est['buckets']:,} buckets of up to {est['bucket_numel']:,} elements ({est['bucket_mb']:g} MiB), "
             f"{padding:,} padding elements; stage-3 prefetch {est['prefetch']}; "
@@ -101,6 +108,15 @@ def format_table(est: dict) -> str:
             f"keeps the buckets it holds gathered across each forward/backward turn, so it sends up to "
             f"{rows[3]['comm_bytes_kept_at_turns']:,} bytes less than that"]
     return "\n".join(out)
+
+
+def activation_note(act: dict) -> str:
+    """The footer line of the activations: the GPT's shape, the formula and its value."""
+    how = "with activation checkpointing" if act["checkpoint"] else "without checkpointing"
+    return (f"activations: the GPT's (zerompi.train's built-in, C kernels, float32) {how}: L = {act['n_layer']}, "
+            f"C = {act['d_model']}, H = {act['n_head']}, T = {act['seq_len']}, V = {act['vocab']}, "
+            f"B = {act['rows_per_rank']} sequences per rank per micro-batch (batch {act['batch']}); "
+            f"n = BT, A = BHT^2: {act['formula']} = {act['bytes']:,} bytes per rank (docs/activations.md)")
 
 
 def level_rows(est: dict, line, dec, unit: str) -> List[str]:
@@ -262,6 +278,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offload-optimizer", default="none", metavar="none|cpu|nvme",
                    help="where the master and Adam moments live (stages 1-3): the table splits the states by place")
     p.add_argument("--offload-params", default="none", metavar="none|nvme", help="stage 3: parameters in files")
+    gpt = p.add_argument_group("the GPT's activations (all six together; Ψ and its layers follow from them)")
+    for name, what in (("n_layer", "transformer blocks"), ("d_model", "embedding width"), ("n_head", "attention heads"),
+                       ("seq_len", "tokens per sequence"), ("batch", "sequences per step over all ranks (train's --batch)"),
+                       ("vocab", "vocabulary (zerompi.train: 32 for the generated corpus, 256 for --data)")):
+        gpt.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=what)
+    gpt.add_argument("--checkpoint-activations", action="store_true", help="as zerompi.train --checkpoint-activations")
     p.add_argument("--json", metavar="PATH", help="also write the table as JSON")
     p.add_argument("--from-run", metavar="METRICS.json",
                    help="a train run's --metrics-json: estimate its configuration and show measured beside it")
@@ -285,6 +307,23 @@ def main(argv: Optional[List[str]] = None) -> int:
                     offload_optimizer=a.offload_optimizer, offload_params=a.offload_params)
         topo = {k: v for k, v in (("node_size", a.node_size), ("shard_size", a.shard_size), ("hpz", a.hpz or None))
                 if v is not None}
+        dims = {k: getattr(a, k) for k in GPT_FLAGS}
+        given = [f"--{k.replace('_', '-')}" for k, v in dims.items() if v is not None]
+        check(not given or a.from_run is None, f"{given[0] if given else ''} does not apply with --from-run "
+                                               "(it reads the run's configuration); drop it")
+        check(not given or len(given) == len(GPT_FLAGS), "the GPT's activations need all of --n-layer --d-model "
+              f"--n-head --seq-len --batch --vocab; missing: "
+              f"{' '.join('--' + k.replace('_', '-') for k, v in dims.items() if v is None)}")
+        check(given or not a.checkpoint_activations, "--checkpoint-activations needs the GPT's dimensions "
+                                                     "(--n-layer --d-model --n-head --seq-len --batch --vocab)")
+        if given:
+            check(a.params is None and a.layers is None and a.largest_layer is None,
+                  "give --params (--layers, --largest-layer) or the GPT's dimensions, not both: "
+                  "the dimensions give Ψ and its layers")
+            check(a.ranks is not None, "give --ranks")
+            act = gpt_activations(dims, a.ranks, a.micro_batches, a.checkpoint_activations)
+            sizes = gpt_layer_sizes(a.vocab, a.seq_len, a.d_model, a.n_layer)
+            a.params, largest = sum(sizes), max(sizes)
         if a.from_run is not None:
             metrics = read_run(a.from_run)
             given = {k: v for k, v in (("params", a.params), ("ranks", a.ranks), ("layers", a.layers),
@@ -300,6 +339,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         else:
             check(a.params is not None and a.ranks is not None, "give --params and --ranks (or --from-run)")
             est = estimate(a.params, a.ranks, a.dtype, layers=a.layers, largest_layer=largest, **opts, **topo)
+            est = with_activations(est, act) if given else est
             cmp = None
     except ConfigError as e:
         sys.stderr.write(f"zerompi.estimate: error: {e}\n")

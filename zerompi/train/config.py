@@ -21,7 +21,8 @@ COMMS = ("mpi", "nccl")   # how device buffers are reduced and gathered (--comm)
 MODEL_DEFAULTS = {"gpt": {"steps": 300, "batch": 48, "log_every": 10},
                   "mlp": {"steps": 30, "batch": 64, "log_every": 1}}
 # The fields (and flags) that only one model reads: given with the other model, they are an error.
-MODEL_ONLY = {"gpt": ("n_layer", "n_head", "d_model", "seq_len", "data", "eval_every"), "mlp": ("width", "depth")}
+MODEL_ONLY = {"gpt": ("n_layer", "n_head", "d_model", "seq_len", "data", "eval_every", "checkpoint_activations"),
+              "mlp": ("width", "depth")}
 PATHS = ("data", "metrics_json", "save_dir", "resume", "stop_file")   # path fields: None = not given, never ""
 # The parameters each model exempts from weight decay by default (--no-decay replaces them, --decay-all
 # drops them): the GPT's biases (".b"), LayerNorm gains (".g") and embeddings, as GPT-2 recipes do.
@@ -58,6 +59,9 @@ class TrainConfig:
     """GPT: train on this file's bytes (vocab 256, the last 10% held out); None = the generated corpus."""
     eval_every: int = 50
     """GPT: held-out loss every this many steps and after the last one (>= 0; 0 = never)."""
+    checkpoint_activations: bool = False
+    """GPT: keep only each block's input through the forward, run the block's forward again in its
+    backward (the same bits, less activation memory; docs/activations.md)."""
     seed: int = 0
     """Seeds the initial parameters and the generated data."""
     log_every: Optional[int] = None
@@ -143,6 +147,8 @@ class TrainConfig:
               f"d_model={self.d_model} is not divisible by n_head={self.n_head}; use a multiple of {self.n_head}")
         check(self.seq_len >= 1, f"seq_len={self.seq_len} must be >= 1")
         check(self.eval_every >= 0, f"eval_every={self.eval_every} must be >= 0 (0 = no held-out loss)")
+        check(not self.checkpoint_activations or self.model == "gpt",
+              "checkpoint_activations=True applies to model gpt only; drop --checkpoint-activations or use --model gpt")
         if self.data is not None:
             from .data import check_file
             check(self.model == "gpt", f"data={self.data!r} applies to model gpt only; drop --data or use --model gpt")
@@ -202,6 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPT: train on this file's bytes (default: a generated corpus with a known entropy)")
     p.add_argument("--eval-every", type=int, default=None, metavar="K",
                    help=f"GPT: held-out loss every K steps (0 = never; default {TrainConfig.eval_every})")
+    p.add_argument("--checkpoint-activations", action="store_true", default=None,
+                   help="GPT: keep only each block's input, recompute the block's forward in its backward")
     p.add_argument("--batch", type=int, default=TrainConfig.batch,
                    help="global batch: MLP rows, GPT sequences (default: gpt 48, mlp 64)")
     p.add_argument("--log-every", type=int, default=TrainConfig.log_every)

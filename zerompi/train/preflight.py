@@ -47,7 +47,7 @@ def memory_needed(cfg: TrainConfig, world_size: int) -> dict:
     """Bytes one rank holds at once at least, by part: the model states and engine buffers (zerompi.estimate,
     best case), and the model's initial fp32 parameters (alive while the engine copies them) with the MLP's
     teacher (float32, built first and kept), or for the GPT the larger of the initial parameters and the
-    attention probabilities one micro-batch keeps for the backward."""
+    attention probabilities one micro-batch keeps for the backward (one block's with checkpointing)."""
     from ..estimate.stages import estimate
     sizes = layer_sizes(cfg)
     psi, z = sum(sizes), cfg.zero
@@ -63,7 +63,8 @@ def memory_needed(cfg: TrainConfig, world_size: int) -> dict:
         parts.update({"initial fp32 parameters": init, "teacher network (float32)": 4 * psi})
         return parts
     rows = max(1, cfg.batch // (world_size * z.micro_batches))
-    attention = 4 * cfg.n_layer * rows * cfg.n_head * cfg.seq_len ** 2
+    kept = 1 if cfg.checkpoint_activations else cfg.n_layer      # blocks whose probabilities are held at once
+    attention = 4 * kept * rows * cfg.n_head * cfg.seq_len ** 2
     # The initial parameters are freed before the first step: the larger of the two counts.
     parts.update({"attention probabilities": attention} if attention > init else {"initial fp32 parameters": init})
     return parts

@@ -4,11 +4,12 @@ import hashlib
 import statistics
 import sys
 from dataclasses import fields
-from typing import Dict
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 from mpi4py import MPI
 
+from ..estimate.activations import formula_text, gpt_activation_bytes
 from ..optim import impl
 from ..comm.communicator import mpi_library
 from ..comm.device import describe_buffers
@@ -32,9 +33,12 @@ def human_bytes(n: float) -> str:
 
 
 def memory_table(measured: Dict[str, int], theory: Dict[str, int], padded: Dict[str, int],
-                 stage: int, world_size: int, itemsize: int, node_size: int = 1) -> str:
+                 stage: int, world_size: int, itemsize: int, node_size: int = 1,
+                 activations: Optional[Tuple[int, int, str]] = None) -> str:
     """Measured model-state bytes per rank beside DESIGN.md's formula (N: the ranks one copy of
-    the model states is sharded over; hpZ's node-local copy, when there is one, on its own row)."""
+    the model states is sharded over; hpZ's node-local copy, when there is one, on its own row).
+    ``activations``: (measured, formula, the formula in words) of the GPT's activations, a row
+    after the model states' and the total of both below it."""
     p = itemsize
     formulas = {
         0: (f"{p}Ψ", f"{p}Ψ", "12Ψ"),
@@ -51,9 +55,17 @@ def memory_table(measured: Dict[str, int], theory: Dict[str, int], padded: Dict[
     lines = [f"memory per rank (stage {stage}, N={world_size}): measured vs formula",
              f"  {'':10} {'measured':>14} {'formula':>14} {'formula, padded':>16}  formula",
              ]
+    if activations is not None:
+        got, want, text = activations
+        rows.insert(len(rows) - 1, ("activations", text))
+        measured, theory, padded = ({**d, "activations": v} for d, v in ((measured, got), (theory, want), (padded, want)))
+        lines[0] += "; activations: one micro-batch of the GPT"
     for key, text in rows:
         lines.append(f"  {key:10} {human_bytes(measured[key]):>14} {human_bytes(theory[key]):>14} "
                      f"{human_bytes(padded[key]):>16}  {text}")
+    if activations is not None:
+        lines.append(f"  {'+ activ.':10} {human_bytes(measured['total'] + got):>14} {human_bytes(theory['total'] + want):>14} "
+                     f"{human_bytes(padded['total'] + want):>16}  model states + activations")
     return "\n".join(lines)
 
 
@@ -107,13 +119,25 @@ def print_banner(cfg, engine, comm, placement, data) -> None:
                          f"can reach on this corpus (uniform guessing: {np.log(data.vocab):.4f})")
 
 
-def final_metrics(cfg, engine, comm, log, entropy_floor, placement) -> dict:
+def activations(cfg, model, world_size: int) -> Tuple[Optional[int], Optional[int]]:
+    """(measured, formula) activation bytes per rank: the GPT's on its C kernels (models/activations.py,
+    estimate/activations.py), else (None, None) (the MLP, the GPT's plain array path)."""
+    measured = getattr(model, "activation_bytes", None)
+    if measured is None:
+        return None, None
+    rows = cfg.batch // (world_size * cfg.zero.micro_batches)
+    theory = gpt_activation_bytes(rows, cfg.seq_len, cfg.d_model, cfg.n_layer, cfg.n_head, model.vocab,
+                                  cfg.checkpoint_activations, np.dtype(model.dtype).itemsize)
+    return measured, theory["total"]
+
+
+def final_metrics(cfg, engine, comm, log, entropy_floor, placement, activation=(None, None)) -> dict:
     """The train run's metrics, keys in the order the JSON has them (rank 0's dict is the one written).
 
     A collective (one all-reduce, timed by the engine's watchdog): call it before
     ``engine.close()``. Memory and traffic bytes are maxima over ranks; times are this
     rank's clock. ``log`` is the step loop's record (train.StepLog); ``entropy_floor`` in
-    nats/token, None for the MLP and for --data.
+    nats/token, None for the MLP and for --data; ``activation``: activations()'s pair.
     """
     step = engine.steps_taken
     engine.guard.at("metrics", step)          # ZEROMPI_FAULT=KIND@rankR:stepS:metrics (engine/faults.py)
@@ -122,14 +146,15 @@ def final_metrics(cfg, engine, comm, log, entropy_floor, placement) -> dict:
     # A steady step's traffic: the median over steps (the first can differ: stage 3 gathers the next
     # forward's first buckets at the end of a step); then the maximum over ranks.
     steady = [int(statistics.median(v)) if v else 0 for v in [log.comm_bytes] + list(zip(*log.level_bytes or [(0, 0, 0)]))]
-    top = np.array([report["measured"][k] for k in names] + [report["peak_buffers"]["bytes"]] + steady, np.int64)
+    act = -1 if activation[0] is None else activation[0]
+    top = np.array([report["measured"][k] for k in names] + [report["peak_buffers"]["bytes"]] + steady + [act], np.int64)
     # The buffer form, not mpi4py's pickled allreduce: that one holds the GIL while it waits
     # (measured, mpi4py 4.1), so the watchdog thread could never run and a hang here would be forever.
     with watched(comm, "final metrics: all-reduce (max) of memory and traffic bytes", step):
         comm.mpi.Allreduce(MPI.IN_PLACE, top, op=MPI.MAX)
     mem = {k: int(v) for k, v in zip(names, top)}
-    peak, traffic, levels = int(top[len(names)]), int(top[len(names) + 1]), [int(v) for v in top[len(names) + 2:]]
-    levels, logical = levels[:2], levels[2]
+    peak, traffic, levels = int(top[len(names)]), int(top[len(names) + 1]), [int(v) for v in top[len(names) + 2:-1]]
+    levels, logical, act = levels[:2], levels[2], int(top[-1])
     digest, lay = hashlib.sha256(), engine.layout      # the parameters in layout order, no padding, hashed
     engine.synchronize()                                # a bucket at a time: the model is never whole here
     for bucket, values in engine.optimizer.gather_buckets(engine.group, step):
@@ -155,6 +180,8 @@ def final_metrics(cfg, engine, comm, log, entropy_floor, placement) -> dict:
         "theory_bytes": report["theory"],
         "theory_bytes_padded": report["theory_padded"],
         "peak_buffer_bytes": peak,
+        "activation_bytes": act if act >= 0 else None,   # the GPT's, measured (max over ranks); null: not measured
+        "activation_theory_bytes": activation[1],        # its formula (estimate/activations.py)
         "comm_bytes_per_step": traffic,
         "comm_theory_bytes_per_step": engine.comm_theory_bytes(),
         "comm_bytes_per_step_by_level": dict(zip(("intra", "inter"), levels)),
@@ -197,8 +224,12 @@ def print_summary(metrics: dict, engine, comm, base_bytes: Dict[str, int]) -> No
     """
     z = engine.config
     report = engine.memory_report()
+    act = None
+    if metrics["activation_bytes"] is not None:
+        act = (metrics["activation_bytes"], metrics["activation_theory_bytes"],
+               formula_text(metrics["config"]["checkpoint_activations"]) + " (docs/activations.md)")
     print0(comm.mpi, memory_table(metrics["memory_bytes"], report["theory"], report["theory_padded"],
-                                  z.stage, engine.topology.shard_size, z.itemsize, engine.topology.node_size))
+                                  z.stage, engine.topology.shard_size, z.itemsize, engine.topology.node_size, act))
     if "cupy_pool_bytes" in metrics:
         pool = metrics["cupy_pool_bytes"]
         print0(comm.mpi, f"  CuPy memory pool (rank 0): {pool['used']:,} bytes in use, {pool['held']:,} "

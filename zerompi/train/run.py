@@ -25,7 +25,8 @@ def build_model(cfg: TrainConfig, xp=np):
         from .data import make_data
         from .models.gpt import GPT
         data = make_data(cfg.data, cfg.seq_len, cfg.seed)
-        return GPT(data.vocab, cfg.seq_len, cfg.n_layer, cfg.n_head, cfg.d_model, cfg.seed, xp=xp), data
+        return GPT(data.vocab, cfg.seq_len, cfg.n_layer, cfg.n_head, cfg.d_model, cfg.seed, xp=xp,
+                   checkpoint_activations=cfg.checkpoint_activations), data
     from .models.mlp import MLP, TeacherData
     return MLP(cfg.width, cfg.depth, cfg.seed), TeacherData(cfg.width, cfg.depth, cfg.seed)
 
@@ -76,7 +77,8 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
         if engine.trace is not None:
             engine.trace.close()
         raise
-    metrics = report.final_metrics(cfg, engine, comm, log, floor, placement)   # before engine.close(): still watched
+    metrics = report.final_metrics(cfg, engine, comm, log, floor, placement,   # before engine.close(): still watched
+                                   report.activations(cfg, model, comm.size))
     report.print_summary(metrics, engine, comm, log.base_bytes)
     problem = None
     if cfg.metrics_json and comm.rank == 0:      # atomically: a full disk leaves the old file, not an empty one

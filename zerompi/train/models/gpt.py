@@ -18,12 +18,17 @@ kernels/gpt_cpu.c, buffers from a Workspace), or "numpy", gpt_numpy.NumpyLayers 
 array code: CuPy, or no C compiler); "auto" takes "c" where it can run. The engine driver
 (run_micro_batch) passes the model's persistent workspace, so a training step reuses the
 previous step's buffers; called without one, every layer returns new arrays.
+
+``checkpoint_activations``: a block keeps only its input through the forward and runs its
+forward again inside its backward (activations.Recompute); ``activation_bytes`` is what the
+activations measured (activations.MeteredWorkspace; the formula: estimate/activations.py).
 """
 from typing import Dict, List, Tuple
 
 import numpy as np
 
 from ..model_kernels import upcast
+from .activations import Keep, MeteredWorkspace, Recompute, scratch
 from .gpt_fast import FRESH, Workspace, fused_layers
 from .gpt_numpy import (LN_EPS, NumpyLayers, attention, attention_backward, gelu, gelu_grad, layernorm,
                         layernorm_backward, linear, linear_backward)
@@ -40,7 +45,7 @@ class GPT:
     """Sizes, initial parameters, and per-layer forward/backward in ``dtype`` on ``xp``."""
 
     def __init__(self, vocab: int, seq_len: int, n_layer: int, n_head: int, d_model: int, seed: int = 0,
-                 xp=np, dtype=np.float32, kernels: str = "auto"):
+                 xp=np, dtype=np.float32, kernels: str = "auto", checkpoint_activations: bool = False):
         if d_model % n_head:
             raise ValueError(f"d_model={d_model} must be divisible by n_head={n_head}")
         if kernels not in KERNELS:
@@ -49,7 +54,15 @@ class GPT:
         self.n_head, self.d_model, self.seed = n_head, d_model, seed
         self.xp, self.dtype = xp, dtype
         self.layers = fused_layers(xp, dtype, n_head, kernels) or NumpyLayers(xp, n_head)
-        self.workspace = Workspace(persistent=True)    # the engine driver's buffers, kept across steps
+        self.workspace = MeteredWorkspace()    # the engine driver's buffers, kept across steps
+        self.checkpoint_activations = bool(checkpoint_activations)
+        self.activations = (Recompute if checkpoint_activations else Keep)(self)   # how the driver runs layers
+
+    @property
+    def activation_bytes(self):
+        """The most bytes of activations held at once so far (the workspace's count; None on the plain
+        array path, whose arrays the workspace does not hold)."""
+        return self.workspace.peak if self.layers.name == "c" else None
 
     @property
     def num_layers(self) -> int:
@@ -103,7 +116,7 @@ class GPT:
         workspace the output and the cache are this layer's buffers, valid until its next
         forward; the engine driver passes ``self.workspace``."""
         if i == 0:
-            return self.embed_forward(params, x)
+            return self.embed_forward(params, x, ws)
         if i <= self.n_layer:
             return self.layers.block_forward(self._cast(params, self.block_names(i - 1), ws), x, ws, i)
         p = self._cast(params, {"g": "ln_f.g", "b": "ln_f.b"})
@@ -115,7 +128,7 @@ class GPT:
         With a persistent ``ws`` dx is the layer's buffer and a block's gradients are buffers
         shared by every block: read (or copy) them before the next backward_layer call."""
         if i == 0:
-            return None, self.embed_backward(cache, dy)
+            return None, self.embed_backward(cache, dy, ws)
         if i <= self.n_layer:
             names = self.block_names(i - 1)
             dx, g = self.layers.block_backward(self._cast(params, names, ws), cache, dy, ws, i)
@@ -125,43 +138,51 @@ class GPT:
         return dx, {"ln_f.g": dg, "ln_f.b": db}
 
     # -- embeddings and the tied head ------------------------------------------------------
-    def embed_forward(self, params, idx):
-        T = idx.shape[1]
+    def embed_forward(self, params, idx, ws: Workspace = FRESH):
+        B, T = idx.shape
         wte, wpe = upcast(params[WTE], self.dtype), upcast(params[WPE], self.dtype)
-        return wte[idx] + wpe[:T], idx
+        h = scratch(ws, self.xp, ("embed", "h"), (B, T, wte.shape[1]), self.dtype)
+        # NumPy's take buffers ``out`` in its default mode; token ids are in range, so "clip" is the same copy.
+        self.xp.take(wte, idx, axis=0, out=h, **({"mode": "clip"} if self.xp is np else {}))
+        h += wpe[:T]
+        return h, idx
 
-    def embed_backward(self, idx, dh):
+    def embed_backward(self, idx, dh, ws: Workspace = FRESH):
         """{wte: scatter-add of dh by token, wpe: dh summed over rows}."""
         xp = self.xp
         B, T, C = dh.shape
         flat = idx.reshape(-1)
         # A one-hot matmul instead of a scatter-add: the same code on NumPy and CuPy, in a fixed order.
-        onehot = (flat[:, None] == xp.arange(self.vocab)[None, :]).astype(self.dtype)
+        onehot = xp.equal(flat[:, None], xp.arange(self.vocab)[None, :],
+                          out=scratch(ws, xp, ("embed", "onehot"), (B * T, self.vocab), self.dtype))
         dwte = onehot.T @ dh.reshape(-1, C)
         dwpe = xp.zeros((self.seq_len, C), self.dtype)
         dwpe[:T] = dh.sum(axis=0)
         return {WTE: dwte, WPE: dwpe}
 
-    def head(self, wte_stored, hf, targets, scale: float = 1.0):
+    def head(self, wte_stored, hf, targets, scale: float = 1.0, ws: Workspace = FRESH):
         """Tied output head and mean cross-entropy over every target of the micro-batch.
 
-        Returns (loss in nats as a float, d hf, d wte), the gradients of ``scale * loss``.
+        Returns (loss in nats as a float, d hf, d wte), the gradients of ``scale * loss``;
+        d hf is ws's buffer with a persistent ``ws``.
         """
         xp = self.xp
         wte = upcast(wte_stored, self.dtype)
         B, T, C = hf.shape
         h2 = hf.reshape(-1, C)
-        logits = h2 @ wte.T                                       # (B T, V)
-        logits = logits - logits.max(axis=1, keepdims=True)
-        e = xp.exp(logits)
+        buf = lambda name, shape: scratch(ws, xp, ("head", name), shape, self.dtype)
+        logits = xp.matmul(h2, wte.T, out=buf("logits", (B * T, wte.shape[0])))   # (B T, V)
+        logits -= logits.max(axis=1, keepdims=True)
+        e = xp.exp(logits, out=buf("e", logits.shape))
         z = e.sum(axis=1, keepdims=True)
         rows = xp.arange(B * T)
         t = targets.reshape(-1)
         loss = float((xp.log(z[:, 0]) - logits[rows, t]).astype(np.float64).mean())
-        dlogits = e / z
+        dlogits = xp.divide(e, z, out=e)
         dlogits[rows, t] -= 1.0
         dlogits *= self.dtype(scale / (B * T))
-        return loss, (dlogits @ wte).reshape(B, T, C), dlogits.T @ h2
+        dh = xp.matmul(dlogits, wte, out=buf("dh", (B * T, C)))
+        return loss, dh.reshape(B, T, C), dlogits.T @ h2
 
     def token_losses(self, wte_stored, hf, targets):
         """Cross-entropy of every target (B, T), nats; no gradient (evaluation)."""
@@ -190,7 +211,7 @@ class GPT:
         for i, p in enumerate(params):
             h, c = self.forward_layer(i, p, h, ws)
             caches.append(c)
-        loss, dh, dwte = self.head(params[0][WTE], h, targets, scale)
+        loss, dh, dwte = self.head(params[0][WTE], h, targets, scale, ws)
         grads = {}
         for i in reversed(range(len(params))):
             dh, g = self.backward_layer(i, params[i], caches[i], dh, ws)
@@ -212,23 +233,23 @@ def run_micro_batch(engine, model: GPT, idx, targets) -> float:
     """
     n = model.num_layers
     caches = [None] * n
-    ws = model.workspace               # the buffers of the previous micro-batch, reused
+    run = model.activations            # the buffers of the previous micro-batch, reused (model.workspace)
     engine.begin_forward()
     with engine.unsharded(0) as embed:
-        h, caches[0] = model.forward_layer(0, embed, idx)
+        h, caches[0] = run.forward(0, embed, idx)
         for i in range(1, n):
             with engine.unsharded(i) as p:
-                h, caches[i] = model.forward_layer(i, p, h, ws)
-        loss, dh, dwte_head = model.head(embed[WTE], h, targets, engine.loss_scale)
+                h, caches[i] = run.forward(i, p, h)
+        loss, dh, dwte_head = model.head(embed[WTE], h, targets, engine.loss_scale, model.workspace)
     engine.begin_backward()
     for i in reversed(range(1, n)):
         with engine.unsharded(i) as p:
-            dh, grads = model.backward_layer(i, p, caches[i], dh, ws)
+            dh, grads = run.backward(i, p, caches[i], dh)
         caches[i] = None
         engine.grads_ready(i, grads)
     # The lookup's backward reads no parameter; the visit keeps the schedule the engine prefetches by.
     with engine.unsharded(0):
-        _, grads = model.backward_layer(0, None, caches[0], dh)
+        _, grads = run.backward(0, None, caches[0], dh)
     grads[WTE] += dwte_head
     engine.grads_ready(0, grads)
     return loss

@@ -1,0 +1,105 @@
+"""The built-in GPT's activation bytes per rank, with and without activation checkpointing.
+
+One concern: the formula. It counts the arrays a training micro-batch of the GPT holds
+(models/gpt.py on the C kernels of models/gpt_fast.py, buffers from the model's workspace,
+kept across steps, so all of them are held at once: the sum is the peak). The model
+measures the same arrays as it allocates them (models/activations.py); tests check the two
+are equal. In elements, with n = B * T rows (B sequences per rank per micro-batch, T
+positions), C channels, H heads, V vocabulary, L blocks and A = B * H * T * T:
+
+- a block's forward keeps, per block: its LayerNorm outputs, q/k/v, attention output,
+  residual, MLP pre-activation and GELU output, and its output (16 n C), the LayerNorms'
+  row means and 1 / std (4 n), and the attention probabilities (A);
+- a block's backward: its input gradient and its residual's (2 n C per block), and the
+  scratch every block's backward shares (d fc 4 n C, d qkv 3 n C, three more n C, and the
+  attention's A): 10 n C + A;
+- the final LayerNorm: output, input gradient, row means and 1 / std (2 n C + 2 n); the
+  embedding output (n C); the tied head: logits and their softmax / gradient (2 n V), the
+  gradient into the final LayerNorm (n C); the embedding backward's one-hot (n V).
+
+With checkpointing (``checkpoint=True``) a block keeps only its input: the forward runs
+every block in one shared set of buffers and copies each block's output aside (L n C); the
+backward runs a block's forward again in that set, then its backward with input-gradient
+buffers that alternate between two blocks (2 min(L, 2) n C in place of 2 L n C).
+
+Not counted: arrays of one value per row (the head's row maxima and sums, n elements each,
+freed within the head), the one-block fp32 copies of fp16/bf16 parameters and the
+parameter-gradient buffers the blocks share (parameter-sized, not batch-sized), and any
+temporary a NumPy call makes inside itself.
+"""
+from typing import Dict
+
+from ..errors import check
+
+
+def gpt_activation_elements(batch: int, seq_len: int, d_model: int, n_layer: int, n_head: int, vocab: int,
+                            checkpoint: bool = False) -> Dict[str, int]:
+    """Elements of the GPT's activation arrays per rank, by term; ``batch``: sequences per rank per
+    micro-batch. Keys: kept (what the forward keeps for the backward), backward (its scratch),
+    ends (embedding, final LayerNorm, head), total."""
+    B, T, C, L, H, V = batch, seq_len, d_model, n_layer, n_head, vocab
+    n, A = B * T, B * H * T * T
+    block = 16 * n * C + 4 * n + A                  # one block's forward buffers
+    if checkpoint:
+        kept = block + L * n * C                    # one shared set + each block's output
+        grads = 2 * min(L, 2) * n * C               # input gradients of two alternating blocks
+    else:
+        kept = L * block
+        grads = 2 * L * n * C
+    backward = grads + 10 * n * C + A
+    ends = (2 * n * C + 2 * n) + n * C + (2 * n * V + n * C) + n * V
+    return {"kept": kept, "backward": backward, "ends": ends, "total": kept + backward + ends}
+
+
+def gpt_activation_bytes(batch: int, seq_len: int, d_model: int, n_layer: int, n_head: int, vocab: int,
+                         checkpoint: bool = False, itemsize: int = 4) -> Dict[str, int]:
+    """gpt_activation_elements in bytes (``itemsize``: the compute dtype's, 4 for float32)."""
+    for name, v in (("batch", batch), ("seq_len", seq_len), ("d_model", d_model), ("n_layer", n_layer),
+                    ("n_head", n_head), ("vocab", vocab)):
+        check(isinstance(v, int) and v >= 1, f"{name}={v!r} must be an integer >= 1")
+    check(d_model % n_head == 0, f"d_model={d_model} is not divisible by n_head={n_head}")
+    return {k: v * itemsize for k, v in
+            gpt_activation_elements(batch, seq_len, d_model, n_layer, n_head, vocab, checkpoint).items()}
+
+
+def formula_text(checkpoint: bool, itemsize: int = 4) -> str:
+    """The formula in one line: n = B*T, A = B*H*T*T, bytes = itemsize x elements."""
+    if checkpoint:
+        return f"{itemsize}(L nC + 2 min(L,2) nC + 30nC + 6n + 2A + 3nV)"
+    return f"{itemsize}(L (18nC + 4n + A) + 14nC + 2n + A + 3nV)"
+
+
+GPT_FLAGS = ("n_layer", "d_model", "n_head", "seq_len", "batch", "vocab")   # the estimate's GPT options
+
+
+def gpt_layer_sizes(vocab: int, seq_len: int, d_model: int, n_layer: int):
+    """Parameters of each engine layer of the built-in GPT: embeddings, blocks, final LayerNorm."""
+    c = d_model
+    return [vocab * c + seq_len * c] + [12 * c * c + 13 * c] * n_layer + [2 * c]
+
+
+def gpt_activations(dims: dict, ranks: int, micro_batches: int = 1, checkpoint: bool = False) -> dict:
+    """The estimate's activation entry for a GPT of ``dims`` (GPT_FLAGS; ``batch``: sequences per step
+    over all ranks, as zerompi.train --batch): rows per rank per micro-batch, bytes by term, the
+    formula. Raises ConfigError on bad input."""
+    for name in GPT_FLAGS:
+        v = dims[name]
+        check(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"{name}={v!r} must be an integer >= 1")
+    parts = ranks * micro_batches
+    check(dims["batch"] % parts == 0, f"batch={dims['batch']} does not split over {ranks} ranks x {micro_batches} "
+                                      f"micro-batches; use a multiple of {parts}")
+    rows = dims["batch"] // parts
+    terms = gpt_activation_bytes(rows, dims["seq_len"], dims["d_model"], dims["n_layer"], dims["n_head"],
+                                 dims["vocab"], checkpoint)
+    return {"bytes": terms["total"], "terms": terms, "rows_per_rank": rows, "checkpoint": checkpoint,
+            "formula": formula_text(checkpoint), **dims}
+
+
+def with_activations(est: dict, act: dict) -> dict:
+    """The estimate with the activations on every stage's row: activation_bytes, and the totals with them
+    (total_bytes_with_activations, and its best case): what a rank needs."""
+    for row in est["stages"]:
+        row["activation_bytes"] = act["bytes"]
+        row["total_bytes_with_activations"] = row["total_bytes"] + act["bytes"]
+        row["total_bytes_with_activations_best_case"] = row["total_bytes_best_case"] + act["bytes"]
+    return dict(est, activations=act)

@@ -1,0 +1,107 @@
+"""The GPT's activations: where they live, how many bytes they take, and activation checkpointing.
+
+- ``MeteredWorkspace``: the model's persistent Workspace (gpt_fast.py), counting the bytes of
+  its activation buffers as it allocates them, now and at peak. Parameter-sized buffers (the
+  fp32 copies of a block's fp16/bf16 parameters, the parameter gradients the blocks share) are
+  not activations and are left out. The buffers are kept across steps, so after a step the
+  peak is what every micro-batch holds at once; estimate/activations.py has the formula.
+- ``Keep`` (the default) runs each layer's forward in its own buffers and keeps its cache
+  for the backward; ``Recompute`` (``checkpoint_activations``) keeps only each block's input:
+  the forward runs every block in one shared set of buffers and copies its output aside, the
+  backward runs the block's forward again (the same arithmetic on the same input and
+  parameters: the same bits) and then its backward.
+- ``scratch``: an array from a persistent workspace on NumPy, else a new one (CuPy, or no
+  workspace), for the embedding and the head.
+
+The measurement covers the C kernels' path (FusedLayers), whose every array comes from the
+workspace; the plain array path (NumpyLayers, CuPy) makes new arrays in each call and is
+not measured (``GPT.activation_bytes`` is None there).
+"""
+import numpy as np
+
+from .gpt_fast import Workspace
+
+RECOMPUTE = "recompute"     # the workspace key of the shared buffers a checkpointed block runs in
+
+
+def parameter_buffer(key) -> bool:
+    """True for the workspace's parameter-sized buffers (models/gpt.py's ("param", name) copies,
+    gpt_fast.py's shared ("block", "g.<name>") gradients); every other buffer is an activation."""
+    return isinstance(key, tuple) and len(key) == 2 and (
+        key[0] == "param" or (key[0] == "block" and str(key[1]).startswith("g.")))
+
+
+class MeteredWorkspace(Workspace):
+    """A persistent Workspace that counts its activation bytes: ``current`` and ``peak``."""
+
+    def __init__(self):
+        super().__init__(persistent=True)
+        self.current = self.peak = 0
+
+    def get(self, key, shape, dtype):
+        old = self._arrays.get(key)
+        a = super().get(key, shape, dtype)
+        if a is not old and not parameter_buffer(key):
+            self.current += a.nbytes - (old.nbytes if old is not None else 0)
+            self.peak = max(self.peak, self.current)
+        return a
+
+    def clear(self) -> None:
+        super().clear()
+        self.current = 0
+
+
+def scratch(ws, xp, key, shape, dtype):
+    """ws's buffer ``key`` where the workspace keeps NumPy arrays, else a new ``xp`` array."""
+    if ws.persistent and xp is np:
+        return ws.get(key, shape, dtype)
+    return xp.empty(shape, dtype)
+
+
+class _Renamed:
+    """A view of a workspace that files layer ``layer``'s buffers under ``name`` instead."""
+
+    def __init__(self, ws, layer, name):
+        self.ws, self.layer, self.name, self.persistent = ws, layer, name, ws.persistent
+
+    def get(self, key, shape, dtype):
+        if isinstance(key, tuple) and key and key[0] == self.layer:
+            key = (self.name,) + key[1:]
+        return self.ws.get(key, shape, dtype)
+
+
+class Keep:
+    """Each layer's forward in its own buffers, its cache kept for its backward."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def forward(self, i, params, x):
+        return self.model.forward_layer(i, params, x, self.model.workspace)
+
+    def backward(self, i, params, cache, dy):
+        return self.model.backward_layer(i, params, cache, dy, self.model.workspace)
+
+
+class Recompute(Keep):
+    """Activation checkpointing: a block (engine layers 1..n_layer) keeps only its input."""
+
+    def _block(self, i) -> bool:
+        return 1 <= i <= self.model.n_layer
+
+    def forward(self, i, params, x):
+        if not self._block(i):
+            return super().forward(i, params, x)
+        m = self.model
+        out, _ = m.forward_layer(i, params, x, _Renamed(m.workspace, i, RECOMPUTE))
+        kept = scratch(m.workspace, m.xp, (i, "output"), out.shape, out.dtype)
+        kept[...] = out               # the shared buffers are the next block's; the output is its input
+        return kept, x
+
+    def backward(self, i, params, x, dy):
+        if not self._block(i):
+            return super().backward(i, params, x, dy)
+        m = self.model
+        _, cache = m.forward_layer(i, params, x, _Renamed(m.workspace, i, RECOMPUTE))
+        # dx of block i is block i-1's dy: two alternating sets of input-gradient buffers.
+        return m.backward_layer(i, params, cache, dy, _Renamed(m.workspace, i, (RECOMPUTE, i % 2)))
