@@ -43,6 +43,7 @@ from .memory import MemoryLedger, memory_report
 from .optimizer import ShardedAdamW
 from .reducer import MAX_PENDING_REDUCES, GradientReducer
 from .schedule import Phase, infer_phase
+from .tensor import TensorParallel
 from .timers import StepTimers
 
 F32_MAX = float(np.finfo(np.float32).max)
@@ -73,10 +74,14 @@ class ZeroEngine:
     and take bucket buffers from one ``pool`` (BucketPool). The engine runs the step.
     """
 
-    def __init__(self, layers: LayersArg, config: Optional[ZeroConfig] = None, comm=None, xp=np):
+    def __init__(self, layers: LayersArg, config: Optional[ZeroConfig] = None, comm=None, xp=np, tp_split=None):
         self.config = config or ZeroConfig()
         if not isinstance(self.config, ZeroConfig):
             raise UsageError(f"config is a {type(self.config).__name__}; pass a zerompi.ZeroConfig")
+        pairs = contract.check_layers(layers)
+        # Tensor parallelism (engine/tensor.py): comm is a Mesh (or config.tp > 1); ZeRO runs over its DP group.
+        self.tp = TensorParallel.of(comm, self.config, tp_split, [n for _, p in pairs for n in p])
+        comm = self.tp.mesh.dp_comm if self.tp else comm
         # A Communicator, or one with its interface (staging.StagedCommunicator); else an mpi4py communicator.
         self.comm = comm if hasattr(comm, "ireduce_scatter") else Communicator(comm)
         if self.config.abort_on_exception:
@@ -85,11 +90,11 @@ class ZeroEngine:
         self.rank, self.world_size = self.comm.rank, self.comm.size
         self.optimizer_impl = impl.use_impl(self.config.optimizer_impl, xp, verbose=self.rank == 0)  # "fused"/"numpy"
         self.dtype = contract.storage_dtype(self.config.dtype, xp)   # bf16: ConfigError where it cannot be had
-        pairs = contract.check_layers(layers)
         spec = [(lname, [(pname, np.shape(a)) for pname, a in params.items()]) for lname, params in pairs]
         # Nodes and shard groups (comm/topology.py): a bucket is cut into shard_size slices, each a
         # multiple of align * replicas elements (the all-reduce across groups splits it again).
-        self.topology = topo = topology_of(self.comm, self.config.node_size, self.config.shard_size)
+        sizes = self.tp.sizes(self.config) if self.tp else (self.config.node_size, self.config.shard_size)
+        self.topology = topo = topology_of(self.comm, *sizes)
         self.layout = FlatLayout(spec, topo.shard_size, max(1, self.config.bucket_bytes // np.dtype(self.dtype).itemsize),
                                  self.config.align * topo.replicas)
         self.guard, self._watchdog = contract.start_guards(self)   # the watchdog, then the start-up check
@@ -232,7 +237,7 @@ class ZeroEngine:
         with self.timers.blocking():
             self.reducer.reduce_replicas()
         lay, grads = self.layout, self.reducer.reduced_slices()
-        sumsq, nonfinite = self.reducer.stats()
+        sumsq, nonfinite = self.tp.stats(self.reducer, lay, self.slot) if self.tp else self.reducer.stats()
         lr = self.config.lr if lr is None else float(lr)
         with self.timers.blocking():   # + what every rank must agree on (engine/contract.py)
             table = self.comm.gather_scalars([sumsq, float(nonfinite)]
@@ -240,6 +245,7 @@ class ZeroEngine:
         contract.check_step(self.comm, table, self.gatherer.log)
         self.gatherer.log.reset()
         total = sum_table(table[:self.topology.shard_size, :2])   # one shard group: the others hold copies
+        total = self.tp.combine(total) if self.tp else total       # + the other TP ranks' pieces
         scale = self.scaler.scale
         overflow = bool(total[1] > 0) or not math.isfinite(total[0])
         self.steps_taken += 1
@@ -304,13 +310,14 @@ class ZeroEngine:
         """Write a sharded checkpoint under directory ``path`` (a collective, between steps); returns
         the new checkpoint directory, which ``path``/latest names once it is complete."""
         self._check_between_steps("save")
-        return checkpoint.save(self, path, extra_state)
+        return checkpoint.save(self, self.tp.path(path), self.tp.extra(extra_state)) if self.tp else \
+            checkpoint.save(self, path, extra_state)
 
     def load(self, path: str):
         """Restore from a checkpoint (directory, or a save directory's ``latest``) saved at any world
         size, stage or bucket size (a collective); returns a LoadInfo, CheckpointError on bad input."""
         self._check_between_steps("load")
-        return checkpoint.load(self, path)
+        return checkpoint.load(self, self.tp.path(path) if self.tp else path)
 
     def _check_between_steps(self, what: str) -> None:
         self._check_open()
