@@ -88,6 +88,17 @@ class TensorParallel:
     def path(self, path: str) -> str:
         return os.path.join(path, tp_folder(self.mesh.tp_rank, self.mesh.tp))
 
+    def load_path(self, path: str) -> str:
+        """This TP rank's checkpoint under ``path``; CheckpointError (on every rank alike: one file system)
+        when ``path`` holds no pieces of this TP size."""
+        from ..checkpoint.format import CheckpointError
+        mine = self.path(path)
+        if not os.path.isdir(mine):
+            there = sorted(n for n in os.listdir(path) if n.startswith("tp")) if os.path.isdir(path) else []
+            raise CheckpointError(f"{path}: no tensor-parallel checkpoint for tp={self.mesh.tp} (found "
+                                  f"{there or 'none'}); resume with the TP size it was saved at, or consolidate it")
+        return mine
+
     def extra(self, extra: Optional[dict]) -> dict:
         return dict(extra or {}, **{TP_KEY: {"size": self.mesh.tp, "rank": self.mesh.tp_rank,
                                              "split": {k: list(v) for k, v in self.split.items()}}})

@@ -317,7 +317,7 @@ class ZeroEngine:
         """Restore from a checkpoint (directory, or a save directory's ``latest``) saved at any world
         size, stage or bucket size (a collective); returns a LoadInfo, CheckpointError on bad input."""
         self._check_between_steps("load")
-        return checkpoint.load(self, self.tp.path(path) if self.tp else path)
+        return checkpoint.load(self, self.tp.load_path(path) if self.tp else path)
 
     def _check_between_steps(self, what: str) -> None:
         self._check_open()
