@@ -11,6 +11,7 @@ import pytest
 from tests.mpirun import ROOT, run_mpi, run_train
 from zerompi.comm.tpsplit import merge, piece
 from zerompi.engine.memory import theory_bytes, theory_comm_bytes
+from zerompi.estimate.tensor import gpt_tp
 
 # The GPT: 2 blocks, d_model 32, 4 heads, 16 tokens; the MLP: width 32, depth 4. 50 steps, fp32.
 GPT = ["--model", "gpt", "--n-layer", "2", "--d-model", "32", "--n-head", "4", "--seq-len", "16", "--batch", "8",
@@ -121,6 +122,9 @@ def test_tp_bytes_memory_and_dp_traffic_equal_formulas(tp_runs):
             want_tp = micro * 3 * 2 * (tp - 1) * (rows * W // tp) * 4
         assert t["bytes_per_step"] == t["theory_bytes_per_step"] == want_tp, (key(m), t)
         assert m["params"] == t["params_local"] == whole + split // tp
+        if m["model"] == "gpt":     # the estimator, from the dimensions alone
+            est = gpt_tp(tp, dp * tp, L, C, 32, T, 8, micro)
+            assert (est["params_local"], est["tp_bytes_per_step"]) == (m["params"], t["bytes_per_step"])
         assert t["params_total"] == whole + split
         padded = m["padded_params"]
         assert m["memory_bytes"] == theory_bytes(m["stage"], padded, dp, isz, padded // dp), (key(m), m["stage"])
@@ -186,3 +190,24 @@ def test_engine_with_tp_needs_the_split():
             "    print('REFUSED', e)\n")
     proc = run_mpi(2, ["-c", code], timeout=60)
     assert proc.stdout.count("REFUSED") == 2 and "tp_split" in proc.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--tp", "3", "--ranks", "4", "--gpt", "2,32,32,16", "--batch", "8"], "tp=3 does not divide the 4 ranks"),
+    (["--tp", "2", "--ranks", "4", "--gpt", "2,32", "--batch", "8"], "gpt='2,32' is not allowed"),
+    (["--tp", "2", "--ranks", "4", "--params", "1e6"], "tp=2: give --gpt"),
+    (["--tp", "2", "--ranks", "4", "--gpt", "2,33,32,16", "--batch", "8"], "tp=2 does not divide d_model=33"),
+])
+def test_estimator_bad_tp_input_is_one_line_and_exit_2(args, needle):
+    proc = subprocess.run([sys.executable, "-m", "zerompi.estimate", *args], capture_output=True, text=True,
+                          timeout=60, cwd=str(ROOT))
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr
+
+
+def test_estimator_tp_rows():
+    out = subprocess.run([sys.executable, "-m", "zerompi.estimate", "--tp", "2", "--ranks", "4", "--gpt",
+                          "2,32,32,16", "--batch", "8", "--dtype", "fp32"], capture_output=True, text=True,
+                         timeout=60, cwd=str(ROOT)).stdout
+    # GPT, L=2, C=32, V=32, T=16: split 2(12C^2 + 7C) = 25,024 -> 12,512 per TP rank; whole 1,984.
+    assert "Ψ_local = 14,496 of Ψ = 27,008" in out and "65,536 bytes" in out, out

@@ -262,6 +262,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offload-optimizer", default="none", metavar="none|cpu|nvme",
                    help="where the master and Adam moments live (stages 1-3): the table splits the states by place")
     p.add_argument("--offload-params", default="none", metavar="none|nvme", help="stage 3: parameters in files")
+    p.add_argument("--tp", type=int, default=1, metavar="K",
+                   help="tensor parallelism over K of the --ranks (a GPT given by --gpt and --batch): model "
+                        "states per rank for the TP split, then ZeRO over N/K; and the TP all-reduce bytes")
+    p.add_argument("--gpt", default=None, metavar="L,D,V,T", help="with --tp: n_layer, d_model, vocab, seq_len")
+    p.add_argument("--batch", type=int, default=None, help="with --tp: global batch, sequences per step")
     p.add_argument("--json", metavar="PATH", help="also write the table as JSON")
     p.add_argument("--from-run", metavar="METRICS.json",
                    help="a train run's --metrics-json: estimate its configuration and show measured beside it")
@@ -298,8 +303,21 @@ def main(argv: Optional[List[str]] = None) -> int:
                 raise ConfigError(f"from_run={a.from_run!r} is not the --metrics-json of a zerompi.train run "
                                   f"({type(e).__name__}: {e})")
         else:
+            tp = None
+            if a.tp != 1 or a.gpt is not None:
+                from .tensor import gpt_tp
+                check(a.params is None and a.gpt is not None and a.batch is not None and a.ranks is not None,
+                      f"tp={a.tp}: give --gpt L,D,V,T, --batch and --ranks (not --params: the split decides Ψ)")
+                try:
+                    dims = [int(v) for v in a.gpt.split(",")]
+                    check(len(dims) == 4, "")
+                except (ValueError, ConfigError):
+                    raise ConfigError(f"gpt={a.gpt!r} is not allowed; use n_layer,d_model,vocab,seq_len") from None
+                tp = gpt_tp(a.tp, a.ranks, *dims, a.batch, a.micro_batches)
+                a.params, a.ranks = tp["params_local"], tp["dp"]
             check(a.params is not None and a.ranks is not None, "give --params and --ranks (or --from-run)")
             est = estimate(a.params, a.ranks, a.dtype, layers=a.layers, largest_layer=largest, **opts, **topo)
+            est = dict(est, tensor_parallel=tp) if tp else est
             cmp = None
     except ConfigError as e:
         sys.stderr.write(f"zerompi.estimate: error: {e}\n")
@@ -308,6 +326,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return quiet_exit_on_closed_stdout()
     try:
         print(format_table(est))
+        if est.get("tensor_parallel"):
+            from .tensor import format_tp
+            print(format_tp(est["tensor_parallel"]))
         if cmp is not None:
             print()
             print(format_compare(cmp, est))
