@@ -173,6 +173,7 @@ def test_checkpoints_per_tp_rank_consolidate_and_resume_at_another_dp(tmp_path):
     (2, ["--model", "mlp", "--width", "32", "--tp", "4"], "tp=4 does not divide the 2 ranks"),
     (4, ["--model", "mlp", "--width", "30", "--tp", "4"], "tp=4 does not divide width=30"),
     (2, ["--model", "mlp", "--depth", "3", "--tp", "2"], "depth=3 is odd"),
+    (2, ["--model", "mlp", "--tp", "2", "--device", "gpu"], "tp=2 runs on the CPU only"),
     (4, GPT + ["--tp", "4", "--node-size", "2"], "tp=4 does not divide node_size=2"),
     (4, GPT + ["--tp", "2", "--batch", "5"], "batch=5 does not split over 2 data-parallel ranks"),
 ])
@@ -211,3 +212,30 @@ def test_estimator_tp_rows():
                          timeout=60, cwd=str(ROOT)).stdout
     # GPT, L=2, C=32, V=32, T=16: split 2(12C^2 + 7C) = 25,024 -> 12,512 per TP rank; whole 1,984.
     assert "Ψ_local = 14,496 of Ψ = 27,008" in out and "65,536 bytes" in out, out
+
+
+def test_public_mesh_groups_and_tp_all_reduce():
+    code = ("import json, numpy as np, zerompi\n"
+            "from mpi4py import MPI\n"
+            "w = MPI.COMM_WORLD; r = w.Get_rank()\n"
+            "m = zerompi.Mesh(tp=2)\n"
+            "x = np.random.default_rng(r).standard_normal(12)\n"
+            "want = sum(np.random.default_rng(p).standard_normal(12) for p in m.ranks[m.dp_rank])\n"
+            "got = m.tp_comm.all_reduce(x.copy())\n"
+            "every = m.tp_mpi.allgather(got.tobytes())\n"
+            "try:\n"
+            "    zerompi.Mesh(tp=4, node_size=2); bad = None\n"
+            "except zerompi.ConfigError as e:\n"
+            "    bad = str(e)\n"
+            "rows = w.gather([r, m.ranks, m.tp_rank, m.dp_rank, m.dp_comm.size, m.tp_comm.size,\n"
+            "                 float(np.abs(got - want).max()), len(set(every)), m.tp_comm.bytes_sent(), bad])\n"
+            "if r == 0:\n"
+            "    print('MESH ' + json.dumps(rows), flush=True)\n")
+    out = run_mpi(4, ["-c", code], timeout=60).stdout
+    rows = next(json.loads(line[5:]) for line in out.splitlines() if line.startswith("MESH "))
+    assert len(rows) == 4
+    for r, ranks, tp_rank, dp_rank, dp_size, tp_size, err, distinct, sent, bad in rows:
+        assert ranks == [[0, 1], [2, 3]] and (tp_rank, dp_rank) == (r % 2, r // 2) and dp_size == tp_size == 2
+        assert err < 1e-15 and distinct == 1          # the sum, the same bits on both TP ranks
+        assert sent == 2 * (12 // 2) * 8               # reduce-scatter + all-gather: one 6-value slice each
+        assert bad == "tp=4 does not divide node_size=2; a tensor-parallel group must sit inside one node"
