@@ -239,3 +239,18 @@ def test_public_mesh_groups_and_tp_all_reduce():
         assert err < 1e-15 and distinct == 1          # the sum, the same bits on both TP ranks
         assert sent == 2 * (12 // 2) * 8               # reduce-scatter + all-gather: one 6-value slice each
         assert bad == "tp=4 does not divide node_size=2; a tensor-parallel group must sit inside one node"
+
+
+@pytest.mark.parametrize("kind", ["raise", "hang"])
+def test_a_failing_rank_ends_the_whole_tp_job(kind):
+    """Data-parallel rank 1 (world ranks 2 and 3) raises or hangs at step 2: every rank ends, the hang by the
+    watchdog (the TP all-reduce waits are timed too), well before the test's timeout."""
+    import os
+    import time
+    env = {k: v for k, v in os.environ.items() if k != "ZEROMPI_FAULT"}
+    env["ZEROMPI_FAULT"] = f"{kind}@rank1:step2"
+    t = time.perf_counter()
+    proc = run_mpi(4, ["-m", "zerompi.train", "--model", "mlp", "--width", "32", "--depth", "4", "--batch", "8",
+                       "--steps", "4", "--tp", "2", "--timeout-s", "5"], timeout=90, env=env, check=False)
+    assert proc.returncode != 0 and time.perf_counter() - t < 60, (proc.returncode, proc.stderr[-2000:])
+    assert ("injected fault" in proc.stderr) if kind == "raise" else ("MPI_Abort" in proc.stderr + proc.stdout)

@@ -21,13 +21,15 @@ from mpi4py import MPI
 
 from ..errors import ConfigError, UsageError
 from .communicator import Communicator, OpStats, sum_table
+from .watchdog import WaitRecord
 
 
 class TPComm:
     """The tensor-parallel group's collectives: a deterministic all-reduce of any float array."""
 
-    def __init__(self, mpi_comm):
+    def __init__(self, mpi_comm, waiting=None):
         self.mpi = mpi_comm
+        self.waiting = waiting if waiting is not None else WaitRecord()   # what the watchdog times
         self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
         self.stats: Dict[str, OpStats] = defaultdict(OpStats)
         self._scratch: Dict[tuple, np.ndarray] = {}
@@ -49,11 +51,13 @@ class TPComm:
         recv = self._scratch.get(key)
         if recv is None:
             recv = self._scratch[key] = np.empty((k, n), x.dtype)
-        self.mpi.Alltoall(flat, recv)
+        with self.waiting(op):
+            self.mpi.Alltoall(flat, recv)
         mine = recv[0].copy()
         for r in range(1, k):          # rank order: the same bits on every rank, at every stage
             mine += recv[r]
-        self.mpi.Allgather(mine, flat)
+        with self.waiting(op):
+            self.mpi.Allgather(mine, flat)
         st = self.stats[op]
         st.calls += 1
         st.sent(n * x.itemsize, (k - 1, 0))   # the reduce-scatter's K-1 slices ...
@@ -98,8 +102,8 @@ class Mesh:
         self.ranks: List[List[int]] = [[d * tp + t for t in range(tp)] for d in range(self.dp)]
         self.tp_mpi = world.Split(self.dp_rank, rank)
         self.dp_mpi = world.Split(self.tp_rank, rank)
-        self.tp_comm = TPComm(self.tp_mpi)
         self.dp_comm = Communicator(self.dp_mpi, share=share)
+        self.tp_comm = TPComm(self.tp_mpi, self.dp_comm.waiting)   # timed by the engine's watchdog too
 
     def describe(self) -> str:
         return f"{self.dp} data-parallel x {self.tp} tensor-parallel (TP ranks adjacent: {self.ranks[0]}, ...)"

@@ -65,7 +65,8 @@ class ZeroEngine:
 
     ``layers``: an ordered mapping (or list of pairs) layer name -> {param name -> array};
     every rank must pass the same initial values. ``config``: a ZeroConfig.
-    ``comm``: an mpi4py communicator (default COMM_WORLD) or a zerompi Communicator.
+    ``comm``: an mpi4py communicator (default COMM_WORLD), a zerompi Communicator, or a zerompi.Mesh
+    (tensor parallelism: ZeRO over its DP group; ``tp_split`` names the split parameters, engine/tensor.py).
 
     Composed of its parts, each owning its state: ``reducer`` (GradientReducer: the gradient
     buffers and reduce-scatters), ``gatherer`` (ParameterGatherer: the stored parameters,
