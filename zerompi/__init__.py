@@ -37,6 +37,7 @@ _PUBLIC = {
     "FlatLayout": "zerompi.layout",
     "BucketState": "zerompi.engine.gatherer",
     "Communicator": "zerompi.comm.communicator",
+    "Mesh": "zerompi.comm.mesh",
     "ConfigError": "zerompi.errors",
     "UsageError": "zerompi.errors",
     "JobError": "zerompi.errors",

@@ -32,13 +32,57 @@ def consolidate(path: str, out: str) -> Dict[str, np.ndarray]:
     memory is the output plus a read buffer. ``out`` is written under a temporary name and
     renamed, and may not lie inside the checkpoint; it must be a new path or a regular file
     (checked before any shard is read: never a folder or a device such as /dev/full).
+    A tensor-parallel save directory (``tp{r}-of-{K}`` folders, engine/tensor.py) is merged:
+    every TP rank's pieces put together, the same names and shapes as a run without TP.
     """
     check_file(out, "out")
-    ckpt = resolve(path)
+    parts = tp_parts(path)
+    ckpts = [resolve(p) for p in parts] if parts else [resolve(path)]
+    here = os.path.realpath(os.path.dirname(os.path.abspath(out)))
+    for ckpt in ckpts:
+        there = os.path.realpath(ckpt)
+        if os.path.commonpath([here, there]) == there:
+            raise CheckpointError(f"{out}: would be written inside the checkpoint {ckpt}; choose another path")
+    pieces = [_params(ckpt) for ckpt in ckpts]
+    if parts:
+        params = _merge_tp(ckpts, pieces)
+    else:
+        params = pieces[0][0]
+    write_atomic(out, lambda f: np.savez(f, **params))
+    return params
+
+
+def tp_parts(path: str) -> List[str]:
+    """The ``tp{r}-of-{K}`` folders of a tensor-parallel save directory, in TP rank order ([] if none)."""
+    if not os.path.isdir(path):
+        return []
+    names = [n for n in os.listdir(path) if n.startswith("tp") and "-of-" in n]
+    if not names:
+        return []
+    k = int(names[0].split("-of-")[1])
+    want = [f"tp{r}-of-{k}" for r in range(k)]
+    if sorted(names) != sorted(want):
+        raise CheckpointError(f"{path}: tensor-parallel folders {sorted(names)} are not one whole set of {k}")
+    return [os.path.join(path, n) for n in want]
+
+
+def _merge_tp(ckpts, pieces) -> Dict[str, np.ndarray]:
+    """The full parameters from every TP rank's (params, manifest), checking that they belong together."""
+    from ..comm.tpsplit import merge
+    infos = [m["extra"].get("tensor_parallel") for _, m in pieces]
+    steps = {m["step"] for _, m in pieces}
+    if any(i is None for i in infos) or [i["rank"] for i in infos] != list(range(len(pieces))) or len(steps) > 1:
+        raise CheckpointError(f"{ckpts[0]}: the tensor-parallel pieces do not belong to one checkpoint "
+                              f"(steps {sorted(steps)})")
+    split = infos[0]["split"]
+    first = pieces[0][0]
+    return {name: merge([p[name] for p, _ in pieces], *split[name]) if name in split else first[name]
+            for name in first}
+
+
+def _params(ckpt: str):
+    """(the fp32 parameters by name, the manifest) of one ordinary checkpoint."""
     manifest, saved = read_manifest(ckpt)
-    here, there = os.path.realpath(os.path.dirname(os.path.abspath(out))), os.path.realpath(ckpt)
-    if os.path.commonpath([here, there]) == there:
-        raise CheckpointError(f"{out}: would be written inside the checkpoint {ckpt}; choose another path")
     paths = [verify_shard(ckpt, manifest, r) for r in range(saved.world_size)]
     params = {name: np.empty(pr.shape, F32) for name, pr in saved.params.items()}
     for r, shard_path in enumerate(paths):
@@ -51,8 +95,7 @@ def consolidate(path: str, out: str) -> Dict[str, np.ndarray]:
                     src = bucket.shard_start + a - lo
                     params[pr.name].reshape(-1)[a - pr.bucket_offset:z - pr.bucket_offset] = master[src:src + z - a]
         del master
-    write_atomic(out, lambda f: np.savez(f, **params))
-    return params
+    return params, manifest
 
 
 def inspect(path: str) -> Tuple[str, List[str]]:

@@ -111,6 +111,9 @@ class ZeroConfig:
     shard_size: Optional[int] = None
     """Ranks that share one sharded copy of the model states (MiCS / hybrid sharding): groups of this
     many consecutive ranks, whole nodes, each replicated across the N / shard_size groups. None: all N."""
+    tp: int = 1
+    """Tensor-parallel ranks per group (comm/mesh.py): N ranks form N/tp data-parallel groups x tp adjacent
+    TP ranks, and the engine shards each TP rank's pieces over its data-parallel group (needs tp_split)."""
     hpz: bool = False
     """Stage 3, ZeRO++'s hpZ: keep a node-local secondary copy (1/node_size of the parameters per rank)
     after each gather across nodes, and gather from it inside the node until the next step."""
@@ -184,6 +187,8 @@ class ZeroConfig:
             check(self.shard_size % self.node_size == 0,
                   f"shard_size={self.shard_size} is not a multiple of node_size={self.node_size}; shard groups are "
                   "whole nodes")
+        check(isinstance(self.tp, int) and not isinstance(self.tp, bool) and self.tp >= 1,
+              f"tp={self.tp!r} must be a whole number of ranks >= 1 (tensor-parallel group size)")
         check(isinstance(self.hpz, bool), f"hpz={self.hpz!r} must be True or False")
         check(not self.hpz or self.stage == 3, f"hpz=True needs stage 3 (stage={self.stage}): it keeps a "
                                                "node-local copy of the parameters stage 3 shards")

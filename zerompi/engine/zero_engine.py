@@ -43,6 +43,7 @@ from .memory import MemoryLedger, memory_report
 from .optimizer import ShardedAdamW
 from .reducer import MAX_PENDING_REDUCES, GradientReducer
 from .schedule import Phase, infer_phase
+from .tensor import TensorParallel
 from .timers import StepTimers
 
 F32_MAX = float(np.finfo(np.float32).max)
@@ -64,7 +65,8 @@ class ZeroEngine:
 
     ``layers``: an ordered mapping (or list of pairs) layer name -> {param name -> array};
     every rank must pass the same initial values. ``config``: a ZeroConfig.
-    ``comm``: an mpi4py communicator (default COMM_WORLD) or a zerompi Communicator.
+    ``comm``: an mpi4py communicator (default COMM_WORLD), a zerompi Communicator, or a zerompi.Mesh
+    (tensor parallelism: ZeRO over its DP group; ``tp_split`` names the split parameters, engine/tensor.py).
 
     Composed of its parts, each owning its state: ``reducer`` (GradientReducer: the gradient
     buffers and reduce-scatters), ``gatherer`` (ParameterGatherer: the stored parameters,
@@ -73,10 +75,14 @@ class ZeroEngine:
     and take bucket buffers from one ``pool`` (BucketPool). The engine runs the step.
     """
 
-    def __init__(self, layers: LayersArg, config: Optional[ZeroConfig] = None, comm=None, xp=np):
+    def __init__(self, layers: LayersArg, config: Optional[ZeroConfig] = None, comm=None, xp=np, tp_split=None):
         self.config = config or ZeroConfig()
         if not isinstance(self.config, ZeroConfig):
             raise UsageError(f"config is a {type(self.config).__name__}; pass a zerompi.ZeroConfig")
+        pairs = contract.check_layers(layers)
+        # Tensor parallelism (engine/tensor.py): comm is a Mesh (or config.tp > 1); ZeRO runs over its DP group.
+        self.tp = TensorParallel.of(comm, self.config, tp_split, [n for _, p in pairs for n in p])
+        comm = self.tp.mesh.dp_comm if self.tp else comm
         # A Communicator, or one with its interface (staging.StagedCommunicator); else an mpi4py communicator.
         self.comm = comm if hasattr(comm, "ireduce_scatter") else Communicator(comm)
         if self.config.abort_on_exception:
@@ -85,11 +91,11 @@ class ZeroEngine:
         self.rank, self.world_size = self.comm.rank, self.comm.size
         self.optimizer_impl = impl.use_impl(self.config.optimizer_impl, xp, verbose=self.rank == 0)  # "fused"/"numpy"
         self.dtype = contract.storage_dtype(self.config.dtype, xp)   # bf16: ConfigError where it cannot be had
-        pairs = contract.check_layers(layers)
         spec = [(lname, [(pname, np.shape(a)) for pname, a in params.items()]) for lname, params in pairs]
         # Nodes and shard groups (comm/topology.py): a bucket is cut into shard_size slices, each a
         # multiple of align * replicas elements (the all-reduce across groups splits it again).
-        self.topology = topo = topology_of(self.comm, self.config.node_size, self.config.shard_size)
+        sizes = self.tp.sizes(self.config) if self.tp else (self.config.node_size, self.config.shard_size)
+        self.topology = topo = topology_of(self.comm, *sizes)
         self.layout = FlatLayout(spec, topo.shard_size, max(1, self.config.bucket_bytes // np.dtype(self.dtype).itemsize),
                                  self.config.align * topo.replicas)
         self.guard, self._watchdog = contract.start_guards(self)   # the watchdog, then the start-up check
@@ -235,7 +241,7 @@ class ZeroEngine:
             with self.timers.blocking("all_reduce across shard groups"):
                 self.reducer.reduce_replicas()
         lay, grads = self.layout, self.reducer.reduced_slices()
-        sumsq, nonfinite = self.reducer.stats()
+        sumsq, nonfinite = self.tp.stats(self.reducer, lay, self.slot) if self.tp else self.reducer.stats()
         lr = self.config.lr if lr is None else float(lr)
         with self.timers.blocking("gather_scalars"):   # + what every rank must agree on (engine/contract.py)
             table = self.comm.gather_scalars([sumsq, float(nonfinite)]
@@ -243,6 +249,7 @@ class ZeroEngine:
         contract.check_step(self.comm, table, self.gatherer.log)
         self.gatherer.log.reset()
         total = sum_table(table[:self.topology.shard_size, :2])   # one shard group: the others hold copies
+        total = self.tp.combine(total) if self.tp else total       # + the other TP ranks' pieces
         scale = self.scaler.scale
         overflow = bool(total[1] > 0) or not math.isfinite(total[0])
         self.steps_taken += 1
@@ -310,13 +317,16 @@ class ZeroEngine:
         """Write a sharded checkpoint under directory ``path`` (a collective, between steps); returns the new
         checkpoint directory, which ``path``/latest names once it is complete. ``blocking=False``: copy the
         shard to host memory, write it in the background and return a PendingSave (published at a later
-        step(), the next save or close()). ``keep_last``: then keep the newest K (checkpoint/collective.py)."""
+        step(), the next save or close()). ``keep_last``: then keep the newest K (checkpoint/collective.py).
+        With tensor parallelism each TP rank saves under ``path``/tp{r}-of-{K}."""
+        if self.tp:
+            path, extra_state = self.tp.path(path), self.tp.extra(extra_state)
         return checkpoint.save(self, path, extra_state, blocking, keep_last)
 
     def load(self, path: str):
         """Restore from a checkpoint (directory, or a save directory's ``latest``) saved at any world
         size, stage or bucket size (a collective); returns a LoadInfo, CheckpointError on bad input."""
-        return checkpoint.load(self, path)
+        return checkpoint.load(self, self.tp.load_path(path) if self.tp else path)
 
     # ---- results and reports ---------------------------------------------------
     @property

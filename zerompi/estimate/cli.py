@@ -284,6 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
                        ("vocab", "vocabulary (zerompi.train: 32 for the generated corpus, 256 for --data)")):
         gpt.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=what)
     gpt.add_argument("--checkpoint-activations", action="store_true", help="as zerompi.train --checkpoint-activations")
+    p.add_argument("--tp", type=int, default=1, metavar="K",
+                   help="tensor parallelism over K of the --ranks (a GPT given by its six dimensions above): model "
+                        "states per rank for the TP split, then ZeRO over N/K; and the TP all-reduce bytes")
     p.add_argument("--json", metavar="PATH", help="also write the table as JSON")
     p.add_argument("--from-run", metavar="METRICS.json",
                    help="a train run's --metrics-json: estimate its configuration and show measured beside it")
@@ -309,6 +312,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 if v is not None}
         dims = {k: getattr(a, k) for k in GPT_FLAGS}
         given = [f"--{k.replace('_', '-')}" for k, v in dims.items() if v is not None]
+        check(a.tp == 1 or a.from_run is None, f"tp={a.tp} does not apply with --from-run (it reads the run's "
+                                               "configuration); drop it")
         check(not given or a.from_run is None, f"{given[0] if given else ''} does not apply with --from-run "
                                                "(it reads the run's configuration); drop it")
         check(not given or len(given) == len(GPT_FLAGS), "the GPT's activations need all of --n-layer --d-model "
@@ -337,9 +342,19 @@ def main(argv: Optional[List[str]] = None) -> int:
                 raise ConfigError(f"from_run={a.from_run!r} is not the --metrics-json of a zerompi.train run "
                                   f"({type(e).__name__}: {e})")
         else:
+            tp = None
+            if a.tp != 1:                # the TP split of the GPT's dimensions, then ZeRO over N/K
+                from .tensor import gpt_tp
+                check(isinstance(a.tp, int) and a.tp >= 1, f"tp={a.tp} must be a whole number >= 1")
+                check(given, f"tp={a.tp}: give the GPT's dimensions (--n-layer --d-model --n-head --seq-len "
+                             "--batch --vocab) and --ranks, not --params: the split decides Ψ")
+                tp = gpt_tp(a.tp, a.ranks, a.n_layer, a.d_model, a.vocab, a.seq_len, a.batch, a.micro_batches)
+                check(a.n_head % a.tp == 0, f"tp={a.tp} does not divide n_head={a.n_head}")
+                a.params, a.ranks, largest = tp["params_local"], tp["dp"], None
             check(a.params is not None and a.ranks is not None, "give --params and --ranks (or --from-run)")
             est = estimate(a.params, a.ranks, a.dtype, layers=a.layers, largest_layer=largest, **opts, **topo)
-            est = with_activations(est, act) if given else est
+            est = with_activations(est, act) if given and tp is None else est
+            est = dict(est, tensor_parallel=tp) if tp else est
             cmp = None
     except ConfigError as e:
         sys.stderr.write(f"zerompi.estimate: error: {e}\n")
@@ -348,6 +363,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return quiet_exit_on_closed_stdout()
     try:
         print(format_table(est))
+        if est.get("tensor_parallel"):
+            from .tensor import format_tp
+            print(format_tp(est["tensor_parallel"]))
         if cmp is not None:
             print()
             print(format_compare(cmp, est))

@@ -111,6 +111,9 @@ class TrainConfig:
         for name in PATHS:
             check(getattr(self, name) != "", f"{name}='' is an empty path; give a path, or leave --{_flag(name)} out")
         self._check_gpt()
+        if self.zero.tp > 1:
+            from .tensor import check_model
+            check_model(self)
         check(self.steps >= 1, f"steps={self.steps} must be >= 1")
         check(isinstance(self.seed, int) and self.seed >= 0,
               f"seed={self.seed!r} must be an integer >= 0 (it seeds NumPy's generators)")
@@ -156,13 +159,18 @@ class TrainConfig:
 
     def check_world(self, world_size: int) -> None:
         """Raises ConfigError unless batch splits evenly over world_size ranks x micro-batches."""
-        parts = world_size * self.zero.micro_batches
+        if self.zero.tp > 1:
+            from ..comm.mesh import check_tp
+            check_tp(self.zero.tp, world_size, self.zero.node_size, self.zero.shard_size)
+        dp = world_size // self.zero.tp
+        parts = dp * self.zero.micro_batches
         check(self.batch % parts == 0,
-              f"batch={self.batch} does not split over {world_size} ranks x {self.zero.micro_batches} "
+              f"batch={self.batch} does not split over {dp} data-parallel ranks x {self.zero.micro_batches} "
               f"micro-batches; use a multiple of {parts}")
         if world_size > 1 and (self.zero.node_size or self.zero.shard_size):   # before any collective
             from ..comm.topology import Topology
-            Topology(world_size, self.zero.node_size or 1, self.zero.shard_size or world_size)
+            t = self.zero.tp
+            Topology(world_size // t, (self.zero.node_size or t) // t, (self.zero.shard_size or world_size) // t)
 
 
 def _flag(name: str) -> str:
@@ -261,6 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offload-dir", default=None, metavar="DIR", help="the folder of the offload files (nvme)")
     p.add_argument("--offload-delayed-update", action="store_true",
                    help="with --offload-optimizer cpu: run step k's update behind step k+1 (one step stale)")
+    p.add_argument("--tp", type=int, default=ZeroConfig.tp, metavar="K",
+                   help="tensor parallelism: N ranks as N/K data-parallel groups x K adjacent TP ranks; ZeRO "
+                        "shards each TP rank's pieces over its data-parallel group (docs/tensor-parallel.md)")
     p.add_argument("--hpz", action="store_true",
                    help="stage 3: keep a node-local copy of the parameters after each gather across nodes "
                         "(ZeRO++ hpZ)")
@@ -290,7 +301,7 @@ def parse_config(argv: Optional[List[str]] = None, environ=None) -> TrainConfig:
                           optimizer_impl=a.optimizer_impl,
                           loss_scale_window=a.loss_scale_window, overlap=not a.no_overlap, prefetch=a.prefetch,
                           progress=a.comm_progress, timeout_s=timeout_s, max_skipped_steps=a.max_skipped_steps,
-                          node_size=a.node_size, shard_size=a.shard_size, hpz=a.hpz,
+                          node_size=a.node_size, shard_size=a.shard_size, hpz=a.hpz, tp=a.tp,
                           quantize_weights=a.quantize_weights, quantize_grads=a.quantize_grads,
                           quant_block=a.quant_block, offload_optimizer=a.offload_optimizer,
                           offload_params=a.offload_params, offload_dir=a.offload_dir,

@@ -19,8 +19,12 @@ from .history import StepLog
 from ..comm import watchdog
 from ..comm.watchdog import StopSignal, Watchdog
 
-def build_model(cfg: TrainConfig, xp=np):
-    """(model, data) for cfg.model; the GPT computes on ``xp`` (the MLP's NumPy calls dispatch to CuPy)."""
+def build_model(cfg: TrainConfig, xp=np, mesh=None):
+    """(model, data) for cfg.model; the GPT computes on ``xp`` (the MLP's NumPy calls dispatch to CuPy);
+    with a Mesh of tp > 1, the tensor-parallel version (train/tensor.py)."""
+    if mesh is not None:
+        from .tensor import build_model as build_tp
+        return build_tp(cfg, mesh, xp)
     if cfg.model == "gpt":
         from .data import make_data
         from .models.gpt import GPT
@@ -62,10 +66,17 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
         check_consistent(comm, "train", job_fields(cfg))   # ranks given other flags stop here, not in a collective
     cfg.check_world(comm.size)
     xp = placement.xp if placement is not None else np
-    model, data = build_model(cfg, xp)
-    dev_comm = device_communicator(comm, xp, cfg.comm, cfg.zero.timeout_s)
-    engine = ZeroEngine(model.init_layers(), cfg.zero, dev_comm, xp=xp)
+    mesh = None
+    if cfg.zero.tp > 1:                          # ZeRO over the data-parallel group, blocks split over TP
+        from . import tensor
+        mesh = tensor.make_mesh(cfg, comm, placement)
+    model, data = build_model(cfg, xp, mesh)
+    dev_comm = comm if mesh else device_communicator(comm, xp, cfg.comm, cfg.zero.timeout_s)
+    engine = ZeroEngine(model.init_layers(), cfg.zero, mesh or dev_comm, xp=xp,
+                        tp_split=model.tp_split() if mesh else None)
     report.print_banner(cfg, engine, comm, placement, data)
+    if mesh:
+        report.print0(comm.mpi, f"  mesh: {mesh.describe()}")
     start = _resume(engine, cfg) if cfg.resume else 0    # the step a resumed run starts at
     if cfg.save_dir:
         from .saves import disk_line
@@ -79,7 +90,11 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
         raise
     metrics = report.final_metrics(cfg, engine, comm, log, floor, placement,   # before engine.close(): still watched
                                    report.activations(cfg, model, comm.size))
+    if mesh:
+        metrics.update(tensor.metrics(cfg, engine, model, log, metrics))
     report.print_summary(metrics, engine, comm, log.base_bytes)
+    if mesh:
+        report.print0(comm.mpi, tensor.summary(metrics, cfg))
     problem = None
     if cfg.metrics_json and comm.rank == 0:      # atomically: a full disk leaves the old file, not an empty one
         from ..checkpoint.outputs import save_json
@@ -106,11 +121,20 @@ def _run_steps(cfg: TrainConfig, engine, comm, model, data, floor: Optional[floa
     bar = comm.rank == 0 and choose_progress(cfg.progress) == "bar"    # auto: a bar only for a person at a terminal
     sent = lambda: sum(s.bytes for op, s in comm.stats.items() if op != "sum_scalars")
     log = StepLog(start, {op: s.bytes for op, s in comm.stats.items()})   # so far: the initial parameter all-gather
+    from collections import deque
+    log.tp_bytes = deque(maxlen=log.cap)        # TP all-reduce bytes of each step's forward and backward
+    log.tp_seconds = deque(maxlen=log.cap)
+    tp_comm = engine.tp.mesh.tp_comm if engine.tp else None
+    tp_sent = (lambda: (tp_comm.bytes_sent(), tp_comm.seconds())) if tp_comm else (lambda: (0, 0.0))
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
         engine.timers.take()                        # drop what ran between steps (checkpoints)
         b0, l0, q0 = sent(), comm.level_bytes(), comm.logical_bytes()
+        tp0 = tp_sent()
         local = losses_of(engine, model, data, step, cfg.batch, cfg.zero.micro_batches)
+        tp1 = tp_sent()
+        log.tp_bytes.append(tp1[0] - tp0[0])
+        log.tp_seconds.append(tp1[1] - tp0[1])
         result = engine.step()
         total = comm.sum_scalars([sum(local) / len(local), stop.flag if stop else 0.0])   # + the stop flag
         loss = float(total[0] / comm.size)

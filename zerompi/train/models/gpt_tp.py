@@ -1,0 +1,95 @@
+"""The GPT, tensor-parallel as Megatron-LM does it, on the plain array code (gpt_numpy.py).
+
+Each TP rank holds 1/K of every block's matrices: QKV column-parallel (its n_head/K heads' q, k and
+v columns), the attention projection row-parallel (the rows its heads' outputs multiply), fc
+column-parallel, out row-parallel. One all-reduce in the forward after each row-parallel layer
+(before its replicated bias is added), one in the backward on each column-parallel layer's input
+gradient: 2 + 2 per block, of B·T·d_model values each. Embeddings (the tied head too), LayerNorms
+and the row-parallel biases are replicated; their inputs and upstream gradients are the same on
+every TP rank after those all-reduces (summed in rank order: the same bits), so are their gradients.
+
+Parameter names are the full model's; shapes are the pieces' (tp_split() says how each is cut,
+comm/tpsplit.py). init_layers() cuts the full model's initial values, so a run at any TP size
+starts from the same model.
+"""
+from typing import Dict, List, Tuple
+
+import numpy as np
+
+from ...comm.tpsplit import check_divides, piece
+from .gpt import GPT
+from .gpt_numpy import attention, attention_backward, gelu, gelu_grad, layernorm, layernorm_backward, linear, \
+    linear_backward, NumpyLayers
+
+# Short block name -> (axis, groups) of its split; the block's other parameters are replicated.
+SPLIT = {"qkv.w": (1, 3), "qkv.b": (0, 3), "proj.w": (0, 1), "fc.w": (1, 1), "fc.b": (0, 1), "out.w": (0, 1)}
+
+
+def _matmul(x, w):
+    """x @ w on the last axis, without a bias (a row-parallel layer's partial sum), contiguous."""
+    return (x.reshape(-1, x.shape[-1]) @ w).reshape(x.shape[:-1] + (w.shape[1],))
+
+
+class TPLayers(NumpyLayers):
+    """A block of this TP rank's heads and fc columns; the final LayerNorm as NumpyLayers'."""
+
+    name = "numpy-tp"
+
+    def __init__(self, xp, n_head_local: int, tp):
+        super().__init__(xp, n_head_local)
+        self.tp = tp
+
+    def _reduce(self, x):
+        return self.tp.all_reduce(np.ascontiguousarray(x))
+
+    def block_forward(self, p, x, ws=None, key=None):
+        xp = self.xp
+        a, ln1 = layernorm(xp, x, p["ln1.g"], p["ln1.b"])
+        y, att = attention(xp, linear(a, p["qkv.w"], p["qkv.b"]), self.n_head)   # column-parallel
+        x1 = x + (self._reduce(_matmul(y, p["proj.w"])) + p["proj.b"])            # row-parallel + all-reduce
+        m, ln2 = layernorm(xp, x1, p["ln2.g"], p["ln2.b"])
+        f = linear(m, p["fc.w"], p["fc.b"])                                       # column-parallel
+        gf, t = gelu(xp, f)
+        out = x1 + (self._reduce(_matmul(gf, p["out.w"])) + p["out.b"])          # row-parallel + all-reduce
+        return out, (ln1, a, att, y, ln2, m, f, t, gf)
+
+    def block_backward(self, p, cache, dout, ws=None, key=None):
+        ln1, a, att, y, ln2, m, f, t, gf = cache
+        g = {}
+        dgf, g["out.w"], g["out.b"] = linear_backward(dout, gf, p["out.w"])
+        dm, g["fc.w"], g["fc.b"] = linear_backward(dgf * gelu_grad(f, t), m, p["fc.w"])
+        dm = self._reduce(dm)                                                     # fc's input gradient
+        dx1, g["ln2.g"], g["ln2.b"] = layernorm_backward(dm, ln2, p["ln2.g"])
+        dx1 = dx1 + dout
+        dy, g["proj.w"], g["proj.b"] = linear_backward(dx1, y, p["proj.w"])
+        da, g["qkv.w"], g["qkv.b"] = linear_backward(attention_backward(self.xp, dy, att), a, p["qkv.w"])
+        da = self._reduce(da)                                                     # QKV's input gradient
+        dx, g["ln1.g"], g["ln1.b"] = layernorm_backward(da, ln1, p["ln1.g"])
+        return dx + dx1, g
+
+
+class TPGPT(GPT):
+    """GPT whose blocks are split over the TP group ``tp`` (a TPComm: rank, size, all_reduce)."""
+
+    def __init__(self, vocab: int, seq_len: int, n_layer: int, n_head: int, d_model: int, seed: int = 0,
+                 xp=np, dtype=np.float32, tp=None):
+        super().__init__(vocab, seq_len, n_layer, n_head, d_model, seed, xp, dtype, kernels="numpy")
+        check_divides(tp.size, n_head=n_head, d_model=d_model)
+        self.tp = tp
+        self.layers = TPLayers(xp, n_head // tp.size, tp)
+
+    def tp_split(self) -> Dict[str, Tuple[int, int]]:
+        """{parameter name: (axis, groups)} of the split parameters (the engine's tp_split)."""
+        return {f"block{i}.{k}": s for i in range(self.n_layer) for k, s in SPLIT.items()}
+
+    def init_layers(self) -> List[Tuple[str, Dict[str, np.ndarray]]]:
+        """The full model's initial values, each split parameter cut to this TP rank's piece."""
+        split, r, k = self.tp_split(), self.tp.rank, self.tp.size
+        return [(lname, {n: piece(a, *split[n], r, k) if n in split else a for n, a in params.items()})
+                for lname, params in super().init_layers()]
+
+    def tp_bytes_per_micro_batch(self, rows: int, itemsize: int = 4) -> int:
+        """Bytes one rank sends in the TP all-reduces of one micro-batch of ``rows`` sequences:
+        4 per block (2 forward, 2 backward) of rows·T·d_model values, 2(K-1)/K of each."""
+        k = self.tp.size
+        return self.n_layer * 4 * 2 * (k - 1) * (rows * self.seq_len * self.d_model // k) * itemsize

@@ -1,0 +1,58 @@
+"""The MLP, tensor-parallel: blocks alternate column-parallel (even blocks: W's columns and b split, the
+output stays split, GELU applies to it as it is) and row-parallel (odd blocks: W's rows split, the
+partial products all-reduced, then the replicated bias). One all-reduce in the forward per odd block,
+one in the backward on each even block's input gradient but block 0's (nothing reads the data's
+gradient): depth/2 + depth/2 - 1 per micro-batch, of rows x width values each. The depth must be
+even, so that the output is whole on every TP rank. Names as the MLP's, shapes the pieces'.
+"""
+from typing import Dict, Tuple
+
+import numpy as np
+
+from ...comm.tpsplit import check_divides, piece
+from .mlp import MLP, gelu
+
+
+class TPMLP(MLP):
+    def __init__(self, width: int, depth: int, seed: int = 0, tp=None):
+        super().__init__(width, depth, seed)
+        check_divides(tp.size, width=width)
+        if depth % 2:
+            raise ValueError(f"depth={depth} is odd; the tensor-parallel MLP pairs column- and row-parallel "
+                             "blocks, so use an even depth")
+        self.tp = tp
+
+    def tp_split(self) -> Dict[str, Tuple[int, int]]:
+        out = {}
+        for i in range(self.depth):
+            if i % 2 == 0:
+                out[f"block{i}.weight"], out[f"block{i}.bias"] = (1, 1), (0, 1)
+            else:
+                out[f"block{i}.weight"] = (0, 1)
+        return out
+
+    def init_layers(self):
+        split, r, k = self.tp_split(), self.tp.rank, self.tp.size
+        return [(lname, {n: piece(a, *split[n], r, k) if n in split else a for n, a in params.items()})
+                for lname, params in super().init_layers()]
+
+    def forward_layer(self, i, params, x):
+        w = self._weight(params, i)
+        b = params[f"block{i}.bias"].astype(np.float32, copy=False)
+        if i % 2:
+            z = self.tp.all_reduce(np.ascontiguousarray(x @ w)) + b
+        else:
+            z = x @ w + b
+        if i == self.depth - 1:
+            return z, (x, None)
+        return gelu(z), (x, z)
+
+    def backward_layer(self, i, params, cache, dy):
+        dx, grads = super().backward_layer(i, params, cache, dy)
+        if i % 2 == 0 and dx is not None:
+            dx = self.tp.all_reduce(np.ascontiguousarray(dx))
+        return dx, grads
+
+    def tp_bytes_per_micro_batch(self, rows: int, itemsize: int = 4) -> int:
+        k = self.tp.size
+        return (self.depth - 1) * 2 * (k - 1) * (rows * self.width // k) * itemsize
