@@ -31,8 +31,10 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from .cases import Case, Spinner, copy_seconds, make_case, measure_overlap, overlap_pct, time_medians
-from .config import DTYPES, BenchConfig, parse_config
+from .config import DTYPES, BenchConfig, parse_config, quant_bits
 from .levels import HEADER, TWO_LEVEL, banner, check_node_size, columns, communicators, level_record
+from . import quantized
+from ..comm.quantized import Quantization
 from ..checkpoint.outputs import check_file, save_json
 from ..errors import EXIT_OUTPUT, ConfigError, HelpRequested, agree_on_errors, agree_on_start, install_abort_hook
 
@@ -61,8 +63,13 @@ def memory_error(cfg: BenchConfig, n: int, placement) -> Optional[str]:
     """
     from ..estimate.machine import available_per_rank, human_bytes
     have = available_per_rank(placement)
-    nbytes = padded_count(cfg.max_bytes, np.dtype(DTYPES[cfg.dtype]).itemsize, n) * np.dtype(DTYPES[cfg.dtype]).itemsize
-    need = nbytes * (1 + len(cfg.row_impls())) + nbytes // n
+    itemsize = np.dtype(DTYPES[cfg.dtype]).itemsize
+    count = padded_count(cfg.max_bytes, itemsize, n)
+    nbytes = count * itemsize
+    # a quantized row also holds its wire blocks: the ones it sends and the ones it receives
+    wire = sum(2 * n * Quantization(quant_bits(i), cfg.quant_block).wire_bytes(count // n)
+               for i in cfg.row_impls() if quant_bits(i))
+    need = nbytes * (1 + len(cfg.row_impls())) + nbytes // n + wire
     if have is None or need <= have[0]:
         return None
     return (f"max size={cfg.max_bytes} bytes needs at least {human_bytes(need)} per rank (the buffer, its output "
@@ -83,28 +90,29 @@ def run_bench(cfg: BenchConfig, comm, device_comm=None, xp=np, two_level=None) -
     dtype = DTYPES[cfg.dtype]
     spinner = Spinner() if cfg.overlap else None
     records = []
-    impls = cfg.row_impls()
-    by_impl = {"mpi": comm, "zerompi": device_comm, TWO_LEVEL: two_level}
     for op in cfg.ops:
-        print0(comm, table_header(op, cfg.node_size is not None))
+        impls = cfg.op_impls(op)
+        if not impls:                   # only quantized implementations, which have no all-reduce
+            continue
+        print0(comm, table_header(op, cfg))
         for nbytes in cfg.sizes():
             count = padded_count(nbytes, np.dtype(dtype).itemsize, n)
             buf = np.zeros(count, dtype)
             out = np.empty(count // n, dtype)
             copy_s = _ranks(mpi, copy_seconds(mpi, buf, cfg.iters, cfg.warmup))["avg"]
-            cases = [make_case(op, impl, by_impl[impl], buf, out, cfg.dtype, xp if impl == "zerompi" else np)
-                     for impl in impls]
-            wrong = [check_case(mpi, c) if cfg.check else None for c in cases]
+            cases = [row_case(cfg, op, impl, (comm, device_comm, two_level), buf, out, xp) for impl in impls]
+            checked = [check_case(mpi, c) if cfg.check else (None, None) for c in cases]
             medians = time_medians(mpi, [(c.run, c.reset) for c in cases], cfg.iters, cfg.warmup)
-            for impl, case, w, t in zip(impls, cases, wrong, medians):
-                rec = make_record(cfg, comm, op, impl, case, buf, _ranks(mpi, t), w)
+            for impl, case, (w, err), t in zip(impls, cases, checked, medians):
+                rec = make_record(cfg, comm, op, impl, case, buf, _ranks(mpi, t), w, err)
                 if cfg.node_size is not None:
                     rec.update(level_record(cfg.node_size, impl, mpi, comm.stats, case))
                 if spinner is not None and case.start is not None:
                     rec.update(overlap_record(mpi, case, spinner, cfg))
                 rec["copy_GBps"] = buf.nbytes / copy_s / 1e9
                 records.append(rec)
-                print0(comm, table_row(rec) + (columns(rec) if cfg.node_size is not None else ""))
+                print0(comm, table_row(rec, cfg) + (quantized.columns(rec) if cfg.quantized else "") +
+                       (columns(rec) if cfg.node_size is not None else ""))
     print0(comm, footer(records, cfg))
     if xp is not np:
         print0(comm, "# --device gpu: zerompi rows include the copies between the GPU and pinned host buffers; "
@@ -112,21 +120,46 @@ def run_bench(cfg: BenchConfig, comm, device_comm=None, xp=np, two_level=None) -
     return records
 
 
-def check_case(mpi, case: Case) -> int:
-    """Wrong elements of one run of case, summed over ranks."""
+def row_case(cfg: BenchConfig, op: str, impl: str, comms, buf, out, xp) -> Case:
+    """The case of one row. ``comms``: (the flat Communicator, the one the zerompi rows use: the
+    device one with --device gpu, the two-level one or None)."""
+    comm, device_comm, two_level = comms
+    ours = two_level if impl.startswith(TWO_LEVEL) else device_comm if impl != "mpi" else comm
+    on = xp if impl != "mpi" and ours is device_comm else np       # device buffers: the flat zerompi rows
+    bits = quant_bits(impl)
+    if bits:
+        return quantized.make_quant_case(op, ours, buf, out, cfg.dtype, Quantization(bits, cfg.quant_block), on)
+    return make_case(op, impl, ours, buf, out, cfg.dtype, on)
+
+
+def check_case(mpi, case: Case) -> Tuple[int, Optional[dict]]:
+    """Wrong elements of one run of case, summed over ranks; for a quantized case also its error
+    relative to the scale, max and RMS over every rank's elements (else None)."""
     case.reset()
     case.poison()
     case.run()
-    return int(mpi.allreduce(case.verify()))
+    wrong = int(mpi.allreduce(case.verify()))
+    if case.error is None:
+        return wrong, None
+    every = mpi.allgather(case.error())
+    count = sum(c for _, _, c in every)
+    return wrong, {"max": max(m for m, _, _ in every), "rms": (sum(s for _, s, _ in every) / max(count, 1)) ** 0.5}
 
 
-def make_record(cfg: BenchConfig, comm, op: str, impl: str, case: Case, buf, t: dict, wrong) -> dict:
-    """One JSON record; times in µs (t: seconds, min/avg/max over ranks), bandwidths in GB/s."""
+def make_record(cfg: BenchConfig, comm, op: str, impl: str, case: Case, buf, t: dict, wrong,
+                error: Optional[dict] = None) -> dict:
+    """One JSON record; times in µs (t: seconds, min/avg/max over ranks), bandwidths in GB/s, on the
+    logical bytes (``bytes``, the buffer unquantized); ``wire_bytes``: the buffer as it travels."""
     algbw = buf.nbytes / t["avg"] / 1e9
+    bits = quant_bits(impl)
     return {"op": op, "impl": impl, "dtype": cfg.dtype, "type": case.type_name, "ranks": comm.size,
             "bytes": buf.nbytes, "count": case.count, "time_us": t["avg"] * 1e6, "time_us_min": t["min"] * 1e6,
             "time_us_max": t["max"] * 1e6, "algbw": algbw, "busbw": algbw * bus_factor(op, comm.size),
-            "wrong": wrong, "overlap_pct": None, "local_sum": cfg.local_sum if impl != "mpi" else None}
+            "wrong": wrong, "overlap_pct": None, "local_sum": cfg.local_sum if impl != "mpi" else None,
+            "wire_bytes": case.wire_bytes if case.wire_bytes is not None else buf.nbytes,
+            "quant": {"bits": bits, "block": cfg.quant_block} if bits else None,
+            "quant_err_max": error and error["max"], "quant_err_rms": error and error["rms"],
+            "quant_err_bound": case.bound}
 
 
 def overlap_record(mpi, case: Case, spinner, cfg: BenchConfig) -> dict:
@@ -147,8 +180,15 @@ PLACE = {"reduce_scatter": "out-of-place (bucket -> own slice)", "all_gather": "
          "all_reduce": "in place"}
 
 
-def table_header(op: str, levels: bool = False) -> str:
-    more, w = (HEADER, len(TWO_LEVEL)) if levels else (("", ""), 8)
+def width(cfg: BenchConfig) -> int:
+    """Of the impl column: 8, or the longest name (zerompi-2level-q8)."""
+    return max(8, *map(len, cfg.row_impls()))
+
+
+def table_header(op: str, cfg: BenchConfig) -> str:
+    w = width(cfg)
+    parts = ([quantized.HEADER] if cfg.quantized else []) + ([HEADER] if cfg.node_size is not None else [])
+    more = ("".join(p[0] for p in parts), "".join(p[1] for p in parts))
     return (f"#\n# {op}: {PLACE[op]}\n"
             f"# {'size':>10} {'count':>10} {'type':>6} {'impl':>{w}} {'time_min':>9} {'time_avg':>9} "
             f"{'time_max':>9} {'algbw':>7} {'busbw':>7} {'#wrong':>6} {'overlap':>7}{more[0]}\n"
@@ -156,10 +196,10 @@ def table_header(op: str, levels: bool = False) -> str:
             f"{'(GB/s)':>7} {'(GB/s)':>7} {'':>6} {'(%)':>7}{more[1]}")
 
 
-def table_row(r: dict) -> str:
+def table_row(r: dict, cfg: BenchConfig) -> str:
     wrong = "N/A" if r["wrong"] is None else str(r["wrong"])
     ovl = "-" if r["overlap_pct"] is None else f"{r['overlap_pct']:.0f}"
-    w = len(TWO_LEVEL) if "node_size" in r else 8      # the two-level rows' name is longer
+    w = width(cfg)
     return (f"  {r['bytes']:>10} {r['count']:>10} {r['type']:>6} {r['impl']:>{w}} {r['time_us_min']:>9.1f} "
             f"{r['time_us']:>9.1f} {r['time_us_max']:>9.1f} {r['algbw']:>7.2f} {r['busbw']:>7.2f} "
             f"{wrong:>6} {ovl:>7}")
@@ -170,7 +210,7 @@ def footer(records: List[dict], cfg: BenchConfig) -> str:
     for impl in cfg.row_impls():
         mine = [r for r in records if r["impl"] == impl]
         per_op = ", ".join(f"{op} {statistics.mean(r['busbw'] for r in mine if r['op'] == op):.2f}"
-                           for op in cfg.ops)
+                           for op in cfg.ops if impl in cfg.op_impls(op))
         lines.append(f"# Avg bus bandwidth {impl:>8}: {statistics.mean(r['busbw'] for r in mine):.2f} GB/s "
                      f"({per_op})")
     copies = sorted({r["bytes"]: r["copy_GBps"] for r in records}.items())
@@ -186,7 +226,10 @@ def footer(records: List[dict], cfg: BenchConfig) -> str:
         lines.append("# float*: MPI has no fp16 sum; the built-in reduces fp32 elements of the same byte size")
     if cfg.check:
         lines.append(f"# #wrong: {sum(r['wrong'] for r in records)} elements in all rows "
-                     f"(tolerance N x eps x sum|x| for sums, bit-exact for all_gather)")
+                     f"(tolerance N x eps x sum|x| for sums, bit-exact for all_gather" +
+                     ("; quantized rows: |result - exact| <= bound x scale" if cfg.quantized else "") + ")")
+    if cfg.quantized:
+        lines += quantized.footer(records)
     return "\n".join(lines)
 
 
@@ -237,6 +280,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                  f"dtype {cfg.dtype}, "
                  f"iters {cfg.iters} (median) after {cfg.warmup} warmup, local sum {cfg.local_sum}")
     print0(comm, "# time: per-rank median over iterations, then min/avg/max over ranks; bw from the avg")
+    if cfg.quantized:
+        print0(comm, quantized.banner(cfg.quant_block))
     if two_level is not None:
         print0(comm, banner(world.Get_size(), cfg.node_size))
     records = run_bench(cfg, comm, device_comm, placement.xp, two_level)
