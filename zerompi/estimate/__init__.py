@@ -16,8 +16,9 @@ topology's checks, bytes and time inside and across nodes), cli (the options, th
 In Python, ``zerompi.estimate(params=10e9, ranks=64)`` returns the same table as a dict:
 this package is callable (it calls :func:`zerompi.estimate.stages.estimate`).
 
-May import: zerompi.errors, and the MPI-free parts of zerompi.engine (config, layout,
-buffers, memory, reducer, traffic). Runs where mpi4py cannot be imported.
+May import: zerompi.errors, the MPI-free parts of zerompi.engine (config, layout, buffers,
+memory, reducer, traffic) and zerompi.comm.quantized (the wire format of quantized
+communication). Runs where mpi4py cannot be imported.
 """
 import sys
 import types

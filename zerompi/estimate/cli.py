@@ -13,6 +13,7 @@ import sys
 from typing import List, Optional
 
 from ..checkpoint.outputs import check_file, save_json
+from ..comm.quantized import DEFAULT_BLOCK
 from ..engine import reducer
 from ..engine.config import ZeroConfig
 from ..errors import EXIT_OUTPUT, ConfigError, check, quiet_exit_on_closed_stdout
@@ -85,6 +86,8 @@ def format_table(est: dict) -> str:
         out += level_rows(est, line, dec, unit)
     else:
         out.append(line(f"communication per step, {unit}", [dec(r["comm_bytes_per_step"]) for r in rows]))
+        if est.get("quantized"):
+            out.append(line(f"  unquantized (logical), {unit}", [dec(r["comm_logical_bytes_per_step"]) for r in rows]))
         out.append(line("collective calls per step", [f"{r['comm_calls_per_step']:,}" for r in rows]))
         out.append(line("communication time, s", [f"{r['comm_seconds_per_step']:.4f}" for r in rows]))
     padding = est["padded_params"] - est["params"]
@@ -92,7 +95,7 @@ def format_table(est: dict) -> str:
             f"layout: {est['buckets']:,} buckets of up to {est['bucket_numel']:,} elements ({est['bucket_mb']:g} MiB), "
             f"{padding:,} padding elements; stage-3 prefetch {est['prefetch']}; "
             f"{est['micro_batches']} micro-batch(es)",
-            _pending_note(est)]
+            _pending_note(est)] + quant_notes(est)
     if est.get("by_level"):
         return "\n".join(out + level_notes(est))
     out += [f"communication: ring volumes, (N-1)/N of the buffer per pass; time = calls x (N-1) x "
@@ -109,6 +112,11 @@ def level_rows(est: dict, line, dec, unit: str) -> List[str]:
     level = lambda key, lvl: [r[key][lvl] for r in rows]
     out = [line(f"sent inside nodes / step, {unit}", [dec(b) for b in level("comm_bytes_per_step_by_level", "intra")]),
            line(f"sent across nodes / step, {unit}", [dec(b) for b in level("comm_bytes_per_step_by_level", "inter")])]
+    if est.get("quantized"):
+        out += [line(f"  unquantized inside, {unit}", [dec(b) for b in level("comm_logical_bytes_per_step_by_level",
+                                                                             "intra")]),
+                line(f"  unquantized across, {unit}", [dec(b) for b in level("comm_logical_bytes_per_step_by_level",
+                                                                             "inter")])]
     out += [line("time inside nodes, s", [f"{t:.4f}" for t in level("comm_seconds_per_step_by_level", "intra")]),
             line("time across nodes, s", [f"{t:.4f}" for t in level("comm_seconds_per_step_by_level", "inter")]),
             line("communication time, s", [f"{r['comm_seconds_per_step_levels']:.4f}" for r in rows])]
@@ -142,6 +150,20 @@ def level_notes(est: dict) -> List[str]:
     return out
 
 
+def quant_notes(est: dict) -> List[str]:
+    """The footer line of a quantized estimate: what is quantized, and how a slice travels."""
+    q = est.get("quantization") or {}
+    if not est.get("quantized"):
+        return []
+    what = [f"weights {q['weights']} (qwZ: the parameter gathers of stages 1-3)"] if q["weights"] else []
+    what += [f"gradients {q['grads']} (qgZ: the reduce-scatters)"] if q["grads"] else []
+    return [f"quantized: {' and '.join(what)}, blocks of {q['block']}: a slice of k elements travels as its values "
+            f"(k bytes for int8, (k + 1) / 2 for int4, padded to 4) and a 4-byte scale per block; the bytes and "
+            f"times above are on the wire, the unquantized rows what the same step would send unquantized "
+            f"(stage 0's gradient all-gather, the all-reduce across shard groups and hpZ's gathers inside a node "
+            f"travel unquantized)"]
+
+
 def _pending_note(est: dict) -> str:
     """The footer line that says which bound on pending reductions the totals assume."""
     cap, pending = est["engine_max_pending"], est["in_flight"]
@@ -164,6 +186,10 @@ def run_estimate(metrics: dict, **overrides) -> dict:
                   bucket_mb=zero.get("bucket_mb", ZeroConfig.bucket_mb), layers=layers,
                   micro_batches=zero.get("micro_batches", 1), prefetch=zero.get("prefetch", DEFAULT_PREFETCH),
                   overlap=zero.get("overlap", True), align=zero.get("align", ZeroConfig.align))
+    quant = metrics.get("quantization") or {}
+    kwargs.update(quantize_weights=quant.get("weights", zero.get("quantize_weights")),
+                  quantize_grads=quant.get("grads", zero.get("quantize_grads")),
+                  quant_block=quant.get("block", zero.get("quant_block", DEFAULT_BLOCK)))
     topo = metrics.get("topology") or {}
     if topo.get("node_size", metrics["world_size"]) < metrics["world_size"] or \
             topo.get("shard_size", metrics["world_size"]) < metrics["world_size"]:    # nodes or shard groups
@@ -200,6 +226,9 @@ def compare_run(est: dict, metrics: dict) -> dict:
                 "total_bytes": mem["total"] + metrics["peak_buffer_bytes"],
                 "comm_bytes_per_step": metrics["comm_bytes_per_step"]}
     estimated = {k: row[k] for k in measured}
+    if est.get("quantized") and "comm_logical_bytes_per_step" in metrics:    # what it would send unquantized
+        measured["comm_logical_bytes_per_step"] = metrics["comm_logical_bytes_per_step"]
+        estimated["comm_logical_bytes_per_step"] = row["comm_logical_bytes_per_step"]
     levels = metrics.get("comm_bytes_per_step_by_level")
     if levels:        # what the engine sent, by level, beside its formula (engine/traffic.py)
         for lvl in ("intra", "inter"):
@@ -262,6 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offload-optimizer", default="none", metavar="none|cpu|nvme",
                    help="where the master and Adam moments live (stages 1-3): the table splits the states by place")
     p.add_argument("--offload-params", default="none", metavar="none|nvme", help="stage 3: parameters in files")
+    p.add_argument("--quantize-weights", default=None, metavar="int8",
+                   help="ZeRO++ qwZ as zerompi.train's: the parameter gathers travel as int8 blocks (stages 1-3)")
+    p.add_argument("--quantize-grads", default=None, metavar="int8|int4",
+                   help="ZeRO++ qgZ as zerompi.train's: the gradient reduce-scatters travel quantized")
+    p.add_argument("--quant-block", type=int, default=DEFAULT_BLOCK, metavar="B",
+                   help="elements per quantization block (a power of two >= 8)")
     p.add_argument("--json", metavar="PATH", help="also write the table as JSON")
     p.add_argument("--from-run", metavar="METRICS.json",
                    help="a train run's --metrics-json: estimate its configuration and show measured beside it")
@@ -282,7 +317,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         opts = dict(bucket_mb=a.bucket_mb, prefetch=a.prefetch, micro_batches=a.micro_batches,
                     in_flight=a.in_flight, bandwidth_gbps=a.bandwidth_gbps, latency_us=a.latency_us,
                     overlap=not a.no_overlap, intra_gbps=a.intra_gbps, inter_gbps=a.inter_gbps,
-                    offload_optimizer=a.offload_optimizer, offload_params=a.offload_params)
+                    offload_optimizer=a.offload_optimizer, offload_params=a.offload_params,
+                    quantize_weights=a.quantize_weights, quantize_grads=a.quantize_grads, quant_block=a.quant_block)
         topo = {k: v for k, v in (("node_size", a.node_size), ("shard_size", a.shard_size), ("hpz", a.hpz or None))
                 if v is not None}
         if a.from_run is not None:
