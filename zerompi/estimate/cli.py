@@ -226,9 +226,9 @@ def compare_run(est: dict, metrics: dict) -> dict:
                 "total_bytes": mem["total"] + metrics["peak_buffer_bytes"],
                 "comm_bytes_per_step": metrics["comm_bytes_per_step"]}
     estimated = {k: row[k] for k in measured}
-    if est.get("quantized") and "comm_logical_bytes_per_step" in metrics:    # what it would send unquantized
+    if est.get("quantized") and "comm_logical_bytes_per_step" in metrics:    # unquantized, engine/traffic.py
         measured["comm_logical_bytes_per_step"] = metrics["comm_logical_bytes_per_step"]
-        estimated["comm_logical_bytes_per_step"] = row["comm_logical_bytes_per_step"]
+        estimated["comm_logical_bytes_per_step"] = sum(row["comm_logical_bytes_per_step_by_level"].values())
     levels = metrics.get("comm_bytes_per_step_by_level")
     if levels:        # what the engine sent, by level, beside its formula (engine/traffic.py)
         for lvl in ("intra", "inter"):
