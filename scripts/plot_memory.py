@@ -18,7 +18,8 @@ import sys
 
 import zerompi
 from zerompi.errors import ConfigError
-from zerompi.estimate.cli import parse_count, run_estimate
+from zerompi.estimate.cli import parse_count
+from zerompi.estimate.fromrun import run_estimate
 
 COLORS = ("tab:red", "tab:orange", "tab:green", "tab:blue")
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from tests.mpirun import ROOT, one_line, run_mpi
-from zerompi.bench import cases as bench_cases, run as bench
+from zerompi.bench import cases as bench_cases, config as bench_config, run as bench
 from zerompi.errors import ConfigError
 
 SMALL = ["-b", "999", "-e", "20K", "-f", "5", "--iters", "1", "--warmup", "0", "--check"]   # 999 B: no size divides by N
@@ -19,7 +19,7 @@ def test_check_finds_no_wrong_element(n, tmp_path):
         run_mpi(n, ["-m", "zerompi.bench", "--op", "all", "--dtype", dtype, "--impl", "both", "--no-overlap",
                     "--json", path, *SMALL], timeout=90)
         records = json.loads(path.read_text())
-        assert {(r["op"], r["impl"]) for r in records} == {(op, impl) for op in bench.OPS for impl in bench.IMPLS}
+        assert {(r["op"], r["impl"]) for r in records} == {(op, impl) for op in bench_config.OPS for impl in bench_config.IMPLS}
         assert len(records) == 3 * 2 * 2                       # ops x impls x sizes (999, 4995)
         for r in records:
             assert r["wrong"] == 0, r
@@ -87,9 +87,9 @@ def test_bad_flags_exit_2_on_every_rank(flags, needle):
 
 
 def test_parse_size_and_sizes():
-    assert bench.parse_size("8K") == 8192 and bench.parse_size("64M") == 64 << 20
-    assert bench.parse_size("1G") == 1 << 30 and bench.parse_size("4096") == 4096
-    assert bench.parse_size("2MiB") == 2 << 20 and bench.parse_size("1.5k") == 1536
+    assert bench_config.parse_size("8K") == 8192 and bench_config.parse_size("64M") == 64 << 20
+    assert bench_config.parse_size("1G") == 1 << 30 and bench_config.parse_size("4096") == 4096
+    assert bench_config.parse_size("2MiB") == 2 << 20 and bench_config.parse_size("1.5k") == 1536
     cfg = bench.parse_config(["-b", "1M", "-e", "64M", "-f", "4"])
     assert cfg.sizes() == [1 << 20, 4 << 20, 16 << 20, 64 << 20]
     assert bench.parse_config(["-b", "3", "-e", "3"]).sizes() == [3]

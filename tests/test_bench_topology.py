@@ -5,7 +5,7 @@ import json
 import pytest
 
 from tests.mpirun import run_mpi
-from zerompi.bench import levels, run as bench
+from zerompi.bench import config as bench_config, levels, run as bench
 from zerompi.errors import ConfigError
 
 SMALL = ["-b", "999", "-e", "20K", "-f", "5", "--iters", "1", "--warmup", "0", "--check", "--no-overlap"]
@@ -32,7 +32,7 @@ def test_two_level_rows_are_right_and_count_bytes_per_level(tmp_path, n, k, dtyp
     records = json.loads(path.read_text())
     impls = ("zerompi", levels.TWO_LEVEL, "mpi")
     assert [(r["op"], r["impl"]) for r in records[:3]] == [("reduce_scatter", i) for i in impls]
-    assert {(r["op"], r["impl"]) for r in records} == {(op, i) for op in bench.OPS for i in impls}
+    assert {(r["op"], r["impl"]) for r in records} == {(op, i) for op in bench_config.OPS for i in impls}
     assert len(records) == 3 * 3 * 2                       # ops x impls x sizes
     for r in records:
         assert r["wrong"] == 0, r

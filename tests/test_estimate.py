@@ -301,7 +301,7 @@ def test_from_run_puts_measured_beside_estimate(tmp_path, capsys):
     (["--params=-5e9", "--ranks", "4"], "params=-5e+09"),
     (["--params", "ten", "--ranks", "4"], "--params: 'ten' is not a number"),
     (["--params", "1e9", "--ranks", "0"], "ranks=0"),
-    (["--params", "1e9", "--ranks", "4", "--dtype", "fp64"], "dtype='fp64'"),
+    (["--params", "1e9", "--ranks", "4", "--dtype", "fp8"], "dtype='fp8'"),
     (["--params", "1e9", "--ranks", "4", "--layers", "4", "--largest-layer", "10"], "not allowed with"),
     (["--params", "100", "--ranks", "4", "--largest-layer", "1000"], "largest_layer=1000"),
     (["--params", "1e9", "--ranks", "4", "--bucket-mb", "0"], "bucket_mb=0"),

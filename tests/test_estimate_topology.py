@@ -10,7 +10,7 @@ import zerompi
 from zerompi import FlatLayout
 from zerompi.comm.quantized import Quantization
 from zerompi.engine import traffic
-from zerompi.estimate import cli as estimate_cli
+from zerompi.estimate import cli as estimate_cli, fromrun
 from zerompi.train.models.mlp import init_mlp
 
 from .mpirun import run_mpi
@@ -179,7 +179,7 @@ def test_estimate_per_level_equals_the_engines_measured(tmp_path, n):
         total = mem["total"] + m["peak_buffer_bytes"]
         assert by_layout["total_bytes_best_case"] <= total <= by_layout["total_bytes"], (flags, total, by_layout)
         # --from-run reads the topology of the run and puts the levels beside the estimate
-        cmp = estimate_cli.compare_run(estimate_cli.run_estimate(m), m)
+        cmp = fromrun.compare_run(fromrun.run_estimate(m), m)
         for lvl in levels:
             key = f"comm_{lvl}_bytes_per_step"
             assert cmp["measured"][key] == cmp["estimate"][key] == m["comm_bytes_per_step_by_level"][lvl]

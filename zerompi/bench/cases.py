@@ -72,6 +72,9 @@ class Case:
     verify: Callable[[], int]                 # wrong elements on this rank after one run
     type_name: str                            # what the type column shows
     count: int                                # elements of that type in the whole buffer
+    wire_bytes: Optional[int] = None          # bytes of the whole buffer as it travels (quantized rows)
+    error: Optional[Callable[[], tuple]] = None   # quantized rows, after verify(): (max, sum of squares, count)
+    bound: Optional[float] = None             # ... of |result - exact| / scale; beyond it an element is wrong
 
 
 class _Request:

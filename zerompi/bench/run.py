@@ -23,179 +23,26 @@ collective alone, t_cpu a dummy compute of that length, t_ovl the collective sta
 then the compute in OVERLAP_CHUNKS pieces with a test() between pieces (the way the
 engine progresses its handles), then wait(); overlap = 1 - (t_ovl - t_cpu) / t_pure.
 """
-import argparse
-import math
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import List, Optional, Tuple
 
 import numpy as np
 
 from .cases import Case, Spinner, copy_seconds, make_case, measure_overlap, overlap_pct, time_medians
+from .config import DTYPES, BenchConfig, parse_config, quant_bits
 from .levels import TWO_LEVEL, banner, check_node_size, columns, communicators, level_record
 from .plot import check_plot, save_plot
 from .table import footer, print0, table_header, table_row
+from . import quantized
+from ..comm.quantized import Quantization
 from ..checkpoint.outputs import check_file, save_json
-from ..optim.impl import OPTIMIZER_IMPLS
-from ..errors import (EXIT_OUTPUT, ConfigError, HelpRequested, agree_on_errors, agree_on_start, check,
-                      install_abort_hook)
-
-OPS = ("reduce_scatter", "all_gather", "all_reduce")
-DTYPES = {"fp16": np.float16, "fp32": np.float32}
-IMPLS = ("zerompi", "mpi")
-DEVICES = ("cpu", "gpu")
-COMMS = ("mpi", "nccl")
-SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-MAX_SIZES = 1000     # sizes one run may measure: -b, -e and -f must not ask for more
+from ..errors import EXIT_OUTPUT, ConfigError, HelpRequested, agree_on_errors, agree_on_start, install_abort_hook
 
 
 def bus_factor(op: str, n: int) -> float:
     """busbw / algbw for op on n ranks (nccl-tests' factors)."""
     return 2.0 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
-
-
-# ---- configuration ------------------------------------------------------------
-def parse_size(text: str) -> int:
-    """'8K' -> 8192, '64M' -> 67108864, '1G', '4096' (binary suffixes; bytes)."""
-    t = str(text).strip().upper().removesuffix("B").removesuffix("I")
-    unit = t[-1:] if t[-1:] in SUFFIXES else ""
-    try:
-        value = float(t[:len(t) - len(unit)]) * SUFFIXES[unit]
-    except ValueError:
-        raise ConfigError(f"size {text!r} is not a byte count; use e.g. 4096, 8K, 64M or 1G")
-    check(math.isfinite(value) and value >= 1 and value == int(value),
-          f"size {text!r} must be a whole number of bytes >= 1")
-    return int(value)
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    """One benchmark run; every rank builds the same one from the same flags."""
-
-    ops: Tuple[str, ...] = OPS
-    """Collectives to time, in this order."""
-    min_bytes: int = 1 << 20
-    """Smallest buffer, bytes of the whole buffer (N slices)."""
-    max_bytes: int = 64 << 20
-    """Largest buffer, bytes."""
-    factor: float = 2.0
-    """Each size is the previous one times this (> 1)."""
-    dtype: str = "fp32"
-    """Element type: fp16 or fp32."""
-    iters: int = 20
-    """Timed iterations per row (the median is reported)."""
-    warmup: int = 3
-    """Untimed iterations before them (first-touch page faults, connection set-up)."""
-    impls: Tuple[str, ...] = IMPLS
-    """zerompi, mpi, or both side by side."""
-    device: str = "cpu"
-    """Where the buffers live: cpu (NumPy) or gpu (CuPy)."""
-    comm: str = "mpi"
-    """gpu: how the zerompi rows move device buffers: mpi (staged through pinned host buffers) or nccl."""
-    check: bool = False
-    """Count wrong elements against a float64 oracle."""
-    overlap: bool = True
-    """Measure non-blocking overlap (OSU method)."""
-    json_path: Optional[str] = None
-    """Write the records as a JSON list here (rank 0)."""
-    plot_path: Optional[str] = None
-    """Draw busbw against size here, an image (rank 0; bench/plot.py, needs matplotlib)."""
-    sum_impl: str = "auto"
-    """zerompi's local reduce-scatter sum: auto (fused C when it builds), fused, or numpy (impl.use_impl)."""
-    local_sum: Optional[str] = None
-    """What sum_impl resolved to ("fused" or "numpy"), once impl.use_impl has run."""
-    node_size: Optional[int] = None
-    """Simulate nodes of this many consecutive ranks: adds the two-level rows (zerompi-2level) and
-    the bytes of one call inside and across nodes (bench/levels.py)."""
-
-    def __post_init__(self):
-        for op in self.ops:
-            check(op in OPS, f"op={op!r} is not allowed; use one of {', '.join(OPS)} or all")
-        check(self.dtype in DTYPES, f"dtype={self.dtype!r} is not allowed; use fp16 or fp32")
-        for impl in self.impls:
-            check(impl in IMPLS, f"impl={impl!r} is not allowed; use zerompi, mpi or both")
-        check(self.device in DEVICES, f"device={self.device!r} is not allowed; use cpu or gpu")
-        check(self.comm in COMMS, f"comm={self.comm!r} is not allowed; use {' or '.join(COMMS)}")
-        check(self.comm == "mpi" or self.device == "gpu",
-              f"comm={self.comm!r} needs --device gpu (NCCL moves GPU memory); use --comm mpi on the CPU")
-        check(self.min_bytes >= 1, f"min size={self.min_bytes} must be >= 1 byte")
-        check(self.min_bytes <= self.max_bytes,
-              f"min size={self.min_bytes} bytes is larger than max size={self.max_bytes} bytes; use -b <= -e")
-        check(math.isfinite(self.factor) and self.factor > 1, f"factor={self.factor:g} must be a finite number > 1")
-        count = math.floor(math.log(self.max_bytes / self.min_bytes) / math.log(self.factor)) + 1
-        check(count <= MAX_SIZES, f"factor={self.factor!r} makes {count:,} sizes from {self.min_bytes} to "
-                                  f"{self.max_bytes} bytes; at most {MAX_SIZES} are allowed (use a larger -f)")
-        check(self.iters >= 1, f"iters={self.iters} must be >= 1")
-        check(self.warmup >= 0, f"warmup={self.warmup} must be >= 0")
-        check(self.node_size is None or (isinstance(self.node_size, int) and self.node_size >= 1),
-              f"node_size={self.node_size!r} must be a whole number of ranks >= 1")
-        check(self.sum_impl in OPTIMIZER_IMPLS,
-              f"sum_impl={self.sum_impl!r} is not allowed; use one of {', '.join(OPTIMIZER_IMPLS)}")
-
-    def row_impls(self) -> Tuple[str, ...]:
-        """The implementations of the rows: the two-level one beside zerompi's flat one with node_size."""
-        if self.node_size is None:
-            return self.impls
-        at = self.impls.index("zerompi") + 1 if "zerompi" in self.impls else 0
-        return self.impls[:at] + (TWO_LEVEL,) + self.impls[at:]
-
-    def sizes(self) -> List[int]:
-        """min, min*f, min*f^2, ... <= max (bytes, before padding to whole slices)."""
-        out, s = [], float(self.min_bytes)
-        while s <= self.max_bytes:
-            if not out or int(s) != out[-1]:
-                out.append(int(s))
-            s *= self.factor
-        return out
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2 (argparse's own prints the whole usage)
-        raise ConfigError(message)
-
-    def print_help(self, file=None):  # printed once every rank has reached the start-up agreement
-        raise HelpRequested(self.format_help())
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m zerompi.bench", description="Collectives microbenchmark (see the module docstring).")
-    p.add_argument("--op", default="all", help=f"{' | '.join(OPS)} | all")
-    p.add_argument("-b", "--minbytes", default="1M", help="smallest buffer, bytes (suffixes K, M, G)")
-    p.add_argument("-e", "--maxbytes", default="64M", help="largest buffer, bytes")
-    p.add_argument("-f", "--stepfactor", default="2", help="size multiplication factor (> 1)")
-    p.add_argument("--dtype", default=BenchConfig.dtype, help="fp16 or fp32")
-    p.add_argument("--iters", type=int, default=BenchConfig.iters, help="timed iterations (median reported)")
-    p.add_argument("--warmup", type=int, default=BenchConfig.warmup, help="untimed iterations first")
-    p.add_argument("--impl", default="both", help="zerompi | mpi | both")
-    p.add_argument("--device", default=BenchConfig.device, help="cpu or gpu")
-    p.add_argument("--comm", default=BenchConfig.comm, help="with --device gpu: mpi (staged) or nccl")
-    p.add_argument("--check", action="store_true", help="count wrong elements against a float64 oracle")
-    p.add_argument("--no-overlap", action="store_true", help="skip the non-blocking overlap measurement")
-    p.add_argument("--json", default=None, metavar="PATH", help="write the records as a JSON list")
-    p.add_argument("--plot", default=None, metavar="PNG", help="draw busbw against size (needs matplotlib)")
-    p.add_argument("--sum-impl", default=BenchConfig.sum_impl, help=f"zerompi's local sum: {' | '.join(OPTIMIZER_IMPLS)}")
-    p.add_argument("--node-size", type=int, default=None, metavar="K",
-                   help="simulate nodes of K consecutive ranks: add the two-level rows (zerompi-2level) and the "
-                        "bytes of one call inside and across nodes")
-    return p
-
-
-def parse_config(argv: Optional[List[str]] = None) -> BenchConfig:
-    """CLI flags -> BenchConfig (raises ConfigError on bad input)."""
-    a = build_parser().parse_args(argv)
-    try:
-        factor = float(a.stepfactor)
-    except ValueError:
-        raise ConfigError(f"factor={a.stepfactor!r} is not a number; use e.g. 2")
-    check(a.op == "all" or a.op in OPS, f"op={a.op!r} is not allowed; use one of {', '.join(OPS)} or all")
-    check(a.impl in IMPLS + ("both",), f"impl={a.impl!r} is not allowed; use zerompi, mpi or both")
-    cfg = BenchConfig(ops=OPS if a.op == "all" else (a.op,), min_bytes=parse_size(a.minbytes),
-                      max_bytes=parse_size(a.maxbytes), factor=factor, dtype=a.dtype, iters=a.iters,
-                      warmup=a.warmup, impls=IMPLS if a.impl == "both" else (a.impl,), device=a.device,
-                      comm=a.comm,
-                      check=a.check, overlap=not a.no_overlap, json_path=a.json, sum_impl=a.sum_impl,
-                      node_size=a.node_size, plot_path=a.plot)
-    return cfg
 
 
 # ---- the run --------------------------------------------------------------------
@@ -217,8 +64,13 @@ def memory_error(cfg: BenchConfig, n: int, placement) -> Optional[str]:
     """
     from ..estimate.machine import available_per_rank, human_bytes
     have = available_per_rank(placement)
-    nbytes = padded_count(cfg.max_bytes, np.dtype(DTYPES[cfg.dtype]).itemsize, n) * np.dtype(DTYPES[cfg.dtype]).itemsize
-    need = nbytes * (1 + len(cfg.row_impls())) + nbytes // n
+    itemsize = np.dtype(DTYPES[cfg.dtype]).itemsize
+    count = padded_count(cfg.max_bytes, itemsize, n)
+    nbytes = count * itemsize
+    # a quantized row also holds its wire blocks: the ones it sends and the ones it receives
+    wire = sum(2 * n * Quantization(quant_bits(i), cfg.quant_block).wire_bytes(count // n)
+               for i in cfg.row_impls() if quant_bits(i))
+    need = nbytes * (1 + len(cfg.row_impls())) + nbytes // n + wire
     if have is None or need <= have[0]:
         return None
     return (f"max size={cfg.max_bytes} bytes needs at least {human_bytes(need)} per rank (the buffer, its output "
@@ -239,28 +91,29 @@ def run_bench(cfg: BenchConfig, comm, device_comm=None, xp=np, two_level=None) -
     dtype = DTYPES[cfg.dtype]
     spinner = Spinner() if cfg.overlap else None
     records = []
-    impls = cfg.row_impls()
-    by_impl = {"mpi": comm, "zerompi": device_comm, TWO_LEVEL: two_level}
     for op in cfg.ops:
-        print0(comm, table_header(op, cfg.node_size is not None))
+        impls = cfg.op_impls(op)
+        if not impls:                   # only quantized implementations, which have no all-reduce
+            continue
+        print0(comm, table_header(op, cfg))
         for nbytes in cfg.sizes():
             count = padded_count(nbytes, np.dtype(dtype).itemsize, n)
             buf = np.zeros(count, dtype)
             out = np.empty(count // n, dtype)
             copy_s = _ranks(mpi, copy_seconds(mpi, buf, cfg.iters, cfg.warmup))["avg"]
-            cases = [make_case(op, impl, by_impl[impl], buf, out, cfg.dtype, xp if impl == "zerompi" else np)
-                     for impl in impls]
-            wrong = [check_case(mpi, c) if cfg.check else None for c in cases]
+            cases = [row_case(cfg, op, impl, (comm, device_comm, two_level), buf, out, xp) for impl in impls]
+            checked = [check_case(mpi, c) if cfg.check else (None, None) for c in cases]
             medians = time_medians(mpi, [(c.run, c.reset) for c in cases], cfg.iters, cfg.warmup)
-            for impl, case, w, t in zip(impls, cases, wrong, medians):
-                rec = make_record(cfg, comm, op, impl, case, buf, _ranks(mpi, t), w)
+            for impl, case, (w, err), t in zip(impls, cases, checked, medians):
+                rec = make_record(cfg, comm, op, impl, case, buf, _ranks(mpi, t), w, err)
                 if cfg.node_size is not None:
                     rec.update(level_record(cfg.node_size, impl, mpi, comm.stats, case))
                 if spinner is not None and case.start is not None:
                     rec.update(overlap_record(mpi, case, spinner, cfg))
                 rec["copy_GBps"] = buf.nbytes / copy_s / 1e9
                 records.append(rec)
-                print0(comm, table_row(rec) + (columns(rec) if cfg.node_size is not None else ""))
+                print0(comm, table_row(rec, cfg) + (quantized.columns(rec) if cfg.quantized else "") +
+                       (columns(rec) if cfg.node_size is not None else ""))
     print0(comm, footer(records, cfg))
     if xp is not np:
         print0(comm, "# --device gpu: zerompi rows include the copies between the GPU and pinned host buffers; "
@@ -268,21 +121,46 @@ def run_bench(cfg: BenchConfig, comm, device_comm=None, xp=np, two_level=None) -
     return records
 
 
-def check_case(mpi, case: Case) -> int:
-    """Wrong elements of one run of case, summed over ranks."""
+def row_case(cfg: BenchConfig, op: str, impl: str, comms, buf, out, xp) -> Case:
+    """The case of one row. ``comms``: (the flat Communicator, the one the zerompi rows use: the
+    device one with --device gpu, the two-level one or None)."""
+    comm, device_comm, two_level = comms
+    ours = two_level if impl.startswith(TWO_LEVEL) else device_comm if impl != "mpi" else comm
+    on = xp if impl != "mpi" and ours is device_comm else np       # device buffers: the flat zerompi rows
+    bits = quant_bits(impl)
+    if bits:
+        return quantized.make_quant_case(op, ours, buf, out, cfg.dtype, Quantization(bits, cfg.quant_block), on)
+    return make_case(op, impl, ours, buf, out, cfg.dtype, on)
+
+
+def check_case(mpi, case: Case) -> Tuple[int, Optional[dict]]:
+    """Wrong elements of one run of case, summed over ranks; for a quantized case also its error
+    relative to the scale, max and RMS over every rank's elements (else None)."""
     case.reset()
     case.poison()
     case.run()
-    return int(mpi.allreduce(case.verify()))
+    wrong = int(mpi.allreduce(case.verify()))
+    if case.error is None:
+        return wrong, None
+    every = mpi.allgather(case.error())
+    count = sum(c for _, _, c in every)
+    return wrong, {"max": max(m for m, _, _ in every), "rms": (sum(s for _, s, _ in every) / max(count, 1)) ** 0.5}
 
 
-def make_record(cfg: BenchConfig, comm, op: str, impl: str, case: Case, buf, t: dict, wrong) -> dict:
-    """One JSON record; times in µs (t: seconds, min/avg/max over ranks), bandwidths in GB/s."""
+def make_record(cfg: BenchConfig, comm, op: str, impl: str, case: Case, buf, t: dict, wrong,
+                error: Optional[dict] = None) -> dict:
+    """One JSON record; times in µs (t: seconds, min/avg/max over ranks), bandwidths in GB/s, on the
+    logical bytes (``bytes``, the buffer unquantized); ``wire_bytes``: the buffer as it travels."""
     algbw = buf.nbytes / t["avg"] / 1e9
+    bits = quant_bits(impl)
     return {"op": op, "impl": impl, "dtype": cfg.dtype, "type": case.type_name, "ranks": comm.size,
             "bytes": buf.nbytes, "count": case.count, "time_us": t["avg"] * 1e6, "time_us_min": t["min"] * 1e6,
             "time_us_max": t["max"] * 1e6, "algbw": algbw, "busbw": algbw * bus_factor(op, comm.size),
-            "wrong": wrong, "overlap_pct": None, "local_sum": cfg.local_sum if impl != "mpi" else None}
+            "wrong": wrong, "overlap_pct": None, "local_sum": cfg.local_sum if impl != "mpi" else None,
+            "wire_bytes": case.wire_bytes if case.wire_bytes is not None else buf.nbytes,
+            "quant": {"bits": bits, "block": cfg.quant_block} if bits else None,
+            "quant_err_max": error and error["max"], "quant_err_rms": error and error["rms"],
+            "quant_err_bound": case.bound}
 
 
 def overlap_record(mpi, case: Case, spinner, cfg: BenchConfig) -> dict:
@@ -333,6 +211,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                  f"dtype {cfg.dtype}, "
                  f"iters {cfg.iters} (median) after {cfg.warmup} warmup, local sum {cfg.local_sum}")
     print0(comm, "# time: per-rank median over iterations, then min/avg/max over ranks; bw from the avg")
+    if cfg.quantized:
+        print0(comm, quantized.banner(cfg.quant_block))
     if two_level is not None:
         print0(comm, banner(world.Get_size(), cfg.node_size))
     records = run_bench(cfg, comm, device_comm, placement.xp, two_level)

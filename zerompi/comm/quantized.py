@@ -21,10 +21,23 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import check
 from ..optim import impl
 from ..optim.reference import quantized_bytes
 
 BITS = {"int8": 8, "int4": 4}
+DEFAULT_BLOCK = 64     # elements per scale (docs/quantized.md: int4 gradients need blocks this small)
+
+
+def check_quantization(weights=None, grads=None, block: int = DEFAULT_BLOCK) -> None:
+    """ConfigError naming the value unless ``weights`` (None or "int8"), ``grads`` (None, "int8" or
+    "int4") and ``block`` (a power of two >= 8) are allowed: the one rule of the engine's config,
+    the train and estimate command lines and the bench."""
+    check(weights in (None, "int8"), f"quantize_weights={weights!r} is not allowed; use None or 'int8' (int4 "
+                                     "weights are not offered: too coarse for parameters)")
+    check(grads in (None, "int8", "int4"), f"quantize_grads={grads!r} is not allowed; use None, 'int8' or 'int4'")
+    check(isinstance(block, int) and not isinstance(block, bool) and block >= 8 and block & (block - 1) == 0,
+          f"quant_block={block!r} is not allowed; use a power of two >= 8 (elements per scale)")
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from typing import Callable, Optional, Tuple
 
 import numpy as np
 
+from ..comm.quantized import DEFAULT_BLOCK, check_quantization
 from ..errors import ConfigError, check
 from ..optim.impl import OPTIMIZER_IMPLS
 
@@ -123,7 +124,7 @@ class ZeroConfig:
     quantize_grads: Optional[str] = None
     """ZeRO++ qgZ: None, "int8" or "int4": the gradient reduce-scatters send quantized blocks, summed
     in fp32 after dequantization (across nodes: each level re-quantizes its partial sum)."""
-    quant_block: int = 64
+    quant_block: int = DEFAULT_BLOCK
     """Elements per quantization block (one float32 scale each): a power of two >= 8."""
     offload_optimizer: str = "none"
     """Where the fp32 master and Adam moments live (stages 1-3; engine/offload.py): "none" (with the
@@ -192,13 +193,7 @@ class ZeroConfig:
         check(isinstance(self.hpz, bool), f"hpz={self.hpz!r} must be True or False")
         check(not self.hpz or self.stage == 3, f"hpz=True needs stage 3 (stage={self.stage}): it keeps a "
                                                "node-local copy of the parameters stage 3 shards")
-        check(self.quantize_weights in (None, "int8"), f"quantize_weights={self.quantize_weights!r} is not "
-              "allowed; use None or 'int8' (int4 weights are not offered: too coarse for parameters)")
-        check(self.quantize_grads in (None, "int8", "int4"), f"quantize_grads={self.quantize_grads!r} is not "
-                                                             "allowed; use None, 'int8' or 'int4'")
-        check(isinstance(self.quant_block, int) and not isinstance(self.quant_block, bool) and self.quant_block >= 8
-              and self.quant_block & (self.quant_block - 1) == 0,
-              f"quant_block={self.quant_block!r} is not allowed; use a power of two >= 8 (elements per scale)")
+        check_quantization(self.quantize_weights, self.quantize_grads, self.quant_block)
         check(self.quantize_weights is None or self.stage > 0, f"quantize_weights={self.quantize_weights!r} needs "
               f"stage 1, 2 or 3 (stage={self.stage} all-gathers no parameters)")
         check(self.offload_optimizer in ("none", "cpu", "nvme"), f"offload_optimizer={self.offload_optimizer!r} "

@@ -7,16 +7,17 @@ its dict into text. Parses the options (bad input: one line naming the value, ex
 the measured bytes beside it. No arithmetic about memory lives here.
 """
 import argparse
-import json
 import math
 import sys
 from typing import List, Optional
 
 from ..checkpoint.outputs import check_file, save_json
+from ..comm.quantized import DEFAULT_BLOCK
 from ..engine import reducer
 from ..engine.config import ZeroConfig
 from ..errors import EXIT_OUTPUT, ConfigError, check, quiet_exit_on_closed_stdout
 from .activations import GPT_FLAGS, gpt_activations, gpt_layer_sizes, with_activations
+from .fromrun import compare_run, format_compare, read_run, run_estimate
 from .stages import BUFFER_ROWS, DEFAULT_PREFETCH, estimate
 
 UNITS = ((1e9, "GB", 2 ** 30, "GiB"), (1e6, "MB", 2 ** 20, "MiB"), (1e3, "kB", 2 ** 10, "KiB"), (1, "B", 1, "B"))
@@ -91,6 +92,8 @@ def format_table(est: dict) -> str:
         out += level_rows(est, line, dec, unit)
     else:
         out.append(line(f"communication per step, {unit}", [dec(r["comm_bytes_per_step"]) for r in rows]))
+        if est.get("quantized"):
+            out.append(line(f"  unquantized (logical), {unit}", [dec(r["comm_logical_bytes_per_step"]) for r in rows]))
         out.append(line("collective calls per step", [f"{r['comm_calls_per_step']:,}" for r in rows]))
         out.append(line("communication time, s", [f"{r['comm_seconds_per_step']:.4f}" for r in rows]))
     padding = est["padded_params"] - est["params"]
@@ -99,7 +102,7 @@ def format_table(est: dict) -> str:
             f"layout: {est['buckets']:,} buckets of up to {est['bucket_numel']:,} elements ({est['bucket_mb']:g} MiB), "
             f"{padding:,} padding elements; stage-3 prefetch {est['prefetch']}; "
             f"{est['micro_batches']} micro-batch(es)",
-            _pending_note(est)]
+            _pending_note(est)] + quant_notes(est)
     if est.get("by_level"):
         return "\n".join(out + level_notes(est))
     out += [f"communication: ring volumes, (N-1)/N of the buffer per pass; time = calls x (N-1) x "
@@ -125,6 +128,11 @@ def level_rows(est: dict, line, dec, unit: str) -> List[str]:
     level = lambda key, lvl: [r[key][lvl] for r in rows]
     out = [line(f"sent inside nodes / step, {unit}", [dec(b) for b in level("comm_bytes_per_step_by_level", "intra")]),
            line(f"sent across nodes / step, {unit}", [dec(b) for b in level("comm_bytes_per_step_by_level", "inter")])]
+    if est.get("quantized"):
+        out += [line(f"  unquantized inside, {unit}", [dec(b) for b in level("comm_logical_bytes_per_step_by_level",
+                                                                             "intra")]),
+                line(f"  unquantized across, {unit}", [dec(b) for b in level("comm_logical_bytes_per_step_by_level",
+                                                                             "inter")])]
     out += [line("time inside nodes, s", [f"{t:.4f}" for t in level("comm_seconds_per_step_by_level", "intra")]),
             line("time across nodes, s", [f"{t:.4f}" for t in level("comm_seconds_per_step_by_level", "inter")]),
             line("communication time, s", [f"{r['comm_seconds_per_step_levels']:.4f}" for r in rows])]
@@ -158,6 +166,20 @@ def level_notes(est: dict) -> List[str]:
     return out
 
 
+def quant_notes(est: dict) -> List[str]:
+    """The footer line of a quantized estimate: what is quantized, and how a slice travels."""
+    q = est.get("quantization") or {}
+    if not est.get("quantized"):
+        return []
+    what = [f"weights {q['weights']} (qwZ: the parameter gathers of stages 1-3)"] if q["weights"] else []
+    what += [f"gradients {q['grads']} (qgZ: the reduce-scatters)"] if q["grads"] else []
+    return [f"quantized: {' and '.join(what)}, blocks of {q['block']}: a slice of k elements travels as its values "
+            f"(k bytes for int8, (k + 1) / 2 for int4, padded to 4) and a 4-byte scale per block; the bytes and "
+            f"times above are on the wire, the unquantized rows what the same step would send unquantized "
+            f"(stage 0's gradient all-gather, the all-reduce across shard groups and hpZ's gathers inside a node "
+            f"travel unquantized)"]
+
+
 def _pending_note(est: dict) -> str:
     """The footer line that says which bound on pending reductions the totals assume."""
     cap, pending = est["engine_max_pending"], est["in_flight"]
@@ -168,76 +190,6 @@ def _pending_note(est: dict) -> str:
              else f"--in-flight {pending}; the engine's cap is {cap}")
     return (f"pending: gradient reductions still in flight when the next bucket's gradients arrive, at most "
             f"{pending}: {whose}; best case: none pending (each reduction done before the next bucket fills)")
-
-
-def run_estimate(metrics: dict, **overrides) -> dict:
-    """The estimate for the configuration of a train run (its --metrics-json output)."""
-    cfg = metrics.get("config", {})
-    zero = cfg.get("zero", {})
-    # The MLP's blocks are equal, so --layers depth reproduces its layout exactly.
-    layers = cfg.get("depth") if cfg.get("model") == "mlp" else None
-    kwargs = dict(params=metrics["params"], ranks=metrics["world_size"], dtype=metrics["dtype"],
-                  bucket_mb=zero.get("bucket_mb", ZeroConfig.bucket_mb), layers=layers,
-                  micro_batches=zero.get("micro_batches", 1), prefetch=zero.get("prefetch", DEFAULT_PREFETCH),
-                  overlap=zero.get("overlap", True), align=zero.get("align", ZeroConfig.align))
-    topo = metrics.get("topology") or {}
-    if topo.get("node_size", metrics["world_size"]) < metrics["world_size"] or \
-            topo.get("shard_size", metrics["world_size"]) < metrics["world_size"]:    # nodes or shard groups
-        kwargs.update(node_size=topo["node_size"], shard_size=topo["shard_size"], hpz=bool(topo.get("hpz")))
-    kwargs.update(overrides)
-    return estimate(**kwargs)
-
-
-RUN_KEYS = ("params", "world_size", "dtype", "stage", "memory_bytes", "peak_buffer_bytes", "comm_bytes_per_step")
-
-
-def read_run(path: str) -> dict:
-    """A train run's --metrics-json, checked for what --from-run reads (ConfigError naming the file)."""
-    check(path != "", "from_run='' is an empty path; give a train run's --metrics-json file")
-    try:
-        with open(path) as f:
-            metrics = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"from_run={path!r} is not a readable metrics JSON ({e})")
-    what = f"from_run={path!r} is not the --metrics-json of a zerompi.train run"
-    check(isinstance(metrics, dict), f"{what} (it holds a JSON {type(metrics).__name__}, not an object)")
-    missing = [k for k in RUN_KEYS if k not in metrics]
-    check(not missing, f"{what} (it has no {', '.join(missing)})")
-    check(metrics["stage"] in (0, 1, 2, 3), f"{what} (stage={metrics['stage']!r})")
-    return metrics
-
-
-def compare_run(est: dict, metrics: dict) -> dict:
-    """Measured bytes of a run beside the estimate for its stage (buffers: at the cap and the best case)."""
-    row = est["stages"][metrics["stage"]]
-    mem = metrics["memory_bytes"]
-    measured = {"params_bytes": mem["params"], "grads_bytes": mem["grads"], "optimizer_bytes": mem["optimizer"],
-                "model_state_bytes": mem["total"], "buffer_bytes": metrics["peak_buffer_bytes"],
-                "total_bytes": mem["total"] + metrics["peak_buffer_bytes"],
-                "comm_bytes_per_step": metrics["comm_bytes_per_step"]}
-    estimated = {k: row[k] for k in measured}
-    levels = metrics.get("comm_bytes_per_step_by_level")
-    if levels:        # what the engine sent, by level, beside its formula (engine/traffic.py)
-        for lvl in ("intra", "inter"):
-            measured[f"comm_{lvl}_bytes_per_step"] = levels[lvl]
-            estimated[f"comm_{lvl}_bytes_per_step"] = row["comm_bytes_per_step_by_level"][lvl]
-    best = {"buffer_bytes": row["buffer_bytes_best_case"], "total_bytes": row["total_bytes_best_case"]}
-    return {"stage": metrics["stage"], "measured": measured, "estimate": estimated,
-            "estimate_best_case": best, "estimate_one_in_flight": best}   # the latter: its name before the cap
-
-
-def format_compare(cmp: dict, est: dict) -> str:
-    lines = [f"measured in the run (stage {cmp['stage']}) beside the estimate for its configuration, bytes per rank",
-             f"  {'':26}{'measured':>14}{'estimate':>14}{'difference':>12}{'best case':>14}"]
-    for key, m in cmp["measured"].items():
-        e = cmp["estimate"][key]
-        best = cmp["estimate_best_case"].get(key)
-        lines.append(f"  {key:26}{m:>14,}{e:>14,}{m - e:>12,}" + (f"{best:>14,}" if best is not None else ""))
-    bound = (f"up to {est['in_flight']} reductions pending while the next bucket fills"
-             if est["overlap"] else "overlap off, no reduction pending while the next bucket fills")
-    lines.append(f"  (estimate: {bound}, the most a rank holds; best case: each reduction done before the next "
-                 "bucket fills)")
-    return "\n".join(lines)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -287,6 +239,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1, metavar="K",
                    help="tensor parallelism over K of the --ranks (a GPT given by its six dimensions above): model "
                         "states per rank for the TP split, then ZeRO over N/K; and the TP all-reduce bytes")
+    p.add_argument("--quantize-weights", default=None, metavar="int8",
+                   help="ZeRO++ qwZ as zerompi.train's: the parameter gathers travel as int8 blocks (stages 1-3)")
+    p.add_argument("--quantize-grads", default=None, metavar="int8|int4",
+                   help="ZeRO++ qgZ as zerompi.train's: the gradient reduce-scatters travel quantized")
+    p.add_argument("--quant-block", type=int, default=DEFAULT_BLOCK, metavar="B",
+                   help="elements per quantization block (a power of two >= 8)")
     p.add_argument("--json", metavar="PATH", help="also write the table as JSON")
     p.add_argument("--from-run", metavar="METRICS.json",
                    help="a train run's --metrics-json: estimate its configuration and show measured beside it")
@@ -307,7 +265,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         opts = dict(bucket_mb=a.bucket_mb, prefetch=a.prefetch, micro_batches=a.micro_batches,
                     in_flight=a.in_flight, bandwidth_gbps=a.bandwidth_gbps, latency_us=a.latency_us,
                     overlap=not a.no_overlap, intra_gbps=a.intra_gbps, inter_gbps=a.inter_gbps,
-                    offload_optimizer=a.offload_optimizer, offload_params=a.offload_params)
+                    offload_optimizer=a.offload_optimizer, offload_params=a.offload_params,
+                    quantize_weights=a.quantize_weights, quantize_grads=a.quantize_grads, quant_block=a.quant_block)
         topo = {k: v for k, v in (("node_size", a.node_size), ("shard_size", a.shard_size), ("hpz", a.hpz or None))
                 if v is not None}
         dims = {k: getattr(a, k) for k in GPT_FLAGS}

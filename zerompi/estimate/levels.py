@@ -90,9 +90,12 @@ def scratch_elements(plan: BucketPlan, lv: Levels, in_flight: int) -> int:
 
 
 def level_traffic(stage: int, plan: BucketPlan, itemsize: int, lv: Levels, micro_batches: int, ahead: int,
-                  latency_us: float, intra_gbps: float, inter_gbps: float) -> Dict[str, Dict[str, float]]:
+                  latency_us: float, intra_gbps: float, inter_gbps: float, weights=None,
+                  grads=None) -> Dict[str, Dict[str, float]]:
     """Bytes one rank sends per step inside its node and across nodes (engine.traffic), the ring steps
-    (latency-bound messages) of its collectives on each level, and the seconds of each level."""
+    (latency-bound messages) of its collectives on each level, and the seconds of each level.
+    ``weights`` / ``grads``: the comm.quantized.Quantization of qwZ and qgZ, or None: the bytes on
+    the wire, as the engine counts them (None for both: the logical bytes)."""
     calls = traffic.step_calls(stage, plan.runs, lv.ranks, lv.node_size, lv.shard_size, micro_batches, ahead,
                                lv.hpz and stage == 3)
     k, m, r = lv.k, lv.m, lv.replicas
@@ -101,7 +104,7 @@ def level_traffic(stage: int, plan: BucketPlan, itemsize: int, lv: Levels, micro
     sent, steps = dict.fromkeys(LEVELS, 0), dict.fromkeys(LEVELS, 0)
     for kind, per in calls.items():
         for b, times in per.items():
-            nbytes = traffic.call_bytes(kind, b, itemsize, lv.ranks, lv.node_size, lv.shard_size)
+            nbytes = traffic.call_bytes(kind, b, itemsize, lv.ranks, lv.node_size, lv.shard_size, weights, grads)
             for level, e, st in zip(LEVELS, nbytes, steps_per_call[kind]):
                 sent[level] += times * e
                 steps[level] += times * st
@@ -111,17 +114,21 @@ def level_traffic(stage: int, plan: BucketPlan, itemsize: int, lv: Levels, micro
 
 
 def flat_traffic(stage: int, plan: BucketPlan, itemsize: int, lv: Levels, micro_batches: int, ahead: int,
-                 latency_us: float, intra_gbps: float, inter_gbps: float) -> Dict[str, Dict[str, float]]:
+                 latency_us: float, intra_gbps: float, inter_gbps: float, weights=None,
+                 grads=None) -> Dict[str, Dict[str, float]]:
     """:func:`level_traffic` if the shard group's collectives were flat, unaware of nodes (as before
     there were two levels): a rank sends a bucket's slice to each of its S - 1 peers, K - 1 of them
-    on its node; hpZ needs two levels, so it is left out."""
+    on its node (a slice's wire block when quantized); hpZ needs two levels, so it is left out."""
     calls = traffic.step_calls(stage, plan.runs, lv.ranks, lv.node_size, lv.shard_size, micro_batches, ahead)
     s, k = lv.shard_size, lv.k
+    quant = {"reduce_scatter": grads, "gather": weights}
     sent, steps = dict.fromkeys(LEVELS, 0), dict.fromkeys(LEVELS, 0)
     for kind in traffic.GROUP_KINDS:
+        q = quant.get(kind)
         for b, times in calls[kind].items():
-            sent["intra"] += times * (k - 1) * (b // s) * itemsize
-            sent["inter"] += times * (s - k) * (b // s) * itemsize
+            block = (b // s) * itemsize if q is None else q.wire_bytes(b // s)
+            sent["intra"] += times * (k - 1) * block
+            sent["inter"] += times * (s - k) * block
             steps["intra"] += times * (k - 1)
             steps["inter"] += times * (s - k)
     for b, times in calls["replicas"].items():

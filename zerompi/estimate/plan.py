@@ -50,13 +50,14 @@ class BucketPlan:
             out[n] = out.get(n, 0) + c
         return out
 
-    def ends(self, k: int) -> Tuple[int, int]:
-        """Elements of the first k and of the last k buckets (k is capped at the number of buckets)."""
+    def ends(self, k: int, weight=None) -> Tuple[int, int]:
+        """Elements of the first k and of the last k buckets (k is capped at the number of buckets);
+        ``weight``: of a bucket's length, what to add up in place of its elements (e.g. its wire bytes)."""
         def take(runs):
             total, left = 0, k
             for n, c in runs:
                 got = min(c, left)
-                total, left = total + got * n, left - got
+                total, left = total + got * (n if weight is None else weight(n)), left - got
             return total
         return take(self.runs), take(reversed(self.runs))
 

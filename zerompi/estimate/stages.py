@@ -24,6 +24,7 @@ from ..engine.config import DTYPES, STAGES, ZeroConfig
 from ..layout import FlatLayout
 from ..engine.memory import theory_by_place, theory_bytes, theory_comm_bytes
 from ..engine import reducer
+from ..comm.quantized import DEFAULT_BLOCK, check_quantization, quantization
 from ..errors import check
 from .levels import Levels, check_levels, flat_traffic, level_traffic, scratch_elements
 from .plan import BucketPlan, bucket_numel, plan_buckets
@@ -45,13 +46,38 @@ def formula(stage: int, itemsize: int, group: str = "N", node: Optional[str] = N
     return " + ".join(parts)
 
 
+def ring_bytes(stage: int, plan: BucketPlan, itemsize: int, micro_batches: int, ahead: int, weights=None,
+               grads=None):
+    """(bytes one rank sends per step, of them what stage 3 need not send at the turns) by ring volumes
+    over the plan's ranks: every pass sends a bucket's slice to each of the N - 1 peers, its wire block
+    when quantized (``grads``: the reduce-scatters, qgZ; ``weights``: the parameter gathers of stages
+    1-3, qwZ); ``memory.theory_comm_bytes`` when nothing is.
+
+    At a turn the engine keeps what it holds gathered (the bucket in use and up to ``ahead`` more)
+    instead of freeing it and gathering it again: the last buckets at each forward->backward turn,
+    the first ones at each backward->forward turn."""
+    n, m = plan.world_size, micro_batches
+    weights = weights if stage > 0 else None          # stage 0 all-gathers gradients, unquantized
+    if weights is None and grads is None:
+        first, last = plan.ends(1 + ahead) if stage == 3 else (0, 0)
+        return (theory_comm_bytes(stage, plan.numel, n, itemsize, m),
+                itemsize * (m * last + (m - 1) * first) * (n - 1) // n)
+    size = lambda q, b: (b // n) * itemsize if q is None else q.wire_bytes(b // n)   # one slice of a bucket
+    gathers = 2 * m if stage == 3 else 1
+    comm = sum(c * (n - 1) * (m * size(grads, b) + gathers * size(weights, b)) for b, c in plan.runs)
+    first, last = plan.ends(1 + ahead, lambda b: size(weights, b)) if stage == 3 else (0, 0)
+    return comm, (n - 1) * (m * last + (m - 1) * first)
+
+
 def _stage_row(stage: int, plan: BucketPlan, itemsize: int, micro_batches: int, prefetch: int, overlap: bool,
-               pending: int, bandwidth_gbps: float, latency_us: float, cap: int, lv: Levels, gbps: tuple) -> dict:
+               pending: int, bandwidth_gbps: float, latency_us: float, cap: int, lv: Levels, gbps: tuple,
+               quant: tuple = (None, None)) -> dict:
     """One stage's bytes per rank (model states, buffers) and communication per step.
 
     ``pending``: reductions pending when a bucket fills (the timing this row is for);
     ``cap``: the engine's bound on them, which its buffer classes are sized for; ``lv``: nodes
-    and shard groups (the plan is cut for one shard group); ``gbps``: (inside, across) nodes.
+    and shard groups (the plan is cut for one shard group); ``gbps``: (inside, across) nodes;
+    ``quant``: the Quantization of (weights, grads), or None each: bytes and time on the wire.
     """
     n, isz, m = plan.world_size, itemsize, micro_batches
     ahead = prefetch if overlap else 0
@@ -74,21 +100,16 @@ def _stage_row(stage: int, plan: BucketPlan, itemsize: int, micro_batches: int, 
         # (with nodes and shard groups: the two levels' and the all-reduce across groups', levels.py)
         "comm_scratch": isz * scratch_elements(plan, lv, pending),
     }
-    comm = theory_comm_bytes(stage, plan.numel, n, isz, m)
+    comm, reuse = ring_bytes(stage, plan, isz, m, ahead, *quant)
+    logical, _ = ring_bytes(stage, plan, isz, m, ahead)
     buckets = plan.num_buckets
     calls = m * 3 * buckets if stage == 3 else (m + 1) * buckets
     # Ring collectives: N-1 latency-bound steps each; every byte crosses this rank's link once.
     seconds = calls * (n - 1) * latency_us * 1e-6 + comm * 8 / (bandwidth_gbps * 1e9) if n > 1 else 0.0
-    reuse = 0
-    if stage == 3:
-        # At a turn the engine keeps what it holds gathered (the bucket in use and up to
-        # `ahead` more) instead of freeing it and gathering it again: the last buckets at
-        # each forward->backward turn, the first ones at each backward->forward turn.
-        first, last = plan.ends(1 + ahead)
-        reuse = isz * (m * last + (m - 1) * first) * (n - 1) // n
     buffer_bytes = sum(buffers.values())
-    by_level = level_traffic(stage, plan, isz, lv, m, ahead, latency_us, *gbps)
-    flat = flat_traffic(stage, plan, isz, lv, m, ahead, latency_us, *gbps)
+    by_level = level_traffic(stage, plan, isz, lv, m, ahead, latency_us, *gbps, *quant)
+    flat = flat_traffic(stage, plan, isz, lv, m, ahead, latency_us, *gbps, *quant)
+    logical_levels = level_traffic(stage, plan, isz, lv, m, ahead, latency_us, *gbps)["bytes"]
     return {
         "stage": stage,
         "params_bytes": states["params"],
@@ -100,12 +121,14 @@ def _stage_row(stage: int, plan: BucketPlan, itemsize: int, micro_batches: int, 
         "buffers": buffers,
         "buffer_bytes": buffer_bytes,
         "total_bytes": states["total"] + buffer_bytes,
-        "comm_bytes_per_step": comm,
+        "comm_bytes_per_step": comm,                  # on the wire (values + scales when quantized)
+        "comm_logical_bytes_per_step": logical,       # what the same step would send unquantized
         "comm_bytes_kept_at_turns": reuse,
         "comm_calls_per_step": calls,
         "comm_seconds_per_step": seconds,
         # what the engine sends (engine.traffic, to the byte), inside and across nodes, and its time
         "comm_bytes_per_step_by_level": by_level["bytes"],
+        "comm_logical_bytes_per_step_by_level": logical_levels,
         "comm_messages_per_step_by_level": by_level["messages"],
         "comm_seconds_per_step_by_level": by_level["seconds"],
         "comm_seconds_per_step_levels": sum(by_level["seconds"].values()),
@@ -122,7 +145,8 @@ def estimate(params: Optional[float] = None, ranks: Optional[int] = None, dtype:
              layout: Optional[FlatLayout] = None, align: int = ZeroConfig.align, overlap: bool = True,
              node_size: Optional[int] = None, shard_size: Optional[int] = None, hpz: bool = False,
              intra_gbps: Optional[float] = None, inter_gbps: Optional[float] = None,
-             offload_optimizer: str = "none", offload_params: str = "none") -> dict:
+             offload_optimizer: str = "none", offload_params: str = "none", quantize_weights: Optional[str] = None,
+             quantize_grads: Optional[str] = None, quant_block: int = DEFAULT_BLOCK) -> dict:
     """Bytes per rank and communication per step for ZeRO stages 0-3.
 
     ``params``: Psi, parameters of the model; ``ranks``: N. Or ``layout``: the engine's
@@ -143,17 +167,25 @@ def estimate(params: Optional[float] = None, ranks: Optional[int] = None, dtype:
     when a shard group is one node), ``intra_gbps`` / ``inter_gbps`` the bandwidth inside and
     across nodes (default ``bandwidth_gbps``). With a ``layout``, ``ranks`` defaults to the
     layout's and the layout must be cut for the shard group, as the engine cuts it.
+    Quantized communication (ZeRO++, docs/quantized.md), as ZeroConfig's: ``quantize_weights``
+    None or "int8" (qwZ: the parameter gathers of stages 1-3), ``quantize_grads`` None, "int8"
+    or "int4" (qgZ: the reduce-scatters), ``quant_block`` elements per scale: the communication
+    bytes and times are then those on the wire (a slice's values and scales,
+    ``Quantization.wire_bytes``), and ``comm_logical_bytes_per_step[_by_level]`` what the same
+    step would send unquantized.
     Returns ``{"stages": [{stage, model_state_bytes, params_bytes, grads_bytes,
     optimizer_bytes, secondary_bytes, buffers, buffer_bytes, total_bytes, total_bytes_best_case,
     comm_bytes_per_step (the ring volumes over one shard group: 2 or 3 passes per micro-batch),
     comm_bytes_per_step_by_level ({"intra", "inter"}: what the engine sends, engine.traffic),
-    comm_seconds_per_step_by_level, ...}], ...}`` with every size in bytes per rank. Raises
-    ConfigError on bad input.
+    comm_seconds_per_step_by_level, comm_logical_bytes_per_step, ...}], ...}`` with every size in
+    bytes per rank. Raises ConfigError on bad input.
     """
     check(dtype in DTYPES, f"dtype={dtype!r} is not allowed; use fp16, bf16 or fp32")
     check(offload_optimizer in ("none", "cpu", "nvme"), f"offload_optimizer={offload_optimizer!r} is not allowed; "
                                                         "use none, cpu or nvme")
     check(offload_params in ("none", "nvme"), f"offload_params={offload_params!r} is not allowed; use none or nvme")
+    check_quantization(quantize_weights, quantize_grads, quant_block)
+    quant = (quantization(quantize_weights, quant_block), quantization(quantize_grads, quant_block))
     itemsize = ZeroConfig(dtype=dtype).itemsize
     check(isinstance(micro_batches, int) and micro_batches >= 1, f"micro_batches={micro_batches!r} must be an integer >= 1")
     check(isinstance(prefetch, int) and prefetch >= 0, f"prefetch={prefetch!r} must be an integer >= 0 (0 = off)")
@@ -197,7 +229,7 @@ def estimate(params: Optional[float] = None, ranks: Optional[int] = None, dtype:
     cap = max(pending, reducer.MAX_PENDING_REDUCES) if overlap else 0   # what the engine's buffer pool is sized for
     stages = []
     for s in STAGES:
-        common = (bandwidth_gbps, latency_us, cap, lv, gbps)
+        common = (bandwidth_gbps, latency_us, cap, lv, gbps, quant)
         row = _stage_row(s, plan, itemsize, micro_batches, prefetch, overlap, pending, *common)
         best = _stage_row(s, plan, itemsize, micro_batches, prefetch, overlap, 0, *common)
         row["buffer_bytes_best_case"] = best["buffer_bytes"]
@@ -235,6 +267,8 @@ def estimate(params: Optional[float] = None, ranks: Optional[int] = None, dtype:
         "hpz_applies": lv.hpz_applies,
         "intra_gbps": gbps[0],
         "inter_gbps": gbps[1],
+        "quantization": {"weights": quantize_weights, "grads": quantize_grads, "block": quant_block},
+        "quantized": quantize_weights is not None or quantize_grads is not None,
         # the table prints the levels when a topology or a bandwidth per level was asked for
         "by_level": any(v is not None for v in (node_size, shard_size, intra_gbps, inter_gbps)) or hpz,
         "stages": stages,

@@ -1,0 +1,85 @@
+"""``--from-run``: the estimate for a train run's configuration, read from its ``--metrics-json``,
+and the run's measured bytes beside it (a table the estimate's command line prints)."""
+import json
+
+from ..comm.quantized import DEFAULT_BLOCK
+from ..engine.config import ZeroConfig
+from ..errors import ConfigError, check
+from .stages import DEFAULT_PREFETCH, estimate
+
+
+def run_estimate(metrics: dict, **overrides) -> dict:
+    """The estimate for the configuration of a train run (its --metrics-json output)."""
+    cfg = metrics.get("config", {})
+    zero = cfg.get("zero", {})
+    # The MLP's blocks are equal, so --layers depth reproduces its layout exactly.
+    layers = cfg.get("depth") if cfg.get("model") == "mlp" else None
+    kwargs = dict(params=metrics["params"], ranks=metrics["world_size"], dtype=metrics["dtype"],
+                  bucket_mb=zero.get("bucket_mb", ZeroConfig.bucket_mb), layers=layers,
+                  micro_batches=zero.get("micro_batches", 1), prefetch=zero.get("prefetch", DEFAULT_PREFETCH),
+                  overlap=zero.get("overlap", True), align=zero.get("align", ZeroConfig.align))
+    quant = metrics.get("quantization") or {}
+    kwargs.update(quantize_weights=quant.get("weights", zero.get("quantize_weights")),
+                  quantize_grads=quant.get("grads", zero.get("quantize_grads")),
+                  quant_block=quant.get("block", zero.get("quant_block", DEFAULT_BLOCK)))
+    topo = metrics.get("topology") or {}
+    if topo.get("node_size", metrics["world_size"]) < metrics["world_size"] or \
+            topo.get("shard_size", metrics["world_size"]) < metrics["world_size"]:    # nodes or shard groups
+        kwargs.update(node_size=topo["node_size"], shard_size=topo["shard_size"], hpz=bool(topo.get("hpz")))
+    kwargs.update(overrides)
+    return estimate(**kwargs)
+
+
+RUN_KEYS = ("params", "world_size", "dtype", "stage", "memory_bytes", "peak_buffer_bytes", "comm_bytes_per_step")
+
+
+def read_run(path: str) -> dict:
+    """A train run's --metrics-json, checked for what --from-run reads (ConfigError naming the file)."""
+    check(path != "", "from_run='' is an empty path; give a train run's --metrics-json file")
+    try:
+        with open(path) as f:
+            metrics = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"from_run={path!r} is not a readable metrics JSON ({e})")
+    what = f"from_run={path!r} is not the --metrics-json of a zerompi.train run"
+    check(isinstance(metrics, dict), f"{what} (it holds a JSON {type(metrics).__name__}, not an object)")
+    missing = [k for k in RUN_KEYS if k not in metrics]
+    check(not missing, f"{what} (it has no {', '.join(missing)})")
+    check(metrics["stage"] in (0, 1, 2, 3), f"{what} (stage={metrics['stage']!r})")
+    return metrics
+
+
+def compare_run(est: dict, metrics: dict) -> dict:
+    """Measured bytes of a run beside the estimate for its stage (buffers: at the cap and the best case)."""
+    row = est["stages"][metrics["stage"]]
+    mem = metrics["memory_bytes"]
+    measured = {"params_bytes": mem["params"], "grads_bytes": mem["grads"], "optimizer_bytes": mem["optimizer"],
+                "model_state_bytes": mem["total"], "buffer_bytes": metrics["peak_buffer_bytes"],
+                "total_bytes": mem["total"] + metrics["peak_buffer_bytes"],
+                "comm_bytes_per_step": metrics["comm_bytes_per_step"]}
+    estimated = {k: row[k] for k in measured}
+    if est.get("quantized") and "comm_logical_bytes_per_step" in metrics:    # unquantized, engine/traffic.py
+        measured["comm_logical_bytes_per_step"] = metrics["comm_logical_bytes_per_step"]
+        estimated["comm_logical_bytes_per_step"] = sum(row["comm_logical_bytes_per_step_by_level"].values())
+    levels = metrics.get("comm_bytes_per_step_by_level")
+    if levels:        # what the engine sent, by level, beside its formula (engine/traffic.py)
+        for lvl in ("intra", "inter"):
+            measured[f"comm_{lvl}_bytes_per_step"] = levels[lvl]
+            estimated[f"comm_{lvl}_bytes_per_step"] = row["comm_bytes_per_step_by_level"][lvl]
+    best = {"buffer_bytes": row["buffer_bytes_best_case"], "total_bytes": row["total_bytes_best_case"]}
+    return {"stage": metrics["stage"], "measured": measured, "estimate": estimated,
+            "estimate_best_case": best, "estimate_one_in_flight": best}   # the latter: its name before the cap
+
+
+def format_compare(cmp: dict, est: dict) -> str:
+    lines = [f"measured in the run (stage {cmp['stage']}) beside the estimate for its configuration, bytes per rank",
+             f"  {'':26}{'measured':>14}{'estimate':>14}{'difference':>12}{'best case':>14}"]
+    for key, m in cmp["measured"].items():
+        e = cmp["estimate"][key]
+        best = cmp["estimate_best_case"].get(key)
+        lines.append(f"  {key:26}{m:>14,}{e:>14,}{m - e:>12,}" + (f"{best:>14,}" if best is not None else ""))
+    bound = (f"up to {est['in_flight']} reductions pending while the next bucket fills"
+             if est["overlap"] else "overlap off, no reduction pending while the next bucket fills")
+    lines.append(f"  (estimate: {bound}, the most a rank holds; best case: each reduction done before the next "
+                 "bucket fills)")
+    return "\n".join(lines)
