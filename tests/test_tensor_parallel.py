@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.mpirun import ROOT, run_mpi, run_train
+from tests.mpirun import ROOT, one_line, run_mpi, run_train
 from zerompi.comm.tpsplit import merge, piece
 from zerompi.engine.memory import theory_bytes, theory_comm_bytes
 from zerompi.estimate.tensor import gpt_tp
@@ -163,6 +163,23 @@ def test_checkpoints_per_tp_rank_consolidate_and_resume_at_another_dp(tmp_path):
     proc = run_mpi(4, ["-m", "zerompi.train", *common, "--tp", "4", "--steps", "6", "--resume", tmp_path / "tp"],
                    timeout=120, check=False)
     assert proc.returncode == 2 and "tp" in proc.stderr, proc.stderr
+
+
+def test_a_fresh_run_never_overwrites_tp_checkpoints(tmp_path):
+    """The TP ranks' checkpoints live in DIR/tp{r}-of-{K}: a fresh run into DIR (with or without --tp) is
+    refused as for any checkpoints there, and --overwrite replaces them in every TP folder."""
+    common = GPT + ["--dtype", "fp32", "--log-every", "1000", "--save-dir", tmp_path / "d"]
+    run_train(2, tmp_path, *common, "--tp", "2", "--steps", "2", tag="a")
+    before = {p.name: (p / "latest").read_text() for p in (tmp_path / "d").iterdir()}
+    assert before == {"tp0-of-2": "step_000002\n", "tp1-of-2": "step_000002\n"}
+    for extra in (["--tp", "2"], []):
+        proc = run_mpi(2, ["-m", "zerompi.train", *common, *extra, "--steps", "1"], timeout=120, check=False)
+        line = one_line(proc, 2, "already holds checkpoints", "tp0-of-2/step_000002", "tp1-of-2/step_000002")
+        assert "--overwrite" in line
+        assert {p.name: (p / "latest").read_text() for p in (tmp_path / "d").iterdir()} == before
+    run_train(2, tmp_path, *common, "--tp", "2", "--steps", "3", "--overwrite", tag="b")
+    for sub in ("tp0-of-2", "tp1-of-2"):
+        assert sorted(p.name for p in (tmp_path / "d" / sub).iterdir()) == ["latest", "step_000003"], sub
 
 
 # ---- bad input -------------------------------------------------------------------------------------------

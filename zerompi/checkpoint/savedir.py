@@ -16,6 +16,7 @@ here is a collective or touches MPI; rank 0 calls these, and the caller makes th
 """
 import json
 import os
+import re
 import socket
 import time
 from typing import List, Optional
@@ -24,6 +25,7 @@ from ..errors import ConfigError
 from .format import LATEST, MANIFEST, complete_checkpoints, latest_name, remove_dir
 
 LOCK = ".zerompi.lock"
+TP_FOLDER = re.compile(r"tp\d+-of-\d+")    # a tensor-parallel run's checkpoints: DIR/tp{r}-of-{K}/ (engine/tensor.py)
 
 
 def _process_start(pid: int) -> Optional[str]:
@@ -113,13 +115,25 @@ class SaveDirLock:
             pass
 
 
+def saved_checkpoints(directory: str) -> List[str]:
+    """The complete checkpoints in ``directory`` and in its tensor-parallel folders (``tp0-of-2/step_...``),
+    as paths relative to it."""
+    subs = sorted(n for n in os.listdir(directory) if TP_FOLDER.fullmatch(n)) if os.path.isdir(directory) else []
+    return complete_checkpoints(directory) + [f"{sub}/{name}" for sub in subs
+                                              for name in complete_checkpoints(os.path.join(directory, sub))]
+
+
 def check_fresh(directory: str, resume: Optional[str], overwrite: bool) -> List[str]:
-    """A run without ``resume`` into a ``directory`` that holds checkpoints: ConfigError, unless
-    ``overwrite``. Returns the checkpoints there (an ``overwrite`` run replaces them later)."""
-    found = complete_checkpoints(directory)
-    if not found and not os.path.lexists(os.path.join(directory, LATEST)) or resume or overwrite:
+    """A run without ``resume`` into a ``directory`` that holds checkpoints (its own or in tensor-parallel
+    folders): ConfigError, unless ``overwrite``. Returns the checkpoints there (an ``overwrite`` run
+    replaces them later)."""
+    found = saved_checkpoints(directory)
+    subs = {n.partition("/")[0] for n in found if "/" in n}
+    latest_at = [d for d in [directory] + [os.path.join(directory, s) for s in sorted(subs)]
+                 if os.path.lexists(os.path.join(d, LATEST))]
+    if not found and not latest_at or resume or overwrite:
         return found
-    latest = latest_name(directory)
+    latest = latest_name(latest_at[0] if latest_at else directory)
     listed = ", ".join(found) if found else "none complete"
     raise ConfigError(f"save_dir={directory!r} already holds checkpoints ({listed}; {LATEST}: {latest}) of "
                       f"another run; pass --resume {directory} to continue it, --overwrite to replace them "
@@ -147,8 +161,9 @@ def retain(directory: str, keep_last: Optional[int], current: str) -> List[str]:
 
 
 def replace(directory: str, old: List[str], current: str) -> List[str]:
-    """Remove the checkpoints ``old`` (those an ``overwrite`` run found), except ``current``."""
-    doomed = [n for n in old if n != current and os.path.isdir(os.path.join(directory, n))]
+    """Remove the checkpoints ``old`` (those an ``overwrite`` run found, relative paths), except those
+    named ``current`` (in any tensor-parallel folder: each TP rank has just written its own)."""
+    doomed = [n for n in old if os.path.basename(n) != current and os.path.isdir(os.path.join(directory, n))]
     for name in doomed:
         remove_dir(os.path.join(directory, name), background=True)
     return doomed

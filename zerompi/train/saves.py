@@ -12,8 +12,8 @@ import os
 import sys
 from typing import List, Optional
 
-from ..checkpoint.format import ROWS, complete_checkpoints
-from ..checkpoint.savedir import SaveDirLock, check_fresh, replace
+from ..checkpoint.format import ROWS
+from ..checkpoint.savedir import SaveDirLock, check_fresh, replace, saved_checkpoints
 from .config import TrainConfig
 
 HEADER_BYTES = 128       # a shard file's .npy header
@@ -65,7 +65,7 @@ class Saves:
         self.cfg, self.engine, self.mpi = cfg, engine, mpi
         self.pending = None                 # the background save under way
         # --overwrite: the other run's checkpoints, removed once this run's first one is published.
-        self.replace: List[str] = complete_checkpoints(cfg.save_dir) if (
+        self.replace: List[str] = saved_checkpoints(cfg.save_dir) if (
             cfg.save_dir and cfg.overwrite and mpi.Get_rank() == 0) else []
 
     def after_step(self, done: int, stopping: bool) -> None:
