@@ -139,3 +139,30 @@ def test_the_estimate_splits_model_states_by_place_as_the_engine_holds_them(tmp_
         states = {k: v for k, v in held[place].items() if k in ("params", "grads", "optimizer")}
         assert states == {k: v for k, v in row[place].items() if k != "total"}, (place, held, row)
     eng.close()
+
+
+def test_the_final_hash_waits_for_the_delayed_update(monkeypatch):
+    """The train CLI's final_params_sha256 reads the master a bucket at a time (gather_buckets): with the
+    delayed update still running behind the last step, it must read the master after that update, as
+    full_parameters() does (before: whatever the background thread had written so far, so that two
+    resumes from one checkpoint hashed differently under load). The update is slowed to make the race sure."""
+    import time
+    import numpy as np
+    from zerompi.optim import impl
+    cfg = ZeroConfig(stage=1, dtype="fp32", lr=0.1, offload_optimizer="cpu", offload_delayed_update=True)
+    eng = ZeroEngine([("lin", {"x": np.zeros(64, np.float32)})], cfg)
+    update = impl.host_adamw_update
+
+    def slow(*args, **kwargs):
+        time.sleep(0.3)
+        return update(*args, **kwargs)
+    monkeypatch.setattr(impl, "host_adamw_update", slow)
+    for _ in range(2):
+        with eng.unsharded(0):
+            pass
+        eng.grads_ready(0, {"x": np.ones(64, np.float32)})
+        eng.step()
+    read = np.concatenate([values for _, values in eng.optimizer.gather_buckets(eng.group, eng.steps_taken)])
+    want = eng.full_parameters()["x"]
+    eng.close()
+    assert np.array_equal(read[:64], want) and not np.array_equal(want, np.zeros(64, np.float32))

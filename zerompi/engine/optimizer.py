@@ -61,11 +61,15 @@ class ShardedAdamW:
     # ---- the master, wherever it is ---------------------------------------------------
     @property
     def master(self):
-        """The whole master row as an array (a host copy when it lives in a file)."""
+        """The whole master row as an array (a host copy when it lives in a file), after a delayed
+        update in flight has written it."""
+        self.wait()
         return self.rows.read("master")
 
     def master_slice(self, sl: slice):
-        """Part of the master (device or host, as it lives; a host copy from a file)."""
+        """Part of the master (device or host, as it lives; a host copy from a file), after a delayed
+        update in flight has written it."""
+        self.wait()
         return self.rows.read("master", sl)
 
     def read_row(self, name: str) -> np.ndarray:
@@ -206,7 +210,9 @@ class ShardedAdamW:
 
     def gather_buckets(self, group, step: int):
         """(bucket, its whole fp32 master as a NumPy array) for every bucket in order, one at a time
-        (a collective per bucket): the whole model is never held at once."""
+        (a collective per bucket): the whole model is never held at once. A delayed update in flight
+        is waited for first (it writes the master)."""
+        self.wait()
         stage0 = self.config.stage == 0
         for bucket in self.layout.buckets:
             if stage0:
