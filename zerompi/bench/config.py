@@ -93,6 +93,9 @@ class BenchConfig:
     the bytes of one call inside and across nodes (bench/levels.py)."""
     quant_block: int = DEFAULT_BLOCK
     """Elements per quantization block of the quantized rows (a power of two >= 8), as --quant-block."""
+    tp: Optional[int] = None
+    """Measure the all-reduce over tensor-parallel groups of this many adjacent ranks instead
+    (zerompi.Mesh's TP all-reduce, impl zerompi-tp, beside MPI's Allreduce on the group; bench/tensor.py)."""
 
     def __post_init__(self):
         for op in self.ops:
@@ -121,12 +124,34 @@ class BenchConfig:
         check(self.warmup >= 0, f"warmup={self.warmup} must be >= 0")
         check(self.node_size is None or (isinstance(self.node_size, int) and self.node_size >= 1),
               f"node_size={self.node_size!r} must be a whole number of ranks >= 1")
+        if self.tp is not None:
+            self._check_tp()
         check(self.sum_impl in OPTIMIZER_IMPLS,
               f"sum_impl={self.sum_impl!r} is not allowed; use one of {', '.join(OPTIMIZER_IMPLS)}")
 
+    def _check_tp(self) -> None:
+        """With --tp: a group of 2 ranks or more, its all-reduce alone, unquantized, on the CPU, flat."""
+        k = self.tp
+        check(isinstance(k, int) and not isinstance(k, bool) and k >= 1,
+              f"tp={k!r} must be a whole number of ranks >= 2")
+        check(k >= 2, f"tp={k} makes groups of one rank: there is no all-reduce to measure; use a group of 2 "
+                      "ranks or more")
+        other = [op for op in self.ops if op != "all_reduce"]
+        check(not other, f"op={other[0] if other else ''} has no --tp rows: a tensor-parallel group only "
+                         "all-reduces; use --op all_reduce (or leave --op out)")
+        quantized = [i for i in self.impls if i in QUANTIZED]
+        check(not quantized, f"impl={quantized[0] if quantized else ''} has no --tp rows: the engine never "
+                             "quantizes an all-reduce; use --impl zerompi, mpi or both")
+        check(self.node_size is None, f"tp={k} and node_size={self.node_size} measure different tables; "
+                                      "give one of --tp and --node-size")
+        check(self.device == "cpu", f"tp={k} needs --device cpu: the Mesh's TP all-reduce runs on host buffers")
+
     def row_impls(self) -> Tuple[str, ...]:
         """The implementations of the rows. With node_size, the two-level ones: zerompi-2level beside
-        zerompi's flat one (first when zerompi is not asked for), zerompi-2level-q8 beside zerompi-q8 ..."""
+        zerompi's flat one (first when zerompi is not asked for), zerompi-2level-q8 beside zerompi-q8 ...
+        With tp, zerompi's rows are the Mesh's TP all-reduce (bench/tensor.py): zerompi-tp."""
+        if self.tp is not None:
+            return tuple("zerompi-tp" if i == "zerompi" else i for i in self.impls)
         if self.node_size is None:
             return self.impls
         out = [] if "zerompi" in self.impls else [TWO_LEVEL]
@@ -183,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node-size", type=int, default=None, metavar="K",
                    help="simulate nodes of K consecutive ranks: add the two-level rows (zerompi-2level) and the "
                         "bytes of one call inside and across nodes")
+    p.add_argument("--tp", type=int, default=None, metavar="K",
+                   help="the all-reduce over tensor-parallel groups of K adjacent ranks (zerompi.Mesh): the "
+                        "Mesh's TP all-reduce (zerompi-tp) beside MPI's Allreduce on the same group")
     return p
 
 
@@ -201,9 +229,11 @@ def parse_config(argv: Optional[List[str]] = None) -> BenchConfig:
     check(a.op != "all_reduce" or not quantized, f"op=all_reduce has no {quantized[0] if quantized else ''} rows: "
           f"the engine never quantizes an all-reduce; use --op {' or '.join(QUANTIZED_OPS)} (or all: the "
           f"quantized implementations then skip the all-reduce)")
-    cfg = BenchConfig(ops=OPS if a.op == "all" else (a.op,), min_bytes=parse_size(a.minbytes),
+    ops = OPS if a.op == "all" else (a.op,)
+    ops = ("all_reduce",) if a.tp is not None and a.op == "all" else ops     # --tp: the all-reduce alone
+    cfg = BenchConfig(ops=ops, min_bytes=parse_size(a.minbytes),
                       max_bytes=parse_size(a.maxbytes), factor=factor, dtype=a.dtype, iters=a.iters,
                       warmup=a.warmup, impls=impls, device=a.device, comm=a.comm,
                       check=a.check, overlap=not a.no_overlap, json_path=a.json, sum_impl=a.sum_impl,
-                      node_size=a.node_size, quant_block=a.quant_block, plot_path=a.plot)
+                      node_size=a.node_size, quant_block=a.quant_block, plot_path=a.plot, tp=a.tp)
     return cfg

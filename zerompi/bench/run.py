@@ -29,33 +29,19 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from .cases import Case, Spinner, copy_seconds, make_case, measure_overlap, overlap_pct, time_medians
+from .cases import Case, Spinner, copy_seconds, make_case, time_medians
 from .config import DTYPES, BenchConfig, parse_config, quant_bits
+from .records import _ranks, bus_factor, make_record, overlap_record, padded_count  # noqa: F401 (bench.bus_factor)
 from .levels import TWO_LEVEL, banner, check_node_size, columns, communicators, level_record
 from .plot import check_plot, save_plot
 from .table import footer, print0, table_header, table_row
-from . import quantized
+from . import quantized, tensor
 from ..comm.quantized import Quantization
 from ..checkpoint.outputs import check_file, save_json
 from ..errors import EXIT_OUTPUT, ConfigError, HelpRequested, agree_on_errors, agree_on_start, install_abort_hook
 
 
-def bus_factor(op: str, n: int) -> float:
-    """busbw / algbw for op on n ranks (nccl-tests' factors)."""
-    return 2.0 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
-
-
 # ---- the run --------------------------------------------------------------------
-def padded_count(nbytes: int, itemsize: int, n: int) -> int:
-    """Elements of a buffer of at least nbytes, padded to whole slices as the engine pads buckets.
-
-    fp16 pads to 2N elements so that the MPI rows' fp32 view also splits into N whole slices.
-    """
-    quantum = n * max(1, 4 // itemsize)
-    elems = -(-nbytes // itemsize)
-    return -(-elems // quantum) * quantum
-
-
 def memory_error(cfg: BenchConfig, n: int, placement) -> Optional[str]:
     """One line when the largest size cannot fit in this rank's share of the machine, else None.
 
@@ -147,35 +133,6 @@ def check_case(mpi, case: Case) -> Tuple[int, Optional[dict]]:
     return wrong, {"max": max(m for m, _, _ in every), "rms": (sum(s for _, s, _ in every) / max(count, 1)) ** 0.5}
 
 
-def make_record(cfg: BenchConfig, comm, op: str, impl: str, case: Case, buf, t: dict, wrong,
-                error: Optional[dict] = None) -> dict:
-    """One JSON record; times in µs (t: seconds, min/avg/max over ranks), bandwidths in GB/s, on the
-    logical bytes (``bytes``, the buffer unquantized); ``wire_bytes``: the buffer as it travels."""
-    algbw = buf.nbytes / t["avg"] / 1e9
-    bits = quant_bits(impl)
-    return {"op": op, "impl": impl, "dtype": cfg.dtype, "type": case.type_name, "ranks": comm.size,
-            "bytes": buf.nbytes, "count": case.count, "time_us": t["avg"] * 1e6, "time_us_min": t["min"] * 1e6,
-            "time_us_max": t["max"] * 1e6, "algbw": algbw, "busbw": algbw * bus_factor(op, comm.size),
-            "wrong": wrong, "overlap_pct": None, "local_sum": cfg.local_sum if impl != "mpi" else None,
-            "wire_bytes": case.wire_bytes if case.wire_bytes is not None else buf.nbytes,
-            "quant": {"bits": bits, "block": cfg.quant_block} if bits else None,
-            "quant_err_max": error and error["max"], "quant_err_rms": error and error["rms"],
-            "quant_err_bound": case.bound}
-
-
-def overlap_record(mpi, case: Case, spinner, cfg: BenchConfig) -> dict:
-    """overlap_pct and its three times (µs, averaged over ranks)."""
-    o = {k: _ranks(mpi, v)["avg"] for k, v in measure_overlap(mpi, case, spinner, cfg.iters, cfg.warmup).items()}
-    return {"overlap_pct": overlap_pct(o["t_pure"], o["t_cpu"], o["t_ovl"]),
-            "t_pure_us": o["t_pure"] * 1e6, "t_cpu_us": o["t_cpu"] * 1e6, "t_ovl_us": o["t_ovl"] * 1e6}
-
-
-def _ranks(mpi, value: float) -> dict:
-    """min / avg / max of one number over ranks."""
-    vals = mpi.allgather(value)
-    return {"min": min(vals), "avg": sum(vals) / len(vals), "max": max(vals)}
-
-
 # ---- entry point ----------------------------------------------------------------
 def main(argv: Optional[List[str]] = None) -> int:
     from mpi4py import MPI
@@ -189,6 +146,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         cfg = parse_config(argv)
         check_node_size(cfg.node_size, world.Get_size(), cfg.device)
+        tensor.check_tp_size(cfg.tp, world.Get_size())
         if world.Get_rank() == 0:
             check_file(cfg.json_path, "json")   # rank 0 writes it: checked before any measurement
             check_plot(cfg.plot_path)
@@ -204,6 +162,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     if agree_on_errors(world, memory_error(cfg, world.Get_size(), placement), "zerompi.bench"):
         return 2                                            # before the first buffer is allocated
+    if cfg.tp is not None:
+        return finish(cfg, tp_records(cfg, world, placement))
     comm, two_level = communicators(world, cfg.node_size)
     from ..comm.staging import device_communicator
     device_comm = device_communicator(comm, placement.xp, cfg.comm)   # the host one on the CPU
@@ -215,9 +175,30 @@ def main(argv: Optional[List[str]] = None) -> int:
         print0(comm, quantized.banner(cfg.quant_block))
     if two_level is not None:
         print0(comm, banner(world.Get_size(), cfg.node_size))
-    records = run_bench(cfg, comm, device_comm, placement.xp, two_level)
-    problem = save_json(cfg.json_path, records, "json") if cfg.json_path and comm.rank == 0 else None
-    problem = problem or (save_plot(records, cfg.plot_path) if cfg.plot_path and comm.rank == 0 else None)
+    return finish(cfg, run_bench(cfg, comm, device_comm, placement.xp, two_level))
+
+
+def tp_records(cfg: BenchConfig, world, placement) -> List[dict]:
+    """--tp K: the banner and the all-reduce rows over the Mesh's TP groups (bench/tensor.py)."""
+    from ..comm.communicator import mpi_library
+    from ..comm.device import describe_buffers
+    from ..comm.mesh import Mesh
+    mesh = Mesh(world, cfg.tp)
+    if world.Get_rank() == 0:
+        print(f"# zerompi.bench: {world.Get_size()} ranks, {mpi_library()}, {describe_buffers(placement, None)}, "
+              f"dtype {cfg.dtype}, iters {cfg.iters} (median) after {cfg.warmup} warmup")
+        print("# time: per-rank median over iterations, then min/avg/max over all ranks; bw from the avg")
+        print(tensor.banner(mesh), flush=True)
+    return tensor.run_tp(cfg, mesh)
+
+
+def finish(cfg: BenchConfig, records: List[dict]) -> int:
+    """Rank 0 writes --json and --plot; EXIT_OUTPUT with one line when it cannot."""
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    rank0 = comm.Get_rank() == 0
+    problem = save_json(cfg.json_path, records, "json") if cfg.json_path and rank0 else None
+    problem = problem or (save_plot(records, cfg.plot_path) if cfg.plot_path and rank0 else None)
     if problem:                  # the table is on stdout; the line says where the records are
         sys.stderr.write(f"zerompi.bench: error: {problem}\n")
         return EXIT_OUTPUT

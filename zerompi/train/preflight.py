@@ -35,36 +35,57 @@ def check_fault(fault, world_size: int, cfg: TrainConfig) -> None:
                            "and every --save-every steps, with --save-dir)")
 
 
-def layer_sizes(cfg: TrainConfig) -> List[int]:
-    """Parameters of each engine layer of the built-in model, without building it."""
+def layer_sizes(cfg: TrainConfig, tp: int = 1) -> List[int]:
+    """Parameters of each engine layer of the built-in model on one TP rank (``tp`` ranks per TP
+    group; 1: the whole model), without building it. The GPT's blocks keep 6·d_model replicated
+    (the LayerNorms, the row-parallel biases) and split the rest, 12·d_model² + 7·d_model, K ways
+    (models/gpt_tp.py); the MLP's even blocks split weight and bias, its odd ones the weight only
+    (models/mlp_tp.py). Embeddings and the final LayerNorm are replicated."""
     if cfg.model == "mlp":
-        return [cfg.width * cfg.width + cfg.width] * cfg.depth
+        w = cfg.width
+        if tp == 1:
+            return [w * w + w] * cfg.depth
+        return [(w * w + w) // tp if i % 2 == 0 else w * w // tp + w for i in range(cfg.depth)]
     c, vocab = cfg.d_model, FILE_VOCAB if cfg.data else GENERATED_VOCAB
-    return [vocab * c + cfg.seq_len * c] + [12 * c * c + 13 * c] * cfg.n_layer + [2 * c]
+    return [vocab * c + cfg.seq_len * c] + [(12 * c * c + 7 * c) // tp + 6 * c] * cfg.n_layer + [2 * c]
+
+
+def stage_estimate(cfg: TrainConfig, world_size: int) -> dict:
+    """zerompi.estimate's row of cfg's stage for one rank: with --tp K, for the pieces of its TP rank
+    sharded over the N/K data-parallel ranks (estimate/tensor.py's split). The engine's own layout
+    of those layers (one bucket plan, as the engine cuts it), so the model states are exact."""
+    from ..estimate.plan import bucket_numel
+    from ..estimate.stages import estimate
+    from ..layout import FlatLayout
+    z, tp = cfg.zero, cfg.zero.tp
+    check(world_size % tp == 0, f"tp={tp} does not divide the {world_size} ranks; use a divisor of {world_size}")
+    dp = world_size // tp
+    spec = [(f"layer{i}", [(f"p{i}", (n,))]) for i, n in enumerate(layer_sizes(cfg, tp))]
+    layout = FlatLayout(spec, dp, bucket_numel(z.dtype, z.bucket_mb), z.align)
+    est = estimate(ranks=dp, dtype=z.dtype, bucket_mb=z.bucket_mb, prefetch=z.prefetch,
+                   micro_batches=z.micro_batches, overlap=z.overlap, align=z.align, layout=layout)
+    return est["stages"][z.stage]
 
 
 def memory_needed(cfg: TrainConfig, world_size: int) -> dict:
     """Bytes one rank holds at once at least, by part: the model states and engine buffers (zerompi.estimate,
-    best case), and the model's initial fp32 parameters (alive while the engine copies them) with the MLP's
+    best case; with --tp for this TP rank's pieces), and the model's initial fp32 parameters (alive while the
+    engine copies them; with --tp the whole model, which every TP rank cuts its pieces from) with the MLP's
     teacher (float32, built first and kept), or for the GPT the larger of the initial parameters and the
-    attention probabilities one micro-batch keeps for the backward (one block's with checkpointing)."""
-    from ..estimate.stages import estimate
-    sizes = layer_sizes(cfg)
-    psi, z = sum(sizes), cfg.zero
-    shape = dict(layers=cfg.depth) if cfg.model == "mlp" else dict(largest_layer=max(sizes))
-    est = estimate(params=psi, ranks=world_size, dtype=z.dtype, bucket_mb=z.bucket_mb, prefetch=z.prefetch,
-                   micro_batches=z.micro_batches, overlap=z.overlap, align=z.align, **shape)
-    row = est["stages"][z.stage]
+    attention probabilities one micro-batch keeps for the backward (one block's with checkpointing; with
+    --tp its n_head/K heads')."""
+    z, tp = cfg.zero, cfg.zero.tp
+    row = stage_estimate(cfg, world_size)
     offloaded = (row["optimizer_bytes"] if z.offload_optimizer == "nvme" else 0) + \
         (row["params_bytes"] if z.offload_params == "nvme" else 0)       # in files, not in memory
     parts = {"model states and buffers": row["total_bytes_best_case"] - offloaded}
-    init = 4 * psi
+    init = 4 * sum(layer_sizes(cfg))
     if cfg.model == "mlp":        # the teacher is built before the engine and kept: both are alive at the start
-        parts.update({"initial fp32 parameters": init, "teacher network (float32)": 4 * psi})
+        parts.update({"initial fp32 parameters": init, "teacher network (float32)": init})
         return parts
-    rows = max(1, cfg.batch // (world_size * z.micro_batches))
+    rows = max(1, cfg.batch // (world_size // tp * z.micro_batches))
     kept = 1 if cfg.checkpoint_activations else cfg.n_layer      # blocks whose probabilities are held at once
-    attention = 4 * kept * rows * cfg.n_head * cfg.seq_len ** 2
+    attention = 4 * kept * rows * (cfg.n_head // tp) * cfg.seq_len ** 2
     # The initial parameters are freed before the first step: the larger of the two counts.
     parts.update({"attention probabilities": attention} if attention > init else {"initial fp32 parameters": init})
     return parts
@@ -84,7 +105,9 @@ def memory_error(cfg: TrainConfig, world_size: int, placement) -> Optional[str]:
     need = sum(parts.values())
     if have is None or need <= have[0]:
         return None
+    tp = cfg.zero.tp
+    tp_words = f" as {world_size // tp} data-parallel x {tp} tensor-parallel" if tp > 1 else ""
     detail = ", ".join(f"{k} {human_bytes(v)}" for k, v in parts.items())
     return (f"the job needs at least {human_bytes(need)} per rank ({detail}; stage {cfg.zero.stage}, "
-            f"{world_size} ranks, by zerompi.estimate) and this rank has {human_bytes(have[0])} ({have[1]}); "
+            f"{world_size} ranks{tp_words}, by zerompi.estimate) and this rank has {human_bytes(have[0])} ({have[1]}); "
             "use a smaller model, more ranks, a higher --stage or --offload-optimizer nvme")
