@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from tests.mpirun import ROOT, one_line, run_mpi
-from zerompi.bench import cases as bench_cases, config as bench_config, run as bench
+from zerompi.bench import cases as bench_cases, config as bench_config, records as bench_records, run as bench
 from zerompi.errors import ConfigError
 
 SMALL = ["-b", "999", "-e", "20K", "-f", "5", "--iters", "1", "--warmup", "0", "--check"]   # 999 B: no size divides by N
@@ -25,7 +25,7 @@ def test_check_finds_no_wrong_element(n, tmp_path):
             assert r["wrong"] == 0, r
             assert r["dtype"] == dtype and r["ranks"] == n
             assert r["bytes"] >= 999 and (r["bytes"] // np.dtype(bench.DTYPES[dtype]).itemsize) % n == 0
-            assert r["busbw"] == pytest.approx(r["algbw"] * bench.bus_factor(r["op"], n))
+            assert r["busbw"] == pytest.approx(r["algbw"] * bench_records.bus_factor(r["op"], n))
             assert r["algbw"] == pytest.approx(r["bytes"] / r["time_us"] / 1e3)
             assert r["time_us_min"] <= r["time_us"] <= r["time_us_max"]
 
@@ -98,11 +98,11 @@ def test_parse_size_and_sizes():
 
 
 def test_padding_and_factors():
-    assert bench.padded_count(999, 4, 3) == 252          # 250 elements -> whole slices of 84
-    assert bench.padded_count(999, 2, 3) == 504          # fp16: 2N, so the fp32 view splits too
-    assert bench.padded_count(1, 4, 4) == 4
-    assert bench.bus_factor("all_reduce", 4) == 1.5 and bench.bus_factor("reduce_scatter", 4) == 0.75
-    assert bench.bus_factor("all_gather", 1) == 0.0
+    assert bench_records.padded_count(999, 4, 3) == 252          # 250 elements -> whole slices of 84
+    assert bench_records.padded_count(999, 2, 3) == 504          # fp16: 2N, so the fp32 view splits too
+    assert bench_records.padded_count(1, 4, 4) == 4
+    assert bench_records.bus_factor("all_reduce", 4) == 1.5 and bench_records.bus_factor("reduce_scatter", 4) == 0.75
+    assert bench_records.bus_factor("all_gather", 1) == 0.0
 
 
 def test_wrong_counter_and_overlap_formula():

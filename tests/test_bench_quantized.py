@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tests.mpirun import ROOT, run_mpi
-from zerompi.bench import cases, config as bench_config, levels, quantized as bq, run as bench
+from zerompi.bench import cases, config as bench_config, levels, quantized as bq, records as bench_records
 from zerompi.comm.quantized import Quantization
 from zerompi.errors import ConfigError
 from zerompi.optim import reference as R
@@ -33,7 +33,7 @@ def check_records(records, n, dtype, block):
         assert r["wrong"] == 0, r
         k = r["count"] // n
         bits = bench_config.quant_bits(r["impl"])
-        assert r["busbw"] == pytest.approx(r["algbw"] * bench.bus_factor(r["op"], n))   # on the logical bytes
+        assert r["busbw"] == pytest.approx(r["algbw"] * bench_records.bus_factor(r["op"], n))   # on the logical bytes
         assert r["algbw"] == pytest.approx(r["bytes"] / r["time_us"] / 1e3)
         if bits is None:
             assert r["wire_bytes"] == r["bytes"] and r["quant"] is None and r["quant_err_max"] is None

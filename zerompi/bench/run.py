@@ -31,7 +31,7 @@ import numpy as np
 
 from .cases import Case, Spinner, copy_seconds, make_case, time_medians
 from .config import DTYPES, BenchConfig, parse_config, quant_bits
-from .records import _ranks, bus_factor, make_record, overlap_record, padded_count  # noqa: F401 (bench.bus_factor)
+from .records import _ranks, make_record, overlap_record, padded_count
 from .levels import TWO_LEVEL, banner, check_node_size, columns, communicators, level_record
 from .plot import check_plot, save_plot
 from .table import footer, print0, table_header, table_row
