@@ -24,3 +24,19 @@ def test_checkpoint_tools_on_odd_tp_folder_names(tmp_path):
         (save / name).mkdir(parents=True)
         proc = tool("zerompi.checkpoint", "consolidate", save, tmp_path / "out.npz")
         one_line(proc, "zerompi.checkpoint", str(save))
+
+
+GPT_TP = ["-m", "zerompi.train", "--model", "gpt", "--n-layer", "2", "--d-model", "32", "--n-head", "4",
+          "--seq-len", "16", "--batch", "4", "--eval-every", "0"]
+
+
+def test_a_tp_save_directory_is_named_as_one(tmp_path):
+    """inspect, or --resume without --tp, of a --tp 2 save directory: the line says it is a TP save
+    and what to do (it said the folder held no checkpoint)."""
+    save = tmp_path / "save"
+    run_mpi(2, GPT_TP + ["--steps", "1", "--tp", "2", "--save-dir", save], timeout=LIMIT)
+    line = one_line(tool("zerompi.checkpoint", "inspect", save), "zerompi.checkpoint", "tensor-parallel save")
+    assert "--tp 2" in line and "tp0-of-2" in line, line
+    proc = run_mpi(2, GPT_TP + ["--steps", "2", "--resume", save], timeout=LIMIT, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert "a tensor-parallel save" in proc.stderr and "--tp 2" in proc.stderr, proc.stderr

@@ -14,18 +14,15 @@ file); quietly 141 when stdout is closed under it (``inspect DIR | head -1``).
 import argparse
 import json
 import os
-import re
 import sys
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 from ..errors import ConfigError, quiet_exit_on_closed_stdout
-from .format import (F32, MANIFEST_SHA, CheckpointError, complete_checkpoints, read_manifest, resolve,
+from .format import (F32, MANIFEST_SHA, TP_FOLDER, CheckpointError, complete_checkpoints, read_manifest, resolve,
                      verify_shard)
 from .outputs import check_file, write_atomic
-
-TP_FOLDER = re.compile(r"tp(\d+)-of-(\d+)")   # one TP rank's save folder (engine/tensor.py)
 
 
 def consolidate(path: str, out: str) -> Dict[str, np.ndarray]:
