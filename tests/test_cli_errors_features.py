@@ -40,3 +40,18 @@ def test_a_tp_save_directory_is_named_as_one(tmp_path):
     proc = run_mpi(2, GPT_TP + ["--steps", "2", "--resume", save], timeout=LIMIT, check=False)
     assert proc.returncode == 2, proc.stderr
     assert "a tensor-parallel save" in proc.stderr and "--tp 2" in proc.stderr, proc.stderr
+
+
+# ---- errors found at start-up on every rank alike: one line, not one per rank --------------------
+def test_offload_dir_not_a_folder_is_one_line(tmp_path):
+    for where in (tmp_path / "missing", tmp_path / "file"):
+        (tmp_path / "file").write_text("")
+        proc = run_mpi(2, MLP + ["--stage", "2", "--offload-optimizer", "nvme", "--offload-dir", where],
+                       timeout=LIMIT, check=False)
+        one_line(proc, "zerompi.train", f"offload_dir='{where}' is not a folder")
+
+
+def test_no_decay_pattern_matching_nothing_is_one_line():
+    for flags in (MLP + ["--no-decay", "zzz*"], GPT_TP + ["--steps", "1", "--tp", "2", "--no-decay", "h0.*"]):
+        proc = run_mpi(2, flags, timeout=LIMIT, check=False)
+        one_line(proc, "zerompi.train", "matches no parameter")

@@ -11,11 +11,15 @@ from .data import FILE_VOCAB, GENERATED_VOCAB
 
 
 def check_outputs(cfg: TrainConfig, rank: int) -> None:
-    """--metrics-json and --trace on rank 0 (which writes them); --save-dir on every rank (each writes its shard)."""
+    """--metrics-json and --trace on rank 0 (which writes them); --save-dir and --offload-dir on every rank
+    (each writes its shard, its offload files)."""
     if rank == 0:
         check_file(cfg.metrics_json, "metrics_json")
         check_file(cfg.zero.trace, "trace")
     check_folder(cfg.save_dir, "save_dir")
+    if "nvme" in (cfg.zero.offload_optimizer, cfg.zero.offload_params):   # every rank writes its files there
+        from ..engine.offload import check_dir
+        check_dir(cfg.zero.offload_dir, 0)        # the engine checks the free bytes, once it knows them
 
 
 def check_fault(fault, world_size: int, cfg: TrainConfig) -> None:
