@@ -55,3 +55,14 @@ def test_no_decay_pattern_matching_nothing_is_one_line():
     for flags in (MLP + ["--no-decay", "zzz*"], GPT_TP + ["--steps", "1", "--tp", "2", "--no-decay", "h0.*"]):
         proc = run_mpi(2, flags, timeout=LIMIT, check=False)
         one_line(proc, "zerompi.train", "matches no parameter")
+
+
+# ---- the estimate ------------------------------------------------------------------------------
+GPT_DIMS = ["--ranks", "8", "--d-model", "256", "--n-head", "4", "--seq-len", "64", "--batch", "8", "--vocab", "32"]
+
+
+def test_estimate_of_a_gpt_with_very_many_layers():
+    """--n-layer 10**26 was an OverflowError traceback, 10**9 a hang (a list of every block's size)."""
+    for n_layer in ("99999999999999999999999999", "1000000000"):
+        proc = tool("zerompi.estimate", "--n-layer", n_layer, *GPT_DIMS)
+        assert proc.returncode == 0 and not proc.stderr, proc.stderr

@@ -286,8 +286,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                   "the dimensions give Ψ and its layers")
             check(a.ranks is not None, "give --ranks")
             act = gpt_activations(dims, a.ranks, a.micro_batches, a.checkpoint_activations)
-            sizes = gpt_layer_sizes(a.vocab, a.seq_len, a.d_model, a.n_layer)
-            a.params, largest = sum(sizes), max(sizes)
+            sizes = gpt_layer_sizes(a.vocab, a.seq_len, a.d_model, 1)   # each block's size once, not n_layer times
+            a.params, largest = sum(sizes) + (a.n_layer - 1) * sizes[1], max(sizes)
         if a.from_run is not None:
             metrics = read_run(a.from_run)
             given = {k: v for k, v in (("params", a.params), ("ranks", a.ranks), ("layers", a.layers),
