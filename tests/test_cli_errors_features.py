@@ -2,6 +2,8 @@
 patterns, quantization, traces, plots, TP checkpoints): one line naming the value and what is
 allowed, exit status 2, within seconds, never a traceback or a hang. Every case runs the tool as a
 subprocess with a timeout, as tests/test_cli_errors.py does."""
+import pytest
+
 from tests.mpirun import run_mpi, run_train
 from tests.test_cli_errors import LIMIT, MLP, one_line, tool
 
@@ -66,3 +68,12 @@ def test_estimate_of_a_gpt_with_very_many_layers():
     for n_layer in ("99999999999999999999999999", "1000000000"):
         proc = tool("zerompi.estimate", "--n-layer", n_layer, *GPT_DIMS)
         assert proc.returncode == 0 and not proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("flags", [["--model", "gpt", "--n-layer", "99999999999999999999999"],
+                                   ["--model", "gpt", "--n-layer", "1000000000"],
+                                   ["--model", "mlp", "--depth", "1000000000"]])
+def test_train_of_a_model_with_very_many_layers_is_refused_at_once(flags):
+    """The memory check counted the layers in a list: 10**23 was a traceback, 10**9 filled the memory."""
+    proc = run_mpi(2, ["-m", "zerompi.train", "--steps", "1", *flags], timeout=20, check=False)
+    one_line(proc, "zerompi.train", "the job needs at least")

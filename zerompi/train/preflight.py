@@ -2,7 +2,7 @@
 written, that an injected fault names a rank and a step of this job, and that the job fits in
 memory. Each returns or raises one line (ConfigError); main() makes the ranks agree on them.
 """
-from typing import List, Optional
+from typing import Optional, Tuple
 
 from ..checkpoint.outputs import check_file, check_folder
 from ..errors import ConfigError, check
@@ -39,12 +39,15 @@ def check_fault(fault, world_size: int, cfg: TrainConfig) -> None:
                            "and every --save-every steps, with --save-dir)")
 
 
-def layer_sizes(cfg: TrainConfig) -> List[int]:
-    """Parameters of each engine layer of the built-in model, without building it."""
+def model_size(cfg: TrainConfig) -> Tuple[int, int]:
+    """(Ψ, the largest engine layer's parameters) of the built-in model, without building it, nor a
+    list of its layers (--n-layer 10**9 must be refused at once, not fill the memory)."""
     if cfg.model == "mlp":
-        return [cfg.width * cfg.width + cfg.width] * cfg.depth
+        layer = cfg.width * cfg.width + cfg.width
+        return layer * cfg.depth, layer
     c, vocab = cfg.d_model, FILE_VOCAB if cfg.data else GENERATED_VOCAB
-    return [vocab * c + cfg.seq_len * c] + [12 * c * c + 13 * c] * cfg.n_layer + [2 * c]
+    sizes = (vocab * c + cfg.seq_len * c, 12 * c * c + 13 * c, 2 * c)     # embeddings, one block, final LayerNorm
+    return sizes[0] + cfg.n_layer * sizes[1] + sizes[2], max(sizes)
 
 
 def memory_needed(cfg: TrainConfig, world_size: int) -> dict:
@@ -53,9 +56,8 @@ def memory_needed(cfg: TrainConfig, world_size: int) -> dict:
     teacher (float32, built first and kept), or for the GPT the larger of the initial parameters and the
     attention probabilities one micro-batch keeps for the backward (one block's with checkpointing)."""
     from ..estimate.stages import estimate
-    sizes = layer_sizes(cfg)
-    psi, z = sum(sizes), cfg.zero
-    shape = dict(layers=cfg.depth) if cfg.model == "mlp" else dict(largest_layer=max(sizes))
+    (psi, largest), z = model_size(cfg), cfg.zero
+    shape = dict(layers=cfg.depth) if cfg.model == "mlp" else dict(largest_layer=largest)
     est = estimate(params=psi, ranks=world_size, dtype=z.dtype, bucket_mb=z.bucket_mb, prefetch=z.prefetch,
                    micro_batches=z.micro_batches, overlap=z.overlap, align=z.align, **shape)
     row = est["stages"][z.stage]
