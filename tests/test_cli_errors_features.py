@@ -77,3 +77,37 @@ def test_train_of_a_model_with_very_many_layers_is_refused_at_once(flags):
     """The memory check counted the layers in a list: 10**23 was a traceback, 10**9 filled the memory."""
     proc = run_mpi(2, ["-m", "zerompi.train", "--steps", "1", *flags], timeout=20, check=False)
     one_line(proc, "zerompi.train", "the job needs at least")
+
+
+# ---- images: a format matplotlib writes, never over an input -----------------------------------
+@pytest.fixture(scope="module")
+def run_json(tmp_path_factory):
+    path = tmp_path_factory.mktemp("run") / "run.json"
+    run_mpi(2, MLP + ["--metrics-json", path], timeout=LIMIT)
+    return path
+
+
+def test_plot_out_in_a_format_with_no_writer(run_json, tmp_path):
+    """--out x.txt was exit status 1 after drawing; it is bad input, refused before any work."""
+    proc = tool("zerompi.plot", run_json, "--out", tmp_path / "x.txt")
+    one_line(proc, "zerompi.plot", "no image format .txt; use one of")
+
+
+def test_plot_out_never_replaces_its_input(run_json, tmp_path):
+    png = tmp_path / "run.png"                      # a metrics file named like an image
+    png.write_bytes(run_json.read_bytes())
+    proc = tool("zerompi.plot", png, "--out", png)
+    one_line(proc, "zerompi.plot", "is also the input")
+    assert png.read_bytes() == run_json.read_bytes()
+
+
+BENCH = ["-m", "zerompi.bench", "-b", "1K", "-e", "2K", "--iters", "1", "--warmup", "0", "--op", "all_reduce"]
+
+
+def test_bench_plot_in_a_format_with_no_writer_or_over_its_json(tmp_path):
+    proc = run_mpi(2, BENCH + ["--plot", tmp_path / "b.txt"], timeout=LIMIT, check=False)
+    one_line(proc, "zerompi.bench", "no image format .txt")
+    both = tmp_path / "b.png"
+    proc = run_mpi(2, BENCH + ["--json", both, "--plot", both], timeout=LIMIT, check=False)
+    one_line(proc, "zerompi.bench", "is also the input")
+    assert not both.exists()
