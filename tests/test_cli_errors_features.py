@@ -111,3 +111,14 @@ def test_bench_plot_in_a_format_with_no_writer_or_over_its_json(tmp_path):
     proc = run_mpi(2, BENCH + ["--json", both, "--plot", both], timeout=LIMIT, check=False)
     one_line(proc, "zerompi.bench", "is also the input")
     assert not both.exists()
+
+
+# ---- flags that mean nothing in the setting given: refused, not silently ignored -----------------
+@pytest.mark.parametrize("flags,needle", [
+    (["--dtype", "bf16", "--loss-scale", "1024"], "init_loss_scale=1024.0 (--loss-scale) applies with --dtype fp16"),
+    (["--dtype", "fp32", "--loss-scale-window", "5"], "loss_scale_window=5 (--loss-scale-window) applies with --dtype"),
+    (["--quant-block", "128"], "quant_block=128 (--quant-block) applies with --quantize-weights or --quantize-grads"),
+    (["--trace-steps", "5"], "trace_steps=5 (--trace-steps) applies with --trace FILE only"),
+])
+def test_flags_that_apply_in_one_setting_only(flags, needle):
+    one_line(run_mpi(2, MLP + flags, timeout=LIMIT, check=False), "zerompi.train", needle)
