@@ -23,6 +23,11 @@ class MismatchError(JobError, ConfigError):
     """The ranks were started with different configurations or models (exit status 2)."""
 
 
+class AgreedConfigError(JobError, ConfigError):
+    """Bad input that every rank finds at the same point, from values the ranks have agreed on (a
+    --no-decay pattern that matches no parameter of the agreed layout): printed once, exit status 2."""
+
+
 class NonFiniteError(JobError, RuntimeError):
     """Non-finite gradients that the step cannot skip (fp32, or too many consecutive fp16 skips)."""
 

@@ -7,7 +7,7 @@ import importlib.util
 import os
 from typing import List, Optional
 
-from ..checkpoint.outputs import check_file, write_atomic
+from ..checkpoint.outputs import check_file, check_image, write_atomic
 from ..errors import check
 
 OPS = ("reduce_scatter", "all_gather", "all_reduce")
@@ -40,13 +40,15 @@ def busbw_figure(records: List[dict]):
     return fig
 
 
-def check_plot(path: Optional[str]) -> None:
-    """ConfigError unless ``path`` (None passes) can take the image and matplotlib is there."""
+def check_plot(path: Optional[str], json_path: Optional[str] = None) -> None:
+    """ConfigError unless ``path`` (None passes) can take the image, in a format matplotlib writes,
+    and matplotlib is there; and it is not the --json file ``json_path``."""
     if path is None:
         return
     check_file(path, "plot")
     check(importlib.util.find_spec("matplotlib") is not None,
           f"plot={path!r} needs matplotlib; pip install 'zerompi[plot]' (or leave --plot out)")
+    check_image(path, "plot", [json_path])
 
 
 def save_figure(fig, path: str) -> None:

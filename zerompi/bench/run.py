@@ -149,7 +149,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         tensor.check_tp_size(cfg.tp, world.Get_size())
         if world.Get_rank() == 0:
             check_file(cfg.json_path, "json")   # rank 0 writes it: checked before any measurement
-            check_plot(cfg.plot_path)
+            check_plot(cfg.plot_path, cfg.json_path)
         # what the engine's constructor does; "fused" raises here when the C kernels cannot be had
         cfg = replace(cfg, local_sum=impl.use_impl(cfg.sum_impl, verbose=world.Get_rank() == 0))
     except (ConfigError, HelpRequested) as e:

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ..errors import ConfigError, quiet_exit_on_closed_stdout
-from .format import (F32, MANIFEST_SHA, CheckpointError, complete_checkpoints, read_manifest, resolve,
+from .format import (F32, MANIFEST_SHA, TP_FOLDER, CheckpointError, complete_checkpoints, read_manifest, resolve,
                      verify_shard)
 from .outputs import check_file, write_atomic
 
@@ -56,14 +56,16 @@ def tp_parts(path: str) -> List[str]:
     """The ``tp{r}-of-{K}`` folders of a tensor-parallel save directory, in TP rank order ([] if none)."""
     if not os.path.isdir(path):
         return []
-    names = [n for n in os.listdir(path) if n.startswith("tp") and "-of-" in n]
-    if not names:
+    found = {n: m for n in os.listdir(path) for m in [TP_FOLDER.fullmatch(n)] if m}
+    if not found:
         return []
-    k = int(names[0].split("-of-")[1])
-    want = [f"tp{r}-of-{k}" for r in range(k)]
-    if sorted(names) != sorted(want):
-        raise CheckpointError(f"{path}: tensor-parallel folders {sorted(names)} are not one whole set of {k}")
-    return [os.path.join(path, n) for n in want]
+    names = sorted(found)
+    k = int(found[names[0]].group(2))
+    ranks = sorted(int(m.group(1)) for m in found.values() if int(m.group(2)) == k)   # no list of k names
+    if k < 1 or len(found) != k or ranks != list(range(k)):
+        raise CheckpointError(f"{path}: tensor-parallel folders {names[:4] + ['...'] * (len(names) > 4)} "
+                              f"are not one whole set of {k}")
+    return [os.path.join(path, f"tp{r}-of-{k}") for r in range(k)]
 
 
 def _merge_tp(ckpts, pieces) -> Dict[str, np.ndarray]:

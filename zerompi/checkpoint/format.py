@@ -249,6 +249,9 @@ def crash_point(point: str, step: int, rank: Optional[int] = None) -> None:
 
 
 # ---- read and verify ----------------------------------------------------------------
+TP_FOLDER = re.compile(r"tp(\d+)-of-(\d+)")   # one TP rank's part of a save directory (engine/tensor.py)
+
+
 def resolve(path: str) -> str:
     """The checkpoint directory ``path`` names: itself if it holds a manifest, else what ``latest`` says.
 
@@ -269,6 +272,11 @@ def resolve(path: str) -> str:
         problem = f"{latest} names {name!r}, which is not a complete checkpoint" if name else \
             f"{latest} is empty or unreadable"
     found = complete_checkpoints(path)
+    tp = sorted((m for m in map(TP_FOLDER.fullmatch, os.listdir(path)) if m), key=lambda m: int(m.group(1)))
+    if not found and tp:             # a tensor-parallel save directory: its pieces are one level down
+        raise CheckpointError(f"{path}: a tensor-parallel save ({tp[0].group(0)}, ...): resume it with --tp "
+                              f"{tp[0].group(2)}, inspect one TP rank's part ({os.path.join(path, tp[0].group(0))}), "
+                              "or consolidate it")
     if not found:
         raise CheckpointError(f"{path}: {problem}, and holds no complete checkpoint; "
                               "pass a checkpoint directory or the --save-dir of a run")

@@ -134,3 +134,15 @@ def save_bytes(path: str, data: bytes, what: str) -> Optional[str]:
         os.unlink(kept)
         return f"cannot write {what}={path!r} ({reason}), nor a copy in {folder} ({e.strerror}): it is lost"
     return f"cannot write {what}={path!r} ({reason}); a copy is in {kept}"
+
+
+def check_image(path: str, what: str, inputs=()) -> None:
+    """ConfigError unless matplotlib (there: the caller checked) writes the format ``path``'s suffix
+    names (png when none), and ``path`` is none of ``inputs`` (the files the image is drawn from)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+    fmt = os.path.splitext(path)[1][1:].lower() or "png"
+    known = FigureCanvasBase.get_supported_filetypes()
+    check(fmt in known, f"{what}={path!r}: no image format .{fmt}; use one of {', '.join(sorted(known))}")
+    for given in inputs:
+        if given is not None and os.path.realpath(given) == os.path.realpath(path):
+            raise ConfigError(f"{what}={path!r} is also the input {given!r} and would replace it; give another path")

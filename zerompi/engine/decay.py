@@ -12,17 +12,18 @@ checkpoints resharding (the groups come from names, never from row positions).
 from fnmatch import fnmatchcase
 from typing import Iterator, List, Sequence, Tuple
 
-from ..errors import ConfigError
+from ..errors import AgreedConfigError
 
 
 def exempt_names(layout, patterns: Sequence[str]) -> List[str]:
     """The parameters (by name, in layout order) some pattern matches; ConfigError for a pattern
-    that matches none (a misspelt name would otherwise decay silently)."""
+    that matches none (a misspelt name would otherwise decay silently): every rank raises it alike,
+    after the ranks agreed on the config and the layout, so the CLI prints it once."""
     names = list(layout.params)
     for pat in patterns:
         if not any(fnmatchcase(n, pat) for n in names):
             shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
-            raise ConfigError(f"no_decay pattern {pat!r} (--no-decay) matches no parameter (the parameters are {shown})")
+            raise AgreedConfigError(f"no_decay pattern {pat!r} (--no-decay) matches no parameter (the parameters are {shown})")
     return [n for n in names if any(fnmatchcase(n, pat) for pat in patterns)]
 
 

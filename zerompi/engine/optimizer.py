@@ -161,8 +161,11 @@ class ShardedAdamW:
         if self.trace is not None:
             self.trace.optimizer(sl)     # a span of the compute track, to the end of this update
         master, m, v = self.rows.fetch(sl)
-        if not self.offloaded:
-            self._adamw(impl.adamw_update, sl, master, m, v, grad, param_out, s)
+        if not self.offloaded:          # the parameter shard in a file (offload_params alone): a buffer first
+            out = impl.array_module(grad).empty_like(grad) if callable(param_out) else param_out
+            self._adamw(impl.adamw_update, sl, master, m, v, grad, out, s)
+            if out is not param_out:
+                param_out(impl.to_host(out))
         else:
             g = grad if self.transfers is None else self._down(grad, "grad")
             out = param_out if self.transfers is None and not callable(param_out) else self._buffer("param", grad)

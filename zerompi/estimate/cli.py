@@ -286,8 +286,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                   "the dimensions give Ψ and its layers")
             check(a.ranks is not None, "give --ranks")
             act = gpt_activations(dims, a.ranks, a.micro_batches, a.checkpoint_activations)
-            sizes = gpt_layer_sizes(a.vocab, a.seq_len, a.d_model, a.n_layer)
-            a.params, largest = sum(sizes), max(sizes)
+            sizes = gpt_layer_sizes(a.vocab, a.seq_len, a.d_model, 1)   # each block's size once, not n_layer times
+            a.params, largest = sum(sizes) + (a.n_layer - 1) * sizes[1], max(sizes)
         if a.from_run is not None:
             metrics = read_run(a.from_run)
             given = {k: v for k, v in (("params", a.params), ("ranks", a.ranks), ("layers", a.layers),
@@ -309,6 +309,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                              "--batch --vocab) and --ranks, not --params: the split decides Ψ")
                 tp = gpt_tp(a.tp, a.ranks, a.n_layer, a.d_model, a.vocab, a.seq_len, a.batch, a.micro_batches)
                 check(a.n_head % a.tp == 0, f"tp={a.tp} does not divide n_head={a.n_head}")
+                check(not a.checkpoint_activations, f"checkpoint_activations=True is not available with tp={a.tp} "
+                                                    "(as in zerompi.train; no activations are estimated with --tp); "
+                                                    "drop one of the two")
                 a.params, a.ranks, largest = tp["params_local"], tp["dp"], None
             check(a.params is not None and a.ranks is not None, "give --params and --ranks (or --from-run)")
             est = estimate(a.params, a.ranks, a.dtype, layers=a.layers, largest_layer=largest, **opts, **topo)

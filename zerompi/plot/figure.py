@@ -22,7 +22,7 @@ import statistics
 import sys
 from typing import List, Optional
 
-from ..checkpoint.outputs import check_file, write_atomic
+from ..checkpoint.outputs import check_file, check_image, write_atomic
 from ..errors import ConfigError, check
 
 REQUIRED = ("model", "stage", "dtype", "world_size", "losses", "first_step", "step_times_s", "memory_bytes",
@@ -172,6 +172,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         check_file(out, "out")
         runs = [load_run(path) for path in a.runs]
         check(importlib.util.find_spec("matplotlib") is not None, "drawing needs matplotlib; pip install 'zerompi[plot]'")
+        check_image(out, "out", a.runs)
     except ConfigError as e:
         sys.stderr.write(f"{PROG}: error: {e}\n")
         return 2

@@ -200,8 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decay-all", action="store_true", help="decay every parameter (no exemptions)")
     p.add_argument("--micro-batches", type=int, default=ZeroConfig.micro_batches)
     p.add_argument("--clip", type=float, default=ZeroConfig.clip, help="global-norm clip, 0 = off")
-    p.add_argument("--loss-scale", type=float, default=ZeroConfig.init_loss_scale, help="fp16 initial loss scale")
-    p.add_argument("--loss-scale-window", type=int, default=ZeroConfig.loss_scale_window)
+    p.add_argument("--loss-scale", type=float, default=None,
+                   help=f"fp16 initial loss scale (default {ZeroConfig.init_loss_scale:g})")
+    p.add_argument("--loss-scale-window", type=int, default=None,
+                   help=f"fp16: good steps before the scale doubles (default {ZeroConfig.loss_scale_window})")
     p.add_argument("--optimizer-impl", default=ZeroConfig.optimizer_impl,
                    help="AdamW step: fused (one-pass kernels), numpy (reference) or auto")
     p.add_argument("--seed", type=int, default=TrainConfig.seed)
@@ -259,8 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stages 1-3: all-gather the parameters as int8 blocks with a scale each (ZeRO++ qwZ)")
     p.add_argument("--quantize-grads", default=None, metavar="int8|int4",
                    help="reduce-scatter the gradients as int8 or int4 blocks (ZeRO++ qgZ)")
-    p.add_argument("--quant-block", type=int, default=ZeroConfig.quant_block, metavar="B",
-                   help="elements per quantization block (a power of two >= 8)")
+    p.add_argument("--quant-block", type=int, default=None, metavar="B",
+                   help=f"elements per quantization block (a power of two >= 8; default {ZeroConfig.quant_block})")
     p.add_argument("--offload-optimizer", default=ZeroConfig.offload_optimizer, metavar="none|cpu|nvme",
                    help="stages 1-3: keep the fp32 master and Adam moments in host memory (cpu) or in files "
                         "under --offload-dir (nvme), updated there bucket by bucket")
@@ -278,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", default=None, metavar="FILE",
                    help="write a timeline of every rank's compute and collectives to FILE (Chrome trace-event "
                         "JSON: open it in ui.perfetto.dev or chrome://tracing)")
-    p.add_argument("--trace-steps", type=int, default=ZeroConfig.trace_steps, metavar="K",
+    p.add_argument("--trace-steps", type=int, default=None, metavar="K",
                    help=f"with --trace: keep the last K steps (default {ZeroConfig.trace_steps})")
     return p
 
@@ -294,23 +296,32 @@ def parse_config(argv: Optional[List[str]] = None, environ=None) -> TrainConfig:
         default_timeout_s() if environ is None else default_timeout_s(environ))
     check(not (a.decay_all and a.no_decay), "--decay-all and --no-decay contradict each other; give one")
     no_decay = () if a.decay_all else tuple(a.no_decay) if a.no_decay else NO_DECAY.get(a.model, ())
+    given = {field: getattr(a, flag) for field, flag in (("init_loss_scale", "loss_scale"),
+             ("loss_scale_window", "loss_scale_window"), ("quant_block", "quant_block"), ("trace_steps", "trace_steps"))
+             if getattr(a, flag) is not None}        # flags that apply in one setting only: checked below
     try:
         zero = ZeroConfig(stage=a.stage, dtype=a.dtype, bucket_mb=a.bucket_mb, lr=a.lr, weight_decay=a.weight_decay,
                           no_decay=no_decay,
-                          clip=a.clip, micro_batches=a.micro_batches, init_loss_scale=a.loss_scale,
+                          clip=a.clip, micro_batches=a.micro_batches, **given,
                           optimizer_impl=a.optimizer_impl,
-                          loss_scale_window=a.loss_scale_window, overlap=not a.no_overlap, prefetch=a.prefetch,
+                          overlap=not a.no_overlap, prefetch=a.prefetch,
                           progress=a.comm_progress, timeout_s=timeout_s, max_skipped_steps=a.max_skipped_steps,
                           node_size=a.node_size, shard_size=a.shard_size, hpz=a.hpz, tp=a.tp,
                           quantize_weights=a.quantize_weights, quantize_grads=a.quantize_grads,
-                          quant_block=a.quant_block, offload_optimizer=a.offload_optimizer,
+                          offload_optimizer=a.offload_optimizer,
                           offload_params=a.offload_params, offload_dir=a.offload_dir,
                           offload_delayed_update=a.offload_delayed_update, trace=a.trace,
-                          trace_steps=a.trace_steps,
                           lazy_publish=True)   # the built-in models read parameters through unshard() every step
     except ConfigError as e:         # ZeroConfig names its fields; say the flag where its name differs
         flag = next((f for field, f in FLAG_OF_FIELD.items() if str(e).startswith(field + "=")), None)
         raise ConfigError(f"{flag}: {e}" if flag else str(e)) from None
+    for field, needs, ok in (("init_loss_scale", "--dtype fp16 (bf16 and fp32 use no loss scale)", a.dtype == "fp16"),
+                             ("loss_scale_window", "--dtype fp16 (bf16 and fp32 use no loss scale)", a.dtype == "fp16"),
+                             ("quant_block", "--quantize-weights or --quantize-grads",
+                              bool(a.quantize_weights or a.quantize_grads)),
+                             ("trace_steps", "--trace FILE", a.trace is not None)):
+        flag = FLAG_OF_FIELD.get(field, "--" + field.replace("_", "-"))
+        check(field not in given or ok, f"{field}={given.get(field)!r} ({flag}) applies with {needs} only; drop it")
     specific = {}                   # model-specific flags given; the other model's are an error
     for model, names in MODEL_ONLY.items():
         for name in names:

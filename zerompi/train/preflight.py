@@ -2,7 +2,7 @@
 written, that an injected fault names a rank and a step of this job, and that the job fits in
 memory. Each returns or raises one line (ConfigError); main() makes the ranks agree on them.
 """
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from ..checkpoint.outputs import check_file, check_folder
 from ..errors import ConfigError, check
@@ -11,11 +11,15 @@ from .data import FILE_VOCAB, GENERATED_VOCAB
 
 
 def check_outputs(cfg: TrainConfig, rank: int) -> None:
-    """--metrics-json and --trace on rank 0 (which writes them); --save-dir on every rank (each writes its shard)."""
+    """--metrics-json and --trace on rank 0 (which writes them); --save-dir and --offload-dir on every rank
+    (each writes its shard, its offload files)."""
     if rank == 0:
         check_file(cfg.metrics_json, "metrics_json")
         check_file(cfg.zero.trace, "trace")
     check_folder(cfg.save_dir, "save_dir")
+    if "nvme" in (cfg.zero.offload_optimizer, cfg.zero.offload_params):   # every rank writes its files there
+        from ..engine.offload import check_dir
+        check_dir(cfg.zero.offload_dir, 0)        # the engine checks the free bytes, once it knows them
 
 
 def check_fault(fault, world_size: int, cfg: TrainConfig) -> None:
@@ -35,12 +39,16 @@ def check_fault(fault, world_size: int, cfg: TrainConfig) -> None:
                            "and every --save-every steps, with --save-dir)")
 
 
+EXACT_LAYERS = 100_000   # up to this many layers the check lays the model out as the engine does; beyond, in closed form
+
+
 def layer_sizes(cfg: TrainConfig, tp: int = 1) -> List[int]:
     """Parameters of each engine layer of the built-in model on one TP rank (``tp`` ranks per TP
     group; 1: the whole model), without building it. The GPT's blocks keep 6·d_model replicated
     (the LayerNorms, the row-parallel biases) and split the rest, 12·d_model² + 7·d_model, K ways
     (models/gpt_tp.py); the MLP's even blocks split weight and bias, its odd ones the weight only
-    (models/mlp_tp.py). Embeddings and the final LayerNorm are replicated."""
+    (models/mlp_tp.py). Embeddings and the final LayerNorm are replicated. A list of every layer:
+    only for up to EXACT_LAYERS of them (model_size is the closed form)."""
     if cfg.model == "mlp":
         w = cfg.width
         if tp == 1:
@@ -50,21 +58,37 @@ def layer_sizes(cfg: TrainConfig, tp: int = 1) -> List[int]:
     return [vocab * c + cfg.seq_len * c] + [(12 * c * c + 7 * c) // tp + 6 * c] * cfg.n_layer + [2 * c]
 
 
+def model_size(cfg: TrainConfig, tp: int = 1) -> Tuple[int, int]:
+    """(Ψ, the largest engine layer's parameters) on one TP rank, in closed form: no list of the layers
+    (--n-layer 10**9 must be refused at once, not fill the memory)."""
+    if cfg.model == "mlp":
+        w, d = cfg.width, cfg.depth
+        even, odd = (w * w + w) // tp, (w * w // tp + w if tp > 1 else w * w + w)
+        return even * ((d + 1) // 2) + odd * (d // 2), max(even, odd if d > 1 else even)
+    c, vocab = cfg.d_model, FILE_VOCAB if cfg.data else GENERATED_VOCAB
+    sizes = (vocab * c + cfg.seq_len * c, (12 * c * c + 7 * c) // tp + 6 * c, 2 * c)   # embeddings, a block, ln_f
+    return sizes[0] + cfg.n_layer * sizes[1] + sizes[2], max(sizes)
+
+
 def stage_estimate(cfg: TrainConfig, world_size: int) -> dict:
     """zerompi.estimate's row of cfg's stage for one rank: with --tp K, for the pieces of its TP rank
     sharded over the N/K data-parallel ranks (estimate/tensor.py's split). The engine's own layout
-    of those layers (one bucket plan, as the engine cuts it), so the model states are exact."""
+    of those layers (one bucket plan, as the engine cuts it), so the model states are exact; a model
+    of more than EXACT_LAYERS layers is estimated from its size and largest layer instead."""
     from ..estimate.plan import bucket_numel
     from ..estimate.stages import estimate
     from ..layout import FlatLayout
     z, tp = cfg.zero, cfg.zero.tp
     check(world_size % tp == 0, f"tp={tp} does not divide the {world_size} ranks; use a divisor of {world_size}")
     dp = world_size // tp
+    common = dict(ranks=dp, dtype=z.dtype, bucket_mb=z.bucket_mb, prefetch=z.prefetch,
+                  micro_batches=z.micro_batches, overlap=z.overlap, align=z.align)
+    if (cfg.depth if cfg.model == "mlp" else cfg.n_layer + 2) > EXACT_LAYERS:
+        psi, largest = model_size(cfg, tp)
+        return estimate(params=psi, largest_layer=largest, **common)["stages"][z.stage]
     spec = [(f"layer{i}", [(f"p{i}", (n,))]) for i, n in enumerate(layer_sizes(cfg, tp))]
     layout = FlatLayout(spec, dp, bucket_numel(z.dtype, z.bucket_mb), z.align)
-    est = estimate(ranks=dp, dtype=z.dtype, bucket_mb=z.bucket_mb, prefetch=z.prefetch,
-                   micro_batches=z.micro_batches, overlap=z.overlap, align=z.align, layout=layout)
-    return est["stages"][z.stage]
+    return estimate(layout=layout, **common)["stages"][z.stage]
 
 
 def memory_needed(cfg: TrainConfig, world_size: int) -> dict:
@@ -79,7 +103,7 @@ def memory_needed(cfg: TrainConfig, world_size: int) -> dict:
     offloaded = (row["optimizer_bytes"] if z.offload_optimizer == "nvme" else 0) + \
         (row["params_bytes"] if z.offload_params == "nvme" else 0)       # in files, not in memory
     parts = {"model states and buffers": row["total_bytes_best_case"] - offloaded}
-    init = 4 * sum(layer_sizes(cfg))
+    init = 4 * model_size(cfg)[0]                 # the whole model, in closed form
     if cfg.model == "mlp":        # the teacher is built before the engine and kept: both are alive at the start
         parts.update({"initial fp32 parameters": init, "teacher network (float32)": init})
         return parts
