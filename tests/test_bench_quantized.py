@@ -183,7 +183,9 @@ def test_a_broken_result_or_bound_is_caught(dtype, bits):
     (["--impl", "zerompi,zerompi"], "names an implementation twice"),
     (["--impl", "zerompi-q8", "--op", "all_reduce"], "op=all_reduce has no zerompi-q8 rows"),
     (["--impl", "zerompi-q4", "--quant-block", "12"], "quant_block=12 is not allowed; use a power of two >= 8"),
-    (["--quant-block", "4"], "quant_block=4 is not allowed"),
+    (["--impl", "zerompi-q8", "--quant-block", "4"], "quant_block=4 is not allowed"),
+    (["--quant-block", "32"], "quant_block=32 applies to the quantized rows only"),
+    (["--impl", "zerompi,mpi", "--quant-block", "64"], "quant_block=64 applies to the quantized rows only"),
     (["--quant-block", "x"], "--quant-block: invalid int value: 'x'"),
     (["--impl", "zerompi-q8", "--device", "gpu", "--comm", "nccl"], "impl='zerompi-q8' needs --comm mpi"),
 ])

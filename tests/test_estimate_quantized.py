@@ -140,7 +140,8 @@ def test_cli_rows_and_json(capsys, tmp_path):
     (["--quantize-weights", "int4"], "quantize_weights='int4' is not allowed; use None or 'int8' (int4 weights"),
     (["--quantize-grads", "int2"], "quantize_grads='int2' is not allowed; use None, 'int8' or 'int4'"),
     (["--quantize-grads", "int8", "--quant-block", "12"], "quant_block=12 is not allowed; use a power of two >= 8"),
-    (["--quant-block", "4"], "quant_block=4 is not allowed"),
+    (["--quantize-weights", "int8", "--quant-block", "4"], "quant_block=4 is not allowed"),
+    (["--quant-block", "32"], "quant_block=32 applies to quantized communication only"),
     (["--quant-block", "sixty"], "--quant-block: invalid int value: 'sixty'"),
 ])
 def test_bad_quantization_is_one_line_and_exit_2(capsys, argv, word):

@@ -196,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=BenchConfig.warmup, help="untimed iterations first")
     p.add_argument("--impl", default="both", help=f"{' | '.join(ALL_IMPLS)} | both, or a comma-separated list "
                                                   "(e.g. zerompi,zerompi-q8,zerompi-q4,mpi)")
-    p.add_argument("--quant-block", type=int, default=DEFAULT_BLOCK, metavar="B",
+    p.add_argument("--quant-block", type=int, default=None, metavar="B",
                    help="elements per scale in the quantized rows (a power of two >= 8)")
     p.add_argument("--device", default=BenchConfig.device, help="cpu or gpu")
     p.add_argument("--comm", default=BenchConfig.comm, help="with --device gpu: mpi (staged) or nccl")
@@ -226,6 +226,8 @@ def parse_config(argv: Optional[List[str]] = None) -> BenchConfig:
     for impl in impls:
         check(impl in ALL_IMPLS, f"impl={impl!r} is not allowed; use {IMPL_CHOICES}")
     quantized = [i for i in impls if i in QUANTIZED]
+    check(a.quant_block is None or quantized, f"quant_block={a.quant_block} applies to the quantized rows only; "
+          f"add zerompi-q8 or zerompi-q4 to --impl, or drop --quant-block")
     check(a.op != "all_reduce" or not quantized, f"op=all_reduce has no {quantized[0] if quantized else ''} rows: "
           f"the engine never quantizes an all-reduce; use --op {' or '.join(QUANTIZED_OPS)} (or all: the "
           f"quantized implementations then skip the all-reduce)")
@@ -235,5 +237,6 @@ def parse_config(argv: Optional[List[str]] = None) -> BenchConfig:
                       max_bytes=parse_size(a.maxbytes), factor=factor, dtype=a.dtype, iters=a.iters,
                       warmup=a.warmup, impls=impls, device=a.device, comm=a.comm,
                       check=a.check, overlap=not a.no_overlap, json_path=a.json, sum_impl=a.sum_impl,
-                      node_size=a.node_size, quant_block=a.quant_block, plot_path=a.plot, tp=a.tp)
+                      node_size=a.node_size, quant_block=DEFAULT_BLOCK if a.quant_block is None else a.quant_block,
+                      plot_path=a.plot, tp=a.tp)
     return cfg

@@ -243,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ZeRO++ qwZ as zerompi.train's: the parameter gathers travel as int8 blocks (stages 1-3)")
     p.add_argument("--quantize-grads", default=None, metavar="int8|int4",
                    help="ZeRO++ qgZ as zerompi.train's: the gradient reduce-scatters travel quantized")
-    p.add_argument("--quant-block", type=int, default=DEFAULT_BLOCK, metavar="B",
+    p.add_argument("--quant-block", type=int, default=None, metavar="B",
                    help="elements per quantization block (a power of two >= 8)")
     p.add_argument("--json", metavar="PATH", help="also write the table as JSON")
     p.add_argument("--from-run", metavar="METRICS.json",
@@ -266,7 +266,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                     in_flight=a.in_flight, bandwidth_gbps=a.bandwidth_gbps, latency_us=a.latency_us,
                     overlap=not a.no_overlap, intra_gbps=a.intra_gbps, inter_gbps=a.inter_gbps,
                     offload_optimizer=a.offload_optimizer, offload_params=a.offload_params,
-                    quantize_weights=a.quantize_weights, quantize_grads=a.quantize_grads, quant_block=a.quant_block)
+                    quantize_weights=a.quantize_weights, quantize_grads=a.quantize_grads,
+                    quant_block=DEFAULT_BLOCK if a.quant_block is None else a.quant_block)
+        check(a.quant_block is None or a.quantize_weights or a.quantize_grads,
+              f"quant_block={a.quant_block} applies to quantized communication only; add --quantize-weights or "
+              "--quantize-grads, or drop --quant-block")
         topo = {k: v for k, v in (("node_size", a.node_size), ("shard_size", a.shard_size), ("hpz", a.hpz or None))
                 if v is not None}
         dims = {k: getattr(a, k) for k in GPT_FLAGS}
