@@ -1,0 +1,35 @@
+"""The engine used as a library, misused: arguments that ranks disagree on, and values outside what is
+allowed. Every case must end every rank with the same one line naming the values (exit status 2),
+never hang and never give a silent result (driver: tests/drivers/library_misuse.py)."""
+import pytest
+
+from tests.mpirun import ROOT, no_python_noise, run_mpi, zerompi_lines
+
+DRIVER = ROOT / "tests" / "drivers" / "library_misuse.py"
+
+
+def stopped(n, case, *args):
+    """Every rank printed the same one zerompi line and the job exited with status 2; returns the line."""
+    proc = run_mpi(n, [DRIVER, case, *args], timeout=60, check=False)
+    lines = zerompi_lines(proc.stderr)
+    assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert lines and len(set(lines)) == 1, proc.stderr
+    no_python_noise(proc.stderr)
+    assert "finished" not in proc.stdout, proc.stdout
+    return lines[0]
+
+
+# ---- save(): every rank must pass the same blocking and keep_last ------------------------------
+def test_save_with_blocking_on_one_rank_only_stops_every_rank(tmp_path):
+    line = stopped(2, "save_blocking", tmp_path / "ck")
+    assert "blocking=True on rank 0, blocking=False on rank 1" in line, line
+
+
+def test_save_with_different_keep_last_stops_every_rank(tmp_path):
+    line = stopped(2, "save_keep", tmp_path / "ck")
+    assert "keep_last=1 on rank 0, keep_last=2 on rank 1" in line, line
+
+
+def test_keep_last_zero_is_refused(tmp_path):
+    line = stopped(2, "save_keep0", tmp_path / "ck")
+    assert "keep_last=0" in line and "None" in line, line
