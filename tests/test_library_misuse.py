@@ -33,3 +33,31 @@ def test_save_with_different_keep_last_stops_every_rank(tmp_path):
 def test_keep_last_zero_is_refused(tmp_path):
     line = stopped(2, "save_keep0", tmp_path / "ck")
     assert "keep_last=0" in line and "None" in line, line
+
+
+# ---- tensor parallelism: what the TP ranks must agree on, and tp_split's values -----------------
+@pytest.mark.parametrize("n", [2, 4])
+def test_config_differing_between_tp_ranks_stops_every_rank(n):
+    line = stopped(n, "tp_lr")
+    assert "zero.lr = 0.1 on rank" in line and "0.2 on rank" in line, line
+
+
+def test_tp_split_differing_between_tp_ranks_stops_every_rank():
+    line = stopped(2, "tp_split_rank")
+    assert "tp_split" in line and "rank 0" in line and "rank 1" in line, line
+
+
+def test_replicated_initial_values_differing_between_tp_ranks_stop_every_rank():
+    line = stopped(2, "tp_init")
+    assert "'b'" in line and "rank 0" in line and "rank 1" in line, line
+
+
+def test_step_lr_differing_between_tp_ranks_stops_every_rank():
+    line = stopped(2, "tp_step_lr")
+    assert "lr=0.1 on rank 0, lr=0.3 on rank 1" in line, line
+
+
+@pytest.mark.parametrize("case,needle", [("tp_axis", "axis 2"), ("tp_groups", "3"), ("tp_int", "(axis, groups)")])
+def test_bad_tp_split_values_are_refused_in_one_line(case, needle):
+    line = stopped(2, case)
+    assert "tp_split" in line and "'w'" in line and needle in line, line
