@@ -61,3 +61,12 @@ def test_step_lr_differing_between_tp_ranks_stops_every_rank():
 def test_bad_tp_split_values_are_refused_in_one_line(case, needle):
     line = stopped(2, case)
     assert "tp_split" in line and "'w'" in line and needle in line, line
+
+
+# ---- qgZ in fp16: an overflow must cost one step, not every step after it ------------------------
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_quantized_gradients_recover_from_an_overflow(stage):
+    # Stages 0/1 reduce in place in the whole local gradient, whose bucket padding the quantized sum wrote
+    # NaN into (a block's scale was inf): later steps sent it again and were all skipped.
+    proc = run_mpi(2, [DRIVER, "qgz_overflow", stage], timeout=60)
+    assert proc.stdout.count("skipped [True, False, False, False]") == 2, proc.stdout

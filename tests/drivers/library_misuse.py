@@ -50,4 +50,15 @@ elif case.startswith("tp_"):          # tensor parallelism over Mesh(tp=2)
         engine.grads_ready(0, {"w": np.ones((4, 2), np.float32), "b": np.ones(4, np.float32)})
         engine.step(lr=step_lr)
     engine.close()
+elif case == "qgz_overflow":      # CASE STAGE: an overflow in the block the padding shares, then finite steps
+    engine = zerompi.ZeroEngine([("a", {"w": np.zeros(37, np.float32)})],
+                                zerompi.ZeroConfig(stage=int(sys.argv[2]), dtype="fp16", quantize_grads="int8"))
+    skipped = []
+    for s in range(4):
+        g = np.ones(37, np.float32)
+        g[36] = np.inf if s == 0 else 1.0      # rank 1's slice, the quantization block of the padding
+        engine.grads_ready(0, {"w": g})
+        skipped.append(engine.step().skipped)
+    print(f"library_misuse: rank {rank} skipped {skipped}", flush=True)
+    engine.close()
 print(f"library_misuse: rank {rank} finished {case}", flush=True)
