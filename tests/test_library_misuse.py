@@ -1,6 +1,8 @@
 """The engine used as a library, misused: arguments that ranks disagree on, and values outside what is
 allowed. Every case must end every rank with the same one line naming the values (exit status 2),
 never hang and never give a silent result (driver: tests/drivers/library_misuse.py)."""
+import json
+
 import pytest
 
 from tests.mpirun import ROOT, no_python_noise, run_mpi, zerompi_lines
@@ -70,3 +72,14 @@ def test_quantized_gradients_recover_from_an_overflow(stage):
     # NaN into (a block's scale was inf): later steps sent it again and were all skipped.
     proc = run_mpi(2, [DRIVER, "qgz_overflow", stage], timeout=60)
     assert proc.stdout.count("skipped [True, False, False, False]") == 2, proc.stdout
+
+
+# ---- the trace with tensor parallelism: one file holding every rank of the mesh ------------------
+def test_tp_trace_holds_every_rank(tmp_path):
+    # Each data-parallel group's rank 0 wrote its own group's events to the same path: the file held the
+    # ranks of one group (whichever wrote last), numbered within it.
+    path = tmp_path / "trace.json"
+    run_mpi(4, [DRIVER, "trace_tp", path], timeout=60)
+    other = json.loads(path.read_text())["otherData"]["zerompi"]
+    assert other["ranks"] == 4 and other["ranks_in_file"] == [0, 1, 2, 3], other
+    assert sorted({e["pid"] for e in json.loads(path.read_text())["traceEvents"]}) == [0, 1, 2, 3]

@@ -50,6 +50,15 @@ elif case.startswith("tp_"):          # tensor parallelism over Mesh(tp=2)
         engine.grads_ready(0, {"w": np.ones((4, 2), np.float32), "b": np.ones(4, np.float32)})
         engine.step(lr=step_lr)
     engine.close()
+elif case == "trace_tp":           # CASE FILE: tensor parallelism, traced
+    mesh = zerompi.Mesh(tp=2)
+    layers = [("l", {"w": np.full((4, 2), 0.5, np.float32), "b": np.ones(4, np.float32)})]
+    engine = zerompi.ZeroEngine(layers, zerompi.ZeroConfig(stage=1, dtype="fp32", trace=directory, trace_steps=2),
+                                comm=mesh, tp_split={"w": (1, 1)})
+    for _ in range(3):
+        engine.grads_ready(0, {"w": np.ones((4, 2), np.float32), "b": np.ones(4, np.float32)})
+        engine.step()
+    engine.close()
 elif case == "qgz_overflow":      # CASE STAGE: an overflow in the block the padding shares, then finite steps
     engine = zerompi.ZeroEngine([("a", {"w": np.zeros(37, np.float32)})],
                                 zerompi.ZeroConfig(stage=int(sys.argv[2]), dtype="fp16", quantize_grads="int8"))

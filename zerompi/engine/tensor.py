@@ -70,6 +70,13 @@ class TensorParallel:
             "replicated_shape": {p: list(a.shape) for _, params in replicated for p, a in params.items()}})
         agree_values(world, replicated, mode)
 
+    def world_view(self, dp_comm) -> SimpleNamespace:
+        """The whole mesh as the trace sees a communicator (mpi, rank, size), its waits timed and its
+        traffic counted by ``dp_comm`` (the engine's)."""
+        world = self.mesh.world
+        return SimpleNamespace(mpi=world, rank=world.Get_rank(), size=world.Get_size(), waiting=dp_comm.waiting,
+                               stats=dp_comm.stats)
+
     def sizes(self, config) -> Tuple[Optional[int], Optional[int]]:
         """(node_size, shard_size) of the data-parallel group: the world's, divided by tp."""
         out = []
