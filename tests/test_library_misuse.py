@@ -83,3 +83,13 @@ def test_tp_trace_holds_every_rank(tmp_path):
     other = json.loads(path.read_text())["otherData"]["zerompi"]
     assert other["ranks"] == 4 and other["ranks_in_file"] == [0, 1, 2, 3], other
     assert sorted({e["pid"] for e in json.loads(path.read_text())["traceEvents"]}) == [0, 1, 2, 3]
+
+
+# ---- tensor-parallel checkpoints: every TP rank must restore the same step ----------------------
+def test_tp_load_of_pieces_of_different_steps_stops_every_rank(tmp_path):
+    ckpt = tmp_path / "ck"
+    run_mpi(2, [DRIVER, "ckpt_tp_save", ckpt], timeout=60)
+    assert run_mpi(2, [DRIVER, "ckpt_tp_load", ckpt], timeout=60).stdout.count("loaded") == 2
+    (ckpt / "tp1-of-2" / "latest").write_text("step_000002")   # as if TP rank 1's step 4 was never published
+    line = stopped(2, "ckpt_tp_load", ckpt)
+    assert "restored different steps" in line and "(step 4) on rank 0" in line and "(step 2) on rank 1" in line, line

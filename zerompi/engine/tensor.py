@@ -14,8 +14,9 @@ from typing import Dict, List, Mapping, Optional, Tuple
 import numpy as np
 
 from ..comm.communicator import sum_table
-from ..comm.consistency import check_consistent
+from ..comm.consistency import check_consistent, rank_set
 from ..comm.mesh import Mesh, check_tp
+from ..comm.watchdog import watched
 from ..errors import ConfigError, MismatchError, UsageError
 from ..optim import impl
 
@@ -143,6 +144,24 @@ class TensorParallel:
             raise CheckpointError(f"{path}: no tensor-parallel checkpoint for tp={self.mesh.tp} (found "
                                   f"{there or 'none'}); resume with the TP size it was saved at, or consolidate it")
         return mine
+
+    def load(self, engine, path: str, load):
+        """``load(engine, this TP rank's checkpoint under path)``, then CheckpointError on every rank unless every
+        TP rank restored the same step (a save that one TP group published and another did not, a ``latest``
+        moved by hand): the pieces of different steps would make a model that never existed."""
+        from ..checkpoint.format import CheckpointError
+        info = load(engine, self.load_path(path))
+        world = SimpleNamespace(mpi=self.mesh.world, waiting=engine.comm.waiting)
+        with watched(world, "tensor-parallel load: agreement on the step restored"):
+            everyone = self.mesh.world.allgather((engine.steps_taken, os.path.relpath(info.path, path)))
+        if len({step for step, _ in everyone}) > 1:
+            seen: Dict[tuple, List[int]] = {}
+            for r, got in enumerate(everyone):
+                seen.setdefault(got, []).append(r)
+            raise CheckpointError(f"{path}: the tensor-parallel ranks restored different steps: " + ", ".join(
+                f"{where} (step {step}) on {rank_set(rs)}" for (step, where), rs in seen.items())
+                + "; load a step that every TP rank saved (DIR/tp{r}-of-{K}/step_NNNNNN)")
+        return info
 
     def extra(self, extra: Optional[dict]) -> dict:
         return dict(extra or {}, **{TP_KEY: {"size": self.mesh.tp, "rank": self.mesh.tp_rank,

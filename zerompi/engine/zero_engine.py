@@ -326,7 +326,7 @@ class ZeroEngine:
     def load(self, path: str):
         """Restore from a checkpoint (directory, or a save directory's ``latest``) saved at any world
         size, stage or bucket size (a collective); returns a LoadInfo, CheckpointError on bad input."""
-        return checkpoint.load(self, self.tp.load_path(path) if self.tp else path)
+        return self.tp.load(self, path, checkpoint.load) if self.tp else checkpoint.load(self, path)
 
     # ---- results and reports ---------------------------------------------------
     @property
