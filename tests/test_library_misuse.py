@@ -93,3 +93,16 @@ def test_tp_load_of_pieces_of_different_steps_stops_every_rank(tmp_path):
     (ckpt / "tp1-of-2" / "latest").write_text("step_000002")   # as if TP rank 1's step 4 was never published
     line = stopped(2, "ckpt_tp_load", ckpt)
     assert "restored different steps" in line and "(step 4) on rank 0" in line and "(step 2) on rank 1" in line, line
+
+
+# ---- bf16: a non-finite gradient stops the job, and the message names bf16 ----------------------
+def test_bf16_non_finite_gradient_names_bf16():
+    import numpy as np
+
+    from zerompi import ZeroConfig, ZeroEngine
+    from zerompi.errors import NonFiniteError
+    engine = ZeroEngine([("a", {"w": np.ones(8, np.float32)})], ZeroConfig(stage=1, dtype="bf16"))
+    engine.grads_ready(0, {"w": np.full(8, np.nan, np.float32)})
+    with pytest.raises(NonFiniteError, match="bf16 has no loss scale to lower"):
+        engine.step()
+    engine.close()
