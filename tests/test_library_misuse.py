@@ -106,3 +106,15 @@ def test_bf16_non_finite_gradient_names_bf16():
     with pytest.raises(NonFiniteError, match="bf16 has no loss scale to lower"):
         engine.step()
     engine.close()
+
+
+# ---- after close(): every reader of the master says the engine is closed ----------------------
+@pytest.mark.parametrize("method", ["full_parameters", "gather_master", "unpadded_master"])
+def test_master_readers_after_close_are_usage_errors(method):
+    import numpy as np
+
+    from zerompi import UsageError, ZeroConfig, ZeroEngine
+    engine = ZeroEngine([("a", {"w": np.ones(8, np.float32)})], ZeroConfig(stage=2, dtype="fp32"))
+    engine.close()
+    with pytest.raises(UsageError, match="this engine was closed"):   # gather_master raised KeyError: 'master'
+        getattr(engine, method)()

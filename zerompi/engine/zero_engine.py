@@ -336,12 +336,12 @@ class ZeroEngine:
 
     def full_parameters(self) -> Dict[str, np.ndarray]:
         """Consolidated fp32 master parameters by name, as NumPy arrays (a collective: all ranks call)."""
-        self._check_open()
         flat = self.gather_master()
         return {name: flat[pr.start:pr.stop].reshape(pr.shape).copy() for name, pr in self.layout.params.items()}
 
     def gather_master(self) -> np.ndarray:
         """The whole padded fp32 master in world layout on every rank (a collective)."""
+        self._check_open()
         self.synchronize()
         self.optimizer.wait()          # a delayed update in flight: the master is whole again
         return self.optimizer.gather(self.group, self.steps_taken)
