@@ -118,3 +118,10 @@ def test_master_readers_after_close_are_usage_errors(method):
     engine.close()
     with pytest.raises(UsageError, match="this engine was closed"):   # gather_master raised KeyError: 'master'
         getattr(engine, method)()
+
+
+def test_engine_argument_error_on_one_rank_ends_the_job():
+    # The abort hook was installed after the argument checks: the rank that raised exited alone and the
+    # others waited in the start-up collectives (a hang past the watchdog's timeout).
+    proc = run_mpi(2, [DRIVER, "split_one_rank"], timeout=60, check=False)
+    assert proc.returncode != 0 and "tp_split given without tensor parallelism" in proc.stderr, proc.stderr

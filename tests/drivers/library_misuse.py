@@ -63,6 +63,12 @@ elif case in ("ckpt_tp_save", "ckpt_tp_load"):   # CASE DIR: saves at steps 2 an
         if s % 2:
             engine.save(directory, blocking=False)
     engine.close()
+elif case == "split_one_rank":     # tp_split on rank 1 only, no tensor parallelism
+    layers, grads = dense()
+    engine = zerompi.ZeroEngine(layers, zerompi.ZeroConfig(stage=2, dtype="fp32"),
+                                tp_split={"b.w": (0, 1)} if rank == 1 else None)
+    one_step(engine, grads)
+    engine.close()
 elif case == "trace_tp":           # CASE FILE: tensor parallelism, traced
     mesh = zerompi.Mesh(tp=2)
     layers = [("l", {"w": np.full((4, 2), 0.5, np.float32), "b": np.ones(4, np.float32)})]
