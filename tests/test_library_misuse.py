@@ -125,3 +125,9 @@ def test_engine_argument_error_on_one_rank_ends_the_job():
     # others waited in the start-up collectives (a hang past the watchdog's timeout).
     proc = run_mpi(2, [DRIVER, "split_one_rank"], timeout=60, check=False)
     assert proc.returncode != 0 and "tp_split given without tensor parallelism" in proc.stderr, proc.stderr
+
+
+def test_paths_may_be_pathlib_paths(tmp_path):
+    from zerompi import ZeroConfig
+    cfg = ZeroConfig(stage=2, trace=tmp_path / "t.json", offload_optimizer="nvme", offload_dir=tmp_path)
+    assert cfg.trace == str(tmp_path / "t.json") and cfg.offload_dir == str(tmp_path)   # refused as "not a path"
