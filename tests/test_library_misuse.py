@@ -92,7 +92,10 @@ def test_tp_load_of_pieces_of_different_steps_stops_every_rank(tmp_path):
     assert run_mpi(2, [DRIVER, "ckpt_tp_load", ckpt], timeout=60).stdout.count("loaded") == 2
     (ckpt / "tp1-of-2" / "latest").write_text("step_000002")   # as if TP rank 1's step 4 was never published
     line = stopped(2, "ckpt_tp_load", ckpt)
-    assert "restored different steps" in line and "(step 4) on rank 0" in line and "(step 2) on rank 1" in line, line
+    assert "would restore different steps" in line and "(step 4) on rank 0" in line and "(step 2) on rank 1" in line
+    (ckpt / "tp1-of-2" / "latest").write_text("step_000004")
+    line = stopped(2, "ckpt_tp_load_split", ckpt)     # the same shapes, cut another way: loaded silently
+    assert "ranks 0-1 was saved with tp_split={'w': [1, 1]}, this engine has tp_split={'w': [0, 1]}" in line, line
 
 
 # ---- bf16: a non-finite gradient stops the job, and the message names bf16 ----------------------

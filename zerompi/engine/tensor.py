@@ -146,22 +146,36 @@ class TensorParallel:
         return mine
 
     def load(self, engine, path: str, load):
-        """``load(engine, this TP rank's checkpoint under path)``, then CheckpointError on every rank unless every
-        TP rank restored the same step (a save that one TP group published and another did not, a ``latest``
-        moved by hand): the pieces of different steps would make a model that never existed."""
-        from ..checkpoint.format import CheckpointError
-        info = load(engine, self.load_path(path))
+        """``load(engine, this TP rank's checkpoint under path)``, after every TP rank found (one all-gather over the
+        mesh) a checkpoint of the same step saved with this tp_split; else CheckpointError on every rank, nothing
+        loaded. Pieces of two steps (a save one TP group published and another did not, a ``latest`` moved by
+        hand) or cut by another split would make a model that never existed."""
+        from ..checkpoint.format import CheckpointError, read_manifest, resolve
+        mine, got = self.load_path(path), None
+        try:
+            ckpt = resolve(mine)
+            manifest = read_manifest(ckpt)[0]
+            saved = (manifest.get("extra") or {}).get(TP_KEY, {}).get("split")
+            got = (manifest["step"], os.path.relpath(ckpt, path), saved)
+        except (CheckpointError, OSError, KeyError, TypeError, AttributeError):
+            pass                         # a bad checkpoint: load() says so, on every rank alike
         world = SimpleNamespace(mpi=self.mesh.world, waiting=engine.comm.waiting)
-        with watched(world, "tensor-parallel load: agreement on the step restored"):
-            everyone = self.mesh.world.allgather((engine.steps_taken, os.path.relpath(info.path, path)))
-        if len({step for step, _ in everyone}) > 1:
+        with watched(world, "tensor-parallel load: agreement on the checkpoint"):
+            everyone = self.mesh.world.allgather(got)
+        found = [(r, g) for r, g in enumerate(everyone) if g is not None]
+        split = {k: list(v) for k, v in self.split.items()}
+        other = [(r, g[2]) for r, g in found if g[2] != split]
+        if other:
+            raise CheckpointError(f"{path}: the checkpoint of {rank_set([r for r, _ in other])} was saved with tp_split="
+                                  f"{other[0][1]}, this engine has tp_split={split}; load it with the split it was saved with")
+        if len({g[0] for _, g in found}) > 1:
             seen: Dict[tuple, List[int]] = {}
-            for r, got in enumerate(everyone):
-                seen.setdefault(got, []).append(r)
-            raise CheckpointError(f"{path}: the tensor-parallel ranks restored different steps: " + ", ".join(
+            for r, g in found:
+                seen.setdefault(g[:2], []).append(r)
+            raise CheckpointError(f"{path}: the tensor-parallel ranks would restore different steps: " + ", ".join(
                 f"{where} (step {step}) on {rank_set(rs)}" for (step, where), rs in seen.items())
                 + "; load a step that every TP rank saved (DIR/tp{r}-of-{K}/step_NNNNNN)")
-        return info
+        return load(engine, mine)
 
     def extra(self, extra: Optional[dict]) -> dict:
         return dict(extra or {}, **{TP_KEY: {"size": self.mesh.tp, "rank": self.mesh.tp_rank,
