@@ -30,15 +30,14 @@ def tp_folder(rank: int, size: int) -> str:
 class TensorParallel:
     """One rank's place in the mesh and which of its parameters are split."""
 
-    def __init__(self, mesh: Mesh, split: Mapping[str, Tuple[int, int]], config=None, shapes=None):
+    def __init__(self, mesh: Mesh, split: Mapping[str, Tuple[int, int]], config=None):
         self.mesh, self.split = mesh, {k: (int(a), int(g)) for k, (a, g) in split.items()}
-        self.config, self.shapes = config, dict(shapes or {})
+        self.config = config          # what every rank of the mesh must have alike (agree)
 
     @staticmethod
     def of(comm, config, split, shapes) -> Optional["TensorParallel"]:
         """The engine's TensorParallel for ``comm`` (a Mesh, or a communicator with config.tp > 1), else None.
         ``shapes``: {parameter name: shape of this rank's array}; ``split`` is checked against them."""
-        names = shapes
         if isinstance(comm, Mesh):
             if config.tp not in (1, comm.tp):
                 raise UsageError(f"config.tp={config.tp} but the Mesh passed has tp={comm.tp}; give one")
@@ -52,11 +51,8 @@ class TensorParallel:
         if split is None:
             raise UsageError("tensor parallelism needs tp_split={parameter name: (axis, groups)} for the split "
                              "parameters (every other one is taken as replicated on the TP ranks)")
-        unknown = sorted(set(split) - set(names))
-        if unknown:
-            raise UsageError(f"tp_split names parameters the model does not have: {unknown[:5]}")
         check_split(split, shapes)
-        return TensorParallel(mesh, split, config, shapes)
+        return TensorParallel(mesh, split, config)
 
     def agree(self, dp_comm, values, mode: str, agree_values) -> None:
         """Across the whole mesh (a collective, timed by ``dp_comm``'s watchdog): MismatchError on every rank
@@ -187,6 +183,9 @@ def check_split(split, shapes) -> None:
     one of the piece's, ``groups`` >= 1 dividing the piece's length along it (as comm/tpsplit.merge cuts it)."""
     if not isinstance(split, Mapping):
         raise ConfigError(f"tp_split={split!r:.60} is not allowed; use a mapping {{parameter name: (axis, groups)}}")
+    unknown = sorted(set(split) - set(shapes))
+    if unknown:
+        raise UsageError(f"tp_split names parameters the model does not have: {unknown[:5]}")
     for name, value in split.items():
         shape = tuple(shapes[name])
         ok = isinstance(value, (tuple, list)) and len(value) == 2 and all(
