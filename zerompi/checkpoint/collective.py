@@ -18,8 +18,9 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from ..comm.consistency import rank_set
 from ..comm.watchdog import watched
-from ..errors import UsageError
+from ..errors import ConfigError, MismatchError, UsageError
 from .format import (F32, ROWS, CheckpointError, SavedLayout, build_manifest, check_model, crash_point,
                      make_temp_dir, read_manifest, remove_dir, resolve, shard_file, verify_shard, wait_removals)
 from .writer import PendingSave, free_snapshot
@@ -68,6 +69,9 @@ def save(engine, directory: str, extra_state: Optional[dict] = None, blocking: b
     these. ``keep_last``: after publication, remove all but the newest ``keep_last``
     checkpoints (savedir.retain); None keeps them all.
     """
+    if keep_last is not None and not (isinstance(keep_last, int) and not isinstance(keep_last, bool) and keep_last >= 1):
+        raise ConfigError(f"save(keep_last={keep_last!r}) is not allowed; use a whole number >= 1 of checkpoints "
+                         "to keep, or None to keep them all")
     between_steps(engine, "save")
     finish(engine)                       # the previous background save first
     comm, rank, step = engine.comm, engine.rank, engine.steps_taken
@@ -83,8 +87,20 @@ def save(engine, directory: str, extra_state: Optional[dict] = None, blocking: b
         except (TypeError, ValueError) as e:
             err = f"extra_state cannot be stored in the manifest as JSON: {e}"
     # Each collective is timed by the watchdog: a rank that dies or hangs in a save ends the job.
-    with watched(comm, "checkpoint save: broadcast of the temporary directory", step):
-        tmp, err = comm.mpi.bcast((tmp, err), root=0)
+    # One all-gather: rank 0's temporary directory, and every rank's arguments (which must agree: a save
+    # blocking on one rank and in the background on another would pair the wrong collectives and hang).
+    with watched(comm, "checkpoint save: agreement on the arguments and the temporary directory", step):
+        everyone = comm.mpi.allgather((tmp, err, bool(blocking), keep_last))
+    tmp, err = everyone[0][:2]
+    for i, name in ((2, "blocking"), (3, "keep_last")):
+        seen: Dict[object, List[int]] = {}
+        for r, args in enumerate(everyone):
+            seen.setdefault(args[i], []).append(r)
+        if len(seen) > 1:
+            if rank == 0 and tmp:
+                remove_dir(tmp)
+            raise MismatchError("ranks called save() with different arguments: " + ", ".join(
+                f"{name}={v!r} on {rank_set(rs)}" for v, rs in seen.items()) + "; every rank must pass the same")
     if err:
         raise CheckpointError(err)
     pending = PendingSave(engine, directory, tmp, step, manifest, keep_last, finish)

@@ -1,5 +1,6 @@
 """ZeroConfig: every knob of the engine, validated once, frozen."""
 import math
+import os
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional, Tuple
 
@@ -155,6 +156,9 @@ class ZeroConfig:
         check(self.dtype in DTYPES, f"dtype={self.dtype!r} is not allowed; use fp16, bf16 or fp32")
         if isinstance(self.no_decay, list):            # lists (JSON, a user's literal) are taken as tuples
             object.__setattr__(self, "no_decay", tuple(self.no_decay))
+        for name in ("trace", "offload_dir"):            # a pathlib.Path is a path too: kept as its text
+            if isinstance(getattr(self, name), os.PathLike):
+                object.__setattr__(self, name, os.fspath(getattr(self, name)))
         check(isinstance(self.no_decay, tuple) and all(isinstance(p, str) and p for p in self.no_decay),
               f"no_decay={self.no_decay!r} must be a tuple of parameter-name patterns (non-empty strings)")
         for name, (rule, ok, float32) in FLOAT_RULES.items():

@@ -101,8 +101,17 @@ def _digest(values: np.ndarray) -> bytes:
     return hashlib.blake2b(np.ascontiguousarray(values).tobytes(), digest_size=16).digest()
 
 
-def agree_initial_values(comm, pairs, mode: str) -> List[Tuple[str, Dict[str, np.ndarray]]]:
-    """The initial values every rank will use, as fp32 arrays in the callers' shapes.
+def agree_initial_values(comm, pairs, mode: str, tp=None) -> List[Tuple[str, Dict[str, np.ndarray]]]:
+    """The initial values every rank will use, as fp32 arrays in the callers' shapes; with tensor
+    parallelism (``tp``, engine/tensor.py) also the same config, split and replicated values over the mesh."""
+    values = _agree_values(comm, pairs, mode)
+    if tp is not None:
+        tp.agree(comm, values, mode, _agree_values)
+    return values
+
+
+def _agree_values(comm, pairs, mode: str) -> List[Tuple[str, Dict[str, np.ndarray]]]:
+    """The initial values every rank of ``comm`` will use, as fp32 arrays in the callers' shapes.
 
     ``mode`` "check": MismatchError on every rank unless every rank passed the same values
     (one 16-byte digest all-gathered; per-parameter digests only on a mismatch).

@@ -111,6 +111,7 @@ class GradientGuard:
     def __init__(self, rank: int, dtype, max_skipped_steps: int, fault: Optional[Fault] = None):
         self.rank = rank
         self.fp16 = np.dtype(dtype) == np.float16          # fp16 skips non-finite steps; fp32 and bf16 stop
+        self.name = "fp32" if np.dtype(dtype) == np.float32 else "bf16" if not self.fp16 else "fp16"
         self.limit = range_limit(dtype)                     # |g| >= limit is inf once stored
         self.max_skipped_steps = max_skipped_steps
         self.fault = fault if fault is not None and fault.rank == rank else None   # only this rank's
@@ -161,7 +162,7 @@ class GradientGuard:
         else:
             state = "every parameter is still finite (this step updated nothing)"
         if not self.fp16:
-            raise NonFiniteError(f"non-finite gradients at step {step}: {where}; fp32 has no loss scale to lower, "
+            raise NonFiniteError(f"non-finite gradients at step {step}: {where}; {self.name} has no loss scale to lower, "
                                  f"so the job stops; {state} (lower the learning rate: ZeroConfig.lr, --lr; clip: "
                                  "ZeroConfig.clip, --clip; or check the data)")
         raise NonFiniteError(f"{self.skipped_in_a_row} consecutive steps skipped for non-finite fp16 gradients "

@@ -157,6 +157,8 @@ class GradientReducer:
         out = self.accum[bucket.shard_slice] if self.accum is not None else self.grad_slice(b)
         scale = 1.0 / (self.world_size * self.config.micro_batches)
         send = self._local_bucket(b)
+        if self.config.stage < 2:          # the whole local gradient, reduced in place: the padding joins the
+            send[bucket.used:] = 0         # sum and must be zero (qgZ's sum of a block with an inf wrote NaN there)
         tag = (b, step)            # what a watchdog message names
         # Bound the reductions in flight: each pins a staging bucket and a receive buffer, and
         # without a cap a slow network would let stages 2/3 hold the whole local gradient.

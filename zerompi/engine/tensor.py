@@ -8,10 +8,16 @@ so that clipping and skipping agree with a run without TP. Checkpoints go to ``D
 one ordinary checkpoint per TP rank, with the split recorded for ``consolidate``.
 """
 import os
-from typing import Mapping, Optional, Tuple
+from types import SimpleNamespace
+from typing import Dict, List, Mapping, Optional, Tuple
 
+import numpy as np
+
+from ..comm.communicator import sum_table
+from ..comm.consistency import check_consistent, rank_set
 from ..comm.mesh import Mesh, check_tp
-from ..errors import UsageError
+from ..comm.watchdog import watched
+from ..errors import ConfigError, MismatchError, UsageError
 from ..optim import impl
 
 TP_KEY = "tensor_parallel"    # manifest["extra"][TP_KEY]: {"size", "rank", "split": {name: [axis, groups]}}
@@ -24,12 +30,14 @@ def tp_folder(rank: int, size: int) -> str:
 class TensorParallel:
     """One rank's place in the mesh and which of its parameters are split."""
 
-    def __init__(self, mesh: Mesh, split: Mapping[str, Tuple[int, int]]):
+    def __init__(self, mesh: Mesh, split: Mapping[str, Tuple[int, int]], config=None):
         self.mesh, self.split = mesh, {k: (int(a), int(g)) for k, (a, g) in split.items()}
+        self.config = config          # what every rank of the mesh must have alike (agree)
 
     @staticmethod
-    def of(comm, config, split, names) -> Optional["TensorParallel"]:
-        """The engine's TensorParallel for ``comm`` (a Mesh, or a communicator with config.tp > 1), else None."""
+    def of(comm, config, split, shapes) -> Optional["TensorParallel"]:
+        """The engine's TensorParallel for ``comm`` (a Mesh, or a communicator with config.tp > 1), else None.
+        ``shapes``: {parameter name: shape of this rank's array}; ``split`` is checked against them."""
         if isinstance(comm, Mesh):
             if config.tp not in (1, comm.tp):
                 raise UsageError(f"config.tp={config.tp} but the Mesh passed has tp={comm.tp}; give one")
@@ -43,10 +51,28 @@ class TensorParallel:
         if split is None:
             raise UsageError("tensor parallelism needs tp_split={parameter name: (axis, groups)} for the split "
                              "parameters (every other one is taken as replicated on the TP ranks)")
-        unknown = sorted(set(split) - set(names))
-        if unknown:
-            raise UsageError(f"tp_split names parameters the model does not have: {unknown[:5]}")
-        return TensorParallel(mesh, split)
+        check_split(split, shapes)
+        return TensorParallel(mesh, split, config)
+
+    def agree(self, dp_comm, values, mode: str, agree_values) -> None:
+        """Across the whole mesh (a collective, timed by ``dp_comm``'s watchdog): MismatchError on every rank
+        unless every rank has the same config, tp_split, layers and replicated shapes, and the same initial
+        values of the replicated parameters (``mode`` "broadcast": world rank 0's are taken). Without it
+        a TP rank with another lr, split or replicated value trains silently apart from the others."""
+        world = SimpleNamespace(mpi=self.mesh.world, waiting=dp_comm.waiting)
+        replicated = [(lname, {p: a for p, a in params.items() if p not in self.split}) for lname, params in values]
+        check_consistent(world, "tensor-parallel engine", {
+            "zero": self.config.to_dict(), "tp_split": {k: list(v) for k, v in self.split.items()},
+            "layers": [[lname, list(params)] for lname, params in values],
+            "replicated_shape": {p: list(a.shape) for _, params in replicated for p, a in params.items()}})
+        agree_values(world, replicated, mode)
+
+    def world_view(self, dp_comm) -> SimpleNamespace:
+        """The whole mesh as the trace sees a communicator (mpi, rank, size), its waits timed and its
+        traffic counted by ``dp_comm`` (the engine's)."""
+        world = self.mesh.world
+        return SimpleNamespace(mpi=world, rank=world.Get_rank(), size=world.Get_size(), waiting=dp_comm.waiting,
+                               stats=dp_comm.stats)
 
     def sizes(self, config) -> Tuple[Optional[int], Optional[int]]:
         """(node_size, shard_size) of the data-parallel group: the world's, divided by tp."""
@@ -81,9 +107,25 @@ class TensorParallel:
                         sumsq += impl.grad_stats(g[a - lo:z - lo])[0]
         return sumsq, nonfinite
 
-    def combine(self, total):
-        """The data-parallel group's (sum of squares, non-finite count) summed over the TP ranks."""
-        return self.mesh.tp_comm.sum_scalars(total[:2])
+    def combine(self, total, lr: float, step: int):
+        """The data-parallel group's (sum of squares, non-finite count) summed over the TP ranks; MismatchError
+        on the TP group's ranks unless they are at the same step with the same lr (before any update)."""
+        tp = self.mesh.tp_comm
+        local = np.array([total[0], total[1], lr, step], np.float64)
+        table = np.empty((tp.size, 4), np.float64)
+        with tp.waiting("tensor-parallel sum of the gradient norm"):
+            tp.mpi.Allgather(local, table)
+        ranks = self.mesh.ranks[self.mesh.dp_rank]
+        for col, what, show in ((3, "ranks are at different steps", lambda v: f"step() call {int(v)}"),
+                                (2, "ranks called step() with different learning rates", lambda v: f"lr={v:g}")):
+            if (table[:, col] != table[0, col]).any():
+                seen: Dict[float, List[int]] = {}
+                for r, v in zip(ranks, table[:, col].tolist()):
+                    seen.setdefault(v, []).append(r)
+                raise MismatchError(f"{what} (tensor-parallel group {ranks}): " + ", ".join(
+                    f"{show(v)} on rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}" for v, rs in seen.items())
+                    + "; every rank must call step() alike, with the same lr (and schedule)")
+        return sum_table(table[:, :2])
 
     def path(self, path: str) -> str:
         return os.path.join(path, tp_folder(self.mesh.tp_rank, self.mesh.tp))
@@ -99,6 +141,61 @@ class TensorParallel:
                                   f"{there or 'none'}); resume with the TP size it was saved at, or consolidate it")
         return mine
 
+    def load(self, engine, path: str, load):
+        """``load(engine, this TP rank's checkpoint under path)``, after every TP rank found (one all-gather over the
+        mesh) a checkpoint of the same step saved with this tp_split; else CheckpointError on every rank, nothing
+        loaded. Pieces of two steps (a save one TP group published and another did not, a ``latest`` moved by
+        hand) or cut by another split would make a model that never existed."""
+        from ..checkpoint.format import CheckpointError, read_manifest, resolve
+        mine, got = self.load_path(path), None
+        try:
+            ckpt = resolve(mine)
+            manifest = read_manifest(ckpt)[0]
+            saved = (manifest.get("extra") or {}).get(TP_KEY, {}).get("split")
+            got = (manifest["step"], os.path.relpath(ckpt, path), saved)
+        except (CheckpointError, OSError, KeyError, TypeError, AttributeError):
+            pass                         # a bad checkpoint: load() says so, on every rank alike
+        world = SimpleNamespace(mpi=self.mesh.world, waiting=engine.comm.waiting)
+        with watched(world, "tensor-parallel load: agreement on the checkpoint"):
+            everyone = self.mesh.world.allgather(got)
+        found = [(r, g) for r, g in enumerate(everyone) if g is not None]
+        split = {k: list(v) for k, v in self.split.items()}
+        other = [(r, g[2]) for r, g in found if g[2] != split]
+        if other:
+            raise CheckpointError(f"{path}: the checkpoint of {rank_set([r for r, _ in other])} was saved with tp_split="
+                                  f"{other[0][1]}, this engine has tp_split={split}; load it with the split it was saved with")
+        if len({g[0] for _, g in found}) > 1:
+            seen: Dict[tuple, List[int]] = {}
+            for r, g in found:
+                seen.setdefault(g[:2], []).append(r)
+            raise CheckpointError(f"{path}: the tensor-parallel ranks would restore different steps: " + ", ".join(
+                f"{where} (step {step}) on {rank_set(rs)}" for (step, where), rs in seen.items())
+                + "; load a step that every TP rank saved (DIR/tp{r}-of-{K}/step_NNNNNN)")
+        return load(engine, mine)
+
     def extra(self, extra: Optional[dict]) -> dict:
         return dict(extra or {}, **{TP_KEY: {"size": self.mesh.tp, "rank": self.mesh.tp_rank,
                                              "split": {k: list(v) for k, v in self.split.items()}}})
+
+
+def check_split(split, shapes) -> None:
+    """ConfigError naming the parameter unless each tp_split value is (axis, groups): whole numbers, the axis
+    one of the piece's, ``groups`` >= 1 dividing the piece's length along it (as comm/tpsplit.merge cuts it)."""
+    if not isinstance(split, Mapping):
+        raise ConfigError(f"tp_split={split!r:.60} is not allowed; use a mapping {{parameter name: (axis, groups)}}")
+    unknown = sorted(set(split) - set(shapes))
+    if unknown:
+        raise UsageError(f"tp_split names parameters the model does not have: {unknown[:5]}")
+    for name, value in split.items():
+        shape = tuple(shapes[name])
+        ok = isinstance(value, (tuple, list)) and len(value) == 2 and all(
+            isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value)
+        if not ok:
+            raise ConfigError(f"tp_split[{name!r}]={value!r} is not allowed; use (axis, groups): two whole numbers")
+        axis, groups = value
+        if not 0 <= axis < len(shape):
+            raise ConfigError(f"tp_split[{name!r}]=({axis}, {groups}): parameter {name!r} has shape {shape}, no "
+                              f"axis {axis}; use an axis in 0..{len(shape) - 1}")
+        if groups < 1 or shape[axis] % groups:
+            raise ConfigError(f"tp_split[{name!r}]=({axis}, {groups}): groups must be >= 1 and divide the piece's "
+                              f"length {shape[axis]} along axis {axis} (shape {shape})")

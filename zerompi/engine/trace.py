@@ -53,7 +53,9 @@ CATEGORY = {STEP: "step", COMPUTE: "compute", WAIT: "wait", BACKGROUND: "compute
 def attach(engine) -> "Tracer":
     """A Tracer for ``engine`` (its config.trace is set), hooked into its parts (a collective: the clocks)."""
     me = weakref.ref(engine)      # the tracer must not keep a forgotten engine alive
-    tracer = Tracer(engine.config.trace, engine.config.trace_steps, engine.comm, engine.timers, engine.layout,
+    # With tensor parallelism every rank of the mesh goes into the one file (each DP group's rank 0 would write it).
+    comm = engine.tp.world_view(engine.comm) if engine.tp is not None else engine.comm
+    tracer = Tracer(engine.config.trace, engine.config.trace_steps, comm, engine.timers, engine.layout,
                     lambda: me().steps_taken + 1 if me() is not None else None)
     tracer.parts = [engine.timers, engine.inflight, engine.gatherer, engine.optimizer]
     for part in tracer.parts:

@@ -79,14 +79,14 @@ class ZeroEngine:
         self.config = config or ZeroConfig()
         if not isinstance(self.config, ZeroConfig):
             raise UsageError(f"config is a {type(self.config).__name__}; pass a zerompi.ZeroConfig")
+        if self.config.abort_on_exception:
+            install_abort_hook()          # an exception on one rank ends the job, as in the CLI (misuse found below too)
         pairs = contract.check_layers(layers)
         # Tensor parallelism (engine/tensor.py): comm is a Mesh (or config.tp > 1); ZeRO runs over its DP group.
-        self.tp = TensorParallel.of(comm, self.config, tp_split, [n for _, p in pairs for n in p])
+        self.tp = TensorParallel.of(comm, self.config, tp_split, {n: np.shape(a) for _, p in pairs for n, a in p.items()})
         comm = self.tp.mesh.dp_comm if self.tp else comm
         # A Communicator, or one with its interface (staging.StagedCommunicator); else an mpi4py communicator.
         self.comm = comm if hasattr(comm, "ireduce_scatter") else Communicator(comm)
-        if self.config.abort_on_exception:
-            install_abort_hook()          # an exception on one rank ends the job, as in the CLI
         self.xp = xp
         self.rank, self.world_size = self.comm.rank, self.comm.size
         self.optimizer_impl = impl.use_impl(self.config.optimizer_impl, xp, verbose=self.rank == 0)  # "fused"/"numpy"
@@ -99,7 +99,7 @@ class ZeroEngine:
         self.layout = FlatLayout(spec, topo.shard_size, max(1, self.config.bucket_bytes // np.dtype(self.dtype).itemsize),
                                  self.config.align * topo.replicas)
         self.guard, self._watchdog = contract.start_guards(self)   # the watchdog, then the start-up check
-        pairs = contract.agree_initial_values(self.comm, pairs, self.config.init_values)
+        pairs = contract.agree_initial_values(self.comm, pairs, self.config.init_values, self.tp)
         comms = arrange(self.comm, topo, bool(self.config.quantize_weights or self.config.quantize_grads))
         self.group, self.replica = comms.group, comms.replica   # gradients and parameters; across groups
         self.slot = self.group.slot
@@ -249,7 +249,7 @@ class ZeroEngine:
         contract.check_step(self.comm, table, self.gatherer.log)
         self.gatherer.log.reset()
         total = sum_table(table[:self.topology.shard_size, :2])   # one shard group: the others hold copies
-        total = self.tp.combine(total) if self.tp else total       # + the other TP ranks' pieces
+        total = self.tp.combine(total, lr, self.steps_taken + 1) if self.tp else total   # + other TP ranks' pieces
         scale = self.scaler.scale
         overflow = bool(total[1] > 0) or not math.isfinite(total[0])
         self.steps_taken += 1
@@ -326,7 +326,7 @@ class ZeroEngine:
     def load(self, path: str):
         """Restore from a checkpoint (directory, or a save directory's ``latest``) saved at any world
         size, stage or bucket size (a collective); returns a LoadInfo, CheckpointError on bad input."""
-        return checkpoint.load(self, self.tp.load_path(path) if self.tp else path)
+        return self.tp.load(self, path, checkpoint.load) if self.tp else checkpoint.load(self, path)
 
     # ---- results and reports ---------------------------------------------------
     @property
@@ -336,12 +336,12 @@ class ZeroEngine:
 
     def full_parameters(self) -> Dict[str, np.ndarray]:
         """Consolidated fp32 master parameters by name, as NumPy arrays (a collective: all ranks call)."""
-        self._check_open()
         flat = self.gather_master()
         return {name: flat[pr.start:pr.stop].reshape(pr.shape).copy() for name, pr in self.layout.params.items()}
 
     def gather_master(self) -> np.ndarray:
         """The whole padded fp32 master in world layout on every rank (a collective)."""
+        self._check_open()
         self.synchronize()
         self.optimizer.wait()          # a delayed update in flight: the master is whole again
         return self.optimizer.gather(self.group, self.steps_taken)
