@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.mpirun import ROOT, mpiexec, run_mpi, run_train
+from tests.mpirun import ROOT, mpi_env, mpiexec, run_mpi, run_train
 from tests.test_checkpoint import SMALL, checkpoint_cli, reassemble, snapshot
 
 TRAIN = ["-m", "zerompi.train"]
@@ -142,6 +142,17 @@ def test_a_failed_write_stops_every_rank_with_one_line(tmp_path, mode):
     assert checkpoint_cli("inspect", ck).returncode == 0
 
 
+def wait_for_lock_owner(ck, limit_s: float = 30) -> None:
+    """Until the process named in ck's lock (if any) has ended, at most ``limit_s``."""
+    try:
+        pid = json.loads((ck / ".zerompi.lock").read_text())["pid"]
+    except (OSError, ValueError, KeyError):
+        return
+    deadline = time.monotonic() + limit_s
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 @pytest.mark.parametrize("env", [
     {"ZEROMPI_CHECKPOINT_CRASH": "after_shards@4"},
     {"ZEROMPI_CHECKPOINT_CRASH": "mid_shard@4:rank1", **SLOW},     # rank 1 dies mid-write, rank 0 trains on
@@ -159,7 +170,9 @@ def test_crash_during_an_async_save_leaves_the_previous_checkpoint(tmp_path, env
     assert checkpoint_cli("consolidate", ck, tmp_path / "p.npz").returncode == 0
     got = np.load(tmp_path / "p.npz")
     assert all(np.array_equal(got[k], v) for k, v in before.items())
-    # The next run resumes from it (taking over the dead job's lock) and finishes.
+    # The next run resumes from it (taking over the dead job's lock) and finishes. Open MPI's mpirun may
+    # return while the rank holding the lock is still being killed: until it is gone the lock is live.
+    wait_for_lock_owner(ck)
     proc = run_mpi(2, [*common, "--save-dir", ck, "--resume", ck], timeout=90)
     assert (ck / "latest").read_text().strip() == "step_000006"
     assert not (ck / ".zerompi.lock").exists()
@@ -323,8 +336,7 @@ def test_a_stale_lock_on_this_host_is_taken_over(tmp_path, holder):
 def test_two_real_jobs_into_one_save_dir(tmp_path):
     ck = tmp_path / "ck"
     # The first job hangs in its second step (rank 1) and holds the lock until its watchdog ends it.
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
-               ZEROMPI_FAULT="hang@rank1:step2")
+    env = mpi_env({"ZEROMPI_FAULT": "hang@rank1:step2"})     # with the launcher's own settings (Open MPI as root)
     first = subprocess.Popen([mpiexec(), "-n", "2", sys.executable, *TRAIN, *SMALL, "--steps", "3",
                               "--timeout-s", "60", "--save-dir", str(ck)], cwd=str(ROOT), env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)

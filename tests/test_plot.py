@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.mpirun import ROOT, run_mpi, run_train
+from tests.mpirun import ROOT, no_python_noise, run_mpi, run_train, zerompi_lines
 from tests.test_architecture import BLOCK_MPI
 from zerompi.plot import figure as plot
 
@@ -162,5 +162,6 @@ def test_bench_plot_draws_busbw_per_implementation(tmp_path):
 def test_bench_plot_path_is_checked_at_start(tmp_path):
     proc = run_mpi(2, ["-m", "zerompi.bench", "-b", "64K", "-e", "64K", "--plot", tmp_path / "nope" / "bw.png"],
                    timeout=60, check=False)
-    lines = proc.stderr.strip().splitlines()
+    lines = zerompi_lines(proc.stderr)     # zerompi's own lines: a launcher may add its banner
+    no_python_noise(proc.stderr)
     assert proc.returncode == 2 and len(lines) == 1 and "plot=" in lines[0], proc.stderr
