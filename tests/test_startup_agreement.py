@@ -133,6 +133,8 @@ def _open_mpi_died_in_the_abort(proc) -> bool:
 
 # ---- a watchdog that fired ends the job non-zero ---------------------------------------------------
 def test_a_fired_watchdog_ends_the_job_non_zero():
-    proc = run_mpi(2, MLP + ["--timeout-s", "1e-9"], timeout=LIMIT, check=False)
+    # The watchdog fires when its thread (checking every millisecond) sees a wait under way: 2 steps of the
+    # tiny MLP could end between two checks (seen once under Open MPI), 60 steps hold hundreds of waits.
+    proc = run_mpi(2, MLP[:-1] + ["60", "--log-every", "100", "--timeout-s", "1e-9"], timeout=LIMIT, check=False)
     assert proc.returncode == EXIT_TIMEOUT, (proc.returncode, proc.stderr)
     assert "collective timeout" in proc.stderr and "timeout 1e-09 s" in proc.stderr
