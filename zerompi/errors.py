@@ -1,4 +1,5 @@
 """Errors a user can act on, and the rule that one failing rank ends the whole job."""
+import argparse
 import os
 import sys
 import time
@@ -44,6 +45,22 @@ class HelpRequested(Exception):
     def __init__(self, text: str):
         super().__init__(text)
         self.text = text
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """The tools' command lines: a bad argument is one ConfigError line (exit status 2), not
+    argparse's usage dump."""
+
+    def error(self, message):
+        raise ConfigError(message)
+
+
+class RankParser(OneLineParser):
+    """The MPI tools' command lines (train, bench): ``--help`` raises HelpRequested, printed once
+    every rank has reached the start-up agreement."""
+
+    def print_help(self, file=None):
+        raise HelpRequested(self.format_help())
 
 
 EXIT_TIMEOUT = 3   # exit status of a job a collective watchdog aborted (docs/failures.md)

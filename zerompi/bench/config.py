@@ -13,7 +13,7 @@ import numpy as np
 
 from .levels import TWO_LEVEL
 from ..comm.quantized import DEFAULT_BLOCK, check_quantization
-from ..errors import ConfigError, HelpRequested, check
+from ..errors import ConfigError, RankParser, check
 from ..optim.impl import OPTIMIZER_IMPLS
 
 OPS = ("reduce_scatter", "all_gather", "all_reduce")
@@ -177,16 +177,8 @@ class BenchConfig:
         return out
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2 (argparse's own prints the whole usage)
-        raise ConfigError(message)
-
-    def print_help(self, file=None):  # printed once every rank has reached the start-up agreement
-        raise HelpRequested(self.format_help())
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m zerompi.bench", description="Collectives microbenchmark (see the module docstring).")
+    p = RankParser(prog="python -m zerompi.bench", description="Collectives microbenchmark (see the module docstring).")
     p.add_argument("--op", default="all", help=f"{' | '.join(OPS)} | all")
     p.add_argument("-b", "--minbytes", default="1M", help="smallest buffer, bytes (suffixes K, M, G)")
     p.add_argument("-e", "--maxbytes", default="64M", help="largest buffer, bytes")

@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..errors import ConfigError, quiet_exit_on_closed_stdout
+from ..errors import ConfigError, OneLineParser, quiet_exit_on_closed_stdout
 from .format import (F32, MANIFEST_SHA, TP_FOLDER, CheckpointError, complete_checkpoints, read_manifest, resolve,
                      verify_shard)
 from .outputs import check_file, write_atomic
@@ -151,9 +151,9 @@ def inspect_text(path: str) -> str:
     return text
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):   # one line and exit 2, not argparse's usage dump
-        raise ConfigError(f"{message}; use 'consolidate DIR OUT.npz' or 'inspect DIR' (--help for more)")
+class _Parser(OneLineParser):
+    def error(self, message):   # the one line names the two commands
+        super().error(f"{message}; use 'consolidate DIR OUT.npz' or 'inspect DIR' (--help for more)")
 
 
 def build_parser() -> argparse.ArgumentParser:

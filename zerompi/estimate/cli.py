@@ -15,7 +15,7 @@ from ..checkpoint.outputs import check_file, save_json
 from ..comm.quantized import DEFAULT_BLOCK
 from ..engine import reducer
 from ..engine.config import ZeroConfig
-from ..errors import EXIT_OUTPUT, ConfigError, check, quiet_exit_on_closed_stdout
+from ..errors import EXIT_OUTPUT, ConfigError, OneLineParser, check, quiet_exit_on_closed_stdout
 from .activations import GPT_FLAGS, gpt_activations, gpt_layer_sizes, with_activations
 from .fromrun import compare_run, format_compare, read_run, run_estimate
 from .stages import BUFFER_ROWS, DEFAULT_PREFETCH, estimate
@@ -192,13 +192,8 @@ def _pending_note(est: dict) -> str:
             f"{pending}: {whose}; best case: none pending (each reduction done before the next bucket fills)")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):   # one line and exit 2, not argparse's usage dump
-        raise ConfigError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m zerompi.estimate", description="Memory and communication per rank for ZeRO stages 0-3.")
+    p = OneLineParser(prog="python -m zerompi.estimate", description="Memory and communication per rank for ZeRO stages 0-3.")
     p.add_argument("--params", type=parse_count, help="Ψ, parameters of the model (10e9, 10B, 350M)")
     p.add_argument("--ranks", type=int, help="N, data-parallel ranks")
     p.add_argument("--dtype", default="fp16", help="fp16, bf16 or fp32 storage of parameters and gradients")

@@ -14,7 +14,6 @@ Four panels (axes, titled):
 Several files overlay, each labelled by what sets it apart (stage, dtype, ranks, quantized
 communication, model; the file's name when that is not enough).
 """
-import argparse
 import importlib.util
 import json
 import os
@@ -23,7 +22,7 @@ import sys
 from typing import List, Optional
 
 from ..checkpoint.outputs import check_file, check_image, write_atomic
-from ..errors import ConfigError, check
+from ..errors import ConfigError, OneLineParser, check
 
 REQUIRED = ("model", "stage", "dtype", "world_size", "losses", "first_step", "step_times_s", "memory_bytes",
             "theory_bytes_padded", "config")
@@ -156,13 +155,8 @@ def save_figure(fig, path: str) -> None:
     write_atomic(path, lambda f: fig.savefig(f, format=fmt, dpi=110))
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):      # one line, exit 2
-        raise ConfigError(message)
-
-
 def main(argv: Optional[List[str]] = None) -> int:
-    p = _Parser(prog=f"python -m {PROG}", description="One figure of one or more zerompi.train --metrics-json "
+    p = OneLineParser(prog=f"python -m {PROG}", description="One figure of one or more zerompi.train --metrics-json "
                                                        "files: loss, throughput, step-time breakdown, memory.")
     p.add_argument("runs", nargs="+", metavar="RUN.json", help="--metrics-json files (several overlay, labelled)")
     p.add_argument("--out", default=None, metavar="PNG", help="the image (default: the first RUN with .png)")

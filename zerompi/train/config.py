@@ -10,7 +10,7 @@ from typing import List, Optional
 from ..engine.config import PROGRESS, ZeroConfig
 from ..comm.device import DEVICES
 from ..comm.watchdog import default_timeout_s
-from ..errors import ConfigError, HelpRequested, check
+from ..errors import ConfigError, RankParser, check
 from .console import PROGRESS_MODES
 
 # --help's description: the train module's docstring, where the parser used to live.
@@ -177,16 +177,8 @@ def _flag(name: str) -> str:
     return name.replace("_", "-")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2 (argparse's own prints the whole usage)
-        raise ConfigError(message)
-
-    def print_help(self, file=None):  # printed once every rank has reached the start-up agreement
-        raise HelpRequested(self.format_help())
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m zerompi.train", description=DESCRIPTION)
+    p = RankParser(prog="python -m zerompi.train", description=DESCRIPTION)
     p.add_argument("--stage", type=int, default=ZeroConfig.stage, help="ZeRO stage 0, 1, 2 or 3")
     p.add_argument("--model", default=TrainConfig.model, help=f"one of {', '.join(MODELS)}")
     p.add_argument("--steps", type=int, default=TrainConfig.steps)
