@@ -160,12 +160,19 @@ def load(path: Path) -> ctypes.CDLL:
     return lib
 
 
-@lru_cache(maxsize=None)
-def _library() -> Tuple[Optional[ctypes.CDLL], str]:
-    try:
-        return load(build()), ""
-    except (BuildError, FileNotFoundError, OSError) as e:
-        return None, str(e)
+def lazy_library(make):
+    """A function returning (the library ``make()`` builds and loads, "") on its first call and ever
+    after, or (None, why) when it cannot be had; for every kernel library (this one, the GPT's)."""
+    @lru_cache(maxsize=None)
+    def attempt() -> Tuple[Optional[ctypes.CDLL], str]:
+        try:
+            return make(), ""
+        except (BuildError, FileNotFoundError, OSError) as e:
+            return None, str(e)
+    return attempt
+
+
+_library = lazy_library(lambda: load(build()))
 
 
 def library() -> Optional[ctypes.CDLL]:

@@ -12,11 +12,11 @@ takes is decided once, by models.gpt (``kernels="auto"``: these when they load, 
 import ctypes
 from functools import lru_cache
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Optional
 
 import numpy as np
 
-from ..optim.fused_cpu import BuildError, build
+from ..optim.fused_cpu import BuildError, build, lazy_library
 
 SOURCE = "gpt_cpu.c"
 HEADERS = ("gpt_cpu_body.h",)
@@ -56,12 +56,7 @@ def load(path: Path) -> ctypes.CDLL:
     return lib
 
 
-@lru_cache(maxsize=None)
-def _library() -> Tuple[Optional[ctypes.CDLL], str]:
-    try:
-        return load(build_library()), ""
-    except (BuildError, FileNotFoundError, OSError) as e:
-        return None, str(e)
+_library = lazy_library(lambda: load(build_library()))
 
 
 def library() -> Optional[ctypes.CDLL]:
