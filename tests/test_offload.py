@@ -45,10 +45,11 @@ def test_offloaded_runs_equal_the_plain_run_bit_for_bit(tmp_path, n):
 
 
 def test_memory_by_place_equals_the_formula(tmp_path):
-    out = tmp_path / "m.json"
+    out = tmp_path / "m.json"                  # outside the offload folder (tests/test_path_roles.py)
+    (tmp_path / "off").mkdir()
     run_mpi(2, ["-m", "zerompi.train", "--model", "mlp", "--width", "32", "--depth", "8", "--batch", "8",
                 "--steps", "2", "--stage", "3", "--bucket-mb", "0.002", "--offload-optimizer", "nvme",
-                "--offload-params", "nvme", "--offload-dir", tmp_path, "--metrics-json", out], timeout=120)
+                "--offload-params", "nvme", "--offload-dir", tmp_path / "off", "--metrics-json", out], timeout=120)
     m = json.loads(out.read_text())
     got, want = m["memory_bytes_by_place"], m["theory_bytes_by_place"]
     assert got["disk"] == want["disk"] and want["disk"]["optimizer"] == 12 * m["padded_params"] // 2

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from tests.mpirun import no_python_noise, run_mpi, run_train, zerompi_lines
+from tests.mpirun import ROOT, no_python_noise, run_mpi, run_train, zerompi_lines
 from tests.test_overlap import FakeComm, mlp_layers
 from zerompi import ZeroConfig, ZeroEngine
 from zerompi.engine import trace as trace_mod
@@ -314,3 +314,5 @@ def test_crash_path_names_the_rank():
     assert trace_mod.crash_path("out/t.json", 3) == "out/t.rank3.json"
     assert trace_mod.crash_path("t", 2) == "t.rank2.json"
     assert os.path.basename(trace_mod.crash_path("a.b/trace.json", 1)) == "trace.rank1.json"
+    readme = " ".join((ROOT / "README.md").read_text().split())     # what the README says is what happens
+    assert "`--trace t.json` gives `t.rank1.json`" in readme and "FILE.rankR.json" not in readme

@@ -40,15 +40,15 @@ def busbw_figure(records: List[dict]):
     return fig
 
 
-def check_plot(path: Optional[str], json_path: Optional[str] = None) -> None:
+def check_plot(path: Optional[str]) -> None:
     """ConfigError unless ``path`` (None passes) can take the image, in a format matplotlib writes,
-    and matplotlib is there; and it is not the --json file ``json_path``."""
+    and matplotlib is there (that it is not the --json file: bench/run.py's check_roles)."""
     if path is None:
         return
     check_file(path, "plot")
     check(importlib.util.find_spec("matplotlib") is not None,
           f"plot={path!r} needs matplotlib; pip install 'zerompi[plot]' (or leave --plot out)")
-    check_image(path, "plot", [json_path])
+    check_image(path, "plot")
 
 
 def save_figure(fig, path: str) -> None:

@@ -37,7 +37,7 @@ from .plot import check_plot, save_plot
 from .table import footer, print0, table_header, table_row
 from . import quantized, tensor
 from ..comm.quantized import Quantization
-from ..checkpoint.outputs import check_file, save_json
+from ..checkpoint.outputs import check_file, check_roles, save_json
 from ..errors import EXIT_OUTPUT, ConfigError, HelpRequested, agree_on_errors, agree_on_start, install_abort_hook
 
 
@@ -148,8 +148,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         check_node_size(cfg.node_size, world.Get_size(), cfg.device)
         tensor.check_tp_size(cfg.tp, world.Get_size())
         if world.Get_rank() == 0:
+            check_roles([("json", cfg.json_path), ("plot", cfg.plot_path)])   # never one over the other
             check_file(cfg.json_path, "json")   # rank 0 writes it: checked before any measurement
-            check_plot(cfg.plot_path, cfg.json_path)
+            check_plot(cfg.plot_path)
         # what the engine's constructor does; "fused" raises here when the C kernels cannot be had
         cfg = replace(cfg, local_sum=impl.use_impl(cfg.sum_impl, verbose=world.Get_rank() == 0))
     except (ConfigError, HelpRequested) as e:

@@ -22,7 +22,8 @@ import numpy as np
 from ..errors import ConfigError, OneLineParser, quiet_exit_on_closed_stdout
 from .format import (F32, MANIFEST_SHA, TP_FOLDER, CheckpointError, complete_checkpoints, read_manifest, resolve,
                      verify_shard)
-from .outputs import check_file, write_atomic
+from .outputs import check_file, check_roles, write_atomic
+from .savedir import folders_read
 
 
 def consolidate(path: str, out: str) -> Dict[str, np.ndarray]:
@@ -35,14 +36,10 @@ def consolidate(path: str, out: str) -> Dict[str, np.ndarray]:
     A tensor-parallel save directory (``tp{r}-of-{K}`` folders, engine/tensor.py) is merged:
     every TP rank's pieces put together, the same names and shapes as a run without TP.
     """
+    check_roles([("out", out)], folders_read("dir", path))    # not inside what is read, its save folder included
     check_file(out, "out")
     parts = tp_parts(path)
     ckpts = [resolve(p) for p in parts] if parts else [resolve(path)]
-    here = os.path.realpath(os.path.dirname(os.path.abspath(out)))
-    for ckpt in ckpts:
-        there = os.path.realpath(ckpt)
-        if os.path.commonpath([here, there]) == there:
-            raise CheckpointError(f"{out}: would be written inside the checkpoint {ckpt}; choose another path")
     pieces = [_params(ckpt) for ckpt in ckpts]
     if parts:
         params = _merge_tp(ckpts, pieces)

@@ -13,12 +13,14 @@ One concern: the files a run leaves besides its checkpoints (``--metrics-json``,
   failure (a full disk) the temporary file is removed and what was at the path stays.
 - :func:`save_json` (:func:`save_bytes`): write_atomic of a JSON text; when that fails, a copy in the system's
   temporary folder, and one line that says which.
+- :func:`check_roles`, before anything is written: the rule every tool applies to all of its paths
+  at once, one ConfigError line naming both roles (docs/failures.md, "Outputs").
 """
 import json
 import os
 import stat
 import tempfile
-from typing import BinaryIO, Callable, Optional
+from typing import BinaryIO, Callable, Iterable, Optional, Tuple
 
 from ..errors import ConfigError, check
 
@@ -136,13 +138,66 @@ def save_bytes(path: str, data: bytes, what: str) -> Optional[str]:
     return f"cannot write {what}={path!r} ({reason}); a copy is in {kept}"
 
 
-def check_image(path: str, what: str, inputs=()) -> None:
+def check_image(path: str, what: str) -> None:
     """ConfigError unless matplotlib (there: the caller checked) writes the format ``path``'s suffix
-    names (png when none), and ``path`` is none of ``inputs`` (the files the image is drawn from)."""
+    names (png when none)."""
     from matplotlib.backend_bases import FigureCanvasBase
     fmt = os.path.splitext(path)[1][1:].lower() or "png"
     known = FigureCanvasBase.get_supported_filetypes()
     check(fmt in known, f"{what}={path!r}: no image format .{fmt}; use one of {', '.join(sorted(known))}")
-    for given in inputs:
-        if given is not None and os.path.realpath(given) == os.path.realpath(path):
-            raise ConfigError(f"{what}={path!r} is also the input {given!r} and would replace it; give another path")
+
+
+Role = Tuple[str, Optional[str]]     # (the name the user knows the path by: "metrics_json", "save_dir"; the path)
+
+
+def check_roles(outputs: Iterable[Role], inputs: Iterable[Role] = (), folders: Iterable[Role] = ()) -> None:
+    """ConfigError, one line naming both roles, unless every output file of a tool has a path of its own.
+
+    ``outputs``: the files the tool writes (the stop file counts as one: the tool must never make it
+    appear); ``inputs``: the files and folders it reads (a folder: everything inside it, as a
+    checkpoint's save folder); ``folders``: the folders it writes into (``--save-dir``,
+    ``--offload-dir``). An output may not be an input or lie inside an input folder, be another
+    output, be or lie inside a folder it writes into; two such folders may not be one. Paths compare
+    as real paths (symbolic links followed, ``..`` resolved) and, where both exist, as files (a hard
+    link is the same file). None paths are skipped. Reads nothing but the paths' metadata."""
+    named = lambda role, path: f"{role}={path!r}" if role.isidentifier() else f"{role} {path!r}"
+    outs = [(named(r, p), os.path.realpath(p), r == "stop_file") for r, p in outputs if p]
+    ins = [(named(r, p), os.path.realpath(p)) for r, p in inputs if p]
+    dirs = [(named(r, p), os.path.realpath(p)) for r, p in folders if p]
+    for k, (out, real, stop) in enumerate(outs):
+        for other, there, stops in outs[:k]:
+            if _same(real, there):
+                raise ConfigError(f"{other} and {out} are the same file: " + (
+                    "the run would stop itself by writing it" if stop or stops else
+                    "one output would replace the other") + "; give each its own path")
+        for other, there in ins:
+            if _same(real, there):
+                raise ConfigError(f"{out} is also the input {other} and would replace it; give another path")
+            if _inside(real, there):
+                raise ConfigError(f"{out} lies inside the input {other}, which is read from there; give a path "
+                                  "outside it")
+        for other, there in dirs:
+            if _same(real, there):
+                raise ConfigError(f"{out} is the folder {other} itself; give a file path outside it")
+            if _inside(real, there):
+                raise ConfigError(f"{out} lies inside {other}, a folder the run writes into (its checkpoints, "
+                                  "their latest pointer, offload files); give a path outside it")
+    for k, (folder, real) in enumerate(dirs):
+        for other, there in dirs[:k]:
+            if _same(real, there):
+                raise ConfigError(f"{other} and {folder} are one folder; give each its own")
+
+
+def _same(a: str, b: str) -> bool:
+    """Real paths ``a`` and ``b`` name one file (equal, or both exist and are one inode)."""
+    if a == b:
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _inside(path: str, folder: str) -> bool:
+    """Real path ``path`` lies below real path ``folder``."""
+    return path != folder and os.path.commonpath([path, folder]) == folder

@@ -19,10 +19,10 @@ import os
 import re
 import socket
 import time
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from ..errors import ConfigError
-from .format import LATEST, MANIFEST, complete_checkpoints, latest_name, remove_dir
+from .format import CHECKPOINT_NAME, LATEST, MANIFEST, complete_checkpoints, latest_name, remove_dir
 
 LOCK = ".zerompi.lock"
 TP_FOLDER = re.compile(r"tp\d+-of-\d+")    # a tensor-parallel run's checkpoints: DIR/tp{r}-of-{K}/ (engine/tensor.py)
@@ -113,6 +113,19 @@ class SaveDirLock:
                 os.unlink(self.path)
         except (OSError, ValueError, AttributeError):
             pass
+
+
+def folders_read(role: str, path: Optional[str]) -> List[Tuple[str, str]]:
+    """The (role, folder) pairs a reader of the checkpoint ``path`` (None: none) depends on, for
+    outputs.check_roles: ``path`` itself and, where it is one checkpoint (``step_NNNNNN``) or one
+    tensor-parallel part (``tp{r}-of-{K}``), each save folder above it (its ``latest``, its checkpoints)."""
+    if not path:
+        return []
+    found, real = [(role, path)], os.path.realpath(path)
+    while CHECKPOINT_NAME.fullmatch(os.path.basename(real)) or TP_FOLDER.fullmatch(os.path.basename(real)):
+        real = os.path.dirname(real)
+        found.append((f"{role}'s save folder", real))
+    return found
 
 
 def saved_checkpoints(directory: str) -> List[str]:

@@ -11,7 +11,7 @@ import math
 import sys
 from typing import List, Optional
 
-from ..checkpoint.outputs import check_file, save_json
+from ..checkpoint.outputs import check_file, check_roles, save_json
 from ..comm.quantized import DEFAULT_BLOCK
 from ..engine import reducer
 from ..engine.config import ZeroConfig
@@ -255,7 +255,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         except SystemExit as e:              # --help: the usage is printed
             sys.stdout.flush()
             return e.code or 0
-        check_file(a.json, "json")           # before any work: a path that cannot take the file is bad input
+        check_roles([("json", a.json)], [("from_run", a.from_run)])   # before any work: never over the run's file
+        check_file(a.json, "json")           # a path that cannot take the file is bad input
         largest = None if a.largest_layer is None else int(a.largest_layer)
         opts = dict(bucket_mb=a.bucket_mb, prefetch=a.prefetch, micro_batches=a.micro_batches,
                     in_flight=a.in_flight, bandwidth_gbps=a.bandwidth_gbps, latency_us=a.latency_us,

@@ -21,7 +21,7 @@ import statistics
 import sys
 from typing import List, Optional
 
-from ..checkpoint.outputs import check_file, check_image, write_atomic
+from ..checkpoint.outputs import check_file, check_image, check_roles, write_atomic
 from ..errors import ConfigError, OneLineParser, check
 
 REQUIRED = ("model", "stage", "dtype", "world_size", "losses", "first_step", "step_times_s", "memory_bytes",
@@ -163,10 +163,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         a = p.parse_args(argv)
         out = a.out if a.out is not None else os.path.splitext(a.runs[0])[0] + ".png"
+        check_roles([("out", out)], [("run", run) for run in a.runs])   # never over a file it draws
         check_file(out, "out")
         runs = [load_run(path) for path in a.runs]
         check(importlib.util.find_spec("matplotlib") is not None, "drawing needs matplotlib; pip install 'zerompi[plot]'")
-        check_image(out, "out", a.runs)
+        check_image(out, "out")
     except ConfigError as e:
         sys.stderr.write(f"{PROG}: error: {e}\n")
         return 2

@@ -4,20 +4,29 @@ memory. Each returns or raises one line (ConfigError); main() makes the ranks ag
 """
 from typing import List, Optional, Tuple
 
-from ..checkpoint.outputs import check_file, check_folder
+from ..checkpoint.outputs import check_file, check_folder, check_roles
 from ..errors import ConfigError, check
 from .config import TrainConfig
 from .data import FILE_VOCAB, GENERATED_VOCAB
 
 
 def check_outputs(cfg: TrainConfig, rank: int) -> None:
-    """--metrics-json and --trace on rank 0 (which writes them); --save-dir and --offload-dir on every rank
-    (each writes its shard, its offload files)."""
+    """Every rank: no output where an input, another output, the stop file or a folder of the run is
+    (outputs.check_roles; this rank's own trace of an abort included). --metrics-json and --trace on rank 0
+    (which writes them); --save-dir and --offload-dir on every rank (each writes its shard, its offload files)."""
+    from ..checkpoint.savedir import folders_read
+    from ..engine.trace import crash_path
+    nvme = "nvme" in (cfg.zero.offload_optimizer, cfg.zero.offload_params)
+    outputs = [("metrics_json", cfg.metrics_json), ("trace", cfg.zero.trace), ("stop_file", cfg.stop_file)]
+    if cfg.zero.trace and rank > 0:
+        outputs.append((f"the trace of rank {rank} if it aborts the job", crash_path(cfg.zero.trace, rank)))
+    check_roles(outputs, [("data", cfg.data)] + folders_read("resume", cfg.resume),
+                [("save_dir", cfg.save_dir), ("offload_dir", cfg.zero.offload_dir if nvme else None)])
     if rank == 0:
         check_file(cfg.metrics_json, "metrics_json")
         check_file(cfg.zero.trace, "trace")
     check_folder(cfg.save_dir, "save_dir")
-    if "nvme" in (cfg.zero.offload_optimizer, cfg.zero.offload_params):   # every rank writes its files there
+    if nvme:                                      # every rank writes its files there
         from ..engine.offload import check_dir
         check_dir(cfg.zero.offload_dir, 0)        # the engine checks the free bytes, once it knows them
 
