@@ -93,7 +93,8 @@ def worker(a) -> int:
     from mpi4py import MPI
     from zerompi import ZeroConfig, ZeroEngine
     from zerompi.checkpoint import collective, writer
-    from zerompi.checkpoint.format import Crc32, complete_checkpoints, latest_name
+    from zerompi.checkpoint.format import Crc32
+    from zerompi.checkpoint.pointer import complete_checkpoints, latest_name
 
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()

@@ -20,6 +20,7 @@ from zerompi.comm.watchdog import StopSignal
 from zerompi.errors import ConfigError
 from zerompi.train.config import TrainConfig, parse_config
 from zerompi.train.console import PTY_LAUNCHER_VARS, choose_progress, pty_launcher
+from zerompi.checkpoint.pointer import latest_name
 
 SMALL = ["--model", "mlp", "--width", "32", "--depth", "3", "--batch", "12", "--bucket-mb", "0.002"]
 LIMIT = 60          # every job here ends within this, or the test fails (never hangs)
@@ -101,7 +102,7 @@ def assert_stopped_and_saved(text: str, rc: int, ck: Path, by: str) -> int:
     assert line is not None, text
     assert line.startswith(f"zerompi.train: stopped by {by} after step ") and f"saved in {ck}" in line, line
     stopped_at = int(line.split("after step ")[1].split()[0])
-    assert (ck / f"step_{stopped_at:06d}").is_dir() and (ck / "latest").read_text().strip().endswith(
+    assert (ck / f"step_{stopped_at:06d}").is_dir() and latest_name(ck).endswith(
         f"step_{stopped_at:06d}"), text
     assert f"step {stopped_at + 1:5d}/" not in text
     return stopped_at

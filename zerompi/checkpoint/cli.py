@@ -20,10 +20,10 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ..errors import ConfigError, OneLineParser, quiet_exit_on_closed_stdout
-from .format import (F32, MANIFEST_SHA, TP_FOLDER, CheckpointError, complete_checkpoints, read_manifest, resolve,
-                     verify_shard)
+from .format import F32, MANIFEST_SHA, TP_FOLDER, CheckpointError, read_manifest, resolve, verify_shard
 from .outputs import check_file, check_roles, write_atomic
-from .savedir import folders_read
+from .pointer import complete_checkpoints
+from .savedir import folders_read, pointer_notes
 
 
 def consolidate(path: str, out: str) -> Dict[str, np.ndarray]:
@@ -137,6 +137,7 @@ def inspect(path: str) -> Tuple[str, List[str]]:
     if os.path.realpath(ckpt) != os.path.realpath(path):      # a save directory: what else it holds
         lines.append(f"  complete checkpoints in {path}: {', '.join(complete_checkpoints(path))} "
                      f"(latest: {os.path.basename(ckpt)})")
+        lines += [f"  note: {note}" for note in pointer_notes(path)]   # later steps than latest, no checksum
     return "\n".join(lines), problems
 
 

@@ -20,12 +20,15 @@ import numpy as np
 
 from ..comm.consistency import rank_set
 from ..comm.watchdog import watched
-from ..errors import ConfigError, MismatchError, UsageError
+from ..errors import ConfigError, MismatchError, UsageError, at_abort
 from .format import (F32, ROWS, CheckpointError, SavedLayout, build_manifest, check_model, crash_point,
                      make_temp_dir, read_manifest, remove_dir, resolve, shard_file, verify_shard, wait_removals)
+from .orphans import recover
+from .pointer import DRAFT, complete_checkpoints, step_of, write_durable
 from .writer import PendingSave, free_snapshot
 
 PENDING = "_checkpoint_pending"      # the engine attribute holding the save under way (or None)
+KEPT = "_checkpoint_kept"            # (real save folder, names): what load() found newer than the checkpoint it read
 STATE_CODES = {"busy": 0, "done": 1, "failed": 2, "published": 3}   # PendingSave.state()[0], as poll sends it
 
 
@@ -67,7 +70,8 @@ def save(engine, directory: str, extra_state: Optional[dict] = None, blocking: b
     file complete (:func:`poll`), or at the next save, ``close()`` or ``PendingSave.wait()``,
     which wait for it. A failed write raises CheckpointError on every rank at the next of
     these. ``keep_last``: after publication, remove all but the newest ``keep_last``
-    checkpoints (savedir.retain); None keeps them all.
+    checkpoints (savedir.retain); None keeps them all. Checkpoints of later steps than the one
+    this engine loaded from ``directory`` are never removed (:func:`kept`).
     """
     if keep_last is not None and not (isinstance(keep_last, int) and not isinstance(keep_last, bool) and keep_last >= 1):
         raise ConfigError(f"save(keep_last={keep_last!r}) is not allowed; use a whole number >= 1 of checkpoints "
@@ -80,8 +84,10 @@ def save(engine, directory: str, extra_state: Optional[dict] = None, blocking: b
     if rank == 0:
         try:
             manifest = build_manifest(engine, [], extra_state)
-            json.dumps(manifest)         # extra_state must be JSON: found before anything is written
+            draft = json.dumps(manifest)  # extra_state must be JSON: found before anything is written
+            recover(directory)           # a complete checkpoint a job that ended left unpublished: published, not lost
             tmp = make_temp_dir(directory, step)
+            write_durable(os.path.join(tmp, DRAFT), draft)   # what orphans.py needs to publish it, if no one else can
         except OSError as e:
             err = f"cannot create a checkpoint in {directory}: {e}"
         except (TypeError, ValueError) as e:
@@ -103,10 +109,11 @@ def save(engine, directory: str, extra_state: Optional[dict] = None, blocking: b
                 f"{name}={v!r} on {rank_set(rs)}" for v, rs in seen.items()) + "; every rank must pass the same")
     if err:
         raise CheckpointError(err)
-    pending = PendingSave(engine, directory, tmp, step, manifest, keep_last, finish)
+    pending = PendingSave(engine, directory, tmp, step, manifest, keep_last, finish, kept(engine, directory))
     if not blocking:
         pending.start()                  # the host copy and the write on a thread
         setattr(engine, PENDING, pending)
+        at_abort(pending.salvage)        # the job aborted before it was published: publish it if complete
         return pending
     pending.write_now()
     crash_point("after_shards", step)
@@ -146,6 +153,22 @@ def finish(engine, release: bool = False) -> Optional[str]:
     return pending.path if pending is not None else None
 
 
+def salvage(engine) -> List[str]:
+    """After a failure, with a background save under way: wait for this rank's write, then publish the save
+    if every shard file of it is complete (orphans.recover; no collective: any rank, alone, so also where the
+    ranks no longer meet). Returns what was published, one line each (on the rank that did it)."""
+    pending = getattr(engine, PENDING, None)
+    if pending is None:
+        return []
+    pending.join()
+    return recover(pending.directory)
+
+
+def _settled(engine, pending: PendingSave) -> None:
+    setattr(engine, PENDING, None)
+    at_abort(pending.salvage, add=False)
+
+
 def _states(engine, pending: PendingSave) -> list:
     with watched(engine.comm, "checkpoint save: agreement on the shard files", pending.step):
         return engine.comm.mpi.allgather(pending.state())
@@ -163,7 +186,7 @@ def _advance(engine, pending: PendingSave, states: list, wait: bool) -> Optional
     comm, rank, step = engine.comm, engine.rank, pending.step
     failures = [s[1] for s in states if s[0] == "failed"]
     if failures:
-        setattr(engine, PENDING, None)
+        _settled(engine, pending)
         pending.join()
         with watched(comm, "checkpoint save: agreement that every write stopped", step):
             comm.mpi.allgather(None)
@@ -179,7 +202,7 @@ def _advance(engine, pending: PendingSave, states: list, wait: bool) -> Optional
         if rank == 0:
             pending.start_publish(states)
         return None
-    setattr(engine, PENDING, None)
+    _settled(engine, pending)
     if path is None:
         result = None
         if rank == 0:
@@ -226,10 +249,21 @@ def load(engine, path: str) -> LoadInfo:
     _agree(comm, err, "checkpoint load: agreement on the shard reads")
     engine.steps_taken = manifest["step"]
     engine.step_count = manifest["optimizer"]["step"]
+    folder = os.path.realpath(os.path.dirname(ckpt))   # its save folder: what is newer there is never removed
+    setattr(engine, KEPT, (folder, tuple(n for n in complete_checkpoints(folder)
+                                         if (step_of(n) or -1) > manifest["step"])))
     if manifest["dtype"] == engine.config.dtype:   # fp32 runs have no loss scale to carry over
         engine.scaler.load_state_dict(manifest["loss_scaler"])
     engine.publish_params()
     return LoadInfo(ckpt, manifest, nbytes)
+
+
+def kept(engine, directory: str) -> tuple:
+    """The checkpoints a save into ``directory`` never removes (retention, the replacement of one of the
+    same step): those of later steps than the checkpoint ``engine`` last loaded from this folder, found
+    there at the load (the future of the run it resumed; the train CLI's --overwrite removes them)."""
+    folder, names = getattr(engine, KEPT, (None, ()))
+    return names if folder == os.path.realpath(directory) else ()
 
 
 def _agree(comm, err: Optional[str], op: str) -> None:

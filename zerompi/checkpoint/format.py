@@ -4,7 +4,8 @@ One concern: files. Nothing here is a collective or touches MPI; the save/load p
 that decides which rank writes or reads what is in checkpoint/collective.py. Format version 2
 (docs/checkpoint.md; version 1 is still read: sha256 per shard, no checksum of the manifest)::
 
-    DIR/latest                        name of the newest complete checkpoint ("step_000010")
+    DIR/latest                        name of the newest complete checkpoint ("step_000010") and the
+                                      sha256 of its manifest.json (pointer.py)
     DIR/step_000010/manifest.json     model, layout, step, optimizer, loss scale, config, each shard's
                                       size and CRC-32, and last the sha256 of the manifest itself
     DIR/step_000010/shard_00000.npy   rank 0's slices, float32 (3, shard_numel):
@@ -32,18 +33,17 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..layout import Bucket, ParamRange
+from .pointer import (CHECKPOINT_NAME, DRAFT, ENTRY, LATEST, MANIFEST, TEMP_PREFIX, complete_checkpoints, fsync_dir,
+                      latest_name, manifest_digest, point_latest, read_latest, write_durable)
 
 FORMAT = "zerompi-checkpoint"
 FORMAT_VERSION = 2                           # written; READ_VERSIONS are read
 READ_VERSIONS = (1, 2)                       # 1: shards checked by sha256, no checksum of the manifest
 ROWS = ("master", "exp_avg", "exp_avg_sq")   # engine.optimizer's arrays, one row each in a shard file
-MANIFEST = "manifest.json"
-LATEST = "latest"
 MANIFEST_SHA = "manifest_sha256"             # the manifest's last key: sha256 of its text with this value zeroed
 CHUNK_BYTES = 4 << 20                        # read size when checksumming a shard
 WRITE_CHUNK_BYTES = 64 << 20                 # a shard is written, checksummed and handed to the disk in such chunks
 CRASH_ENV = "ZEROMPI_CHECKPOINT_CRASH"       # test hook: "POINT@STEP[:rankR]" exits the process there
-CHECKPOINT_NAME = re.compile(r"step_(\d+)(?:-(\d+))?")   # a published checkpoint's directory name
 _ZERO_SHA = "0" * 64
 F32 = np.float32
 
@@ -90,9 +90,9 @@ def make_temp_dir(directory: str, step: int) -> str:
     and a save starts after the previous one finished, so no leftover is being written."""
     os.makedirs(directory, exist_ok=True)
     for name in os.listdir(directory):
-        if name.startswith((".tmp-step_", ".trash-")):
+        if name.startswith((TEMP_PREFIX, ".trash-")):
             shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
-    tmp = os.path.join(directory, f".tmp-step_{step:06d}-{uuid.uuid4().hex[:8]}")
+    tmp = os.path.join(directory, f"{TEMP_PREFIX}{step:06d}-{uuid.uuid4().hex[:8]}")
     os.mkdir(tmp)
     return tmp
 
@@ -146,16 +146,22 @@ def manifest_text(manifest: dict) -> str:
     return f'{head}"{MANIFEST_SHA}": "{digest}"{tail}'
 
 
-def publish(directory: str, tmp: str, step: int, manifest: dict) -> str:
+def publish(directory: str, tmp: str, step: int, manifest: dict, keep=(), point: bool = True) -> str:
     """Rank 0, once every shard is on disk: manifest, rename into place, then move ``latest``.
 
-    Returns the checkpoint's final directory.
+    ``keep``: names of checkpoints never removed here (those newer than the one the run resumed
+    from: collective.kept); else an older checkpoint of the same step is replaced. ``point``
+    False: ``latest`` is left alone (orphans.py publishing an old one). Returns the checkpoint's
+    final directory.
     """
-    _write_durable(os.path.join(tmp, MANIFEST), manifest_text(manifest))
-    _fsync_dir(tmp)
+    for name in os.listdir(tmp):          # what orphans.py would have published it from: not part of it
+        if name == DRAFT or name.endswith(ENTRY):
+            os.unlink(os.path.join(tmp, name))
+    write_durable(os.path.join(tmp, MANIFEST), manifest_text(manifest))
+    fsync_dir(tmp)
     crash_point("before_rename", step)
     base = f"step_{step:06d}"
-    if os.path.isdir(os.path.join(directory, base)) and latest_name(directory) != base:
+    if os.path.isdir(os.path.join(directory, base)) and latest_name(directory) != base and base not in keep:
         shutil.rmtree(os.path.join(directory, base))   # a stray of a crashed save: nothing points at it
     taken = set(os.listdir(directory))
     # ``latest`` may name a checkpoint of this very step: write beside it, never over it.
@@ -163,25 +169,16 @@ def publish(directory: str, tmp: str, step: int, manifest: dict) -> str:
                                                if f"{base}-{k}" not in taken)
     final = os.path.join(directory, name)
     os.rename(tmp, final)
-    _fsync_dir(directory)
+    fsync_dir(directory)
     crash_point("before_latest", step)
-    _write_durable(os.path.join(directory, f".{LATEST}.tmp"), name + "\n")
-    os.replace(os.path.join(directory, f".{LATEST}.tmp"), os.path.join(directory, LATEST))
-    _fsync_dir(directory)
+    if not point:
+        return final
+    point_latest(directory, name)
     # An older checkpoint of the same step is replaced only now that ``latest`` names the new one.
     for old in taken:
-        if old == base or old.startswith(base + "-"):
+        if (old == base or old.startswith(base + "-")) and old not in keep:
             shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
     return final
-
-
-def latest_name(directory: str) -> Optional[str]:
-    """The name ``directory``/latest holds (stripped), or None when it is missing or unreadable."""
-    try:
-        with open(os.path.join(directory, LATEST)) as f:
-            return f.read(4096).strip()
-    except (OSError, UnicodeDecodeError):
-        return None
 
 
 def remove_dir(path: str, background: bool = False) -> None:
@@ -211,33 +208,6 @@ def wait_removals() -> None:
         _removals.pop().join()
 
 
-def complete_checkpoints(directory: str) -> List[str]:
-    """The published checkpoints in a save directory (``step_NNNNNN`` or ``step_NNNNNN-K`` with a
-    manifest), by step; temporary directories of saves under way or interrupted are not listed."""
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return []
-    found = [(int(m.group(1)), int(m.group(2) or 0), n) for n in names
-             if (m := CHECKPOINT_NAME.fullmatch(n)) and os.path.isfile(os.path.join(directory, n, MANIFEST))]
-    return [n for _, _, n in sorted(found)]
-
-
-def _write_durable(path: str, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def crash_point(point: str, step: int, rank: Optional[int] = None) -> None:
     """Test hook: ``ZEROMPI_CHECKPOINT_CRASH=POINT@STEP`` ends the process here, without cleanup
     (``POINT@STEP:rankR``: only on rank R). Points: after_shards, mid_shard (the shard file half
@@ -263,10 +233,14 @@ def resolve(path: str) -> str:
         what = "does not exist" if not os.path.exists(path) else "is a file, not a checkpoint directory"
         raise CheckpointError(f"{path}: {what}; pass a checkpoint directory or the --save-dir of a run")
     latest = os.path.join(path, LATEST)
-    name = latest_name(path)
+    name, digest = read_latest(path)
     if name and CHECKPOINT_NAME.fullmatch(name) and os.path.isfile(os.path.join(path, name, MANIFEST)):
-        return os.path.join(path, name)
-    if not os.path.lexists(latest):
+        target = os.path.join(path, name)
+        if digest is None or manifest_digest(target) == digest or not _intact(target):
+            return target     # a pointer of one line: unverified (pointer.py); a damaged manifest: read_manifest says so
+        problem = (f"{latest} names {name!r} but carries the sha256 of another {MANIFEST} (the pointer was "
+                   "edited or is damaged)")
+    elif not os.path.lexists(latest):
         problem = f"has neither {MANIFEST} nor a {LATEST} pointer"
     else:
         problem = f"{latest} names {name!r}, which is not a complete checkpoint" if name else \
@@ -282,6 +256,15 @@ def resolve(path: str) -> str:
                               "pass a checkpoint directory or the --save-dir of a run")
     raise CheckpointError(f"{path}: {problem}; the complete checkpoints there are {', '.join(found)}: "
                           f"name one to use it, e.g. --resume {os.path.join(path, found[-1])}")
+
+
+def _intact(ckpt: str) -> bool:
+    """``ckpt``'s manifest reads and checks (its own checksum included)."""
+    try:
+        read_manifest(ckpt)
+        return True
+    except CheckpointError:
+        return False
 
 
 def read_manifest(ckpt: str) -> Tuple[dict, SavedLayout]:

@@ -8,11 +8,14 @@ here is a collective or touches MPI; rank 0 calls these, and the caller makes th
   (same host, that pid not running, or running since another time: the pid was reused) is
   taken over, and the taker is told so; a lock of another host cannot be checked from here
   and is refused with the file to delete.
-- :func:`check_fresh`: a run that does not resume may not save into a directory that already
-  holds checkpoints, unless told to replace them (``overwrite``).
+- :func:`check_fresh`: a run may not save into a directory that already holds checkpoints of
+  another run (any, unless it resumes from one of them: :func:`own_folder`), unless told to
+  replace them (``overwrite``).
 - :func:`retain`: after a checkpoint is published, keep the newest ``keep_last`` (by the time
-  they were published), never the one ``latest`` names; :func:`replace`: drop the checkpoints
-  an ``overwrite`` run found there, once its own first one is published.
+  they were published), never the one ``latest`` names nor those newer than the one the run
+  resumed from; :func:`replace`: drop the checkpoints an ``overwrite`` run found there (a resumed
+  run's: those newer than the one it resumed from), once its own first one is published.
+- :func:`pointer_notes`: what a reader through ``latest`` is told (no checksum, newer checkpoints).
 """
 import json
 import os
@@ -22,7 +25,9 @@ import time
 from typing import List, Optional, Tuple
 
 from ..errors import ConfigError
-from .format import CHECKPOINT_NAME, LATEST, MANIFEST, complete_checkpoints, latest_name, remove_dir
+from .format import remove_dir
+from .orphans import orphans
+from .pointer import CHECKPOINT_NAME, LATEST, MANIFEST, complete_checkpoints, latest_name, read_latest, step_of
 
 LOCK = ".zerompi.lock"
 TP_FOLDER = re.compile(r"tp\d+-of-\d+")    # a tensor-parallel run's checkpoints: DIR/tp{r}-of-{K}/ (engine/tensor.py)
@@ -136,21 +141,63 @@ def saved_checkpoints(directory: str) -> List[str]:
                                               for name in complete_checkpoints(os.path.join(directory, sub))]
 
 
+def own_folder(directory: str, resume: Optional[str]) -> bool:
+    """True when ``directory`` is the save folder of what ``resume`` names (that folder itself, or the
+    one its ``step_NNNNNN`` lies in): a resume there continues the run whose checkpoints it holds."""
+    real = os.path.realpath(directory)
+    return bool(resume) and any(os.path.realpath(f) == real for _, f in folders_read("", resume))
+
+
 def check_fresh(directory: str, resume: Optional[str], overwrite: bool) -> List[str]:
-    """A run without ``resume`` into a ``directory`` that holds checkpoints (its own or in tensor-parallel
-    folders): ConfigError, unless ``overwrite``. Returns the checkpoints there (an ``overwrite`` run
-    replaces them later)."""
+    """A run into a ``directory`` that holds checkpoints (its own or in tensor-parallel folders) of another
+    run: ConfigError, unless ``overwrite``. Another run's: any, for a run without ``resume``; for a resumed
+    run, any unless ``directory`` is the save folder of what it resumes (own_folder). Returns the
+    checkpoints there (an ``overwrite`` run replaces them later)."""
     found = saved_checkpoints(directory)
     subs = {n.partition("/")[0] for n in found if "/" in n}
     latest_at = [d for d in [directory] + [os.path.join(directory, s) for s in sorted(subs)]
                  if os.path.lexists(os.path.join(d, LATEST))]
-    if not found and not latest_at or resume or overwrite:
+    if not found and not latest_at or own_folder(directory, resume) or overwrite:
         return found
     latest = latest_name(latest_at[0] if latest_at else directory)
     listed = ", ".join(found) if found else "none complete"
+    whose = f"another run than the one --resume {resume} continues" if resume else "another run"
     raise ConfigError(f"save_dir={directory!r} already holds checkpoints ({listed}; {LATEST}: {latest}) of "
-                      f"another run; pass --resume {directory} to continue it, --overwrite to replace them "
+                      f"{whose}; pass --resume {directory} to continue that run, --overwrite to replace them "
                       "(removed once this run's first checkpoint is saved), or another --save-dir")
+
+
+def newer_checkpoints(directory: str, step: int) -> List[str]:
+    """The complete checkpoints in ``directory`` (and its tensor-parallel folders, as saved_checkpoints) of
+    a step after ``step``: the future of a run resumed from an older checkpoint."""
+    return [n for n in saved_checkpoints(directory) if (step_of(os.path.basename(n)) or -1) > step]
+
+
+def pointer_notes(path: str) -> List[str]:
+    """What a reader of the save folder ``path`` (or each of its tensor-parallel folders) through its
+    ``latest`` is told beside the checkpoint it gets: a pointer that carries no checksum (followed
+    unverified), complete checkpoints of later steps than the one it names, and complete ones never
+    published (orphans.py). [] for a checkpoint named directly."""
+    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, MANIFEST)):
+        return []
+    subs = sorted(n for n in os.listdir(path) if TP_FOLDER.fullmatch(n))
+    notes = []
+    for folder in [os.path.join(path, s) for s in subs] or [path]:
+        name, digest = read_latest(folder)
+        if not name or not os.path.isfile(os.path.join(folder, name, MANIFEST)):
+            continue                      # resolve() refuses it, naming what is there
+        latest = os.path.join(folder, LATEST)
+        if digest is None:
+            notes.append(f"{latest} carries no checksum of the manifest it names (written by hand or by an older "
+                         f"zerompi): {name} is used unverified")
+        newer = [n for n in complete_checkpoints(folder) if (step_of(n) or -1) > (step_of(name) or -1)]
+        if newer:
+            notes.append(f"{folder} holds complete checkpoints of later steps than {name}, which {latest} names: "
+                         f"{', '.join(newer)}; to use one, name it (e.g. {os.path.join(folder, newer[-1])})")
+    for tmp, manifest in [o for folder in [os.path.join(path, s) for s in subs] or [path] for o in orphans(folder)]:
+        notes.append(f"{tmp} holds a complete checkpoint of step {manifest['step']} that was never published; the "
+                     f"next run of zerompi.train with --save-dir {path} (or an engine.save into it) publishes it")
+    return notes
 
 
 def _published_at(directory: str, name: str) -> float:
@@ -160,12 +207,13 @@ def _published_at(directory: str, name: str) -> float:
         return 0.0
 
 
-def retain(directory: str, keep_last: Optional[int], current: str) -> List[str]:
+def retain(directory: str, keep_last: Optional[int], current: str, keep=()) -> List[str]:
     """Remove all but the newest ``keep_last`` checkpoints (by publication time), ``current`` (the one
-    ``latest`` names) always kept; None keeps everything. Returns the names removed."""
+    ``latest`` names) always kept and ``keep`` (those newer than the one the run resumed from) never
+    removed nor counted; None keeps everything. Returns the names removed."""
     if not keep_last:
         return []
-    others = [n for n in complete_checkpoints(directory) if n != current]
+    others = [n for n in complete_checkpoints(directory) if n != current and n not in keep]
     others.sort(key=lambda n: (_published_at(directory, n), n))
     doomed = others[:max(0, len(others) - (keep_last - 1))]
     for name in doomed:

@@ -11,7 +11,9 @@ an MPI call: mpi4py's thread level need not allow one. Whether every rank's file
 and the publication's outcome, are agreed on the main thread (collective.py: at every
 ``step()`` while a save is under way, the next save or ``close()``). Nothing here touches MPI.
 """
+import json
 import os
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,11 +24,14 @@ import numpy as np
 from .format import (F32, ROWS, WRITE_CHUNK_BYTES, CheckpointError, Crc32, crash_point, remove_dir,
                      shard_file)
 from .format import publish as publish_files
+from .orphans import recover
+from .pointer import ENTRY, write_durable
 from .savedir import retain
 
 HOST_BUFFER = "_checkpoint_host"     # the engine attribute holding the reusable host copy
 DELAY_ENV = "ZEROMPI_CHECKPOINT_DELAY_S"             # test hook: the background write starts this late
 COPY_DELAY_ENV = "ZEROMPI_CHECKPOINT_COPY_DELAY_S"   # test hook: the background host copy starts this late
+SALVAGE_WAIT_S = 2.0                 # an abort waits this long at most for the shards of a save under way
 
 
 class PendingSave:
@@ -38,9 +43,10 @@ class PendingSave:
     """
 
     def __init__(self, engine, directory: str, tmp: str, step: int, manifest: Optional[dict],
-                 keep_last: Optional[int], finish: Callable):
+                 keep_last: Optional[int], finish: Callable, keep=()):
         self.engine, self.directory, self.tmp, self.step = engine, directory, tmp, step
         self.manifest, self.keep_last = manifest, keep_last
+        self.keep = keep                        # checkpoints never removed here (collective.kept)
         self._finish = finish                   # collective.finish: the agreement that publishes
         self.writer = engine.rank < engine.layout.world_size   # the first shard group writes the files
         self.entry: Optional[dict] = None       # this rank's shard entry once written
@@ -109,12 +115,12 @@ class PendingSave:
         Returns the checkpoint's path; on failure the temporary directory is removed."""
         shards = [e for _, e in sorted((s[1], s[2]) for s in states if s[1] is not None)]
         try:
-            path = publish_files(self.directory, self.tmp, self.step, {**self.manifest, "shards": shards})
+            path = publish_files(self.directory, self.tmp, self.step, {**self.manifest, "shards": shards}, self.keep)
         except BaseException:
             if os.path.isdir(self.tmp):
                 remove_dir(self.tmp)
             raise
-        self.removed = retain(self.directory, self.keep_last, os.path.basename(path))
+        self.removed = retain(self.directory, self.keep_last, os.path.basename(path), self.keep)
         return path
 
     def start_publish(self, states: list) -> None:
@@ -146,6 +152,22 @@ class PendingSave:
         if self.published:
             return ("published", self.published)
         return ("done", self.engine.slot if self.writer else None, self.entry)
+
+    def salvage(self) -> None:
+        """At an abort (errors.at_abort) before this save was published: publish it once every shard is
+        complete (orphans.recover), waiting at most SALVAGE_WAIT_S for the writes still under way (the
+        other ranks live until this one's abort ends them); says so on stdout. What is not complete by
+        then stays in its temporary folder, and the next train run into that folder publishes it if
+        it is complete after all."""
+        deadline = time.monotonic() + SALVAGE_WAIT_S
+        while True:
+            lines = recover(self.directory)
+            if lines or not os.path.isdir(self.tmp) or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        for line in lines:
+            sys.stdout.write(f"zerompi: rank {self.engine.rank}: {line}\n")
+        sys.stdout.flush()
 
     def wait(self) -> Optional[str]:
         """Finish this save (a collective: every rank calls it) and return the published path.
@@ -193,7 +215,8 @@ class _ShardWriter:
 
 def write_shard(tmp: str, rank: int, shard_numel: int, chunks: Iterable[np.ndarray],
                 crash: Optional[Tuple[int, int]] = None) -> dict:
-    """Write and fsync ``rank``'s shard file in ``tmp``; returns its manifest entry (file, bytes, crc32).
+    """Write and fsync ``rank``'s shard file in ``tmp``; returns its manifest entry (file, bytes, crc32),
+    also written beside it (``shard_NNNNN.npy.entry``) once the file is on disk.
 
     ``chunks``: host arrays, row by row (ROWS order) and in shard order within a row, that
     add up to ``len(ROWS) * shard_numel`` elements; consumed one at a time, so a caller's
@@ -211,7 +234,9 @@ def write_shard(tmp: str, rank: int, shard_numel: int, chunks: Iterable[np.ndarr
             if k == 0 and crash:
                 crash_point("mid_shard", *crash)
         os.fsync(f.fileno())
-    return {"file": name, "bytes": os.path.getsize(path), "crc32": out.sum.hexdigest()}
+    entry = {"file": name, "bytes": os.path.getsize(path), "crc32": out.sum.hexdigest()}
+    write_durable(path + ENTRY, json.dumps(entry))   # complete: what orphans.py publishes it from, if no one else does
+    return entry
 
 
 # ---- the shard's contents ------------------------------------------------------------

@@ -81,8 +81,10 @@ class TrainConfig:
     keep_last: Optional[int] = None
     """Keep only the newest this many checkpoints in save_dir (>= 1); None keeps every one. Needs save_dir."""
     overwrite: bool = False
-    """Allow a run without resume to save into a save_dir that holds checkpoints; they are removed once
-    this run's first checkpoint is saved. Needs save_dir."""
+    """Allow a run to save into a save_dir that holds another run's checkpoints (a run without resume, or
+    resumed from another folder); they are removed once this run's first checkpoint is saved. Resumed into
+    its own folder: remove the checkpoints of later steps than the one resumed from, which are otherwise
+    kept. Needs save_dir."""
     device: str = "cpu"
     """Where the engine's buffers and the model's compute live: cpu (NumPy), gpu (CuPy; rank r binds GPU
     local rank mod GPUs) or auto (gpu when CuPy sees one). cpu is the default until the GPU path has
@@ -234,7 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-last", type=int, default=None, metavar="K",
                    help="keep only the newest K checkpoints in --save-dir (default: all)")
     p.add_argument("--overwrite", action="store_true",
-                   help="without --resume, replace the checkpoints already in --save-dir (else refused)")
+                   help="replace another run's checkpoints in --save-dir (else refused); resumed into its own "
+                        "folder: the checkpoints of later steps there (else kept)")
     p.add_argument("--device", default=TrainConfig.device,
                    help="cpu (NumPy), gpu (CuPy, GPU local-rank mod GPUs) or auto (gpu when CuPy sees one)")
     p.add_argument("--comm", default=TrainConfig.comm,

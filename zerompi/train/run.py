@@ -87,6 +87,9 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
     except (JobError, CheckpointError):    # raised on every rank together: --trace keeps what there is
         if engine.trace is not None:
             engine.trace.close()
+        from ..checkpoint.collective import salvage
+        for line in salvage(engine):       # a background save whose shards are all written: published
+            print(f"zerompi.train: note: {line}", flush=True)
         raise
     metrics = report.final_metrics(cfg, engine, comm, log, floor, placement,   # before engine.close(): still watched
                                    report.activations(cfg, model, comm.size))
@@ -191,6 +194,9 @@ def _resume(engine, cfg: TrainConfig) -> int:
     m = info.manifest
     print0(engine.comm.mpi, f"  resumed from {info.path}: step {start}, saved by {m['world_size']} ranks "
                             f"at stage {m['stage']} ({m['dtype']})")
+    from ..checkpoint.savedir import pointer_notes
+    for note in pointer_notes(cfg.resume):        # newer checkpoints, a pointer with no checksum
+        print0(engine.comm.mpi, f"  note: {note}")
     if extra.get("seed", cfg.seed) != cfg.seed:
         print0(engine.comm.mpi, f"  note: the checkpoint was trained with seed {extra['seed']}, this run's data "
                                 f"uses seed {cfg.seed}")

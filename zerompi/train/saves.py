@@ -5,7 +5,9 @@
 :class:`Saves` (every rank, in the loop): after every ``--save-every`` step and the last one,
 a save, in the background with ``--async-save`` (the last one, or one on a stop signal, is
 written at once: the run ends with it), ``--keep-last`` applied; each checkpoint is announced
-when it is published, and with ``--overwrite`` the old run's checkpoints go after the first.
+when it is published, and with ``--overwrite`` the old run's checkpoints go after the first (a
+run resumed into its own folder: those of later steps than the one it resumed from, which it
+otherwise keeps and names at start).
 """
 import atexit
 import os
@@ -13,15 +15,17 @@ import sys
 from typing import List, Optional
 
 from ..checkpoint.format import ROWS
-from ..checkpoint.savedir import SaveDirLock, check_fresh, replace, saved_checkpoints
+from ..checkpoint.orphans import recover
+from ..checkpoint.savedir import SaveDirLock, check_fresh, newer_checkpoints, own_folder, replace, saved_checkpoints
 from .config import TrainConfig
 
 HEADER_BYTES = 128       # a shard file's .npy header
 
 
 def claim_save_dir(cfg: TrainConfig, rank: int) -> Optional[SaveDirLock]:
-    """Rank 0: lock cfg.save_dir for this job (released at exit) and refuse a run without --resume
-    into a directory holding checkpoints (unless --overwrite). Raises ConfigError (one line)."""
+    """Rank 0: lock cfg.save_dir for this job (released at exit), publish what a job that ended left
+    complete but unpublished there (orphans.recover), and refuse a run into a directory holding another
+    run's checkpoints (unless --overwrite: savedir.check_fresh). Raises ConfigError (one line)."""
     if rank != 0 or not cfg.save_dir:
         return None
     lock = SaveDirLock(cfg.save_dir).acquire()
@@ -29,6 +33,8 @@ def claim_save_dir(cfg: TrainConfig, rank: int) -> Optional[SaveDirLock]:
     if lock.note:
         sys.stderr.write(f"zerompi.train: note: {lock.note}\n")
     try:
+        for line in recover(cfg.save_dir):     # a job that ended left a complete checkpoint unpublished
+            sys.stderr.write(f"zerompi.train: note: {line}\n")
         check_fresh(cfg.save_dir, cfg.resume, cfg.overwrite)
     except BaseException:
         lock.release()
@@ -64,9 +70,20 @@ class Saves:
     def __init__(self, cfg: TrainConfig, engine, mpi):
         self.cfg, self.engine, self.mpi = cfg, engine, mpi
         self.pending = None                 # the background save under way
-        # --overwrite: the other run's checkpoints, removed once this run's first one is published.
-        self.replace: List[str] = saved_checkpoints(cfg.save_dir) if (
-            cfg.save_dir and cfg.overwrite and mpi.Get_rank() == 0) else []
+        # --overwrite: the other run's checkpoints (resumed into its own folder: those newer than the one it
+        # resumed from), removed once this run's first one is published.
+        self.replace: List[str] = []
+        if cfg.save_dir and mpi.Get_rank() == 0:
+            newer = newer_checkpoints(cfg.save_dir, engine.steps_taken) if own_folder(cfg.save_dir, cfg.resume) \
+                else None
+            if cfg.overwrite:
+                self.replace = saved_checkpoints(cfg.save_dir) if newer is None else newer
+            if newer:
+                fate = ("--overwrite: they are removed once this run's first checkpoint is saved" if cfg.overwrite
+                        else "this run keeps them (--keep-last never removes them; --overwrite would replace them)")
+                from .report import print0
+                print0(mpi, f"  note: {cfg.save_dir} holds checkpoints of later steps than the one resumed from "
+                            f"(step {engine.steps_taken}): {', '.join(newer)}; {fate}")
 
     def after_step(self, done: int, stopping: bool) -> None:
         """After step ``done`` (1-based): announce a background save published meanwhile, save when due."""

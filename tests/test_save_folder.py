@@ -1,0 +1,114 @@
+"""A save folder keeps what it holds (issue 29): a resume into another run's folder is refused as a
+fresh run is; a resume into its own folder keeps the checkpoints of later steps unless --overwrite;
+``latest`` carries the sha256 of the manifest it names (an edited pointer is refused, a pointer of
+one line is followed and said to be unverified) and the readers say when later complete checkpoints
+exist; a checkpoint whose every shard was written is published when the job fails before it could
+(async save, then a failure in the next step), or by the next run into the folder.
+
+Oracles: the files themselves (which checkpoints exist, what ``latest`` names) and the bytes of the
+checkpoints the runs must not touch."""
+import hashlib
+import shutil
+
+import pytest
+
+from tests.mpirun import one_line, run_mpi
+from tests.test_checkpoint import SMALL, checkpoint_cli
+from zerompi.checkpoint.pointer import latest_name
+
+TRAIN = ["-m", "zerompi.train", *SMALL, "--stage", "2", "--optimizer-impl", "numpy"]
+LIMIT = 90
+
+
+def tree(folder):
+    return sorted(p.name for p in folder.iterdir())
+
+
+def digest(folder):
+    """sha256 of every file under ``folder``, by relative path: what must stay as it was."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory):
+    """A save folder with the checkpoints of steps 1, 2 and 3 of one run."""
+    ck = tmp_path_factory.mktemp("three") / "ck"
+    run_mpi(2, [*TRAIN, "--steps", "3", "--save-every", "1", "--save-dir", ck], timeout=LIMIT)
+    assert tree(ck) == ["latest", "step_000001", "step_000002", "step_000003"]
+    return ck
+
+
+def copy(three, where):
+    shutil.copytree(three, where)
+    return where
+
+
+def test_a_resume_into_another_runs_folder_is_refused(three, tmp_path):
+    other = copy(three, tmp_path / "other")
+    before = digest(other)
+    proc = run_mpi(2, [*TRAIN, "--steps", "5", "--resume", three / "step_000002", "--save-dir", other], timeout=LIMIT,
+                   check=False)
+    line = one_line(proc, 2, "zerompi.train: error (rank 0): save_dir=", "already holds checkpoints",
+                    f"of another run than the one --resume {three / 'step_000002'} continues", "--overwrite")
+    assert "step_000003" in line and digest(other) == before
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_resume_into_its_own_folder_keeps_the_later_steps(three, tmp_path, overwrite):
+    ck = copy(three, tmp_path / "ck")
+    later = {k: v for k, v in digest(ck).items() if k.startswith(("step_000002", "step_000003"))}
+    flags = ["--overwrite"] if overwrite else []
+    proc = run_mpi(2, [*TRAIN, "--steps", "3", "--save-every", "1", "--keep-last", "1", "--save-dir", ck,
+                       "--resume", ck / "step_000001", *flags], timeout=LIMIT)
+    assert "of later steps than the one resumed from (step 1): step_000002, step_000003" in proc.stdout
+    if overwrite:                    # told: they go once the first checkpoint of this run is saved
+        assert tree(ck) == ["latest", "step_000003"] and latest_name(ck) == "step_000003"
+        return
+    # --keep-last 1 kept this run's newest; the later steps of the run it continued are untouched, and the
+    # checkpoints of the same steps are written beside them.
+    assert tree(ck) == ["latest", "step_000002", "step_000003", "step_000003-1"], tree(ck)
+    assert latest_name(ck) == "step_000003-1"
+    assert {k: v for k, v in digest(ck).items() if k.startswith(("step_000002/", "step_000003/"))} == later
+
+
+def test_latest_is_verified_and_later_checkpoints_are_named(three, tmp_path):
+    ck = copy(three, tmp_path / "ck")
+    pointer = (ck / "latest").read_text()
+    assert pointer.splitlines()[0] == "step_000003" and pointer.splitlines()[1].startswith("sha256 ")
+    (ck / "latest").write_text(pointer.replace("step_000003", "step_000001"))      # edited to an older one
+    for proc in (checkpoint_cli("inspect", ck),
+                 run_mpi(2, [*TRAIN, "--steps", "4", "--resume", ck], timeout=LIMIT, check=False)):
+        one_line(proc, 2, "latest names 'step_000001' but carries the sha256 of another manifest.json",
+                 "step_000001, step_000002, step_000003")
+    (ck / "latest").write_text("step_000001\n")            # one line, by hand (or an older zerompi): followed
+    proc = checkpoint_cli("inspect", ck)
+    assert proc.returncode == 0, proc.stderr
+    assert "carries no checksum of the manifest it names" in proc.stdout
+    assert "holds complete checkpoints of later steps than step_000001, which" in proc.stdout
+    assert "step_000002, step_000003; to use one, name it" in proc.stdout
+
+
+@pytest.mark.parametrize("fault,dtype", [("raise@rank1:step3", "fp16"), ("nan@rank1:step3", "fp32")])
+def test_an_async_save_whose_shards_are_written_is_published_when_the_next_step_fails(tmp_path, fault, dtype):
+    """raise: the failing rank aborts the job (published by its abort hook); nan in fp32: every rank stops
+    together (published by the rank whose write ends last)."""
+    ck = tmp_path / "ck"
+    proc = run_mpi(2, [*TRAIN, "--steps", "6", "--save-every", "2", "--async-save", "--dtype", dtype, "--save-dir", ck],
+                   timeout=LIMIT, check=False, env={"ZEROMPI_FAULT": fault})
+    assert proc.returncode != 0 and "published" in proc.stdout, (proc.stdout, proc.stderr)
+    assert latest_name(ck) == "step_000002" and [n for n in tree(ck) if n.startswith(".tmp")] == []
+    assert checkpoint_cli("inspect", ck).returncode == 0
+
+
+def test_a_complete_unpublished_checkpoint_is_published_by_the_next_run(tmp_path):
+    ck = tmp_path / "ck"
+    common = [*TRAIN, "--save-every", "2", "--save-dir", ck]
+    proc = run_mpi(2, [*common, "--steps", "4"], timeout=LIMIT, check=False,
+                   env={"ZEROMPI_CHECKPOINT_CRASH": "after_shards@4"})        # killed before the rename
+    assert proc.returncode != 0 and latest_name(ck) == "step_000002"
+    note = checkpoint_cli("inspect", ck).stdout
+    assert "holds a complete checkpoint of step 4 that was never published" in note, note
+    proc = run_mpi(2, [*common, "--steps", "6", "--resume", ck], timeout=LIMIT)
+    assert "published " in proc.stderr and "resumed from " + str(ck / "step_000004") in proc.stdout, proc.stdout
+    assert tree(ck) == ["latest", "step_000002", "step_000004", "step_000006"]

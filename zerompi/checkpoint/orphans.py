@@ -1,0 +1,85 @@
+"""Checkpoints whose every shard was written but that no one published: found, and published.
+
+One concern: the temporary folder of a save its job never finished (``--async-save``: the job
+failed in the steps after the shards were written, before the agreement that publishes them; a
+kill between the last shard and the rename). Each save leaves what its publication needs in that
+folder from the start (pointer.py's names): rank 0's manifest draft (the manifest without its shard
+list) and, beside each shard file once it is fsynced, its entry (bytes, CRC-32). A folder with the
+draft and an entry for every shard of the saving run, each file of the size its entry says, is a
+complete checkpoint: :func:`recover` publishes it as format.publish does (manifest, rename,
+``latest`` when it is newer than what ``latest`` names), instead of the next save deleting it. The
+shards' checksums are not read here (every load and ``inspect`` verifies them).
+
+Who calls it, each alone in the folder (no MPI here): the train CLI at start (rank 0, holding the
+save folder's lock: train/saves.py), every save before it makes its own temporary folder (rank 0),
+and :func:`salvage` (collective.py) on a rank whose job ends with a save under way. Two callers at
+once cannot publish one folder twice: each first renames the folder to a name of its own.
+"""
+import json
+import os
+from typing import List, Optional, Tuple
+
+from .format import TP_FOLDER, publish, shard_file
+from .pointer import DRAFT, ENTRY, TEMP_PREFIX, latest_name, step_of
+
+
+def complete_manifest(tmp: str) -> Optional[dict]:
+    """The manifest of the temporary folder ``tmp`` when every shard it needs is there (see the module), else None."""
+    try:
+        with open(os.path.join(tmp, DRAFT)) as f:
+            draft = json.load(f)
+        shards = []
+        for r in range(int(draft["world_size"])):
+            with open(os.path.join(tmp, shard_file(r) + ENTRY)) as f:
+                entry = json.load(f)
+            if os.path.getsize(os.path.join(tmp, entry["file"])) != entry["bytes"]:
+                return None
+            shards.append(entry)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return {**draft, "shards": shards}
+
+
+def orphans(directory: str) -> List[Tuple[str, dict]]:
+    """(temporary folder, manifest) of every complete unpublished checkpoint in ``directory``, by step."""
+    try:
+        names = sorted(n for n in os.listdir(directory) if n.startswith(TEMP_PREFIX))
+    except OSError:
+        return []
+    found = [(os.path.join(directory, n), complete_manifest(os.path.join(directory, n))) for n in names]
+    return sorted(((t, m) for t, m in found if m is not None), key=lambda tm: tm[1]["step"])
+
+
+def recover(directory: str) -> List[str]:
+    """Publish the complete unpublished checkpoints of the save folder ``directory``; returns one line for
+    each. A save folder of a tensor-parallel run (``tp{r}-of-{K}`` folders) gets a step published only when
+    every TP folder holds a complete one of it (pieces of two steps would make a model that never was); one
+    TP folder alone (a TP rank's save) is left to a caller that sees them all (the train CLI at start)."""
+    if TP_FOLDER.fullmatch(os.path.basename(os.path.realpath(directory))):
+        return []
+    subs = sorted(n for n in os.listdir(directory) if TP_FOLDER.fullmatch(n)) if os.path.isdir(directory) else []
+    if not subs:
+        return [line for tmp, manifest in orphans(directory) for line in _publish(directory, tmp, manifest)]
+    found = [{m["step"]: (t, m) for t, m in orphans(os.path.join(directory, s))} for s in subs]
+    whole = sorted(set.intersection(*(set(f) for f in found)))
+    return [line for step in whole for sub, f in zip(subs, found)
+            for line in _publish(os.path.join(directory, sub), *f[step])]
+
+
+def _publish(directory: str, tmp: str, manifest: dict) -> List[str]:
+    step = manifest["step"]
+    claimed = f"{tmp}-recovering-{os.getpid()}"
+    try:
+        os.rename(tmp, claimed)          # one caller wins; another finds it gone
+    except OSError:
+        return []
+    current = step_of(latest_name(directory) or "")
+    newer = current is None or step > current
+    try:
+        path = publish(directory, claimed, step, manifest, keep=os.listdir(directory), point=newer)
+    except OSError as e:
+        return [f"could not publish the complete checkpoint of step {step} left unpublished in {claimed}: {e}"]
+    where = f"{os.path.join(directory, 'latest')} names it" if newer else \
+        f"{os.path.join(directory, 'latest')} still names the later {latest_name(directory)}"
+    return [f"published {path}, the complete checkpoint of step {step} that a job which ended before publishing "
+            f"it left in {tmp} ({where})"]
