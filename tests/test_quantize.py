@@ -4,6 +4,7 @@ compiled with nvcc (the kernels themselves run in tests/test_gpu.py where a GPU 
 """
 import shutil
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,6 +12,29 @@ import pytest
 from zerompi.comm.quantized import Quantization
 from zerompi.optim import cuda, fused_cpu
 from zerompi.optim import reference as R
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_blocks_of_tiny_values_obey_the_bound_the_docs_state(lib, bits):
+    """A block whose amax is below qmax x 2^-126 has a subnormal (or zero) scale, itself rounded to a
+    multiple of 2^-149: there the error reaches many times scale / 2, and is at most
+    scale / 2 + qmax x 2^-150 (+ the product's rounding), which docs/quantized.md states. The C kernel
+    quantizes those blocks as the reference does, bit for bit."""
+    rng, qmax, block = np.random.default_rng(bits), float(R.QMAX[bits]), 64
+    x = np.concatenate([(rng.uniform(-1, 1, block) * 2.0 ** e).astype(np.float32)
+                        for e in np.linspace(-149, -110, 300)])           # amax from 2^-149 to normal scales
+    q, s = R.quantize_reference(x, bits, block)
+    qc, sc = fused_cpu.quantize_fused_cpu(x, bits, block, lib=lib)
+    assert np.array_equal(q, qc) and np.array_equal(s.view(np.uint32), sc.view(np.uint32))
+    got = R.dequantize_reference(q, s, x.size, bits, block)
+    step = np.repeat(s, block).astype(np.float64)
+    err = np.abs(got.astype(np.float64) - x.astype(np.float64))
+    assert (err <= step / 2 + qmax * 2.0 ** -150 + np.spacing(np.abs(got))).all()
+    subnormal = step < 2.0 ** -126                 # the scale is a subnormal float32, or 0
+    assert (err[subnormal] > step[subnormal] / 2 + np.spacing(np.abs(got[subnormal]))).any()   # scale / 2 alone fails
+    assert not (err[~subnormal] > step[~subnormal] / 2 + np.spacing(np.abs(x[~subnormal]))).any()
+    doc = " ".join((Path(__file__).parents[1] / "docs" / "quantized.md").read_text().split())
+    assert "scale / 2 + qmax × 2^-150" in doc
+
 
 LENGTHS = [1, 2, 7, 8, 9, 255, 256, 257, 1000, 4099]
 
