@@ -20,7 +20,7 @@ from typing import Callable, Dict, Optional
 import numpy as np
 from mpi4py import MPI
 
-from ..errors import UsageError
+from ..errors import ConfigError, UsageError
 from ..optim import impl
 from ..optim.dtypes import is_bf16
 from .watchdog import WaitRecord
@@ -154,7 +154,8 @@ class Handle:
 
 
 class Communicator:
-    """Bucketed reduce-scatter, all-gather and all-reduce over ``mpi_comm``.
+    """Bucketed reduce-scatter, all-gather and all-reduce over ``mpi_comm`` (default MPI.COMM_WORLD;
+    None is refused: a communicator that was never made is a bug, not the world).
 
     Buffers are flat arrays whose length is a multiple of the world size; rank r's slice
     is the r-th of ``size`` equal parts. Counts are in elements, accounting in bytes.
@@ -165,8 +166,11 @@ class Communicator:
     bytes sent are counted per level: to peers on this node (intra) and on others (inter).
     """
 
-    def __init__(self, mpi_comm=None, share: Optional["Communicator"] = None, node_of=None):
-        self.mpi = mpi_comm if mpi_comm is not None else MPI.COMM_WORLD
+    def __init__(self, mpi_comm=MPI.COMM_WORLD, share: Optional["Communicator"] = None, node_of=None):
+        if mpi_comm is None or not all(hasattr(mpi_comm, a) for a in ("Get_rank", "Get_size")):
+            raise ConfigError(f"Communicator(mpi_comm={mpi_comm!r}): not an mpi4py communicator; pass one "
+                              "(MPI.COMM_WORLD, a Split of it), or nothing for MPI.COMM_WORLD")
+        self.mpi = mpi_comm
         self.rank = self.mpi.Get_rank()   # this process
         self.size = self.mpi.Get_size()   # ranks in the data-parallel group
         self.counting = True              # False: the caller counts this one's calls (comm/hierarchical.py)

@@ -65,17 +65,45 @@ class Topology:
         return f"{nodes}; {self.replicas} shard groups of {self.shard_size} (replicated across groups)"
 
 
+def node_size_env(environ=os.environ) -> Optional[int]:
+    """$ZEROMPI_NODE_SIZE as ranks per node, None when unset or blank; ConfigError naming the variable
+    unless it is a whole number >= 1."""
+    text = environ.get(NODE_SIZE_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        k = int(text)
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise ConfigError(f"{NODE_SIZE_ENV}={text!r} is not allowed; use a whole number of ranks per node >= 1 "
+                          "(or leave it unset: MPI's shared-memory split)")
+    return k
+
+
+def check_sizes(ranks: int, node_size: int, shard_size: Optional[int], tp: int = 1, env: bool = False) -> None:
+    """ConfigError, in the user's units, unless ``ranks`` ranks (the world) make nodes of ``node_size`` and
+    shard groups of ``shard_size`` (None: all), each holding whole tensor-parallel groups of ``tp``.
+    ``env``: the node size is $ZEROMPI_NODE_SIZE's, and the message names the variable."""
+    from .mesh import check_tp
+    try:
+        if tp > 1:
+            check_tp(tp, ranks, node_size, shard_size)
+        Topology(ranks, node_size, shard_size or ranks)
+    except ConfigError as e:
+        if env:
+            raise ConfigError(f"{NODE_SIZE_ENV}={node_size} sets the node size, and {e}") from None
+        raise
+
+
 def node_size_from(mpi_comm, requested: Optional[int], environ=os.environ) -> int:
     """The node size: ``requested``, else $ZEROMPI_NODE_SIZE, else the shared-memory split (a
     collective; ConfigError unless every node holds the same number of consecutive ranks)."""
     if requested is not None:
         return requested
-    text = environ.get(NODE_SIZE_ENV, "").strip()
-    if text:
-        try:
-            return int(text)
-        except ValueError:
-            raise ConfigError(f"{NODE_SIZE_ENV}={text!r} is not allowed; use a whole number of ranks per node") from None
+    k = node_size_env(environ)
+    if k is not None:
+        return k
     from mpi4py import MPI
     node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=mpi_comm.Get_rank())
     try:
@@ -122,14 +150,17 @@ def build(world: Communicator, topo: Topology) -> Communicators:
     return Communicators(group, replica, intra)
 
 
-def topology_of(comm, node_size: Optional[int], shard_size: Optional[int]) -> Topology:
-    """The Topology of ``comm`` (a zerompi Communicator, host or device) for these settings
-    (ConfigError naming the values when they do not fit the ranks)."""
+def topology_of(comm, node_size: Optional[int], shard_size: Optional[int], tp: int = 1) -> Topology:
+    """The Topology of ``comm`` (a zerompi Communicator, host or device) for these settings (ConfigError
+    naming the values when they do not fit the ranks). ``tp``: ``comm`` is one data-parallel group of a
+    tensor-parallel mesh and the sizes are the world's divided by tp; the message gives the world's."""
     n = comm.size
     if n == 1:
         return Topology(1, 1, 1)
     host = getattr(comm, "host", comm)
     k = node_size_from(host.mpi, node_size)
+    from_env = node_size is None and node_size_env() is not None
+    check_sizes(n * tp, k * tp, shard_size and shard_size * tp, tp, env=from_env)
     return Topology(n, k, shard_size or n)
 
 

@@ -1,7 +1,9 @@
 """ZeroConfig: every knob of the engine, validated once, frozen."""
+import difflib
+import functools
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Callable, Optional, Tuple
 
 import numpy as np
@@ -46,9 +48,46 @@ def check_float(name: str, value, rule: str, ok: Callable[[float], bool], float3
               f"use a number {rule} that float32 holds (magnitude at most {F32_MAX:.8g})")
 
 
+class UnknownFieldError(ConfigError, TypeError):
+    """A ZeroConfig field that does not exist (a TypeError, as Python's own, and one ConfigError line)."""
+
+
+# What each field's declared type admits (ZeroConfig's docstring): NumPy scalars are taken as Python's.
+KINDS = {int: "int", Optional[int]: "int", float: "float", Optional[float]: "float", bool: "bool"}
+
+
+def strict_value(name: str, kind: str, value):
+    """``value`` of a field of kind "int", "float" or "bool" as ZeroConfig keeps it: a NumPy scalar as the
+    Python int, float or bool it equals; ConfigError for a bool in a number's field or a float in an int's.
+    Other types pass (the field's own check names what it allows)."""
+    if kind == "bool":
+        if isinstance(value, np.bool_):
+            return bool(value)
+        check(isinstance(value, bool), f"{name}={value!r} must be True or False (a bool, not {type(value).__name__})")
+        return value
+    if isinstance(value, (bool, np.bool_)):
+        wanted = "whole number (an int)" if kind == "int" else "number"
+        raise ConfigError(f"{name}={value!r} is a bool; give a {wanted}")
+    if isinstance(value, np.integer):
+        return int(value)
+    if kind == "int" and isinstance(value, (float, np.floating)):
+        whole = f": {int(value)}" if float(value).is_integer() else ""
+        raise ConfigError(f"{name}={value!r} is a float; give a whole number (an int{whole})")
+    return float(value) if isinstance(value, np.floating) else value
+
+
 @dataclass(frozen=True)
 class ZeroConfig:
-    """Engine configuration. Units are in each field's docstring; invalid values raise ConfigError."""
+    """Engine configuration. Units are in each field's docstring; invalid values raise ConfigError.
+
+    Types, one rule for every field (checked before the values): an int field (``stage``,
+    ``micro_batches``, ``node_size``, ...) takes an int or a NumPy integer, never a bool or a float
+    (``stage=3.0`` and ``stage=True`` are refused); a float field (``lr``, ``bucket_mb``, ...) takes
+    an int, a float or a NumPy integer or float (``lr=np.float32(1e-3)`` is kept as the Python float
+    it equals), never a bool; a bool field takes a bool or a NumPy bool, never 0 or 1. NumPy scalars
+    are stored as Python's, so the config, its JSON and its digest are the same whichever was given.
+    A field that does not exist is an UnknownFieldError (a ConfigError and a TypeError) naming it.
+    """
 
     stage: int = 2
     """ZeRO stage: 0 (plain data parallel), 1 (shard optimizer state), 2 (+ gradients), 3 (+ parameters)."""
@@ -152,6 +191,10 @@ class ZeroConfig:
     """With trace: the timeline keeps the last this many steps (>= 1) and the step in progress."""
 
     def __post_init__(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type in KINDS and value is not None:
+                object.__setattr__(self, f.name, strict_value(f.name, KINDS[f.type], value))
         check(self.stage in STAGES, f"stage={self.stage!r} is not allowed; use one of 0, 1, 2, 3")
         check(self.dtype in DTYPES, f"dtype={self.dtype!r} is not allowed; use fp16, bf16 or fp32")
         if isinstance(self.no_decay, list):            # lists (JSON, a user's literal) are taken as tuples
@@ -239,3 +282,21 @@ class ZeroConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _known_fields_only(init):
+    """ZeroConfig's __init__, which first names a keyword that is no field (Python's own TypeError does not
+    say which fields there are); the signature stays the dataclass's."""
+    @functools.wraps(init)
+    def checked(self, *args, **kwargs):
+        known = [f.name for f in fields(ZeroConfig)]
+        unknown = [k for k in kwargs if k not in known]
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], known, n=1)
+            raise UnknownFieldError(f"ZeroConfig has no field {unknown[0]!r}" + (
+                f" (did you mean {close[0]!r}?)" if close else "") + f"; the fields are {', '.join(known)}")
+        init(self, *args, **kwargs)
+    return checked
+
+
+ZeroConfig.__init__ = _known_fields_only(ZeroConfig.__init__)

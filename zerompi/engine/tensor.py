@@ -80,8 +80,8 @@ class TensorParallel:
         for name in ("node_size", "shard_size"):
             v = getattr(config, name)
             if name == "node_size" and v is None:
-                text = os.environ.get("ZEROMPI_NODE_SIZE", "").strip()
-                v = int(text) if text.isdigit() else None
+                from ..comm.topology import node_size_env
+                v = node_size_env()
             if v is not None:
                 check_tp(self.mesh.tp, self.mesh.world.Get_size(), **{name: v})
                 v //= self.mesh.tp

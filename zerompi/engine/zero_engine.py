@@ -86,7 +86,7 @@ class ZeroEngine:
         self.tp = TensorParallel.of(comm, self.config, tp_split, {n: np.shape(a) for _, p in pairs for n, a in p.items()})
         comm = self.tp.mesh.dp_comm if self.tp else comm
         # A Communicator, or one with its interface (staging.StagedCommunicator); else an mpi4py communicator.
-        self.comm = comm if hasattr(comm, "ireduce_scatter") else Communicator(comm)
+        self.comm = comm if hasattr(comm, "ireduce_scatter") else Communicator() if comm is None else Communicator(comm)
         self.xp = xp
         self.rank, self.world_size = self.comm.rank, self.comm.size
         self.optimizer_impl = impl.use_impl(self.config.optimizer_impl, xp, verbose=self.rank == 0)  # "fused"/"numpy"
@@ -95,7 +95,7 @@ class ZeroEngine:
         # Nodes and shard groups (comm/topology.py): a bucket is cut into shard_size slices, each a
         # multiple of align * replicas elements (the all-reduce across groups splits it again).
         sizes = self.tp.sizes(self.config) if self.tp else (self.config.node_size, self.config.shard_size)
-        self.topology = topo = topology_of(self.comm, *sizes)
+        self.topology = topo = topology_of(self.comm, *sizes, tp=self.tp.mesh.tp if self.tp else 1)
         self.layout = FlatLayout(spec, topo.shard_size, max(1, self.config.bucket_bytes // np.dtype(self.dtype).itemsize),
                                  self.config.align * topo.replicas)
         self.guard, self._watchdog = contract.start_guards(self)   # the watchdog, then the start-up check

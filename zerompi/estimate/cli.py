@@ -289,13 +289,16 @@ def main(argv: Optional[List[str]] = None) -> int:
             sizes = gpt_layer_sizes(a.vocab, a.seq_len, a.d_model, 1)   # each block's size once, not n_layer times
             a.params, largest = sum(sizes) + (a.n_layer - 1) * sizes[1], max(sizes)
         if a.from_run is not None:
+            for name, value in (("params", a.params), ("ranks", a.ranks), ("layers", a.layers),
+                                ("largest_layer", a.largest_layer)):
+                check(value is None, f"{name}={value!r} (--{name.replace('_', '-')}) does not apply with --from-run "
+                                     "(the run's configuration is estimated, to compare with what it measured); "
+                                     "drop it")
             metrics = read_run(a.from_run)
-            given = {k: v for k, v in (("params", a.params), ("ranks", a.ranks), ("layers", a.layers),
-                                       ("largest_layer", largest)) if v is not None}
             try:
                 est = run_estimate(metrics, in_flight=a.in_flight, bandwidth_gbps=a.bandwidth_gbps,
                                    latency_us=a.latency_us, intra_gbps=a.intra_gbps, inter_gbps=a.inter_gbps,
-                                   **given, **topo)
+                                   **topo)
                 cmp = compare_run(est, metrics)
             except (KeyError, TypeError, IndexError, AttributeError) as e:
                 raise ConfigError(f"from_run={a.from_run!r} is not the --metrics-json of a zerompi.train run "

@@ -160,19 +160,18 @@ class TrainConfig:
             check_file(self.data, self.seq_len)
 
     def check_world(self, world_size: int) -> None:
-        """Raises ConfigError unless batch splits evenly over world_size ranks x micro-batches."""
-        if self.zero.tp > 1:
-            from ..comm.mesh import check_tp
-            check_tp(self.zero.tp, world_size, self.zero.node_size, self.zero.shard_size)
-        dp = world_size // self.zero.tp
-        parts = dp * self.zero.micro_batches
+        """Raises ConfigError unless the ranks fit: --tp, --node-size (or $ZEROMPI_NODE_SIZE, named when it is
+        the culprit) and --shard-size in the user's units (a node size MPI's split gives is checked once the
+        ranks have met: preflight.topology_error), and batch splits evenly over the ranks x micro-batches."""
+        from ..comm.topology import check_sizes, node_size_env
+        z, t = self.zero, self.zero.tp
+        env = node_size_env() if z.node_size is None else None
+        check_sizes(world_size, z.node_size or env or t, z.shard_size, t, env=env is not None)
+        dp = world_size // t
+        parts = dp * z.micro_batches
         check(self.batch % parts == 0,
-              f"batch={self.batch} does not split over {dp} data-parallel ranks x {self.zero.micro_batches} "
+              f"batch={self.batch} does not split over {dp} data-parallel ranks x {z.micro_batches} "
               f"micro-batches; use a multiple of {parts}")
-        if world_size > 1 and (self.zero.node_size or self.zero.shard_size):   # before any collective
-            from ..comm.topology import Topology
-            t = self.zero.tp
-            Topology(world_size // t, (self.zero.node_size or t) // t, (self.zero.shard_size or world_size) // t)
 
 
 def _flag(name: str) -> str:
@@ -244,8 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --device gpu: mpi (staged through pinned host buffers) or nccl (one GPU per rank)")
     p.add_argument("--timeout-s", type=float, default=None, metavar="S",
                    help="abort the job when one collective waits longer (default: $ZEROMPI_TIMEOUT_S or 300)")
-    p.add_argument("--max-skipped-steps", type=int, default=ZeroConfig.max_skipped_steps, metavar="K",
-                   help="fp16: K consecutive steps skipped for non-finite gradients is an error")
+    p.add_argument("--max-skipped-steps", type=int, default=None, metavar="K",
+                   help=f"fp16: K consecutive steps skipped for non-finite gradients is an error (default "
+                        f"{ZeroConfig.max_skipped_steps})")
     p.add_argument("--node-size", type=int, default=None, metavar="K",
                    help="ranks per node (default: $ZEROMPI_NODE_SIZE, else MPI's shared-memory split); "
                         "smaller than the ranks of one machine, it simulates several nodes")
@@ -292,7 +292,8 @@ def parse_config(argv: Optional[List[str]] = None, environ=None) -> TrainConfig:
     check(not (a.decay_all and a.no_decay), "--decay-all and --no-decay contradict each other; give one")
     no_decay = () if a.decay_all else tuple(a.no_decay) if a.no_decay else NO_DECAY.get(a.model, ())
     given = {field: getattr(a, flag) for field, flag in (("init_loss_scale", "loss_scale"),
-             ("loss_scale_window", "loss_scale_window"), ("quant_block", "quant_block"), ("trace_steps", "trace_steps"))
+             ("loss_scale_window", "loss_scale_window"), ("quant_block", "quant_block"), ("trace_steps", "trace_steps"),
+             ("max_skipped_steps", "max_skipped_steps"), ("offload_dir", "offload_dir"))
              if getattr(a, flag) is not None}        # flags that apply in one setting only: checked below
     try:
         zero = ZeroConfig(stage=a.stage, dtype=a.dtype, bucket_mb=a.bucket_mb, lr=a.lr, weight_decay=a.weight_decay,
@@ -300,11 +301,11 @@ def parse_config(argv: Optional[List[str]] = None, environ=None) -> TrainConfig:
                           clip=a.clip, micro_batches=a.micro_batches, **given,
                           optimizer_impl=a.optimizer_impl,
                           overlap=not a.no_overlap, prefetch=a.prefetch,
-                          progress=a.comm_progress, timeout_s=timeout_s, max_skipped_steps=a.max_skipped_steps,
+                          progress=a.comm_progress, timeout_s=timeout_s,
                           node_size=a.node_size, shard_size=a.shard_size, hpz=a.hpz, tp=a.tp,
                           quantize_weights=a.quantize_weights, quantize_grads=a.quantize_grads,
                           offload_optimizer=a.offload_optimizer,
-                          offload_params=a.offload_params, offload_dir=a.offload_dir,
+                          offload_params=a.offload_params,
                           offload_delayed_update=a.offload_delayed_update, trace=a.trace,
                           lazy_publish=True)   # the built-in models read parameters through unshard() every step
     except ConfigError as e:         # ZeroConfig names its fields; say the flag where its name differs
@@ -314,7 +315,10 @@ def parse_config(argv: Optional[List[str]] = None, environ=None) -> TrainConfig:
                              ("loss_scale_window", "--dtype fp16 (bf16 and fp32 use no loss scale)", a.dtype == "fp16"),
                              ("quant_block", "--quantize-weights or --quantize-grads",
                               bool(a.quantize_weights or a.quantize_grads)),
-                             ("trace_steps", "--trace FILE", a.trace is not None)):
+                             ("trace_steps", "--trace FILE", a.trace is not None),
+                             ("max_skipped_steps", "--dtype fp16 (only fp16 skips steps)", a.dtype == "fp16"),
+                             ("offload_dir", "--offload-optimizer nvme or --offload-params nvme (the files it holds)",
+                              "nvme" in (a.offload_optimizer, a.offload_params))):
         flag = FLAG_OF_FIELD.get(field, "--" + field.replace("_", "-"))
         check(field not in given or ok, f"{field}={given.get(field)!r} ({flag}) applies with {needs} only; drop it")
     specific = {}                   # model-specific flags given; the other model's are an error

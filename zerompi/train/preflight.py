@@ -31,6 +31,21 @@ def check_outputs(cfg: TrainConfig, rank: int) -> None:
         check_dir(cfg.zero.offload_dir, 0)        # the engine checks the free bytes, once it knows them
 
 
+def topology_error(cfg: TrainConfig, mpi_comm) -> Optional[str]:
+    """Every rank, after the start-up agreement: with --shard-size but no node size given (--node-size,
+    $ZEROMPI_NODE_SIZE), the one line saying that the shard groups do not fit the nodes MPI's shared-memory
+    split makes (a collective over the world: what the engine would find on every rank), else None."""
+    from ..comm.topology import check_sizes, node_size_env, node_size_from
+    z, n = cfg.zero, mpi_comm.Get_size()
+    if n == 1 or z.shard_size is None or z.node_size is not None or node_size_env() is not None:
+        return None
+    try:
+        check_sizes(n, node_size_from(mpi_comm, None), z.shard_size, z.tp)
+    except ConfigError as e:
+        return f"{e} (the node size is MPI's shared-memory split; --node-size sets another)"
+    return None
+
+
 def check_fault(fault, world_size: int, cfg: TrainConfig) -> None:
     """ConfigError unless ``fault`` (engine.faults.Fault, or None) can fire in this job: its rank
     exists, its step is run, and its point (save, metrics) comes after that step."""

@@ -60,7 +60,7 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
     from ..comm.staging import device_communicator
     from ..checkpoint.collective import CheckpointError
 
-    comm = Communicator(mpi_comm)
+    comm = Communicator() if mpi_comm is None else Communicator(mpi_comm)
     # The engine's watchdog starts with the engine and times every later wait; this one times the check.
     with closing(Watchdog(comm.waiting, cfg.zero.timeout_s, comm.rank, comm.mpi)):
         check_consistent(comm, "train", job_fields(cfg))   # ranks given other flags stop here, not in a collective
@@ -247,6 +247,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     status = agree_on_start(comm, error, "zerompi.train")   # timed; --help on every rank prints it once
     if status is not None:
         return status
+    if agree_on_errors(comm, preflight.topology_error(cfg, comm), "zerompi.train"):
+        return 2                          # shard groups that do not fit MPI's nodes: one line, not one per rank
     from ..comm.device import place_every_rank
     placement = place_every_rank(cfg.device, comm, "zerompi.train")   # gpu: needs CuPy and a GPU
     if placement is None:
