@@ -24,7 +24,7 @@ from ..errors import ConfigError, MismatchError, UsageError, at_abort
 from .format import (F32, ROWS, CheckpointError, SavedLayout, build_manifest, check_model, crash_point,
                      make_temp_dir, read_manifest, remove_dir, resolve, shard_file, verify_shard, wait_removals)
 from .orphans import recover
-from .pointer import DRAFT, complete_checkpoints, step_of, write_durable
+from .pointer import complete_checkpoints, step_of
 from .writer import PendingSave, free_snapshot
 
 PENDING = "_checkpoint_pending"      # the engine attribute holding the save under way (or None)
@@ -84,10 +84,9 @@ def save(engine, directory: str, extra_state: Optional[dict] = None, blocking: b
     if rank == 0:
         try:
             manifest = build_manifest(engine, [], extra_state)
-            draft = json.dumps(manifest)  # extra_state must be JSON: found before anything is written
+            json.dumps(manifest)         # extra_state must be JSON: found before anything is written
             recover(directory)           # a complete checkpoint a job that ended left unpublished: published, not lost
             tmp = make_temp_dir(directory, step)
-            write_durable(os.path.join(tmp, DRAFT), draft)   # what orphans.py needs to publish it, if no one else can
         except OSError as e:
             err = f"cannot create a checkpoint in {directory}: {e}"
         except (TypeError, ValueError) as e:

@@ -25,7 +25,7 @@ from .format import (F32, ROWS, WRITE_CHUNK_BYTES, CheckpointError, Crc32, crash
                      shard_file)
 from .format import publish as publish_files
 from .orphans import recover
-from .pointer import ENTRY, write_durable
+from .pointer import DRAFT, ENTRY, write_durable
 from .savedir import retain
 
 HOST_BUFFER = "_checkpoint_host"     # the engine attribute holding the reusable host copy
@@ -46,6 +46,7 @@ class PendingSave:
                  keep_last: Optional[int], finish: Callable, keep=()):
         self.engine, self.directory, self.tmp, self.step = engine, directory, tmp, step
         self.manifest, self.keep_last = manifest, keep_last
+        self.draft = None if manifest is None else json.dumps(manifest)   # rank 0's, as the save started
         self.keep = keep                        # checkpoints never removed here (collective.kept)
         self._finish = finish                   # collective.finish: the agreement that publishes
         self.writer = engine.rank < engine.layout.world_size   # the first shard group writes the files
@@ -100,6 +101,8 @@ class PendingSave:
     def _write(self, rows) -> None:
         e = self.engine
         try:
+            if self.draft is not None:         # rank 0, on the writer's thread: what orphans.py publishes from
+                write_durable(os.path.join(self.tmp, DRAFT), self.draft)
             self.entry = write_shard(self.tmp, e.slot, e.layout.shard_numel, rows, crash=(self.step, e.rank))
         except Exception as exc:    # handed to the agreement: every rank raises it, none hangs
             why = exc.strerror if isinstance(exc, OSError) and exc.strerror else f"{type(exc).__name__}: {exc}"
