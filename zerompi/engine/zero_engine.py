@@ -33,10 +33,11 @@ from ..comm.watchdog import watched
 from ..errors import ConfigError, UsageError, install_abort_hook
 from ..layout import FlatLayout
 from ..optim import impl
-from . import contract, trace, traffic
+from . import contract, trace, traffic, update
 from .buffers import BucketPool, plan_classes
 from .config import ZeroConfig
 from .gatherer import ParameterGatherer
+from .in_backward import UpdateInBackward
 from .inflight import InFlight
 from .loss_scale import DynamicLossScaler
 from .memory import MemoryLedger, memory_report
@@ -126,6 +127,7 @@ class ZeroEngine:
                                        self.inflight, pool, self.ledger, self.guard, self.dtype)
         self.optimizer = ShardedAdamW(self.layout, self.config, self.ledger, self.slot, self.rank, transfers)
         self.optimizer.load_initial(pairs, xp)
+        self.in_backward = UpdateInBackward(self)       # nvme: a bucket's update starts when its shard is final
         self.trace = trace.attach(self) if self.config.trace else None   # the timeline (engine/trace.py)
         self.publish_params(all_gather=True)
         # A program that ends without close() must not reach MPI_Finalize with collectives in flight.
@@ -254,6 +256,7 @@ class ZeroEngine:
         overflow = bool(total[1] > 0) or not math.isfinite(total[0])
         self.steps_taken += 1
         if overflow:   # fp32, or too many fp16 skips in a row: NonFiniteError on every rank, nothing updated
+            self.in_backward.take_back()     # updates begun in the backward are set back first
             self.guard.on_skip(self.steps_taken, self.comm, grads, scale, self.optimizer.master)
             self.scaler.update(True)
             self._end_step()
@@ -262,26 +265,8 @@ class ZeroEngine:
         clip = self.config.clip
         coef = clip / (norm + 1e-6) if clip > 0 and norm > clip else 1.0
         self.step_count += 1
-        if self.config.stage == 0:
-            with self.timers.blocking("all_gather (stage 0)"):
-                self.reducer.all_gather(self.steps_taken)
-        s = self.optimizer.scalars(lr, self.step_count, coef / scale)
-        if self.optimizer.delayed:     # publish update k - 1 (its master), start update k behind the next step
-            self.optimizer.wait()
-            if self.optimizer.unpublished:
-                self.publish_params()
-            self.optimizer.launch([(bk.shard_slice, grads[bk.index], None) for bk in lay.buckets], s)
-        elif self.config.stage == 0:
-            self.optimizer.update(slice(None), self.reducer.grads, self.gatherer.params, s)
-        else:
-            def after(b):           # stages 1/2 publish bucket b behind the next buckets' update
-                if self.config.stage in (1, 2):
-                    self.gatherer.start(b, self.steps_taken + 1)
-                self.inflight.poll()
-            self.optimizer.step([(bk.shard_slice, grads[bk.index], self.gatherer.param_out(bk.index))
-                                 for bk in lay.buckets], s, after)       # + the stored copy
-            if not self.config.lazy_publish:   # views taken before step() read new values, never a mix
-                self.gatherer.finish_all()
+        update.apply(self, grads, self.optimizer.scalars(lr, self.step_count, coef / scale))   # engine/update.py
+        self.in_backward.after_step(lr, coef)
         self.gatherer.parameters_changed()
         self.scaler.update(False)
         self._end_step()
@@ -292,6 +277,7 @@ class ZeroEngine:
         if self.config.stage == 3 and self.config.overlap:
             self.gatherer.prefetch_forward(self.steps_taken + 1)
         self._last_layer = None
+        self.optimizer.plan_next(self.in_backward.order())    # a file's rows: the first read ahead now
         self._enter(Phase.IDLE)
         if self.trace is not None:
             self.trace.step_done(self.steps_taken)
@@ -378,6 +364,7 @@ class ZeroEngine:
         self.gatherer.close()
         self.pool.clear()
         self.inflight.close()
+        self.in_backward.close()
         self.optimizer.close()
         for c in self._comms():
             c.free_scratch()
