@@ -47,7 +47,7 @@ class UpdateInBackward:
         self.taken_back = 0                         # steps whose early updates were not (skipped, or guessed wrong)
         if self.possible:
             engine.reducer.on_final = self.ready
-        engine.optimizer.plan_next(self.order())    # a file's rows: the first step's read ahead
+        engine.optimizer.plan_next(self.order(), 1)  # a file's rows: the first step's read ahead
 
     @property
     def armed(self) -> bool:

@@ -23,6 +23,7 @@ from ..optim.reference import AdamWScalars, adamw_scalars
 from .decay import exempt_runs, pieces
 from .offload import ArrayRows, FileRows, check_dir
 from .offload.owner import HEADER_BYTES
+from .offload.stream import file_bytes
 
 F32 = np.float32
 
@@ -39,11 +40,12 @@ class ShardedAdamW:
         self.no_decay = exempt_runs(layout, config.no_decay, config.stage, slot)   # rows with no weight decay
         mode = config.offload_optimizer
         if mode == "nvme":     # two generations of the rows when the folder has room (offload/stream.py)
-            free = check_dir(config.offload_dir, HEADER_BYTES + 12 * n)
-            generations = 2 if free >= HEADER_BYTES + 24 * n else 1
-            self.rows = FileRows(config.offload_dir, f"zerompi-optimizer-rank{rank}-pid{os.getpid()}.bin",
-                                 [b.shard_slice for b in layout.buckets],
-                                 lambda k: ledger.alloc("buffers", k, F32, place="host"), rank, generations)
+            slices = [b.shard_slice for b in layout.buckets]
+            free = check_dir(config.offload_dir, HEADER_BYTES + file_bytes(slices, 1))
+            generations = 2 if free >= HEADER_BYTES + file_bytes(slices, 2) else 1
+            self.rows = FileRows(config.offload_dir, f"zerompi-optimizer-rank{rank}-pid{os.getpid()}.bin", slices,
+                                 lambda k: ledger.alloc("buffers", k, F32, place="host"), rank, generations,
+                                 config.offload_io == "direct")
             ledger.count("optimizer", 12 * n, "disk")
             ledger.count("buffers", 12 * n * (generations - 1), "disk")     # the spare generation
         else:
@@ -238,8 +240,9 @@ class ShardedAdamW:
                 values[s * k:(s + 1) * k] = table[g]
             yield bucket, values
 
-    def plan_next(self, slices) -> None:
-        """The order of the next step's update (rows read ahead from a file now, behind the forward)."""
+    def plan_next(self, slices, step: int) -> None:
+        """The order of step ``step``'s update (rows read ahead from a file now, behind the forward)."""
+        self.rows.at_step(step)
         self.rows.plan(list(slices))
 
     def close(self) -> None:

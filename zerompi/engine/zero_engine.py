@@ -277,7 +277,7 @@ class ZeroEngine:
         if self.config.stage == 3 and self.config.overlap:
             self.gatherer.prefetch_forward(self.steps_taken + 1)
         self._last_layer = None
-        self.optimizer.plan_next(self.in_backward.order())    # a file's rows: the first read ahead now
+        self.optimizer.plan_next(self.in_backward.order(), self.steps_taken + 1)   # a file's rows: read ahead now
         self._enter(Phase.IDLE)
         if self.trace is not None:
             self.trace.step_done(self.steps_taken)

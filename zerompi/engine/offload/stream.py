@@ -22,10 +22,28 @@ from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from .files import OffloadFile
+from .files import ALIGN, OffloadFile
 from .rows import F32, ROW_NAMES, records
 
 SETS = 4       # buffer sets: rows read ahead while one bucket is updated and another written behind
+
+
+def padded(nbytes: int) -> int:
+    """``nbytes`` rounded up to a multiple of ALIGN (a record's room in the file, a buffer's length)."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def file_bytes(slices: Sequence[slice], generations: int) -> int:
+    """The data bytes of a FileRows file for these bucket slices: every record's padded room."""
+    return generations * 3 * sum(padded(4 * (sl.stop - sl.start)) for sl in slices)
+
+
+def aligned_array(alloc, numel: int) -> np.ndarray:
+    """A float32 array of ``numel`` (a multiple of ALIGN / 4) starting at an ALIGN-byte boundary, cut from
+    a slightly longer one made by ``alloc`` (O_DIRECT needs aligned buffers)."""
+    raw = alloc(numel + ALIGN // 4)
+    skip = (-raw.ctypes.data % ALIGN) // 4
+    return raw[skip:skip + numel]
 
 
 class FileRows:
@@ -38,17 +56,22 @@ class FileRows:
     streamed = True
 
     def __init__(self, directory: str, name: str, slices: Sequence[slice], alloc, rank: int, generations: int = 2,
-                 sets: int = SETS):
+                 direct: bool = True, sets: int = SETS):
         self.place = "disk"
         self.slices = list(slices)
-        self.n = n = self.slices[-1].stop if self.slices else 0
+        self.n = self.slices[-1].stop if self.slices else 0
         self.spare = generations == 2            # a second generation: an update can be taken back
-        self.file = OffloadFile(directory, name, generations * 3 * 4 * n, rank)
+        self._offsets = {}                       # (generation, row, bucket) -> the record's data offset
+        at = 0
+        for key in ((g, r, b) for g in range(generations) for r in range(3) for b in range(len(self.slices))):
+            self._offsets[key] = at
+            at += padded(4 * (self.slices[key[2]].stop - self.slices[key[2]].start))   # records ALIGN apart
+        self.file = OffloadFile(directory, name, at, rank, direct)
         self.gen = [0] * len(self.slices)        # the generation holding each bucket's current rows
         self._index = {(sl.start, sl.stop): b for b, sl in enumerate(self.slices)}
-        largest = max((sl.stop - sl.start for sl in self.slices), default=0)
+        largest = padded(4 * max((sl.stop - sl.start for sl in self.slices), default=0)) // 4
         k = max(1, min(sets, len(self.slices)))
-        self._sets = [[alloc(largest) for _ in ROW_NAMES] for _ in range(k)]
+        self._sets = [[aligned_array(alloc, largest) for _ in ROW_NAMES] for _ in range(k)]
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerompi-offload-io")
         self._cond = threading.Condition()
         self._free = deque(range(k))             # buffer sets holding nothing
@@ -83,25 +106,32 @@ class FileRows:
     def _fill(self) -> None:                     # under the lock
         while self._free and self._queue:
             b, s = self._queue.popleft(), self._free.popleft()
-            self._reads[b] = (s, self._io.submit(self._read_rows, b, s, self.gen[b]))
+            self._reads[b] = (s, self._io.submit(self._read_rows, b, s, self.gen[b], self.file.step))
 
     def _where(self, gen: int, r: int, b: int) -> Tuple[int, str]:
         sl = self.slices[b]
-        return (4 * ((gen * 3 + r) * self.n + sl.start),
-                f"{ROW_NAMES[r]} of bucket {b} (elements {sl.start:,}..{sl.stop:,})")
+        return self._offsets[(gen, r, b)], f"{ROW_NAMES[r]} of bucket {b} (elements {sl.start:,}..{sl.stop:,})"
 
-    def _bufs(self, s: int, b: int):
+    def _bufs(self, s: int, b: int, pad: bool = False):
+        """Set s's three buffers as bucket b's rows (``pad``: to the record's padded length, for the I/O)."""
         k = self.slices[b].stop - self.slices[b].start
+        k = padded(4 * k) // 4 if pad else k
         return tuple(buf[:k] for buf in self._sets[s])
 
-    def _read_rows(self, b: int, s: int, gen: int) -> None:
-        for r, buf in enumerate(self._bufs(s, b)):
-            self.file.read(buf, *self._where(gen, r, b))
+    def _read_rows(self, b: int, s: int, gen: int, step) -> None:
+        """(The I/O thread.) With O_DIRECT the rows are only moved here, and hashed by fetch()'s caller:
+        the I/O thread keeps the device busy, and the update reads the rows the hash brought into cache."""
+        self.file.for_step(step)
+        nbytes = 4 * (self.slices[b].stop - self.slices[b].start)
+        for r, buf in enumerate(self._bufs(s, b, pad=True)):
+            self.file.read(buf, *self._where(gen, r, b), nbytes, check=not self.file.direct_fd)
 
-    def _write_rows(self, b: int, s: int, gen: int) -> None:
+    def _write_rows(self, b: int, s: int, gen: int, step, digests) -> None:
+        self.file.for_step(step)
+        nbytes = 4 * (self.slices[b].stop - self.slices[b].start)
         try:
-            for r, buf in enumerate(self._bufs(s, b)):
-                self.file.write(buf, *self._where(gen, r, b))
+            for r, buf in enumerate(self._bufs(s, b, pad=True)):
+                self.file.write(buf, *self._where(gen, r, b), nbytes, digests[r] if digests else None)
         except BaseException as e:
             self._error = self._error or e
         finally:
@@ -130,6 +160,10 @@ class FileRows:
             s, fut = self._reads.pop(b)
         try:
             fut.result()
+            if self.file.direct_fd is not None:          # moved only: checked here (see _read_rows)
+                nbytes = 4 * (self.slices[b].stop - self.slices[b].start)
+                for r, buf in enumerate(self._bufs(s, b)):
+                    self.file.verify(buf, *self._where(self.gen[b], r, b), nbytes)
         except BaseException:
             with self._cond:
                 self._free.append(s)
@@ -154,10 +188,13 @@ class FileRows:
         """Write the updated rows of ``sl`` (fetched) behind, into their other generation (see commit)."""
         b = self._bucket(sl)
         s = self._held.pop(b)
+        digests = None
+        if self.file.direct_fd is not None:               # hashed here, in cache after the update
+            digests = [self.file.digest(buf, buf.nbytes) for buf in self._bufs(s, b)]
         with self._cond:
             self._raise()
             self._writing += 1
-        self._io.submit(self._write_rows, b, s, 1 - self.gen[b] if self.spare else 0)
+        self._io.submit(self._write_rows, b, s, 1 - self.gen[b] if self.spare else 0, self.file.step, digests)
 
     def commit(self, slices: Sequence[slice]) -> None:
         """The rows last put for ``slices`` become their current rows (their writes may still run:
