@@ -6,8 +6,8 @@ zero_engine (ZeroEngine, StepResult: the step, composed of the parts below), red
 optimizer (ShardedAdamW: the fp32 master and Adam moments), decay (its weight-decay
 groups), offload (optimizer rows in host memory or files), inflight (the collectives in
 flight), buffers (the bucket buffer pool), config (ZeroConfig), loss_scale, memory (the
-ledger and the formulas), timers, schedule (phases and visit order), faults (non-finite
-gradients, injected faults).
+ledger and the formulas), timers, phase (the phase of one step and its visit order),
+faults (non-finite gradients, injected faults).
 
 May import: zerompi.errors, zerompi.layout, zerompi.optim, zerompi.comm, zerompi.checkpoint.
 Importing this package imports nothing; config, buffers, memory and reducer load without MPI

@@ -20,7 +20,7 @@ from ..errors import UsageError
 from ..optim import impl
 from .offload import ParamFile, check_dir
 from .contract import GatherLog
-from .schedule import Phase, prefetch_window, visits_after
+from .phase import Phase, prefetch_window, visits_after
 
 
 class BucketState(Enum):

@@ -42,7 +42,7 @@ from .loss_scale import DynamicLossScaler
 from .memory import MemoryLedger, memory_report
 from .optimizer import ShardedAdamW
 from .reducer import MAX_PENDING_REDUCES, GradientReducer
-from .schedule import Phase, infer_phase
+from .phase import Phase, infer_phase
 from .tensor import TensorParallel
 from .timers import StepTimers
 
