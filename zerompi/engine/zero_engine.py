@@ -25,6 +25,7 @@ import numpy as np
 
 from ..checkpoint import collective as checkpoint
 from ..comm.communicator import Communicator
+from ..comm.mesh import Mesh
 from ..comm.staging import device_transfers
 from ..comm.topology import arrange, topology_of
 from ..comm.watchdog import watched
@@ -42,7 +43,7 @@ from .optimizer import ShardedAdamW
 from .phase import Phase, infer_phase
 from .reducer import MAX_PENDING_REDUCES, GradientReducer
 from .step import PendingStep, StepResult
-from .tensor import TensorParallel
+from .tensor import TensorParallel, group_sizes
 from .timers import StepTimers
 
 LayersArg = Union[Mapping[str, Mapping[str, np.ndarray]], Sequence[Tuple[str, Mapping[str, np.ndarray]]]]
@@ -70,9 +71,10 @@ class ZeroEngine:
         if self.config.abort_on_exception:
             install_abort_hook()          # an exception on one rank ends the job, as in the CLI (misuse found below too)
         pairs = contract.check_layers(layers)
-        # Tensor parallelism (engine/tensor.py): comm is a Mesh (or config.tp > 1); ZeRO runs over its DP group.
+        # A Mesh (comm/mesh.py; tensor parallelism: engine/tensor.py, or config.tp > 1): ZeRO over its DP group.
         self.tp = TensorParallel.of(comm, self.config, tp_split, {n: np.shape(a) for _, p in pairs for n, a in p.items()})
-        comm = self.tp.mesh.dp_comm if self.tp else comm
+        mesh = self.tp.mesh if self.tp else comm if isinstance(comm, Mesh) else None
+        comm = mesh.dp_comm if mesh else comm
         # A Communicator, or one with its interface (staging.StagedCommunicator); else an mpi4py communicator.
         self.comm = comm if hasattr(comm, "ireduce_scatter") else Communicator(comm)
         self.xp = xp
@@ -80,10 +82,9 @@ class ZeroEngine:
         self.optimizer_impl = impl.use_impl(self.config.optimizer_impl, xp, verbose=self.rank == 0)  # "fused"/"numpy"
         self.dtype = contract.storage_dtype(self.config.dtype, xp)   # bf16: ConfigError where it cannot be had
         spec = [(lname, [(pname, np.shape(a)) for pname, a in params.items()]) for lname, params in pairs]
-        # Nodes and shard groups (comm/topology.py): a bucket is cut into shard_size slices, each a
-        # multiple of align * replicas elements (the all-reduce across groups splits it again).
-        sizes = self.tp.sizes(self.config) if self.tp else (self.config.node_size, self.config.shard_size)
-        self.topology = topo = topology_of(self.comm, *sizes)
+        # Nodes and shard groups (comm/topology.py; of the DP group with a Mesh): a bucket is cut into shard_size
+        # slices, each a multiple of align * replicas elements (the all-reduce across groups splits it again).
+        self.topology = topo = topology_of(self.comm, *group_sizes(mesh, self.config))
         self.layout = FlatLayout(spec, topo.shard_size, max(1, self.config.bucket_bytes // np.dtype(self.dtype).itemsize),
                                  self.config.align * topo.replicas)
         self.guard, self._watchdog = contract.start_guards(self)   # the watchdog, then the start-up check
