@@ -20,7 +20,8 @@ import numpy as np
 from mpi4py import MPI
 
 from ..errors import ConfigError, UsageError
-from .communicator import Communicator, OpStats, sum_table
+from .blocks import OpStats, sum_table
+from .communicator import Communicator
 from .watchdog import WaitRecord
 
 
@@ -71,7 +72,8 @@ class TPComm:
         if self.size == 1:
             return local.copy()
         table = np.empty((self.size, local.size), np.float64)
-        self.mpi.Allgather(local, table)
+        with self.waiting("tp_sum_scalars"):
+            self.mpi.Allgather(local, table)
         return sum_table(table)
 
     def bytes_sent(self) -> int:
@@ -88,14 +90,16 @@ class Mesh:
     ranks): checked to be a multiple of ``tp``, so that no TP group spans two nodes.
     Attributes: ``tp``, ``dp`` (sizes), ``tp_rank``, ``dp_rank``, ``ranks`` (dp x tp world ranks),
     ``tp_comm`` (TPComm), ``dp_comm`` (a zerompi Communicator over this rank's data-parallel group,
-    counting into ``comm``'s table when ``comm`` is a Communicator) and ``dp_mpi``/``tp_mpi``.
+    counting into ``comm``'s table) and ``dp_mpi``/``tp_mpi``. Every wait of both groups is timed by
+    ``comm``'s watchdog (a Communicator is made over an mpi4py ``comm``: its watchdog, abort hook
+    and launcher check guard the mesh's collectives, as an engine's guard its own).
     """
 
     def __init__(self, comm=None, tp: int = 1, node_size: Optional[int] = None):
-        share = comm if isinstance(comm, Communicator) else None
-        world = comm.mpi if share is not None else (comm if comm is not None else MPI.COMM_WORLD)
+        world = comm.mpi if isinstance(comm, Communicator) else (comm if comm is not None else MPI.COMM_WORLD)
         n = world.Get_size()
         check_tp(tp, n, node_size)
+        share = comm if isinstance(comm, Communicator) else Communicator(world)
         self.world, self.tp, self.dp = world, tp, n // tp
         rank = world.Get_rank()
         self.tp_rank, self.dp_rank = rank % tp, rank // tp

@@ -6,7 +6,6 @@ TrainConfig live in config.py, the banner, final metrics and tables in report.py
 """
 import sys
 import time
-from contextlib import closing
 from typing import Callable, Dict, List, Optional
 
 import numpy as np
@@ -17,7 +16,7 @@ from ..engine.faults import fault_from_env
 from .config import TrainConfig, parse_config
 from .history import StepLog
 from ..comm import watchdog
-from ..comm.watchdog import StopSignal, Watchdog
+from ..comm.watchdog import StopSignal
 
 def build_model(cfg: TrainConfig, xp=np, mesh=None):
     """(model, data) for cfg.model; the GPT computes on ``xp`` (the MLP's NumPy calls dispatch to CuPy);
@@ -60,10 +59,8 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
     from ..comm.staging import device_communicator
     from ..checkpoint.collective import CheckpointError
 
-    comm = Communicator(mpi_comm)
-    # The engine's watchdog starts with the engine and times every later wait; this one times the check.
-    with closing(Watchdog(comm.waiting, cfg.zero.timeout_s, comm.rank, comm.mpi)):
-        check_consistent(comm, "train", job_fields(cfg))   # ranks given other flags stop here, not in a collective
+    comm = Communicator(mpi_comm, timeout_s=cfg.zero.timeout_s)   # its watchdog times every wait (the engine's too)
+    check_consistent(comm, "train", job_fields(cfg))   # ranks given other flags stop here, not in a collective
     cfg.check_world(comm.size)
     xp = placement.xp if placement is not None else np
     mesh = None
