@@ -11,7 +11,7 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 
 from ..errors import (EXIT_OUTPUT, EXIT_TIMEOUT, ConfigError, HelpRequested, JobError, OutputError, agree_on_errors,
-                      agree_on_start, install_abort_hook)
+                      agree_on_start, end_together, install_abort_hook)
 from ..engine.faults import fault_from_env
 from .config import TrainConfig, parse_config
 from .history import StepLog
@@ -81,7 +81,8 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
     floor = data.entropy_floor if cfg.model == "gpt" else None   # nats/token; None: a user's file, or the MLP
     try:
         log = _run_steps(cfg, engine, comm, model, data, floor, start, stop)
-    except (JobError, CheckpointError):    # raised on every rank together: --trace keeps what there is
+    except (JobError, CheckpointError) as e:   # meant to be raised on every rank together: --trace keeps what there is
+        end_together(comm.mpi, e, "zerompi.train")   # ... else this rank's line ends the job, before the trace's collective
         if engine.trace is not None:
             engine.trace.close()
         raise
@@ -247,7 +248,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     from ..checkpoint.collective import CheckpointError
     try:
         train(cfg, stop=StopSignal(cfg.stop_file if comm.Get_rank() == 0 else None), placement=placement)
-    except (CheckpointError, JobError) as e:   # raised on every rank together: no rank is left in a collective
+    except (CheckpointError, JobError) as e:   # raised on every rank together: no rank is left in a collective ...
+        end_together(comm, e, "zerompi.train")   # ... or on some only: that rank's line ends the job within seconds
         if comm.Get_rank() == 0:
             sys.stderr.write(f"zerompi.train: error: {e}\n")
             sys.stderr.flush()
