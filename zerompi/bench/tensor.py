@@ -32,7 +32,7 @@ def check_tp_size(tp: Optional[int], n: int) -> None:
     """ConfigError naming the value unless ``tp`` divides the ``n`` ranks (the Mesh's own check)."""
     if tp is None:
         return
-    from ..comm.mesh import check_tp
+    from ..comm.topology import check_tp
     check_tp(tp, n)
 
 

@@ -29,7 +29,7 @@ from ..errors import ConfigError, UsageError
 from .blocks import OpStats, sum_table
 from .communicator import Communicator
 from .p2p import PointToPoint
-from .topology import node_size_env
+from .topology import check_tp, node_size_env
 from .watchdog import WaitRecord
 
 AXES = ("tp", "dp", "pp")      # the mesh's axes, innermost (adjacent ranks) first
@@ -182,19 +182,6 @@ class Mesh:
             text = (f"{self.pp} pipeline stages x {text}; stage s holds ranks {self.dp * self.tp}·s .. "
                     f"{self.dp * self.tp}·s + {self.dp * self.tp - 1}, pipeline neighbours {self.dp * self.tp} ranks apart")
         return text
-
-
-def check_tp(tp, n: int, node_size: Optional[int] = None, shard_size: Optional[int] = None) -> None:
-    """ConfigError (one line, naming the value) unless ``tp`` divides ``n`` ranks, ``node_size`` and
-    ``shard_size`` (both in ranks, None: not set)."""
-    if not (isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1 and n % tp == 0):
-        raise ConfigError(f"tp={tp!r} does not divide the {n} ranks; use a divisor of {n}")
-    if node_size is not None and node_size % tp:
-        raise ConfigError(f"tp={tp} does not divide node_size={node_size}; a tensor-parallel group must sit "
-                          "inside one node")
-    if shard_size is not None and shard_size % tp:
-        raise ConfigError(f"tp={tp} does not divide shard_size={shard_size}; a shard group holds whole "
-                          "tensor-parallel groups")
 
 
 def check_mesh(n: int, tp, pp=1, node_size: Optional[int] = None, shard_size: Optional[int] = None) -> None:

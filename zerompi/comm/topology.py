@@ -81,11 +81,23 @@ def node_size_env(environ=os.environ) -> Optional[int]:
     return k
 
 
+def check_tp(tp, n: int, node_size: Optional[int] = None, shard_size: Optional[int] = None) -> None:
+    """ConfigError (one line, naming the value) unless ``tp`` divides ``n`` ranks, ``node_size`` and
+    ``shard_size`` (both in ranks, None: not set)."""
+    if not (isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1 and n % tp == 0):
+        raise ConfigError(f"tp={tp!r} does not divide the {n} ranks; use a divisor of {n}")
+    if node_size is not None and node_size % tp:
+        raise ConfigError(f"tp={tp} does not divide node_size={node_size}; a tensor-parallel group must sit "
+                          "inside one node")
+    if shard_size is not None and shard_size % tp:
+        raise ConfigError(f"tp={tp} does not divide shard_size={shard_size}; a shard group holds whole "
+                          "tensor-parallel groups")
+
+
 def check_sizes(ranks: int, node_size: int, shard_size: Optional[int], tp: int = 1, env: bool = False) -> None:
     """ConfigError, in the user's units, unless ``ranks`` ranks (the world) make nodes of ``node_size`` and
     shard groups of ``shard_size`` (None: all), each holding whole tensor-parallel groups of ``tp``.
     ``env``: the node size is $ZEROMPI_NODE_SIZE's, and the message names the variable."""
-    from .mesh import check_tp
     try:
         if tp > 1:
             check_tp(tp, ranks, node_size, shard_size)
