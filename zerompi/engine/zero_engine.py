@@ -28,7 +28,7 @@ import numpy as np
 from ..checkpoint import collective as checkpoint
 from ..comm.communicator import Communicator, sum_table
 from ..comm.staging import device_transfers
-from ..comm.topology import arrange, topology_of
+from ..comm.topology import arrange, place
 from ..comm.watchdog import watched
 from ..errors import ConfigError, UsageError, install_abort_hook
 from ..layout import FlatLayout
@@ -86,16 +86,16 @@ class ZeroEngine:
         self.tp = TensorParallel.of(comm, self.config, tp_split, {n: np.shape(a) for _, p in pairs for n, a in p.items()})
         comm = self.tp.mesh.dp_comm if self.tp else comm
         # A Communicator, or one with its interface (staging.StagedCommunicator); else an mpi4py communicator.
-        self.comm = comm if hasattr(comm, "ireduce_scatter") else Communicator(comm)
-        self.xp = xp
+        # Nodes and shard groups (comm/topology.py; ranks placed round-robin are numbered node by node).
+        sizes = self.tp.sizes(self.config) if self.tp else (self.config.node_size, self.config.shard_size)
+        self.comm, self.topology = place(comm if hasattr(comm, "ireduce_scatter") else Communicator(comm), *sizes)
+        self.xp, topo = xp, self.topology
         self.rank, self.world_size = self.comm.rank, self.comm.size
         self.optimizer_impl = impl.use_impl(self.config.optimizer_impl, xp, verbose=self.rank == 0)  # "fused"/"numpy"
         self.dtype = contract.storage_dtype(self.config.dtype, xp)   # bf16: ConfigError where it cannot be had
         spec = [(lname, [(pname, np.shape(a)) for pname, a in params.items()]) for lname, params in pairs]
-        # Nodes and shard groups (comm/topology.py): a bucket is cut into shard_size slices, each a
-        # multiple of align * replicas elements (the all-reduce across groups splits it again).
-        sizes = self.tp.sizes(self.config) if self.tp else (self.config.node_size, self.config.shard_size)
-        self.topology = topo = topology_of(self.comm, *sizes)
+        # A bucket is cut into shard_size slices, each a multiple of align * replicas elements
+        # (the all-reduce across groups splits it again).
         self.layout = FlatLayout(spec, topo.shard_size, max(1, self.config.bucket_bytes // np.dtype(self.dtype).itemsize),
                                  self.config.align * topo.replicas)
         self.guard, self._watchdog = contract.start_guards(self)   # the watchdog, then the start-up check
