@@ -142,6 +142,16 @@ def parse_rate(text: str) -> float:
     raise ValueError(f"link rate {text!r} is not allowed; use a rate such as 250mbit or 1gbit")
 
 
+REACH = """import socket, sys
+try:
+    socket.create_connection((sys.argv[1], 9), timeout=2).close()
+except ConnectionRefusedError:
+    pass
+except OSError as e:
+    sys.exit(f"cluster agent: cannot reach {sys.argv[1]}: {e.strerror or 'no answer in 2 s'} (its link is down)")
+"""   # the agent's check that a node answers, from the launcher's node
+
+
 class Cluster:
     """``nodes`` nodes (network namespaces) on one bridge; ``with Cluster(2) as c:`` brings it up
     and always takes it down. ``node(k)`` is node k's host name, ``link_bytes(k)`` its link's
@@ -235,8 +245,10 @@ class Cluster:
             'while [ "${1#-}" != "$1" ]; do shift; done\n'
             'host=$1; shift\n'
             'case $host in\n' + cases + '\n'
-            '  *) echo "agent: no node named $host" >&2; exit 255 ;;\n'
+            '  *) echo "cluster agent: no node named $host" >&2; exit 255 ;;\n'
             'esac\n'
+            '# as ssh does: reach the node over the network first (a closed port answers at once)\n'
+            f'{shlex.quote(sys.executable)} -c {shlex.quote(REACH)} "$host" || exit 255\n'
             'exec ip netns exec "$ns" unshare --uts sh -c "hostname $host && $*"\n')
 
     def pids(self, k: int) -> List[int]:

@@ -1,0 +1,230 @@
+"""What every rank was doing when a collective timed out: each rank's reports, over TCP.
+
+A watchdog that fires knows only its own rank's wait. To name the ranks that had not arrived,
+every rank of an engine runs a :class:`Reporter`: a daemon thread with a TCP socket that
+answers, to a caller holding this rank's token, what the rank is blocked in now (its
+WaitRecord) and its last collectives (the WaitRecord's history: a flight recorder). The
+addresses and tokens are exchanged once, when the engine starts (:meth:`Peers.start`, one
+all-gather). When the watchdog fires it asks every rank at once (:meth:`Peers.ask`, at most
+ASK_S seconds in all) -- over TCP, not MPI, so that neither a hung MPI nor a dead rank nor a
+cut link can stop the answer -- and its line names (:func:`explain`):
+
+- the ranks that wait in the same collective (arrived);
+- those that wait in another one, or are in none (computing, or hung outside MPI): not arrived;
+- those that did not answer (dead, hung with the interpreter held, or cut off): not arrived,
+  grouped by their node's host name, so a node whose link is down reads as that node.
+
+One rank also prints the summary, one line per rank: what it waits in and its last
+collectives (the lowest rank, among those that answered, that has fired or is about to).
+"""
+import json
+import secrets
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Dict, List, Optional, Tuple
+
+from .watchdog import describe_wait, watched
+
+ASK_S = 3.0            # seconds the fired watchdog waits for every rank's report, in all
+CONNECT_S = 2.0        # ... for one connection (a cut link never answers)
+MAX_ASKED = 64         # ranks asked at once (each a thread for the time of the question)
+
+
+def host_name() -> str:
+    try:
+        from mpi4py import MPI
+        return MPI.Get_processor_name()
+    except Exception:
+        return socket.gethostname()
+
+
+def _address_of(host: str) -> str:
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return "127.0.0.1"
+
+
+class Reporter:
+    """This rank's answers: a daemon thread that serves :meth:`report` to callers with the token.
+
+    ``record``: the rank's WaitRecord; ``step()``: the step a wait without one is named at;
+    ``fired()``: whether this rank's watchdog has fired."""
+
+    def __init__(self, record, rank: int, step: Callable[[], Optional[int]], fired: Callable[[], bool]):
+        self.record, self.rank, self._step, self._fired = record, rank, step, fired
+        self.host = host_name()
+        self.token = secrets.token_hex(8)
+        self._server = socket.create_server(("", 0))
+        self._server.settimeout(0.5)
+        self.port = self._server.getsockname()[1]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="zerompi-reporter", daemon=True)
+        self._thread.start()
+
+    def address(self) -> dict:
+        return {"host": self.host, "ip": _address_of(self.host), "port": self.port, "token": self.token}
+
+    def report(self) -> dict:
+        """What this rank is blocked in now, and its last collectives (oldest first)."""
+        try:
+            step = self._step()
+        except Exception:         # the engine may be half torn down
+            step = None
+        now = self.record.current
+        waiting = None
+        if now is not None:
+            op, tag, since = now
+            waiting = [describe_wait(op, tag, step), round(time.monotonic() - since, 1)]
+        last = [describe_wait(op, tag, None) for op, tag in list(self.record.history)]   # steps as tagged
+        return {"rank": self.rank, "host": self.host, "waiting": waiting, "last": last, "fired": bool(self._fired())}
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._server.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            with conn:
+                try:
+                    conn.settimeout(1.0)
+                    if conn.recv(64).decode(errors="replace").strip() == self.token:
+                        conn.sendall((json.dumps(self.report()) + "\n").encode())
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._stop.set()
+        try:
+            self._server.close()
+        except OSError:
+            pass
+
+
+def ask_one(address: dict, same_host: bool, timeout: float) -> Optional[dict]:
+    """One rank's report, or None when it does not answer within ``timeout`` seconds."""
+    for ip in ([address["ip"], "127.0.0.1"] if same_host else [address["ip"]]):
+        try:
+            with socket.create_connection((ip, address["port"]), timeout=timeout) as conn:
+                conn.settimeout(timeout)
+                conn.sendall((address["token"] + "\n").encode())
+                data = b""
+                while not data.endswith(b"\n"):
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    data += chunk
+                return json.loads(data.decode())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+class Peers:
+    """Every rank's Reporter address (``table``, in the engine's rank order) and this rank's Reporter."""
+
+    def __init__(self, reporter: Reporter, table: List[dict]):
+        self.reporter, self.table = reporter, table
+
+    @classmethod
+    def start(cls, comm, record, step, fired) -> "Peers":
+        """Start this rank's Reporter and exchange the addresses (a collective over ``comm``, a
+        zerompi Communicator: every rank calls it, timed by its watchdog)."""
+        reporter = Reporter(record, comm.rank, step, fired)
+        try:
+            with watched(comm, "flight recorder: exchanging the report addresses"):
+                table = comm.mpi.allgather(reporter.address())
+        except BaseException:
+            reporter.close()
+            raise
+        return cls(reporter, table)
+
+    def ask(self, limit_s: float = ASK_S) -> List[Optional[dict]]:
+        """Every rank's report (this rank's own at once), None for those that did not answer in time."""
+        me = self.reporter.rank
+        out: List[Optional[dict]] = [None] * len(self.table)
+        out[me] = self.reporter.report()
+        others = [r for r in range(len(self.table)) if r != me]
+        if not others:
+            return out
+        pool = ThreadPoolExecutor(max_workers=min(MAX_ASKED, len(others)), thread_name_prefix="zerompi-ask")
+        try:
+            futures = {r: pool.submit(ask_one, self.table[r], self.table[r]["host"] == self.reporter.host,
+                                      min(CONNECT_S, limit_s)) for r in others}
+            end = time.monotonic() + limit_s
+            for r, fut in futures.items():
+                try:
+                    out[r] = fut.result(timeout=max(0.0, end - time.monotonic()))
+                except Exception:      # not in time, or failed: no answer
+                    out[r] = None
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+        return out
+
+    def explain(self, mine: str, timeout_s: float) -> Tuple[str, List[str]]:
+        """(the clause for the watchdog's line, the summary lines or []) for this rank waiting in ``mine``
+        (its watchdog's ``timeout_s``: a rank that has waited that long is about to fire too)."""
+        reports = self.ask()
+        return explain(self.reporter.rank, mine, reports, self.table, timeout_s)
+
+    def close(self) -> None:
+        self.reporter.close()
+
+
+def _ranks(ranks: List[int]) -> str:
+    from .consistency import rank_set
+    return rank_set(ranks)
+
+
+def explain(me: int, mine: str, reports: List[Optional[dict]], table: List[dict],
+            timeout_s: float) -> Tuple[str, List[str]]:
+    """The clause naming who had not arrived in ``mine`` (the collective rank ``me`` waits in), and the
+    summary (one line per rank) when ``me`` prints it: the lowest rank, among those that answered,
+    that has fired or waited ``timeout_s`` (and so fires now)."""
+    same, elsewhere, silent = [], [], {}
+    for r, rep in enumerate(reports):
+        if r == me:
+            continue
+        if rep is None:
+            silent.setdefault(table[r]["host"], []).append(r)
+        elif rep["waiting"] is not None and rep["waiting"][0] == mine:
+            same.append(r)
+        else:
+            elsewhere.append(r)
+    parts = []
+    if silent:
+        hosts = "; ".join(f"{_ranks(rs)} on {host}" for host, rs in silent.items())
+        parts.append(f"no answer from {hosts} (dead, hung, or cut off: a node whose link is down)")
+    for r in elsewhere:
+        rep = reports[r]
+        if rep["waiting"] is not None:
+            parts.append(f"rank {r} ({rep['host']}) waits in {rep['waiting'][0]}")
+        else:
+            last = rep["last"][-1] if rep["last"] else "none"
+            parts.append(f"rank {r} ({rep['host']}) is in no collective (computing or hung; its last: {last})")
+    if parts:
+        clause = "not arrived: " + "; ".join(parts)
+    else:
+        clause = "every rank waits in it (the data does not arrive: a link down, or a stuck transport)"
+    if same:
+        clause += f"; waiting in it too: {_ranks(same)}"
+    firing = [r for r, rep in enumerate(reports) if r == me or (rep is not None and (
+        rep["fired"] or (rep["waiting"] is not None and rep["waiting"][1] >= timeout_s)))]
+    first = min(firing)
+    return clause, (summary(reports, table) if first == me else [])
+
+
+def summary(reports: List[Optional[dict]], table: List[dict]) -> List[str]:
+    """One line per rank: where it is and its last collectives (the flight recorder)."""
+    lines = []
+    for r, rep in enumerate(reports):
+        if rep is None:
+            lines.append(f"rank {r} ({table[r]['host']}): no answer")
+            continue
+        now = f"waiting {rep['waiting'][1]:.1f} s in {rep['waiting'][0]}" if rep["waiting"] else "in no collective"
+        lines.append(f"rank {r} ({rep['host']}): {now}; last collectives: {', '.join(rep['last']) or 'none'}")
+    return lines
