@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -30,6 +31,11 @@ OPEN_MPI_FLAGS = ["--bind-to", "none", "--mca", "mpi_yield_when_idle", "1", "--m
 PLACEMENTS = ("block", "round-robin")
 # forwarded to Open MPI's ranks by name (hydra forwards everything)
 FORWARD = ("PYTHONPATH", "PATH", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def _collect(stream, into: list) -> None:
+    for line in stream:
+        into.append(line)
 
 
 def mpiexec() -> str:
@@ -98,26 +104,63 @@ class Job:
         return env
 
     def start(self, capture: bool = True) -> subprocess.Popen:
-        """Start the launcher in node 0 (its own process group); returns the Popen."""
+        """Start the launcher in node 0 (its own process group); returns the Popen. ``capture``: its
+        output is collected line by line (:meth:`lines`, :meth:`wait_for`)."""
         out = subprocess.PIPE if capture else None
         self.started = time.monotonic()
         self.proc = subprocess.Popen(self.cluster.command(0, self.launch_command()), stdout=out, stderr=out,
                                      text=True, env=self.process_env(), cwd=str(ROOT), start_new_session=True)
+        self._out, self._err, self._readers = [], [], []
+        if capture:
+            for stream, into in ((self.proc.stdout, self._out), (self.proc.stderr, self._err)):
+                reader = threading.Thread(target=_collect, args=(stream, into), daemon=True)
+                reader.start()
+                self._readers.append(reader)
         return self.proc
+
+    def lines(self) -> List[str]:
+        """The job's stdout lines so far."""
+        return list(self._out)
+
+    def stderr(self) -> str:
+        """What the job printed on stderr so far."""
+        return "".join(self._err)
+
+    def wait_for(self, prefix: str, timeout: float, stream: str = "stdout") -> float:
+        """Block until the job printed a line starting with ``prefix`` on ``stream`` ("stdout" or
+        "stderr"); returns the seconds since the start. TimeoutError (the job killed) when it did not
+        within ``timeout`` s or ended first."""
+        end = time.monotonic() + timeout
+        lines = self._out if stream == "stdout" else self._err
+        while time.monotonic() < end:
+            if any(line.startswith(prefix) for line in list(lines)):
+                return time.monotonic() - self.started
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.01)
+        self.kill()
+        raise TimeoutError(f"no line {prefix!r} within {timeout:g} s (exit {self.proc.poll()}):\n"
+                           + "".join(self._out)[-3000:] + "".join(self._err)[-3000:])
 
     def wait(self, timeout: float) -> subprocess.CompletedProcess:
         """Wait for the job; after ``timeout`` s kill it and every process on its nodes, and raise
         TimeoutError with what it printed. Returns a CompletedProcess (stdout, stderr, returncode)."""
         try:
-            out, err = self.proc.communicate(timeout=timeout)
+            self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.kill()
-            out, err = self.proc.communicate()
+            self.proc.wait()
+            self._join()
             raise TimeoutError(f"the job ran past {timeout:g} s: {' '.join(self.launch_command())}\n"
-                               f"stdout:\n{out}\nstderr:\n{err}")
+                               f"stdout:\n{''.join(self._out)}\nstderr:\n{''.join(self._err)}")
         finally:
             self.seconds = time.monotonic() - self.started
-        return subprocess.CompletedProcess(self.proc.args, self.proc.returncode, out, err)
+        self._join()
+        return subprocess.CompletedProcess(self.proc.args, self.proc.returncode, "".join(self._out), "".join(self._err))
+
+    def _join(self) -> None:
+        for reader in self._readers:
+            reader.join(timeout=10)
 
     def run(self, timeout: float = 300, capture: bool = True) -> subprocess.CompletedProcess:
         self.start(capture)
@@ -135,3 +178,27 @@ class Job:
     def leftovers(self) -> Dict[int, List[int]]:
         """{node: PIDs} of the processes still in the job's nodes (none once it ended cleanly)."""
         return {k: p for k in range(self.nodes) if (p := self.cluster.pids(k))}
+
+    def ranks_left(self) -> Dict[int, List[int]]:
+        """{node: PIDs} of the job's ranks (this Python running the job's program) still alive."""
+        out = {}
+        for k, pids in self.leftovers().items():
+            mine = [p for p in pids if _cmdline(p)[:3] == self.argv[:3]]
+            if mine:
+                out[k] = mine
+        return out
+
+    def wait_gone(self, timeout: float) -> Dict[int, List[int]]:
+        """Wait up to ``timeout`` s for every rank of the job to have ended; returns those left."""
+        end = time.monotonic() + timeout
+        while (left := self.ranks_left()) and time.monotonic() < end:
+            time.sleep(0.1)
+        return left
+
+
+def _cmdline(pid: int) -> List[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return []

@@ -3,7 +3,7 @@ and the fired watchdog's clause naming who had not arrived; the summary printed 
 Across emulated nodes, with a link cut: tests/test_cluster_faults.py."""
 import time
 
-from zerompi.comm.flight import Peers, Reporter, ask_one, explain
+from zerompi.comm.flight import GONE, Peers, Reporter, ask_one, explain, hosts_line
 from zerompi.comm.watchdog import HISTORY, WaitRecord, Watchdog
 from zerompi.errors import EXIT_TIMEOUT
 
@@ -44,6 +44,8 @@ def test_ranks_elsewhere_or_in_no_collective_have_not_arrived_and_one_rank_print
     assert summary == []                 # rank 0 has waited the timeout: it prints the summary
     clause0, summary0 = explain(0, mine, reports, TABLE, 10.0)    # rank 0: rank 3 fired, but 0 is lower
     assert len(summary0) == 4 and "last collectives: sum_scalars, all_gather of bucket 0 at step 3" in summary0[1]
+    clause, _ = explain(0, mine, [reports[0], GONE, reports[2], reports[3]], TABLE, 10.0)
+    assert clause.startswith("not arrived: rank 1 ended (nothing answers on node0); rank 2 (node1) waits in"), clause
     every = [rep(r, TABLE[r]["host"], [mine, 6.0]) for r in range(4)]
     assert explain(1, mine, every, TABLE, 10.0)[0].startswith("every rank waits in it (the data does not arrive")
 
@@ -61,6 +63,7 @@ def test_reporters_answer_over_tcp_with_the_token_only():
         assert ask_one(address, True, 2.0)["last"] == ["sum_scalars"]
     finally:
         reporter.close()
+    assert ask_one(address, True, 2.0) == GONE      # nothing listens any more: the process ended
 
 
 def test_a_fired_watchdog_names_who_had_not_arrived():
@@ -82,3 +85,8 @@ def test_a_fired_watchdog_names_who_had_not_arrived():
     finally:
         dog.close(wait=True)
         reporters[1].close()
+
+
+def test_the_banner_names_the_hosts_of_the_ranks():
+    assert hosts_line(TABLE) == "node0: ranks 0-1; node1: ranks 2-3"
+    assert hosts_line([{"host": "vm"}] * 3) == ""

@@ -11,8 +11,9 @@ cut link can stop the answer -- and its line names (:func:`explain`):
 
 - the ranks that wait in the same collective (arrived);
 - those that wait in another one, or are in none (computing, or hung outside MPI): not arrived;
-- those that did not answer (dead, hung with the interpreter held, or cut off): not arrived,
-  grouped by their node's host name, so a node whose link is down reads as that node.
+- those whose host refuses the connection: their process has ended;
+- those that did not answer (hung with the interpreter held, or cut off): not arrived, grouped
+  by their node's host name, so a node whose link is down reads as that node.
 
 One rank also prints the summary, one line per rank: what it waits in and its last
 collectives (the lowest rank, among those that answered, that has fired or is about to).
@@ -105,8 +106,13 @@ class Reporter:
             pass
 
 
+GONE = {"gone": True}   # a rank whose host refuses the connection: its process has ended
+
+
 def ask_one(address: dict, same_host: bool, timeout: float) -> Optional[dict]:
-    """One rank's report, or None when it does not answer within ``timeout`` seconds."""
+    """One rank's report; GONE when its host refuses (nothing listens: the process ended); None when
+    it does not answer within ``timeout`` seconds."""
+    answer = None
     for ip in ([address["ip"], "127.0.0.1"] if same_host else [address["ip"]]):
         try:
             with socket.create_connection((ip, address["port"]), timeout=timeout) as conn:
@@ -119,9 +125,11 @@ def ask_one(address: dict, same_host: bool, timeout: float) -> Optional[dict]:
                         break
                     data += chunk
                 return json.loads(data.decode())
+        except ConnectionRefusedError:
+            answer = GONE
         except (OSError, ValueError):
             continue
-    return None
+    return answer
 
 
 class Peers:
@@ -185,17 +193,20 @@ def explain(me: int, mine: str, reports: List[Optional[dict]], table: List[dict]
     """The clause naming who had not arrived in ``mine`` (the collective rank ``me`` waits in), and the
     summary (one line per rank) when ``me`` prints it: the lowest rank, among those that answered,
     that has fired or waited ``timeout_s`` (and so fires now)."""
-    same, elsewhere, silent = [], [], {}
+    same, elsewhere, silent, gone = [], [], {}, []
     for r, rep in enumerate(reports):
         if r == me:
             continue
         if rep is None:
             silent.setdefault(table[r]["host"], []).append(r)
+        elif rep.get("gone"):
+            gone.append(r)
         elif rep["waiting"] is not None and rep["waiting"][0] == mine:
             same.append(r)
         else:
             elsewhere.append(r)
-    parts = []
+    parts = [f"{_ranks(gone)} ended (nothing answers on {', '.join(sorted({table[r]['host'] for r in gone}))})"] \
+        if gone else []
     if silent:
         hosts = "; ".join(f"{_ranks(rs)} on {host}" for host, rs in silent.items())
         parts.append(f"no answer from {hosts} (dead, hung, or cut off: a node whose link is down)")
@@ -212,7 +223,7 @@ def explain(me: int, mine: str, reports: List[Optional[dict]], table: List[dict]
         clause = "every rank waits in it (the data does not arrive: a link down, or a stuck transport)"
     if same:
         clause += f"; waiting in it too: {_ranks(same)}"
-    firing = [r for r, rep in enumerate(reports) if r == me or (rep is not None and (
+    firing = [r for r, rep in enumerate(reports) if r == me or (rep is not None and not rep.get("gone") and (
         rep["fired"] or (rep["waiting"] is not None and rep["waiting"][1] >= timeout_s)))]
     first = min(firing)
     return clause, (summary(reports, table) if first == me else [])
@@ -222,9 +233,20 @@ def summary(reports: List[Optional[dict]], table: List[dict]) -> List[str]:
     """One line per rank: where it is and its last collectives (the flight recorder)."""
     lines = []
     for r, rep in enumerate(reports):
-        if rep is None:
-            lines.append(f"rank {r} ({table[r]['host']}): no answer")
+        if rep is None or rep.get("gone"):
+            lines.append(f"rank {r} ({table[r]['host']}): {'ended' if rep else 'no answer'}")
             continue
         now = f"waiting {rep['waiting'][1]:.1f} s in {rep['waiting'][0]}" if rep["waiting"] else "in no collective"
         lines.append(f"rank {r} ({rep['host']}): {now}; last collectives: {', '.join(rep['last']) or 'none'}")
     return lines
+
+
+def hosts_line(table: List[dict], limit: int = 4) -> str:
+    """'node0: ranks 0-1; node1: ranks 2-3' from the address table ('' when every rank is on one host)."""
+    hosts: Dict[str, List[int]] = {}
+    for r, address in enumerate(table):
+        hosts.setdefault(address["host"], []).append(r)
+    if len(hosts) < 2:
+        return ""
+    shown = [f"{host}: {_ranks(rs)}" for host, rs in list(hosts.items())[:limit]]
+    return "; ".join(shown) + (f"; {len(hosts) - limit} more hosts" if len(hosts) > limit else "")

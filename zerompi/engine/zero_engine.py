@@ -98,7 +98,7 @@ class ZeroEngine:
         # (the all-reduce across groups splits it again).
         self.layout = FlatLayout(spec, topo.shard_size, max(1, self.config.bucket_bytes // np.dtype(self.dtype).itemsize),
                                  self.config.align * topo.replicas)
-        self.guard, self._watchdog = contract.start_guards(self)   # the watchdog, then the start-up check
+        self.guard, self.watchdog = contract.start_guards(self)   # the watchdog (its peers: every rank's host)
         pairs = contract.agree_initial_values(self.comm, pairs, self.config.init_values, self.tp)
         comms = arrange(self.comm, topo, bool(self.config.quantize_weights or self.config.quantize_grads))
         self.group, self.replica = comms.group, comms.replica   # gradients and parameters; across groups
@@ -383,7 +383,7 @@ class ZeroEngine:
             c.free_scratch()
         if self.trace is not None:      # a collective: rank 0 writes the merged timeline
             self.trace.close()
-        self._watchdog.close()
+        self.watchdog.close()
         atexit.unregister(self._at_exit)
         self.closed = True
 
