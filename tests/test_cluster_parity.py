@@ -8,7 +8,7 @@ transport (TCP between the namespaces, shared memory on one host) cannot change 
 0-3, hpZ, qwZ int8 + qgZ int4, shard groups, 2 nodes x 2 ranks and 4 nodes x 1. Bytes: every
 node's ranks' across-node counters summed equal the formula (engine/traffic.py) to the byte, and
 the node's link carried that plus the transport's overhead (TCP/IP and MPI headers, ACKs, the
-steps' small all-gathers and a barrier): measured 0.5-2.8 % here, held to under 5 %.
+steps' small all-gathers and the barriers): measured 0.5-1.9 % here (docs/cluster.md), held to under 5 %.
 """
 import json
 import sys
