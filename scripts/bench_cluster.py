@@ -16,14 +16,17 @@ where communication matters) once per configuration, nodes found from MPI:
     mics3         stage 3 in shard groups of one node (MiCS / hybrid sharding)
 
 For each, one JSON record (``--json`` writes the list; stdout has one line each, then the
-goals): ``step_s`` (median over the steps after ``--warmup``), ``tokens_per_s``, ``inter_bytes``
+goals): ``step_s`` (median over the steps after ``--warmup`` of every round: ``--rounds R`` runs each
+configuration R times, each round in a fresh random order; ``round_step_s`` each round's), ``tokens_per_s``, ``inter_bytes``
 (the engine's bytes across nodes per step, the node's ranks together: for the flat rows, whose
 engine was told one node, the formula's count of what their flat collectives send across),
 ``link_bytes`` (read off node 1's link at each step's line: the bytes it sent per step over
 the steps after the warm-up; ``link_rx_bytes`` received), ``final_loss`` (the last step's) and ``final_val_loss``, and
-``estimate_step_s``: the run's compute (its step time less its waits) plus the estimator's
-communication time for the configuration, fed the measured rates (across nodes: the link's
-rate shared by the node's ranks; inside: the measured one; the measured latency per message).
+``estimate_step_s``: the estimator's communication time per level for the configuration, fed
+the measured rates (across nodes: the link's rate shared by the node's ranks; inside: the
+measured one; the measured latency per message), with the run's compute (its step time less
+its waits): max(compute, across) + inside -- the link works behind the compute, the copies
+inside the node take the same cores (``estimate_no_overlap_step_s``: compute + both).
 
 Exit status 0, or 1 when a goal is missed (listed on stdout). The machine it runs on shares
 its cores between the "nodes": the numbers are the cluster's, not a real one's (docs/cluster.md).
@@ -71,6 +74,7 @@ def parse(argv=None):
     p.add_argument("--json", required=True, help="write the records here (a JSON list)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the medians")
+    p.add_argument("--rounds", type=int, default=1, help="runs of every configuration, each round in a new order")
     p.add_argument("--only", default=None, help="comma-separated configuration names (default: all)")
     p.add_argument("--gpt", default="--n-layer 4 --d-model 256 --seq-len 64 --batch 4",
                    help="the GPT's flags (default: %(default)s)")
@@ -79,6 +83,8 @@ def parse(argv=None):
     p.add_argument("--timeout", type=float, default=900, help="seconds one training run may take")
     p.add_argument("--seed", type=int, default=0, help="the order of the runs (shuffled)")
     a = p.parse_args(argv)
+    if a.rounds < 1:
+        p.error(f"--rounds {a.rounds} must be at least 1")
     if a.warmup >= a.steps:
         p.error(f"--warmup {a.warmup} leaves no step of --steps {a.steps} to time")
     return a
@@ -141,22 +147,29 @@ def train(c, a, name: str, stage: int, flags, workdir: Path) -> dict:
 
 
 def estimate_s(m: dict, name: str, r: dict, a, compute: float) -> dict:
-    """The estimator's communication seconds for this run's configuration at the measured rates,
-    and the step time it predicts (the run's compute plus that)."""
+    """The estimator's communication seconds per level for this run's configuration at the measured
+    rates, and the step time they predict with the run's compute: the link's time runs behind the
+    compute (the collectives are non-blocking and stage 3 prefetches), the traffic inside the node
+    does not (memory copies on the cores that compute) -- max(compute, across) + inside."""
     n, k = a.nodes * a.ranks_per_node, a.ranks_per_node
     feed = dict(inter_gbps=r["inter_gbps"] / k, intra_gbps=r["intra_gbps"] or 100.0, latency_us=r["latency_us"])
     if name.startswith("flat"):        # the engine was told one node: price its flat collectives across the real ones
         est = run_estimate(m, node_size=k, shard_size=n, hpz=False, **feed)["stages"][m["stage"]]
-        comm, inter = sum(est["comm_seconds_per_step_if_flat"].values()), est["comm_bytes_per_step_if_flat"]["inter"]
+        seconds, inter = est["comm_seconds_per_step_if_flat"], est["comm_bytes_per_step_if_flat"]["inter"]
     else:
         est = run_estimate(m, **feed)["stages"][m["stage"]]
-        comm, inter = est["comm_seconds_per_step_levels"], est["comm_bytes_per_step_by_level"]["inter"]
-    return {"estimate_step_s": compute + comm, "estimate_comm_s": comm, "estimate_inter_bytes_per_rank": inter}
+        seconds, inter = est["comm_seconds_per_step_by_level"], est["comm_bytes_per_step_by_level"]["inter"]
+    return {"estimate_step_s": max(compute, seconds["inter"]) + seconds["intra"],
+            "estimate_comm_s": seconds["intra"] + seconds["inter"], "estimate_comm_s_by_level": seconds,
+            "estimate_no_overlap_step_s": compute + seconds["intra"] + seconds["inter"],
+            "estimate_inter_bytes_per_rank": inter}
 
 
-def record(name: str, m: dict, r: dict, a) -> dict:
-    steps = m["step_times_s"][a.warmup:]
-    waits = m["step_breakdown_s"]["comm_wait"][a.warmup:]
+def record(name: str, runs: list, r: dict, a) -> dict:
+    """One configuration's record from its runs (one per round: the steps of every round together)."""
+    m = runs[0]
+    steps = [t for x in runs for t in x["step_times_s"][a.warmup:]]
+    waits = [w for x in runs for w in x["step_breakdown_s"]["comm_wait"][a.warmup:]]
     step_s = statistics.median(steps)
     compute = statistics.median(t - w for t, w in zip(steps, waits))
     est = estimate_s(m, name, r, a, compute)
@@ -165,14 +178,17 @@ def record(name: str, m: dict, r: dict, a) -> dict:
     if name.startswith("flat"):
         inter = est["estimate_inter_bytes_per_rank"] * k
     tokens = m["config"]["batch"] * m["config"]["seq_len"]
-    tx, rx = m["link_per_step"]
+    links = [x["link_per_step"] for x in runs if x["link_per_step"][0] is not None]
+    tx, rx = (statistics.median(t for t, _ in links), statistics.median(v for _, v in links)) if links else (None, None)
     return {"name": name, "stage": m["stage"], "nodes": a.nodes, "ranks_per_node": k, "link": a.link,
             "mpi": a.mpi, "step_s": step_s, "tokens_per_s": tokens / step_s, "compute_s": compute,
             "wait_s": statistics.median(waits), "inter_bytes": inter,
             "inter_bytes_source": "formula (engine told one node)" if name.startswith("flat") else "engine",
             "link_bytes": tx, "link_rx_bytes": rx, "final_loss": m["losses"][-1],
             "final_val_loss": m["val_losses"][-1][1] if m["val_losses"] else None,
-            **est, "steps_timed": len(steps), "params": m["params"], "topology": m["topology"]}
+            **est, "steps_timed": len(steps),
+            "round_step_s": [statistics.median(x["step_times_s"][a.warmup:]) for x in runs],
+            "params": m["params"], "topology": m["topology"]}
 
 
 def goals(rows: dict) -> list:
@@ -212,17 +228,23 @@ def main(argv=None) -> int:
     if unknown:
         print(f"bench_cluster: error: unknown configurations {unknown}; use some of {list(table)}", file=sys.stderr)
         return 2
-    order = names[:]
-    random.Random(a.seed).shuffle(order)      # a drift in the machine's load hits no configuration alone
-    rows = {}
+    runs = {n: [] for n in names}
+    shuffle = random.Random(a.seed)
     with tempfile.TemporaryDirectory(prefix="bench-cluster-") as tmp, cluster.Cluster(a.nodes) as c:
         c.shape_all(a.link)
         r = rates(c, a)
         print(json.dumps({"rates": r, "link": a.link, "mpi": a.mpi}), flush=True)
-        for name in order:
-            stage, flags = table[name]
-            rows[name] = record(name, train(c, a, name, stage, flags, Path(tmp)), r, a)
-            print(json.dumps(rows[name]), flush=True)
+        for round_ in range(a.rounds):        # each round in a fresh order: a drift in the load hits all alike
+            order = names[:]
+            shuffle.shuffle(order)
+            for name in order:
+                stage, flags = table[name]
+                runs[name].append(train(c, a, f"{name}.{round_}", stage, flags, Path(tmp)))
+                print(json.dumps({"round": round_, "name": name, "step_s": statistics.median(
+                    runs[name][-1]["step_times_s"][a.warmup:])}), flush=True)
+    rows = {n: record(n, runs[n], r, a) for n in names}
+    for n in names:
+        print(json.dumps(rows[n]), flush=True)
     records = [dict(rows[n], rates=r) for n in names]
     Path(a.json).write_text(json.dumps(records, indent=1) + "\n")
     missed = 0
