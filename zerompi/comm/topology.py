@@ -161,10 +161,11 @@ def build(world: Communicator, topo: Topology) -> Communicators:
     return Communicators(group, replica, intra)
 
 
-def place(comm, node_size: Optional[int], shard_size: Optional[int]):
+def place(comm, node_size: Optional[int], shard_size: Optional[int], renumber: bool = True):
     """(communicator, Topology) for these settings: ``comm`` itself, or -- when MPI's nodes hold
     ranks that are not consecutive (a round-robin placement, ``mpirun --map-by node``) -- ``comm``
-    renumbered node by node (:func:`renumbered`), so that every node is a block of ranks again.
+    renumbered node by node (:func:`renumbered`), so that every node is a block of ranks again
+    (``renumber`` False: AgreedConfigError instead, for a Mesh's group, whose order is the mesh's).
     A collective; ConfigError naming the values when they do not fit the ranks."""
     n = comm.size
     if n == 1:
@@ -172,6 +173,10 @@ def place(comm, node_size: Optional[int], shard_size: Optional[int]):
     host = getattr(comm, "host", comm)
     k, order = placement_from(host.mpi, node_size)
     topo = Topology(n, k, shard_size or n)        # the sizes checked before anything is split
+    if order is not None and not renumber:
+        raise AgreedConfigError(f"the data-parallel group's ranks are not placed in blocks per node (nodes: "
+                                f"{describe_nodes(nodes_from_order(order, k))}); with a mesh (tensor or pipeline "
+                                "parallelism) place the ranks in blocks (mpiexec's block mapping)")
     return (comm if order is None else renumbered(comm, order)), topo
 
 
