@@ -72,7 +72,7 @@ def test_a_fired_watchdog_names_who_had_not_arrived():
     table = [r.address() for r in reporters]
     codes = []
     dog = Watchdog(records[0], 0.3, rank=0, step=lambda: 7, abort=codes.append)
-    dog.peers = Peers(reporters[0], table)
+    dog.peers = Peers(reporters[0], table, 0)
     try:
         with records[0]("all_gather", (4, 7)):
             end = time.monotonic() + 10
@@ -90,3 +90,28 @@ def test_a_fired_watchdog_names_who_had_not_arrived():
 def test_the_banner_names_the_hosts_of_the_ranks():
     assert hosts_line(TABLE) == "node0: ranks 0-1; node1: ranks 2-3"
     assert hosts_line([{"host": "vm"}] * 3) == ""
+
+
+def test_a_big_job_names_a_few_ranks_and_summarizes_in_a_few_lines():
+    mine = "reduce_scatter of bucket 0 at step 2"
+    table = [{"host": f"node{r // 8}"} for r in range(64)]
+    reports = [rep(r, table[r]["host"], [mine, 9.0]) for r in range(64)]
+    for r in range(40, 60):
+        reports[r] = rep(r, table[r]["host"], ["all_gather of bucket 1 at step 2", 1.0])
+    clause, summary = explain(0, mine, reports, table, 5.0)
+    assert clause.count(" waits in all_gather") == 8 and "12 more ranks elsewhere" in clause, clause
+    assert len(summary) == 17 and summary[-1] == "48 more ranks not shown", summary
+    assert summary[1].startswith("rank 40 (node5): waiting 1.0 s in all_gather")   # those elsewhere first
+
+
+def test_ranks_are_named_by_their_world_rank():
+    """Round-robin ranks are numbered node by node in the engine; the lines name the world's."""
+    mine = "all_gather of bucket 0 at step 1"
+    table = [{"host": "node0", "rank": 0}, {"host": "node0", "rank": 2}, {"host": "node1", "rank": 1},
+             {"host": "node1", "rank": 3}]
+    reports = [rep(0, "node0", [mine, 9.0]), rep(2, "node0", [mine, 9.0]), None, None]
+    clause, summary = explain(0, mine, reports, table, 5.0)
+    assert "no answer from ranks 1, 3 on node1" in clause and "waiting in it too: rank 2" in clause, clause
+    assert [line.split(" (")[0] for line in summary] == ["rank 0", "rank 1", "rank 2", "rank 3"], summary
+    assert summary[1] == "rank 1 (node1): no answer"
+    assert hosts_line(table) == "node0: ranks 0, 2; node1: ranks 1, 3"

@@ -31,6 +31,8 @@ from .watchdog import describe_wait, watched
 ASK_S = 3.0            # seconds the fired watchdog waits for every rank's report, in all
 CONNECT_S = 2.0        # ... for one connection (a cut link never answers)
 MAX_ASKED = 64         # ranks asked at once (each a thread for the time of the question)
+MAX_NAMED = 8          # ranks in another collective named one by one in the line
+MAX_SUMMARY = 16       # lines of the summary
 
 
 def host_name() -> str:
@@ -51,7 +53,7 @@ def _address_of(host: str) -> str:
 class Reporter:
     """This rank's answers: a daemon thread that serves :meth:`report` to callers with the token.
 
-    ``record``: the rank's WaitRecord; ``step()``: the step a wait without one is named at;
+    ``record``: the rank's WaitRecord; ``rank``: its world rank (what every line names); ``step()``: the step a wait without one is named at;
     ``fired()``: whether this rank's watchdog has fired."""
 
     def __init__(self, record, rank: int, step: Callable[[], Optional[int]], fired: Callable[[], bool]):
@@ -66,7 +68,8 @@ class Reporter:
         self._thread.start()
 
     def address(self) -> dict:
-        return {"host": self.host, "ip": _address_of(self.host), "port": self.port, "token": self.token}
+        return {"rank": self.rank, "host": self.host, "ip": _address_of(self.host), "port": self.port,
+                "token": self.token}
 
     def report(self) -> dict:
         """What this rank is blocked in now, and its last collectives (oldest first)."""
@@ -133,27 +136,28 @@ def ask_one(address: dict, same_host: bool, timeout: float) -> Optional[dict]:
 
 
 class Peers:
-    """Every rank's Reporter address (``table``, in the engine's rank order) and this rank's Reporter."""
+    """Every rank's Reporter address (``table``, in the order of the engine's communicator, each
+    naming its world rank), this rank's place in it (``position``) and its Reporter."""
 
-    def __init__(self, reporter: Reporter, table: List[dict]):
-        self.reporter, self.table = reporter, table
+    def __init__(self, reporter: Reporter, table: List[dict], position: int):
+        self.reporter, self.table, self.position = reporter, table, position
 
     @classmethod
-    def start(cls, comm, record, step, fired) -> "Peers":
-        """Start this rank's Reporter and exchange the addresses (a collective over ``comm``, a
-        zerompi Communicator: every rank calls it, timed by its watchdog)."""
-        reporter = Reporter(record, comm.rank, step, fired)
+    def start(cls, comm, record, rank: int, step, fired) -> "Peers":
+        """Start this rank's Reporter (``rank``: its world rank) and exchange the addresses over
+        ``comm`` (a zerompi Communicator: a collective, every rank calls it, timed by its watchdog)."""
+        reporter = Reporter(record, rank, step, fired)
         try:
             with watched(comm, "flight recorder: exchanging the report addresses"):
                 table = comm.mpi.allgather(reporter.address())
         except BaseException:
             reporter.close()
             raise
-        return cls(reporter, table)
+        return cls(reporter, table, comm.rank)
 
     def ask(self, limit_s: float = ASK_S) -> List[Optional[dict]]:
         """Every rank's report (this rank's own at once), None for those that did not answer in time."""
-        me = self.reporter.rank
+        me = self.position
         out: List[Optional[dict]] = [None] * len(self.table)
         out[me] = self.reporter.report()
         others = [r for r in range(len(self.table)) if r != me]
@@ -177,22 +181,28 @@ class Peers:
         """(the clause for the watchdog's line, the summary lines or []) for this rank waiting in ``mine``
         (its watchdog's ``timeout_s``: a rank that has waited that long is about to fire too)."""
         reports = self.ask()
-        return explain(self.reporter.rank, mine, reports, self.table, timeout_s)
+        return explain(self.position, mine, reports, self.table, timeout_s)
 
     def close(self) -> None:
         self.reporter.close()
 
 
-def _ranks(ranks: List[int]) -> str:
+def _ranks(positions: List[int], table: List[dict]) -> str:
+    """'ranks 2-3' for these places in ``table``, by world rank."""
     from .consistency import rank_set
-    return rank_set(ranks)
+    return rank_set(sorted(_rank(p, table) for p in positions))
+
+
+def _rank(position: int, table: List[dict]) -> int:
+    return table[position].get("rank", position)
 
 
 def explain(me: int, mine: str, reports: List[Optional[dict]], table: List[dict],
             timeout_s: float) -> Tuple[str, List[str]]:
-    """The clause naming who had not arrived in ``mine`` (the collective rank ``me`` waits in), and the
-    summary (one line per rank) when ``me`` prints it: the lowest rank, among those that answered,
-    that has fired or waited ``timeout_s`` (and so fires now)."""
+    """The clause naming who had not arrived in ``mine`` (the collective the rank at place ``me`` of
+    ``reports`` and ``table`` waits in), and the summary (one line per rank) when ``me`` prints it:
+    the first rank, among those that answered, that has fired or waited ``timeout_s`` (and so fires
+    now). Ranks are named by their world rank (``table[i]["rank"]``)."""
     same, elsewhere, silent, gone = [], [], {}, []
     for r, rep in enumerate(reports):
         if r == me:
@@ -205,48 +215,58 @@ def explain(me: int, mine: str, reports: List[Optional[dict]], table: List[dict]
             same.append(r)
         else:
             elsewhere.append(r)
-    parts = [f"{_ranks(gone)} ended (nothing answers on {', '.join(sorted({table[r]['host'] for r in gone}))})"] \
+    parts = [f"{_ranks(gone, table)} ended (nothing answers on {', '.join(sorted({table[r]['host'] for r in gone}))})"] \
         if gone else []
     if silent:
-        hosts = "; ".join(f"{_ranks(rs)} on {host}" for host, rs in silent.items())
+        hosts = "; ".join(f"{_ranks(rs, table)} on {host}" for host, rs in silent.items())
         parts.append(f"no answer from {hosts} (dead, hung, or cut off: a node whose link is down)")
-    for r in elsewhere:
+    for r in elsewhere[:MAX_NAMED]:
         rep = reports[r]
         if rep["waiting"] is not None:
-            parts.append(f"rank {r} ({rep['host']}) waits in {rep['waiting'][0]}")
+            parts.append(f"rank {_rank(r, table)} ({rep['host']}) waits in {rep['waiting'][0]}")
         else:
             last = rep["last"][-1] if rep["last"] else "none"
-            parts.append(f"rank {r} ({rep['host']}) is in no collective (computing or hung; its last: {last})")
+            parts.append(f"rank {_rank(r, table)} ({rep['host']}) is in no collective (computing or hung; its last: "
+                         f"{last})")
+    if len(elsewhere) > MAX_NAMED:
+        parts.append(f"{len(elsewhere) - MAX_NAMED} more ranks elsewhere")
     if parts:
         clause = "not arrived: " + "; ".join(parts)
     else:
         clause = "every rank waits in it (the data does not arrive: a link down, or a stuck transport)"
     if same:
-        clause += f"; waiting in it too: {_ranks(same)}"
+        clause += f"; waiting in it too: {_ranks(same, table)}"
     firing = [r for r, rep in enumerate(reports) if r == me or (rep is not None and not rep.get("gone") and (
         rep["fired"] or (rep["waiting"] is not None and rep["waiting"][1] >= timeout_s)))]
     first = min(firing)
-    return clause, (summary(reports, table) if first == me else [])
+    return clause, (summary(reports, table, sorted(set(range(len(reports))) - set(same))) if first == me else [])
 
 
-def summary(reports: List[Optional[dict]], table: List[dict]) -> List[str]:
-    """One line per rank: where it is and its last collectives (the flight recorder)."""
+def summary(reports: List[Optional[dict]], table: List[dict], first: Optional[List[int]] = None) -> List[str]:
+    """One line per rank: where it is and its last collectives (the flight recorder); at most
+    MAX_SUMMARY lines, the ranks ``first`` (those not waiting with this one) before the others."""
+    order = list(first or []) + [r for r in range(len(reports)) if r not in set(first or [])]
     lines = []
-    for r, rep in enumerate(reports):
+    for r in sorted(order[:MAX_SUMMARY], key=lambda p: _rank(p, table)):
+        rep = reports[r]
         if rep is None or rep.get("gone"):
-            lines.append(f"rank {r} ({table[r]['host']}): {'ended' if rep else 'no answer'}")
+            lines.append(f"rank {_rank(r, table)} ({table[r]['host']}): {'ended' if rep else 'no answer'}")
             continue
         now = f"waiting {rep['waiting'][1]:.1f} s in {rep['waiting'][0]}" if rep["waiting"] else "in no collective"
-        lines.append(f"rank {r} ({rep['host']}): {now}; last collectives: {', '.join(rep['last']) or 'none'}")
+        lines.append(f"rank {_rank(r, table)} ({rep['host']}): {now}; last collectives: "
+                     f"{', '.join(rep['last']) or 'none'}")
+    if len(order) > MAX_SUMMARY:
+        lines.append(f"{len(order) - MAX_SUMMARY} more ranks not shown")
     return lines
 
 
 def hosts_line(table: List[dict], limit: int = 4) -> str:
-    """'node0: ranks 0-1; node1: ranks 2-3' from the address table ('' when every rank is on one host)."""
+    """'node0: ranks 0-1; node1: ranks 2-3' (world ranks) from the address table ('' when every rank
+    is on one host)."""
     hosts: Dict[str, List[int]] = {}
     for r, address in enumerate(table):
         hosts.setdefault(address["host"], []).append(r)
     if len(hosts) < 2:
         return ""
-    shown = [f"{host}: {_ranks(rs)}" for host, rs in list(hosts.items())[:limit]]
+    shown = [f"{host}: {_ranks(rs, table)}" for host, rs in list(hosts.items())[:limit]]
     return "; ".join(shown) + (f"; {len(hosts) - limit} more hosts" if len(hosts) > limit else "")

@@ -27,7 +27,8 @@ import numpy as np
 from mpi4py import MPI
 
 from ..errors import ConfigError, UsageError
-from .communicator import Communicator, OpStats, sum_table
+from .blocks import OpStats, sum_table
+from .communicator import Communicator
 from .p2p import PointToPoint
 from .watchdog import WaitRecord
 
@@ -81,7 +82,8 @@ class TPComm:
         if self.size == 1:
             return local.copy()
         table = np.empty((self.size, local.size), np.float64)
-        self.mpi.Allgather(local, table)
+        with self.waiting("tp_sum_scalars"):
+            self.mpi.Allgather(local, table)
         return sum_table(table)
 
     def bytes_sent(self) -> int:
@@ -101,16 +103,18 @@ class Mesh:
     ranks), ``pp_ranks`` (this rank's pipeline group: the world rank of each stage), and the
     communicators, each over the ranks that differ in its axes only, in world order:
     ``tp_comm`` (TPComm) / ``tp_mpi``, ``dp_comm`` (a zerompi Communicator over this rank's
-    data-parallel group, counting into ``comm``'s table when ``comm`` is a Communicator) / ``dp_mpi``,
-    ``pp_comm`` (PointToPoint) / ``pp_mpi``, and ``stage_mpi`` (this pipeline stage's dp x tp ranks:
-    what an engine of this stage must agree with; the world itself when pp = 1).
+    data-parallel group, counting into ``comm``'s table) / ``dp_mpi``, ``pp_comm``
+    (PointToPoint) / ``pp_mpi``, and ``stage_mpi`` (this pipeline stage's dp x tp ranks: what an
+    engine of this stage must agree with; the world itself when pp = 1). Every wait of them is
+    timed by ``comm``'s watchdog (a Communicator is made over an mpi4py ``comm``: its watchdog,
+    abort hook and launcher check guard the mesh's collectives, as an engine's guard its own).
     """
 
     def __init__(self, comm=None, tp: int = 1, *, pp: int = 1, node_size: Optional[int] = None):
-        share = comm if isinstance(comm, Communicator) else None
-        world = comm.mpi if share is not None else (comm if comm is not None else MPI.COMM_WORLD)
+        world = comm.mpi if isinstance(comm, Communicator) else (comm if comm is not None else MPI.COMM_WORLD)
         n = world.Get_size()
         check_mesh(n, tp, pp, node_size)
+        share = comm if isinstance(comm, Communicator) else Communicator(world)
         self.world, self.tp, self.pp, self.dp = world, tp, pp, n // (tp * pp)
         self.node_size = node_size
         self.shape = {"tp": tp, "dp": self.dp, "pp": pp}     # AXES order

@@ -9,6 +9,8 @@ someone checks. The contract, and what breaking it gets:
 - **Same initial values**: a digest per parameter, compared at construction
   (``init_values="check"``, the default; a difference names the first differing parameter
   and the ranks), or rank 0's values broadcast to every rank (``init_values="broadcast"``).
+  Lazy parameters (engine/lazy.py) are checked on what the ranks made of them: every slice is
+  made by two ranks and their digests compared (engine/initial.py).
 - **Same order of gradient reductions**: nothing to check -- the reducer starts them in a
   fixed bucket order whatever order the gradients arrive in (reducer.py).
 - **Same unshard order (stage 3), same lr, same step**: every step's gradient-norm
@@ -26,13 +28,14 @@ from typing import Dict, List, Mapping, Sequence, Tuple
 
 import numpy as np
 
-from ..comm.consistency import rank_set
-from ..comm.consistency import check_consistent
+from ..comm.communicator import world_rank
+from ..comm.consistency import check_consistent, rank_set
 from ..comm.flight import Peers
 from ..comm.watchdog import Watchdog, watched
 from ..errors import ConfigError, MismatchError, UsageError
 from ..optim import dtypes
 from .faults import GradientGuard, fault_from_env
+from .lazy import is_lazy
 
 FINGERPRINT_MOD = 2 ** 52        # fingerprints stay exact integers in a float64
 STEP_COLUMNS = ("lr", "step", "gathers")   # what rides along with the step's all-gather, in order
@@ -44,15 +47,16 @@ def start_guards(engine):
     that depends on the config the watchdog starts, then every rank must have the same config,
     layers and topology (comm/consistency.py; MismatchError on every rank otherwise), then the
     ranks exchange their reporters' addresses (comm/flight.py: who had not arrived, when it fires)."""
-    guard = GradientGuard(engine.rank, engine.dtype, engine.config.max_skipped_steps, fault_from_env())
+    rank = world_rank()           # what the fault's rankR and every rank's own lines number (not the DP rank under TP)
+    guard = GradientGuard(rank, engine.dtype, engine.config.max_skipped_steps, fault_from_env())
     me = weakref.ref(engine)      # the thread must not keep a forgotten engine alive
     step = lambda: me().steps_taken + 1      # noqa: E731
-    dog = Watchdog(engine.comm.waiting, engine.config.timeout_s, engine.rank, engine.comm.mpi, step=step)
+    dog = Watchdog(engine.comm.waiting, engine.config.timeout_s, rank, engine.comm.mpi, step=step)
     weakref.finalize(engine, dog.close)
     try:
         check_consistent(engine.comm, "engine", setup_fields(engine.config, engine.layout, engine.topology))
         if engine.comm.size > 1:    # a fired watchdog names who had not arrived (comm/flight.py)
-            dog.peers = Peers.start(engine.comm, engine.comm.waiting, step, lambda: dog.fired is not None)
+            dog.peers = Peers.start(engine.comm, engine.comm.waiting, rank, step, lambda: dog.fired is not None)
     except BaseException:
         dog.close()
         raise
@@ -115,17 +119,23 @@ def agree_initial_values(comm, pairs, mode: str, tp=None) -> List[Tuple[str, Dic
 
 
 def _agree_values(comm, pairs, mode: str) -> List[Tuple[str, Dict[str, np.ndarray]]]:
-    """The initial values every rank of ``comm`` will use, as fp32 arrays in the callers' shapes.
+    """The initial values every rank of ``comm`` will use, as fp32 arrays in the callers' shapes (lazy
+    parameters, engine/lazy.py, pass through: engine/initial.py checks what the ranks make of them).
 
     ``mode`` "check": MismatchError on every rank unless every rank passed the same values
     (one 16-byte digest all-gathered; per-parameter digests only on a mismatch).
     "broadcast": rank 0's values, broadcast to every rank. A collective.
     """
-    values = [(lname, {p: np.ascontiguousarray(a, dtype=np.float32) for p, a in params.items()})
+    values = [(lname, {p: a if is_lazy(a) else np.ascontiguousarray(a, dtype=np.float32) for p, a in params.items()})
               for lname, params in pairs]
+    lazy = [p for _, params in values for p, a in params.items() if is_lazy(a)]
+    if mode == "broadcast" and lazy:       # at any world size: a script must not work on one rank only
+        raise UsageError(f"init_values='broadcast' needs whole arrays, and parameter {lazy[0]!r} is lazy (each "
+                         "rank makes only its shard of it); use init_values='check', or pass the arrays")
     mpi = comm.mpi
     if mpi.Get_size() == 1:
         return values
+    whole = [(lname, {p: a for p, a in params.items() if not is_lazy(a)}) for lname, params in values]
     if mode == "broadcast":
         with watched(comm, "broadcast of rank 0's initial values"):
             for _, params in values:
@@ -133,7 +143,7 @@ def _agree_values(comm, pairs, mode: str) -> List[Tuple[str, Dict[str, np.ndarra
                     mpi.Bcast(arr, root=0)
         return values
     digests = [(lname, p, _digest(a), float(a.reshape(-1)[0]) if a.size else 0.0)
-               for lname, params in values for p, a in params.items()]
+               for lname, params in whole for p, a in params.items()]
     mine = hashlib.blake2b(b"".join(d for _, _, d, _ in digests), digest_size=16).digest()
     with watched(comm, "start-up check of the initial values"):
         everyone = mpi.allgather(mine)

@@ -24,7 +24,7 @@ from typing import Dict, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from ..checkpoint import collective as checkpoint
-from ..comm.communicator import Communicator
+from ..comm.communicator import as_communicator
 from ..comm.mesh import Mesh
 from ..comm.staging import device_transfers
 from ..comm.topology import arrange, place
@@ -32,10 +32,11 @@ from ..comm.watchdog import watched
 from ..errors import UsageError, install_abort_hook
 from ..layout import FlatLayout
 from ..optim import impl
-from . import contract, step as stepping, trace, traffic
+from . import contract, initial, step as stepping, trace, traffic
 from .buffers import BucketPool, plan_classes
 from .config import ZeroConfig
 from .gatherer import ParameterGatherer
+from .in_backward import UpdateInBackward
 from .inflight import InFlight
 from .loss_scale import DynamicLossScaler
 from .memory import MemoryLedger, memory_report
@@ -52,8 +53,8 @@ LayersArg = Union[Mapping[str, Mapping[str, np.ndarray]], Sequence[Tuple[str, Ma
 class ZeroEngine:
     """ZeRO data parallelism over ``comm`` for a model given as named layers of named arrays.
 
-    ``layers``: an ordered mapping (or list of pairs) layer name -> {param name -> array};
-    every rank must pass the same initial values. ``config``: a ZeroConfig.
+    ``layers``: an ordered mapping (or list of pairs) layer name -> {param name -> array, or a lazy
+    rule (engine/lazy.py): each rank then makes only its shard}; every rank must pass the same values. ``config``: a ZeroConfig.
     ``comm``: an mpi4py communicator (default COMM_WORLD), a zerompi Communicator, or a zerompi.Mesh
     (tensor parallelism: ZeRO over its DP group; ``tp_split`` names the split parameters, engine/tensor.py).
 
@@ -75,10 +76,9 @@ class ZeroEngine:
         self.tp = TensorParallel.of(comm, self.config, tp_split, {n: np.shape(a) for _, p in pairs for n, a in p.items()})
         mesh = self.tp.mesh if self.tp else comm if isinstance(comm, Mesh) else None
         comm = mesh.dp_comm if mesh else comm
-        # A Communicator, or one with its interface (staging.StagedCommunicator); else an mpi4py communicator.
         # Nodes and shard groups (comm/topology.py; of the DP group with a Mesh; ranks placed round-robin are
         # numbered node by node).
-        self.comm, self.topology = place(comm if hasattr(comm, "ireduce_scatter") else Communicator(comm),
+        self.comm, self.topology = place(as_communicator(comm, self.config.timeout_s, self.config.abort_on_exception),
                                          *group_sizes(mesh, self.config), renumber=mesh is None)
         self.xp, topo = xp, self.topology
         self.rank, self.world_size = self.comm.rank, self.comm.size
@@ -117,7 +117,8 @@ class ZeroEngine:
         self.reducer = GradientReducer(self.layout, self.config, self.group, self.replica, self.world_size,
                                        self.inflight, pool, self.ledger, self.guard, self.dtype)
         self.optimizer = ShardedAdamW(self.layout, self.config, self.ledger, self.slot, self.rank, transfers)
-        self.optimizer.load_initial(pairs, xp)
+        initial.load(self, pairs)        # each rank makes its own part (lazy: checked, engine/initial.py)
+        self.in_backward = UpdateInBackward(self)       # nvme: a bucket's update starts when its shard is final
         self.trace = trace.attach(self) if self.config.trace else None   # the timeline (engine/trace.py)
         self.publish_params(all_gather=True)
         # A program that ends without close() must not reach MPI_Finalize with collectives in flight.
@@ -232,6 +233,7 @@ class ZeroEngine:
         if self.config.stage == 3 and self.config.overlap:
             self.gatherer.prefetch_forward(self.steps_taken + 1)
         self._last_layer = None
+        self.optimizer.plan_next(self.in_backward.order(), self.steps_taken + 1)   # a file's rows: read ahead now
         self._enter(Phase.IDLE)
         if self.trace is not None:
             self.trace.step_done(self.steps_taken)
@@ -318,6 +320,7 @@ class ZeroEngine:
         self.gatherer.close()
         self.pool.clear()
         self.inflight.close()
+        self.in_backward.close()
         self.optimizer.close()
         for c in self._comms():
             c.free_scratch()
