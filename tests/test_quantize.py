@@ -2,6 +2,7 @@
 bit, the reference against the float64 error bound, the wire format, and the CUDA sources
 compiled with nvcc (the kernels themselves run in tests/test_gpu.py where a GPU is).
 """
+import platform
 import shutil
 import subprocess
 from pathlib import Path
@@ -50,11 +51,17 @@ def data(n, dtype, rng, special=False):
     return x
 
 
-@pytest.fixture(scope="module")
-def lib():
+@pytest.fixture(scope="module", params=["native", "no-avx2"])
+def lib(request, tmp_path_factory):
+    """The library as the engine builds it, and built without AVX2: its vector paths
+    (kernels/quantize_cpu.h) and the portable loops must give the reference's bits alike."""
     if fused_cpu.unavailable_reason():
         pytest.skip(fused_cpu.unavailable_reason())
-    return fused_cpu.library()
+    if request.param == "native":
+        return fused_cpu.library()
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("-mno-avx2 is an x86 flag")
+    return fused_cpu.load(fused_cpu.build(tmp_path_factory.mktemp("cache"), extra_flags=["-mno-avx2"]))
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])

@@ -163,7 +163,7 @@ def test_hpz_outside_stage_3_is_refused():
 
 
 def test_env_node_size_is_checked(monkeypatch):
-    from zerompi.comm.topology import node_size_from
+    from zerompi.comm.topology import placement_from
     with pytest.raises(ConfigError, match="ZEROMPI_NODE_SIZE='two' is not allowed"):
-        node_size_from(None, None, {"ZEROMPI_NODE_SIZE": "two"})
-    assert node_size_from(None, None, {"ZEROMPI_NODE_SIZE": "2"}) == 2
+        placement_from(None, None, {"ZEROMPI_NODE_SIZE": "two"})
+    assert placement_from(None, None, {"ZEROMPI_NODE_SIZE": "2"}) == (2, None)   # simulated nodes: blocks

@@ -69,6 +69,7 @@ EXIT_TIMEOUT = 3   # exit status of a job a collective watchdog aborted (docs/fa
 EXIT_OUTPUT = 1    # the work is done, but an output file could not be written (docs/failures.md)
 EXIT_CLOSED_STDOUT = 141   # stdout was closed under a tool (``| head -1``): the shell's status for SIGPIPE
 START_TIMEOUT_S = 30.0     # seconds the ranks wait for each other in the start-up agreement
+ABORT_GRACE_S = 3.0        # seconds MPI Abort may take before the process exits by itself
 ERROR_AGREEMENT_S = 5.0    # seconds a rank that caught a job error waits for every rank to report one too
 
 
@@ -151,6 +152,11 @@ def abort_job(comm, code: int) -> None:
         time.sleep(0.3)
     safe = threading.current_thread() is threading.main_thread() or MPI.Query_thread() == MPI.THREAD_MULTIPLE
     if comm.Get_size() > 1 and safe:
+        # MPI Abort asks the launcher to end the job; when the launcher cannot be reached (a
+        # node cut off: Open MPI's daemon waits on its link) it never returns: exit by itself then.
+        timer = threading.Timer(ABORT_GRACE_S, os._exit, (code,))
+        timer.daemon = True
+        timer.start()
         comm.Abort(code)
     os._exit(code)
 

@@ -2,7 +2,10 @@
 
 **Nodes** are blocks of ``node_size`` consecutive ranks: found by MPI's shared-memory split
 (``MPI_COMM_TYPE_SHARED``), or set by ``ZeroConfig.node_size`` / ``ZEROMPI_NODE_SIZE``
-(which is how one machine simulates several nodes). **Shard groups** are blocks of
+(which is how one machine simulates several nodes). Ranks that MPI placed round-robin
+(``mpirun --map-by node``: node 0 holds ranks 0, 2, ...) are numbered again node by node
+(:func:`place`): the engine's rank is then the rank's position in that order, and the run
+gives the bits of the same ranks placed in blocks. **Shard groups** are blocks of
 ``shard_size`` consecutive ranks, whole nodes (MiCS, FSDP's hybrid sharding): each group
 holds one sharded copy of the model states, and the ``N / shard_size`` groups are replicas.
 
@@ -18,9 +21,9 @@ intra- and inter-node) and timed by its watchdog:
 """
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional, Tuple
 
-from ..errors import ConfigError
+from ..errors import AgreedConfigError, ConfigError
 from .communicator import Communicator
 
 NODE_SIZE_ENV = "ZEROMPI_NODE_SIZE"
@@ -108,30 +111,71 @@ def check_sizes(ranks: int, node_size: int, shard_size: Optional[int], tp: int =
         raise
 
 
-def node_size_from(mpi_comm, requested: Optional[int], environ=os.environ) -> int:
-    """The node size: ``requested``, else $ZEROMPI_NODE_SIZE, else the shared-memory split (a
-    collective; ConfigError unless every node holds the same number of consecutive ranks)."""
+def placement_from(mpi_comm, requested: Optional[int], environ=os.environ) -> Tuple[int, Optional[List[int]]]:
+    """(node size, order): ``requested``, else $ZEROMPI_NODE_SIZE (nodes are then blocks of
+    consecutive ranks, simulated), else the nodes MPI's shared-memory split finds (a collective).
+    ``order``: None when every node holds consecutive ranks; else the ranks node by node (nodes
+    in the order of their lowest rank, each node's ranks in rank order), the numbering the
+    engine then uses (:func:`renumbered`). AgreedConfigError, raised by every rank alike, when
+    the nodes hold different numbers of ranks."""
     if requested is not None:
-        return requested
+        return requested, None
     k = node_size_env(environ)
     if k is not None:
-        return k
+        return k, None
+    nodes = nodes_of(mpi_comm)
+    sizes = sorted({len(ranks) for ranks in nodes})
+    if len(sizes) > 1:
+        raise AgreedConfigError(f"the nodes hold different numbers of ranks ({describe_nodes(nodes)}); ZeRO's "
+                                f"nodes must be equal: start the same number of ranks on every node, or set "
+                                f"ZeroConfig.node_size / {NODE_SIZE_ENV} to simulate nodes of that many ranks")
+    order = [r for ranks in nodes for r in ranks]
+    return sizes[0], (None if order == list(range(len(order))) else order)
+
+
+def node_size_from(mpi_comm, requested: Optional[int], environ=os.environ) -> int:
+    """The node size alone (:func:`placement_from`; a collective)."""
+    return placement_from(mpi_comm, requested, environ)[0]
+
+
+def nodes_of(mpi_comm) -> List[List[int]]:
+    """The ranks of every node, as MPI's shared-memory split finds them (a collective): nodes in
+    the order of their lowest rank, each node's ranks in rank order."""
     from mpi4py import MPI
-    node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=mpi_comm.Get_rank())
+    rank = mpi_comm.Get_rank()
+    node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     try:
-        first = node.allreduce(mpi_comm.Get_rank(), op=MPI.MIN)
-        mine = (node.Get_size(), first, node.Get_rank())
+        first = node.allreduce(rank, op=MPI.MIN)
     finally:
         node.Free()
-    everyone = mpi_comm.allgather(mine)
-    k = everyone[0][0]
-    if any(size != k or first != r - local for r, (size, first, local) in enumerate(everyone)) \
-            or any(first % k for _, first, _ in everyone):
-        sizes = sorted({size for size, _, _ in everyone})
-        raise ConfigError(f"the ranks are not placed in equal blocks of consecutive ranks per node (ranks per node: "
-                          f"{sizes}); place them so (e.g. mpiexec's block mapping) or set ZeroConfig.node_size / "
-                          f"{NODE_SIZE_ENV}")
-    return k
+    firsts = mpi_comm.allgather(first)
+    return [[r for r, f in enumerate(firsts) if f == lowest] for lowest in sorted(set(firsts))]
+
+
+def nodes_from_order(order: List[int], k: int) -> List[List[int]]:
+    return [order[i:i + k] for i in range(0, len(order), k)]
+
+
+def describe_nodes(nodes: List[List[int]], limit: int = 4) -> str:
+    """'node 0: ranks [0, 2]; node 1: ranks [1, 3]' (the first ``limit`` nodes, then how many more)."""
+    shown = "; ".join(f"node {i}: ranks {ranks}" for i, ranks in enumerate(nodes[:limit]))
+    return shown + (f"; {len(nodes) - limit} more nodes" if len(nodes) > limit else "")
+
+
+def renumbered(comm, order: List[int]):
+    """``comm`` (a zerompi Communicator, or a device one over a host Communicator) with its ranks
+    numbered ``order`` (rank ``order[i]`` becomes rank i), counting into the same table and timed
+    by the same watchdog (a collective). ConfigError over a path that cannot be renumbered (NCCL)."""
+    host = getattr(comm, "host", None)
+    rewrap = getattr(comm, "rewrap", None)
+    if host is not None and rewrap is None:
+        raise ConfigError(f"the ranks are placed round-robin over the nodes (not in blocks), which "
+                          f"{getattr(comm, 'path', type(comm).__name__)} cannot renumber; place them in blocks "
+                          "(mpiexec's block mapping) or use --comm mpi")
+    base = host if host is not None else comm
+    position = order.index(base.rank)
+    again = Communicator(base.mpi.Split(0, position), share=base)
+    return rewrap(again) if host is not None else again
 
 
 @dataclass
@@ -162,18 +206,27 @@ def build(world: Communicator, topo: Topology) -> Communicators:
     return Communicators(group, replica, intra)
 
 
-def topology_of(comm, node_size: Optional[int], shard_size: Optional[int], tp: int = 1) -> Topology:
-    """The Topology of ``comm`` (a zerompi Communicator, host or device) for these settings (ConfigError
-    naming the values when they do not fit the ranks). ``tp``: ``comm`` is one data-parallel group of a
-    tensor-parallel mesh and the sizes are the world's divided by tp; the message gives the world's."""
+def place(comm, node_size: Optional[int], shard_size: Optional[int], renumber: bool = True, tp: int = 1):
+    """(communicator, Topology) for these settings: ``comm`` itself, or -- when MPI's nodes hold
+    ranks that are not consecutive (a round-robin placement, ``mpirun --map-by node``) -- ``comm``
+    renumbered node by node (:func:`renumbered`), so that every node is a block of ranks again
+    (``renumber`` False: AgreedConfigError instead, for a Mesh's group, whose order is the mesh's).
+    A collective; ConfigError naming the values when they do not fit the ranks. ``tp``: ``comm`` is one
+    data-parallel group of a tensor-parallel mesh and the sizes are the world's divided by tp; the message
+    gives the world's."""
     n = comm.size
     if n == 1:
-        return Topology(1, 1, 1)
+        return comm, Topology(1, 1, 1)
     host = getattr(comm, "host", comm)
-    k = node_size_from(host.mpi, node_size)
+    k, order = placement_from(host.mpi, node_size)
     from_env = node_size is None and node_size_env() is not None
-    check_sizes(n * tp, k * tp, shard_size and shard_size * tp, tp, env=from_env)
-    return Topology(n, k, shard_size or n)
+    check_sizes(n * tp, k * tp, shard_size and shard_size * tp, tp, env=from_env)   # in the user's units
+    topo = Topology(n, k, shard_size or n)        # the sizes checked before anything is split
+    if order is not None and not renumber:
+        raise AgreedConfigError(f"the data-parallel group's ranks are not placed in blocks per node (nodes: "
+                                f"{describe_nodes(nodes_from_order(order, k))}); with a mesh (tensor or pipeline "
+                                "parallelism) place the ranks in blocks (mpiexec's block mapping)")
+    return (comm if order is None else renumbered(comm, order)), topo
 
 
 def arrange(comm, topo: Topology, quantized: bool = False) -> Communicators:

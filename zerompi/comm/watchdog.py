@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 import weakref
+from collections import deque
 from contextlib import nullcontext
 from typing import Callable, Optional
 
@@ -31,6 +32,7 @@ DEFAULT_TIMEOUT_S = 300.0           # seconds one collective may wait before the
 TIMEOUT_ENV = "ZEROMPI_TIMEOUT_S"   # overrides DEFAULT_TIMEOUT_S (a --timeout-s flag overrides both)
 MIN_INTERVAL_S = 0.001              # the thread never checks more often than this (a tiny timeout must not spin)
 _fired: list = []                   # the message of every watchdog of this process that fired
+HISTORY = 8                         # waits a WaitRecord remembers (the flight recorder's last collectives)
 
 
 def default_timeout_s(environ=os.environ) -> float:
@@ -58,16 +60,18 @@ class WaitRecord:
 
     ``with record(op, tag):`` around a blocking wait; ``current`` is ``(op, tag, since)``
     while inside (``since`` from time.monotonic) and None otherwise. Nested waits keep the
-    outer one. One assignment per enter and exit: cheap enough for every wait.
+    outer one. One assignment per enter and exit (and an append to ``history``, the flight
+    recorder comm/flight.py reports): cheap enough for every wait.
 
     ``watchdogs``: the open :class:`Watchdog` s of this record, oldest first; only the newest
     times it (a Communicator's own, then an engine's with its config's timeout over it).
     """
 
-    __slots__ = ("current", "watchdogs", "_next", "_depth", "__weakref__")
+    __slots__ = ("current", "history", "watchdogs", "_next", "_depth", "__weakref__")
 
     def __init__(self):
         self.current = None   # (op, tag, since) while blocked, else None
+        self.history = deque(maxlen=HISTORY)   # (op, tag) of the last waits left, oldest first
         self.watchdogs = []   # open watchdogs of this record, oldest first: the last one times it
         self._next = None     # (op, tag) of the wait about to be entered
         self._depth = 0       # nesting depth (the outermost wait is the one timed)
@@ -85,6 +89,9 @@ class WaitRecord:
     def __exit__(self, *exc) -> bool:
         self._depth -= 1
         if self._depth == 0:
+            left = self.current[:2]
+            if not self.history or self.history[-1] != left:   # a collective's test loop and its wait: once
+                self.history.append(left)
             self.current = None
         return False
 
@@ -134,6 +141,7 @@ class Watchdog:
 
     def __init__(self, record: WaitRecord, timeout_s: Optional[float], rank: int, mpi_comm=None,
                  step: Callable[[], Optional[int]] = lambda: None, abort: Optional[Callable[[int], None]] = None):
+        self.peers = None                   # comm/flight.py's Peers: the other ranks' reports, once set
         self.timeout_s = float(default_timeout_s() if timeout_s is None else timeout_s)   # seconds one wait may last
         self.rank = rank
         self.fired: Optional[str] = None    # the message, once it has fired
@@ -176,19 +184,31 @@ class Watchdog:
             step = self._step()
         except Exception:      # the engine may be half torn down; the message matters more
             step = None
-        self.fired = (f"zerompi: rank {self.rank}: collective timeout: waited {waited:.1f} s in "
-                      f"{describe_wait(op, tag, step)} (timeout {self.timeout_s:g} s: ZeroConfig.timeout_s, --timeout-s or "
-                      f"{TIMEOUT_ENV}); another rank did not join it (it died, hangs, or took another path); "
-                      f"aborting the job")
+        where = describe_wait(op, tag, step)
+        line = (f"zerompi: rank {self.rank}: collective timeout: waited {waited:.1f} s in {where} (timeout "
+                f"{self.timeout_s:g} s: ZeroConfig.timeout_s, --timeout-s or {TIMEOUT_ENV}); another rank did not "
+                f"join it (it died, hangs, or took another path)")
+        self.fired = line + "; aborting the job"
         _fired.append(self.fired)    # before the abort: the main thread may finish the job meanwhile
-        sys.stderr.write(self.fired + "\n")
+        summary = []
+        if self.peers is not None:   # who had not arrived: every rank's report (comm/flight.py)
+            try:
+                clause, summary = self.peers.explain(where, self.timeout_s)
+                self.fired = f"{line}; {clause}; aborting the job"
+                _fired[-1] = self.fired
+            except Exception:        # the abort matters more than the report
+                pass
+        sys.stderr.write("".join(f"{text}\n" for text in [self.fired] + [
+            f"zerompi: rank {self.rank}: flight recorder: {s}" for s in summary]))
         sys.stderr.flush()
         self._abort(EXIT_TIMEOUT)
 
     def close(self, wait: bool = False) -> None:
         """Stop the thread; it ends within one check interval (``wait``: join it). An older watchdog
-        of the same record times it again."""
+        of the same record times it again. The peers' reporter stops too."""
         self._stop.set()
+        if self.peers is not None:
+            self.peers.close()
         record = self._record()
         if record is not None and self in record.watchdogs:
             record.watchdogs.remove(self)

@@ -30,6 +30,7 @@ import numpy as np
 
 from ..comm.communicator import world_rank
 from ..comm.consistency import check_consistent, rank_set
+from ..comm.flight import Peers
 from ..comm.watchdog import Watchdog, watched
 from ..errors import ConfigError, MismatchError, UsageError
 from ..optim import dtypes
@@ -44,15 +45,18 @@ STEP_COLUMNS = ("lr", "step", "gathers")   # what rides along with the step's al
 def start_guards(engine):
     """(faults.GradientGuard, comm.watchdog.Watchdog) of a new engine: before its first collective
     that depends on the config the watchdog starts, then every rank must have the same config,
-    layers and topology (comm/consistency.py; MismatchError on every rank otherwise)."""
+    layers and topology (comm/consistency.py; MismatchError on every rank otherwise), then the
+    ranks exchange their reporters' addresses (comm/flight.py: who had not arrived, when it fires)."""
     rank = world_rank()           # what the fault's rankR and every rank's own lines number (not the DP rank under TP)
     guard = GradientGuard(rank, engine.dtype, engine.config.max_skipped_steps, fault_from_env())
     me = weakref.ref(engine)      # the thread must not keep a forgotten engine alive
-    dog = Watchdog(engine.comm.waiting, engine.config.timeout_s, rank, engine.comm.mpi,
-                   step=lambda: me().steps_taken + 1)
+    step = lambda: me().steps_taken + 1      # noqa: E731
+    dog = Watchdog(engine.comm.waiting, engine.config.timeout_s, rank, engine.comm.mpi, step=step)
     weakref.finalize(engine, dog.close)
     try:
         check_consistent(engine.comm, "engine", setup_fields(engine.config, engine.layout, engine.topology))
+        if engine.comm.size > 1:    # a fired watchdog names who had not arrived (comm/flight.py)
+            dog.peers = Peers.start(engine.comm, engine.comm.waiting, rank, step, lambda: dog.fired is not None)
     except BaseException:
         dog.close()
         raise

@@ -27,7 +27,7 @@ from ..checkpoint import collective as checkpoint
 from ..comm.communicator import as_communicator
 from ..comm.mesh import Mesh
 from ..comm.staging import device_transfers
-from ..comm.topology import arrange, topology_of
+from ..comm.topology import arrange, place
 from ..comm.watchdog import watched
 from ..errors import UsageError, install_abort_hook
 from ..layout import FlatLayout
@@ -76,19 +76,21 @@ class ZeroEngine:
         self.tp = TensorParallel.of(comm, self.config, tp_split, {n: np.shape(a) for _, p in pairs for n, a in p.items()})
         mesh = self.tp.mesh if self.tp else comm if isinstance(comm, Mesh) else None
         comm = mesh.dp_comm if mesh else comm
-        self.comm = as_communicator(comm, self.config.timeout_s, self.config.abort_on_exception)
-        self.xp = xp
+        # Nodes and shard groups (comm/topology.py; of the DP group with a Mesh; ranks placed round-robin are
+        # numbered node by node).
+        units = mesh.tp if mesh and mesh.pp == 1 else 1      # a bad size is named in the world's units, the user's
+        self.comm, self.topology = place(as_communicator(comm, self.config.timeout_s, self.config.abort_on_exception),
+                                         *group_sizes(mesh, self.config), renumber=mesh is None, tp=units)
+        self.xp, topo = xp, self.topology
         self.rank, self.world_size = self.comm.rank, self.comm.size
         self.optimizer_impl = impl.use_impl(self.config.optimizer_impl, xp, verbose=self.rank == 0)  # "fused"/"numpy"
         self.dtype = contract.storage_dtype(self.config.dtype, xp)   # bf16: ConfigError where it cannot be had
         spec = [(lname, [(pname, np.shape(a)) for pname, a in params.items()]) for lname, params in pairs]
-        # Nodes and shard groups (comm/topology.py; of the DP group with a Mesh): a bucket is cut into shard_size
-        # slices, each a multiple of align * replicas elements (the all-reduce across groups splits it again).
-        units = mesh.tp if mesh and mesh.pp == 1 else 1      # a bad size is named in the world's units, the user's
-        self.topology = topo = topology_of(self.comm, *group_sizes(mesh, self.config), tp=units)
+        # A bucket is cut into shard_size slices, each a multiple of align * replicas elements
+        # (the all-reduce across groups splits it again).
         self.layout = FlatLayout(spec, topo.shard_size, max(1, self.config.bucket_bytes // np.dtype(self.dtype).itemsize),
                                  self.config.align * topo.replicas)
-        self.guard, self._watchdog = contract.start_guards(self)   # the watchdog, then the start-up check
+        self.guard, self.watchdog = contract.start_guards(self)   # the watchdog (its peers: every rank's host)
         pairs = contract.agree_initial_values(self.comm, pairs, self.config.init_values, self.tp)
         comms = arrange(self.comm, topo, bool(self.config.quantize_weights or self.config.quantize_grads))
         self.group, self.replica = comms.group, comms.replica   # gradients and parameters; across groups
@@ -325,7 +327,7 @@ class ZeroEngine:
             c.free_scratch()
         if self.trace is not None:      # a collective: rank 0 writes the merged timeline
             self.trace.close()
-        self._watchdog.close()
+        self.watchdog.close()
         atexit.unregister(self._at_exit)
         self.closed = True
 

@@ -13,6 +13,7 @@ from ..estimate.activations import formula_text, gpt_activation_bytes
 from ..optim import impl
 from ..comm.communicator import mpi_library
 from ..comm.device import describe_buffers
+from ..comm.flight import hosts_line
 from ..engine.timers import format_breakdown, per_step, summarize
 from ..comm.watchdog import watched
 
@@ -108,7 +109,9 @@ def print_banner(cfg, engine, comm, placement, data) -> None:
     hpz = "; hpZ: a node-local copy of 1/node_size of the parameters" if engine.gatherer.secondary is not None else \
         ("; hpZ: nothing to keep (each shard group is one node)" if z.hpz else "")
     two = "; collectives in two levels (inside the node, then across)" if engine.group.hierarchical else ""
-    print0(comm.mpi, f"  topology: {engine.topology.describe()}{two}{hpz}")
+    peers = engine.watchdog.peers
+    hosts = hosts_line(peers.table) if peers is not None else ""    # where the ranks run (MPI's hosts)
+    print0(comm.mpi, f"  topology: {engine.topology.describe()}{f' ({hosts})' if hosts else ''}{two}{hpz}")
     if cfg.model != "gpt":
         return
     print0(comm.mpi, f"  GPT: n_layer {cfg.n_layer}, n_head {cfg.n_head}, d_model {cfg.d_model}, vocab "

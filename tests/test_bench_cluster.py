@@ -1,0 +1,45 @@
+"""scripts/bench_cluster.py on a short run: one command makes the cluster, measures its links,
+trains and writes one record per configuration with the issue's fields; a wrong --mpi is one line."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.mpirun import ROOT
+
+SCRIPT = ROOT / "scripts" / "bench_cluster.py"
+FIELDS = {"name", "step_s", "tokens_per_s", "estimate_step_s", "inter_bytes", "link_bytes", "final_loss"}
+
+
+def mpi_name() -> str:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import cluster_mpi
+    return cluster_mpi.flavour()
+
+
+@pytest.mark.cluster
+def test_a_short_run_writes_a_record_per_configuration(cluster, tmp_path):
+    cluster(1)                                    # skips where namespaces cannot be made
+    out = tmp_path / "b.json"
+    proc = subprocess.run([sys.executable, SCRIPT, "--nodes", "2", "--ranks-per-node", "2", "--link", "500mbit",
+                           "--mpi", mpi_name(), "--json", out, "--only", "flat3,zeropp", "--steps", "4", "--warmup",
+                           "1", "--gpt", "--n-layer 2 --d-model 64 --seq-len 16 --batch 4", "--bucket-mb", "0.05"],
+                          capture_output=True, text=True, timeout=300, cwd=str(ROOT))
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]          # 1: a goal missed on so small a model
+    rows = json.loads(out.read_text())
+    assert [r["name"] for r in rows] == ["flat3", "zeropp"]
+    for r in rows:
+        assert FIELDS <= set(r) and r["step_s"] > 0 and r["estimate_step_s"] > 0, r
+        assert r["link_bytes"] > 0 and r["inter_bytes"] > 0, r
+    assert rows[1]["inter_bytes"] < rows[0]["inter_bytes"]         # ZeRO++ sends less across than flat
+    assert "all of ZeRO++ at most 0.35x the step time of flat stage 3" in proc.stdout
+
+
+def test_the_wrong_mpi_is_one_line_and_exit_2(tmp_path):
+    other = "openmpi" if mpi_name() == "mpich" else "mpich"
+    proc = subprocess.run([sys.executable, SCRIPT, "--mpi", other, "--json", tmp_path / "b.json"],
+                          capture_output=True, text=True, timeout=60, cwd=str(ROOT))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"--mpi {other}, but this Python's mpiexec is" in proc.stderr
+    assert not (tmp_path / "b.json").exists()
