@@ -18,8 +18,7 @@ import numpy as np
 
 from ...comm.tpsplit import check_divides, piece
 from .gpt import GPT
-from .gpt_numpy import attention, attention_backward, gelu, gelu_grad, layernorm, layernorm_backward, linear, \
-    linear_backward, NumpyLayers
+from .gpt_numpy import gelu, gelu_grad, layernorm, layernorm_backward, linear, linear_backward, NumpyLayers
 
 # Short block name -> (axis, groups) of its split; the block's other parameters are replicated.
 SPLIT = {"qkv.w": (1, 3), "qkv.b": (0, 3), "proj.w": (0, 1), "fc.w": (1, 1), "fc.b": (0, 1), "out.w": (0, 1)}
@@ -45,7 +44,7 @@ class TPLayers(NumpyLayers):
     def block_forward(self, p, x, ws=None, key=None):
         xp = self.xp
         a, ln1 = layernorm(xp, x, p["ln1.g"], p["ln1.b"])
-        y, att = attention(xp, linear(a, p["qkv.w"], p["qkv.b"]), self.n_head)   # column-parallel
+        y, att = self.attention.forward(linear(a, p["qkv.w"], p["qkv.b"]))        # column-parallel
         x1 = x + (self._reduce(_matmul(y, p["proj.w"])) + p["proj.b"])            # row-parallel + all-reduce
         m, ln2 = layernorm(xp, x1, p["ln2.g"], p["ln2.b"])
         f = linear(m, p["fc.w"], p["fc.b"])                                       # column-parallel
@@ -62,7 +61,7 @@ class TPLayers(NumpyLayers):
         dx1, g["ln2.g"], g["ln2.b"] = layernorm_backward(dm, ln2, p["ln2.g"])
         dx1 = dx1 + dout
         dy, g["proj.w"], g["proj.b"] = linear_backward(dx1, y, p["proj.w"])
-        da, g["qkv.w"], g["qkv.b"] = linear_backward(attention_backward(self.xp, dy, att), a, p["qkv.w"])
+        da, g["qkv.w"], g["qkv.b"] = linear_backward(self.attention.backward(dy, att), a, p["qkv.w"])
         da = self._reduce(da)                                                     # QKV's input gradient
         dx, g["ln1.g"], g["ln1.b"] = layernorm_backward(da, ln1, p["ln1.g"])
         return dx + dx1, g
