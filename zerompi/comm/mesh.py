@@ -1,37 +1,42 @@
-"""Mesh: N ranks as N/K data-parallel groups x K tensor-parallel ranks, and the TP all-reduce.
+"""Mesh: N ranks as tensor-parallel x sequence-parallel x data-parallel groups, and the TP all-reduce.
 
-Ranks ``K*d .. K*d + K-1`` form tensor-parallel group ``d`` (TP ranks adjacent, so a TP group
-sits inside a node); ranks ``t, t+K, t+2K, ...`` form data-parallel group ``t`` (one TP rank's
-replicas, over which the engine shards that rank's pieces of the model)::
+The rank order, innermost first, is tp, sp, dp (Megatron-LM's tp-cp-dp): world rank
+``tp_i + TP * (sp_i + SP * dp_i)``, so a TP group is TP adjacent ranks and an SP group the SP
+adjacent TP groups around it (both inside a node). The groups, each an mpi4py sub-communicator:
 
-    mesh = zerompi.Mesh(tp=2)                       # COMM_WORLD, 4 ranks: [[0, 1], [2, 3]]
-    engine = zerompi.ZeroEngine(layers, cfg, comm=mesh, tp_split=split)   # ZeRO over mesh.dp_comm
+- ``tp_comm`` (TPComm): the TP ranks of one (sp_i, dp_i), which split each block's matrices;
+- ``sp_comm`` (alltoall.SPComm): the SP ranks of one (tp_i, dp_i), which split each sequence;
+- ``zero_comm`` (a zerompi Communicator): the dp x sp ranks of one tp_i, which hold the same
+  parameters (the SP ranks compute on other tokens of them) and over which ZeRO shards them and
+  reduces their gradients, as DeepSpeed-Ulysses does::
+
+    mesh = zerompi.Mesh(tp=2, sp=2)                 # COMM_WORLD, 8 ranks: TP groups [0, 1], [2, 3], ...
+    engine = zerompi.ZeroEngine(layers, cfg, comm=mesh, tp_split=split)   # ZeRO over mesh.zero_comm
     mesh.tp_comm.all_reduce(partial)                # Megatron's f / g: sum over the TP group
+    mesh.sp_comm.all_to_all(qkv, scatter=3, gather=1)   # Ulysses: the whole sequence, heads / SP
 
-``tp_comm`` (TPComm) sums in rank order (reduce-scatter by Alltoall, then Allgather), so every TP
-rank gets the same bits, in any float dtype; its bytes are counted in its own table, apart from
-the engine's data-parallel traffic.
+``tp_comm`` sums in rank order (reduce-scatter by Alltoall, then Allgather), so every TP rank gets
+the same bits, in any float dtype. The TP and SP bytes are counted in their own tables, apart from
+the engine's ZeRO traffic.
 """
 import time
-from collections import defaultdict
 from typing import Dict, List, Optional
 
 import numpy as np
 from mpi4py import MPI
 
 from ..errors import ConfigError, UsageError
-from .communicator import Communicator, OpStats, sum_table
-from .watchdog import WaitRecord
+from .alltoall import SPComm
+from .communicator import Communicator
+from .consistency import check_consistent
+from .group import GroupComm
 
 
-class TPComm:
+class TPComm(GroupComm):
     """The tensor-parallel group's collectives: a deterministic all-reduce of any float array."""
 
     def __init__(self, mpi_comm, waiting=None):
-        self.mpi = mpi_comm
-        self.waiting = waiting if waiting is not None else WaitRecord()   # what the watchdog times
-        self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
-        self.stats: Dict[str, OpStats] = defaultdict(OpStats)
+        super().__init__(mpi_comm, waiting)
         self._scratch: Dict[tuple, np.ndarray] = {}
 
     def all_reduce(self, x, op: str = "tp_all_reduce") -> np.ndarray:
@@ -65,48 +70,50 @@ class TPComm:
         st.seconds += time.perf_counter() - t
         return x
 
-    def sum_scalars(self, values) -> np.ndarray:
-        """A few float64 numbers summed over the TP ranks in rank order (not counted as traffic)."""
-        local = np.ascontiguousarray(values, dtype=np.float64).reshape(-1)
-        if self.size == 1:
-            return local.copy()
-        table = np.empty((self.size, local.size), np.float64)
-        self.mpi.Allgather(local, table)
-        return sum_table(table)
-
-    def bytes_sent(self) -> int:
-        return sum(s.bytes for s in self.stats.values())
-
-    def seconds(self) -> float:
-        return sum(s.seconds for s in self.stats.values())
-
 
 class Mesh:
-    """The 2-D mesh of ``comm`` (mpi4py communicator or zerompi Communicator; default COMM_WORLD).
+    """The mesh of ``comm`` (mpi4py communicator or zerompi Communicator; default COMM_WORLD).
 
-    ``tp``: ranks per tensor-parallel group (must divide the ranks). ``node_size`` (optional, in
-    ranks): checked to be a multiple of ``tp``, so that no TP group spans two nodes.
-    Attributes: ``tp``, ``dp`` (sizes), ``tp_rank``, ``dp_rank``, ``ranks`` (dp x tp world ranks),
-    ``tp_comm`` (TPComm), ``dp_comm`` (a zerompi Communicator over this rank's data-parallel group,
-    counting into ``comm``'s table when ``comm`` is a Communicator) and ``dp_mpi``/``tp_mpi``.
+    ``tp``: ranks per tensor-parallel group, ``sp``: TP groups per sequence-parallel group (tp x sp must
+    divide the ranks); ``node_size`` (optional, in ranks): checked to be a multiple of tp x sp, so that no
+    TP or SP group spans two nodes. Every rank must pass the same tp and sp (checked: MismatchError on
+    every rank naming them). Attributes: ``tp``, ``sp``, ``dp`` (sizes), ``tp_rank``, ``sp_rank``,
+    ``dp_rank``; ``tp_ranks``, ``sp_ranks``, ``zero_ranks`` (the world ranks of this rank's groups),
+    ``ranks`` (every TP group's world ranks, in order); ``tp_comm``, ``sp_comm``, ``zero_comm`` (counting
+    into ``comm``'s table when ``comm`` is a Communicator) and ``tp_mpi``, ``sp_mpi``, ``zero_mpi``.
     """
 
-    def __init__(self, comm=None, tp: int = 1, node_size: Optional[int] = None):
+    def __init__(self, comm=None, tp: int = 1, node_size: Optional[int] = None, sp: int = 1):
         share = comm if isinstance(comm, Communicator) else None
         world = comm.mpi if share is not None else (comm if comm is not None else MPI.COMM_WORLD)
         n = world.Get_size()
+        # Agreed first: a rank with another size would split into groups the others never join.
+        check_consistent(share if share is not None else world, "mesh", {"tp": tp, "sp": sp})
         check_tp(tp, n, node_size)
-        self.world, self.tp, self.dp = world, tp, n // tp
+        check_sp(sp, tp, n, node_size)
+        self.world, self.tp, self.sp, self.dp = world, tp, sp, n // (tp * sp)
         rank = world.Get_rank()
-        self.tp_rank, self.dp_rank = rank % tp, rank // tp
-        self.ranks: List[List[int]] = [[d * tp + t for t in range(tp)] for d in range(self.dp)]
-        self.tp_mpi = world.Split(self.dp_rank, rank)
-        self.dp_mpi = world.Split(self.tp_rank, rank)
-        self.dp_comm = Communicator(self.dp_mpi, share=share)
-        self.tp_comm = TPComm(self.tp_mpi, self.dp_comm.waiting)   # timed by the engine's watchdog too
+        self.tp_rank, self.sp_rank, self.dp_rank = rank % tp, rank // tp % sp, rank // (tp * sp)
+        at = lambda t, s, d: t + tp * (s + sp * d)          # world rank of mesh coordinates
+        self.tp_ranks = [at(t, self.sp_rank, self.dp_rank) for t in range(tp)]
+        self.sp_ranks = [at(self.tp_rank, s, self.dp_rank) for s in range(sp)]
+        self.zero_ranks = [at(self.tp_rank, s, d) for d in range(self.dp) for s in range(sp)]
+        self.ranks: List[List[int]] = [list(range(g * tp, (g + 1) * tp)) for g in range(n // tp)]
+        self.tp_mpi = world.Split(rank // tp, rank)                          # one (sp_i, dp_i)
+        self.sp_mpi = world.Split(self.tp_rank + tp * self.dp_rank, rank)   # one (tp_i, dp_i)
+        self.zero_mpi = world.Split(self.tp_rank, rank)                      # one tp_i: dp x sp
+        self.zero_comm = Communicator(self.zero_mpi, share=share)
+        self.tp_comm = TPComm(self.tp_mpi, self.zero_comm.waiting)   # timed by the engine's watchdog too
+        self.sp_comm = SPComm(self.sp_mpi, self.zero_comm.waiting)
 
     def describe(self) -> str:
-        return f"{self.dp} data-parallel x {self.tp} tensor-parallel (TP ranks adjacent: {self.ranks[0]}, ...)"
+        parts = [f"{self.dp} data-parallel"]
+        parts += [f"{self.sp} sequence-parallel"] if self.sp > 1 else []
+        parts += [f"{self.tp} tensor-parallel"] if self.tp > 1 else []
+        adjacent = [f"TP ranks adjacent: {self.ranks[0]}"] if self.tp > 1 else []
+        adjacent += [f"SP ranks {list(range(0, self.tp * self.sp, self.tp))}"] if self.sp > 1 else []
+        zero = f"; ZeRO over {self.dp * self.sp} ranks (data x sequence parallel)" if self.sp > 1 else ""
+        return f"{' x '.join(parts)}" + (f" ({', '.join(adjacent)}, ...)" if adjacent else "") + zero
 
 
 def check_tp(tp, n: int, node_size: Optional[int] = None, shard_size: Optional[int] = None) -> None:
@@ -120,3 +127,14 @@ def check_tp(tp, n: int, node_size: Optional[int] = None, shard_size: Optional[i
     if shard_size is not None and shard_size % tp:
         raise ConfigError(f"tp={tp} does not divide shard_size={shard_size}; a shard group holds whole "
                           "tensor-parallel groups")
+
+
+def check_sp(sp, tp: int, n: int, node_size: Optional[int] = None) -> None:
+    """ConfigError (one line, naming the value) unless ``sp`` divides the ``n / tp`` TP groups and, with
+    ``node_size`` (in ranks), tp x sp divides it (an SP group inside one node)."""
+    if not (isinstance(sp, int) and not isinstance(sp, bool) and sp >= 1 and (n // tp) % sp == 0):
+        what = f"the {n} ranks" if tp == 1 else f"the {n // tp} tensor-parallel groups of tp={tp} ({n} ranks)"
+        raise ConfigError(f"sp={sp!r} does not divide {what}; use a divisor of {n // tp}")
+    if node_size is not None and node_size % (tp * sp):
+        raise ConfigError(f"tp x sp = {tp * sp} does not divide node_size={node_size}; a sequence-parallel "
+                          "group must sit inside one node")

@@ -23,6 +23,20 @@ from ..optim import impl
 TP_KEY = "tensor_parallel"    # manifest["extra"][TP_KEY]: {"size", "rank", "split": {name: [axis, groups]}}
 
 
+def mesh_of(comm, config) -> Optional[Mesh]:
+    """The engine's Mesh: ``comm`` when it is one, a new one over ``comm`` when config.tp or config.sp > 1,
+    else None (plain data parallelism). ZeRO then runs over the mesh's zero_comm (its dp x sp ranks)."""
+    if isinstance(comm, Mesh):
+        for name in ("tp", "sp"):
+            if getattr(config, name) not in (1, getattr(comm, name)):
+                raise UsageError(f"config.{name}={getattr(config, name)} but the Mesh passed has {name}="
+                                 f"{getattr(comm, name)}; give one")
+        return comm
+    if config.tp > 1 or config.sp > 1:
+        return Mesh(comm, config.tp, config.node_size, sp=config.sp)
+    return None
+
+
 def tp_folder(rank: int, size: int) -> str:
     return f"tp{rank}-of-{size}"
 
@@ -35,18 +49,12 @@ class TensorParallel:
         self.config = config          # what every rank of the mesh must have alike (agree)
 
     @staticmethod
-    def of(comm, config, split, shapes) -> Optional["TensorParallel"]:
-        """The engine's TensorParallel for ``comm`` (a Mesh, or a communicator with config.tp > 1), else None.
+    def of(mesh: Optional[Mesh], config, split, shapes) -> Optional["TensorParallel"]:
+        """The engine's TensorParallel for ``mesh`` (mesh_of's) when it has tp > 1, else None.
         ``shapes``: {parameter name: shape of this rank's array}; ``split`` is checked against them."""
-        if isinstance(comm, Mesh):
-            if config.tp not in (1, comm.tp):
-                raise UsageError(f"config.tp={config.tp} but the Mesh passed has tp={comm.tp}; give one")
-            mesh = comm
-        elif config.tp > 1:
-            mesh = Mesh(comm, config.tp, config.node_size)
-        else:
+        if mesh is None or mesh.tp == 1:
             if split:
-                raise UsageError("tp_split given without tensor parallelism; pass a Mesh or set config.tp")
+                raise UsageError("tp_split given without tensor parallelism; pass a Mesh with tp > 1 or set config.tp")
             return None
         if split is None:
             raise UsageError("tensor parallelism needs tp_split={parameter name: (axis, groups)} for the split "
@@ -115,7 +123,7 @@ class TensorParallel:
         table = np.empty((tp.size, 4), np.float64)
         with tp.waiting("tensor-parallel sum of the gradient norm"):
             tp.mpi.Allgather(local, table)
-        ranks = self.mesh.ranks[self.mesh.dp_rank]
+        ranks = self.mesh.tp_ranks
         for col, what, show in ((3, "ranks are at different steps", lambda v: f"step() call {int(v)}"),
                                 (2, "ranks called step() with different learning rates", lambda v: f"lr={v:g}")):
             if (table[:, col] != table[0, col]).any():

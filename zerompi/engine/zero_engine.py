@@ -43,7 +43,7 @@ from .memory import MemoryLedger, memory_report
 from .optimizer import ShardedAdamW
 from .reducer import MAX_PENDING_REDUCES, GradientReducer
 from .schedule import Phase, infer_phase
-from .tensor import TensorParallel
+from .tensor import TensorParallel, mesh_of
 from .timers import StepTimers
 
 F32_MAX = float(np.finfo(np.float32).max)
@@ -66,7 +66,7 @@ class ZeroEngine:
     ``layers``: an ordered mapping (or list of pairs) layer name -> {param name -> array};
     every rank must pass the same initial values. ``config``: a ZeroConfig.
     ``comm``: an mpi4py communicator (default COMM_WORLD), a zerompi Communicator, or a zerompi.Mesh
-    (tensor parallelism: ZeRO over its DP group; ``tp_split`` names the split parameters, engine/tensor.py).
+    (tensor / sequence parallelism: ZeRO over its dp x sp ranks; ``tp_split`` names the TP-split parameters).
 
     Composed of its parts, each owning its state: ``reducer`` (GradientReducer: the gradient
     buffers and reduce-scatters), ``gatherer`` (ParameterGatherer: the stored parameters,
@@ -82,9 +82,9 @@ class ZeroEngine:
         if self.config.abort_on_exception:
             install_abort_hook()          # an exception on one rank ends the job, as in the CLI (misuse found below too)
         pairs = contract.check_layers(layers)
-        # Tensor parallelism (engine/tensor.py): comm is a Mesh (or config.tp > 1); ZeRO runs over its DP group.
-        self.tp = TensorParallel.of(comm, self.config, tp_split, {n: np.shape(a) for _, p in pairs for n, a in p.items()})
-        comm = self.tp.mesh.dp_comm if self.tp else comm
+        self.mesh = mesh_of(comm, self.config)      # a Mesh (tp, sp; engine/tensor.py): ZeRO over its dp x sp ranks
+        self.tp = TensorParallel.of(self.mesh, self.config, tp_split, {n: np.shape(a) for _, p in pairs for n, a in p.items()})
+        comm = self.mesh.zero_comm if self.mesh else comm
         # A Communicator, or one with its interface (staging.StagedCommunicator); else an mpi4py communicator.
         self.comm = comm if hasattr(comm, "ireduce_scatter") else Communicator(comm)
         self.xp = xp
