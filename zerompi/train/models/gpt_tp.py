@@ -18,6 +18,7 @@ import numpy as np
 
 from ...comm.tpsplit import check_divides, piece
 from .gpt import GPT
+from .gpt_sp import check_sp_model, sequence_parallel
 from .gpt_numpy import gelu, gelu_grad, layernorm, layernorm_backward, linear, linear_backward, NumpyLayers
 
 # Short block name -> (axis, groups) of its split; the block's other parameters are replicated.
@@ -68,14 +69,17 @@ class TPLayers(NumpyLayers):
 
 
 class TPGPT(GPT):
-    """GPT whose blocks are split over the TP group ``tp`` (a TPComm: rank, size, all_reduce)."""
+    """GPT whose blocks are split over the TP group ``tp`` (a TPComm: rank, size, all_reduce); with ``sp``
+    (an SPComm) each TP rank's heads sequence-parallel too (gpt_sp.py)."""
 
     def __init__(self, vocab: int, seq_len: int, n_layer: int, n_head: int, d_model: int, seed: int = 0,
-                 xp=np, dtype=np.float32, tp=None):
-        super().__init__(vocab, seq_len, n_layer, n_head, d_model, seed, xp, dtype, kernels="numpy")
+                 xp=np, dtype=np.float32, tp=None, sp=None):
         check_divides(tp.size, n_head=n_head, d_model=d_model)
+        if sp is not None and sp.size > 1:           # the heads are split by TP first, then by SP
+            check_sp_model(sp.size, n_head, seq_len, tp.size)
+        super().__init__(vocab, seq_len, n_layer, n_head, d_model, seed, xp, dtype, kernels="numpy", sp=sp)
         self.tp = tp
-        self.layers = TPLayers(xp, n_head // tp.size, tp)
+        self.layers = sequence_parallel(TPLayers(xp, n_head // tp.size, tp), self.sp)
 
     def tp_split(self) -> Dict[str, Tuple[int, int]]:
         """{parameter name: (axis, groups)} of the split parameters (the engine's tp_split)."""
@@ -89,6 +93,7 @@ class TPGPT(GPT):
 
     def tp_bytes_per_micro_batch(self, rows: int, itemsize: int = 4) -> int:
         """Bytes one rank sends in the TP all-reduces of one micro-batch of ``rows`` sequences:
-        4 per block (2 forward, 2 backward) of rows·T·d_model values, 2(K-1)/K of each."""
-        k = self.tp.size
-        return self.n_layer * 4 * 2 * (k - 1) * (rows * self.seq_len * self.d_model // k) * itemsize
+        4 per block (2 forward, 2 backward) of rows·t·d_model values (t: the positions this rank holds,
+        seq_len / sp), 2(K-1)/K of each."""
+        k, t = self.tp.size, self.seq_len // (self.sp.size if self.sp else 1)
+        return self.n_layer * 4 * 2 * (k - 1) * (rows * t * self.d_model // k) * itemsize
