@@ -114,6 +114,9 @@ class TrainConfig:
         if self.zero.tp > 1:
             from .tensor import check_model
             check_model(self)
+        if self.zero.sp > 1:
+            from .sequence import check_model as check_sp_model
+            check_sp_model(self)
         check(self.steps >= 1, f"steps={self.steps} must be >= 1")
         check(isinstance(self.seed, int) and self.seed >= 0,
               f"seed={self.seed!r} must be an integer >= 0 (it seeds NumPy's generators)")
@@ -158,11 +161,14 @@ class TrainConfig:
             check_file(self.data, self.seq_len)
 
     def check_world(self, world_size: int) -> None:
-        """Raises ConfigError unless batch splits evenly over world_size ranks x micro-batches."""
-        if self.zero.tp > 1:
-            from ..comm.mesh import check_tp
-            check_tp(self.zero.tp, world_size, self.zero.node_size, self.zero.shard_size)
-        dp = world_size // self.zero.tp
+        """Raises ConfigError unless tp and sp fit world_size ranks and batch splits evenly over their
+        data-parallel ranks x micro-batches."""
+        z = self.zero
+        if z.tp > 1 or z.sp > 1:
+            from ..comm.mesh import check_sp, check_tp
+            check_tp(z.tp, world_size, z.node_size, z.shard_size)
+            check_sp(z.sp, z.tp, world_size, z.node_size)
+        dp = world_size // (z.tp * z.sp)
         parts = dp * self.zero.micro_batches
         check(self.batch % parts == 0,
               f"batch={self.batch} does not split over {dp} data-parallel ranks x {self.zero.micro_batches} "
@@ -266,6 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=ZeroConfig.tp, metavar="K",
                    help="tensor parallelism: N ranks as N/K data-parallel groups x K adjacent TP ranks; ZeRO "
                         "shards each TP rank's pieces over its data-parallel group (docs/tensor-parallel.md)")
+    p.add_argument("--sp", type=int, default=ZeroConfig.sp, metavar="K",
+                   help="sequence parallelism (DeepSpeed-Ulysses, the GPT): each sequence cut into K chunks over K "
+                        "adjacent ranks (TP groups), an all-to-all before and after attention; ZeRO shards over the "
+                        "data- x sequence-parallel ranks (docs/sequence-parallel.md)")
     p.add_argument("--hpz", action="store_true",
                    help="stage 3: keep a node-local copy of the parameters after each gather across nodes "
                         "(ZeRO++ hpZ)")
@@ -298,7 +308,7 @@ def parse_config(argv: Optional[List[str]] = None, environ=None) -> TrainConfig:
                           optimizer_impl=a.optimizer_impl,
                           overlap=not a.no_overlap, prefetch=a.prefetch,
                           progress=a.comm_progress, timeout_s=timeout_s, max_skipped_steps=a.max_skipped_steps,
-                          node_size=a.node_size, shard_size=a.shard_size, hpz=a.hpz, tp=a.tp,
+                          node_size=a.node_size, shard_size=a.shard_size, hpz=a.hpz, tp=a.tp, sp=a.sp,
                           quantize_weights=a.quantize_weights, quantize_grads=a.quantize_grads,
                           offload_optimizer=a.offload_optimizer,
                           offload_params=a.offload_params, offload_dir=a.offload_dir,
