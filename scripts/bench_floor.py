@@ -3,6 +3,7 @@
     python scripts/bench_floor.py                         # the three models, N = 1, 2, 4, stages 0-3
     python scripts/bench_floor.py --models gpt-6x256 --ranks 2 --stages 0 --rounds 5
     python scripts/bench_floor.py --markdown              # also the README's table (on stderr)
+    python scripts/bench_floor.py --device gpu --ranks 1,2 --no-cli   # on a GPU (CuPy): the same parts
 
 For each model (the default GPT, the 6 x 256 GPT, the MLP 1024 x 8) and world size N, one
 ``mpiexec -n N`` job measures, on every rank at once, in turn and ``--repeats`` times:
@@ -26,6 +27,10 @@ CLI runs (default; ``--no-cli`` skips them) every stage also runs as ``mpiexec -
 share, and whether the stages' final parameters are bit-identical. Every job runs
 ``--rounds`` times, each round in a fresh random order (load from other jobs then hits every
 configuration alike); medians over all. One record per (model, N).
+
+``--device gpu``: every array on the rank's GPU (CuPy; ranks share it as the train CLI places
+them), the floor's matrix multiplies through CuPy's matmul, and every part timed to the end
+of the GPU's work (the device synchronized before the clock stops).
 """
 import argparse
 import json
@@ -103,25 +108,39 @@ def mlp_gemms(cfg, rows: int):
             + [((rows, w), (w, w), False, True, 1)] * (cfg.depth - 1))
 
 
-def floor_fn(gemms):
-    """A function running the matrix multiplies: float32 operands (transposed ones as views), outputs preallocated."""
+def floor_fn(gemms, xp=np):
+    """A function running the matrix multiplies: float32 operands (transposed ones as views), outputs
+    preallocated, on ``xp`` (NumPy, or CuPy on a GPU)."""
     rng = np.random.default_rng(0)
     calls = []
     for sa, sb, ta, tb, count in gemms:
-        mk = lambda s, t: rng.standard_normal((count,) + (s[::-1] if t else s)).astype(np.float32)
+        mk = lambda s, t: xp.asarray(rng.standard_normal((count,) + (s[::-1] if t else s)).astype(np.float32))
         a, b = mk(sa, ta), mk(sb, tb)
         a, b = (a.swapaxes(-1, -2) if ta else a), (b.swapaxes(-1, -2) if tb else b)
         if count == 1:
             a, b = a[0], b[0]
-        calls.append((a, b, np.empty(a.shape[:-1] + b.shape[-1:], np.float32)))
+        calls.append((a, b, xp.empty(a.shape[:-1] + b.shape[-1:], np.float32)))
 
     def run():
         for a, b, o in calls:
-            np.matmul(a, b, out=o)
+            xp.matmul(a, b, out=o)
     return run
 
 
-def worker(name: str, repeats: int, stages) -> None:
+def placed(device: str, comm):
+    """(array module, placement, the engine's communicator, a function that waits for the device)."""
+    from zerompi.comm.communicator import Communicator
+    from zerompi.comm.device import place
+    from zerompi.comm.staging import device_communicator
+    placement = place(device, comm)
+    xp = placement.xp
+    if xp is np:
+        return np, placement, (lambda: Communicator(comm.Dup())), (lambda: None)
+    return (xp, placement, (lambda: device_communicator(Communicator(comm.Dup()), xp)),
+            xp.cuda.Device().synchronize)
+
+
+def worker(name: str, repeats: int, stages, device: str = "cpu") -> None:
     """On every rank: the floor, forward + backward without the engine, the data and a training step of
     each stage, interleaved ``repeats`` times between barriers; rank 0 prints the medians."""
     from mpi4py import MPI
@@ -133,25 +152,26 @@ def worker(name: str, repeats: int, stages) -> None:
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     _one_blas_thread()
-    cfg = parse_config(MODELS[name])
-    model, data = build_model(cfg)
+    cfg = parse_config(MODELS[name] + ["--device", device])
+    xp, placement, engine_comm, sync = placed(device, comm)
+    model, data = build_model(cfg, xp)
     per = cfg.batch // size
     mine = range(rank * per, (rank + 1) * per)
-    stand_in = StandIn(model.init_layers())
+    stand_in = StandIn([(n, {k: xp.asarray(v) for k, v in p.items()}) for n, p in model.init_layers()])
     if cfg.model == "gpt":
         from zerompi.train.models.gpt import run_micro_batch
-        rows = data.train_rows(0, mine)
+        rows = xp.asarray(data.train_rows(0, mine))
         gemms = gpt_gemms(model, per)
         get_data = lambda: data.train_rows(1, mine)
         fwd_bwd = lambda: run_micro_batch(stand_in, model, rows[:, :-1], rows[:, 1:])
     else:
         from zerompi.train.loop import run_micro_batch
-        x, y = data.rows(0, mine)
+        x, y = (xp.asarray(a) for a in data.rows(0, mine))
         gemms = mlp_gemms(cfg, per)
         get_data = lambda: data.rows(1, mine)
         fwd_bwd = lambda: run_micro_batch(stand_in, model, x, y)
     losses_of = step_losses(cfg.model)
-    engines = {s: ZeroEngine(model.init_layers(), replace(cfg.zero, stage=s), comm.Dup()) for s in stages}
+    engines = {s: ZeroEngine(model.init_layers(), replace(cfg.zero, stage=s), engine_comm(), xp=xp) for s in stages}
     steps = dict.fromkeys(stages, 0)
     breakdowns = {s: [] for s in stages}
 
@@ -168,10 +188,11 @@ def worker(name: str, repeats: int, stages) -> None:
         breakdowns[s].append(dict(parts, other=max(0.0, seconds - sum(parts[k] for k in KEYS))))
         steps[s] += 1
 
-    parts = {"floor": floor_fn(gemms), "fwd_bwd": fwd_bwd, "data": get_data}
+    parts = {"floor": floor_fn(gemms, xp), "fwd_bwd": fwd_bwd, "data": get_data}
     parts.update({f"stage{s}": (lambda s=s: train_step(s)) for s in stages})
     for fn in parts.values():                         # warm-up: buffers, kernels, caches, the first gathers
         fn()
+    sync()
     for s in stages:
         breakdowns[s].clear()
     times, cpu = {k: [] for k in parts}, {k: [] for k in parts}
@@ -180,15 +201,24 @@ def worker(name: str, repeats: int, stages) -> None:
             comm.Barrier()
             t0, c0 = time.perf_counter(), time.process_time()
             fn()
+            sync()                                    # a GPU's work counts to its end
             dt, dc = time.perf_counter() - t0, time.process_time() - c0
             times[k].append(comm.allreduce(dt, op=MPI.MAX))     # the slowest rank
             cpu[k].append(comm.allreduce(dc, op=MPI.MAX))
+    hashes = {s: params_sha256(engines[s]) for s in stages}   # the stages' parameters after the same steps
     for engine in engines.values():
         engine.close()
     if rank == 0:                                     # rank 0's breakdown, as the train CLI reports it
         impl = getattr(getattr(model, "layers", None), "name", "numpy")
         print("FLOOR " + json.dumps({"times_s": times, "cpu_s": cpu, "breakdowns_s": breakdowns,
-                                     "gemms": sum(g[4] for g in gemms), "kernels": impl}), flush=True)
+                                     "gemms": sum(g[4] for g in gemms), "kernels": impl,
+                                     "device": placement.describe(), "stage_sha256": hashes}), flush=True)
+
+
+def params_sha256(engine) -> str:
+    """The engine's fp32 master parameters' SHA-256 (a collective): equal across stages after equal steps."""
+    import hashlib
+    return hashlib.sha256(np.ascontiguousarray(engine.unpadded_master()).tobytes()).hexdigest()
 
 
 # ---- the launcher -------------------------------------------------------------------------------
@@ -208,7 +238,7 @@ def _run(cmd, timeout: float) -> str:
 
 def run_worker(name: str, n: int, stages, a) -> dict:
     out = _run([mpiexec(), "-n", str(n), sys.executable, __file__, "--worker", name, "--repeats", str(a.repeats),
-                "--stages", ",".join(map(str, stages))], a.timeout)
+                "--stages", ",".join(map(str, stages)), "--device", a.device], a.timeout)
     return json.loads(next(line[6:] for line in out.splitlines() if line.startswith("FLOOR ")))
 
 
@@ -216,6 +246,7 @@ def run_cli(name: str, n: int, stage: int, a, tmp: Path, tag: str) -> dict:
     """One ``python -m zerompi.train`` run: its median step (the first left out) and time breakdown."""
     path = tmp / f"{tag}.json"
     _run([mpiexec(), "-n", str(n), sys.executable, "-m", "zerompi.train", *MODELS[name], "--stage", str(stage),
+          "--device", a.device,
           "--steps", str(a.steps), "--log-every", str(a.steps), "--metrics-json", str(path)]
          + (["--eval-every", "0"] if name.startswith("gpt") else []), a.timeout)
     m = json.loads(path.read_text())
@@ -229,7 +260,9 @@ def record(name: str, n: int, stages, workers, clis) -> dict:
     pool = lambda k: [t for w in workers for t in w["times_s"][k]]
     ratio = lambda k, of="times_s": med([t / f for w in workers for t, f in zip(w[of][k], w[of]["floor"])])
     rec = {"model": name, "N": n, "flags": MODELS[name], "kernels": workers[0]["kernels"],
-           "gemms": workers[0]["gemms"], "rounds": len(workers), "floor_s": med(pool("floor"))}
+           "device": workers[0]["device"], "gemms": workers[0]["gemms"], "rounds": len(workers),
+           "floor_s": med(pool("floor")),
+           "stages_bit_identical": all(len(set(w["stage_sha256"].values())) <= 1 for w in workers)}
     for k in ("fwd_bwd", "data"):
         rec[f"{k}_s"], rec[f"{k}_over_floor"], rec[f"{k}_cpu_over_floor"] = med(pool(k)), ratio(k), ratio(k, "cpu_s")
     rec["stages"] = {}
@@ -278,11 +311,13 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=6, help="train CLI: steps per run (the first is left out)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per subprocess")
     p.add_argument("--markdown", action="store_true", help="also print the table as Markdown on stderr")
+    p.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
+                   help="where the arrays live: cpu (NumPy) or gpu (CuPy; the train CLI runs use --device gpu too)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     stages = [int(s) for s in a.stages.split(",") if s != ""]
     if a.worker:
-        worker(a.worker, a.repeats, stages)
+        worker(a.worker, a.repeats, stages, a.device)
         return 0
     names, ranks = a.models.split(","), [int(n) for n in a.ranks.split(",")]
     unknown = [m for m in names if m not in MODELS]

@@ -1,19 +1,30 @@
 #!/usr/bin/env bash
 # Every GPU check in one run, on a machine with an NVIDIA GPU and only its own image (no
-# internet): about 5 minutes, under 8.
+# internet): planned to take about 6 minutes, with a deadline (GPU_CHECK_BUDGET_S, 450 s by
+# default) after which the remaining steps are recorded as not run, so that the whole check
+# and a rerun fit in 15 minutes.
 #
 #   bash scripts/gpu_check.sh [OUT]          # OUT defaults to results/gpu
 #
-#   1. pytest tests/test_gpu.py: the CUDA kernels against the float64 oracle and the NumPy
-#      reference bits, and the collectives staged through pinned host buffers
-#   2. stage 0-3 on the GPU at N = 2 and 4 ranks sharing it (MLP, fp32 and fp16): the four
-#      stages give the same final parameters, and the losses follow a CPU run within 1e-4
-#      (fp32) and 2e-2 (fp16), relative
-#   3. scripts/bench_adam.py on the GPU (fused AdamW against the NumPy-on-CuPy reference
-#      and a device copy)
-#   4. python -m zerompi.bench --device gpu at N = 2 (staged MPI), and --comm nccl (N = 1 on
-#      one GPU: NCCL refuses two ranks on one GPU), with --check
-#   5. a short GPT run on the GPU (the default model, 60 steps, N = 2), and 30 steps over NCCL
+# In order of importance (a step that would start after the deadline is skipped, and fails):
+#   1. pytest tests/test_gpu.py tests/test_staging.py: the CUDA kernels against the float64
+#      oracle and the NumPy reference bits, and the collectives staged through pinned buffers
+#   2. stages 0-3 on the GPU (MLP, fp32 and fp16): at N = 2 beside the same runs on the CPU
+#      (the four GPU stages give the same bits; the losses follow the CPU's within 1e-4 fp32,
+#      2e-2 fp16, relative), at N = 4 the GPU stages alone
+#   3. scripts/bench_adam.py on the GPU: the fused AdamW against a device-to-device copy of
+#      the same bytes (goal >= 0.8x) and the NumPy-on-CuPy reference, 1M-64M elements
+#   4. python -m zerompi.bench --device gpu at N = 2 (staged MPI, 1-256 MiB), and --comm nccl
+#      (N = 1 on one GPU: NCCL refuses two ranks on one GPU), with --check
+#   5. the default GPT on the GPU (60 steps, N = 2), and 30 steps over NCCL
+#   6. scripts/bench_floor.py --device gpu: one GPT step per stage against the same GPT's
+#      matrix multiplies alone on this GPU (the floor), N = 1 and 2, stages bit-identical
+#   7. scripts/bench_torch_gpt.py --device gpu, where PyTorch is installed: the same GPT's
+#      step under PyTorch (fp32, bf16 autocast) beside zerompi's, after a loss/gradient parity check
+#   8. what landed since the first version of this script, each on the GPU: bf16 (stages 0-3
+#      bit-identical, losses beside the CPU's), two-level collectives with qwZ int8 + qgZ int4
+#      (N = 4 in 2 nodes, stages bit-identical), hpZ, and optimizer offload (cpu and nvme,
+#      stages 2 and 3: the same bits as without offload)
 # Results: OUT/*.json and OUT/*.log; scripts/gpu_summary.py prints the table last and
 # writes OUT/summary.json. Exit status 0 only when every check passed.
 #
@@ -46,16 +57,25 @@ if ! "$PY" -c "from mpi4py import MPI" >/dev/null 2>&1 || ! command -v mpiexec >
 fi
 
 fail=0
+BUDGET=${GPU_CHECK_BUDGET_S:-450}
 run() {   # run NAME TIMEOUT_S COMMAND...: output to OUT/NAME.log, status to OUT/status.txt
     local name=$1 limit=$2
     shift 2
-    local t0=$SECONDS
+    if [ "$SECONDS" -ge "$BUDGET" ]; then   # past the deadline: recorded as not run (exit -1)
+        echo "$name -1 0" >>"$OUT/status.txt"
+        echo "== $name: not run (the ${BUDGET} s budget is spent)"
+        fail=1
+        return
+    fi
+    local t0=$SECONDS left=$((BUDGET + 90 - SECONDS))   # no step runs far past the deadline
+    [ "$limit" -le "$left" ] || limit=$left
     timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
     local rc=$?
     echo "$name $rc $((SECONDS - t0))" >>"$OUT/status.txt"
     echo "== $name: exit $rc in $((SECONDS - t0)) s"
     [ $rc -eq 0 ] || { fail=1; tail -n 25 "$OUT/$name.log"; }
 }
+MLP="--model mlp --width 256 --depth 4 --batch 32 --steps 8 --micro-batches 2 --clip 1.0 --bucket-mb 0.25"
 rm -f "$OUT/status.txt"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$OUT/gpu.txt" 2>&1
 "$PY" - >"$OUT/env.json" <<'EOF'
@@ -75,11 +95,12 @@ run pytest_gpu 300 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py test
 
 for n in 2 4; do
     for dtype in fp32 fp16; do
-        for device in gpu cpu; do
+        devices="gpu cpu"
+        [ "$n" -eq 2 ] || devices=gpu      # the GPU against the CPU once; at N = 4 the GPU stages alone
+        for device in $devices; do
             for stage in 0 1 2 3; do
                 run "parity_${device}_n${n}_${dtype}_s${stage}" 120 mpiexec -n "$n" "$PY" -m zerompi.train \
-                    --device "$device" --model mlp --width 256 --depth 4 --batch 32 --steps 8 --micro-batches 2 \
-                    --clip 1.0 --bucket-mb 0.25 --dtype "$dtype" --stage "$stage" \
+                    --device "$device" $MLP --dtype "$dtype" --stage "$stage" \
                     --metrics-json "$OUT/parity_${device}_n${n}_${dtype}_s${stage}.json"
             done
         done
@@ -87,17 +108,53 @@ for n in 2 4; do
 done
 
 run bench_adam 180 "$PY" scripts/bench_adam.py --backend gpu --sizes 1,16,64 --json "$OUT/bench_adam.json"
-run bench_comm 180 mpiexec -n 2 "$PY" -m zerompi.bench --device gpu --op all -b 1M -e 64M -f 4 --dtype fp16 \
+run bench_comm 180 mpiexec -n 2 "$PY" -m zerompi.bench --device gpu --op all -b 1M -e 256M -f 4 --dtype fp16 \
     --iters 10 --warmup 2 --check --no-overlap --json "$OUT/bench_comm.json"
 # NCCL refuses two ranks on one GPU: with one GPU it runs at N = 1 (a check of the calls, not of the wire).
 gpus=$("$PY" -c "import cupy; print(cupy.cuda.runtime.getDeviceCount())" 2>/dev/null || echo 1)
 nccl_n=$(( gpus >= 2 ? 2 : 1 ))
-run bench_nccl 120 mpiexec -n "$nccl_n" "$PY" -m zerompi.bench --device gpu --comm nccl --op all -b 1M -e 16M -f 4 \
+run bench_nccl 120 mpiexec -n "$nccl_n" "$PY" -m zerompi.bench --device gpu --comm nccl --op all -b 1M -e 256M -f 4 \
     --dtype fp16 --iters 10 --warmup 2 --check --no-overlap --json "$OUT/bench_nccl.json"
 run gpt 180 mpiexec -n 2 "$PY" -m zerompi.train --device gpu --steps 60 --eval-every 30 \
     --metrics-json "$OUT/gpt.json"
 run gpt_nccl 120 mpiexec -n "$nccl_n" "$PY" -m zerompi.train --device gpu --comm nccl --steps 30 --eval-every 30 \
     --batch 48 --metrics-json "$OUT/gpt_nccl.json"
+
+# 6-7. The GPT against its GEMM floor on this GPU, and under PyTorch (JSON lines in the logs).
+run bench_floor 150 "$PY" scripts/bench_floor.py --device gpu --models gpt-default,gpt-6x256 --ranks 1,2 \
+    --no-cli --rounds 1 --repeats 5
+if "$PY" -c "import torch; assert torch.cuda.is_available()" >/dev/null 2>&1; then
+    run bench_torch 150 "$PY" scripts/bench_torch_gpt.py --device gpu --models gpt-default,gpt-6x256 \
+        --repeats 10 --json "$OUT/bench_torch.json"
+else
+    echo "== bench_torch: PyTorch with CUDA is not installed here: not compared" | tee "$OUT/bench_torch.log"
+fi
+
+# 8. What landed since: bf16, two levels + ZeRO++ quantization, hpZ, offload -- each on the GPU.
+for device in gpu cpu; do
+    for stage in 0 1 2 3; do
+        run "bf16_${device}_s${stage}" 120 mpiexec -n 2 "$PY" -m zerompi.train --device "$device" $MLP \
+            --dtype bf16 --stage "$stage" --metrics-json "$OUT/bf16_${device}_s${stage}.json"
+    done
+done
+for stage in 1 2 3; do
+    run "zeropp_gpu_s${stage}" 120 mpiexec -n 4 "$PY" -m zerompi.train --device gpu $MLP --dtype fp16 \
+        --stage "$stage" --node-size 2 --quantize-weights int8 --quantize-grads int4 \
+        --metrics-json "$OUT/zeropp_gpu_s${stage}.json"
+done
+run hpz_gpu_s3 120 mpiexec -n 4 "$PY" -m zerompi.train --device gpu $MLP --dtype fp16 --stage 3 --node-size 2 \
+    --hpz --metrics-json "$OUT/hpz_gpu_s3.json"
+run twolevel_gpu_s3 120 mpiexec -n 4 "$PY" -m zerompi.train --device gpu $MLP --dtype fp16 --stage 3 --node-size 2 \
+    --metrics-json "$OUT/twolevel_gpu_s3.json"
+offload_dir=$(mktemp -d "${TMPDIR:-/tmp}/zerompi-gpu-offload.XXXXXX")
+for stage in 2 3; do
+    for where in cpu nvme; do
+        run "offload_${where}_gpu_s${stage}" 120 mpiexec -n 2 "$PY" -m zerompi.train --device gpu $MLP --dtype fp16 \
+            --stage "$stage" --offload-optimizer "$where" $([ "$where" = nvme ] && echo "--offload-dir $offload_dir") \
+            --metrics-json "$OUT/offload_${where}_gpu_s${stage}.json"
+    done
+done
+rm -rf "$offload_dir"
 
 "$PY" scripts/gpu_summary.py "$OUT" || fail=1
 exit $fail

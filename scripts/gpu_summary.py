@@ -2,9 +2,12 @@
 
     python scripts/gpu_summary.py OUT        # OUT: gpu_check.sh's result folder
 
-Reads OUT/status.txt (one "name exit seconds" line per step), OUT/env.json, the parity runs'
-metrics (OUT/parity_{gpu,cpu}_n{N}_{dtype}_s{stage}.json), OUT/bench_adam.json,
-OUT/bench_comm.json, OUT/bench_nccl.json, OUT/gpt.json and OUT/gpt_nccl.json; writes OUT/summary.json and exits 1 when a check failed.
+Reads OUT/status.txt (one "name exit seconds" line per step; exit -1: not run, the time
+budget was spent), OUT/env.json, the parity runs' metrics (OUT/parity_{gpu,cpu}_n{N}_{dtype}_s{stage}.json),
+OUT/bench_adam.json, OUT/bench_comm.json, OUT/bench_nccl.json, OUT/gpt.json, OUT/gpt_nccl.json,
+the JSON lines of OUT/bench_floor.log, OUT/bench_torch.json (or bench_torch.log saying PyTorch is
+not there), and the feature runs' metrics (bf16_*, zeropp_gpu_*, hpz_gpu_s3, twolevel_gpu_s3,
+offload_*); writes OUT/summary.json and exits 1 when a check failed.
 """
 import json
 import sys
@@ -12,7 +15,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 from xml.etree import ElementTree
 
-LOSS_RTOL = {"fp32": 1e-4, "fp16": 2e-2}   # GPU vs CPU losses, relative (BLAS sums in other orders)
+LOSS_RTOL = {"fp32": 1e-4, "fp16": 2e-2, "bf16": 5e-2}   # GPU vs CPU losses, relative (BLAS sums in other orders)
 COPY_FRACTION = 0.8                         # issue 4's GPU bar: fused AdamW >= 0.8 x device copy at 64M
 
 
@@ -53,31 +56,116 @@ def check_pytest(out: Path, st: Dict[str, tuple]) -> dict:
             "ok": rc == 0 and tests > 0 and failures == 0 and skipped == 0, "detail": detail}
 
 
+def _stages(out: Path, prefix: str, stages) -> Dict[int, Optional[dict]]:
+    return {s: _load(out / f"{prefix}_s{s}.json") for s in stages}
+
+
+def _on_gpu(runs) -> bool:
+    return all("gpu" in str(m.get("device", "")) for m in runs)
+
+
+def check_stage_set(out: Path, label: str, gpu: str, cpu: Optional[str], dtype: str, stages=range(4)) -> dict:
+    """The GPU runs ``gpu``_s{stage} give one final parameter hash; with ``cpu``, each GPU run's
+    losses follow the CPU run's of the same stage within LOSS_RTOL[dtype]."""
+    runs = _stages(out, gpu, stages)
+    ref = _stages(out, cpu, stages) if cpu else {}
+    missing = [f"{gpu}_s{s}" for s, m in runs.items() if m is None] + [f"{cpu}_s{s}" for s, m in ref.items() if m is None]
+    if missing:
+        return {"check": label, "ok": False, "detail": f"missing runs: {missing}"}
+    gpu_hashes = {m["final_params_sha256"] for m in runs.values()}
+    detail = f"GPU stages {'bit-identical' if len(gpu_hashes) == 1 else 'DIFFER'}"
+    ok = len(gpu_hashes) == 1 and _on_gpu(runs.values())
+    if cpu:
+        cpu_hashes = {m["final_params_sha256"] for m in ref.values()}
+        worst = max(abs(a - b) / max(abs(b), 1e-30) for s in stages
+                    for a, b in zip(runs[s]["losses"], ref[s]["losses"]))
+        ok = ok and len(cpu_hashes) == 1 and worst <= LOSS_RTOL[dtype]
+        detail += (f"; CPU stages {'bit-identical' if len(cpu_hashes) == 1 else 'DIFFER'}; "
+                   f"GPU vs CPU losses within {worst:.1e} (tolerance {LOSS_RTOL[dtype]:g})")
+    else:
+        first = next(iter(runs.values()))["losses"]
+        ok = ok and first[-1] < first[0]
+        detail += f"; loss {first[0]:.4g} -> {first[-1]:.4g}"
+    return {"check": label, "ok": ok, "detail": detail + ("" if _on_gpu(runs.values()) else "; NOT on the GPU")}
+
+
 def check_parity(out: Path) -> List[dict]:
-    rows = []
-    for n in (2, 4):
-        for dtype in ("fp32", "fp16"):
-            runs = {(dev, s): _load(out / f"parity_{dev}_n{n}_{dtype}_s{s}.json") for dev in ("gpu", "cpu")
-                    for s in range(4)}
-            missing = [k for k, v in runs.items() if v is None]
-            if missing:
-                rows.append({"check": f"stage 0-3 parity, N={n} {dtype}", "ok": False,
-                             "detail": f"missing runs: {missing}"})
-                continue
-            gpu_hashes = {runs[("gpu", s)]["final_params_sha256"] for s in range(4)}
-            cpu_hashes = {runs[("cpu", s)]["final_params_sha256"] for s in range(4)}
-            worst = 0.0
-            for s in range(4):
-                for a, b in zip(runs[("gpu", s)]["losses"], runs[("cpu", s)]["losses"]):
-                    worst = max(worst, abs(a - b) / max(abs(b), 1e-30))
-            on_gpu = all("gpu" in str(runs[("gpu", s)].get("device", "")) for s in range(4))
-            ok = len(gpu_hashes) == 1 and len(cpu_hashes) == 1 and worst <= LOSS_RTOL[dtype] and on_gpu
-            rows.append({"check": f"stage 0-3 parity, N={n} {dtype}", "ok": ok,
-                         "detail": f"GPU stages {'bit-identical' if len(gpu_hashes) == 1 else 'DIFFER'}; "
-                                   f"CPU stages {'bit-identical' if len(cpu_hashes) == 1 else 'DIFFER'}; "
-                                   f"GPU vs CPU losses within {worst:.1e} (tolerance {LOSS_RTOL[dtype]:g})"
-                                   + ("" if on_gpu else "; NOT on the GPU")})
+    return [check_stage_set(out, f"stage 0-3 parity, N={n} {dtype}", f"parity_gpu_n{n}_{dtype}",
+                            f"parity_cpu_n{n}_{dtype}" if n == 2 else None, dtype)
+            for n in (2, 4) for dtype in ("fp32", "fp16")]
+
+
+def check_same_bits(out: Path, label: str, names: List[str]) -> dict:
+    """Every run of ``names`` ends with the same final parameters, on the GPU."""
+    runs = {n: _load(out / f"{n}.json") for n in names}
+    missing = [n for n, m in runs.items() if m is None]
+    if missing:
+        return {"check": label, "ok": False, "detail": f"missing runs: {missing}"}
+    hashes = {n: m["final_params_sha256"][:12] for n, m in runs.items()}
+    same = len(set(hashes.values())) == 1
+    return {"check": label, "ok": same and _on_gpu(runs.values()),
+            "detail": ("the same bits" if same else f"DIFFER: {hashes}")
+                      + ("" if _on_gpu(runs.values()) else "; NOT on the GPU")}
+
+
+def check_features(out: Path) -> List[dict]:
+    rows = [check_stage_set(out, "bf16 stages 0-3, N=2", "bf16_gpu", "bf16_cpu", "bf16"),
+            check_stage_set(out, "two levels + qwZ int8 + qgZ int4, N=4 in 2 nodes, stages 1-3", "zeropp_gpu", None,
+                            "fp16", stages=range(1, 4)),
+            check_same_bits(out, "hpZ = two-level stage 3 (N=4 in 2 nodes)", ["hpz_gpu_s3", "twolevel_gpu_s3"])]
+    for stage in (2, 3):
+        rows.append(check_same_bits(out, f"optimizer offload cpu, nvme = in memory, stage {stage}",
+                                    [f"parity_gpu_n2_fp16_s{stage}", f"offload_cpu_gpu_s{stage}",
+                                     f"offload_nvme_gpu_s{stage}"]))
     return rows
+
+
+def json_lines(path: Path) -> List[dict]:
+    """The JSON objects printed one per line in a log (other lines skipped)."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return []
+    out = []
+    for line in text.splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+    return out
+
+
+def check_floor(out: Path) -> dict:
+    recs = [r for r in json_lines(out / "bench_floor.log") if "model" in r]
+    label = "GPT step per stage against its GEMM floor on the GPU"
+    if not recs:
+        return {"check": label, "ok": False, "detail": "no records"}
+    parts = []
+    for r in recs:
+        ratios = "/".join(f"{v['over_floor']:.1f}" for _, v in sorted(r["stages"].items()))
+        parts.append(f"{r['model']} N={r['N']}: floor {r['floor_s'] * 1e3:.2f} ms, stages 0-3 {ratios}x")
+    ok = all(r["stages_bit_identical"] and "gpu" in r["device"] for r in recs)
+    return {"check": label + " (stages bit-identical)", "ok": ok, "detail": "; ".join(parts)}
+
+
+def check_torch(out: Path) -> dict:
+    label = "the GPT under PyTorch beside zerompi (parity, then step times)"
+    recs = _load(out / "bench_torch.json")
+    if recs is None:
+        log = (out / "bench_torch.log").read_text() if (out / "bench_torch.log").exists() else ""
+        absent = "not installed" in log
+        return {"check": label, "ok": absent, "detail": "PyTorch with CUDA is not installed here" if absent else
+                "no records"}
+    parts = []
+    for r in recs:
+        st = r.get("step_s", {})
+        parts.append(f"{r['model']}: torch fp32 {st.get('torch_fp32', float('nan')) * 1e3:.2f} / bf16 "
+                     f"{st.get('torch_bf16', float('nan')) * 1e3:.2f} ms, zerompi/torch fp32 "
+                     f"{r.get('zerompi_over_torch_fp32', float('nan')):.2f}x, bf16 "
+                     f"{r.get('zerompi_over_torch_bf16', float('nan')):.2f}x"
+                     + (f" (skipped: {r['skipped']})" if r.get("skipped") else ""))
+    return {"check": label, "ok": all(r["parity"]["ok"] for r in recs), "detail": "; ".join(parts)}
 
 
 def check_bench_adam(out: Path) -> dict:
@@ -120,9 +208,11 @@ def summarize(out: Path) -> dict:
     st = status(out)
     checks = [check_pytest(out, st)] + check_parity(out) + [
         check_bench_adam(out), check_bench_comm(out), check_bench_comm(out, "bench_nccl", "nccl"),
-        check_gpt(out), check_gpt(out, "gpt_nccl", "GPT over NCCL (30 steps)")]
+        check_gpt(out), check_gpt(out, "gpt_nccl", "GPT over NCCL (30 steps)"),
+        check_floor(out), check_torch(out)] + check_features(out)
     failed_steps = sorted(name for name, (rc, _) in st.items() if rc != 0)
-    return {"env": _load(out / "env.json"), "checks": checks, "failed_steps": failed_steps,
+    not_run = sorted(name for name, (rc, _) in st.items() if rc == -1)
+    return {"env": _load(out / "env.json"), "checks": checks, "failed_steps": failed_steps, "not_run": not_run,
             "seconds": sum(secs for _, secs in st.values()),
             "ok": all(c["ok"] for c in checks) and not failed_steps}
 
@@ -143,6 +233,8 @@ def main(argv=None) -> int:
         print(f"  {'ok  ' if c['ok'] else 'FAIL'}  {c['check']:<{width}}  {c['detail']}")
     if s["failed_steps"]:
         print(f"  failed steps: {', '.join(s['failed_steps'])} (logs in {out})")
+    if s["not_run"]:
+        print(f"  not run (the time budget was spent): {', '.join(s['not_run'])}")
     print("ALL PASSED" if s["ok"] else "SOME CHECKS FAILED")
     return 0 if s["ok"] else 1
 
