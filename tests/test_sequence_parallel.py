@@ -50,10 +50,11 @@ def test_sp_model_equals_the_full_model(n, tp):
 # checkpointing) and dp1 x tp2 x sp2, each ZeRO stage in one of them; 6 steps: stages 0-3 on dp1 x sp4.
 # Another in fp16, 6 steps, where every rank's gradients of step 2 are NaN (an injected fault on rank 1):
 # stages 0-3 on dp2 x sp2 skip that step and lower the loss scale as pure dp does.
+EVAL = ["--eval-every", "25"]     # the held-out loss: each SP rank evaluates its chunk of its DP rank's rows
 RUNS = {
-    ("dp", "plain"): flags("plain", 1), ("dp", "clip+micro"): flags("clip+micro", 2),
+    ("dp", "plain"): flags("plain", 1, extra=EVAL), ("dp", "clip+micro"): flags("clip+micro", 2),
     ("sp2", "plain"): flags("plain", 3, sp=2), ("sp2", "clip+micro"): flags("clip+micro", 0, sp=2),
-    ("sp4", "plain"): flags("plain", 2, sp=4),
+    ("sp4", "plain"): flags("plain", 2, sp=4, extra=EVAL),
     ("sp4", "clip+micro"): flags("clip+micro", 1, sp=4, extra=["--checkpoint-activations"]),
     ("tp2-sp2", "clip+micro"): flags("clip+micro", 3, sp=2, tp=2),
     ("dp", "short"): flags("clip+micro", 1, steps=SHORT),
@@ -90,6 +91,8 @@ def test_dp_x_sp_equals_pure_dp(runs):
             m, ref = runs[(mesh, option)], runs[("dp", option)]
             assert len(m["losses"]) == STEPS and worst(m["losses"], ref["losses"]) <= 1e-5, (mesh, option)
             assert m["losses"][-1] < 0.9 * m["losses"][0]          # it trains
+    val, ref = runs[("sp4", "plain")]["val_losses"], runs[("dp", "plain")]["val_losses"]
+    assert [s for s, _ in val] == [s for s, _ in ref] == [25, 50] and worst([v for _, v in val], [v for _, v in ref]) <= 1e-5
     for s in range(4):
         assert worst(runs[("sp4-stage", s)]["losses"], runs[("dp", "short")]["losses"]) <= 1e-5
     assert sorted(runs[(mesh, o)]["stage"] for mesh, o in runs if o in OPTIONS and mesh != "dp") == [0, 1, 2, 3, 3]
