@@ -348,8 +348,8 @@ def test_conversion_path_names(any_lib):
 def test_kernel_sources_found_from_checkout():
     assert kernels_dir() == ROOT / "kernels"
     assert sorted(p.name for p in kernels_dir().iterdir() if p.suffix in (".h", ".c", ".cu")) == \
-        ["adamw_math.h", "bf16_cpu.h", "cuda_half.h", "fused_adamw.cu", "fused_adamw_cpu.c", "gpt_cpu.c",
-         "gpt_cpu_body.h", "quant_math.h", "quantize.cu", "quantize_cpu.h"]
+        ["adamw_math.h", "bf16_cpu.h", "checksum_cpu.c", "cuda_half.h", "fused_adamw.cu", "fused_adamw_cpu.c",
+         "gpt_cpu.c", "gpt_cpu_body.h", "quant_math.h", "quantize.cu", "quantize_cpu.h"]
 
 
 def test_build_is_cached_and_keyed_by_flags(cache, lib):

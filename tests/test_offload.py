@@ -1,4 +1,4 @@
-"""ZeRO-Offload / ZeRO-Infinity (engine/offload.py): the optimizer state in host memory or files,
+"""ZeRO-Offload / ZeRO-Infinity (engine/offload/): the optimizer state in host memory or files,
 stage 3's parameter shard in a file. The oracle is the same run without offload: the final
 parameters must be equal bit for bit (cpu and nvme, stages 1-3, fp16 and fp32, micro-batches,
 clip, N = 1..3), and through the staged Communicator's host transfers, whose "device" arrays
@@ -114,7 +114,7 @@ def test_offload_dir_is_checked_at_start(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="is not a folder"):
         ZeroEngine(layers, ZeroConfig(stage=2, offload_optimizer="nvme", offload_dir=str(not_a_dir)))
     monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10, 10, 100))
-    with pytest.raises(ConfigError, match="has 100 bytes free; this rank's offload files need 768"):
+    with pytest.raises(ConfigError, match="has 100 bytes free; this rank's offload files need 4,864"):
         ZeroEngine(layers, ZeroConfig(stage=2, offload_optimizer="nvme", offload_dir=str(tmp_path)))
 
 

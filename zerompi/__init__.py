@@ -32,7 +32,7 @@ __version__ = "0.1.0"
 
 _PUBLIC = {
     "ZeroEngine": "zerompi.engine.zero_engine",
-    "StepResult": "zerompi.engine.zero_engine",
+    "StepResult": "zerompi.engine.step",
     "ZeroConfig": "zerompi.engine.config",
     "FlatLayout": "zerompi.layout",
     "BucketState": "zerompi.engine.gatherer",

@@ -257,7 +257,7 @@ def snapshot(engine, host: Optional[np.ndarray] = None) -> np.ndarray:
 
 def _live_row(engine, name: str):
     """An optimizer row as it lives: on a device the array itself (copied into pinned memory by the
-    caller), else a host array (the row itself, or from a file a copy: engine/offload.py)."""
+    caller), else a host array (the row itself, or from a file a copy: engine/offload/)."""
     rows = engine.optimizer.rows
     return rows.read(name) if getattr(rows, "place", None) == "device" else engine.optimizer.read_row(name)
 

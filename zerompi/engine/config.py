@@ -132,7 +132,7 @@ class ZeroConfig:
     quant_block: int = DEFAULT_BLOCK
     """Elements per quantization block (one float32 scale each): a power of two >= 8."""
     offload_optimizer: str = "none"
-    """Where the fp32 master and Adam moments live (stages 1-3; engine/offload.py): "none" (with the
+    """Where the fp32 master and Adam moments live (stages 1-3; engine/offload/): "none" (with the
     parameters), "cpu" (host memory; the update runs there; on the CPU device the normal path) or
     "nvme" (files under offload_dir, streamed bucket by bucket through a few host buffers)."""
     offload_params: str = "none"

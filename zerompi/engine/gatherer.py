@@ -19,8 +19,9 @@ from ..comm.quantized import QuantizedGather, quantization
 from ..errors import UsageError
 from ..optim import impl
 from .offload import ParamFile, check_dir
+from .offload.owner import HEADER_BYTES
 from .contract import GatherLog
-from .schedule import Phase, prefetch_window, visits_after
+from .phase import Phase, prefetch_window, visits_after
 
 
 class BucketState(Enum):
@@ -51,9 +52,9 @@ class ParameterGatherer:
         self.param_file = None           # stage 3, offload_params="nvme": the stored shard in a file
         if config.offload_params == "nvme":
             n = layout.shard_numel * np.dtype(dtype).itemsize
-            check_dir(config.offload_dir, n)
+            check_dir(config.offload_dir, HEADER_BYTES + n)
             self.param_file = ParamFile(config.offload_dir, f"zerompi-params-rank{rank}-pid{os.getpid()}.bin",
-                                        layout.shard_numel, dtype)
+                                        [b.shard_slice for b in layout.buckets], dtype, rank)
             ledger.count("params", n, "disk")
             self.params = None
         else:

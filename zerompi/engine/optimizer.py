@@ -5,7 +5,7 @@ Stage 0 keeps them for the whole model, stages 1-3 for this rank's slice of ever
 initial arrays, updates one bucket's slice at a time, and gathers the whole master for a
 caller that asks for the parameters by name.
 
-Where the rows live is engine/offload.py's: on the device (the update runs there, through
+The rows live where engine/offload/ keeps them: on the device (the update runs there, through
 ``optim.impl``: the fused kernel or the NumPy reference, same bits), in host memory
 (``offload_optimizer="cpu"``) or in a file (``"nvme"``). Offloaded, the update runs on the
 host with the C kernel (the same bits as the CUDA one): a bucket's reduced gradient is
@@ -22,6 +22,7 @@ from ..optim import dtypes, impl
 from ..optim.reference import AdamWScalars, adamw_scalars
 from .decay import exempt_runs, pieces
 from .offload import ArrayRows, FileRows, check_dir
+from .offload.owner import HEADER_BYTES
 
 F32 = np.float32
 
@@ -38,10 +39,10 @@ class ShardedAdamW:
         self.no_decay = exempt_runs(layout, config.no_decay, config.stage, slot)   # rows with no weight decay
         mode = config.offload_optimizer
         if mode == "nvme":
-            largest = max(b.slice_numel for b in layout.buckets)
-            check_dir(config.offload_dir, 12 * n)
-            self.rows = FileRows(config.offload_dir, f"zerompi-optimizer-rank{rank}-pid{os.getpid()}.bin", n, largest,
-                                 len(layout.buckets), lambda k: ledger.alloc("buffers", k, F32, place="host"))
+            check_dir(config.offload_dir, HEADER_BYTES + 12 * n)
+            self.rows = FileRows(config.offload_dir, f"zerompi-optimizer-rank{rank}-pid{os.getpid()}.bin",
+                                 [b.shard_slice for b in layout.buckets],
+                                 lambda k: ledger.alloc("buffers", k, F32, place="host"), rank)
             ledger.count("optimizer", 12 * n, "disk")
         else:
             place = "host" if mode == "cpu" else "device"

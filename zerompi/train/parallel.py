@@ -15,7 +15,7 @@ def make_mesh(cfg, comm, placement):
     if placement is not None and placement.xp is not np:
         flag = f"tp={cfg.zero.tp}" if cfg.zero.tp > 1 else f"sp={cfg.zero.sp}"
         raise ConfigError(f"{flag} runs on the CPU only for now; use --device cpu")
-    return Mesh(comm, cfg.zero.tp, cfg.zero.node_size, sp=cfg.zero.sp)
+    return Mesh(comm, cfg.zero.tp, sp=cfg.zero.sp, node_size=cfg.zero.node_size)
 
 
 def build_model(cfg, mesh, xp=np):

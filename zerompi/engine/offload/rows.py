@@ -1,5 +1,5 @@
-"""Where the optimizer state lives (ZeRO-Offload, ZeRO-Infinity): the rows of the fp32 master and
-the Adam moments, and stage 3's stored parameter shard, behind one small interface.
+"""Where the optimizer state lives: the rows of the fp32 master and the Adam moments, and stage 3's
+stored parameter shard, behind one small interface.
 
 - :class:`ArrayRows` keeps the three rows as arrays: on the device (no offload), or in host
   memory (``offload_optimizer="cpu"``, pinned when the device is a GPU).
@@ -10,91 +10,29 @@ the Adam moments, and stage 3's stored parameter shard, behind one small interfa
   optimizer memory is three buckets' rows, not 12 Psi / N.
 - :class:`ParamFile` keeps stage 3's stored parameter shard in a file (``offload_params="nvme"``).
 
-A failed or short read or write raises OffloadError (a JobError: the CLI prints one line)
-naming the file, what was read or written, and the step. The files are scratch: made when
-the engine starts, removed when it closes; checkpoints hold the state (checkpoint/).
+The files are files.OffloadFile: every read checked against what was written, a failure an
+OffloadError naming the file, the record (row and bucket) and the step. A record is one
+bucket's slice of one row; whole-row reads and writes go record by record.
 """
-import os
-import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..errors import ConfigError, JobError
+from .files import OffloadFile
 
 F32 = np.float32
 ROW_NAMES = ("master", "exp_avg", "exp_avg_sq")
 
 
-class OffloadError(JobError):
-    """A read or write of an offload file failed."""
-
-
-def check_dir(path: str, need: int) -> None:
-    """ConfigError unless ``path`` is a writable folder with ``need`` bytes free (checked at start)."""
-    if not path:
-        raise ConfigError("offload to nvme needs offload_dir (--offload-dir DIR): a folder for the state files")
-    if not os.path.isdir(path):
-        raise ConfigError(f"offload_dir={path!r} is not a folder; create it or name another")
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(f"offload_dir={path!r} is not writable; name a folder this job can write")
-    free = shutil.disk_usage(path).free
-    if free < need:
-        raise ConfigError(f"offload_dir={path!r} has {free:,} bytes free; this rank's offload files need {need:,}")
-
-
-class _File:
-    """A preallocated scratch file and positioned, all-or-nothing reads and writes of arrays."""
-
-    def __init__(self, directory: str, name: str, nbytes: int):
-        self.path = os.path.join(directory, name)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            if nbytes:
-                os.posix_fallocate(self.fd, 0, nbytes)
-        except OSError as e:
-            self.close()
-            raise ConfigError(f"cannot make the offload file {self.path} of {nbytes:,} bytes: {e.strerror}") from None
-        self.step = None               # the step an error names (set by the engine's parts)
-
-    def _fail(self, what: str, offset: int, nbytes: int, why: str):
-        return OffloadError(f"offload file {self.path}: {what} of {nbytes:,} bytes at {offset:,} failed at step "
-                            f"{self.step}: {why}; every rank stops (the last checkpoint stays loadable)")
-
-    def read(self, out: np.ndarray, offset: int) -> None:
-        view = memoryview(out.reshape(-1).view(np.uint8))
-        done = 0
-        while done < len(view):
-            try:
-                got = os.preadv(self.fd, [view[done:]], offset + done)
-            except OSError as e:
-                raise self._fail("read", offset, len(view), e.strerror) from None
-            if got == 0:
-                raise self._fail("read", offset, len(view), f"the file ends after {done:,} bytes (was it truncated?)")
-            done += got
-
-    def write(self, src: np.ndarray, offset: int) -> None:
-        view = memoryview(np.ascontiguousarray(src).reshape(-1).view(np.uint8))
-        done = 0
-        while done < len(view):
-            try:
-                done += os.pwritev(self.fd, [view[done:]], offset + done)
-            except OSError as e:
-                raise self._fail("write", offset, len(view), e.strerror) from None
-
-    def sync(self) -> None:
-        os.fsync(self.fd)
-
-    def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-            try:
-                os.unlink(self.path)
-            except OSError:
-                pass
+def records(slices: Sequence[slice], sl: slice, n: int):
+    """The record slices (of ``slices``, the buckets' shard slices in order) that make up ``sl`` of a
+    row of ``n`` elements; ``sl`` must be a run of whole records."""
+    start, stop, _ = sl.indices(n)
+    inside = [(i, r) for i, r in enumerate(slices) if start <= r.start and r.stop <= stop and r.start < r.stop]
+    assert sum(r.stop - r.start for _, r in inside) == stop - start, (sl, slices)
+    return inside
 
 
 class ArrayRows:
@@ -135,24 +73,26 @@ class ArrayRows:
 class FileRows:
     """The three rows in one file (row-major), streamed through three sets of host buffers.
 
-    ``alloc(n)``: a host float32 array (the ledger's, counted under "buffers" on the host);
-    ``largest``: the longest slice a step fetches; ``slices``: how many there are (one set of
-    buffers per slice when there are fewer than three: streaming needs several buckets)."""
+    ``slices``: the buckets' shard slices in order (the records; the row is their union);
+    ``alloc(n)``: a host float32 array (the ledger's, counted under "buffers" on the host); one
+    set of buffers per bucket when there are fewer than three (streaming needs several buckets)."""
 
     streamed = True
 
-    def __init__(self, directory: str, name: str, n: int, largest: int, slices: int, alloc):
+    def __init__(self, directory: str, name: str, slices: Sequence[slice], alloc, rank: int):
         self.place = "disk"
-        self.n = n
-        self.file = _File(directory, name, 3 * 4 * n)
-        sets = max(1, min(3, slices))
+        self.slices = list(slices)
+        self.n = n = self.slices[-1].stop if self.slices else 0
+        self.file = OffloadFile(directory, name, 3 * 4 * n, rank)
+        largest = max((sl.stop - sl.start for sl in self.slices), default=0)
+        sets = max(1, min(3, len(self.slices)))
         self._sets = [[alloc(largest) for _ in ROW_NAMES] for _ in range(sets)]
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerompi-offload")
         self._free = list(range(sets))
         self._pending: Dict[int, object] = {}   # buffer set -> the future that must finish before reuse
         self._reads: Dict[Tuple[int, int], Tuple[int, object]] = {}   # slice -> (set, read future)
         self._order: List[slice] = []
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()           # the moments start as the file's zeros (a record never written)
 
     # ---- the step: slices in order, one read ahead ----------------------------------------
     def at_step(self, step: int) -> None:
@@ -179,9 +119,14 @@ class FileRows:
         bufs = [b[:sl.stop - sl.start] for b in self._sets[s]]
         self._reads[self._key(sl)] = (s, self._io.submit(self._read_rows, sl, bufs))
 
+    def _where(self, r: int, sl: slice) -> Tuple[int, str]:
+        """(data byte offset, the record's name) of row r's slice ``sl`` (one record)."""
+        b = next((i for i, x in enumerate(self.slices) if x.start == sl.start), None)
+        return 4 * (r * self.n + sl.start), f"{ROW_NAMES[r]} of bucket {b} (elements {sl.start:,}..{sl.stop:,})"
+
     def _read_rows(self, sl: slice, bufs) -> None:
         for r, buf in enumerate(bufs):
-            self.file.read(buf, 4 * (r * self.n + sl.start))
+            self.file.read(buf, *self._where(r, sl))
 
     def fetch(self, sl: slice):
         """The rows of ``sl`` in host buffers (read ahead), the next slice's read started."""
@@ -206,7 +151,7 @@ class FileRows:
 
     def _write_rows(self, sl: slice, bufs) -> None:
         for r, buf in enumerate(bufs):
-            self.file.write(buf, 4 * (r * self.n + sl.start))
+            self.file.write(buf, *self._where(r, sl))
 
     def end(self) -> None:
         """Every write-back done (errors raised here, naming the file)."""
@@ -223,12 +168,17 @@ class FileRows:
     def read(self, name: str, sl: slice = slice(None)) -> np.ndarray:
         start, stop, _ = sl.indices(self.n)
         out = np.empty(stop - start, F32)
-        self.file.read(out, 4 * (ROW_NAMES.index(name) * self.n + start))
+        r = ROW_NAMES.index(name)
+        for _, rec in records(self.slices, sl, self.n):
+            self.file.read(out[rec.start - start:rec.stop - start], *self._where(r, rec))
         return out
 
     def write(self, name: str, sl: slice, values) -> None:
-        start, stop, _ = sl.indices(self.n)
-        self.file.write(np.asarray(values, F32).reshape(-1), 4 * (ROW_NAMES.index(name) * self.n + start))
+        start, _, _ = sl.indices(self.n)
+        values = np.asarray(values, F32).reshape(-1)
+        r = ROW_NAMES.index(name)
+        for _, rec in records(self.slices, sl, self.n):
+            self.file.write(values[rec.start - start:rec.stop - start], *self._where(r, rec))
 
     def close(self) -> None:
         self._io.shutdown(wait=True)
@@ -236,24 +186,33 @@ class FileRows:
 
 
 class ParamFile:
-    """Stage 3's stored parameter shard in a file (``offload_params="nvme"``)."""
+    """Stage 3's stored parameter shard in a file (``offload_params="nvme"``), a record per bucket
+    (``slices``: the buckets' shard slices in order)."""
 
-    def __init__(self, directory: str, name: str, n: int, dtype):
-        self.dtype, self.n = np.dtype(dtype), n
-        self.file = _File(directory, name, n * self.dtype.itemsize)
+    def __init__(self, directory: str, name: str, slices: Sequence[slice], dtype, rank: int):
+        self.dtype, self.slices = np.dtype(dtype), list(slices)
+        self.n = self.slices[-1].stop if self.slices else 0
+        self.file = OffloadFile(directory, name, self.n * self.dtype.itemsize, rank)
 
     def at_step(self, step: int) -> None:
         self.file.step = step
 
+    def _records(self, sl: slice):
+        for b, rec in records(self.slices, sl, self.n):
+            yield rec, rec.start * self.dtype.itemsize, f"params of bucket {b} (elements {rec.start:,}..{rec.stop:,})"
+
     def read(self, sl: slice, out: Optional[np.ndarray] = None) -> np.ndarray:
         start, stop, _ = sl.indices(self.n)
         out = np.empty(stop - start, self.dtype) if out is None else out
-        self.file.read(out, start * self.dtype.itemsize)
+        for rec, offset, what in self._records(sl):
+            self.file.read(out[rec.start - start:rec.stop - start], offset, what)
         return out
 
     def write(self, sl: slice, values) -> None:
         start, _, _ = sl.indices(self.n)
-        self.file.write(np.asarray(values, self.dtype), start * self.dtype.itemsize)
+        values = np.asarray(values, self.dtype).reshape(-1)
+        for rec, offset, what in self._records(sl):
+            self.file.write(values[rec.start - start:rec.stop - start], offset, what)
 
     def close(self) -> None:
         self.file.close()
