@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.mpirun import ROOT, mpi_env, mpiexec, run_mpi, run_train
+from tests.mpirun import ROOT, kill_tree, mpi_env, mpiexec, rank_pids, run_mpi, run_train, still_alive
 from tests.test_checkpoint import SMALL, checkpoint_cli, reassemble, snapshot
 
 TRAIN = ["-m", "zerompi.train"]
@@ -340,16 +340,19 @@ def test_two_real_jobs_into_one_save_dir(tmp_path):
     first = subprocess.Popen([mpiexec(), "-n", "2", sys.executable, *TRAIN, *SMALL, "--steps", "3",
                               "--timeout-s", "60", "--save-dir", str(ck)], cwd=str(ROOT), env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    ranks = {}
     try:
         deadline = time.monotonic() + 60
         while not (ck / ".zerompi.lock").exists() and time.monotonic() < deadline and first.poll() is None:
             time.sleep(0.2)
         assert (ck / ".zerompi.lock").exists()
+        ranks = rank_pids(first.pid, 2, b"zerompi.train")
         proc = run_mpi(2, [*TRAIN, *SMALL, "--steps", "1", "--save-dir", ck, "--overwrite"], timeout=60, check=False)
         assert proc.returncode == 2 and "in use by another job" in proc.stderr, proc.stderr
     finally:
-        os.killpg(first.pid, 9)
-        first.wait(timeout=30)
+        kill_tree(first)           # the launcher and its ranks: os.killpg left Open MPI's hung rank 1 running
+    left = still_alive(ranks.values())
+    assert not left, f"ranks {left} of the killed job still run"
 
 
 def test_a_missing_or_broken_latest_names_the_complete_checkpoints(good, tmp_path):

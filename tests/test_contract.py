@@ -13,7 +13,7 @@ import pytest
 import zerompi
 from tests.mpirun import ROOT, run_mpi
 from zerompi import ConfigError, UsageError, ZeroConfig, ZeroEngine
-from zerompi.comm.communicator import MAX_BLOCK, block_layout
+from zerompi.comm.blocks import MAX_BLOCK, block_layout
 from zerompi.engine.faults import GradientGuard, _all_finite
 from zerompi.errors import NonFiniteError
 

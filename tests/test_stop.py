@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.mpirun import ROOT, launcher, mpi_env, mpiexec, one_line, run_mpi
+from tests.mpirun import ROOT, kill_tree, launcher, mpi_env, mpiexec, one_line, rank_pids, run_mpi
 from zerompi.comm.watchdog import StopSignal
 from zerompi.errors import ConfigError
 from zerompi.train.config import TrainConfig, parse_config
@@ -38,7 +38,8 @@ class Job:
         self.out = tmp_path / "out.txt"
         cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "zerompi.train", *SMALL, *map(str, flags)]
         with open(self.out, "w") as f:
-            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=mpi_env(), cwd=str(ROOT))
+            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=mpi_env(), cwd=str(ROOT),
+                                         start_new_session=True)
 
     def text(self) -> str:
         return self.out.read_text(errors="replace")
@@ -54,44 +55,12 @@ class Job:
             return self.proc.wait(timeout=LIMIT)
         finally:
             if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
+                kill_tree(self.proc)             # the launcher and every rank (tests/mpirun.py)
 
     def rank_pids(self, n: int) -> dict:
-        """{rank: pid} of the job's ranks: the launcher's descendants that are zerompi.train (Linux /proc)."""
-        end = time.monotonic() + LIMIT
-        while True:
-            found = {}
-            for pid in _descendants(self.proc.pid):
-                try:
-                    cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-                    env = dict(item.split(b"=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-                               if b"=" in item)
-                except OSError:
-                    continue
-                rank = next((env[k] for k in (b"PMI_RANK", b"OMPI_COMM_WORLD_RANK", b"PMIX_RANK") if k in env), None)
-                if b"zerompi.train" in cmd and rank is not None:
-                    found[int(rank)] = pid
-            if len(found) == n:
-                return found
-            assert time.monotonic() < end, (found, self.text())
-            time.sleep(0.1)
+        """{rank: pid} of the job's ranks (tests/mpirun.py: rank_pids)."""
+        return rank_pids(self.proc.pid, n, b"zerompi.train", LIMIT)
 
-
-def _descendants(root: int) -> list:
-    children = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [root]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        out += kids
-        todo += kids
-    return out
 
 
 def assert_stopped_and_saved(text: str, rc: int, ck: Path, by: str) -> int:

@@ -264,18 +264,26 @@ def test_public_mesh_groups_and_tp_all_reduce():
         assert bad == "tp=4 does not divide node_size=2; a tensor-parallel group must sit inside one node"
 
 
-@pytest.mark.parametrize("kind", ["raise", "hang"])
-def test_a_failing_rank_ends_the_whole_tp_job(kind):
-    """Data-parallel rank 1 (world ranks 2 and 3) raises or hangs at step 2: every rank ends, the hang by the
-    watchdog (the TP all-reduce waits are timed too), well before the test's timeout."""
+@pytest.mark.parametrize("n, kind", [(4, "raise"), (4, "hang"), (2, "raise")])
+def test_a_failing_rank_ends_the_whole_tp_job(n, kind):
+    """ZEROMPI_FAULT's rank is the world rank, also under TP: world rank 1 (TP rank 1 of data-parallel
+    group 0) raises or hangs at step 2, and no other rank; every rank ends, the hang by the watchdog
+    (the TP all-reduce waits are timed too), well before the test's timeout. The rank was matched
+    against the data-parallel rank: at N = 2 it never fired (exit 0), at N = 4 it fired on ranks 2 and 3."""
     import os
     import time
     env = {k: v for k, v in os.environ.items() if k != "ZEROMPI_FAULT"}
     env["ZEROMPI_FAULT"] = f"{kind}@rank1:step2"
     t = time.perf_counter()
-    proc = run_mpi(4, ["-m", "zerompi.train", "--model", "mlp", "--width", "32", "--depth", "4", "--batch", "8",
+    proc = run_mpi(n, ["-m", "zerompi.train", "--model", "mlp", "--width", "32", "--depth", "4", "--batch", "8",
                        "--steps", "4", "--tp", "2", "--timeout-s", "5"], timeout=90, env=env, check=False)
     assert proc.returncode != 0 and time.perf_counter() - t < 60, (proc.returncode, proc.stderr[-2000:])
-    # The hang: the watchdog of a waiting rank names the collective (its own line; MPI_Abort's text is the launcher's).
-    assert ("injected fault" in proc.stderr) if kind == "raise" else \
-        any("collective timeout" in line for line in zerompi_lines(proc.stderr + proc.stdout))
+    lines = zerompi_lines(proc.stderr + proc.stdout)
+    if kind == "raise":     # the abort hook names the failing world rank
+        failed = [line for line in lines if line.endswith(" failed:")]
+        assert failed == ["zerompi: rank 1 failed:"], proc.stderr[-2000:]
+        assert "injected fault 'raise' on rank 1 at step 2" in proc.stderr
+    else:                   # the fault says it fired, once; a waiting rank's watchdog names the collective
+        fired = [line for line in lines if line.startswith("zerompi: injected fault 'hang' on rank 1 at step 2")]
+        assert len(fired) == 1, proc.stderr[-2000:]
+        assert any("collective timeout" in line and not line.startswith("zerompi: rank 1:") for line in lines), lines

@@ -17,7 +17,9 @@ class UsageError(RuntimeError):
 
 class JobError(Exception):
     """Raised on every rank at the same point, from values the ranks agreed on (an all-reduce),
-    so no rank is left waiting in a collective: the CLI prints it once and every rank exits."""
+    so no rank is left waiting in a collective: the CLI prints it once and every rank exits.
+    The CLI checks that they did (:func:`end_together`): one raised on some ranks only ends the
+    job within ERROR_AGREEMENT_S with that rank's line."""
 
 
 class MismatchError(JobError, ConfigError):
@@ -67,6 +69,7 @@ EXIT_TIMEOUT = 3   # exit status of a job a collective watchdog aborted (docs/fa
 EXIT_OUTPUT = 1    # the work is done, but an output file could not be written (docs/failures.md)
 EXIT_CLOSED_STDOUT = 141   # stdout was closed under a tool (``| head -1``): the shell's status for SIGPIPE
 START_TIMEOUT_S = 30.0     # seconds the ranks wait for each other in the start-up agreement
+ERROR_AGREEMENT_S = 5.0    # seconds a rank that caught a job error waits for every rank to report one too
 
 
 def check(cond: bool, message: str) -> None:
@@ -171,6 +174,41 @@ def agree_on_errors(comm, error, prog: str, timeout_s: float = START_TIMEOUT_S) 
 
 
 _REPORT_TAG, _VERDICT_TAG = 0x7A51, 0x7A52   # the start-up agreement's messages (COMM_WORLD, point to point)
+_ERROR_TAG = 0x7A53                          # end_together's messages
+
+
+def end_together(comm, error: BaseException, prog: str, timeout_s: Optional[float] = None) -> None:
+    """Return once every rank of ``comm`` has caught an error too, else end the job with this one.
+
+    ``error``: what this rank caught and expects every rank to raise at the same point (a JobError, a
+    CheckpointError), so that the caller prints it once and every rank exits. Whatever its class, it
+    may have been raised on this rank alone (a read of this rank's own file failed): the others then
+    wait in a collective, and only an abort frees them. So every rank that calls this reports to every
+    other rank and waits ``timeout_s`` for all their reports; when one is missing, it prints its own
+    line, ``PROG: error (rank R): ...``, and ends the job with the error's status (2 for a
+    ConfigError, else 1). ``timeout_s`` None: ERROR_AGREEMENT_S. A second call for the same error
+    returns at once.
+    """
+    if getattr(error, "zerompi_together", False) or comm.Get_size() == 1:
+        return
+    timeout_s = ERROR_AGREEMENT_S if timeout_s is None else timeout_s
+    rank, size = comm.Get_rank(), comm.Get_size()
+    requests = [comm.isend(rank, dest=r, tag=_ERROR_TAG) for r in range(size) if r != rank]
+    heard, deadline = set(), time.monotonic() + timeout_s
+    from mpi4py import MPI
+    status = MPI.Status()
+    while len(heard) < size - 1:
+        if comm.Iprobe(source=MPI.ANY_SOURCE, tag=_ERROR_TAG, status=status):
+            heard.add(comm.recv(source=status.Get_source(), tag=_ERROR_TAG))
+        elif time.monotonic() > deadline:
+            missing = [r for r in range(size) if r != rank and r not in heard]
+            sys.stderr.write(f"{prog}: error (rank {rank}): {error} ({_ranks(missing)} did not raise it within "
+                             f"{timeout_s:g} s: it was raised on {_ranks(sorted(heard | {rank}))} only; ending the job)\n")
+            abort_job(comm, 2 if isinstance(error, ConfigError) else 1)
+        else:
+            time.sleep(0.002)
+    MPI.Request.waitall(requests)
+    error.zerompi_together = True
 
 
 def agree_on_start(comm, error, prog: str, timeout_s: float = START_TIMEOUT_S) -> Optional[int]:

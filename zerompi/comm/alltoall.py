@@ -26,6 +26,8 @@ from .group import GroupComm
 class SPComm(GroupComm):
     """The all-to-all of the sequence-parallel group (rank, size, all_to_all, counters)."""
 
+    kind = "sp"
+
     def all_to_all(self, x: np.ndarray, scatter: int, gather: int, out: Optional[np.ndarray] = None,
                    send: Optional[np.ndarray] = None, recv: Optional[np.ndarray] = None,
                    op: str = "sp_all_to_all") -> np.ndarray:

@@ -5,14 +5,9 @@ by a local fp32 sum in rank order: MPI has no fp16 sum, the fixed order makes re
 deterministic and identical in every stage, and on the MPICH wheel it measured as fast as
 ``Reduce_scatter_block`` (docs/bench.md). all-gather is ``Allgather`` in place. all-reduce is reduce-scatter then
 all-gather, so its bits equal a reduce-scatter's. Every operation is counted: calls, bytes
-sent by this rank, and seconds.
-
-Counts: a slice travels as ONE element of a contiguous derived datatype ("block") of the
-slice's length, so every count and displacement MPI sees is a rank number, whatever the
-bucket's size (byte counts overflow a C int past 2 GiB). :func:`block_layout` is that
-arithmetic. Every public call checks its arguments' dtypes and lengths (UsageError).
+sent by this rank, and seconds. How slices travel (one block datatype per slice) and the
+argument checks of every public call (UsageError) are in comm/blocks.py.
 """
-import ctypes
 import time
 from collections import defaultdict
 from typing import Callable, Dict, Optional
@@ -22,103 +17,8 @@ from mpi4py import MPI
 
 from ..errors import UsageError
 from ..optim import impl
-from ..optim.dtypes import is_bf16
-from .watchdog import WaitRecord
-
-F32 = np.float32
-DTYPES = (np.dtype(np.float16), np.dtype(np.float32))   # what the collectives sum
-MOVED = DTYPES + (np.dtype(np.uint8),)                  # what the all-gather moves (uint8: quantized wire blocks)
-MAX_BLOCK = 2 ** 31 - 1    # elements in one slice: the block datatype's count is a C int
-_WORD = {1: "BYTE", 2: "UINT16_T", 4: "UINT32_T", 8: "UINT64_T"}   # MPI moves bits: an integer type of the same size
-
-
-def block_layout(size: int, rank: int, k: int):
-    """Alltoallv's (send counts, send displacements, receive counts, receive displacements),
-    in blocks of one slice (``k`` elements): one block to and from every peer, none to
-    ``rank`` itself, the received blocks packed in rank order without a gap for ``rank``.
-    Every number is at most ``size``, so nothing overflows at any slice size up to
-    MAX_BLOCK elements (UsageError beyond)."""
-    if not 0 < k <= MAX_BLOCK:
-        raise UsageError(f"a slice of {k:,} elements is not allowed; use 1 .. {MAX_BLOCK:,} elements per rank "
-                         "(smaller buckets: ZeroConfig.bucket_mb)")
-    counts = [0 if r == rank else 1 for r in range(size)]
-    return counts, list(range(size)), counts, [r - (r > rank) for r in range(size)]
-
-
-def check_flat(what: str, arr, size: int, dtypes=DTYPES) -> None:
-    """UsageError unless ``arr`` is a C-contiguous array of ``dtypes`` (and bfloat16, which every
-    collective here takes: sums run in float32) whose length splits into ``size`` slices."""
-    dt = getattr(arr, "dtype", None)
-    if dt not in dtypes and not (dt is not None and is_bf16(dt)):
-        raise UsageError(f"{what}: an array of {dt if dt is not None else type(arr).__name__} is not allowed; "
-                         f"use a {' or '.join([d.name for d in dtypes] + ['bfloat16'])} array")
-    if not arr.flags.c_contiguous:
-        raise UsageError(f"{what}: the array is not contiguous; pass a contiguous array (np.ascontiguousarray)")
-    if arr.size == 0 or arr.size % size:
-        raise UsageError(f"{what}: {arr.size} elements do not split into {size} equal slices; "
-                         f"use a length that is a positive multiple of {size}")
-
-
-class RecvRows:
-    """A reduce-scatter's receive buffer: the N-1 peers' slices (none for this rank), and
-    the N rows the local sum reads in rank order, the own slice's slot filled per call.
-
-    ``addrs`` holds the rows' addresses for the C sum (a ctypes array), so that a call
-    costs one address lookup, not one per row. Pooled by the Communicator and owned by one
-    in-flight reduce-scatter at a time.
-    """
-
-    __slots__ = ("array", "wire", "rows", "addrs", "rank", "nbytes")
-
-    def __init__(self, size: int, rank: int, k: int, dtype):
-        self.array = np.empty((size - 1, k), dtype)     # peer r < rank in row r, r > rank in row r - 1
-        self.wire = _bytes_view(self.array)              # what MPI receives into
-        self.rank = rank
-        self.nbytes = self.array.nbytes
-        peers = list(self.array)
-        self.rows = peers[:rank] + [None] + peers[rank:]
-        self.addrs = (ctypes.c_void_p * size)(*[0 if r is None else r.ctypes.data for r in self.rows])
-
-    def with_own(self, mine, address: int) -> "RecvRows":
-        """Put the own slice (``mine``, at ``address``) in its slot; returns self."""
-        self.rows[self.rank] = mine
-        self.addrs[self.rank] = address
-        return self
-
-    def drop_own(self) -> None:
-        self.rows[self.rank] = None     # do not keep the caller's buffer alive from the pool
-
-
-class OpStats:
-    """Per-operation counters of one rank: calls, bytes sent (split by where the peer is), seconds."""
-
-    __slots__ = ("calls", "bytes", "intra", "inter", "logical", "seconds")
-
-    def __init__(self):
-        self.calls = 0      # operations started
-        self.bytes = 0      # bytes this rank sent on the wire (intra + inter)
-        self.intra = 0      # of them, to peers on this rank's node
-        self.inter = 0      # of them, to peers on other nodes
-        self.logical = 0    # what they would have been unquantized (= bytes when nothing is quantized)
-        self.seconds = 0.0  # wall seconds spent in blocking calls and in wait()
-
-    def sent(self, block: int, peers, logical: int = None) -> None:
-        """Count ``block`` bytes to each of ``peers`` = (peers on this node, peers on other nodes);
-        ``logical``: the block's unquantized size (default ``block``)."""
-        self.intra += block * peers[0]
-        self.inter += block * peers[1]
-        self.bytes += block * (peers[0] + peers[1])
-        self.logical += (block if logical is None else logical) * (peers[0] + peers[1])
-
-    def as_dict(self) -> dict:
-        return {"calls": self.calls, "bytes": self.bytes, "intra": self.intra, "inter": self.inter,
-                "logical": self.logical, "seconds": self.seconds}
-
-
-def _bytes_view(arr) -> np.ndarray:
-    """The array's memory as a flat uint8 view (MPI moves bits; the dtype does not matter)."""
-    return arr.reshape(-1).view(np.uint8)
-
+from .blocks import WORD, DTYPES, MOVED, OpStats, RecvRows, block_layout, check_flat, sum_table
+from .watchdog import WaitRecord, guard_job
 
 class Handle:
     """An in-flight collective. Keeps its buffers alive until wait(); wait() is idempotent."""
@@ -163,9 +63,16 @@ class Communicator:
     sub-communicators of a topology count into one table and are timed by one watchdog).
     ``node_of``: the node of every rank of ``mpi_comm`` (None: all on one node), so that the
     bytes sent are counted per level: to peers on this node (intra) and on others (inter).
+
+    In a job of several ranks, a Communicator made without ``share`` also guards its job, as an
+    engine does (docs/failures.md): its own collective :attr:`watchdog` (``timeout_s`` seconds in one
+    wait, None: ZEROMPI_TIMEOUT_S or 300 s), the abort hook (an uncaught exception on any rank ends
+    every rank; ``abort_on_exception=False`` leaves ``sys.excepthook`` alone) and the launcher check
+    (comm/launcher.py). An engine over it times its waits with its own config's timeout instead.
     """
 
-    def __init__(self, mpi_comm=None, share: Optional["Communicator"] = None, node_of=None):
+    def __init__(self, mpi_comm=None, share: Optional["Communicator"] = None, node_of=None,
+                 timeout_s: Optional[float] = None, abort_on_exception: bool = True):
         self.mpi = mpi_comm if mpi_comm is not None else MPI.COMM_WORLD
         self.rank = self.mpi.Get_rank()   # this process
         self.size = self.mpi.Get_size()   # ranks in the data-parallel group
@@ -181,6 +88,7 @@ class Communicator:
         self.scratch_bytes = 0            # bytes of receive buffers currently allocated
         self.peak_scratch_bytes = 0
         self.waiting = share.waiting if share is not None else WaitRecord()   # what this rank is blocked in
+        self.watchdog = share.watchdog if share is not None else guard_job(self, timeout_s, abort_on_exception)
         self._layouts: Dict[int, tuple] = {}   # slice elements -> block_layout (a bucket's shape repeats every step)
         self._types: Dict[tuple, object] = {}  # (slice elements, itemsize) -> committed block datatype
         self._wire_pool: Dict[int, list] = {}  # bytes -> quantized send buffers (qgZ), kept for reuse
@@ -218,7 +126,7 @@ class Communicator:
         blk = self._types.get(key)
         if blk is None:
             layout = self._layouts.get(k) or self._layouts.setdefault(k, block_layout(self.size, self.rank, k))
-            blk = self._types[key] = (getattr(MPI, _WORD[itemsize]).Create_contiguous(k).Commit(), layout)
+            blk = self._types[key] = (getattr(MPI, WORD[itemsize]).Create_contiguous(k).Commit(), layout)
         return blk
 
     def free_types(self) -> None:
@@ -377,14 +285,21 @@ class Communicator:
         return {"intra": sum(s.intra for s in ops), "inter": sum(s.inter for s in ops)}
 
 
+def as_communicator(comm, timeout_s: Optional[float] = None, abort_on_exception: bool = True):
+    """``comm`` itself when it is a Communicator or has its interface (staging.StagedCommunicator),
+    else a new Communicator over the mpi4py communicator ``comm`` (None: COMM_WORLD) guarded with
+    these settings (an engine's: its config's timeout and abort_on_exception)."""
+    if hasattr(comm, "ireduce_scatter"):
+        return comm
+    return Communicator(comm, timeout_s=timeout_s, abort_on_exception=abort_on_exception)
+
+
+def world_rank() -> int:
+    """This process's rank in the job (MPI.COMM_WORLD): what the launcher, the fault injector and
+    every rank's own lines number (a sub-communicator's rank is another number)."""
+    return MPI.COMM_WORLD.Get_rank()
+
+
 def mpi_library() -> str:
     """First line of the MPI library's version string, e.g. 'MPICH Version: 4.2.0'."""
     return " ".join(MPI.Get_library_version().splitlines()[0].split())
-
-
-def sum_table(table: np.ndarray) -> np.ndarray:
-    """The rows of a gather_scalars table summed in rank order (the same bits on every rank)."""
-    total = table[0].copy()
-    for r in range(1, table.shape[0]):
-        total += table[r]
-    return total

@@ -10,12 +10,14 @@ from typing import Dict
 
 import numpy as np
 
-from .communicator import OpStats, sum_table
+from .blocks import OpStats, sum_table
 from .watchdog import WaitRecord
 
 
 class GroupComm:
     """One group of the mesh: ``mpi`` (mpi4py), ``rank``/``size`` in it, ``stats`` {op: OpStats}."""
+
+    kind = "group"      # what its waits are named by: tp, sp
 
     def __init__(self, mpi_comm, waiting=None):
         self.mpi = mpi_comm
@@ -29,7 +31,8 @@ class GroupComm:
         if self.size == 1:
             return local.copy()
         table = np.empty((self.size, local.size), np.float64)
-        self.mpi.Allgather(local, table)
+        with self.waiting(f"{self.kind}_sum_scalars"):
+            self.mpi.Allgather(local, table)
         return sum_table(table)
 
     def bytes_sent(self) -> int:

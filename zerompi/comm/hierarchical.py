@@ -21,7 +21,8 @@ import time
 import numpy as np
 
 from ..errors import UsageError
-from .communicator import MOVED, Communicator, check_flat
+from .blocks import MOVED, check_flat
+from .communicator import Communicator
 
 
 class TwoLevelHandle:

@@ -47,6 +47,8 @@ AXES = ("tp", "sp", "dp", "pp")      # the mesh's axes, innermost (adjacent rank
 class TPComm(GroupComm):
     """The tensor-parallel group's collectives: a deterministic all-reduce of any float array."""
 
+    kind = "tp"
+
     def __init__(self, mpi_comm, waiting=None):
         super().__init__(mpi_comm, waiting)
         self._scratch: Dict[tuple, np.ndarray] = {}
@@ -94,17 +96,19 @@ class Mesh:
     ``dp_rank``, ``pp_rank`` (this rank's coordinates); ``ranks`` (this stage's TP groups' world ranks,
     in order); ``tp_ranks``, ``sp_ranks``, ``zero_ranks``, ``pp_ranks`` (the world ranks of this rank's
     groups: the pipeline's one of each stage); the communicators ``tp_comm`` / ``tp_mpi``, ``sp_comm``
-    / ``sp_mpi``, ``zero_comm`` / ``zero_mpi`` (counting into ``comm``'s table when ``comm`` is a
-    Communicator), ``pp_comm`` / ``pp_mpi``, and ``stage_mpi`` (this pipeline stage's ranks: what an
-    engine of this stage must agree with; the world itself when pp = 1).
+    / ``sp_mpi``, ``zero_comm`` / ``zero_mpi`` (counting into ``comm``'s table), ``pp_comm`` / ``pp_mpi``,
+    and ``stage_mpi`` (this pipeline stage's ranks: what an engine of this stage must agree with; the
+    world itself when pp = 1). Every wait of them is timed by ``comm``'s watchdog (a Communicator is made
+    over an mpi4py ``comm``: its watchdog, abort hook and launcher check guard the mesh's collectives, as
+    an engine's guard its own).
     """
 
     def __init__(self, comm=None, tp: int = 1, *, sp: int = 1, pp: int = 1, node_size: Optional[int] = None):
-        share = comm if isinstance(comm, Communicator) else None
-        world = comm.mpi if share is not None else (comm if comm is not None else MPI.COMM_WORLD)
+        world = comm.mpi if isinstance(comm, Communicator) else (comm if comm is not None else MPI.COMM_WORLD)
         n = world.Get_size()
+        share = comm if isinstance(comm, Communicator) else Communicator(world)   # its watchdog times the waits
         # Agreed first: a rank with another size would split into groups the others never join.
-        check_consistent(share if share is not None else world, "mesh", {"tp": tp, "sp": sp, "pp": pp})
+        check_consistent(share, "mesh", {"tp": tp, "sp": sp, "pp": pp})
         check_mesh(n, tp, pp, node_size, sp=sp)
         self.world, self.tp, self.sp, self.pp, self.dp = world, tp, sp, pp, n // (tp * sp * pp)
         self.node_size = node_size

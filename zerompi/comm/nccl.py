@@ -26,7 +26,8 @@ import numpy as np
 from ..errors import UsageError
 from ..optim.dtypes import bfloat16
 from ..optim.reference import sum_rows_reference
-from .communicator import Communicator, check_flat
+from .blocks import check_flat
+from .communicator import Communicator
 
 F32 = np.dtype(np.float32)
 

@@ -20,7 +20,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..errors import UsageError
-from .communicator import OpStats
+from .blocks import OpStats
 from .watchdog import WaitRecord
 
 

@@ -21,10 +21,11 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from contextlib import nullcontext
 from typing import Callable, Optional
 
-from ..errors import EXIT_TIMEOUT, ConfigError, abort_job
+from ..errors import EXIT_TIMEOUT, ConfigError, abort_job, install_abort_hook
 
 DEFAULT_TIMEOUT_S = 300.0           # seconds one collective may wait before the job is aborted
 TIMEOUT_ENV = "ZEROMPI_TIMEOUT_S"   # overrides DEFAULT_TIMEOUT_S (a --timeout-s flag overrides both)
@@ -58,12 +59,16 @@ class WaitRecord:
     ``with record(op, tag):`` around a blocking wait; ``current`` is ``(op, tag, since)``
     while inside (``since`` from time.monotonic) and None otherwise. Nested waits keep the
     outer one. One assignment per enter and exit: cheap enough for every wait.
+
+    ``watchdogs``: the open :class:`Watchdog` s of this record, oldest first; only the newest
+    times it (a Communicator's own, then an engine's with its config's timeout over it).
     """
 
-    __slots__ = ("current", "_next", "_depth")
+    __slots__ = ("current", "watchdogs", "_next", "_depth", "__weakref__")
 
     def __init__(self):
         self.current = None   # (op, tag, since) while blocked, else None
+        self.watchdogs = []   # open watchdogs of this record, oldest first: the last one times it
         self._next = None     # (op, tag) of the wait about to be entered
         self._depth = 0       # nesting depth (the outermost wait is the one timed)
 
@@ -121,31 +126,50 @@ class Watchdog:
     ends the job (default: MPI Abort on ``mpi_comm``, or os._exit where that is unsafe).
     Checks every min(1 s, timeout_s / 10) (at least MIN_INTERVAL_S apart), so it fires within
     10% (or 1 s) of the timeout. ``timeout_s`` None: :func:`default_timeout_s`, read now.
+
+    Several may watch one record (a Communicator's own, and an engine's over the same
+    Communicator): the newest open one times it, the older ones wait until it is closed. The
+    thread holds the record weakly: it ends once nothing else uses the record.
     """
 
     def __init__(self, record: WaitRecord, timeout_s: Optional[float], rank: int, mpi_comm=None,
                  step: Callable[[], Optional[int]] = lambda: None, abort: Optional[Callable[[int], None]] = None):
-        self.record = record
         self.timeout_s = float(default_timeout_s() if timeout_s is None else timeout_s)   # seconds one wait may last
         self.rank = rank
         self.fired: Optional[str] = None    # the message, once it has fired
+        self._record = weakref.ref(record)
         self._step = step
         self._abort = abort or (lambda code: abort_job(mpi_comm, code))
         self._stop = threading.Event()
+        record.watchdogs.append(self)
         self._thread = threading.Thread(target=self._run, name="zerompi-watchdog", daemon=True)
         self._thread.start()
+
+    @property
+    def record(self) -> Optional[WaitRecord]:
+        """The record this watchdog times (None once nothing uses it any more)."""
+        return self._record()
 
     def _run(self) -> None:
         interval = min(1.0, max(MIN_INTERVAL_S, self.timeout_s / 10))
         while not self._stop.wait(interval):
-            entry = self.record.current
-            if entry is None:
-                continue
-            op, tag, since = entry
-            waited = time.monotonic() - since
-            if waited >= self.timeout_s and self.record.current is entry:
-                self._fire(op, tag, waited)
+            if self._check():
                 return
+
+    def _check(self) -> bool:
+        """One look at the record (held only during the look); True once the thread is done."""
+        record = self._record()
+        if record is None:
+            return True
+        entry = record.current if record.watchdogs[-1:] == [self] else None   # the newest one times it
+        if entry is None:
+            return False
+        op, tag, since = entry
+        waited = time.monotonic() - since
+        if waited >= self.timeout_s and record.current is entry:
+            self._fire(op, tag, waited)
+            return True
+        return False
 
     def _fire(self, op: str, tag, waited: float) -> None:
         try:
@@ -162,10 +186,30 @@ class Watchdog:
         self._abort(EXIT_TIMEOUT)
 
     def close(self, wait: bool = False) -> None:
-        """Stop the thread; it ends within one check interval (``wait``: join it)."""
+        """Stop the thread; it ends within one check interval (``wait``: join it). An older watchdog
+        of the same record times it again."""
         self._stop.set()
+        record = self._record()
+        if record is not None and self in record.watchdogs:
+            record.watchdogs.remove(self)
         if wait and self._thread is not threading.current_thread():
             self._thread.join()
+
+
+def guard_job(comm, timeout_s: Optional[float], abort_on_exception: bool = True) -> Optional[Watchdog]:
+    """What a Communicator made on its own (without ``share``) does in a job of several ranks, so
+    that its collectives end as an engine's do: the abort hook (``abort_on_exception``), the launcher
+    check (comm/launcher.py) and a collective watchdog over ``comm``'s waits (returned). None in a job
+    of one rank: there is nothing to wait for."""
+    from mpi4py import MPI
+    from . import launcher
+    world = MPI.COMM_WORLD
+    if world.Get_size() == 1:
+        return None
+    if abort_on_exception:
+        install_abort_hook(world)
+    launcher.watch(world.Get_rank())
+    return Watchdog(comm.waiting, timeout_s, world.Get_rank(), comm.mpi)
 
 
 def fired() -> Optional[str]:

@@ -28,8 +28,8 @@ from typing import Dict, List, Mapping, Sequence, Tuple
 
 import numpy as np
 
-from ..comm.consistency import rank_set
-from ..comm.consistency import check_consistent
+from ..comm.communicator import world_rank
+from ..comm.consistency import check_consistent, rank_set
 from ..comm.watchdog import Watchdog, watched
 from ..errors import ConfigError, MismatchError, UsageError
 from ..optim import dtypes
@@ -45,9 +45,10 @@ def start_guards(engine):
     """(faults.GradientGuard, comm.watchdog.Watchdog) of a new engine: before its first collective
     that depends on the config the watchdog starts, then every rank must have the same config,
     layers and topology (comm/consistency.py; MismatchError on every rank otherwise)."""
-    guard = GradientGuard(engine.rank, engine.dtype, engine.config.max_skipped_steps, fault_from_env())
+    rank = world_rank()           # what the fault's rankR and every rank's own lines number (not the DP rank under TP)
+    guard = GradientGuard(rank, engine.dtype, engine.config.max_skipped_steps, fault_from_env())
     me = weakref.ref(engine)      # the thread must not keep a forgotten engine alive
-    dog = Watchdog(engine.comm.waiting, engine.config.timeout_s, engine.rank, engine.comm.mpi,
+    dog = Watchdog(engine.comm.waiting, engine.config.timeout_s, rank, engine.comm.mpi,
                    step=lambda: me().steps_taken + 1)
     weakref.finalize(engine, dog.close)
     try:

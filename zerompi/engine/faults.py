@@ -1,6 +1,7 @@
 """Faults inside a step: injected ones (tests) and non-finite gradients (detected).
 
 Injection: the environment variable ZEROMPI_FAULT=KIND@rankR:stepS[:POINT] makes rank R
+(the job's rank, MPI.COMM_WORLD's: under tensor parallelism too, not the data-parallel rank)
 fail at step S (1-based, as in the progress lines), at POINT:
 
     backward  (the default) at the first gradients it hands back in step S (the backward of
@@ -109,7 +110,7 @@ class GradientGuard:
     """Per-engine fault state: the injected fault, where non-finite gradients appeared, skip counts."""
 
     def __init__(self, rank: int, dtype, max_skipped_steps: int, fault: Optional[Fault] = None):
-        self.rank = rank
+        self.rank = rank               # this process's world rank: the one a fault names
         self.fp16 = np.dtype(dtype) == np.float16          # fp16 skips non-finite steps; fp32 and bf16 stop
         self.name = "fp32" if np.dtype(dtype) == np.float32 else "bf16" if not self.fp16 else "fp16"
         self.limit = range_limit(dtype)                     # |g| >= limit is inf once stored

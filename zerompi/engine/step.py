@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..checkpoint import collective as checkpoint
-from ..comm.communicator import sum_table
+from ..comm.blocks import sum_table
 from ..errors import ConfigError, UsageError
 from . import contract
 from .phase import Phase

@@ -13,7 +13,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-from ..comm.communicator import sum_table
+from ..comm.blocks import sum_table
 from ..comm.consistency import check_consistent, rank_set
 from ..comm.mesh import Mesh
 from ..comm.watchdog import watched

@@ -24,7 +24,7 @@ from typing import Dict, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from ..checkpoint import collective as checkpoint
-from ..comm.communicator import Communicator
+from ..comm.communicator import as_communicator
 from ..comm.staging import device_transfers
 from ..comm.topology import arrange, topology_of
 from ..comm.watchdog import watched
@@ -74,8 +74,7 @@ class ZeroEngine:
         self.mesh = mesh_of(comm, self.config)
         self.tp = TensorParallel.of(self.mesh, self.config, tp_split, {n: np.shape(a) for _, p in pairs for n, a in p.items()})
         comm = self.mesh.zero_comm if self.mesh else comm
-        # A Communicator, or one with its interface (staging.StagedCommunicator); else an mpi4py communicator.
-        self.comm = comm if hasattr(comm, "ireduce_scatter") else Communicator(comm)
+        self.comm = as_communicator(comm, self.config.timeout_s, self.config.abort_on_exception)
         self.xp = xp
         self.rank, self.world_size = self.comm.rank, self.comm.size
         self.optimizer_impl = impl.use_impl(self.config.optimizer_impl, xp, verbose=self.rank == 0)  # "fused"/"numpy"

@@ -6,18 +6,17 @@ TrainConfig live in config.py, the banner, final metrics and tables in report.py
 """
 import sys
 import time
-from contextlib import closing
 from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
 from ..errors import (EXIT_OUTPUT, EXIT_TIMEOUT, ConfigError, HelpRequested, JobError, OutputError, agree_on_errors,
-                      agree_on_start, install_abort_hook)
+                      agree_on_start, end_together, install_abort_hook)
 from ..engine.faults import fault_from_env
 from .config import TrainConfig, parse_config
 from .history import StepLog
 from ..comm import watchdog
-from ..comm.watchdog import StopSignal, Watchdog
+from ..comm.watchdog import StopSignal
 
 def build_model(cfg: TrainConfig, xp=np, mesh=None):
     """(model, data) for cfg.model; the GPT computes on ``xp`` (the MLP's NumPy calls dispatch to CuPy);
@@ -60,10 +59,8 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
     from ..comm.staging import device_communicator
     from ..checkpoint.collective import CheckpointError
 
-    comm = Communicator(mpi_comm)
-    # The engine's watchdog starts with the engine and times every later wait; this one times the check.
-    with closing(Watchdog(comm.waiting, cfg.zero.timeout_s, comm.rank, comm.mpi)):
-        check_consistent(comm, "train", job_fields(cfg))   # ranks given other flags stop here, not in a collective
+    comm = Communicator(mpi_comm, timeout_s=cfg.zero.timeout_s)   # its watchdog times every wait (the engine's too)
+    check_consistent(comm, "train", job_fields(cfg))   # ranks given other flags stop here, not in a collective
     cfg.check_world(comm.size)
     xp = placement.xp if placement is not None else np
     mesh = None
@@ -84,7 +81,8 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
     floor = data.entropy_floor if cfg.model == "gpt" else None   # nats/token; None: a user's file, or the MLP
     try:
         log = _run_steps(cfg, engine, comm, model, data, floor, start, stop)
-    except (JobError, CheckpointError):    # raised on every rank together: --trace keeps what there is
+    except (JobError, CheckpointError) as e:   # meant to be raised on every rank together: --trace keeps what there is
+        end_together(comm.mpi, e, "zerompi.train")   # ... else this rank's line ends the job, before the trace's collective
         if engine.trace is not None:
             engine.trace.close()
         raise
@@ -250,7 +248,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     from ..checkpoint.collective import CheckpointError
     try:
         train(cfg, stop=StopSignal(cfg.stop_file if comm.Get_rank() == 0 else None), placement=placement)
-    except (CheckpointError, JobError) as e:   # raised on every rank together: no rank is left in a collective
+    except (CheckpointError, JobError) as e:   # raised on every rank together: no rank is left in a collective ...
+        end_together(comm, e, "zerompi.train")   # ... or on some only: that rank's line ends the job within seconds
         if comm.Get_rank() == 0:
             sys.stderr.write(f"zerompi.train: error: {e}\n")
             sys.stderr.flush()
