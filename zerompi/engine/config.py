@@ -143,6 +143,9 @@ class ZeroConfig:
     step k + 1 are taken at the parameters before update k (staleness one step; docs/offload.md)."""
     offload_dir: Optional[str] = None
     """The folder of the offload files (needed by "nvme"; checked at start for room)."""
+    offload_io: str = "direct"
+    """How the optimizer's file is read and written: "direct" (O_DIRECT: the device moves the rows, no
+    copy through the page cache; buffered where the filesystem refuses it, as tmpfs does) or "buffered"."""
     init_values: str = "check"
     """The initial parameter values: "check" (every rank must pass the same; a difference stops every
     rank, naming the parameter and the ranks) or "broadcast" (rank 0's values are used on every rank)."""
@@ -218,6 +221,8 @@ class ZeroConfig:
                                                                  or self.offload_optimizer == "cpu"),
               f"offload_delayed_update={self.offload_delayed_update!r} needs offload_optimizer='cpu' (the update runs "
               "on the host while the device computes the next step)")
+        check(self.offload_io in ("direct", "buffered"), f"offload_io={self.offload_io!r} is not allowed; use "
+                                                         "direct or buffered")
         nvme = "nvme" in (self.offload_optimizer, self.offload_params)
         check(not nvme or bool(self.offload_dir), "offload to nvme needs offload_dir (--offload-dir DIR): a "
                                                   "folder for the state files")

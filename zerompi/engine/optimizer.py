@@ -23,6 +23,7 @@ from ..optim.reference import AdamWScalars, adamw_scalars
 from .decay import exempt_runs, pieces
 from .offload import ArrayRows, FileRows, check_dir
 from .offload.owner import HEADER_BYTES
+from .offload.stream import file_bytes
 
 F32 = np.float32
 
@@ -38,12 +39,15 @@ class ShardedAdamW:
         self.ledger = ledger
         self.no_decay = exempt_runs(layout, config.no_decay, config.stage, slot)   # rows with no weight decay
         mode = config.offload_optimizer
-        if mode == "nvme":
-            check_dir(config.offload_dir, HEADER_BYTES + 12 * n)
-            self.rows = FileRows(config.offload_dir, f"zerompi-optimizer-rank{rank}-pid{os.getpid()}.bin",
-                                 [b.shard_slice for b in layout.buckets],
-                                 lambda k: ledger.alloc("buffers", k, F32, place="host"), rank)
+        if mode == "nvme":     # two generations of the rows when the folder has room (offload/stream.py)
+            slices = [b.shard_slice for b in layout.buckets]
+            free = check_dir(config.offload_dir, HEADER_BYTES + file_bytes(slices, 1))
+            generations = 2 if free >= HEADER_BYTES + file_bytes(slices, 2) else 1
+            self.rows = FileRows(config.offload_dir, f"zerompi-optimizer-rank{rank}-pid{os.getpid()}.bin", slices,
+                                 lambda k: ledger.alloc("buffers", k, F32, place="host"), rank, generations,
+                                 config.offload_io == "direct")
             ledger.count("optimizer", 12 * n, "disk")
+            ledger.count("buffers", 12 * n * (generations - 1), "disk")     # the spare generation
         else:
             place = "host" if mode == "cpu" else "device"
             self.rows = ArrayRows(lambda k: ledger.alloc("optimizer", k, F32, place=place), n, place)
@@ -90,14 +94,15 @@ class ShardedAdamW:
     # ---- the update ----------------------------------------------------------------------
     def step(self, parts, s: AdamWScalars, after=None) -> None:
         """AdamW on every ``(rows slice, reduced grad, stored-param out)`` of ``parts``, in order;
-        ``after(i)`` runs after part i (the engine publishes that bucket and moves MPI on)."""
+        ``after(i)`` runs after part i (the engine publishes that bucket and moves MPI on). With a
+        file, the rows of the last parts are still being written when it returns (offload/stream.py)."""
         parts = list(parts)
-        self.rows.begin([sl for sl, _, _ in parts])
+        self.rows.plan([sl for sl, _, _ in parts])
         for i, (sl, grad, param_out) in enumerate(parts):
             self.update(sl, grad, param_out, s)
+            self.rows.commit([sl])
             if after is not None:
                 after(i)
-        self.rows.end()
 
     # ---- the delayed update (offload_delayed_update) ------------------------------------------
     def launch(self, parts, s: AdamWScalars) -> None:
@@ -136,10 +141,13 @@ class ShardedAdamW:
         self._background = None
         return True
 
-    def update(self, sl, grad, param_out, s: AdamWScalars) -> None:
+    def update(self, sl, grad, param_out, s: AdamWScalars, background: bool = False) -> None:
         """AdamW on the rows ``[sl]`` from the reduced ``grad``; writes the new stored-dtype
-        parameters into ``param_out`` (an array, or a callable given the host result)."""
-        if self.trace is not None:
+        parameters into ``param_out`` (an array, or a callable given the host result) and puts the
+        rows back (not yet committed: see offload/stream.py). ``background``: in a thread of its own
+        (engine/in_backward.py), traced as such."""
+        t0 = self.trace.clock() if self.trace is not None else 0.0
+        if self.trace is not None and not background:
             self.trace.optimizer(sl)     # a span of the compute track, to the end of this update
         master, m, v = self.rows.fetch(sl)
         if not self.offloaded:          # the parameter shard in a file (offload_params alone): a buffer first
@@ -156,9 +164,9 @@ class ShardedAdamW:
             elif out is not param_out:
                 self.transfers.to_device(out, param_out)
                 self.transfers.synchronize()
-        self.rows.commit(sl)
+        self.rows.put(sl)
         if self.trace is not None:
-            self.trace.pop()
+            self.trace.background(sl, t0) if background else self.trace.pop()
 
     def _adamw(self, fn, sl, master, m, v, grad, param_out, s: AdamWScalars) -> None:
         """``fn`` (an AdamW implementation) on rows ``[sl]``, each run of the weight-decay groups
@@ -211,6 +219,11 @@ class ShardedAdamW:
             for g, s in enumerate(group.slots):
                 values[s * k:(s + 1) * k] = table[g]
             yield bucket, values
+
+    def plan_next(self, slices, step: int) -> None:
+        """The order of step ``step``'s update (rows read ahead from a file now, behind the forward)."""
+        self.rows.at_step(step)
+        self.rows.plan(list(slices))
 
     def close(self) -> None:
         self.wait()

@@ -57,6 +57,8 @@ class GradientReducer:
         self._next = len(layout.buckets) - 1       # the bucket whose reduction starts next (the fixed order)
         self.held: List[int] = []                  # complete buckets waiting for their turn
         self.micro = 0                             # micro-batches completed since the last step
+        self.on_final = None                       # on_final(b): bucket b's reduced shard is final (engine/in_backward.py)
+        self._final = set()                        # buckets whose reduction in flight is their last of the step
 
     # ---- where the gradients are -------------------------------------------------
     def grad_slice(self, b: int) -> np.ndarray:
@@ -65,6 +67,11 @@ class GradientReducer:
         if self.config.stage < 2:
             return self.grads[bucket.world_slice(self.slot)]
         return self.grads[bucket.shard_slice]
+
+    def final_slice(self, b: int) -> np.ndarray:
+        """Where bucket b's reduced gradient shard is once its last reduction is done (stages 0/1 with
+        micro-batches: the accumulator, moved into grad_slice(b) by collect())."""
+        return self.accum[self.layout.buckets[b].shard_slice] if self.accum is not None else self.grad_slice(b)
 
     def reduced_slices(self) -> List[np.ndarray]:
         return [self.grad_slice(b.index) for b in self.layout.buckets]
@@ -160,6 +167,8 @@ class GradientReducer:
         if self.config.stage < 2:          # the whole local gradient, reduced in place: the padding joins the
             send[bucket.used:] = 0         # sum and must be zero (qgZ's sum of a block with an inf wrote NaN there)
         tag = (b, step)            # what a watchdog message names
+        if self.micro == self.config.micro_batches - 1:
+            self._final.add(b)
         # Bound the reductions in flight: each pins a staging bucket and a receive buffer, and
         # without a cap a slow network would let stages 2/3 hold the whole local gradient.
         while len(self.handles) >= MAX_PENDING_REDUCES:
@@ -175,6 +184,10 @@ class GradientReducer:
         self.inflight.finish(self.handles.pop(b))
         if b in self.staging:
             self.pool.give(self.staging.pop(b))
+        if b in self._final:
+            self._final.discard(b)
+            if self.on_final is not None:
+                self.on_final(b)
 
     def finish_all(self) -> None:
         for b in list(self.handles):

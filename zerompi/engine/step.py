@@ -99,6 +99,7 @@ def finish(engine, pending: PendingStep, totals: Optional[Sequence[float]] = Non
     overflow = nonfinite > 0 or not math.isfinite(sumsq)
     engine.steps_taken += 1
     if overflow:   # fp32, or too many fp16 skips in a row: NonFiniteError on every rank, nothing updated
+        engine.in_backward.take_back()     # updates begun in the backward (engine/in_backward.py) set back first
         engine.guard.on_skip(engine.steps_taken, engine.comm, grads, scale, engine.optimizer.master)
         engine.scaler.update(True)
         engine._end_step()
@@ -108,6 +109,7 @@ def finish(engine, pending: PendingStep, totals: Optional[Sequence[float]] = Non
     coef = clip / (norm + 1e-6) if clip > 0 and norm > clip else 1.0
     engine.step_count += 1
     _update(engine, lay, grads, engine.optimizer.scalars(pending.lr, engine.step_count, coef / scale))
+    engine.in_backward.after_step(pending.lr, coef)
     engine.gatherer.parameters_changed()
     engine.scaler.update(False)
     engine._end_step()
@@ -115,24 +117,34 @@ def finish(engine, pending: PendingStep, totals: Optional[Sequence[float]] = Non
 
 
 def _update(engine, lay, grads, s) -> None:
-    """AdamW on the shard with scalars ``s``, and the stored parameters published (stages 1/2 behind it)."""
+    """AdamW on the shard with scalars ``s``, and the stored parameters published (stages 1/2 behind it):
+    the delayed update (after its warm-up) starts update k behind the next step; stage 0 updates the
+    whole model; updates begun in the backward with these very scalars are kept (engine/in_backward.py);
+    else bucket by bucket."""
     stage, opt = engine.config.stage, engine.optimizer
     if stage == 0:
         with engine.timers.blocking("all_gather (stage 0)"):
             engine.reducer.all_gather(engine.steps_taken)
+    publish = stage in (1, 2)
     if opt.delayed:     # publish update k - 1 (its master), start update k behind the next step
         opt.wait()
         if opt.unpublished:
             engine.publish_params()
         opt.launch([(bk.shard_slice, grads[bk.index], None) for bk in lay.buckets], s)
-    elif stage == 0:
+        return
+    if stage == 0:
         opt.update(slice(None), engine.reducer.grads, engine.gatherer.params, s)
+        return
+    if engine.in_backward.settle(s):
+        for bk in lay.buckets if publish else ():
+            engine.gatherer.start(bk.index, engine.steps_taken + 1)
+        engine.inflight.poll()
     else:
         def after(b):           # stages 1/2 publish bucket b behind the next buckets' update
-            if stage in (1, 2):
+            if publish:
                 engine.gatherer.start(b, engine.steps_taken + 1)
             engine.inflight.poll()
         opt.step([(bk.shard_slice, grads[bk.index], engine.gatherer.param_out(bk.index))
                   for bk in lay.buckets], s, after)       # + the stored copy
-        if not engine.config.lazy_publish:   # views taken before step() read new values, never a mix
-            engine.gatherer.finish_all()
+    if not engine.config.lazy_publish:   # views taken before step() read new values, never a mix
+        engine.gatherer.finish_all()

@@ -35,6 +35,7 @@ from . import contract, initial, step as stepping, trace, traffic
 from .buffers import BucketPool, plan_classes
 from .config import ZeroConfig
 from .gatherer import ParameterGatherer
+from .in_backward import UpdateInBackward
 from .inflight import InFlight
 from .loss_scale import DynamicLossScaler
 from .memory import MemoryLedger, memory_report
@@ -114,6 +115,7 @@ class ZeroEngine:
                                        self.inflight, pool, self.ledger, self.guard, self.dtype)
         self.optimizer = ShardedAdamW(self.layout, self.config, self.ledger, self.slot, self.rank, transfers)
         initial.load(self, pairs)        # each rank makes its own part (lazy: checked, engine/initial.py)
+        self.in_backward = UpdateInBackward(self)       # nvme: a bucket's update starts when its shard is final
         self.trace = trace.attach(self) if self.config.trace else None   # the timeline (engine/trace.py)
         self.publish_params(all_gather=True)
         # A program that ends without close() must not reach MPI_Finalize with collectives in flight.
@@ -228,6 +230,7 @@ class ZeroEngine:
         if self.config.stage == 3 and self.config.overlap:
             self.gatherer.prefetch_forward(self.steps_taken + 1)
         self._last_layer = None
+        self.optimizer.plan_next(self.in_backward.order(), self.steps_taken + 1)   # a file's rows: read ahead now
         self._enter(Phase.IDLE)
         if self.trace is not None:
             self.trace.step_done(self.steps_taken)
@@ -314,6 +317,7 @@ class ZeroEngine:
         self.gatherer.close()
         self.pool.clear()
         self.inflight.close()
+        self.in_backward.close()
         self.optimizer.close()
         for c in self._comms():
             c.free_scratch()

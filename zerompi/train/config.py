@@ -267,6 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offload-params", default=ZeroConfig.offload_params, metavar="none|nvme",
                    help="stage 3: keep the stored parameter shard in a file under --offload-dir")
     p.add_argument("--offload-dir", default=None, metavar="DIR", help="the folder of the offload files (nvme)")
+    p.add_argument("--offload-io", default=ZeroConfig.offload_io, metavar="direct|buffered",
+                   help="nvme: read and write the optimizer's file with O_DIRECT (direct, the default) or through "
+                        "the page cache (buffered)")
     p.add_argument("--offload-delayed-update", action="store_true",
                    help="with --offload-optimizer cpu: run step k's update behind step k+1 (one step stale)")
     p.add_argument("--tp", type=int, default=ZeroConfig.tp, metavar="K",
@@ -311,7 +314,7 @@ def parse_config(argv: Optional[List[str]] = None, environ=None) -> TrainConfig:
                           node_size=a.node_size, shard_size=a.shard_size, hpz=a.hpz, tp=a.tp, sp=a.sp,
                           quantize_weights=a.quantize_weights, quantize_grads=a.quantize_grads,
                           offload_optimizer=a.offload_optimizer,
-                          offload_params=a.offload_params, offload_dir=a.offload_dir,
+                          offload_params=a.offload_params, offload_dir=a.offload_dir, offload_io=a.offload_io,
                           offload_delayed_update=a.offload_delayed_update, trace=a.trace,
                           lazy_publish=True)   # the built-in models read parameters through unshard() every step
     except ConfigError as e:         # ZeroConfig names its fields; say the flag where its name differs

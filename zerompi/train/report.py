@@ -179,6 +179,7 @@ def final_metrics(cfg, engine, comm, log, entropy_floor, placement, activation=(
         "memory_bytes": mem,                       # maxima over ranks, as peak_buffer_bytes and comm_bytes_per_step
         "memory_bytes_by_place": engine.ledger.by_place(),   # rank 0's: device, host (offloaded), disk (files)
         "theory_bytes_by_place": engine.memory_report()["theory_by_place"],
+        "offload": engine.in_backward.stats(),    # rank 0's: updates begun in the backward, hashing seconds
         "theory_bytes": report["theory"],
         "theory_bytes_padded": report["theory_padded"],
         "peak_buffer_bytes": peak,

@@ -1,14 +1,15 @@
 """Offload (ZeRO-Offload, ZeRO-Infinity): the optimizer state in host memory or files, stage 3's
 parameter shard in a file (docs/offload.md).
 
-- rows.py: where the rows live (ArrayRows: arrays; FileRows: a file streamed bucket by
-  bucket; ParamFile: stage 3's parameter shard);
+- rows.py: where the rows live (ArrayRows: arrays; ParamFile: stage 3's parameter shard);
+- stream.py: FileRows, the rows in a file, two generations, streamed through a few buffers;
 - files.py: the files themselves, whose every read is checked against what was written;
 - owner.py: each file's owner, and the start-up check that removes the files of ended runs;
 - checksum.py: the records' hash (a small C kernel).
 """
 from .files import OffloadError, OffloadFile
 from .owner import check_dir
-from .rows import ROW_NAMES, ArrayRows, FileRows, ParamFile
+from .rows import ROW_NAMES, ArrayRows, ParamFile
+from .stream import FileRows
 
 __all__ = ["OffloadError", "OffloadFile", "check_dir", "ROW_NAMES", "ArrayRows", "FileRows", "ParamFile"]

@@ -139,9 +139,10 @@ def sweep(directory: str) -> Tuple[List[Tuple[str, int, str]], List[Tuple[str, i
     return removed, unknown
 
 
-def check_dir(path: str, need: int) -> None:
+def check_dir(path: str, need: int) -> int:
     """ConfigError unless ``path`` is a writable folder with ``need`` bytes free (checked at start), after
-    removing the offload files of ended runs there (``need`` > 0)."""
+    removing the offload files of ended runs there (``need`` > 0); returns the free bytes (0 when not
+    asked)."""
     if not path:
         raise ConfigError("offload to nvme needs offload_dir (--offload-dir DIR): a folder for the state files")
     if not os.path.isdir(path):
@@ -149,7 +150,7 @@ def check_dir(path: str, need: int) -> None:
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError(f"offload_dir={path!r} is not writable; name a folder this job can write")
     if need <= 0:
-        return
+        return 0
     _, unknown = sweep(path)
     free = shutil.disk_usage(path).free
     if free < need:
@@ -161,3 +162,4 @@ def check_dir(path: str, need: int) -> None:
                     f"over: {listed}{more}; remove those whose runs have ended")
         raise ConfigError(f"offload_dir={path!r} has {free:,} bytes free; this rank's offload files need "
                           f"{need:,}{held}")
+    return free
