@@ -9,6 +9,7 @@ import pytest
 
 from tests.mpirun import run_mpi
 from zerompi.estimate import machine
+from zerompi.estimate.activations import gpt_activation_bytes
 from zerompi.estimate.tensor import gpt_tp
 from zerompi.train import preflight
 from zerompi.train.config import parse_config
@@ -73,14 +74,17 @@ def test_a_job_that_fits_only_with_the_split_is_let_through(monkeypatch):
 
 
 def test_tp_attention_and_init_parts():
-    """The GPT's attention probabilities: n_head/K heads of batch/(N/K) sequences per TP rank; no initial
-    parameters (the models are lazy: no rank makes them whole); the MLP's teacher, whole."""
+    """The GPT's attention probabilities: n_head/K heads of batch/(N/K) sequences per TP rank (without TP, on
+    the CPU: all of its activations, by their formula); no initial parameters (the models are lazy: no rank
+    makes them whole); the MLP's teacher, whole."""
     flags = ["--model", "gpt", "--n-layer", "2", "--d-model", "32", "--n-head", "4", "--seq-len", "512",
              "--batch", "8", "--eval-every", "0"]
-    for k in (1, 2, 4):
+    for k in (2, 4):
         parts = preflight.memory_needed(parse_config(flags + ["--tp", str(k)]), 4)
         dp = 4 // k
         assert parts["attention probabilities"] == 4 * 2 * (8 // dp) * (4 // k) * 512 ** 2
+    whole = preflight.memory_needed(parse_config(flags), 4)["activations"]
+    assert whole == gpt_activation_bytes(2, 512, 32, 2, 4, 32)["total"] > 4 * 2 * 2 * 4 * 512 ** 2
     small = parse_config(GPT + ["--tp", "2"])
     assert list(preflight.memory_needed(small, 4)) == ["model states and buffers", "attention probabilities"]
     full = sum(preflight.layer_sizes(small))

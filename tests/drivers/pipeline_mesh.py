@@ -12,12 +12,12 @@ from zerompi.comm.mesh import check_mesh
 
 world = MPI.COMM_WORLD
 rank, n = world.Get_rank(), world.Get_size()
-specs = json.loads(sys.argv[1])          # [[tp, pp], ...] for this world size
+specs = json.loads(sys.argv[1])          # [[tp, sp, pp], ...] for this world size
 rows = []
-for tp, pp in specs:
-    m = zerompi.Mesh(tp=tp, pp=pp)
+for tp, sp, pp in specs:
+    m = zerompi.Mesh(tp=tp, sp=sp, pp=pp)
     # What each communicator holds, as world ranks in its own rank order.
-    members = {name: getattr(m, name + "_mpi").allgather(rank) for name in ("tp", "dp", "pp", "stage")}
+    members = {name: getattr(m, name + "_mpi").allgather(rank) for name in ("tp", "sp", "zero", "pp", "stage")}
     # Point-to-point: every stage sends its world rank (as 3 float32 values) to the next stage.
     got = None
     if pp > 1:
@@ -36,12 +36,12 @@ for tp, pp in specs:
         sent = pc.stats["activation"].bytes if "activation" in pc.stats else 0
     else:
         sent = 0
-    rows.append({"tp": tp, "pp": pp, "rank": rank, "coords": [m.tp_rank, m.dp_rank, m.pp_rank], "dp": m.dp,
-                 "ranks": m.ranks, "pp_ranks": m.pp_ranks, "members": members, "got": got, "sent": sent,
-                 "dp_comm": m.dp_comm.size, "describe": m.describe()})
+    rows.append({"tp": tp, "sp": sp, "pp": pp, "rank": rank, "coords": [m.tp_rank, m.sp_rank, m.dp_rank, m.pp_rank],
+                 "dp": m.dp, "ranks": m.ranks, "pp_ranks": m.pp_ranks, "members": members, "got": got, "sent": sent,
+                 "zero_comm": m.zero_comm.size, "zero_ranks": m.zero_ranks, "describe": m.describe()})
     if pp > 1 and tp == 1:
         # An engine per stage, each stage with its own layers (names and shapes differ between stages):
-        # ZeRO over the stage's data-parallel group, with no tensor-parallel split to give.
+        # ZeRO over the stage's data- (x sequence-) parallel group, with no tensor-parallel split to give.
         width = 4 + m.pp_rank
         layers = [(f"stage{m.pp_rank}", {f"w{m.pp_rank}": np.full((width,), 0.5, np.float32)})]
         eng = zerompi.ZeroEngine(layers, zerompi.ZeroConfig(stage=3, dtype="fp32", lr=0.1), comm=m)

@@ -17,6 +17,12 @@ from ..errors import ConfigError, RankParser, check
 from ..optim.impl import OPTIMIZER_IMPLS
 
 OPS = ("reduce_scatter", "all_gather", "all_reduce")
+SP_OPS = ("all_to_all",)                                      # --sp: sequence parallelism's exchange (bench/sequence.py)
+# --tp and --sp: (the group, its one collective, what it does, why it is not quantized, the Mesh's call)
+GROUPS = {"tp": ("tensor-parallel", "all_reduce", "all-reduces", "the engine never quantizes an all-reduce",
+                 "TP all-reduce"),
+          "sp": ("sequence-parallel", "all_to_all", "exchanges all-to-all", "the all-to-all travels unquantized",
+                 "SP all-to-all")}
 DTYPES = {"fp16": np.float16, "fp32": np.float32}
 IMPLS = ("zerompi", "mpi")                                   # --impl both
 QUANTIZED = {"zerompi-q8": 8, "zerompi-q4": 4}                # ZeRO++'s quantized collectives: bits (bench/quantized.py)
@@ -96,10 +102,15 @@ class BenchConfig:
     tp: Optional[int] = None
     """Measure the all-reduce over tensor-parallel groups of this many adjacent ranks instead
     (zerompi.Mesh's TP all-reduce, impl zerompi-tp, beside MPI's Allreduce on the group; bench/tensor.py)."""
+    sp: Optional[int] = None
+    """Measure the all-to-all over sequence-parallel groups of this many adjacent ranks instead (zerompi.Mesh's
+    SP all-to-all as attention calls it, impl zerompi-sp, beside MPI's Alltoall on the group; bench/sequence.py)."""
 
     def __post_init__(self):
         for op in self.ops:
-            check(op in OPS, f"op={op!r} is not allowed; use one of {', '.join(OPS)} or all")
+            check(op in OPS + SP_OPS, f"op={op!r} is not allowed; use one of {', '.join(OPS + SP_OPS)} or all")
+            check(op not in SP_OPS or self.sp is not None, f"op={op} needs --sp K: it is the exchange of "
+                                                           "sequence-parallel groups of K ranks")
         check(self.dtype in DTYPES, f"dtype={self.dtype!r} is not allowed; use fp16 or fp32")
         for impl in self.impls:
             check(impl in ALL_IMPLS, f"impl={impl!r} is not allowed; use {IMPL_CHOICES}")
@@ -124,34 +135,39 @@ class BenchConfig:
         check(self.warmup >= 0, f"warmup={self.warmup} must be >= 0")
         check(self.node_size is None or (isinstance(self.node_size, int) and self.node_size >= 1),
               f"node_size={self.node_size!r} must be a whole number of ranks >= 1")
-        if self.tp is not None:
-            self._check_tp()
+        check(self.tp is None or self.sp is None, f"sp={self.sp} and tp={self.tp} measure different tables "
+                                                  "(the all-to-all, the all-reduce); give one of --sp and --tp")
+        for name in ("tp", "sp"):
+            if getattr(self, name) is not None:
+                self._check_group(name)
         check(self.sum_impl in OPTIMIZER_IMPLS,
               f"sum_impl={self.sum_impl!r} is not allowed; use one of {', '.join(OPTIMIZER_IMPLS)}")
 
-    def _check_tp(self) -> None:
-        """With --tp: a group of 2 ranks or more, its all-reduce alone, unquantized, on the CPU, flat."""
-        k = self.tp
+    def _check_group(self, name: str) -> None:
+        """With --tp or --sp: a group of 2 ranks or more, its one collective alone, unquantized, on the CPU, flat."""
+        kind, op, does, unquantized, what = GROUPS[name]
+        k = getattr(self, name)
         check(isinstance(k, int) and not isinstance(k, bool) and k >= 1,
-              f"tp={k!r} must be a whole number of ranks >= 2")
-        check(k >= 2, f"tp={k} makes groups of one rank: there is no all-reduce to measure; use a group of 2 "
-                      "ranks or more")
-        other = [op for op in self.ops if op != "all_reduce"]
-        check(not other, f"op={other[0] if other else ''} has no --tp rows: a tensor-parallel group only "
-                         "all-reduces; use --op all_reduce (or leave --op out)")
+              f"{name}={k!r} must be a whole number of ranks >= 2")
+        check(k >= 2, f"{name}={k} makes groups of one rank: there is no {op.replace('_', '-')} to measure; use a "
+                      "group of 2 ranks or more")
+        other = [o for o in self.ops if o != op]
+        check(not other, f"op={other[0] if other else ''} has no --{name} rows: a {kind} group only {does}; use "
+                         f"--op {op} (or leave --op out)")
         quantized = [i for i in self.impls if i in QUANTIZED]
-        check(not quantized, f"impl={quantized[0] if quantized else ''} has no --tp rows: the engine never "
-                             "quantizes an all-reduce; use --impl zerompi, mpi or both")
-        check(self.node_size is None, f"tp={k} and node_size={self.node_size} measure different tables; "
-                                      "give one of --tp and --node-size")
-        check(self.device == "cpu", f"tp={k} needs --device cpu: the Mesh's TP all-reduce runs on host buffers")
+        check(not quantized, f"impl={quantized[0] if quantized else ''} has no --{name} rows: {unquantized}; use "
+                             "--impl zerompi, mpi or both")
+        check(self.node_size is None, f"{name}={k} and node_size={self.node_size} measure different tables; "
+                                      f"give one of --{name} and --node-size")
+        check(self.device == "cpu", f"{name}={k} needs --device cpu: the Mesh's {what} runs on host buffers")
 
     def row_impls(self) -> Tuple[str, ...]:
         """The implementations of the rows. With node_size, the two-level ones: zerompi-2level beside
         zerompi's flat one (first when zerompi is not asked for), zerompi-2level-q8 beside zerompi-q8 ...
         With tp, zerompi's rows are the Mesh's TP all-reduce (bench/tensor.py): zerompi-tp."""
-        if self.tp is not None:
-            return tuple("zerompi-tp" if i == "zerompi" else i for i in self.impls)
+        if self.tp is not None or self.sp is not None:
+            ours = "zerompi-tp" if self.tp is not None else "zerompi-sp"
+            return tuple(ours if i == "zerompi" else i for i in self.impls)
         if self.node_size is None:
             return self.impls
         out = [] if "zerompi" in self.impls else [TWO_LEVEL]
@@ -203,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=None, metavar="K",
                    help="the all-reduce over tensor-parallel groups of K adjacent ranks (zerompi.Mesh): the "
                         "Mesh's TP all-reduce (zerompi-tp) beside MPI's Allreduce on the same group")
+    p.add_argument("--sp", type=int, default=None, metavar="K",
+                   help="the all-to-all over sequence-parallel groups of K adjacent ranks (zerompi.Mesh): the "
+                        "Mesh's SP all-to-all as attention calls it (zerompi-sp) beside MPI's Alltoall on the group")
     return p
 
 
@@ -213,7 +232,8 @@ def parse_config(argv: Optional[List[str]] = None) -> BenchConfig:
         factor = float(a.stepfactor)
     except ValueError:
         raise ConfigError(f"factor={a.stepfactor!r} is not a number; use e.g. 2")
-    check(a.op == "all" or a.op in OPS, f"op={a.op!r} is not allowed; use one of {', '.join(OPS)} or all")
+    check(a.op == "all" or a.op in OPS + SP_OPS, f"op={a.op!r} is not allowed; use one of {', '.join(OPS + SP_OPS)} "
+                                                 "or all")
     impls = IMPLS if a.impl == "both" else tuple(a.impl.split(","))
     for impl in impls:
         check(impl in ALL_IMPLS, f"impl={impl!r} is not allowed; use {IMPL_CHOICES}")
@@ -225,10 +245,11 @@ def parse_config(argv: Optional[List[str]] = None) -> BenchConfig:
           f"quantized implementations then skip the all-reduce)")
     ops = OPS if a.op == "all" else (a.op,)
     ops = ("all_reduce",) if a.tp is not None and a.op == "all" else ops     # --tp: the all-reduce alone
+    ops = SP_OPS if a.sp is not None and a.op == "all" else ops              # --sp: the all-to-all alone
     cfg = BenchConfig(ops=ops, min_bytes=parse_size(a.minbytes),
                       max_bytes=parse_size(a.maxbytes), factor=factor, dtype=a.dtype, iters=a.iters,
                       warmup=a.warmup, impls=impls, device=a.device, comm=a.comm,
                       check=a.check, overlap=not a.no_overlap, json_path=a.json, sum_impl=a.sum_impl,
                       node_size=a.node_size, quant_block=DEFAULT_BLOCK if a.quant_block is None else a.quant_block,
-                      plot_path=a.plot, tp=a.tp)
+                      plot_path=a.plot, tp=a.tp, sp=a.sp)
     return cfg

@@ -35,7 +35,7 @@ from .records import _ranks, make_record, overlap_record, padded_count
 from .levels import TWO_LEVEL, banner, check_node_size, columns, communicators, level_record
 from .plot import check_plot, save_plot
 from .table import footer, print0, table_header, table_row
-from . import quantized, tensor
+from . import quantized, sequence, tensor
 from ..comm.quantized import Quantization
 from ..checkpoint.outputs import check_file, check_roles, save_json
 from ..errors import EXIT_OUTPUT, ConfigError, HelpRequested, agree_on_errors, agree_on_start, install_abort_hook
@@ -147,6 +147,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         cfg = parse_config(argv)
         check_node_size(cfg.node_size, world.Get_size(), cfg.device)
         tensor.check_tp_size(cfg.tp, world.Get_size())
+        sequence.check_sp_size(cfg.sp, world.Get_size())
         if world.Get_rank() == 0:
             check_roles([("json", cfg.json_path), ("plot", cfg.plot_path)])   # never one over the other
             check_file(cfg.json_path, "json")   # rank 0 writes it: checked before any measurement
@@ -163,8 +164,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     if agree_on_errors(world, memory_error(cfg, world.Get_size(), placement), "zerompi.bench"):
         return 2                                            # before the first buffer is allocated
-    if cfg.tp is not None:
-        return finish(cfg, tp_records(cfg, world, placement))
+    if cfg.tp is not None or cfg.sp is not None:
+        return finish(cfg, group_records(cfg, world, placement))
     comm, two_level = communicators(world, cfg.node_size)
     from ..comm.staging import device_communicator
     device_comm = device_communicator(comm, placement.xp, cfg.comm)   # the host one on the CPU
@@ -179,18 +180,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     return finish(cfg, run_bench(cfg, comm, device_comm, placement.xp, two_level))
 
 
-def tp_records(cfg: BenchConfig, world, placement) -> List[dict]:
-    """--tp K: the banner and the all-reduce rows over the Mesh's TP groups (bench/tensor.py)."""
+def group_records(cfg: BenchConfig, world, placement) -> List[dict]:
+    """--tp K or --sp K: the banner and the rows over the Mesh's TP groups (the all-reduce, bench/tensor.py)
+    or SP groups (the all-to-all, bench/sequence.py)."""
     from ..comm.communicator import mpi_library
     from ..comm.device import describe_buffers
     from ..comm.mesh import Mesh
-    mesh = Mesh(world, cfg.tp)
+    mesh = Mesh(world, cfg.tp or 1, sp=cfg.sp or 1)
+    part = tensor if cfg.tp is not None else sequence
     if world.Get_rank() == 0:
         print(f"# zerompi.bench: {world.Get_size()} ranks, {mpi_library()}, {describe_buffers(placement, None)}, "
               f"dtype {cfg.dtype}, iters {cfg.iters} (median) after {cfg.warmup} warmup")
         print("# time: per-rank median over iterations, then min/avg/max over all ranks; bw from the avg")
-        print(tensor.banner(mesh), flush=True)
-    return tensor.run_tp(cfg, mesh)
+        print(part.banner(mesh), flush=True)
+    return tensor.run_tp(cfg, mesh) if cfg.tp is not None else sequence.run_sp(cfg, mesh)
 
 
 def finish(cfg: BenchConfig, records: List[dict]) -> int:

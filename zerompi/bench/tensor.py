@@ -58,7 +58,7 @@ def make_tp_case(impl: str, mesh, buf: np.ndarray, dtype_name: str) -> Case:
     if impl == "mpi" and buf.dtype == np.float16:
         wire, type_name = buf.view(np.float32), "float*"      # MPI has no fp16 sum: fp32 of the same bytes
     me = mesh.world.Get_rank()
-    group = mesh.ranks[mesh.dp_rank]
+    group = mesh.tp_ranks
     pristine = np.empty_like(wire)
     fill(pristine, me)
 

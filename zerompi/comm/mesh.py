@@ -1,48 +1,56 @@
-"""Mesh: N ranks as pp pipeline stages x dp data-parallel ranks x tp tensor-parallel ranks.
+"""Mesh: N ranks as tensor-parallel x sequence-parallel x data-parallel ranks x pipeline stages.
 
-The rank order, innermost first (Megatron's tp-dp-pp order)::
+The rank order, innermost first (Megatron-LM's tp-cp-dp-pp)::
 
-    world rank = tp_i + TP * (dp_i + DP * pp_i)
+    world rank = tp_i + TP * (sp_i + SP * (dp_i + DP * pp_i))
 
-so a TP group is TP adjacent ranks (inside a node), the DP×TP ranks of one pipeline stage are
-one contiguous block, and pipeline neighbours are DP·TP ranks apart (possibly on other nodes).
-ZeRO shards over the data-parallel group of each (pp, tp) coordinate::
+so a TP group is TP adjacent ranks and an SP group the SP adjacent TP groups around it (both
+inside a node), the TP x SP x DP ranks of one pipeline stage are one contiguous block, and pipeline
+neighbours are DP·SP·TP ranks apart (possibly on other nodes). The groups, each an mpi4py
+sub-communicator over the ranks that differ in its axes only, in world order:
 
-    mesh = zerompi.Mesh(tp=2)                       # COMM_WORLD, 4 ranks: [[0, 1], [2, 3]]
-    engine = zerompi.ZeroEngine(layers, cfg, comm=mesh, tp_split=split)   # ZeRO over mesh.dp_comm
+- ``tp_comm`` (TPComm): the TP ranks, which split each block's matrices;
+- ``sp_comm`` (alltoall.SPComm): the SP ranks, which split each sequence (DeepSpeed-Ulysses);
+- ``zero_comm`` (a zerompi Communicator): the dp x sp ranks of one (tp_i, pp_i), which hold the
+  same parameters (the SP ranks compute on other tokens of them) and over which ZeRO shards them
+  and reduces their gradients, as DeepSpeed-Ulysses does;
+- ``pp_comm`` (p2p.PointToPoint): one rank of each stage, the pipeline's messages::
+
+    mesh = zerompi.Mesh(tp=2)                       # COMM_WORLD, 4 ranks: TP groups [0, 1], [2, 3]
+    engine = zerompi.ZeroEngine(layers, cfg, comm=mesh, tp_split=split)   # ZeRO over mesh.zero_comm
     mesh.tp_comm.all_reduce(partial)                # Megatron's f / g: sum over the TP group
+    mesh = zerompi.Mesh(tp=2, sp=2)                 # 8 ranks: SP groups [0, 2], [1, 3], [4, 6], [5, 7]
+    mesh.sp_comm.all_to_all(qkv, scatter=3, gather=1)   # Ulysses: the whole sequence, heads / SP
     mesh = zerompi.Mesh(tp=2, pp=2)                 # 8 ranks: stage 0 = ranks 0-3, stage 1 = ranks 4-7
 
-``tp_comm`` (TPComm) sums in rank order (reduce-scatter by Alltoall, then Allgather), so every TP
-rank gets the same bits, in any float dtype; its bytes are counted in its own table, apart from
-the engine's data-parallel traffic. ``pp_comm`` (comm/p2p.py) carries the pipeline's
-point-to-point messages between neighbouring stages, counted the same way.
+``tp_comm`` sums in rank order (reduce-scatter by Alltoall, then Allgather), so every TP rank gets
+the same bits, in any float dtype. The TP, SP and pipeline bytes are counted in their own tables,
+apart from the engine's ZeRO traffic.
 """
 import time
-from collections import defaultdict
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 from mpi4py import MPI
 
 from ..errors import ConfigError, UsageError
-from .blocks import OpStats, sum_table
+from .alltoall import SPComm
 from .communicator import Communicator
+from .consistency import check_consistent
+from .group import GroupComm
 from .p2p import PointToPoint
 from .topology import check_tp, node_size_env
-from .watchdog import WaitRecord
 
-AXES = ("tp", "dp", "pp")      # the mesh's axes, innermost (adjacent ranks) first
+AXES = ("tp", "sp", "dp", "pp")      # the mesh's axes, innermost (adjacent ranks) first
 
 
-class TPComm:
+class TPComm(GroupComm):
     """The tensor-parallel group's collectives: a deterministic all-reduce of any float array."""
 
+    kind = "tp"
+
     def __init__(self, mpi_comm, waiting=None):
-        self.mpi = mpi_comm
-        self.waiting = waiting if waiting is not None else WaitRecord()   # what the watchdog times
-        self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
-        self.stats: Dict[str, OpStats] = defaultdict(OpStats)
+        super().__init__(mpi_comm, waiting)
         self._scratch: Dict[tuple, np.ndarray] = {}
 
     def all_reduce(self, x, op: str = "tp_all_reduce") -> np.ndarray:
@@ -76,60 +84,50 @@ class TPComm:
         st.seconds += time.perf_counter() - t
         return x
 
-    def sum_scalars(self, values) -> np.ndarray:
-        """A few float64 numbers summed over the TP ranks in rank order (not counted as traffic)."""
-        local = np.ascontiguousarray(values, dtype=np.float64).reshape(-1)
-        if self.size == 1:
-            return local.copy()
-        table = np.empty((self.size, local.size), np.float64)
-        with self.waiting("tp_sum_scalars"):
-            self.mpi.Allgather(local, table)
-        return sum_table(table)
-
-    def bytes_sent(self) -> int:
-        return sum(s.bytes for s in self.stats.values())
-
-    def seconds(self) -> float:
-        return sum(s.seconds for s in self.stats.values())
-
 
 class Mesh:
     """The mesh of ``comm`` (mpi4py communicator or zerompi Communicator; default COMM_WORLD).
 
-    ``tp``: ranks per tensor-parallel group; ``pp``: pipeline stages (tp x pp must divide the ranks;
-    the rest is ``dp``). ``node_size`` (optional, in ranks): checked to be a multiple of ``tp``, so
-    that no TP group spans two nodes. Attributes: ``tp``, ``dp``, ``pp`` (sizes), ``tp_rank``,
-    ``dp_rank``, ``pp_rank`` (this rank's coordinates), ``ranks`` (this stage's dp x tp world
-    ranks), ``pp_ranks`` (this rank's pipeline group: the world rank of each stage), and the
-    communicators, each over the ranks that differ in its axes only, in world order:
-    ``tp_comm`` (TPComm) / ``tp_mpi``, ``dp_comm`` (a zerompi Communicator over this rank's
-    data-parallel group, counting into ``comm``'s table) / ``dp_mpi``, ``pp_comm``
-    (PointToPoint) / ``pp_mpi``, and ``stage_mpi`` (this pipeline stage's dp x tp ranks: what an
-    engine of this stage must agree with; the world itself when pp = 1). Every wait of them is
-    timed by ``comm``'s watchdog (a Communicator is made over an mpi4py ``comm``: its watchdog,
-    abort hook and launcher check guard the mesh's collectives, as an engine's guard its own).
+    ``tp``: ranks per tensor-parallel group; ``sp``: TP groups per sequence-parallel group; ``pp``:
+    pipeline stages (tp x sp x pp must divide the ranks; the rest is ``dp``). ``node_size``
+    (optional, in ranks): checked to be a multiple of tp x sp, so that no TP or SP group spans two
+    nodes. Every rank must pass the same tp, sp and pp (checked first: MismatchError on every rank
+    naming them). Attributes: ``tp``, ``sp``, ``dp``, ``pp`` (sizes), ``tp_rank``, ``sp_rank``,
+    ``dp_rank``, ``pp_rank`` (this rank's coordinates); ``ranks`` (this stage's TP groups' world ranks,
+    in order); ``tp_ranks``, ``sp_ranks``, ``zero_ranks``, ``pp_ranks`` (the world ranks of this rank's
+    groups: the pipeline's one of each stage); the communicators ``tp_comm`` / ``tp_mpi``, ``sp_comm``
+    / ``sp_mpi``, ``zero_comm`` / ``zero_mpi`` (counting into ``comm``'s table), ``pp_comm`` / ``pp_mpi``,
+    and ``stage_mpi`` (this pipeline stage's ranks: what an engine of this stage must agree with; the
+    world itself when pp = 1). Every wait of them is timed by ``comm``'s watchdog (a Communicator is made
+    over an mpi4py ``comm``: its watchdog, abort hook and launcher check guard the mesh's collectives, as
+    an engine's guard its own).
     """
 
-    def __init__(self, comm=None, tp: int = 1, *, pp: int = 1, node_size: Optional[int] = None):
+    def __init__(self, comm=None, tp: int = 1, *, sp: int = 1, pp: int = 1, node_size: Optional[int] = None):
         world = comm.mpi if isinstance(comm, Communicator) else (comm if comm is not None else MPI.COMM_WORLD)
         n = world.Get_size()
-        check_mesh(n, tp, pp, node_size)
-        share = comm if isinstance(comm, Communicator) else Communicator(world)
-        self.world, self.tp, self.pp, self.dp = world, tp, pp, n // (tp * pp)
+        share = comm if isinstance(comm, Communicator) else Communicator(world)   # its watchdog times the waits
+        # Agreed first: a rank with another size would split into groups the others never join.
+        check_consistent(share, "mesh", {"tp": tp, "sp": sp, "pp": pp})
+        check_mesh(n, tp, pp, node_size, sp=sp)
+        self.world, self.tp, self.sp, self.pp, self.dp = world, tp, sp, pp, n // (tp * sp * pp)
         self.node_size = node_size
-        self.shape = {"tp": tp, "dp": self.dp, "pp": pp}     # AXES order
+        self.shape = {"tp": tp, "sp": sp, "dp": self.dp, "pp": pp}     # AXES order
         rank = world.Get_rank()
-        self.tp_rank, self.dp_rank, self.pp_rank = (self.coords(rank)[a] for a in AXES)
-        self.ranks: List[List[int]] = [[self.rank_of(tp=t, dp=d, pp=self.pp_rank) for t in range(tp)]
-                                       for d in range(self.dp)]
-        self.pp_ranks: List[int] = [self.rank_of(tp=self.tp_rank, dp=self.dp_rank, pp=p) for p in range(pp)]
+        self.tp_rank, self.sp_rank, self.dp_rank, self.pp_rank = (self.coords(rank)[a] for a in AXES)
+        self.ranks: List[List[int]] = [[self.rank_of(tp=t, sp=s, dp=d, pp=self.pp_rank) for t in range(tp)]
+                                       for d in range(self.dp) for s in range(sp)]
+        self.tp_ranks, self.sp_ranks = self.members("tp"), self.members("sp")
+        self.zero_ranks, self.pp_ranks = self.members("sp", "dp"), self.members("pp")
         self.tp_mpi = self._split("tp")
-        self.dp_mpi = self._split("dp")
-        self.stage_mpi = world if pp == 1 else self._split("tp", "dp")
+        self.sp_mpi = self._split("sp")
+        self.zero_mpi = self._split("sp", "dp")
+        self.stage_mpi = world if pp == 1 else self._split("tp", "sp", "dp")
         self.pp_mpi = self._split("pp")
-        self.dp_comm = Communicator(self.dp_mpi, share=share)
-        self.tp_comm = TPComm(self.tp_mpi, self.dp_comm.waiting)   # timed by the engine's watchdog too
-        self.pp_comm = PointToPoint(self.pp_mpi, self.dp_comm.waiting,
+        self.zero_comm = Communicator(self.zero_mpi, share=share)
+        self.tp_comm = TPComm(self.tp_mpi, self.zero_comm.waiting)   # timed by the engine's watchdog too
+        self.sp_comm = SPComm(self.sp_mpi, self.zero_comm.waiting)
+        self.pp_comm = PointToPoint(self.pp_mpi, self.zero_comm.waiting,
                                     [self.node_of(r) for r in self.pp_ranks] if pp > 1 else [0])
 
     # ---- coordinates ---------------------------------------------------------------------
@@ -147,9 +145,14 @@ class Mesh:
             rank = rank * self.shape[axis] + coords[axis]
         return rank
 
+    def members(self, *vary: str) -> List[int]:
+        """The world ranks that share this rank's coordinates on every axis but ``vary``, in world order."""
+        me = self.coords(self.world.Get_rank())
+        return [r for r in range(self.world.Get_size())
+                if all(c == me[a] for a, c in self.coords(r).items() if a not in vary)]
+
     def _split(self, *vary: str):
-        """The sub-communicator of the ranks that share this rank's coordinates on every axis but ``vary``
-        (a collective), ordered as in the world."""
+        """The sub-communicator of :meth:`members` (a collective), ordered as in the world."""
         me = self.coords(self.world.Get_rank())
         color = 0
         for axis in reversed(AXES):
@@ -162,35 +165,55 @@ class Mesh:
         k = self.node_size or node_size_env()
         return rank // k if k else 0
 
-    # ---- the data-parallel group's settings ------------------------------------------------
-    def dp_sizes(self, node_size: Optional[int], shard_size: Optional[int]) -> Tuple[Optional[int], Optional[int]]:
-        """(node_size, shard_size) of this rank's data-parallel group for the world's settings (in ranks;
-        None: not set; node_size None reads $ZEROMPI_NODE_SIZE): a node of S ranks holds S / tp ranks of a
-        DP group when it lies inside one stage, the whole group when it holds whole stages."""
+    # ---- the ZeRO group's settings ----------------------------------------------------------
+    def zero_sizes(self, node_size: Optional[int], shard_size: Optional[int]) -> Tuple[Optional[int], Optional[int]]:
+        """(node_size, shard_size) of this rank's ZeRO group (its dp x sp ranks) for the world's settings (in
+        ranks; None: not set; node_size None reads $ZEROMPI_NODE_SIZE): a node of S ranks holds S / tp ranks
+        of the group when it lies inside one stage, the whole group when it holds whole stages."""
         if node_size is None:
             node_size = node_size_env()       # a bad value is one line naming the variable
         n = self.world.Get_size()
-        check_mesh(n, self.tp, self.pp, node_size, shard_size)
-        stage = self.dp * self.tp
+        check_mesh(n, self.tp, self.pp, node_size, shard_size, sp=self.sp)
+        stage = self.dp * self.sp * self.tp
         node = None if node_size is None else (min(node_size, stage) if self.pp > 1 else node_size) // self.tp
         shard = None if shard_size is None else shard_size // self.tp
         return node, shard
 
     def describe(self) -> str:
-        text = f"{self.dp} data-parallel x {self.tp} tensor-parallel (TP ranks adjacent: {self.ranks[0]}, ...)"
+        parts = [f"{self.dp} data-parallel"] + [f"{k} {what}-parallel" for k, what in
+                                                 ((self.sp, "sequence"), (self.tp, "tensor")) if k > 1 or what == "tensor"]
+        adjacent = [f"TP ranks adjacent: {self.ranks[0]}"]
+        adjacent += [f"SP ranks {[g[0] for g in self.ranks[:self.sp]]}"] if self.sp > 1 else []
+        text = f"{' x '.join(parts)} ({', '.join(adjacent)}, ...)"
+        text += f"; ZeRO over {self.dp * self.sp} ranks (data x sequence parallel)" if self.sp > 1 else ""
         if self.pp > 1:
-            text = (f"{self.pp} pipeline stages x {text}; stage s holds ranks {self.dp * self.tp}·s .. "
-                    f"{self.dp * self.tp}·s + {self.dp * self.tp - 1}, pipeline neighbours {self.dp * self.tp} ranks apart")
+            block = self.dp * self.sp * self.tp
+            text = (f"{self.pp} pipeline stages x {text}; stage s holds ranks {block}·s .. {block}·s + {block - 1}, "
+                    f"pipeline neighbours {block} ranks apart")
         return text
 
 
-def check_mesh(n: int, tp, pp=1, node_size: Optional[int] = None, shard_size: Optional[int] = None) -> None:
-    """ConfigError (one line, naming the value) unless ``n`` ranks form pp stages of dp x tp ranks: tp as
-    :func:`check_tp`; pp dividing n / tp; with pp > 1, a node either inside one stage (node_size dividing the
-    stage's dp x tp ranks) or holding whole stages, and a shard group inside one stage."""
+def check_sp(sp, tp: int, n: int, node_size: Optional[int] = None) -> None:
+    """ConfigError (one line, naming the value) unless ``sp`` divides the ``n / tp`` TP groups and, with
+    ``node_size`` (in ranks), tp x sp divides it (an SP group inside one node)."""
+    if not (isinstance(sp, int) and not isinstance(sp, bool) and sp >= 1 and (n // tp) % sp == 0):
+        what = f"the {n} ranks" if tp == 1 else f"the {n // tp} tensor-parallel groups of tp={tp} ({n} ranks)"
+        raise ConfigError(f"sp={sp!r} does not divide {what}; use a divisor of {n // tp}")
+    if node_size is not None and node_size % (tp * sp):
+        raise ConfigError(f"tp x sp = {tp * sp} does not divide node_size={node_size}; a sequence-parallel "
+                          "group must sit inside one node")
+
+
+def check_mesh(n: int, tp, pp=1, node_size: Optional[int] = None, shard_size: Optional[int] = None,
+               sp=1) -> None:
+    """ConfigError (one line, naming the value) unless ``n`` ranks form pp stages of dp x sp x tp ranks: tp as
+    :func:`check_tp`, sp as :func:`check_sp`; pp dividing n / (tp sp); with pp > 1, a node either inside one
+    stage (node_size dividing the stage's ranks) or holding whole stages, and a shard group inside one stage."""
     check_tp(tp, n, node_size, shard_size)
-    if not (isinstance(pp, int) and not isinstance(pp, bool) and pp >= 1 and (n // tp) % pp == 0):
-        raise ConfigError(f"pp={pp!r} does not divide the {n // tp} ranks left by tp={tp}; use a divisor of {n // tp}"
+    check_sp(sp, tp, n, node_size)
+    left, by = n // (tp * sp), f"tp={tp}" + (f" x sp={sp}" if sp > 1 else "")
+    if not (isinstance(pp, int) and not isinstance(pp, bool) and pp >= 1 and left % pp == 0):
+        raise ConfigError(f"pp={pp!r} does not divide the {left} ranks left by {by}; use a divisor of {left}"
                           if isinstance(pp, int) and pp >= 1 else f"pp={pp!r} must be a whole number of stages >= 1")
     stage = n // pp
     if pp > 1 and node_size is not None and n % node_size:

@@ -155,6 +155,10 @@ class ZeroConfig:
     tp: int = 1
     """Tensor-parallel ranks per group (comm/mesh.py): N ranks form N/tp data-parallel groups x tp adjacent
     TP ranks, and the engine shards each TP rank's pieces over its data-parallel group (needs tp_split)."""
+    sp: int = 1
+    """Sequence-parallel ranks per group (DeepSpeed-Ulysses; comm/mesh.py): each sequence is cut into sp
+    contiguous chunks, one per rank of the group, whose all-to-alls give attention the whole sequence for
+    n_head / sp of the heads. Those ranks hold the same parameters: ZeRO shards over dp x sp ranks together."""
     hpz: bool = False
     """Stage 3, ZeRO++'s hpZ: keep a node-local secondary copy (1/node_size of the parameters per rank)
     after each gather across nodes, and gather from it inside the node until the next step."""
@@ -240,6 +244,8 @@ class ZeroConfig:
                   "whole nodes")
         check(isinstance(self.tp, int) and not isinstance(self.tp, bool) and self.tp >= 1,
               f"tp={self.tp!r} must be a whole number of ranks >= 1 (tensor-parallel group size)")
+        check(isinstance(self.sp, int) and not isinstance(self.sp, bool) and self.sp >= 1,
+              f"sp={self.sp!r} must be a whole number of ranks >= 1 (sequence-parallel group size)")
         check(isinstance(self.hpz, bool), f"hpz={self.hpz!r} must be True or False")
         check(not self.hpz or self.stage == 3, f"hpz=True needs stage 3 (stage={self.stage}): it keeps a "
                                                "node-local copy of the parameters stage 3 shards")

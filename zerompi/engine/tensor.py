@@ -24,6 +24,20 @@ from .lazy import is_lazy
 TP_KEY = "tensor_parallel"    # manifest["extra"][TP_KEY]: {"size", "rank", "split": {name: [axis, groups]}}
 
 
+def mesh_of(comm, config) -> Optional[Mesh]:
+    """The engine's Mesh: ``comm`` when it is one, a new one over ``comm`` when config.tp or config.sp > 1,
+    else None (plain data parallelism). ZeRO then runs over the mesh's zero_comm (its dp x sp ranks)."""
+    if isinstance(comm, Mesh):
+        for name in ("tp", "sp"):
+            if getattr(config, name) not in (1, getattr(comm, name)):
+                raise UsageError(f"config.{name}={getattr(config, name)} but the Mesh passed has {name}="
+                                 f"{getattr(comm, name)}; give one")
+        return comm
+    if config.tp > 1 or config.sp > 1:
+        return Mesh(comm, config.tp, sp=config.sp, node_size=config.node_size)
+    return None
+
+
 def tp_folder(rank: int, size: int) -> str:
     return f"tp{rank}-of-{size}"
 
@@ -36,20 +50,12 @@ class TensorParallel:
         self.config = config          # what every rank of the mesh must have alike (agree)
 
     @staticmethod
-    def of(comm, config, split, shapes) -> Optional["TensorParallel"]:
-        """The engine's TensorParallel for ``comm`` (a Mesh, or a communicator with config.tp > 1), else None.
+    def of(mesh: Optional[Mesh], config, split, shapes) -> Optional["TensorParallel"]:
+        """The engine's TensorParallel for ``mesh`` (mesh_of's) when it has tp > 1, else None.
         ``shapes``: {parameter name: shape of this rank's array}; ``split`` is checked against them."""
-        if isinstance(comm, Mesh):
-            if config.tp not in (1, comm.tp):
-                raise UsageError(f"config.tp={config.tp} but the Mesh passed has tp={comm.tp}; give one")
-            if comm.tp == 1 and not split:    # a Mesh without TP (pipeline stages): ZeRO over its DP group
-                return None
-            mesh = comm
-        elif config.tp > 1:
-            mesh = Mesh(comm, config.tp, node_size=config.node_size)
-        else:
+        if mesh is None or mesh.tp == 1:
             if split:
-                raise UsageError("tp_split given without tensor parallelism; pass a Mesh or set config.tp")
+                raise UsageError("tp_split given without tensor parallelism; pass a Mesh with tp > 1 or set config.tp")
             return None
         if split is None:
             raise UsageError("tensor parallelism needs tp_split={parameter name: (axis, groups)} for the split "
@@ -57,13 +63,13 @@ class TensorParallel:
         check_split(split, shapes)
         return TensorParallel(mesh, split, config)
 
-    def agree(self, dp_comm, values, mode: str, agree_values) -> None:
+    def agree(self, zero_comm, values, mode: str, agree_values) -> None:
         """Across this rank's pipeline stage of the mesh (the whole mesh without pipelining; a collective,
-        timed by ``dp_comm``'s watchdog): MismatchError on every rank unless every rank has the same config,
+        timed by ``zero_comm``'s watchdog): MismatchError on every rank unless every rank has the same config,
         tp_split, layers and replicated shapes, and the same initial values of the replicated parameters
         (``mode`` "broadcast": the stage's first rank's are taken). Without it a TP rank with another lr,
         split or replicated value trains silently apart from the others."""
-        world = SimpleNamespace(mpi=self.mesh.stage_mpi, waiting=dp_comm.waiting)
+        world = SimpleNamespace(mpi=self.mesh.stage_mpi, waiting=zero_comm.waiting)
         replicated = [(lname, {p: a for p, a in params.items() if p not in self.split}) for lname, params in values]
         check_consistent(world, "tensor-parallel engine", {
             "zero": self.config.to_dict(), "tp_split": {k: list(v) for k, v in self.split.items()},
@@ -73,12 +79,12 @@ class TensorParallel:
             "replicated_rule": {p: a.describe() for _, params in replicated for p, a in params.items() if is_lazy(a)}})
         agree_values(world, replicated, mode)
 
-    def world_view(self, dp_comm) -> SimpleNamespace:
+    def world_view(self, zero_comm) -> SimpleNamespace:
         """This rank's pipeline stage of the mesh (the whole mesh without pipelining) as the trace sees a
-        communicator (mpi, rank, size), its waits timed and its traffic counted by ``dp_comm`` (the engine's)."""
+        communicator (mpi, rank, size), its waits timed and its traffic counted by ``zero_comm`` (the engine's)."""
         world = self.mesh.stage_mpi
-        return SimpleNamespace(mpi=world, rank=world.Get_rank(), size=world.Get_size(), waiting=dp_comm.waiting,
-                               stats=dp_comm.stats)
+        return SimpleNamespace(mpi=world, rank=world.Get_rank(), size=world.Get_size(), waiting=zero_comm.waiting,
+                               stats=zero_comm.stats)
 
     def stats(self, reducer, layout, slot: int):
         """(sum of squares, non-finite) of this rank's gradient shard, replicated parameters counted on
@@ -107,7 +113,7 @@ class TensorParallel:
         table = np.empty((tp.size, 4), np.float64)
         with tp.waiting("tensor-parallel sum of the gradient norm"):
             tp.mpi.Allgather(local, table)
-        ranks = self.mesh.ranks[self.mesh.dp_rank]
+        ranks = self.mesh.tp_ranks
         for col, what, show in ((3, "ranks are at different steps", lambda v: f"step() call {int(v)}"),
                                 (2, "ranks called step() with different learning rates", lambda v: f"lr={v:g}")):
             if (table[:, col] != table[0, col]).any():
@@ -171,11 +177,11 @@ class TensorParallel:
 
 
 def group_sizes(mesh: Optional[Mesh], config) -> Tuple[Optional[int], Optional[int]]:
-    """(node_size, shard_size) of the engine's group: with a Mesh, of its data-parallel group (the world's
-    settings divided by tp: Mesh.dp_sizes); else config's."""
+    """(node_size, shard_size) of the engine's group: with a Mesh, of its ZeRO group (dp x sp ranks: the
+    world's settings divided by tp, Mesh.zero_sizes); else config's."""
     if mesh is None:
         return config.node_size, config.shard_size
-    return mesh.dp_sizes(config.node_size, config.shard_size)
+    return mesh.zero_sizes(config.node_size, config.shard_size)
 
 
 def check_split(split, shapes) -> None:

@@ -25,7 +25,6 @@ import numpy as np
 
 from ..checkpoint import collective as checkpoint
 from ..comm.communicator import as_communicator
-from ..comm.mesh import Mesh
 from ..comm.staging import device_transfers
 from ..comm.topology import arrange, place
 from ..comm.watchdog import watched
@@ -44,7 +43,7 @@ from .optimizer import ShardedAdamW
 from .phase import Phase, infer_phase
 from .reducer import MAX_PENDING_REDUCES, GradientReducer
 from .step import PendingStep, StepResult
-from .tensor import TensorParallel, group_sizes
+from .tensor import TensorParallel, group_sizes, mesh_of
 from .timers import StepTimers
 
 LayersArg = Union[Mapping[str, Mapping[str, np.ndarray]], Sequence[Tuple[str, Mapping[str, np.ndarray]]]]
@@ -56,7 +55,7 @@ class ZeroEngine:
     ``layers``: an ordered mapping (or list of pairs) layer name -> {param name -> array, or a lazy
     rule (engine/lazy.py): each rank then makes only its shard}; every rank must pass the same values. ``config``: a ZeroConfig.
     ``comm``: an mpi4py communicator (default COMM_WORLD), a zerompi Communicator, or a zerompi.Mesh
-    (tensor parallelism: ZeRO over its DP group; ``tp_split`` names the split parameters, engine/tensor.py).
+    (tensor / sequence parallelism: ZeRO over its dp x sp ranks; ``tp_split`` names the TP-split parameters).
 
     Composed of its parts, each owning its state: ``reducer`` (GradientReducer: the gradient
     buffers and reduce-scatters), ``gatherer`` (ParameterGatherer: the stored parameters,
@@ -72,12 +71,13 @@ class ZeroEngine:
         if self.config.abort_on_exception:
             install_abort_hook()          # an exception on one rank ends the job, as in the CLI (misuse found below too)
         pairs = contract.check_layers(layers)
-        # A Mesh (comm/mesh.py; tensor parallelism: engine/tensor.py, or config.tp > 1): ZeRO over its DP group.
-        self.tp = TensorParallel.of(comm, self.config, tp_split, {n: np.shape(a) for _, p in pairs for n, a in p.items()})
-        mesh = self.tp.mesh if self.tp else comm if isinstance(comm, Mesh) else None
-        comm = mesh.dp_comm if mesh else comm
-        # Nodes and shard groups (comm/topology.py; of the DP group with a Mesh; ranks placed round-robin are
+        # A Mesh (comm/mesh.py: tp, sp, pp; engine/tensor.py), or config.tp / sp > 1: ZeRO over its dp x sp ranks.
+        self.mesh = mesh_of(comm, self.config)
+        self.tp = TensorParallel.of(self.mesh, self.config, tp_split, {n: np.shape(a) for _, p in pairs for n, a in p.items()})
+        comm = self.mesh.zero_comm if self.mesh else comm
+        # Nodes and shard groups (comm/topology.py; of the ZeRO group with a Mesh; ranks placed round-robin are
         # numbered node by node).
+        mesh = self.mesh
         units = mesh.tp if mesh and mesh.pp == 1 else 1      # a bad size is named in the world's units, the user's
         self.comm, self.topology = place(as_communicator(comm, self.config.timeout_s, self.config.abort_on_exception),
                                          *group_sizes(mesh, self.config), renumber=mesh is None, tp=units)

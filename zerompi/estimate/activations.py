@@ -33,12 +33,13 @@ from ..errors import check
 
 
 def gpt_activation_elements(batch: int, seq_len: int, d_model: int, n_layer: int, n_head: int, vocab: int,
-                            checkpoint: bool = False) -> Dict[str, int]:
+                            checkpoint: bool = False, sp: int = 1) -> Dict[str, int]:
     """Elements of the GPT's activation arrays per rank, by term; ``batch``: sequences per rank per
-    micro-batch. Keys: kept (what the forward keeps for the backward), backward (its scratch),
-    ends (embedding, final LayerNorm, head), total."""
-    B, T, C, L, H, V = batch, seq_len, d_model, n_layer, n_head, vocab
-    n, A = B * T, B * H * T * T
+    micro-batch; ``sp``: ranks sharing each sequence (sequence parallelism, K). Keys: kept (what the
+    forward keeps for the backward), backward (its scratch), ends (embedding, final LayerNorm, head),
+    all_to_all (the blocks' shared all-to-all buffers, 0 without sequence parallelism), total."""
+    B, T, C, L, H, V, K = batch, seq_len, d_model, n_layer, n_head, vocab, sp
+    n, A = B * T // K, B * (H // K) * T * T      # rows of this rank's chunk; probabilities of its heads
     block = 16 * n * C + 4 * n + A                  # one block's forward buffers
     if checkpoint:
         kept = block + L * n * C                    # one shared set + each block's output
@@ -48,25 +49,33 @@ def gpt_activation_elements(batch: int, seq_len: int, d_model: int, n_layer: int
         grads = 2 * L * n * C
     backward = grads + 10 * n * C + A
     ends = (2 * n * C + 2 * n) + n * C + (2 * n * V + n * C) + n * V
-    return {"kept": kept, "backward": backward, "ends": ends, "total": kept + backward + ends}
+    exchange = 10 * n * C if K > 1 else 0        # models/gpt_sp.py: the chunk's qkv, the heads' output, send, recv
+    return {"kept": kept, "backward": backward, "ends": ends, "all_to_all": exchange,
+            "total": kept + backward + ends + exchange}
 
 
 def gpt_activation_bytes(batch: int, seq_len: int, d_model: int, n_layer: int, n_head: int, vocab: int,
-                         checkpoint: bool = False, itemsize: int = 4) -> Dict[str, int]:
+                         checkpoint: bool = False, itemsize: int = 4, sp: int = 1) -> Dict[str, int]:
     """gpt_activation_elements in bytes (``itemsize``: the compute dtype's, 4 for float32)."""
     for name, v in (("batch", batch), ("seq_len", seq_len), ("d_model", d_model), ("n_layer", n_layer),
-                    ("n_head", n_head), ("vocab", vocab)):
+                    ("n_head", n_head), ("vocab", vocab), ("sp", sp)):
         check(isinstance(v, int) and v >= 1, f"{name}={v!r} must be an integer >= 1")
     check(d_model % n_head == 0, f"d_model={d_model} is not divisible by n_head={n_head}")
+    check(n_head % sp == 0, f"sp={sp} does not divide n_head={n_head}")
+    check(seq_len % sp == 0, f"sp={sp} does not divide seq_len={seq_len}")
     return {k: v * itemsize for k, v in
-            gpt_activation_elements(batch, seq_len, d_model, n_layer, n_head, vocab, checkpoint).items()}
+            gpt_activation_elements(batch, seq_len, d_model, n_layer, n_head, vocab, checkpoint, sp).items()}
 
 
-def formula_text(checkpoint: bool, itemsize: int = 4) -> str:
-    """The formula in one line: n = B*T, A = B*H*T*T, bytes = itemsize x elements."""
+def formula_text(checkpoint: bool, itemsize: int = 4, sp: int = 1) -> str:
+    """The formula in one line: n = B*T, A = B*H*T*T (with sequence parallelism over K ranks: n = B*T/K,
+    A = B*(H/K)*T*T, and 10nC of all-to-all buffers), bytes = itemsize x elements."""
+    extra = 10 if sp > 1 else 0
     if checkpoint:
-        return f"{itemsize}(L nC + 2 min(L,2) nC + 30nC + 6n + 2A + 3nV)"
-    return f"{itemsize}(L (18nC + 4n + A) + 14nC + 2n + A + 3nV)"
+        text = f"{itemsize}(L nC + 2 min(L,2) nC + {30 + extra}nC + 6n + 2A + 3nV)"
+    else:
+        text = f"{itemsize}(L (18nC + 4n + A) + {14 + extra}nC + 2n + A + 3nV)"
+    return text + (f" with n = BT/{sp}, A = B(H/{sp})T²" if sp > 1 else "")
 
 
 GPT_FLAGS = ("n_layer", "d_model", "n_head", "seq_len", "batch", "vocab")   # the estimate's GPT options
@@ -78,21 +87,24 @@ def gpt_layer_sizes(vocab: int, seq_len: int, d_model: int, n_layer: int):
     return [vocab * c + seq_len * c] + [12 * c * c + 13 * c] * n_layer + [2 * c]
 
 
-def gpt_activations(dims: dict, ranks: int, micro_batches: int = 1, checkpoint: bool = False) -> dict:
+def gpt_activations(dims: dict, ranks: int, micro_batches: int = 1, checkpoint: bool = False, sp: int = 1) -> dict:
     """The estimate's activation entry for a GPT of ``dims`` (GPT_FLAGS; ``batch``: sequences per step
     over all ranks, as zerompi.train --batch): rows per rank per micro-batch, bytes by term, the
-    formula. Raises ConfigError on bad input."""
+    formula; ``sp``: ranks sharing each sequence (their rows are the same). Raises ConfigError on bad input."""
     for name in GPT_FLAGS:
         v = dims[name]
         check(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"{name}={v!r} must be an integer >= 1")
-    parts = ranks * micro_batches
-    check(dims["batch"] % parts == 0, f"batch={dims['batch']} does not split over {ranks} ranks x {micro_batches} "
+    check(ranks % sp == 0, f"sp={sp} does not divide the {ranks} ranks; use a divisor of {ranks}")
+    dp = ranks // sp
+    parts = dp * micro_batches
+    what = f"{ranks} ranks" if sp == 1 else f"{dp} data-parallel ranks"
+    check(dims["batch"] % parts == 0, f"batch={dims['batch']} does not split over {what} x {micro_batches} "
                                       f"micro-batches; use a multiple of {parts}")
     rows = dims["batch"] // parts
     terms = gpt_activation_bytes(rows, dims["seq_len"], dims["d_model"], dims["n_layer"], dims["n_head"],
-                                 dims["vocab"], checkpoint)
+                                 dims["vocab"], checkpoint, sp=sp)
     return {"bytes": terms["total"], "terms": terms, "rows_per_rank": rows, "checkpoint": checkpoint,
-            "formula": formula_text(checkpoint), **dims}
+            "sp": sp, "formula": formula_text(checkpoint, sp=sp), **dims}
 
 
 def with_activations(est: dict, act: dict) -> dict:

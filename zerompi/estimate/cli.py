@@ -119,7 +119,8 @@ def activation_note(act: dict) -> str:
     return (f"activations: the GPT's (zerompi.train's built-in, C kernels, float32) {how}: L = {act['n_layer']}, "
             f"C = {act['d_model']}, H = {act['n_head']}, T = {act['seq_len']}, V = {act['vocab']}, "
             f"B = {act['rows_per_rank']} sequences per rank per micro-batch (batch {act['batch']}); "
-            f"n = BT, A = BHT^2: {act['formula']} = {act['bytes']:,} bytes per rank (docs/activations.md)")
+            f"{'n = BT, A = BHT^2: ' if act.get('sp', 1) == 1 else ''}{act['formula']} = {act['bytes']:,} bytes per rank "
+            "(docs/activations.md)")
 
 
 def level_rows(est: dict, line, dec, unit: str) -> List[str]:
@@ -234,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1, metavar="K",
                    help="tensor parallelism over K of the --ranks (a GPT given by its six dimensions above): model "
                         "states per rank for the TP split, then ZeRO over N/K; and the TP all-reduce bytes")
+    p.add_argument("--sp", type=int, default=1, metavar="K",
+                   help="sequence parallelism (DeepSpeed-Ulysses) over K of the --ranks (TP groups; the GPT's six "
+                        "dimensions above): activations per rank of a T/K chunk, and the all-to-all bytes per step")
     p.add_argument("--quantize-weights", default=None, metavar="int8",
                    help="ZeRO++ qwZ as zerompi.train's: the parameter gathers travel as int8 blocks (stages 1-3)")
     p.add_argument("--quantize-grads", default=None, metavar="int8|int4",
@@ -271,8 +275,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                 if v is not None}
         dims = {k: getattr(a, k) for k in GPT_FLAGS}
         given = [f"--{k.replace('_', '-')}" for k, v in dims.items() if v is not None]
-        check(a.tp == 1 or a.from_run is None, f"tp={a.tp} does not apply with --from-run (it reads the run's "
-                                               "configuration); drop it")
+        for name in ("tp", "sp"):
+            v = getattr(a, name)
+            check(v == 1 or a.from_run is None, f"{name}={v} does not apply with --from-run (it reads the run's "
+                                                "configuration); drop it")
+            check(v >= 1, f"{name}={v} must be a whole number >= 1")
+            check(v == 1 or given, f"{name}={v}: give the GPT's dimensions (--n-layer --d-model --n-head --seq-len "
+                                   "--batch --vocab) and --ranks, not --params: they decide what each rank holds")
         check(not given or a.from_run is None, f"{given[0] if given else ''} does not apply with --from-run "
                                                "(it reads the run's configuration); drop it")
         check(not given or len(given) == len(GPT_FLAGS), "the GPT's activations need all of --n-layer --d-model "
@@ -285,7 +294,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                   "give --params (--layers, --largest-layer) or the GPT's dimensions, not both: "
                   "the dimensions give Ψ and its layers")
             check(a.ranks is not None, "give --ranks")
-            act = gpt_activations(dims, a.ranks, a.micro_batches, a.checkpoint_activations)
+            act = gpt_activations(dims, a.ranks // a.tp, a.micro_batches, a.checkpoint_activations, a.sp) \
+                if a.tp == 1 else None   # the TP GPT's activations are not counted
             sizes = gpt_layer_sizes(a.vocab, a.seq_len, a.d_model, 1)   # each block's size once, not n_layer times
             a.params, largest = sum(sizes) + (a.n_layer - 1) * sizes[1], max(sizes)
         if a.from_run is not None:
@@ -304,22 +314,25 @@ def main(argv: Optional[List[str]] = None) -> int:
                 raise ConfigError(f"from_run={a.from_run!r} is not the --metrics-json of a zerompi.train run "
                                   f"({type(e).__name__}: {e})")
         else:
-            tp = None
+            tp = sp = None
             if a.tp != 1:                # the TP split of the GPT's dimensions, then ZeRO over N/K
                 from .tensor import gpt_tp
-                check(isinstance(a.tp, int) and a.tp >= 1, f"tp={a.tp} must be a whole number >= 1")
-                check(given, f"tp={a.tp}: give the GPT's dimensions (--n-layer --d-model --n-head --seq-len "
-                             "--batch --vocab) and --ranks, not --params: the split decides Ψ")
-                tp = gpt_tp(a.tp, a.ranks, a.n_layer, a.d_model, a.vocab, a.seq_len, a.batch, a.micro_batches)
+                tp = gpt_tp(a.tp, a.ranks, a.n_layer, a.d_model, a.vocab, a.seq_len, a.batch, a.micro_batches, a.sp)
                 check(a.n_head % a.tp == 0, f"tp={a.tp} does not divide n_head={a.n_head}")
                 check(not a.checkpoint_activations, f"checkpoint_activations=True is not available with tp={a.tp} "
                                                     "(as in zerompi.train; no activations are estimated with --tp); "
                                                     "drop one of the two")
+            if a.sp != 1:                # each sequence over K ranks (TP groups); ZeRO over the dp x sp ranks
+                from .sequence import gpt_sp
+                sp = gpt_sp(a.sp, a.tp, a.ranks, a.n_layer, a.d_model, a.n_head, a.vocab, a.seq_len, a.batch,
+                            a.micro_batches, a.checkpoint_activations)
+            if tp:
                 a.params, a.ranks, largest = tp["params_local"], tp["dp"], None
             check(a.params is not None and a.ranks is not None, "give --params and --ranks (or --from-run)")
             est = estimate(a.params, a.ranks, a.dtype, layers=a.layers, largest_layer=largest, **opts, **topo)
             est = with_activations(est, act) if given and tp is None else est
             est = dict(est, tensor_parallel=tp) if tp else est
+            est = dict(est, sequence_parallel=sp) if sp else est
             cmp = None
     except ConfigError as e:
         sys.stderr.write(f"zerompi.estimate: error: {e}\n")
@@ -331,6 +344,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         if est.get("tensor_parallel"):
             from .tensor import format_tp
             print(format_tp(est["tensor_parallel"]))
+        if est.get("sequence_parallel"):
+            from .sequence import format_sp
+            print(format_sp(est["sequence_parallel"]))
         if cmp is not None:
             print()
             print(format_compare(cmp, est))

@@ -11,25 +11,30 @@ from ..errors import ConfigError, check
 
 
 def gpt_tp(tp: int, ranks: int, n_layer: int, d_model: int, vocab: int, seq_len: int, batch: int,
-           micro_batches: int = 1) -> dict:
-    """{tp, dp, params_total, params_local, rows, tp_bytes_per_step, formula} (ConfigError on bad input)."""
+           micro_batches: int = 1, sp: int = 1) -> dict:
+    """{tp, dp, params_total, params_local, rows, tp_bytes_per_step, formula} (ConfigError on bad input);
+    ``dp``: the N/K ranks ZeRO shards over (data x sequence parallel, with ``sp`` > 1: each of its sp
+    ranks holds seq_len/sp positions of the same rows)."""
     for name, v in (("tp", tp), ("ranks", ranks), ("n_layer", n_layer), ("d_model", d_model), ("vocab", vocab),
-                    ("seq_len", seq_len), ("batch", batch), ("micro_batches", micro_batches)):
+                    ("seq_len", seq_len), ("batch", batch), ("micro_batches", micro_batches), ("sp", sp)):
         check(isinstance(v, int) and v >= 1, f"{name}={v!r} must be a whole number >= 1")
     check(ranks % tp == 0, f"tp={tp} does not divide the {ranks} ranks; use a divisor of {ranks}")
     check(d_model % tp == 0, f"tp={tp} does not divide d_model={d_model}")
+    check((ranks // tp) % sp == 0, f"sp={sp} does not divide the {ranks // tp} tensor-parallel groups of tp={tp} "
+                                   f"({ranks} ranks); use a divisor of {ranks // tp}")
+    check(seq_len % sp == 0, f"sp={sp} does not divide seq_len={seq_len}")
     dp = ranks // tp
-    if batch % (dp * micro_batches):
-        raise ConfigError(f"batch={batch} does not split over {dp} data-parallel ranks x {micro_batches} "
+    if batch % (dp // sp * micro_batches):
+        raise ConfigError(f"batch={batch} does not split over {dp // sp} data-parallel ranks x {micro_batches} "
                           f"micro-batches")
     L, C = n_layer, d_model
     split = L * (12 * C * C + 7 * C)
     whole = vocab * C + seq_len * C + L * 6 * C + 2 * C
-    rows = batch // dp // micro_batches
-    tp_bytes = micro_batches * 4 * L * 2 * (tp - 1) * (rows * seq_len * C // tp) * 4
+    rows, t = batch // (dp // sp) // micro_batches, seq_len // sp
+    tp_bytes = micro_batches * 4 * L * 2 * (tp - 1) * (rows * t * C // tp) * 4
     return {"tp": tp, "dp": dp, "params_total": whole + split, "params_local": whole + split // tp, "rows": rows,
             "tp_bytes_per_step": tp_bytes,
-            "formula": f"{micro_batches} micro-batches x 4 x {L} blocks x 2(K-1)/K x {rows}·{seq_len}·{C} x 4 B"}
+            "formula": f"{micro_batches} micro-batches x 4 x {L} blocks x 2(K-1)/K x {rows}·{t}·{C} x 4 B"}
 
 
 def format_tp(tp: dict) -> str:

@@ -116,6 +116,9 @@ class TrainConfig:
         if self.zero.tp > 1:
             from .tensor import check_model
             check_model(self)
+        if self.zero.sp > 1:
+            from .sequence import check_model as check_sp_model
+            check_sp_model(self)
         check(self.steps >= 1, f"steps={self.steps} must be >= 1")
         check(isinstance(self.seed, int) and self.seed >= 0,
               f"seed={self.seed!r} must be an integer >= 0 (it seeds NumPy's generators)")
@@ -160,14 +163,18 @@ class TrainConfig:
             check_file(self.data, self.seq_len)
 
     def check_world(self, world_size: int) -> None:
-        """Raises ConfigError unless the ranks fit: --tp, --node-size (or $ZEROMPI_NODE_SIZE, named when it is
-        the culprit) and --shard-size in the user's units (a node size MPI's split gives is checked once the
-        ranks have met: preflight.topology_error), and batch splits evenly over the ranks x micro-batches."""
+        """Raises ConfigError unless the ranks fit: --tp, --sp, --node-size (or $ZEROMPI_NODE_SIZE, named when it
+        is the culprit) and --shard-size in the user's units (a node size MPI's split gives is checked once the
+        ranks have met: preflight.topology_error), and batch splits evenly over the data-parallel ranks x
+        micro-batches."""
         from ..comm.topology import check_sizes, node_size_env
         z, t = self.zero, self.zero.tp
         env = node_size_env() if z.node_size is None else None
         check_sizes(world_size, z.node_size or env or t, z.shard_size, t, env=env is not None)
-        dp = world_size // t
+        if z.sp > 1:
+            from ..comm.mesh import check_sp
+            check_sp(z.sp, t, world_size, z.node_size or env)
+        dp = world_size // (t * z.sp)
         parts = dp * z.micro_batches
         check(self.batch % parts == 0,
               f"batch={self.batch} does not split over {dp} data-parallel ranks x {z.micro_batches} "
@@ -272,6 +279,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=ZeroConfig.tp, metavar="K",
                    help="tensor parallelism: N ranks as N/K data-parallel groups x K adjacent TP ranks; ZeRO "
                         "shards each TP rank's pieces over its data-parallel group (docs/tensor-parallel.md)")
+    p.add_argument("--sp", type=int, default=ZeroConfig.sp, metavar="K",
+                   help="sequence parallelism (DeepSpeed-Ulysses, the GPT): each sequence cut into K chunks over K "
+                        "adjacent ranks (TP groups), an all-to-all before and after attention; ZeRO shards over the "
+                        "data- x sequence-parallel ranks (docs/sequence-parallel.md)")
     p.add_argument("--hpz", action="store_true",
                    help="stage 3: keep a node-local copy of the parameters after each gather across nodes "
                         "(ZeRO++ hpZ)")
@@ -305,7 +316,7 @@ def parse_config(argv: Optional[List[str]] = None, environ=None) -> TrainConfig:
                           optimizer_impl=a.optimizer_impl,
                           overlap=not a.no_overlap, prefetch=a.prefetch,
                           progress=a.comm_progress, timeout_s=timeout_s,
-                          node_size=a.node_size, shard_size=a.shard_size, hpz=a.hpz, tp=a.tp,
+                          node_size=a.node_size, shard_size=a.shard_size, hpz=a.hpz, tp=a.tp, sp=a.sp,
                           quantize_weights=a.quantize_weights, quantize_grads=a.quantize_grads,
                           offload_optimizer=a.offload_optimizer,
                           offload_params=a.offload_params, offload_io=a.offload_io,

@@ -31,12 +31,24 @@ class StepLog:
     total_time: float = 0.0                      # their wall seconds, summed
     comm_bytes: Deque[int] = field(default=None)   # bytes this rank sent in the step (sum_scalars aside)
     level_bytes: Deque[tuple] = field(default=None)   # the same as (inside its node, across nodes, unquantized)
+    groups: Dict[str, Deque[tuple]] = field(default=None)   # {"tp", "sp": (bytes, seconds) of the step's model groups}
 
     def __post_init__(self):
         self.cap = HISTORY_STEPS if self.cap is None else self.cap
         self.losses, self.times, self.parts, self.comm_bytes, self.level_bytes = (
             deque(maxlen=self.cap) for _ in range(5))
         self.val_losses = deque(maxlen=VAL_HISTORY)
+        self.groups = {}
+
+    def record_group(self, name: str, sent: int, seconds: float) -> None:
+        """The bytes and seconds of a model-parallel group's collectives (TP all-reduce, SP all-to-all) in
+        one step's forward and backward."""
+        self.groups.setdefault(name, deque(maxlen=self.cap)).append((sent, seconds))
+
+    def group_series(self, name: str):
+        """([bytes of each kept step], [seconds of each]) of group ``name`` (empty lists: none recorded)."""
+        series = list(self.groups.get(name, ()))
+        return [b for b, _ in series], [s for _, s in series]
 
     def record(self, loss: float, seconds: float, comm_bytes: int, parts: dict, levels=(0, 0)) -> None:
         """One step's numbers (the oldest kept step is dropped once ``cap`` are kept)."""

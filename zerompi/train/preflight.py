@@ -118,9 +118,11 @@ def stage_estimate(cfg: TrainConfig, world_size: int) -> dict:
 def memory_needed(cfg: TrainConfig, world_size: int) -> dict:
     """Bytes one rank holds at once at least, by part: the model states and engine buffers (zerompi.estimate,
     best case; with --tp for this TP rank's pieces), and the MLP's teacher (float32, built whole and kept) or
-    the GPT's attention probabilities one micro-batch keeps for the backward (one block's with checkpointing;
-    with --tp its n_head/K heads'). The built-in models are lazy (engine/lazy.py): no rank makes its initial
-    parameters whole, so they add nothing beside the model states."""
+    the GPT's activations: on the CPU without --tp all of one micro-batch's (estimate/activations.py, what the
+    run measures; with --sp K of this rank's chunk), else the attention probabilities one micro-batch keeps for
+    the backward (one block's with checkpointing; n_head/(tp x sp) heads over the whole sequence). The
+    built-in models are lazy (engine/lazy.py): no rank makes its initial parameters whole, so they add
+    nothing beside the model states."""
     z, tp = cfg.zero, cfg.zero.tp
     row = stage_estimate(cfg, world_size)
     offloaded = (row["optimizer_bytes"] if z.offload_optimizer == "nvme" else 0) + \
@@ -129,9 +131,15 @@ def memory_needed(cfg: TrainConfig, world_size: int) -> dict:
     if cfg.model == "mlp":        # the teacher is built whole before the engine and kept
         parts["teacher network (float32)"] = 4 * model_size(cfg)[0]
         return parts
-    rows = max(1, cfg.batch // (world_size // tp * z.micro_batches))
-    kept = 1 if cfg.checkpoint_activations else cfg.n_layer      # blocks whose probabilities are held at once
-    parts["attention probabilities"] = 4 * kept * rows * (cfg.n_head // tp) * cfg.seq_len ** 2
+    rows = max(1, cfg.batch // (world_size // (tp * z.sp) * z.micro_batches))   # sequences per data-parallel rank
+    if tp == 1 and cfg.device == "cpu":          # the C kernels' workspace: every activation, by its formula
+        from ..estimate.activations import gpt_activation_bytes
+        vocab = FILE_VOCAB if cfg.data else GENERATED_VOCAB
+        parts["activations"] = gpt_activation_bytes(rows, cfg.seq_len, cfg.d_model, cfg.n_layer, cfg.n_head, vocab,
+                                                    cfg.checkpoint_activations, sp=z.sp)["total"]
+    else:
+        kept = 1 if cfg.checkpoint_activations else cfg.n_layer      # blocks whose probabilities are held at once
+        parts["attention probabilities"] = 4 * kept * rows * (cfg.n_head // (tp * z.sp)) * cfg.seq_len ** 2
     return parts
 
 
@@ -149,9 +157,11 @@ def memory_error(cfg: TrainConfig, world_size: int, placement) -> Optional[str]:
     need = sum(parts.values())
     if have is None or need <= have[0]:
         return None
-    tp = cfg.zero.tp
-    tp_words = f" as {world_size // tp} data-parallel x {tp} tensor-parallel" if tp > 1 else ""
+    tp, sp = cfg.zero.tp, cfg.zero.sp
+    tp_words = "".join(f" x {k} {what}-parallel" for k, what in ((sp, "sequence"), (tp, "tensor")) if k > 1)
+    tp_words = f" as {world_size // (tp * sp)} data-parallel{tp_words}" if tp_words else ""
     detail = ", ".join(f"{k} {human_bytes(v)}" for k, v in parts.items())
     return (f"the job needs at least {human_bytes(need)} per rank ({detail}; stage {cfg.zero.stage}, "
             f"{world_size} ranks{tp_words}, by zerompi.estimate) and this rank has {human_bytes(have[0])} ({have[1]}); "
-            "use a smaller model, more ranks, a higher --stage or --offload-optimizer nvme")
+            "use a smaller model, more ranks, a higher --stage or --offload-optimizer nvme"
+            + (" (long sequences: --checkpoint-activations, --sp)" if cfg.model == "gpt" else ""))

@@ -20,10 +20,10 @@ from ..comm.watchdog import StopSignal
 
 def build_model(cfg: TrainConfig, xp=np, mesh=None):
     """(model, data) for cfg.model; the GPT computes on ``xp`` (the MLP's NumPy calls dispatch to CuPy);
-    with a Mesh of tp > 1, the tensor-parallel version (train/tensor.py)."""
+    with a Mesh (tp or sp > 1), the versions split over it (train/parallel.py)."""
     if mesh is not None:
-        from .tensor import build_model as build_tp
-        return build_tp(cfg, mesh, xp)
+        from .parallel import build_model as build_split
+        return build_split(cfg, mesh, xp)
     if cfg.model == "gpt":
         from .data import make_data
         from .models.gpt import GPT
@@ -64,13 +64,13 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
     cfg.check_world(comm.size)
     xp = placement.xp if placement is not None else np
     mesh = None
-    if cfg.zero.tp > 1:                          # ZeRO over the data-parallel group, blocks split over TP
-        from . import tensor
-        mesh = tensor.make_mesh(cfg, comm, placement)
+    if cfg.zero.tp > 1 or cfg.zero.sp > 1:       # ZeRO over the dp x sp ranks, blocks split over TP, sequences over SP
+        from . import parallel, sequence, tensor
+        mesh = parallel.make_mesh(cfg, comm, placement)
     model, data = build_model(cfg, xp, mesh)
     dev_comm = comm if mesh else device_communicator(comm, xp, cfg.comm, cfg.zero.timeout_s)
     engine = ZeroEngine(model.lazy_layers(), cfg.zero, mesh or dev_comm, xp=xp,
-                        tp_split=model.tp_split() if mesh else None)
+                        tp_split=model.tp_split() if mesh and mesh.tp > 1 else None)
     report.print_banner(cfg, engine, comm, placement, data)
     if mesh:
         report.print0(comm.mpi, f"  mesh: {mesh.describe()}")
@@ -91,11 +91,15 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
         raise
     metrics = report.final_metrics(cfg, engine, comm, log, floor, placement,   # before engine.close(): still watched
                                    report.activations(cfg, model, comm.size))
-    if mesh:
+    if mesh and mesh.tp > 1:
         metrics.update(tensor.metrics(cfg, engine, model, log, metrics))
+    if mesh and mesh.sp > 1:
+        metrics.update(sequence.metrics(cfg, mesh, model, log))
     report.print_summary(metrics, engine, comm, log.base_bytes)
-    if mesh:
-        report.print0(comm.mpi, tensor.summary(metrics, cfg))
+    for part in (tensor, sequence) if mesh else ():
+        line = part.summary(metrics, cfg)
+        if line:
+            report.print0(comm.mpi, line)
     problem = None
     if cfg.metrics_json and comm.rank == 0:      # atomically: a full disk leaves the old file, not an empty one
         from ..checkpoint.outputs import save_json
@@ -122,20 +126,16 @@ def _run_steps(cfg: TrainConfig, engine, comm, model, data, floor: Optional[floa
     bar = comm.rank == 0 and choose_progress(cfg.progress) == "bar"    # auto: a bar only for a person at a terminal
     sent = lambda: sum(s.bytes for op, s in comm.stats.items() if op != "sum_scalars")
     log = StepLog(start, {op: s.bytes for op, s in comm.stats.items()})   # so far: the initial parameter all-gather
-    from collections import deque
-    log.tp_bytes = deque(maxlen=log.cap)        # TP all-reduce bytes of each step's forward and backward
-    log.tp_seconds = deque(maxlen=log.cap)
-    tp_comm = engine.tp.mesh.tp_comm if engine.tp else None
-    tp_sent = (lambda: (tp_comm.bytes_sent(), tp_comm.seconds())) if tp_comm else (lambda: (0, 0.0))
+    from .parallel import metered_groups
+    groups = metered_groups(engine.mesh)        # TP all-reduces, SP all-to-alls: counted per step, apart
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
         engine.timers.take()                        # drop what ran between steps (checkpoints)
         b0, l0, q0 = sent(), comm.level_bytes(), comm.logical_bytes()
-        tp0 = tp_sent()
+        g0 = {name: (c.bytes_sent(), c.seconds()) for name, c in groups.items()}
         local = losses_of(engine, model, data, step, cfg.batch, cfg.zero.micro_batches)
-        tp1 = tp_sent()
-        log.tp_bytes.append(tp1[0] - tp0[0])
-        log.tp_seconds.append(tp1[1] - tp0[1])
+        for name, c in groups.items():
+            log.record_group(name, c.bytes_sent() - g0[name][0], c.seconds() - g0[name][1])
         result = engine.step()
         total = comm.sum_scalars([sum(local) / len(local), stop.flag if stop else 0.0])   # + the stop flag
         loss = float(total[0] / comm.size)

@@ -1,16 +1,12 @@
-"""The train job's tensor parallelism (--tp K): checks, the mesh, the TP models, metrics and the TP row.
-
-The engine runs over the mesh's data-parallel group (engine/tensor.py); the models split their
-blocks over the TP group (models/gpt_tp.py, models/mlp_tp.py). What is reported here: the bytes
+"""The train job's tensor parallelism (--tp K): its checks, metrics and the TP row (train/parallel.py
+builds the mesh and the models). What is reported here: the bytes
 each rank sends in TP all-reduces per step (measured around the forward and backward of the
 step, beside the model's formula) and a hash of the whole model (every TP rank's pieces).
 """
 import hashlib
 import statistics
 
-import numpy as np
-
-from ..errors import ConfigError, check
+from ..errors import check
 
 
 def check_model(cfg) -> None:
@@ -29,29 +25,9 @@ def check_model(cfg) -> None:
                                   "blocks, so use an even depth")
 
 
-def make_mesh(cfg, comm, placement):
-    """The Mesh of the job (a collective); its data-parallel group counts into ``comm``'s table."""
-    from ..comm.mesh import Mesh
-    if placement is not None and placement.xp is not np:
-        raise ConfigError(f"tp={cfg.zero.tp} runs on the CPU only for now; use --device cpu (or --tp 1)")
-    return Mesh(comm, cfg.zero.tp, node_size=cfg.zero.node_size)
-
-
-def build_model(cfg, mesh, xp=np):
-    """(model, data) of cfg.model, split over mesh.tp_comm."""
-    if cfg.model == "gpt":
-        from .data import make_data
-        from .models.gpt_tp import TPGPT
-        data = make_data(cfg.data, cfg.seq_len, cfg.seed)
-        return TPGPT(data.vocab, cfg.seq_len, cfg.n_layer, cfg.n_head, cfg.d_model, cfg.seed, xp=xp,
-                     tp=mesh.tp_comm), data
-    from .models.mlp import TeacherData
-    from .models.mlp_tp import TPMLP
-    return TPMLP(cfg.width, cfg.depth, cfg.seed, tp=mesh.tp_comm), TeacherData(cfg.width, cfg.depth, cfg.seed)
-
-
 def theory_bytes_per_step(cfg, model, dp: int) -> int:
-    """The TP all-reduce bytes one rank sends per step: per micro-batch of batch / dp / micro rows."""
+    """The TP all-reduce bytes one rank sends per step: per micro-batch of batch / dp / micro rows
+    (each of them seq_len / sp positions long, model.tp_bytes_per_micro_batch)."""
     rows = cfg.batch // dp // cfg.zero.micro_batches
     return cfg.zero.micro_batches * model.tp_bytes_per_micro_batch(rows)
 
@@ -59,7 +35,7 @@ def theory_bytes_per_step(cfg, model, dp: int) -> int:
 def metrics(cfg, engine, model, log, base: dict) -> dict:
     """The TP entries of the metrics (a collective over the TP group: the whole model's hash)."""
     mesh, split = engine.tp.mesh, engine.tp.split
-    tp_bytes, tp_seconds = list(log.tp_bytes), list(log.tp_seconds)
+    tp_bytes, tp_seconds = log.group_series("tp")
     digests = mesh.tp_mpi.allgather(base["final_params_sha256"])   # each TP rank's pieces, in TP rank order
     full = sum(pr.numel * (mesh.tp if name in split else 1) for name, pr in engine.layout.params.items())
     return {"final_params_sha256": hashlib.sha256("".join(digests).encode()).hexdigest(),
@@ -71,9 +47,11 @@ def metrics(cfg, engine, model, log, base: dict) -> dict:
 
 
 def summary(metrics: dict, cfg) -> str:
-    """The TP traffic row printed under the communication table."""
+    """The TP traffic row printed under the communication table (None without tensor parallelism)."""
     from .report import human_bytes
-    tp = metrics["tensor_parallel"]
+    tp = metrics.get("tensor_parallel")
+    if tp is None:
+        return None
     blocks = f"4 x {cfg.n_layer} blocks" if cfg.model == "gpt" else f"{cfg.depth - 1} layers"
     return (f"  {'tp all-reduce':16} {human_bytes(tp['bytes_per_step']):>14}   formula "
             f"{human_bytes(tp['theory_bytes_per_step'])} = {cfg.zero.micro_batches} micro-batches x {blocks} x "

@@ -31,6 +31,7 @@ from ...engine import lazy
 from ..model_kernels import upcast
 from .activations import Keep, MeteredWorkspace, Recompute, scratch
 from .gpt_fast import FRESH, Workspace, fused_layers
+from .gpt_sp import check_sp_model, sequence_parallel
 from .gpt_numpy import (LN_EPS, NumpyLayers, attention, attention_backward, gelu, gelu_grad, layernorm,
                         layernorm_backward, linear, linear_backward)
 
@@ -46,7 +47,7 @@ class GPT:
     """Sizes, initial parameters, and per-layer forward/backward in ``dtype`` on ``xp``."""
 
     def __init__(self, vocab: int, seq_len: int, n_layer: int, n_head: int, d_model: int, seed: int = 0,
-                 xp=np, dtype=np.float32, kernels: str = "auto", checkpoint_activations: bool = False):
+                 xp=np, dtype=np.float32, kernels: str = "auto", checkpoint_activations: bool = False, sp=None):
         if d_model % n_head:
             raise ValueError(f"d_model={d_model} must be divisible by n_head={n_head}")
         if kernels not in KERNELS:
@@ -54,7 +55,10 @@ class GPT:
         self.vocab, self.seq_len, self.n_layer = vocab, seq_len, n_layer
         self.n_head, self.d_model, self.seed = n_head, d_model, seed
         self.xp, self.dtype = xp, dtype
-        self.layers = fused_layers(xp, dtype, n_head, kernels) or NumpyLayers(xp, n_head)
+        self.sp = sp if sp is not None and sp.size > 1 else None   # SPComm: this rank's chunk of each sequence
+        if self.sp:
+            check_sp_model(sp.size, n_head, seq_len)
+        self.layers = sequence_parallel(fused_layers(xp, dtype, n_head, kernels) or NumpyLayers(xp, n_head), self.sp)
         self.workspace = MeteredWorkspace()    # the engine driver's buffers, kept across steps
         self.checkpoint_activations = bool(checkpoint_activations)
         self.activations = (Recompute if checkpoint_activations else Keep)(self)   # how the driver runs layers
@@ -64,6 +68,23 @@ class GPT:
         """The most bytes of activations held at once so far (the workspace's count; None on the plain
         array path, whose arrays the workspace does not hold)."""
         return self.workspace.peak if self.layers.name == "c" else None
+
+    def chunk(self, tokens: int) -> int:
+        """The first position of this rank's chunk of ``tokens`` positions (0 without sequence parallelism)."""
+        return self.sp.rank * tokens if self.sp else 0
+
+    def local_sequence(self, rows):
+        """(inputs, targets) of this rank's chunk of ``rows`` (sequences of seq_len + 1 tokens): all of
+        each sequence, or with sequence parallelism positions seq_len/K x rank .. of it."""
+        t = self.seq_len // (self.sp.size if self.sp else 1)
+        lo = self.chunk(t)
+        return rows[:, lo:lo + t], rows[:, lo + 1:lo + t + 1]
+
+    def data_share(self, engine) -> Tuple[int, int]:
+        """(this rank's share, shares) of the global batch's rows: the engine's ranks, whose SP ranks
+        (adjacent, comm/mesh.py) take one share together."""
+        k = self.sp.size if self.sp else 1
+        return engine.rank // k, engine.world_size // k
 
     @property
     def num_layers(self) -> int:
@@ -150,7 +171,8 @@ class GPT:
         h = scratch(ws, self.xp, ("embed", "h"), (B, T, wte.shape[1]), self.dtype)
         # NumPy's take buffers ``out`` in its default mode; token ids are in range, so "clip" is the same copy.
         self.xp.take(wte, idx, axis=0, out=h, **({"mode": "clip"} if self.xp is np else {}))
-        h += wpe[:T]
+        lo = self.chunk(T)             # positions by where the chunk is in the whole sequence
+        h += wpe[lo:lo + T]
         return h, idx
 
     def embed_backward(self, idx, dh, ws: Workspace = FRESH):
@@ -163,7 +185,8 @@ class GPT:
                           out=scratch(ws, xp, ("embed", "onehot"), (B * T, self.vocab), self.dtype))
         dwte = onehot.T @ dh.reshape(-1, C)
         dwpe = xp.zeros((self.seq_len, C), self.dtype)
-        dwpe[:T] = dh.sum(axis=0)
+        lo = self.chunk(T)
+        dwpe[lo:lo + T] = dh.sum(axis=0)
         return {WTE: dwte, WPE: dwpe}
 
     def head(self, wte_stored, hf, targets, scale: float = 1.0, ws: Workspace = FRESH):
@@ -280,13 +303,13 @@ def train_losses(engine, model: GPT, data, step: int, batch: int, micro_batches:
     global batch (data.train_rows), which are the same rows at any world size.
     """
     from ..data import rank_rows
-    rows = data.train_rows(step, rank_rows(batch, engine.rank, engine.world_size))
+    rows = data.train_rows(step, rank_rows(batch, *model.data_share(engine)))
     per = rows.shape[0] // micro_batches
     xp = model.xp
     out = []
     for m in range(micro_batches):
         r = xp.asarray(rows[m * per:(m + 1) * per])
-        out.append(run_micro_batch(engine, model, r[:, :-1], r[:, 1:]))
+        out.append(run_micro_batch(engine, model, *model.local_sequence(r)))
     return out
 
 
@@ -297,13 +320,13 @@ def validation_loss(engine, model: GPT, data, chunk: int = 32) -> float:
     passes (stage 3 gathers in each), an empty one where its share ran out.
     """
     from ..data import rank_rows
-    size = engine.world_size
-    mine = rank_rows(data.val_size, engine.rank, size)
+    share, size = model.data_share(engine)
+    mine = rank_rows(data.val_size, share, size)
     passes = -(-len(rank_rows(data.val_size, 0, size)) // chunk)    # rank 0 has the most rows
     xp = model.xp
     total = 0.0
     for k in range(passes):
         lo = min(mine.start + k * chunk, mine.stop)
         r = xp.asarray(data.val_rows(range(lo, min(lo + chunk, mine.stop))))
-        total += evaluate(engine, model, r[:, :-1], r[:, 1:])
+        total += evaluate(engine, model, *model.local_sequence(r))
     return float(engine.comm.sum_scalars([total])[0]) / (data.val_size * data.seq_len)

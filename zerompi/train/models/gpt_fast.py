@@ -58,6 +58,55 @@ def _heads(qkv, B: int, T: int, H: int):
     return tuple(v[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
 
 
+class FusedAttention:
+    """The causal attention core of one block on this rank's ``n_head`` heads, with the C kernels: it reads
+    q, k and v where the qkv projection wrote them and writes its output and d qkv in place (gpt_sp.py's
+    SPFusedAttention: the same over the whole sequence of a sequence-parallel rank's chunk)."""
+
+    def __init__(self, kernels, n_head: int):
+        self.k, self.n_head, self.dtype = kernels, n_head, kernels.dtype
+
+    def qkv_buffer(self, ws: Workspace, key, n: int, c: int) -> np.ndarray:
+        """Where the qkv projection writes (n, 3C): the layer's own, kept for the backward."""
+        return ws.get((key, "qkv"), (n, 3 * c), self.dtype)
+
+    def forward(self, qkv, B: int, T: int, ws: Workspace = FRESH, key=None):
+        """(y (B*T, C), cache) of qkv (B*T, 3C)."""
+        H, C = self.n_head, qkv.shape[1] // 3
+        att, y = ws.get((key, "att"), (B, H, T, T), self.dtype), ws.get((key, "y"), (B * T, C), self.dtype)
+        scale = self.core(qkv, B, T, H, att, y)
+        return y, (qkv, att, scale)
+
+    def backward(self, cache, dy, ws: Workspace = FRESH):
+        """d qkv (B*T, 3C), a buffer every block shares, of upstream dy (B*T, C)."""
+        qkv, att, scale = cache
+        dqkv = ws.get(("block", "dqkv"), qkv.shape, self.dtype)
+        self.core_backward(qkv, att, scale, dy, dqkv, ws.get(("block", "datt"), att.shape, self.dtype))
+        return dqkv
+
+    def core(self, qkv, B: int, T: int, H: int, att, y) -> float:
+        """softmax(q k^T * scale, causal) v of H heads of qkv (B*T, 3 H hd) into y (B*T, H hd); the
+        probabilities into att (B, H, T, T). Returns the scale."""
+        q, kk, v = _heads(qkv, B, T, H)
+        scale = 1.0 / float(np.sqrt(qkv.shape[1] // (3 * H)))
+        np.matmul(q, kk.transpose(0, 1, 3, 2), out=att)
+        self.k.softmax_causal_fwd(att, scale)
+        np.matmul(att, v, out=y.reshape(B, T, H, -1).transpose(0, 2, 1, 3))
+        return scale
+
+    def core_backward(self, qkv, att, scale: float, dy, dqkv, datt) -> None:
+        """d qkv (B*T, 3 H hd) of :meth:`core` for upstream dy (B*T, H hd); datt: (B, H, T, T) scratch."""
+        B, H, T, _ = att.shape
+        q, kk, v = _heads(qkv, B, T, H)
+        dq, dk, dv = _heads(dqkv, B, T, H)
+        dy4 = dy.reshape(B, T, H, -1).transpose(0, 2, 1, 3)
+        np.matmul(att.transpose(0, 1, 3, 2), dy4, out=dv)
+        np.matmul(dy4, v.transpose(0, 1, 3, 2), out=datt)
+        self.k.softmax_causal_bwd(datt, att, scale)          # the scale is folded in here
+        np.matmul(datt, kk, out=dq)
+        np.matmul(datt.transpose(0, 1, 3, 2), q, out=dk)
+
+
 class FusedLayers:
     """A transformer block and the final LayerNorm with the C kernels on NumPy.
 
@@ -71,6 +120,7 @@ class FusedLayers:
 
     def __init__(self, kernels, n_head: int):
         self.k, self.n_head, self.dtype = kernels, n_head, kernels.dtype
+        self.attention = FusedAttention(kernels, n_head)
 
     @staticmethod
     def _flat(x):
@@ -98,22 +148,17 @@ class FusedLayers:
 
     # ---- a transformer block ---------------------------------------------------------------
     def block_forward(self, p, x, ws: Workspace = FRESH, key=None):
-        k, dt, H = self.k, self.dtype, self.n_head
+        k, dt = self.k, self.dtype
         B, T, C = x.shape
         n = B * T
         own = lambda name, shape: ws.get((key, name), shape, dt)
         x2 = self._flat(x)
         a, mu1, rs1 = own("a", (n, C)), own("mu1", (n,)), own("rs1", (n,))
         k.layernorm_fwd(x2, self._p(p, "ln1.g"), self._p(p, "ln1.b"), a, mu1, rs1, LN_EPS)
-        qkv = own("qkv", (n, 3 * C))
+        qkv = self.attention.qkv_buffer(ws, key, n, C)
         np.matmul(a, self._p(p, "qkv.w"), out=qkv)
         qkv += self._p(p, "qkv.b")
-        att, y = own("att", (B, H, T, T)), own("y", (n, C))
-        q, kk, v = _heads(qkv, B, T, H)
-        scale = 1.0 / float(np.sqrt(C // H))
-        np.matmul(q, kk.transpose(0, 1, 3, 2), out=att)
-        k.softmax_causal_fwd(att, scale)
-        np.matmul(att, v, out=y.reshape(B, T, H, C // H).transpose(0, 2, 1, 3))
+        y, attn = self.attention.forward(qkv, B, T, ws, key)
         x1 = own("x1", (n, C))
         np.matmul(y, self._p(p, "proj.w"), out=x1)
         k.bias_residual(x1, x2, self._p(p, "proj.b"))
@@ -125,13 +170,12 @@ class FusedLayers:
         out = own("out", (n, C))
         np.matmul(gf, self._p(p, "out.w"), out=out)
         k.bias_residual(out, x1, self._p(p, "out.b"))
-        return out.reshape(B, T, C), (x2, mu1, rs1, a, qkv, att, y, x1, mu2, rs2, m, f, gf, scale)
+        return out.reshape(B, T, C), (x2, mu1, rs1, a, attn, y, x1, mu2, rs2, m, f, gf)
 
     def block_backward(self, p, cache, dout, ws: Workspace = FRESH, key=None):
         """(dx, {short name: grad}) of one block."""
-        k, dt, H = self.k, self.dtype, self.n_head
-        x2, mu1, rs1, a, qkv, att, y, x1, mu2, rs2, m, f, gf, scale = cache
-        B, _, T, _ = att.shape
+        k, dt = self.k, self.dtype
+        x2, mu1, rs1, a, attn, y, x1, mu2, rs2, m, f, gf = cache
         n, C = x2.shape
         shared = lambda name, shape: ws.get(("block", name), shape, dt)
         g = {name: shared("g." + name, self._p(p, name).shape) for name in p}
@@ -150,22 +194,14 @@ class FusedLayers:
         dx1.sum(axis=0, out=g["proj.b"])
         dy = shared("dy", (n, C))
         np.matmul(dx1, self._p(p, "proj.w").T, out=dy)
-        dqkv, datt = shared("dqkv", (n, 3 * C)), shared("datt", att.shape)
-        q, kk, v = _heads(qkv, B, T, H)
-        dq, dk, dv = _heads(dqkv, B, T, H)
-        dy4 = dy.reshape(B, T, H, C // H).transpose(0, 2, 1, 3)
-        np.matmul(att.transpose(0, 1, 3, 2), dy4, out=dv)
-        np.matmul(dy4, v.transpose(0, 1, 3, 2), out=datt)
-        k.softmax_causal_bwd(datt, att, scale)          # the scale is folded in here
-        np.matmul(datt, kk, out=dq)
-        np.matmul(datt.transpose(0, 1, 3, 2), q, out=dk)
+        dqkv = self.attention.backward(attn, dy, ws)
         np.matmul(a.T, dqkv, out=g["qkv.w"])
         dqkv.sum(axis=0, out=g["qkv.b"])
         da = shared("da", (n, C))
         np.matmul(dqkv, self._p(p, "qkv.w").T, out=da)
         dx = ws.get((key, "dx"), (n, C), dt)
         k.layernorm_bwd(da, x2, mu1, rs1, self._p(p, "ln1.g"), dx1, dx, g["ln1.g"], g["ln1.b"])
-        return dx.reshape(B, T, C), g
+        return dx.reshape(dout.shape), g
 
 
 def fused_layers(xp, dtype, n_head: int, kernels: str) -> Optional[FusedLayers]:

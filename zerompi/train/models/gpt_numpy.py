@@ -85,6 +85,22 @@ def attention_backward(xp, dy, cache):
 
 
 # ---- the layers ---------------------------------------------------------------------------
+class Attention:
+    """The causal attention core of one block on this rank's ``n_head`` heads (gpt_sp.SPAttention:
+    the same over the whole sequence of a sequence-parallel rank's chunk)."""
+
+    def __init__(self, xp, n_head: int):
+        self.xp, self.n_head = xp, n_head
+
+    def forward(self, qkv):
+        """(y (B, T, C), cache) of qkv (B, T, 3C)."""
+        return attention(self.xp, qkv, self.n_head)
+
+    def backward(self, dy, cache):
+        """d qkv (B, T, 3C) of upstream dy (B, T, C)."""
+        return attention_backward(self.xp, dy, cache)
+
+
 class NumpyLayers:
     """A transformer block and the final LayerNorm in array code (``ws`` and ``key`` unused:
     every array is new)."""
@@ -93,6 +109,7 @@ class NumpyLayers:
 
     def __init__(self, xp, n_head: int):
         self.xp, self.n_head = xp, n_head
+        self.attention = Attention(xp, n_head)
 
     def ln_forward(self, x, g, b, ws=None, key=None):
         return layernorm(self.xp, x, g, b)
@@ -103,7 +120,7 @@ class NumpyLayers:
     def block_forward(self, p, x, ws=None, key=None):
         xp = self.xp
         a, ln1 = layernorm(xp, x, p["ln1.g"], p["ln1.b"])
-        y, att = attention(xp, linear(a, p["qkv.w"], p["qkv.b"]), self.n_head)
+        y, att = self.attention.forward(linear(a, p["qkv.w"], p["qkv.b"]))
         x1 = x + linear(y, p["proj.w"], p["proj.b"])
         m, ln2 = layernorm(xp, x1, p["ln2.g"], p["ln2.b"])
         f = linear(m, p["fc.w"], p["fc.b"])
@@ -120,6 +137,6 @@ class NumpyLayers:
         dx1, g["ln2.g"], g["ln2.b"] = layernorm_backward(dm, ln2, p["ln2.g"])
         dx1 = dx1 + dout
         dy, g["proj.w"], g["proj.b"] = linear_backward(dx1, y, p["proj.w"])
-        da, g["qkv.w"], g["qkv.b"] = linear_backward(attention_backward(self.xp, dy, att), a, p["qkv.w"])
+        da, g["qkv.w"], g["qkv.b"] = linear_backward(self.attention.backward(dy, att), a, p["qkv.w"])
         dx, g["ln1.g"], g["ln1.b"] = layernorm_backward(da, ln1, p["ln1.g"])
         return dx + dx1, g

@@ -19,8 +19,8 @@ import numpy as np
 from ...comm.tpsplit import check_divides
 from ...engine import lazy
 from .gpt import GPT
-from .gpt_numpy import attention, attention_backward, gelu, gelu_grad, layernorm, layernorm_backward, linear, \
-    linear_backward, NumpyLayers
+from .gpt_sp import check_sp_model, sequence_parallel
+from .gpt_numpy import gelu, gelu_grad, layernorm, layernorm_backward, linear, linear_backward, NumpyLayers
 
 # Short block name -> (axis, groups) of its split; the block's other parameters are replicated.
 SPLIT = {"qkv.w": (1, 3), "qkv.b": (0, 3), "proj.w": (0, 1), "fc.w": (1, 1), "fc.b": (0, 1), "out.w": (0, 1)}
@@ -46,7 +46,7 @@ class TPLayers(NumpyLayers):
     def block_forward(self, p, x, ws=None, key=None):
         xp = self.xp
         a, ln1 = layernorm(xp, x, p["ln1.g"], p["ln1.b"])
-        y, att = attention(xp, linear(a, p["qkv.w"], p["qkv.b"]), self.n_head)   # column-parallel
+        y, att = self.attention.forward(linear(a, p["qkv.w"], p["qkv.b"]))        # column-parallel
         x1 = x + (self._reduce(_matmul(y, p["proj.w"])) + p["proj.b"])            # row-parallel + all-reduce
         m, ln2 = layernorm(xp, x1, p["ln2.g"], p["ln2.b"])
         f = linear(m, p["fc.w"], p["fc.b"])                                       # column-parallel
@@ -63,21 +63,24 @@ class TPLayers(NumpyLayers):
         dx1, g["ln2.g"], g["ln2.b"] = layernorm_backward(dm, ln2, p["ln2.g"])
         dx1 = dx1 + dout
         dy, g["proj.w"], g["proj.b"] = linear_backward(dx1, y, p["proj.w"])
-        da, g["qkv.w"], g["qkv.b"] = linear_backward(attention_backward(self.xp, dy, att), a, p["qkv.w"])
+        da, g["qkv.w"], g["qkv.b"] = linear_backward(self.attention.backward(dy, att), a, p["qkv.w"])
         da = self._reduce(da)                                                     # QKV's input gradient
         dx, g["ln1.g"], g["ln1.b"] = layernorm_backward(da, ln1, p["ln1.g"])
         return dx + dx1, g
 
 
 class TPGPT(GPT):
-    """GPT whose blocks are split over the TP group ``tp`` (a TPComm: rank, size, all_reduce)."""
+    """GPT whose blocks are split over the TP group ``tp`` (a TPComm: rank, size, all_reduce); with ``sp``
+    (an SPComm) each TP rank's heads sequence-parallel too (gpt_sp.py)."""
 
     def __init__(self, vocab: int, seq_len: int, n_layer: int, n_head: int, d_model: int, seed: int = 0,
-                 xp=np, dtype=np.float32, tp=None):
-        super().__init__(vocab, seq_len, n_layer, n_head, d_model, seed, xp, dtype, kernels="numpy")
+                 xp=np, dtype=np.float32, tp=None, sp=None):
         check_divides(tp.size, n_head=n_head, d_model=d_model)
+        if sp is not None and sp.size > 1:           # the heads are split by TP first, then by SP
+            check_sp_model(sp.size, n_head, seq_len, tp.size)
+        super().__init__(vocab, seq_len, n_layer, n_head, d_model, seed, xp, dtype, kernels="numpy", sp=sp)
         self.tp = tp
-        self.layers = TPLayers(xp, n_head // tp.size, tp)
+        self.layers = sequence_parallel(TPLayers(xp, n_head // tp.size, tp), self.sp)
 
     def tp_split(self) -> Dict[str, Tuple[int, int]]:
         """{parameter name: (axis, groups)} of the split parameters (the engine's tp_split)."""
@@ -95,6 +98,7 @@ class TPGPT(GPT):
 
     def tp_bytes_per_micro_batch(self, rows: int, itemsize: int = 4) -> int:
         """Bytes one rank sends in the TP all-reduces of one micro-batch of ``rows`` sequences:
-        4 per block (2 forward, 2 backward) of rows·T·d_model values, 2(K-1)/K of each."""
-        k = self.tp.size
-        return self.n_layer * 4 * 2 * (k - 1) * (rows * self.seq_len * self.d_model // k) * itemsize
+        4 per block (2 forward, 2 backward) of rows·t·d_model values (t: the positions this rank holds,
+        seq_len / sp), 2(K-1)/K of each."""
+        k, t = self.tp.size, self.seq_len // (self.sp.size if self.sp else 1)
+        return self.n_layer * 4 * 2 * (k - 1) * (rows * t * self.d_model // k) * itemsize

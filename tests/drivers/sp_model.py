@@ -1,0 +1,83 @@
+"""One forward and backward of the sequence-parallel GPT on N ranks against the full model in one process.
+
+Usage: mpiexec -n N python tests/drivers/sp_model.py TP
+The N ranks form a Mesh of tp=TP x sp=N/TP (no data parallelism). Rank 0 prints ``RESULT {json}``: per
+case (kernels, dtype, checkpointing) the largest relative error of the loss (the SP ranks' mean) and of
+every gradient (the SP ranks' gradients summed, / K, split ones merged over the TP ranks) against the full
+model, the all-to-all calls and bytes of the pass beside the formula, and (C kernels, tp 1) the activation
+bytes the workspace measured beside estimate/activations.py's formula.
+"""
+import json
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+from zerompi.comm.mesh import Mesh
+from zerompi.comm.tpsplit import merge
+from zerompi.estimate.activations import gpt_activation_bytes
+from zerompi.train.models.gpt import GPT, WTE
+from zerompi.estimate.sequence import all_to_all_bytes
+from zerompi.train.models.gpt_tp import TPGPT
+
+world = MPI.COMM_WORLD
+TP = int(sys.argv[1])
+mesh = Mesh(world, tp=TP, sp=world.Get_size() // TP)
+sp, K = mesh.sp_comm, mesh.sp
+V, T, L, H, C, B = 11, 8, 2, 4, 16, 3
+
+
+def one_pass(model, layers, idx, tgt):
+    """Loss and gradients of one micro-batch, run as the engine driver runs it (model.activations)."""
+    params, run = [p for _, p in layers], model.activations
+    h, caches = idx, []
+    for i, p in enumerate(params):
+        h, c = run.forward(i, p, h)
+        caches.append(c)
+    loss, dh, dwte = model.head(params[0][WTE], h, tgt, 1.0, model.workspace)
+    grads = {}
+    for i in reversed(range(len(params))):
+        dh, g = run.backward(i, params[i], caches[i], dh)
+        grads.update({k: np.array(v, copy=True) for k, v in g.items()})
+    grads[WTE] = grads[WTE] + dwte
+    return loss, grads
+
+
+rng = np.random.default_rng(5)
+rows = rng.integers(0, V, (B, T + 1))
+results = {}
+for kernels, dtype, ckpt in (("c", np.float64, False), ("c", np.float32, False), ("c", np.float32, True),
+                             ("numpy", np.float64, False), ("numpy", np.float32, False), ("numpy", np.float32, True)):
+    if TP > 1 and (kernels == "c" or ckpt):
+        continue                         # the TP GPT runs on the plain array code, without checkpointing
+    cast = lambda layers: [(n, {k: a.astype(dtype) for k, a in p.items()}) for n, p in layers]
+    full = GPT(V, T, L, H, C, seed=3, dtype=dtype, kernels=kernels)
+    full_loss, full_grads = full.loss_and_grads(cast(full.init_layers()), rows[:, :-1], rows[:, 1:])
+    if TP > 1:
+        part = TPGPT(V, T, L, H, C, seed=3, dtype=dtype, tp=mesh.tp_comm, sp=sp)
+        split = part.tp_split()
+    else:
+        part = GPT(V, T, L, H, C, seed=3, dtype=dtype, kernels=kernels, checkpoint_activations=ckpt, sp=sp)
+        split = {}
+    before = sp.bytes_sent(), sp.calls()
+    loss, grads = one_pass(part, cast(part.init_layers()), *part.local_sequence(rows))
+    sent, calls = sp.bytes_sent() - before[0], sp.calls() - before[1]
+    loss = float(sp.sum_scalars([loss])[0]) / K
+    out = {"loss": abs(loss - full_loss) / abs(full_loss), "grad": 0.0, "names": sorted(grads) == sorted(full_grads)}
+    for name in sorted(full_grads):
+        total = np.empty_like(grads[name])
+        sp.mpi.Allreduce(grads[name], total, op=MPI.SUM)    # the SP ranks' shares of the gradient
+        total /= K
+        got = merge(mesh.tp_mpi.allgather(total), *split[name]) if name in split else total
+        ref = full_grads[name]
+        assert got.shape == ref.shape, (name, got.shape, ref.shape)
+        out["grad"] = max(out["grad"], float(np.abs(got - ref).max() / np.abs(ref).max()))
+    isz = np.dtype(dtype).itemsize
+    out.update(bytes=sent, calls=calls, formula_bytes=all_to_all_bytes(L, B, T // K, C // TP, K, isz, ckpt),
+               formula_calls=L * (6 if ckpt else 4))
+    if kernels == "c":
+        out["activation_bytes"] = part.activation_bytes
+        out["activation_formula"] = gpt_activation_bytes(B, T, C, L, H, V, ckpt, isz, sp=K)["total"]
+    results[f"{kernels}-{np.dtype(dtype).name}{'-ckpt' if ckpt else ''}"] = out
+if world.Get_rank() == 0:
+    print("RESULT " + json.dumps(results), flush=True)

@@ -1,0 +1,43 @@
+"""The train job's model parallelism (--tp, --sp): the Mesh, the models split over it, the groups metered.
+
+The engine runs ZeRO over the mesh's dp x sp ranks (engine/tensor.py); the TP models split their
+blocks over its TP group (models/gpt_tp.py, models/mlp_tp.py), the SP GPT its sequences over its
+SP group (models/gpt_sp.py). train/tensor.py and train/sequence.py check and report each.
+"""
+import numpy as np
+
+from ..errors import ConfigError
+
+
+def make_mesh(cfg, comm, placement):
+    """The Mesh of the job (a collective); its ZeRO group counts into ``comm``'s table."""
+    from ..comm.mesh import Mesh
+    if placement is not None and placement.xp is not np:
+        flag = f"tp={cfg.zero.tp}" if cfg.zero.tp > 1 else f"sp={cfg.zero.sp}"
+        raise ConfigError(f"{flag} runs on the CPU only for now; use --device cpu")
+    return Mesh(comm, cfg.zero.tp, sp=cfg.zero.sp, node_size=cfg.zero.node_size)
+
+
+def build_model(cfg, mesh, xp=np):
+    """(model, data) of cfg.model, split over mesh.tp_comm (tp > 1) and mesh.sp_comm (sp > 1, the GPT)."""
+    if cfg.model == "gpt":
+        from .data import make_data
+        data = make_data(cfg.data, cfg.seq_len, cfg.seed)
+        if mesh.tp == 1:
+            from .models.gpt import GPT
+            return GPT(data.vocab, cfg.seq_len, cfg.n_layer, cfg.n_head, cfg.d_model, cfg.seed, xp=xp,
+                       checkpoint_activations=cfg.checkpoint_activations, sp=mesh.sp_comm), data
+        from .models.gpt_tp import TPGPT
+        return TPGPT(data.vocab, cfg.seq_len, cfg.n_layer, cfg.n_head, cfg.d_model, cfg.seed, xp=xp,
+                     tp=mesh.tp_comm, sp=mesh.sp_comm), data
+    from .models.mlp import TeacherData
+    from .models.mlp_tp import TPMLP
+    return TPMLP(cfg.width, cfg.depth, cfg.seed, tp=mesh.tp_comm), TeacherData(cfg.width, cfg.depth, cfg.seed)
+
+
+def metered_groups(mesh) -> dict:
+    """{"tp": TPComm, "sp": SPComm} of the mesh's groups of more than one rank, whose bytes and seconds the
+    step loop records per step (around the forward and backward)."""
+    if mesh is None:
+        return {}
+    return {name: c for name, c in (("tp", mesh.tp_comm), ("sp", mesh.sp_comm)) if c.size > 1}
