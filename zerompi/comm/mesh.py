@@ -8,9 +8,11 @@ replicas, over which the engine shards that rank's pieces of the model)::
     engine = zerompi.ZeroEngine(layers, cfg, comm=mesh, tp_split=split)   # ZeRO over mesh.dp_comm
     mesh.tp_comm.all_reduce(partial)                # Megatron's f / g: sum over the TP group
 
-``tp_comm`` (TPComm) sums in rank order (reduce-scatter by Alltoall, then Allgather), so every TP
-rank gets the same bits, in any float dtype; its bytes are counted in its own table, apart from
-the engine's data-parallel traffic.
+``tp_comm`` (TPComm) sums in rank order (reduce-scatter by an all-to-all, then Allgather), so every
+TP rank gets the same bits, in any float dtype; its bytes are counted in its own table, apart from
+the engine's data-parallel traffic. Its all-to-all is checked as the Communicator's collectives are
+(comm/signature.py): TP ranks that pass different lengths, dtypes or operations all stop with one
+MismatchError.
 """
 import time
 from collections import defaultdict
@@ -22,17 +24,21 @@ from mpi4py import MPI
 from ..errors import ConfigError, UsageError
 from .blocks import OpStats, sum_table
 from .communicator import Communicator
+from .signature import Checks, signature
 from .watchdog import WaitRecord
 
 
 class TPComm:
     """The tensor-parallel group's collectives: a deterministic all-reduce of any float array."""
 
-    def __init__(self, mpi_comm, waiting=None):
+    def __init__(self, mpi_comm, waiting=None, check: bool = True):
         self.mpi = mpi_comm
         self.waiting = waiting if waiting is not None else WaitRecord()   # what the watchdog times
         self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
         self.stats: Dict[str, OpStats] = defaultdict(OpStats)
+        self.check_stats = OpStats()      # the checks' headers (comm/signature.py), counted apart
+        self.checks = Checks(mpi_comm, self.check_stats, (self.size - 1, 0), self.waiting) \
+            if check and self.size > 1 else None
         self._scratch: Dict[tuple, np.ndarray] = {}
 
     def all_reduce(self, x, op: str = "tp_all_reduce") -> np.ndarray:
@@ -53,10 +59,16 @@ class TPComm:
         if recv is None:
             recv = self._scratch[key] = np.empty((k, n), x.dtype)
         with self.waiting(op):
-            self.mpi.Alltoall(flat, recv)
-        mine = recv[0].copy()
-        for r in range(1, k):          # rank order: the same bits on every rank, at every stage
-            mine += recv[r]
+            if self.checks is None:
+                self.mpi.Alltoall(flat, recv)
+            else:
+                others, nbytes = self.checks.others, n * x.itemsize
+                self.checks.exchange(signature(op, x.dtype, x.size), [(r, [flat[r], nbytes, MPI.BYTE]) for r in others],
+                                     [(r, [recv[r], nbytes, MPI.BYTE]) for r in others]).Wait()
+        rows = [flat[r] if r == self.rank else recv[r] for r in range(k)]
+        mine = rows[0].copy()
+        for row in rows[1:]:           # rank order: the same bits on every rank, at every stage
+            mine += row
         with self.waiting(op):
             self.mpi.Allgather(mine, flat)
         st = self.stats[op]
@@ -73,7 +85,13 @@ class TPComm:
             return local.copy()
         table = np.empty((self.size, local.size), np.float64)
         with self.waiting("tp_sum_scalars"):
-            self.mpi.Allgather(local, table)
+            if self.checks is None:
+                self.mpi.Allgather(local, table)
+            else:
+                others = self.checks.others
+                self.checks.exchange(signature("tp_sum_scalars", local.dtype, local.size), [(r, local) for r in others],
+                                     [(r, table[r]) for r in others]).Wait()
+                table[self.rank] = local
         return sum_table(table)
 
     def bytes_sent(self) -> int:
@@ -107,7 +125,7 @@ class Mesh:
         self.tp_mpi = world.Split(self.dp_rank, rank)
         self.dp_mpi = world.Split(self.tp_rank, rank)
         self.dp_comm = Communicator(self.dp_mpi, share=share)
-        self.tp_comm = TPComm(self.tp_mpi, self.dp_comm.waiting)   # timed by the engine's watchdog too
+        self.tp_comm = TPComm(self.tp_mpi, self.dp_comm.waiting, share.checked)   # timed by the engine's watchdog too
 
     def describe(self) -> str:
         return f"{self.dp} data-parallel x {self.tp} tensor-parallel (TP ranks adjacent: {self.ranks[0]}, ...)"
