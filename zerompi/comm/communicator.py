@@ -23,7 +23,8 @@ from mpi4py import MPI
 from ..errors import UsageError
 from ..optim import impl
 from .blocks import WORD, MOVED, OpStats, RecvRows, block_layout, check_flat, sum_table
-from .signature import Checks, signature
+from .checked import Checks
+from .signature import signature
 from .watchdog import WaitRecord, guard_job
 
 class Handle:

@@ -24,7 +24,8 @@ from mpi4py import MPI
 from ..errors import ConfigError, UsageError
 from .blocks import OpStats, sum_table
 from .communicator import Communicator
-from .signature import Checks, signature
+from .checked import Checks
+from .signature import signature
 from .watchdog import WaitRecord
 
 
