@@ -17,7 +17,7 @@ from tests.reference import train_reference
 from zerompi import BucketState, ConfigError, ZeroConfig, ZeroEngine
 from zerompi.comm.communicator import Communicator
 from zerompi.optim.reference import sum_rows_reference
-from zerompi.engine.schedule import Phase, infer_phase, prefetch_window, visits_after
+from zerompi.engine.phase import Phase, infer_phase, prefetch_window, visits_after
 from zerompi.engine.timers import StepTimers, hidden_fraction, summarize
 
 # Width 64 at --bucket-mb 0.01 puts each layer in its own bucket (fp16 and fp32): 5 buckets.

@@ -19,7 +19,7 @@ from tests.mpirun import no_python_noise, run_mpi, run_train, zerompi_lines
 from tests.test_overlap import FakeComm, mlp_layers
 from zerompi import ZeroConfig, ZeroEngine
 from zerompi.engine import trace as trace_mod
-from zerompi.engine.schedule import Phase
+from zerompi.engine.phase import Phase
 from zerompi.errors import ConfigError
 
 PHASES = {"X", "B", "E", "M"}      # what the engine writes: complete spans, begin / end, metadata

@@ -1,22 +1,29 @@
-"""Mesh: N ranks as N/K data-parallel groups x K tensor-parallel ranks, and the TP all-reduce.
+"""Mesh: N ranks as pp pipeline stages x dp data-parallel ranks x tp tensor-parallel ranks.
 
-Ranks ``K*d .. K*d + K-1`` form tensor-parallel group ``d`` (TP ranks adjacent, so a TP group
-sits inside a node); ranks ``t, t+K, t+2K, ...`` form data-parallel group ``t`` (one TP rank's
-replicas, over which the engine shards that rank's pieces of the model)::
+The rank order, innermost first (Megatron's tp-dp-pp order)::
+
+    world rank = tp_i + TP * (dp_i + DP * pp_i)
+
+so a TP group is TP adjacent ranks (inside a node), the DP×TP ranks of one pipeline stage are
+one contiguous block, and pipeline neighbours are DP·TP ranks apart (possibly on other nodes).
+ZeRO shards over the data-parallel group of each (pp, tp) coordinate::
 
     mesh = zerompi.Mesh(tp=2)                       # COMM_WORLD, 4 ranks: [[0, 1], [2, 3]]
     engine = zerompi.ZeroEngine(layers, cfg, comm=mesh, tp_split=split)   # ZeRO over mesh.dp_comm
     mesh.tp_comm.all_reduce(partial)                # Megatron's f / g: sum over the TP group
+    mesh = zerompi.Mesh(tp=2, pp=2)                 # 8 ranks: stage 0 = ranks 0-3, stage 1 = ranks 4-7
 
 ``tp_comm`` (TPComm) sums in rank order (reduce-scatter by an all-to-all, then Allgather), so every
 TP rank gets the same bits, in any float dtype; its bytes are counted in its own table, apart from
 the engine's data-parallel traffic. Its all-to-all is checked as the Communicator's collectives are
 (comm/signature.py): TP ranks that pass different lengths, dtypes or operations all stop with one
-MismatchError.
+MismatchError. ``pp_comm`` (comm/p2p.py) carries the pipeline's point-to-point messages between
+neighbouring stages, counted the same way.
 """
+import os
 import time
 from collections import defaultdict
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -25,8 +32,11 @@ from ..errors import ConfigError, UsageError
 from .blocks import OpStats, sum_table
 from .communicator import Communicator
 from .checked import Checks
+from .p2p import PointToPoint
 from .signature import signature
 from .watchdog import WaitRecord
+
+AXES = ("tp", "dp", "pp")      # the mesh's axes, innermost (adjacent ranks) first
 
 
 class TPComm:
@@ -103,33 +113,99 @@ class TPComm:
 
 
 class Mesh:
-    """The 2-D mesh of ``comm`` (mpi4py communicator or zerompi Communicator; default COMM_WORLD).
+    """The mesh of ``comm`` (mpi4py communicator or zerompi Communicator; default COMM_WORLD).
 
-    ``tp``: ranks per tensor-parallel group (must divide the ranks). ``node_size`` (optional, in
-    ranks): checked to be a multiple of ``tp``, so that no TP group spans two nodes.
-    Attributes: ``tp``, ``dp`` (sizes), ``tp_rank``, ``dp_rank``, ``ranks`` (dp x tp world ranks),
-    ``tp_comm`` (TPComm), ``dp_comm`` (a zerompi Communicator over this rank's data-parallel group,
-    counting into ``comm``'s table) and ``dp_mpi``/``tp_mpi``. Every wait of both groups is timed by
-    ``comm``'s watchdog (a Communicator is made over an mpi4py ``comm``: its watchdog, abort hook
-    and launcher check guard the mesh's collectives, as an engine's guard its own).
+    ``tp``: ranks per tensor-parallel group; ``pp``: pipeline stages (tp x pp must divide the ranks;
+    the rest is ``dp``). ``node_size`` (optional, in ranks): checked to be a multiple of ``tp``, so
+    that no TP group spans two nodes. Attributes: ``tp``, ``dp``, ``pp`` (sizes), ``tp_rank``,
+    ``dp_rank``, ``pp_rank`` (this rank's coordinates), ``ranks`` (this stage's dp x tp world
+    ranks), ``pp_ranks`` (this rank's pipeline group: the world rank of each stage), and the
+    communicators, each over the ranks that differ in its axes only, in world order:
+    ``tp_comm`` (TPComm) / ``tp_mpi``, ``dp_comm`` (a zerompi Communicator over this rank's
+    data-parallel group, counting into ``comm``'s table) / ``dp_mpi``, ``pp_comm``
+    (PointToPoint) / ``pp_mpi``, and ``stage_mpi`` (this pipeline stage's dp x tp ranks: what an
+    engine of this stage must agree with; the world itself when pp = 1). Every wait of them is
+    timed by ``comm``'s watchdog (a Communicator is made over an mpi4py ``comm``: its watchdog,
+    abort hook and launcher check guard the mesh's collectives, as an engine's guard its own).
     """
 
-    def __init__(self, comm=None, tp: int = 1, node_size: Optional[int] = None):
+    def __init__(self, comm=None, tp: int = 1, *, pp: int = 1, node_size: Optional[int] = None):
         world = comm.mpi if isinstance(comm, Communicator) else (comm if comm is not None else MPI.COMM_WORLD)
         n = world.Get_size()
-        check_tp(tp, n, node_size)
+        check_mesh(n, tp, pp, node_size)
         share = comm if isinstance(comm, Communicator) else Communicator(world)
-        self.world, self.tp, self.dp = world, tp, n // tp
+        self.world, self.tp, self.pp, self.dp = world, tp, pp, n // (tp * pp)
+        self.node_size = node_size
+        self.shape = {"tp": tp, "dp": self.dp, "pp": pp}     # AXES order
         rank = world.Get_rank()
-        self.tp_rank, self.dp_rank = rank % tp, rank // tp
-        self.ranks: List[List[int]] = [[d * tp + t for t in range(tp)] for d in range(self.dp)]
-        self.tp_mpi = world.Split(self.dp_rank, rank)
-        self.dp_mpi = world.Split(self.tp_rank, rank)
+        self.tp_rank, self.dp_rank, self.pp_rank = (self.coords(rank)[a] for a in AXES)
+        self.ranks: List[List[int]] = [[self.rank_of(tp=t, dp=d, pp=self.pp_rank) for t in range(tp)]
+                                       for d in range(self.dp)]
+        self.pp_ranks: List[int] = [self.rank_of(tp=self.tp_rank, dp=self.dp_rank, pp=p) for p in range(pp)]
+        self.tp_mpi = self._split("tp")
+        self.dp_mpi = self._split("dp")
+        self.stage_mpi = world if pp == 1 else self._split("tp", "dp")
+        self.pp_mpi = self._split("pp")
         self.dp_comm = Communicator(self.dp_mpi, share=share)
         self.tp_comm = TPComm(self.tp_mpi, self.dp_comm.waiting, share.checked)   # timed by the engine's watchdog too
+        self.pp_comm = PointToPoint(self.pp_mpi, self.dp_comm.waiting,
+                                    [self.node_of(r) for r in self.pp_ranks] if pp > 1 else [0])
+
+    # ---- coordinates ---------------------------------------------------------------------
+    def coords(self, rank: int) -> Dict[str, int]:
+        """{axis: index} of world rank ``rank``."""
+        out = {}
+        for axis in AXES:
+            rank, out[axis] = divmod(rank, self.shape[axis])
+        return out
+
+    def rank_of(self, **coords: int) -> int:
+        """The world rank at ``coords`` (every axis given)."""
+        rank = 0
+        for axis in reversed(AXES):
+            rank = rank * self.shape[axis] + coords[axis]
+        return rank
+
+    def _split(self, *vary: str):
+        """The sub-communicator of the ranks that share this rank's coordinates on every axis but ``vary``
+        (a collective), ordered as in the world."""
+        me = self.coords(self.world.Get_rank())
+        color = 0
+        for axis in reversed(AXES):
+            color = color * self.shape[axis] + (0 if axis in vary else me[axis])
+        return self.world.Split(color, self.world.Get_rank())
+
+    def node_of(self, rank: int) -> int:
+        """The node of world rank ``rank`` when the node size is known (``node_size``, or
+        $ZEROMPI_NODE_SIZE), else 0 (every rank counted on one node)."""
+        k = self.node_size or _env_node_size()
+        return rank // k if k else 0
+
+    # ---- the data-parallel group's settings ------------------------------------------------
+    def dp_sizes(self, node_size: Optional[int], shard_size: Optional[int]) -> Tuple[Optional[int], Optional[int]]:
+        """(node_size, shard_size) of this rank's data-parallel group for the world's settings (in ranks;
+        None: not set; node_size None reads $ZEROMPI_NODE_SIZE): a node of S ranks holds S / tp ranks of a
+        DP group when it lies inside one stage, the whole group when it holds whole stages."""
+        if node_size is None:
+            node_size = _env_node_size()
+        n = self.world.Get_size()
+        check_mesh(n, self.tp, self.pp, node_size, shard_size)
+        stage = self.dp * self.tp
+        node = None if node_size is None else (min(node_size, stage) if self.pp > 1 else node_size) // self.tp
+        shard = None if shard_size is None else shard_size // self.tp
+        return node, shard
 
     def describe(self) -> str:
-        return f"{self.dp} data-parallel x {self.tp} tensor-parallel (TP ranks adjacent: {self.ranks[0]}, ...)"
+        text = f"{self.dp} data-parallel x {self.tp} tensor-parallel (TP ranks adjacent: {self.ranks[0]}, ...)"
+        if self.pp > 1:
+            text = (f"{self.pp} pipeline stages x {text}; stage s holds ranks {self.dp * self.tp}·s .. "
+                    f"{self.dp * self.tp}·s + {self.dp * self.tp - 1}, pipeline neighbours {self.dp * self.tp} ranks apart")
+        return text
+
+
+def _env_node_size() -> Optional[int]:
+    text = os.environ.get("ZEROMPI_NODE_SIZE", "").strip()
+    return int(text) if text.isdigit() and int(text) > 0 else None
 
 
 def check_tp(tp, n: int, node_size: Optional[int] = None, shard_size: Optional[int] = None) -> None:
@@ -143,3 +219,22 @@ def check_tp(tp, n: int, node_size: Optional[int] = None, shard_size: Optional[i
     if shard_size is not None and shard_size % tp:
         raise ConfigError(f"tp={tp} does not divide shard_size={shard_size}; a shard group holds whole "
                           "tensor-parallel groups")
+
+
+def check_mesh(n: int, tp, pp=1, node_size: Optional[int] = None, shard_size: Optional[int] = None) -> None:
+    """ConfigError (one line, naming the value) unless ``n`` ranks form pp stages of dp x tp ranks: tp as
+    :func:`check_tp`; pp dividing n / tp; with pp > 1, a node either inside one stage (node_size dividing the
+    stage's dp x tp ranks) or holding whole stages, and a shard group inside one stage."""
+    check_tp(tp, n, node_size, shard_size)
+    if not (isinstance(pp, int) and not isinstance(pp, bool) and pp >= 1 and (n // tp) % pp == 0):
+        raise ConfigError(f"pp={pp!r} does not divide the {n // tp} ranks left by tp={tp}; use a divisor of {n // tp}"
+                          if isinstance(pp, int) and pp >= 1 else f"pp={pp!r} must be a whole number of stages >= 1")
+    stage = n // pp
+    if pp > 1 and node_size is not None and n % node_size:
+        raise ConfigError(f"node_size={node_size} does not divide the {n} ranks; use a divisor of {n}")
+    if pp > 1 and node_size is not None and stage % node_size and node_size % stage:
+        raise ConfigError(f"node_size={node_size} with pp={pp}: a node must lie inside one pipeline stage of "
+                          f"{stage} ranks or hold whole stages; use a divisor or a multiple of {stage}")
+    if pp > 1 and shard_size is not None and stage % shard_size:
+        raise ConfigError(f"shard_size={shard_size} with pp={pp}: a shard group lies inside one pipeline stage of "
+                          f"{stage} ranks; use a divisor of {stage}")

@@ -24,7 +24,7 @@ def buffer_counts(stage: int, buckets: int, pending: int, ahead: int) -> Tuple[i
     # its reduction is retired, and GradientReducer._start waits for the oldest only once the filling
     # bucket is complete: the pending ones and the one filling.
     staged = min(pending + 1, buckets) if stage >= 2 else 0
-    # Stage 3: the window of the layer in use (schedule.prefetch_window: 1 + ahead buckets).
+    # Stage 3: the window of the layer in use (phase.prefetch_window: 1 + ahead buckets).
     gathered = min(1 + ahead, buckets) if stage == 3 else 0
     return staged, gathered
 

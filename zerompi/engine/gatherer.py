@@ -21,7 +21,7 @@ from ..optim import impl
 from .offload import ParamFile, check_dir
 from .offload.owner import HEADER_BYTES
 from .contract import GatherLog
-from .schedule import Phase, prefetch_window, visits_after
+from .phase import Phase, prefetch_window, visits_after
 
 
 class BucketState(Enum):

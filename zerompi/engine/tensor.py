@@ -15,10 +15,11 @@ import numpy as np
 
 from ..comm.blocks import sum_table
 from ..comm.consistency import check_consistent, rank_set
-from ..comm.mesh import Mesh, check_tp
+from ..comm.mesh import Mesh
 from ..comm.watchdog import watched
 from ..errors import ConfigError, MismatchError, UsageError
 from ..optim import impl
+from .lazy import is_lazy
 
 TP_KEY = "tensor_parallel"    # manifest["extra"][TP_KEY]: {"size", "rank", "split": {name: [axis, groups]}}
 
@@ -41,9 +42,11 @@ class TensorParallel:
         if isinstance(comm, Mesh):
             if config.tp not in (1, comm.tp):
                 raise UsageError(f"config.tp={config.tp} but the Mesh passed has tp={comm.tp}; give one")
+            if comm.tp == 1 and not split:    # a Mesh without TP (pipeline stages): ZeRO over its DP group
+                return None
             mesh = comm
         elif config.tp > 1:
-            mesh = Mesh(comm, config.tp, config.node_size)
+            mesh = Mesh(comm, config.tp, node_size=config.node_size)
         else:
             if split:
                 raise UsageError("tp_split given without tensor parallelism; pass a Mesh or set config.tp")
@@ -55,38 +58,27 @@ class TensorParallel:
         return TensorParallel(mesh, split, config)
 
     def agree(self, dp_comm, values, mode: str, agree_values) -> None:
-        """Across the whole mesh (a collective, timed by ``dp_comm``'s watchdog): MismatchError on every rank
-        unless every rank has the same config, tp_split, layers and replicated shapes, and the same initial
-        values of the replicated parameters (``mode`` "broadcast": world rank 0's are taken). Without it
-        a TP rank with another lr, split or replicated value trains silently apart from the others."""
-        world = SimpleNamespace(mpi=self.mesh.world, waiting=dp_comm.waiting)
+        """Across this rank's pipeline stage of the mesh (the whole mesh without pipelining; a collective,
+        timed by ``dp_comm``'s watchdog): MismatchError on every rank unless every rank has the same config,
+        tp_split, layers and replicated shapes, and the same initial values of the replicated parameters
+        (``mode`` "broadcast": the stage's first rank's are taken). Without it a TP rank with another lr,
+        split or replicated value trains silently apart from the others."""
+        world = SimpleNamespace(mpi=self.mesh.stage_mpi, waiting=dp_comm.waiting)
         replicated = [(lname, {p: a for p, a in params.items() if p not in self.split}) for lname, params in values]
         check_consistent(world, "tensor-parallel engine", {
             "zero": self.config.to_dict(), "tp_split": {k: list(v) for k, v in self.split.items()},
             "layers": [[lname, list(params)] for lname, params in values],
-            "replicated_shape": {p: list(a.shape) for _, params in replicated for p, a in params.items()}})
+            "replicated_shape": {p: list(a.shape) for _, params in replicated for p, a in params.items()},
+            # a lazy replicated parameter (engine/lazy.py): the same rule and seed on every TP rank
+            "replicated_rule": {p: a.describe() for _, params in replicated for p, a in params.items() if is_lazy(a)}})
         agree_values(world, replicated, mode)
 
     def world_view(self, dp_comm) -> SimpleNamespace:
-        """The whole mesh as the trace sees a communicator (mpi, rank, size), its waits timed and its
-        traffic counted by ``dp_comm`` (the engine's)."""
-        world = self.mesh.world
+        """This rank's pipeline stage of the mesh (the whole mesh without pipelining) as the trace sees a
+        communicator (mpi, rank, size), its waits timed and its traffic counted by ``dp_comm`` (the engine's)."""
+        world = self.mesh.stage_mpi
         return SimpleNamespace(mpi=world, rank=world.Get_rank(), size=world.Get_size(), waiting=dp_comm.waiting,
                                stats=dp_comm.stats)
-
-    def sizes(self, config) -> Tuple[Optional[int], Optional[int]]:
-        """(node_size, shard_size) of the data-parallel group: the world's, divided by tp."""
-        out = []
-        for name in ("node_size", "shard_size"):
-            v = getattr(config, name)
-            if name == "node_size" and v is None:
-                text = os.environ.get("ZEROMPI_NODE_SIZE", "").strip()
-                v = int(text) if text.isdigit() else None
-            if v is not None:
-                check_tp(self.mesh.tp, self.mesh.world.Get_size(), **{name: v})
-                v //= self.mesh.tp
-            out.append(v)
-        return out[0], out[1]
 
     def stats(self, reducer, layout, slot: int):
         """(sum of squares, non-finite) of this rank's gradient shard, replicated parameters counted on
@@ -155,9 +147,9 @@ class TensorParallel:
             got = (manifest["step"], os.path.relpath(ckpt, path), saved)
         except (CheckpointError, OSError, KeyError, TypeError, AttributeError):
             pass                         # a bad checkpoint: load() says so, on every rank alike
-        world = SimpleNamespace(mpi=self.mesh.world, waiting=engine.comm.waiting)
-        with watched(world, "tensor-parallel load: agreement on the checkpoint"):
-            everyone = self.mesh.world.allgather(got)
+        stage = SimpleNamespace(mpi=self.mesh.stage_mpi, waiting=engine.comm.waiting)
+        with watched(stage, "tensor-parallel load: agreement on the checkpoint"):
+            everyone = self.mesh.stage_mpi.allgather(got)
         found = [(r, g) for r, g in enumerate(everyone) if g is not None]
         split = {k: list(v) for k, v in self.split.items()}
         other = [(r, g[2]) for r, g in found if g[2] != split]
@@ -176,6 +168,14 @@ class TensorParallel:
     def extra(self, extra: Optional[dict]) -> dict:
         return dict(extra or {}, **{TP_KEY: {"size": self.mesh.tp, "rank": self.mesh.tp_rank,
                                              "split": {k: list(v) for k, v in self.split.items()}}})
+
+
+def group_sizes(mesh: Optional[Mesh], config) -> Tuple[Optional[int], Optional[int]]:
+    """(node_size, shard_size) of the engine's group: with a Mesh, of its data-parallel group (the world's
+    settings divided by tp: Mesh.dp_sizes); else config's."""
+    if mesh is None:
+        return config.node_size, config.shard_size
+    return mesh.dp_sizes(config.node_size, config.shard_size)
 
 
 def check_split(split, shapes) -> None:

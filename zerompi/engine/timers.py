@@ -21,7 +21,7 @@ import time
 from contextlib import contextmanager
 from typing import Dict
 
-from .schedule import Phase
+from .phase import Phase
 
 KEYS = ("forward", "backward", "optimizer", "comm_wait")
 

@@ -40,7 +40,7 @@ import numpy as np
 from ..checkpoint.outputs import check_file, save_bytes
 from ..comm.watchdog import watched
 from ..errors import at_abort
-from .schedule import Phase
+from .phase import Phase
 
 CLOCK = time.perf_counter      # the trace's clock (read when a Tracer is made: a test may skew it)
 ROUNDS = 16                    # ping-pongs per rank when the clocks are aligned

@@ -18,23 +18,21 @@ averages them over ranks and micro-batches.
 """
 import atexit
 import functools
-import math
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from ..checkpoint import collective as checkpoint
-from ..comm.blocks import sum_table
 from ..comm.communicator import as_communicator
+from ..comm.mesh import Mesh
 from ..comm.staging import device_transfers
 from ..comm.topology import arrange, topology_of
 from ..comm.watchdog import watched
-from ..errors import ConfigError, UsageError, install_abort_hook
+from ..errors import UsageError, install_abort_hook
 from ..layout import FlatLayout
 from ..optim import impl
-from . import contract, trace, traffic
+from . import contract, initial, step as stepping, trace, traffic
 from .buffers import BucketPool, plan_classes
 from .config import ZeroConfig
 from .gatherer import ParameterGatherer
@@ -42,30 +40,20 @@ from .inflight import InFlight
 from .loss_scale import DynamicLossScaler
 from .memory import MemoryLedger, memory_report
 from .optimizer import ShardedAdamW
+from .phase import Phase, infer_phase
 from .reducer import MAX_PENDING_REDUCES, GradientReducer
-from .schedule import Phase, infer_phase
-from .tensor import TensorParallel
+from .step import PendingStep, StepResult
+from .tensor import TensorParallel, group_sizes
 from .timers import StepTimers
 
-F32_MAX = float(np.finfo(np.float32).max)
 LayersArg = Union[Mapping[str, Mapping[str, np.ndarray]], Sequence[Tuple[str, Mapping[str, np.ndarray]]]]
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What one optimizer step did."""
-    step: int            # optimizer steps applied so far (skipped steps do not count)
-    skipped: bool        # True when a non-finite gradient made every rank skip the update
-    grad_norm: float     # global L2 norm of the true (unscaled, unclipped) gradient; inf/nan if skipped
-    clip_coef: float     # factor applied to the gradient by clipping (1.0 = not clipped)
-    loss_scale: float    # the loss scale used for this step's gradients
 
 
 class ZeroEngine:
     """ZeRO data parallelism over ``comm`` for a model given as named layers of named arrays.
 
-    ``layers``: an ordered mapping (or list of pairs) layer name -> {param name -> array};
-    every rank must pass the same initial values. ``config``: a ZeroConfig.
+    ``layers``: an ordered mapping (or list of pairs) layer name -> {param name -> array, or a lazy
+    rule (engine/lazy.py): each rank then makes only its shard}; every rank must pass the same values. ``config``: a ZeroConfig.
     ``comm``: an mpi4py communicator (default COMM_WORLD), a zerompi Communicator, or a zerompi.Mesh
     (tensor parallelism: ZeRO over its DP group; ``tp_split`` names the split parameters, engine/tensor.py).
 
@@ -83,19 +71,19 @@ class ZeroEngine:
         if self.config.abort_on_exception:
             install_abort_hook()          # an exception on one rank ends the job, as in the CLI (misuse found below too)
         pairs = contract.check_layers(layers)
-        # Tensor parallelism (engine/tensor.py): comm is a Mesh (or config.tp > 1); ZeRO runs over its DP group.
+        # A Mesh (comm/mesh.py; tensor parallelism: engine/tensor.py, or config.tp > 1): ZeRO over its DP group.
         self.tp = TensorParallel.of(comm, self.config, tp_split, {n: np.shape(a) for _, p in pairs for n, a in p.items()})
-        comm = self.tp.mesh.dp_comm if self.tp else comm
+        mesh = self.tp.mesh if self.tp else comm if isinstance(comm, Mesh) else None
+        comm = mesh.dp_comm if mesh else comm
         self.comm = as_communicator(comm, self.config.timeout_s, self.config.abort_on_exception)
         self.xp = xp
         self.rank, self.world_size = self.comm.rank, self.comm.size
         self.optimizer_impl = impl.use_impl(self.config.optimizer_impl, xp, verbose=self.rank == 0)  # "fused"/"numpy"
         self.dtype = contract.storage_dtype(self.config.dtype, xp)   # bf16: ConfigError where it cannot be had
         spec = [(lname, [(pname, np.shape(a)) for pname, a in params.items()]) for lname, params in pairs]
-        # Nodes and shard groups (comm/topology.py): a bucket is cut into shard_size slices, each a
-        # multiple of align * replicas elements (the all-reduce across groups splits it again).
-        sizes = self.tp.sizes(self.config) if self.tp else (self.config.node_size, self.config.shard_size)
-        self.topology = topo = topology_of(self.comm, *sizes)
+        # Nodes and shard groups (comm/topology.py; of the DP group with a Mesh): a bucket is cut into shard_size
+        # slices, each a multiple of align * replicas elements (the all-reduce across groups splits it again).
+        self.topology = topo = topology_of(self.comm, *group_sizes(mesh, self.config))
         self.layout = FlatLayout(spec, topo.shard_size, max(1, self.config.bucket_bytes // np.dtype(self.dtype).itemsize),
                                  self.config.align * topo.replicas)
         self.guard, self._watchdog = contract.start_guards(self)   # the watchdog, then the start-up check
@@ -110,6 +98,7 @@ class ZeroEngine:
         self.step_count = 0             # optimizer updates applied
         self.steps_taken = 0            # step() calls, skipped ones included
         self.closed = False
+        self._pending = None            # a step begun (begin_step) and not finished (engine/step.py)
         self.timers = StepTimers()                      # phase and communication seconds (engine/timers.py)
         self._phase = Phase.IDLE                        # where the step is: drives prefetch and timers
         self._last_layer: Optional[int] = None          # layer of the latest unshard (direction inference)
@@ -125,7 +114,7 @@ class ZeroEngine:
         self.reducer = GradientReducer(self.layout, self.config, self.group, self.replica, self.world_size,
                                        self.inflight, pool, self.ledger, self.guard, self.dtype)
         self.optimizer = ShardedAdamW(self.layout, self.config, self.ledger, self.slot, self.rank, transfers)
-        self.optimizer.load_initial(pairs, xp)
+        initial.load(self, pairs)        # each rank makes its own part (lazy: checked, engine/initial.py)
         self.trace = trace.attach(self) if self.config.trace else None   # the timeline (engine/trace.py)
         self.publish_params(all_gather=True)
         # A program that ends without close() must not reach MPI_Finalize with collectives in flight.
@@ -222,70 +211,18 @@ class ZeroEngine:
         Every rank must call it after the configured number of micro-batches.
         ``lr`` overrides config.lr for this step (a schedule); it must be the same on every rank.
         """
-        self._check_open()
-        if lr is not None and not (isinstance(lr, (int, float, np.floating)) and 0 < lr <= F32_MAX):
-            raise ConfigError(f"step(lr={lr!r}) is not allowed; use a number > 0 and <= {F32_MAX:.4g} "
-                              "(the update runs in float32)")
-        self.reducer.check_complete()
-        if self.gatherer.held:
-            held = [i for i, n in enumerate(self.gatherer.holds) if n]
-            raise UsageError(f"step() while layers {held} are unsharded (unshard without reshard); leave every "
-                             "'with engine.unsharded(i)' block (or call reshard(i)) before step()")
-        self._enter(Phase.OPTIMIZER)
-        self.synchronize()
-        checkpoint.poll(self)     # a background save: published, or a rank's write failure raised on every rank
-        if self.config.stage == 3:
-            self.gatherer.free()
-        self.reducer.collect()
-        if self.replica is not None:   # several shard groups: one all-reduce across them
-            with self.timers.blocking("all_reduce across shard groups"):
-                self.reducer.reduce_replicas()
-        lay, grads = self.layout, self.reducer.reduced_slices()
-        sumsq, nonfinite = self.tp.stats(self.reducer, lay, self.slot) if self.tp else self.reducer.stats()
-        lr = self.config.lr if lr is None else float(lr)
-        with self.timers.blocking("gather_scalars"):   # + what every rank must agree on (engine/contract.py)
-            table = self.comm.gather_scalars([sumsq, float(nonfinite)]
-                                             + contract.step_columns(lr, self.steps_taken + 1, self.gatherer.log))
-        contract.check_step(self.comm, table, self.gatherer.log)
-        self.gatherer.log.reset()
-        total = sum_table(table[:self.topology.shard_size, :2])   # one shard group: the others hold copies
-        total = self.tp.combine(total, lr, self.steps_taken + 1) if self.tp else total   # + other TP ranks' pieces
-        scale = self.scaler.scale
-        overflow = bool(total[1] > 0) or not math.isfinite(total[0])
-        self.steps_taken += 1
-        if overflow:   # fp32, or too many fp16 skips in a row: NonFiniteError on every rank, nothing updated
-            self.guard.on_skip(self.steps_taken, self.comm, grads, scale, self.optimizer.master)
-            self.scaler.update(True)
-            self._end_step()
-            return StepResult(self.step_count, True, float("nan"), 1.0, scale)
-        norm = math.sqrt(total[0]) / scale
-        clip = self.config.clip
-        coef = clip / (norm + 1e-6) if clip > 0 and norm > clip else 1.0
-        self.step_count += 1
-        if self.config.stage == 0:
-            with self.timers.blocking("all_gather (stage 0)"):
-                self.reducer.all_gather(self.steps_taken)
-        s = self.optimizer.scalars(lr, self.step_count, coef / scale)
-        if self.optimizer.delayed:     # publish update k - 1 (its master), start update k behind the next step
-            self.optimizer.wait()
-            if self.optimizer.unpublished:
-                self.publish_params()
-            self.optimizer.launch([(bk.shard_slice, grads[bk.index], None) for bk in lay.buckets], s)
-        elif self.config.stage == 0:
-            self.optimizer.update(slice(None), self.reducer.grads, self.gatherer.params, s)
-        else:
-            def after(b):           # stages 1/2 publish bucket b behind the next buckets' update
-                if self.config.stage in (1, 2):
-                    self.gatherer.start(b, self.steps_taken + 1)
-                self.inflight.poll()
-            self.optimizer.step([(bk.shard_slice, grads[bk.index], self.gatherer.param_out(bk.index))
-                                 for bk in lay.buckets], s, after)       # + the stored copy
-            if not self.config.lazy_publish:   # views taken before step() read new values, never a mix
-                self.gatherer.finish_all()
-        self.gatherer.parameters_changed()
-        self.scaler.update(False)
-        self._end_step()
-        return StepResult(self.step_count, False, norm, coef, scale)
+        return stepping.finish(self, stepping.begin(self, lr))
+
+    def begin_step(self, lr: Optional[float] = None) -> PendingStep:
+        """step()'s first half (engine/step.py): the reductions completed and this engine's gradient totals
+        (sum of squares, non-finite count) over its group, the same on its every rank. For several engines
+        deciding one step (a pipeline's stages): sum their totals and give the sum to each finish_step."""
+        return stepping.begin(self, lr)
+
+    def finish_step(self, pending: PendingStep, totals=None) -> StepResult:
+        """step()'s second half: skip (a non-finite total) or clip and update by ``totals`` (sum of squares,
+        non-finite count; None: the engine's own), then publish. Every rank must pass the same totals."""
+        return stepping.finish(self, pending, totals)
 
     def _end_step(self) -> None:
         """Stage 3 starts gathering the next forward's first buckets; the step's timer closes."""

@@ -34,7 +34,7 @@ def make_mesh(cfg, comm, placement):
     from ..comm.mesh import Mesh
     if placement is not None and placement.xp is not np:
         raise ConfigError(f"tp={cfg.zero.tp} runs on the CPU only for now; use --device cpu (or --tp 1)")
-    return Mesh(comm, cfg.zero.tp, cfg.zero.node_size)
+    return Mesh(comm, cfg.zero.tp, node_size=cfg.zero.node_size)
 
 
 def build_model(cfg, mesh, xp=np):

@@ -1,4 +1,6 @@
-"""The order in which a training step visits layers, and the stage-3 prefetch window.
+"""The phase of one training step (forward, backward, ...), the order in which it visits
+layers, and the stage-3 prefetch window. (A pipeline's schedule, the order of whole forwards
+and backwards of micro-batches over stages, is another thing: zerompi/pipeline/.)
 
 One micro-batch visits layers 0, 1, ..., L-1 (forward) then L-1, ..., 0 (backward); when
 another micro-batch of the same step follows, its forward comes next. Knowing where it is

@@ -1,0 +1,118 @@
+"""PointToPoint: the pipeline's messages between stages, non-blocking, counted in bytes.
+
+A pipeline stage sends its activations to the next stage and their gradients to the previous one.
+Each message is one contiguous array, posted with ``isend`` / ``irecv`` (MPI's non-blocking
+point-to-point calls) and waited for only when its data is needed (a receive) or its buffer is
+reused (a send); :meth:`PointToPoint.poll` moves the posted ones on between computations.
+Messages between one pair of ranks in one direction are matched in the order they are posted
+(MPI's non-overtaking rule), each kind of message under its own tag, so both sides must post
+them in the same order: the pipeline's schedule validator checks that before anything runs.
+
+Every message is counted as traffic under its kind (``stats``: calls, bytes sent by this rank,
+split into peers on this node and on other nodes; seconds waited), apart from the engine's
+collectives; every wait is timed by the engine's watchdog (``waiting``).
+"""
+import time
+from collections import defaultdict
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+from mpi4py import MPI
+
+from ..errors import UsageError
+from .blocks import OpStats
+from .watchdog import WaitRecord
+
+
+class Message:
+    """One posted send or receive: its MPI request and the array it keeps alive until done."""
+
+    __slots__ = ("request", "array", "peer", "kind", "done")
+
+    def __init__(self, request, array, peer: int, kind: str):
+        self.request, self.array, self.peer, self.kind = request, array, peer, kind
+        self.done = False
+
+
+class PointToPoint:
+    """Non-blocking sends and receives over ``mpi_comm`` (the pipeline group: rank = stage).
+
+    ``waiting``: the WaitRecord the watchdog reads (the engine's); ``node_of``: the node of each
+    rank of ``mpi_comm`` (bytes to a peer on another node count as "inter").
+    """
+
+    def __init__(self, mpi_comm, waiting: Optional[WaitRecord] = None, node_of: Optional[Sequence[int]] = None):
+        self.mpi = mpi_comm
+        self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+        self.waiting = waiting if waiting is not None else WaitRecord()
+        self.node_of: List[int] = list(node_of) if node_of is not None else [0] * self.size
+        self.stats: Dict[str, OpStats] = defaultdict(OpStats)
+        self.posted: List[Message] = []        # not yet known to be complete
+
+    def _check(self, array, peer: int, what: str) -> None:
+        if not (isinstance(array, np.ndarray) and array.flags.c_contiguous):
+            raise UsageError(f"{what}: a contiguous NumPy array is needed (got {getattr(array, 'shape', type(array))})")
+        if not (isinstance(peer, (int, np.integer)) and 0 <= peer < self.size and peer != self.rank):
+            raise UsageError(f"{what}: peer={peer!r} is not another rank of the {self.size}-rank pipeline group")
+
+    def isend(self, array: np.ndarray, peer: int, tag: int, kind: str) -> Message:
+        """Post the send of ``array`` to ``peer`` (counted under ``kind``); the array must not change
+        until the message is done (:meth:`wait`, :meth:`poll`, :meth:`wait_all`)."""
+        self._check(array, peer, f"send of {kind}")
+        st = self.stats[kind]
+        st.calls += 1
+        remote = self.node_of[peer] != self.node_of[self.rank]
+        st.sent(array.nbytes, (0, 1) if remote else (1, 0))
+        msg = Message(self.mpi.Isend(array.reshape(-1).view(np.uint8), peer, tag), array, peer, kind)
+        self.posted.append(msg)
+        return msg
+
+    def irecv(self, array: np.ndarray, peer: int, tag: int, kind: str) -> Message:
+        """Post the receive of ``peer``'s next message under ``tag`` into ``array`` (its exact size)."""
+        self._check(array, peer, f"receive of {kind}")
+        msg = Message(self.mpi.Irecv(array.reshape(-1).view(np.uint8), peer, tag), array, peer, kind)
+        self.posted.append(msg)
+        return msg
+
+    def wait(self, msg: Message, what: Optional[str] = None, tag=None) -> np.ndarray:
+        """Block until ``msg`` is done (timed by the watchdog as ``what``); returns its array."""
+        if not msg.done:
+            t = time.perf_counter()
+            with self.waiting(what or f"pipeline {msg.kind} with stage {msg.peer}", tag):
+                msg.request.Wait()
+            self.stats[msg.kind].seconds += time.perf_counter() - t
+            msg.done = True
+        return msg.array
+
+    def poll(self) -> None:
+        """Let MPI move the posted messages on (one Testall; no wait) and forget the finished ones."""
+        if not self.posted:
+            return
+        live = [m for m in self.posted if not m.done]
+        if live:
+            flags = [m.request.Test() for m in live]
+            for m, ok in zip(live, flags):
+                m.done = m.done or ok
+        self.posted = [m for m in self.posted if not m.done]
+
+    def wait_all(self, what: str = "pipeline messages at the end of the step") -> None:
+        """Block until every posted message is done (the step's sends before their buffers are reused)."""
+        for m in list(self.posted):
+            self.wait(m, what)
+        self.posted = []
+
+    def bytes_sent(self) -> int:
+        return sum(s.bytes for s in self.stats.values())
+
+    def seconds(self) -> float:
+        return sum(s.seconds for s in self.stats.values())
+
+    def cancel_all(self) -> None:
+        """Cancel what is still posted (a job stopping on an error: nothing must wait for these)."""
+        for m in self.posted:
+            if not m.done:
+                try:
+                    m.request.Cancel()
+                except MPI.Exception:
+                    pass
+        self.posted = []
