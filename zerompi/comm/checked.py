@@ -37,10 +37,11 @@ class Checks:
         self.ranks = MPI.Group.Translate_ranks(mpi_comm.Get_group(), list(range(self.size)), world)   # world ranks
         self.error: Optional[MismatchError] = None   # the first mismatch seen: the link is not usable after it
 
-    def exchange(self, sig: tuple, sends, recvs) -> "Exchange":
-        """Start a checked collective: ``sends`` and ``recvs`` are (peer, mpi4py message) pairs, at
-        most one each per peer (every rank sends and receives one message per peer of each
-        collective, so the headers of any two collectives pair up, whatever they are)."""
+    def exchange(self, sig: bytes, sends, recvs) -> "Exchange":
+        """Start a checked collective whose signature is ``sig`` (signature.signature): ``sends`` and
+        ``recvs`` are (peer, mpi4py message) pairs, at most one each per peer (every rank sends and
+        receives one header per peer of each collective, so the headers of any two collectives pair
+        up, whatever they are)."""
         if self.error is not None:
             raise self.error
         self.stats.calls += 1
@@ -73,6 +74,7 @@ class Exchange:
             error = self._checks.error = MismatchError(mismatch_message(rows, self._checks.ranks))
             raise error
         self._checked = True
+
     def Test(self) -> bool:
         if not self._checked:
             if self._checks.error is not None:
