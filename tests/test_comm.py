@@ -134,7 +134,8 @@ def run_cases() -> None:
     if me == 0:
         for r in results:
             print(json.dumps(r))
-        print(json.dumps({"stats": st, "ranks": n, "scratch": comm.scratch_bytes, "scratch_expected": scratch}))
+        print(json.dumps({"stats": st, "ranks": n, "scratch": comm.scratch_bytes, "scratch_expected": scratch,
+                          "checks": comm.check_stats.as_dict()}))
     comm.free_scratch()
 
 
@@ -151,9 +152,15 @@ def test_collectives_match_float64_oracle(n):
     assert len(cases) == 2 * len(LENGTHS) * 7, proc.stdout
     bad = [r for r in cases if r["wrong"] or r["bits_differ"] or r["pad_nonzero"]]
     assert not bad, bad
-    # per-rank accounting: 4 RS calls per (dtype, length), plus one inside each all-reduce
+    # per-rank accounting: 4 RS calls per (dtype, length), plus one inside each all-reduce; the counters
+    # hold the collectives' data only (the bytes of the slices each rank sends)
     assert stats["reduce_scatter"]["calls"] == 2 * len(LENGTHS) * 5
     assert stats["all_gather"]["calls"] == 2 * len(LENGTHS) * 3
+    # the checks (comm/signature.py), counted apart: one 64-byte header to each peer per collective, the
+    # all-reduce's all-gather unchecked (its reduce-scatter checked the same buffer): 4 + 2 + 1 per case
+    checks = footer["checks"]
+    assert checks["calls"] == (2 * len(LENGTHS) * 7 if n > 1 else 0), checks
+    assert checks["bytes"] == checks["calls"] * 64 * (n - 1), checks
     assert footer["scratch"] == footer["scratch_expected"]
 
 

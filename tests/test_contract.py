@@ -95,11 +95,14 @@ def test_different_lr_stops_every_rank_before_the_update(stage):
     assert out["unchanged"]
 
 
-def test_different_unshard_order_stops_every_rank():
+def test_different_unshard_order_stops_every_rank_at_the_gather():
+    """The gather carries its bucket in its signature (comm/signature.py): detected at the gather
+    itself, so no rank ever computes with another layer's values (found only in step(), it was)."""
     out, _ = driver(3, "gather_order", 3)
     msg = one_error(out["errors"])
-    assert msg.startswith("ranks gathered parameters in different orders before step 1")
-    assert "rank 0 [0, 1, 2]" in msg and "rank 1 [1, 0, 2]" in msg
+    assert msg.startswith("collective mismatch between ranks: all_gather of 48 float32 (bucket 0, step 1) on ranks "
+                          "0, 2; all_gather of 48 float32 (bucket 1, step 1) on rank 1 (they differ in: bucket)"), msg
+    assert out["computed"] == [[], [], []], out["computed"]
 
 
 # ---- 6. parameter arrays -----------------------------------------------------------------------

@@ -5,6 +5,8 @@ hydra proxy) used to leave its ranks running with parent 1: for ever if they sle
 no watchdog covers a rank that waits for nothing (seen: 42 minutes, under Open MPI, after every run
 of the suite). Every rank now looks at its parent (comm/launcher.py) and ends by itself; and the
 tests kill the whole tree they start (tests/mpirun.py: kill_tree)."""
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -32,6 +34,7 @@ def test_a_rank_whose_launcher_is_killed_ends_by_itself(tmp_path):
     with open(out, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=str(ROOT), start_new_session=True,
                                 env=mpi_env({"ZEROMPI_FAULT": "hang@rank1:step2"}))
+    ranks = {}
     try:
         ranks = rank_pids(proc.pid, 2, b"zerompi.train", LIMIT)
         end = time.monotonic() + LIMIT
@@ -44,6 +47,8 @@ def test_a_rank_whose_launcher_is_killed_ends_by_itself(tmp_path):
         assert not left, f"ranks {left} still run after their launcher was killed\n{out.read_text(errors='replace')}"
     finally:
         kill_tree(proc)
+        for pid in still_alive(ranks.values(), 0):     # orphans no tree holds any more: never left running
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_a_launcher_killed_on_a_timeout_takes_its_tree_with_it(tmp_path):

@@ -155,7 +155,7 @@ class FakeComm(Communicator):
         rows = send.reshape(1, -1).copy()
         return FakeHandle("reduce_scatter", lambda: sum_rows_reference(rows, out, scale, accumulate), self.latency)
 
-    def iall_gather(self, buf, tag=None, logical_block=None):
+    def iall_gather(self, buf, tag=None, logical_block=None, sig=None):
         self.started.append("all_gather")
         return FakeHandle("all_gather", None, self.latency)
 

@@ -59,8 +59,13 @@ def test_memory_equals_formula(runs):
 
 
 def test_traffic_equals_formula(runs):
+    """comm_bytes_per_step counts what the gradient and parameter collectives send (their data, per rank);
+    the collectives' checks (a 64-byte header to each peer per collective, comm/signature.py) are counted
+    apart, in comm_check_bytes, and never in it."""
     n, results = runs
     for m in results:
+        checks = m["comm_check_bytes"]
+        assert checks["bytes"] == checks["calls"] * 64 * (n - 1) and (checks["calls"] > 0) == (n > 1), checks
         isz = 4 if m["dtype"] == "fp32" else 2
         micro = m["config"]["zero"]["micro_batches"]
         want = theory_comm_bytes(m["stage"], m["padded_params"], n, isz, micro)

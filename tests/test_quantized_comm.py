@@ -85,6 +85,7 @@ def test_cli_reports_wire_and_logical_bytes(tmp_path):
                 "--steps", "4", "--bucket-mb", "0.004", "--stage", "3", "--quantize-weights", "int8",
                 "--quantize-grads", "int4", "--node-size", "2", "--metrics-json", out], timeout=120)
     m = json.loads(out.read_text())
+    # What travels, to the byte: payload and scales; the collectives' check headers are counted apart (comm_check_bytes)
     assert m["comm_bytes_per_step_by_level"] == m["comm_theory_bytes_per_step_by_level"]
     assert m["comm_logical_bytes_per_step"] == m["comm_theory_logical_bytes_per_step"]
     assert m["comm_bytes_per_step"] < 0.5 * m["comm_logical_bytes_per_step"]

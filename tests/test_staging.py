@@ -53,9 +53,9 @@ def run_cases(on_gpu: bool = False) -> None:
             self._refuse(send, out)
             return super().ireduce_scatter(send, out, *a, **k)
 
-        def iall_gather(self, buf, tag=None, logical_block=None):
+        def iall_gather(self, buf, tag=None, logical_block=None, sig=None):
             self._refuse(buf)
-            return super().iall_gather(buf, tag, logical_block)
+            return super().iall_gather(buf, tag, logical_block, sig)
 
         def all_reduce(self, buf, scale=1.0):
             self._refuse(buf)

@@ -128,7 +128,7 @@ def test_tp_bytes_memory_and_dp_traffic_equal_formulas(tp_runs):
         assert t["params_total"] == whole + split
         padded = m["padded_params"]
         assert m["memory_bytes"] == theory_bytes(m["stage"], padded, dp, isz, padded // dp), (key(m), m["stage"])
-        if m["stage"] < 3:     # ZeRO's own traffic over the data-parallel group, as without TP
+        if m["stage"] < 3:     # ZeRO's own traffic over the data-parallel group, as without TP (data; checks apart)
             assert m["comm_bytes_per_step"] == theory_comm_bytes(m["stage"], padded, dp, isz, micro)
 
 

@@ -123,17 +123,22 @@ def case_lr(stage):
 
 def case_gather_order(stage):
     """Stage 3: rank 1 unshards layer 1 where the others unshard layer 0 (equal bucket lengths, so
-    MPI pairs the gathers without a word): every rank stops in step()."""
+    MPI pairs the gathers without a word): every rank stops at that gather, before any computes
+    (it stopped in step(), after rank 1 had computed with layer 0's values)."""
     sizes = [48, 48, 48]
     eng = engine(stage, sizes, prefetch=0)
+    computed = []                 # (layer, its first value) of every layer this rank computed with
 
     def run():
-        forward(eng, [1, 0, 2] if RANK == 1 else [0, 1, 2])
+        for i in [1, 0, 2] if RANK == 1 else [0, 1, 2]:
+            with eng.unsharded(i) as p:
+                computed.append((i, float(p[f"w{i}"][0])))
         g = grads(1, RANK, sizes)
         for i in reversed(range(len(sizes))):
             eng.grads_ready(i, {f"w{i}": g[i]})
         eng.step()
-    return {"errors": errors_on_every_rank(run)}
+    errors = errors_on_every_rank(run)
+    return {"errors": errors, "computed": WORLD.allgather(computed)}
 
 
 def case_shape(stage):

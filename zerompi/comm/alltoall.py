@@ -59,7 +59,10 @@ class SPComm(GroupComm):
         np.copyto(sendv, np.moveaxis(x.reshape(shape[:scatter] + (k, part[scatter]) + shape[scatter + 1:]),
                                      scatter, 0))
         with self.waiting(op):       # as bytes: MPI has no float16 type, and an all-to-all only moves them
-            self.mpi.Alltoall(sendv.reshape(k, -1).view(np.uint8), recvv.reshape(k, -1).view(np.uint8))
+            rows_in = recvv.reshape(k, -1).view(np.uint8)
+            self.exchange(op, x, sendv.reshape(k, -1).view(np.uint8), rows_in)
+            if self.checks is not None:
+                rows_in[self.rank] = sendv.reshape(k, -1).view(np.uint8)[self.rank]   # not moved: its own part
         np.copyto(out.reshape(part[:gather] + (k,) + part[gather:]), np.moveaxis(recvv, 0, gather))
         st = self.stats[op]
         st.calls += 1

@@ -1,12 +1,17 @@
 """Communicator: the collectives ZeRO needs, over an mpi4py communicator.
 
-reduce-scatter is an Alltoallv of the bucket's slices (none to this rank itself) followed
+reduce-scatter is an all-to-all of the bucket's slices (none to this rank itself) followed
 by a local fp32 sum in rank order: MPI has no fp16 sum, the fixed order makes results
 deterministic and identical in every stage, and on the MPICH wheel it measured as fast as
-``Reduce_scatter_block`` (docs/bench.md). all-gather is ``Allgather`` in place. all-reduce is reduce-scatter then
-all-gather, so its bits equal a reduce-scatter's. Every operation is counted: calls, bytes
-sent by this rank, and seconds. How slices travel (one block datatype per slice) and the
-argument checks of every public call (UsageError) are in comm/blocks.py.
+``Reduce_scatter_block`` (docs/bench.md). all-gather is an all-gather in place. all-reduce is
+reduce-scatter then all-gather, so its bits equal a reduce-scatter's. Every operation is
+counted: calls, bytes sent by this rank, and seconds. How slices travel (one block datatype per
+slice) and the argument checks of every public call (UsageError) are in comm/blocks.py.
+
+Every collective is checked (comm/signature.py): its messages go point to point, one to and
+from every peer, beside a header with this rank's signature, and ranks that pass different
+lengths, dtypes or operations all raise one MismatchError before any result is used. With
+``check=False`` the same collectives are MPI's own (``Ialltoallv``, ``Iallgather``), unchecked.
 """
 import time
 from collections import defaultdict
@@ -17,7 +22,9 @@ from mpi4py import MPI
 
 from ..errors import ConfigError, UsageError
 from ..optim import impl
-from .blocks import WORD, DTYPES, MOVED, OpStats, RecvRows, block_layout, check_flat, sum_table
+from .blocks import WORD, MOVED, OpStats, RecvRows, block_layout, check_flat, sum_table
+from .checked import Checks
+from .signature import signature
 from .watchdog import WaitRecord, guard_job
 
 class Handle:
@@ -70,10 +77,16 @@ class Communicator:
     wait, None: ZEROMPI_TIMEOUT_S or 300 s), the abort hook (an uncaught exception on any rank ends
     every rank; ``abort_on_exception=False`` leaves ``sys.excepthook`` alone) and the launcher check
     (comm/launcher.py). An engine over it times its waits with its own config's timeout instead.
+
+    ``check``: every collective checks that the ranks passed the same operation, length, dtype,
+    label and scale (comm/signature.py: a MismatchError on every rank otherwise); None: as
+    ``share`` does, else True. Off, the collectives are MPI's own (Ialltoallv, Iallgather): for
+    the benchmark of what the check costs (scripts/bench_signature.py).
     """
 
     def __init__(self, mpi_comm=MPI.COMM_WORLD, share: Optional["Communicator"] = None, node_of=None,
-                 timeout_s: Optional[float] = None, abort_on_exception: bool = True):
+                 timeout_s: Optional[float] = None, abort_on_exception: bool = True,
+                 check: Optional[bool] = None):
         if mpi_comm is None or not all(hasattr(mpi_comm, a) for a in ("Get_rank", "Get_size")):
             raise ConfigError(f"Communicator(mpi_comm={mpi_comm!r}): not an mpi4py communicator; pass one "
                               "(MPI.COMM_WORLD, a Split of it), or nothing for MPI.COMM_WORLD")
@@ -93,6 +106,10 @@ class Communicator:
         self.peak_scratch_bytes = 0
         self.waiting = share.waiting if share is not None else WaitRecord()   # what this rank is blocked in
         self.watchdog = share.watchdog if share is not None else guard_job(self, timeout_s, abort_on_exception)
+        self.check_stats = share.check_stats if share is not None else OpStats()   # the checks' headers, counted apart
+        self.checked = (share.checked if share is not None else True) if check is None else bool(check)
+        self.checks = Checks(self.mpi, self.check_stats, self.peers, self.waiting) if self.checked and self.size > 1 \
+            else None
         self._layouts: Dict[int, tuple] = {}   # slice elements -> block_layout (a bucket's shape repeats every step)
         self._types: Dict[tuple, object] = {}  # (slice elements, itemsize) -> committed block datatype
         self._wire_pool: Dict[int, list] = {}  # bytes -> quantized send buffers (qgZ), kept for reuse
@@ -141,17 +158,18 @@ class Communicator:
 
     # ---- reduce-scatter --------------------------------------------------
     def ireduce_scatter(self, send, out, scale: float = 1.0, accumulate: bool = False, tag=None,
-                        quant=None) -> Handle:
+                        quant=None, op_name: str = "reduce_scatter") -> Handle:
         """Start: ``out = [out +] scale * sum_r send_r[my slice]``, summed in fp32 in rank order.
 
         ``send``: flat array of ``size * k`` elements (this rank's contribution to every slice),
         not to be written until ``wait()`` (the sum reads the own slice where it lies).
         ``out``: ``k`` elements, same dtype; written only in ``wait()``; may be the own slice
         of ``send`` (an in-place all-reduce). ``quant``: a comm.quantized.Quantization: the
-        slices travel quantized and are dequantized into the sum (qgZ).
+        slices travel quantized and are dequantized into the sum (qgZ). ``op_name``: the operation
+        the check names (an all-reduce's reduce-scatter says ``all_reduce``).
         """
         if quant is not None:
-            return self._ireduce_scatter_quantized(send, out, scale, accumulate, tag, quant)
+            return self._ireduce_scatter_quantized(send, out, scale, accumulate, tag, quant, op_name)
         n, me = self.size, self.rank
         check_flat("reduce_scatter send", send, n)
         k = send.size // n
@@ -159,6 +177,7 @@ class Communicator:
             raise UsageError(f"reduce_scatter out: {getattr(out, 'size', '?')} elements of "
                              f"{getattr(out, 'dtype', type(out).__name__)}; use {k} elements (one slice) of {send.dtype}, "
                              "the send buffer's dtype")
+        sig = signature(op_name, send.dtype, send.size, tag, scale, accumulate) if self.checks else None
         blk, (sc, sd, rc, rd) = self._block(k, send.itemsize)
         recv = self._recv_rows(k, send.dtype)
         st = self.stats["reduce_scatter"]
@@ -171,7 +190,7 @@ class Communicator:
         # Ialltoall's pairwise rounds each wait on the scheduler.
         flat = send.reshape(-1)
         wire = MPI.buffer(flat)        # its address costs 0.2 µs; ndarray.ctypes.data costs 1.2 µs
-        req = self.mpi.Ialltoallv([wire, (sc, sd), blk], [recv.wire, (rc, rd), blk])
+        req = self._all_to_all(sig, wire, recv.wire, blk, (sc, sd, rc, rd))
         # The sum reads the own slice where it lies: no copy at any N.
         rows = recv.with_own(flat[me * k:(me + 1) * k], wire.address + me * block)
         st.seconds += time.perf_counter() - t
@@ -185,7 +204,7 @@ class Communicator:
         """Blocking form of :meth:`ireduce_scatter`."""
         self.ireduce_scatter(send, out, scale, accumulate, quant=quant).wait()
 
-    def _ireduce_scatter_quantized(self, send, out, scale, accumulate, tag, quant) -> Handle:
+    def _ireduce_scatter_quantized(self, send, out, scale, accumulate, tag, quant, op_name) -> Handle:
         """qgZ: every slice quantized into a wire block, an all-to-all of the blocks, then the
         N rows dequantized and summed in fp32 in rank order (the own row quantized too, so that
         every rank's contribution is treated alike)."""
@@ -195,6 +214,7 @@ class Communicator:
         if getattr(out, "dtype", None) != send.dtype or out.size != k:
             raise UsageError(f"reduce_scatter out: {getattr(out, 'size', '?')} elements of "
                              f"{getattr(out, 'dtype', type(out).__name__)}; use {k} elements (one slice) of {send.dtype}")
+        sig = signature(op_name, send.dtype, send.size, tag, scale, accumulate, quant) if self.checks else None
         wb = quant.wire_bytes(k)
         flat = send.reshape(-1)
         wire = self._recv_rows(wb, np.uint8)       # the peers' wire blocks (pooled)
@@ -207,7 +227,7 @@ class Communicator:
         if self.counting:
             self.count("reduce_scatter", wb, k * send.itemsize)
         t = time.perf_counter()
-        req = self.mpi.Ialltoallv([blocks, (sc, sd), blk], [wire.wire, (rc, rd), blk])
+        req = self._all_to_all(sig, blocks, wire.wire, blk, (sc, sd, rc, rd))
         st.seconds += time.perf_counter() - t
         rows = [wire.rows[r] if r != me else blocks[me * wb:(me + 1) * wb] for r in range(n)]
 
@@ -219,12 +239,23 @@ class Communicator:
 
         return Handle(self, "reduce_scatter", req, (wire, blocks, send, out), finish, tag)
 
+    def _all_to_all(self, sig, send, recv, blk, layout):
+        """Block r of ``send`` to every peer r, and each peer's block into ``recv`` (``layout``: the
+        block_layout): one checked exchange (comm/signature.py), or MPI's Ialltoallv unchecked."""
+        sc, sd, rc, rd = layout
+        if sig is None:
+            return self.mpi.Ialltoallv([send, (sc, sd), blk], [recv, (rc, rd), blk])
+        others = self.checks.others
+        return self.checks.exchange(sig, [(r, [send, (1, r), blk]) for r in others],
+                                    [(r, [recv, (1, rd[r]), blk]) for r in others])
+
     # ---- all-gather --------------------------------------------------------
-    def iall_gather(self, buf, tag=None, logical_block: int = None) -> Handle:
+    def iall_gather(self, buf, tag=None, logical_block: int = None, sig=None) -> Handle:
         """Start: every rank's slice r of ``buf`` is copied into slice r of ``buf`` on all ranks, in place.
 
         ``buf`` may be uint8 (quantized wire blocks, comm/quantized.py); ``logical_block``: then
-        the bytes of one slice unquantized, for the counters."""
+        the bytes of one slice unquantized, for the counters, and ``sig`` the check's signature of
+        the unquantized buffer (comm/signature.py; default: ``buf``'s own; False: not checked)."""
         n = self.size
         check_flat("all_gather buf", buf, n, MOVED)
         blk, _ = self._block(buf.size // n, buf.itemsize)
@@ -232,30 +263,43 @@ class Communicator:
         if self.counting:
             self.count("all_gather", buf.nbytes // n, logical_block)
         t = time.perf_counter()
-        req = self.mpi.Iallgather(MPI.IN_PLACE, [MPI.buffer(buf.reshape(-1)), 1, blk])
+        wire = MPI.buffer(buf.reshape(-1))
+        if self.checks is None or sig is False:
+            req = self.mpi.Iallgather(MPI.IN_PLACE, [wire, 1, blk])
+        else:
+            others, me = self.checks.others, self.slot
+            req = self.checks.exchange(sig or signature("all_gather", buf.dtype, buf.size, tag),
+                                       [(r, [wire, (1, me), blk]) for r in others], [(r, [wire, (1, r), blk]) for r in others])
         st.seconds += time.perf_counter() - t
         return Handle(self, "all_gather", req, (), None, tag)
 
-    def all_gather(self, buf, tag=None, logical_block: int = None) -> None:
+    def all_gather(self, buf, tag=None, logical_block: int = None, sig=None) -> None:
         """Blocking form of :meth:`iall_gather`."""
-        self.iall_gather(buf, tag, logical_block).wait()
+        self.iall_gather(buf, tag, logical_block, sig).wait()
 
     # ---- all-reduce --------------------------------------------------------
     def all_reduce(self, buf, scale: float = 1.0) -> None:
-        """``buf = scale * sum_r buf_r`` in place: reduce-scatter then all-gather (same bits as RS)."""
+        """``buf = scale * sum_r buf_r`` in place: reduce-scatter then all-gather (same bits as RS).
+        The reduce-scatter is checked as an all_reduce; the all-gather of the same buffer then needs no check."""
         k = buf.size // self.size
         mine = buf.reshape(-1)[self.slot * k:(self.slot + 1) * k]
-        self.reduce_scatter(buf, mine, scale)
-        self.all_gather(buf)
+        self.ireduce_scatter(buf, mine, scale, op_name="all_reduce").wait()
+        self.all_gather(buf, sig=False)
 
-    def gather_scalars(self, values) -> np.ndarray:
+    def gather_scalars(self, values, op_name: str = "gather_scalars") -> np.ndarray:
         """Every rank's few float64 numbers: a (size, len(values)) table, identical on every rank
-        (one Allgather, counted under "sum_scalars"). Every rank must pass the same count."""
+        (one all-gather, counted under "sum_scalars"). Every rank must pass the same count (checked)."""
         local = np.ascontiguousarray(values, dtype=np.float64).reshape(-1)
         table = np.empty((self.size, local.size), np.float64)
         t = time.perf_counter()
         with self.waiting("sum_scalars"):
-            self.mpi.Allgather(local, table)
+            if self.checks is None:
+                self.mpi.Allgather(local, table)
+            else:
+                others = self.checks.others
+                self.checks.exchange(signature(op_name, local.dtype, local.size), [(r, local) for r in others],
+                                     [(r, table[r]) for r in others]).Wait()
+                table[self.rank] = local
         st = self.stats["sum_scalars"]
         st.calls += 1
         st.sent(local.nbytes, self.peers)
@@ -264,7 +308,7 @@ class Communicator:
 
     def sum_scalars(self, values) -> np.ndarray:
         """Sum a few float64 numbers over ranks, in rank order (deterministic, bit-identical everywhere)."""
-        return sum_table(self.gather_scalars(values))
+        return sum_table(self.gather_scalars(values, "sum_scalars"))
 
     # ---- accounting --------------------------------------------------------
     def snapshot(self) -> Dict[str, dict]:

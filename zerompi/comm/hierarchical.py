@@ -169,20 +169,21 @@ class HierarchicalCommunicator:
         self.ireduce_scatter(send, out, scale, accumulate, quant=quant).wait()
 
     # ---- all-gather -----------------------------------------------------------------
-    def iall_gather(self, buf, tag=None, logical_block: int = None) -> TwoLevelHandle:
+    def iall_gather(self, buf, tag=None, logical_block: int = None, sig=None) -> TwoLevelHandle:
         """In place: every rank's slice of ``buf`` on every rank of the group (across nodes, then
-        inside). ``logical_block``: a slice's unquantized bytes, when ``buf`` holds wire blocks."""
+        inside). ``logical_block``: a slice's unquantized bytes, when ``buf`` holds wire blocks, and
+        ``sig`` the check's signature of the unquantized buffer, sent at both levels."""
         check_flat("all_gather buf", buf, self.size, MOVED)
         span = buf.size // self.k           # one super-slice
         mine = buf.reshape(-1)[self.intra.rank * span:(self.intra.rank + 1) * span]
-        first = self.inter.iall_gather(mine, tag, logical_block)
+        first = self.inter.iall_gather(mine, tag, logical_block, sig)
         logical_span = None if logical_block is None else logical_block * self.m
         self.intra_second.count("all_gather", span * buf.itemsize, logical_span)
         return TwoLevelHandle("all_gather", tag, first,
-                              lambda: self.intra_second.iall_gather(buf, tag, logical_span), self._ag)
+                              lambda: self.intra_second.iall_gather(buf, tag, logical_span, sig), self._ag)
 
-    def all_gather(self, buf, tag=None, logical_block: int = None) -> None:
-        self.iall_gather(buf, tag, logical_block).wait()
+    def all_gather(self, buf, tag=None, logical_block: int = None, sig=None) -> None:
+        self.iall_gather(buf, tag, logical_block, sig).wait()
 
     def iall_gather_intra(self, buf, tag=None) -> TwoLevelHandle:
         """In place, inside the node only: ``buf`` already holds this rank's super-slice (hpZ).

@@ -23,9 +23,11 @@ sub-communicator over the ranks that differ in its axes only, in world order:
     mesh.sp_comm.all_to_all(qkv, scatter=3, gather=1)   # Ulysses: the whole sequence, heads / SP
     mesh = zerompi.Mesh(tp=2, pp=2)                 # 8 ranks: stage 0 = ranks 0-3, stage 1 = ranks 4-7
 
-``tp_comm`` sums in rank order (reduce-scatter by Alltoall, then Allgather), so every TP rank gets
-the same bits, in any float dtype. The TP, SP and pipeline bytes are counted in their own tables,
-apart from the engine's ZeRO traffic.
+``tp_comm`` sums in rank order (reduce-scatter by an all-to-all, then Allgather), so every TP rank
+gets the same bits, in any float dtype. The TP, SP and pipeline bytes are counted in their own
+tables, apart from the engine's ZeRO traffic. The TP and SP exchanges are checked as the
+Communicator's collectives are (comm/signature.py): ranks of a group that pass different lengths,
+dtypes or operations all stop with one MismatchError.
 """
 import time
 from typing import Dict, List, Optional, Tuple
@@ -49,8 +51,8 @@ class TPComm(GroupComm):
 
     kind = "tp"
 
-    def __init__(self, mpi_comm, waiting=None):
-        super().__init__(mpi_comm, waiting)
+    def __init__(self, mpi_comm, waiting=None, check: bool = True):
+        super().__init__(mpi_comm, waiting, check)
         self._scratch: Dict[tuple, np.ndarray] = {}
 
     def all_reduce(self, x, op: str = "tp_all_reduce") -> np.ndarray:
@@ -71,10 +73,11 @@ class TPComm(GroupComm):
         if recv is None:
             recv = self._scratch[key] = np.empty((k, n), x.dtype)
         with self.waiting(op):
-            self.mpi.Alltoall(flat, recv)
-        mine = recv[0].copy()
-        for r in range(1, k):          # rank order: the same bits on every rank, at every stage
-            mine += recv[r]
+            self.exchange(op, x, flat, recv)
+        rows = [flat[r] if r == self.rank else recv[r] for r in range(k)]
+        mine = rows[0].copy()
+        for row in rows[1:]:           # rank order: the same bits on every rank, at every stage
+            mine += row
         with self.waiting(op):
             self.mpi.Allgather(mine, flat)
         st = self.stats[op]
@@ -125,8 +128,8 @@ class Mesh:
         self.stage_mpi = world if pp == 1 else self._split("tp", "sp", "dp")
         self.pp_mpi = self._split("pp")
         self.zero_comm = Communicator(self.zero_mpi, share=share)
-        self.tp_comm = TPComm(self.tp_mpi, self.zero_comm.waiting)   # timed by the engine's watchdog too
-        self.sp_comm = SPComm(self.sp_mpi, self.zero_comm.waiting)
+        self.tp_comm = TPComm(self.tp_mpi, self.zero_comm.waiting, share.checked)   # timed by the engine's watchdog too
+        self.sp_comm = SPComm(self.sp_mpi, self.zero_comm.waiting, share.checked)
         self.pp_comm = PointToPoint(self.pp_mpi, self.zero_comm.waiting,
                                     [self.node_of(r) for r in self.pp_ranks] if pp > 1 else [0])
 

@@ -24,6 +24,7 @@ import numpy as np
 from ..errors import check
 from ..optim import impl
 from ..optim.reference import quantized_bytes
+from .signature import signature
 
 BITS = {"int8": 8, "int4": 4}
 DEFAULT_BLOCK = 64     # elements per scale (docs/quantized.md: int4 gradients need blocks this small)
@@ -106,7 +107,8 @@ class QuantizedGather:
         wire = spare.pop() if spare else impl.array_module(flat).empty(wb * n, np.uint8)   # host or device
         slot = self.comm.slot
         q.pack(flat[slot * k:(slot + 1) * k], wire[slot * wb:(slot + 1) * wb])
-        inner = self.comm.iall_gather(wire, tag, logical_block=k * flat.itemsize)
+        sig = signature("all_gather", flat.dtype, flat.size, tag, quant=q)   # checked as the unquantized buffer
+        inner = self.comm.iall_gather(wire, tag, logical_block=k * flat.itemsize, sig=sig)
 
         def finish():
             for s in range(n):

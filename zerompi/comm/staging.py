@@ -158,14 +158,14 @@ class StagedCommunicator:
     def reduce_scatter(self, send, out, scale: float = 1.0, accumulate: bool = False, quant=None) -> None:
         self.ireduce_scatter(send, out, scale, accumulate, quant=quant).wait()
 
-    def iall_gather(self, buf, tag=None, logical_block: int = None) -> StagedHandle:
+    def iall_gather(self, buf, tag=None, logical_block: int = None, sig=None) -> StagedHandle:
         """Communicator.iall_gather on a device array: only the own slice goes down, all of it comes up."""
         flat = buf.reshape(-1)
         k = flat.size // self.size
         mine = slice(self.slot * k, (self.slot + 1) * k)
         h_buf = self._take(flat.size, flat.dtype)
         self._down([(flat[mine], h_buf[mine])])
-        inner = self.host.iall_gather(h_buf, tag, logical_block)
+        inner = self.host.iall_gather(h_buf, tag, logical_block, sig)
 
         def finish():
             self._up(h_buf, flat)
@@ -173,8 +173,8 @@ class StagedCommunicator:
 
         return StagedHandle(inner, finish)
 
-    def all_gather(self, buf, tag=None, logical_block: int = None) -> None:
-        self.iall_gather(buf, tag, logical_block).wait()
+    def all_gather(self, buf, tag=None, logical_block: int = None, sig=None) -> None:
+        self.iall_gather(buf, tag, logical_block, sig).wait()
 
     def super_slice(self, n: int):
         return self.host.super_slice(n)

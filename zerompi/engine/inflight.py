@@ -84,12 +84,15 @@ class InFlight:
         if not self._pending:
             return
         from ..comm.watchdog import Watchdog
+        from ..errors import MismatchError
         dog = Watchdog(self.comm.waiting, timeout_s, self.comm.rank, self.comm.mpi)
         try:
             for handle in list(self._pending):
                 self._pending.pop(handle)
                 with self.comm.waiting(handle.op, handle.tag):
                     handle.wait()
+        except MismatchError:       # the ranks passed different collectives: the job ends on that error
+            self._pending.clear()
         finally:
             dog.close()
 

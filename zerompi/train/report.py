@@ -194,6 +194,7 @@ def final_metrics(cfg, engine, comm, log, entropy_floor, placement, activation=(
         "comm_theory_bytes_per_step_by_level": engine.comm_theory_bytes_by_level(),
         "comm_logical_bytes_per_step": logical,    # what the same step would send unquantized (= comm_bytes without)
         "comm_theory_logical_bytes_per_step": sum(engine.comm_theory_bytes_by_level(logical=True).values()),
+        "comm_check_bytes": {"calls": comm.check_stats.calls, "bytes": comm.check_stats.bytes},   # rank 0's, apart
         "topology": {"node_size": engine.topology.node_size, "shard_size": engine.topology.shard_size,
                      "hpz": engine.gatherer.secondary is not None},
         "quantization": {"weights": cfg.zero.quantize_weights, "grads": cfg.zero.quantize_grads,
@@ -250,6 +251,9 @@ def print_summary(metrics: dict, engine, comm, base_bytes: Dict[str, int]) -> No
                                 metrics["comm_theory_bytes_per_step_by_level"],
                                 (metrics["comm_logical_bytes_per_step"], metrics["comm_theory_logical_bytes_per_step"])
                                 if quantized else None))
+    checks = metrics["comm_check_bytes"]
+    print0(comm.mpi, f"  collective checks (comm/signature.py), not in the rows above: {checks['calls']:,} headers, "
+                     f"{human_bytes(checks['bytes'])} over the run (64 bytes to each peer per collective)")
     print0(comm.mpi, f"  transient buffers at peak: {report['peak_buffers']['bytes']:,} bytes; "
                      f"median step {metrics['step_time_s'] * 1e3:.1f} ms")
     tb = metrics["time_breakdown_s"]
