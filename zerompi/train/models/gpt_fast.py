@@ -23,6 +23,9 @@ import numpy as np
 
 from .gpt_numpy import LN_EPS
 
+# The block gradients computed with the input gradient (the rest are the weight multiplies' and their bias sums).
+KEPT_GRADS = ("fc.b", "ln2.g", "ln2.b", "ln1.g", "ln1.b")
+
 
 class Workspace:
     """Arrays by key: ``persistent`` keeps each and hands the same one back while its shape
@@ -129,28 +132,35 @@ class FusedLayers:
 
     def block_backward(self, p, cache, dout, ws: Workspace = FRESH, key=None):
         """(dx, {short name: grad}) of one block."""
+        dx, weights = self.block_backward_parts(p, cache, dout, ws, key)
+        return dx, weights()
+
+    def block_backward_parts(self, p, cache, dout, ws: Workspace = FRESH, key=None, keep: bool = False):
+        """(dx, weights) of one block: the input gradient now, and ``weights()`` -> {short name: grad}, the
+        four weight-gradient matrix multiplies and the bias sums they go with (a zero-bubble schedule's W).
+
+        The gradient buffers are shared by every block; what ``weights`` reads (the fc and qkv input
+        gradients, the LayerNorm and fc-bias gradients computed here) is too, unless ``keep``: then each
+        lives in the layer's own buffers, valid after other blocks' backwards ran, until the layer's next
+        backward. The same matrix multiplies on the same values either way: the same bits."""
         k, dt, H = self.k, self.dtype, self.n_head
         x2, mu1, rs1, a, qkv, att, y, x1, mu2, rs2, m, f, gf, scale = cache
         B, _, T, _ = att.shape
         n, C = x2.shape
         shared = lambda name, shape: ws.get(("block", name), shape, dt)
-        g = {name: shared("g." + name, self._p(p, name).shape) for name in p}
+        kept = (lambda name, shape: ws.get((key, name), shape, dt)) if keep else shared
+        g = {name: (kept if name in KEPT_GRADS else shared)("g." + name, self._p(p, name).shape) for name in p}
         dout2 = self._flat(dout)
-        np.matmul(gf.T, dout2, out=g["out.w"])
-        dout2.sum(axis=0, out=g["out.b"])
-        dz = shared("dz", (n, 4 * C))
+        dz = kept("dz", (n, 4 * C))
         np.matmul(dout2, self._p(p, "out.w").T, out=dz)
         k.gelu_bwd(dz, f, g["fc.b"])
-        np.matmul(m.T, dz, out=g["fc.w"])
         dm = shared("dm", (n, C))
         np.matmul(dz, self._p(p, "fc.w").T, out=dm)
         dx1 = ws.get((key, "dx1"), (n, C), dt)
         k.layernorm_bwd(dm, x1, mu2, rs2, self._p(p, "ln2.g"), dout2, dx1, g["ln2.g"], g["ln2.b"])
-        np.matmul(y.T, dx1, out=g["proj.w"])
-        dx1.sum(axis=0, out=g["proj.b"])
         dy = shared("dy", (n, C))
         np.matmul(dx1, self._p(p, "proj.w").T, out=dy)
-        dqkv, datt = shared("dqkv", (n, 3 * C)), shared("datt", att.shape)
+        dqkv, datt = kept("dqkv", (n, 3 * C)), shared("datt", att.shape)
         q, kk, v = _heads(qkv, B, T, H)
         dq, dk, dv = _heads(dqkv, B, T, H)
         dy4 = dy.reshape(B, T, H, C // H).transpose(0, 2, 1, 3)
@@ -159,13 +169,21 @@ class FusedLayers:
         k.softmax_causal_bwd(datt, att, scale)          # the scale is folded in here
         np.matmul(datt, kk, out=dq)
         np.matmul(datt.transpose(0, 1, 3, 2), q, out=dk)
-        np.matmul(a.T, dqkv, out=g["qkv.w"])
-        dqkv.sum(axis=0, out=g["qkv.b"])
         da = shared("da", (n, C))
         np.matmul(dqkv, self._p(p, "qkv.w").T, out=da)
         dx = ws.get((key, "dx"), (n, C), dt)
         k.layernorm_bwd(da, x2, mu1, rs1, self._p(p, "ln1.g"), dx1, dx, g["ln1.g"], g["ln1.b"])
-        return dx.reshape(B, T, C), g
+
+        def weights():
+            np.matmul(gf.T, dout2, out=g["out.w"])
+            dout2.sum(axis=0, out=g["out.b"])
+            np.matmul(m.T, dz, out=g["fc.w"])
+            np.matmul(y.T, dx1, out=g["proj.w"])
+            dx1.sum(axis=0, out=g["proj.b"])
+            np.matmul(a.T, dqkv, out=g["qkv.w"])
+            dqkv.sum(axis=0, out=g["qkv.b"])
+            return g
+        return dx.reshape(B, T, C), weights
 
 
 def fused_layers(xp, dtype, n_head: int, kernels: str) -> Optional[FusedLayers]:
