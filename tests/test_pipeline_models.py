@@ -1,9 +1,11 @@
 """The pieces a pipeline chunk is made of, in one process: the backward split into B (input gradient) and W
 (weight gradient) gives the bits of the whole backward (the GPT on its C kernels and on plain NumPy, the
-MLP)."""
+MLP); the chunks cover the model's layers; the per-step gradient accumulator sums and scales as documented."""
 import numpy as np
 import pytest
 
+from zerompi.pipeline.grads import GradSink
+from zerompi.train.models.chunks import chunk_layers
 from zerompi.train.models.gpt import GPT
 from zerompi.train.models.gpt_fast import Workspace
 from zerompi.train.models.mlp import MLP
@@ -69,3 +71,36 @@ def test_mlp_split_backward():
         assert (dx0 is None and dx1 is None) or np.array_equal(dx0, dx1)
         assert all(np.array_equal(g0[k], g1[k]) for k in g0)
         dy = dx0 if dx0 is not None else dy
+
+
+def test_chunks_cover_the_model_in_order():
+    # the GPT: embed (0), blocks 1..8, ln_f (9) in 4 chunks
+    got = [chunk_layers(10, [0], [9], 8, c, 4) for c in range(4)]
+    assert got == [[0, 1, 2], [3, 4], [5, 6], [7, 8, 9]]
+    assert sum(got, []) == list(range(10))
+    assert [chunk_layers(6, [], [], 6, c, 3) for c in range(3)] == [[0, 1], [2, 3], [4, 5]]
+
+
+class FakeEngine:
+    def __init__(self):
+        self.got = []
+
+    def grads_ready(self, layer, grads):
+        self.got.append((layer, {k: v.copy() for k, v in grads.items()}))
+
+
+def test_the_per_step_accumulator():
+    """Megatron's pattern: the micro-batches summed in float32 in order, handed over once, divided by m."""
+    e = FakeEngine()
+    sink = GradSink(e, "step", 4)
+    rng = np.random.default_rng(5)
+    gs = [rng.standard_normal(6).astype(np.float32) for _ in range(4)]
+    for g in gs:
+        sink(0, {"w": g})
+    assert len(e.got) == 1 and e.got[0][0] == 0
+    want = ((gs[0] + gs[1]) + gs[2]) + gs[3]
+    assert np.array_equal(e.got[0][1]["w"], want * np.float32(0.25))
+    assert sink.peak_bytes == 24 and sink.bytes == 0
+    e2 = FakeEngine()
+    GradSink(e2, "micro-batch", 4)(1, {"w": gs[0]})
+    assert len(e2.got) == 1 and np.array_equal(e2.got[0][1]["w"], gs[0])

@@ -250,6 +250,7 @@ def crash_point(point: str, step: int, rank: Optional[int] = None) -> None:
 
 # ---- read and verify ----------------------------------------------------------------
 TP_FOLDER = re.compile(r"tp(\d+)-of-(\d+)")   # one TP rank's part of a save directory (engine/tensor.py)
+PP_FOLDER = re.compile(r"pp(\d+)-of-(\d+)")   # one pipeline chunk's part (zerompi/pipeline/engines.py)
 
 
 def resolve(path: str) -> str:
@@ -273,6 +274,11 @@ def resolve(path: str) -> str:
             f"{latest} is empty or unreadable"
     found = complete_checkpoints(path)
     tp = sorted((m for m in map(TP_FOLDER.fullmatch, os.listdir(path)) if m), key=lambda m: int(m.group(1)))
+    pp = sorted((m for m in map(PP_FOLDER.fullmatch, os.listdir(path)) if m), key=lambda m: int(m.group(1)))
+    if not found and pp:             # a pipelined save directory: one part per model chunk
+        raise CheckpointError(f"{path}: a pipeline save ({pp[0].group(0)}, ...: {pp[0].group(2)} model chunks): resume "
+                              "it with the --pp (and --chunks) it was saved with, inspect one chunk's part "
+                              f"({os.path.join(path, pp[0].group(0))}), or consolidate it")
     if not found and tp:             # a tensor-parallel save directory: its pieces are one level down
         raise CheckpointError(f"{path}: a tensor-parallel save ({tp[0].group(0)}, ...): resume it with --tp "
                               f"{tp[0].group(2)}, inspect one TP rank's part ({os.path.join(path, tp[0].group(0))}), "

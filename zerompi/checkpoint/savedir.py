@@ -25,7 +25,9 @@ from ..errors import ConfigError
 from .format import LATEST, MANIFEST, complete_checkpoints, latest_name, remove_dir
 
 LOCK = ".zerompi.lock"
-TP_FOLDER = re.compile(r"tp\d+-of-\d+")    # a tensor-parallel run's checkpoints: DIR/tp{r}-of-{K}/ (engine/tensor.py)
+# A tensor-parallel or pipelined run's checkpoints: DIR/tp{r}-of-{K}/ (engine/tensor.py), DIR/pp{c}-of-{C}/
+# (zerompi/pipeline/engines.py: one per model chunk), and DIR/pp{c}-of-{C}/tp{r}-of-{K}/ with both.
+PART_FOLDER = re.compile(r"(tp|pp)\d+-of-\d+")
 
 
 def _process_start(pid: int) -> Optional[str]:
@@ -116,16 +118,16 @@ class SaveDirLock:
 
 
 def saved_checkpoints(directory: str) -> List[str]:
-    """The complete checkpoints in ``directory`` and in its tensor-parallel folders (``tp0-of-2/step_...``),
-    as paths relative to it."""
-    subs = sorted(n for n in os.listdir(directory) if TP_FOLDER.fullmatch(n)) if os.path.isdir(directory) else []
+    """The complete checkpoints in ``directory`` and in its tensor-parallel and pipeline folders
+    (``tp0-of-2/step_...``, ``pp1-of-2/tp0-of-2/step_...``), as paths relative to it."""
+    subs = sorted(n for n in os.listdir(directory) if PART_FOLDER.fullmatch(n)) if os.path.isdir(directory) else []
     return complete_checkpoints(directory) + [f"{sub}/{name}" for sub in subs
-                                              for name in complete_checkpoints(os.path.join(directory, sub))]
+                                              for name in saved_checkpoints(os.path.join(directory, sub))]
 
 
 def check_fresh(directory: str, resume: Optional[str], overwrite: bool) -> List[str]:
-    """A run without ``resume`` into a ``directory`` that holds checkpoints (its own or in tensor-parallel
-    folders): ConfigError, unless ``overwrite``. Returns the checkpoints there (an ``overwrite`` run
+    """A run without ``resume`` into a ``directory`` that holds checkpoints (its own or in tensor-parallel or
+    pipeline folders): ConfigError, unless ``overwrite``. Returns the checkpoints there (an ``overwrite`` run
     replaces them later)."""
     found = saved_checkpoints(directory)
     subs = {n.partition("/")[0] for n in found if "/" in n}
@@ -162,7 +164,7 @@ def retain(directory: str, keep_last: Optional[int], current: str) -> List[str]:
 
 def replace(directory: str, old: List[str], current: str) -> List[str]:
     """Remove the checkpoints ``old`` (those an ``overwrite`` run found, relative paths), except those
-    named ``current`` (in any tensor-parallel folder: each TP rank has just written its own)."""
+    named ``current`` (in any tensor-parallel or pipeline folder: each part has just written its own)."""
     doomed = [n for n in old if os.path.basename(n) != current and os.path.isdir(os.path.join(directory, n))]
     for name in doomed:
         remove_dir(os.path.join(directory, name), background=True)

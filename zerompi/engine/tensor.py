@@ -39,11 +39,16 @@ class TensorParallel:
         """The engine's TensorParallel for ``comm`` (a Mesh, or a communicator with config.tp > 1), else None.
         ``shapes``: {parameter name: shape of this rank's array}; ``split`` is checked against them."""
         if isinstance(comm, Mesh):
-            if config.tp not in (1, comm.tp):
-                raise UsageError(f"config.tp={config.tp} but the Mesh passed has tp={comm.tp}; give one")
+            for axis in ("tp", "pp"):
+                if getattr(config, axis) not in (1, getattr(comm, axis)):
+                    raise UsageError(f"config.{axis}={getattr(config, axis)} but the Mesh passed has "
+                                     f"{axis}={getattr(comm, axis)}; give one")
             if comm.tp == 1 and not split:    # a Mesh without TP (pipeline stages): ZeRO over its DP group
                 return None
             mesh = comm
+        elif config.pp > 1:
+            raise UsageError(f"config.pp={config.pp}: an engine holds one pipeline stage's chunk; pass it the "
+                             "zerompi.Mesh(tp=..., pp=...) and run the stages with zerompi.pipeline (docs/pipeline.md)")
         elif config.tp > 1:
             mesh = Mesh(comm, config.tp, node_size=config.node_size)
         else:

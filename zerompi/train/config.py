@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from ..engine.config import PROGRESS, ZeroConfig
+from ..pipeline.config import PipelineConfig
 from ..comm.device import DEVICES
 from ..comm.watchdog import default_timeout_s
 from ..errors import ConfigError, RankParser, check
@@ -98,6 +99,8 @@ class TrainConfig:
     save_dir is set, and exit 0: a graceful stop under any launcher. Must not exist at the start."""
     zero: ZeroConfig = ZeroConfig()
     """Engine configuration."""
+    pipeline: PipelineConfig = PipelineConfig()
+    """With zero.pp > 1: the pipeline's schedule and options (zerompi/pipeline/config.py)."""
 
     def __post_init__(self):
         check(self.model in MODELS, f"model={self.model!r} is not allowed; use one of {', '.join(MODELS)}")
@@ -114,6 +117,8 @@ class TrainConfig:
         if self.zero.tp > 1:
             from .tensor import check_model
             check_model(self)
+        from .pipeline import check_model as check_pipeline
+        check_pipeline(self)
         check(self.steps >= 1, f"steps={self.steps} must be >= 1")
         check(isinstance(self.seed, int) and self.seed >= 0,
               f"seed={self.seed!r} must be an integer >= 0 (it seeds NumPy's generators)")
@@ -162,15 +167,19 @@ class TrainConfig:
         if self.zero.tp > 1:
             from ..comm.mesh import check_tp
             check_tp(self.zero.tp, world_size, self.zero.node_size, self.zero.shard_size)
-        dp = world_size // self.zero.tp
+        if self.zero.pp > 1:
+            from ..comm.mesh import check_mesh
+            check_mesh(world_size, self.zero.tp, self.zero.pp, self.zero.node_size, self.zero.shard_size)
+        dp = world_size // (self.zero.tp * self.zero.pp)
         parts = dp * self.zero.micro_batches
         check(self.batch % parts == 0,
               f"batch={self.batch} does not split over {dp} data-parallel ranks x {self.zero.micro_batches} "
               f"micro-batches; use a multiple of {parts}")
         if world_size > 1 and (self.zero.node_size or self.zero.shard_size):   # before any collective
             from ..comm.topology import Topology
-            t = self.zero.tp
-            Topology(world_size // t, (self.zero.node_size or t) // t, (self.zero.shard_size or world_size) // t)
+            t, stage = self.zero.tp, world_size // self.zero.pp
+            node = (self.zero.node_size or t) if self.zero.pp == 1 else min(self.zero.node_size or t, stage)
+            Topology(stage // t, node // t, (self.zero.shard_size or stage) // t)
 
 
 def _flag(name: str) -> str:
@@ -266,6 +275,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=ZeroConfig.tp, metavar="K",
                    help="tensor parallelism: N ranks as N/K data-parallel groups x K adjacent TP ranks; ZeRO "
                         "shards each TP rank's pieces over its data-parallel group (docs/tensor-parallel.md)")
+    p.add_argument("--pp", type=int, default=ZeroConfig.pp, metavar="P",
+                   help="pipeline parallelism: the model's layers in P stages of N/P ranks (data x tensor "
+                        "parallel inside each), micro-batches through them by --schedule (docs/pipeline.md)")
+    p.add_argument("--schedule", default=None, metavar="NAME",
+                   help="with --pp: gpipe, 1f1b (default), interleaved (with --chunks) or zb-h1")
+    p.add_argument("--schedule-file", default=None, metavar="FILE",
+                   help="with --pp: run the schedule in FILE (one line of actions per stage: docs/pipeline.md)")
+    p.add_argument("--chunks", type=int, default=None, metavar="V",
+                   help="with --pp --schedule interleaved: model chunks per stage (>= 2)")
+    p.add_argument("--pp-grad-reduce", default=None, metavar="micro-batch|step",
+                   help="with --pp: reduce each chunk's gradients per micro-batch (default; the same bits as "
+                        "without --pp) or once per step (Megatron's; m x less traffic)")
+    p.add_argument("--pp-gather", default=None, metavar="micro-batch|step",
+                   help="with --pp, stage 3: gather a chunk's parameters per micro-batch (default) or once per "
+                        "step, kept until its last backward")
     p.add_argument("--hpz", action="store_true",
                    help="stage 3: keep a node-local copy of the parameters after each gather across nodes "
                         "(ZeRO++ hpZ)")
@@ -298,7 +322,7 @@ def parse_config(argv: Optional[List[str]] = None, environ=None) -> TrainConfig:
                           optimizer_impl=a.optimizer_impl,
                           overlap=not a.no_overlap, prefetch=a.prefetch,
                           progress=a.comm_progress, timeout_s=timeout_s, max_skipped_steps=a.max_skipped_steps,
-                          node_size=a.node_size, shard_size=a.shard_size, hpz=a.hpz, tp=a.tp,
+                          node_size=a.node_size, shard_size=a.shard_size, hpz=a.hpz, tp=a.tp, pp=a.pp,
                           quantize_weights=a.quantize_weights, quantize_grads=a.quantize_grads,
                           offload_optimizer=a.offload_optimizer,
                           offload_params=a.offload_params, offload_dir=a.offload_dir,
@@ -314,6 +338,14 @@ def parse_config(argv: Optional[List[str]] = None, environ=None) -> TrainConfig:
                              ("trace_steps", "--trace FILE", a.trace is not None)):
         flag = FLAG_OF_FIELD.get(field, "--" + field.replace("_", "-"))
         check(field not in given or ok, f"{field}={given.get(field)!r} ({flag}) applies with {needs} only; drop it")
+    pipe = {field: getattr(a, flag) for field, flag in (("schedule", "schedule"), ("schedule_file", "schedule_file"),
+            ("chunks", "chunks"), ("grad_reduce", "pp_grad_reduce"), ("gather", "pp_gather")) if getattr(a, flag) is not None}
+    for field, flag in (("schedule", "--schedule"), ("schedule_file", "--schedule-file"), ("chunks", "--chunks"),
+                        ("grad_reduce", "--pp-grad-reduce"), ("gather", "--pp-gather")):
+        check(field not in pipe or a.pp > 1, f"{flag} {pipe.get(field)} applies with --pp > 1 only; drop it or add --pp")
+    check(not ("schedule" in pipe and "schedule_file" in pipe), "--schedule and --schedule-file contradict each "
+                                                                "other; give one")
+    pipeline = PipelineConfig(**pipe)
     specific = {}                   # model-specific flags given; the other model's are an error
     for model, names in MODEL_ONLY.items():
         for name in names:
@@ -326,5 +358,5 @@ def parse_config(argv: Optional[List[str]] = None, environ=None) -> TrainConfig:
     return TrainConfig(model=a.model, steps=a.steps, batch=a.batch, seed=a.seed,
                        log_every=a.log_every, metrics_json=a.metrics_json, save_dir=a.save_dir,
                        save_every=a.save_every, resume=a.resume, device=a.device, comm=a.comm,
-                       progress=a.progress, stop_file=a.stop_file, zero=zero,
+                       progress=a.progress, stop_file=a.stop_file, zero=zero, pipeline=pipeline,
                        async_save=a.async_save, keep_last=a.keep_last, overwrite=a.overwrite, **specific)
