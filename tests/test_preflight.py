@@ -73,8 +73,8 @@ def test_a_job_that_fits_only_with_the_split_is_let_through(monkeypatch):
 
 
 def test_tp_attention_and_init_parts():
-    """The GPT's attention probabilities: n_head/K heads of batch/(N/K) sequences per TP rank; the initial
-    parameters: the whole model, which every TP rank cuts its pieces from."""
+    """The GPT's attention probabilities: n_head/K heads of batch/(N/K) sequences per TP rank; no initial
+    parameters (the models are lazy: no rank makes them whole); the MLP's teacher, whole."""
     flags = ["--model", "gpt", "--n-layer", "2", "--d-model", "32", "--n-head", "4", "--seq-len", "512",
              "--batch", "8", "--eval-every", "0"]
     for k in (1, 2, 4):
@@ -82,7 +82,9 @@ def test_tp_attention_and_init_parts():
         dp = 4 // k
         assert parts["attention probabilities"] == 4 * 2 * (8 // dp) * (4 // k) * 512 ** 2
     small = parse_config(GPT + ["--tp", "2"])
+    assert list(preflight.memory_needed(small, 4)) == ["model states and buffers", "attention probabilities"]
     full = sum(preflight.layer_sizes(small))
-    assert preflight.memory_needed(small, 4)["initial fp32 parameters"] == 4 * full
     assert full == sum(np.prod(a.shape) for _, p in TPGPT(32, 16, 2, 4, 32, tp=SimpleNamespace(rank=0, size=1))
                        .init_layers() for a in p.values())
+    mlp = parse_config(["--model", "mlp", "--width", "64", "--depth", "2"])
+    assert preflight.memory_needed(mlp, 4)["teacher network (float32)"] == 4 * 2 * (64 * 64 + 64)

@@ -45,7 +45,7 @@ _PUBLIC = {
     "MismatchError": "zerompi.errors",
     "NonFiniteError": "zerompi.errors",
 }
-__all__ = sorted(_PUBLIC) + ["estimate"]
+__all__ = sorted(_PUBLIC) + ["estimate", "lazy"]
 
 
 def __getattr__(name):
@@ -55,6 +55,8 @@ def __getattr__(name):
         return value
     if name == "estimate":     # zerompi.estimate(params=10e9, ranks=64): the package is callable
         return importlib.import_module("zerompi.estimate")
+    if name == "lazy":         # zerompi.lazy.Normal(...): parameters given as rules (engine/lazy.py)
+        return importlib.import_module("zerompi.engine.lazy")
     raise AttributeError(f"module 'zerompi' has no attribute {name!r}")
 
 

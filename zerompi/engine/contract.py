@@ -9,6 +9,8 @@ someone checks. The contract, and what breaking it gets:
 - **Same initial values**: a digest per parameter, compared at construction
   (``init_values="check"``, the default; a difference names the first differing parameter
   and the ranks), or rank 0's values broadcast to every rank (``init_values="broadcast"``).
+  Lazy parameters (engine/lazy.py) are checked on what the ranks made of them: every slice is
+  made by two ranks and their digests compared (engine/initial.py).
 - **Same order of gradient reductions**: nothing to check -- the reducer starts them in a
   fixed bucket order whatever order the gradients arrive in (reducer.py).
 - **Same unshard order (stage 3), same lr, same step**: every step's gradient-norm
@@ -32,6 +34,7 @@ from ..comm.watchdog import Watchdog, watched
 from ..errors import ConfigError, MismatchError, UsageError
 from ..optim import dtypes
 from .faults import GradientGuard, fault_from_env
+from .lazy import is_lazy
 
 FINGERPRINT_MOD = 2 ** 52        # fingerprints stay exact integers in a float64
 STEP_COLUMNS = ("lr", "step", "gathers")   # what rides along with the step's all-gather, in order
@@ -111,17 +114,23 @@ def agree_initial_values(comm, pairs, mode: str, tp=None) -> List[Tuple[str, Dic
 
 
 def _agree_values(comm, pairs, mode: str) -> List[Tuple[str, Dict[str, np.ndarray]]]:
-    """The initial values every rank of ``comm`` will use, as fp32 arrays in the callers' shapes.
+    """The initial values every rank of ``comm`` will use, as fp32 arrays in the callers' shapes (lazy
+    parameters, engine/lazy.py, pass through: engine/initial.py checks what the ranks make of them).
 
     ``mode`` "check": MismatchError on every rank unless every rank passed the same values
     (one 16-byte digest all-gathered; per-parameter digests only on a mismatch).
     "broadcast": rank 0's values, broadcast to every rank. A collective.
     """
-    values = [(lname, {p: np.ascontiguousarray(a, dtype=np.float32) for p, a in params.items()})
+    values = [(lname, {p: a if is_lazy(a) else np.ascontiguousarray(a, dtype=np.float32) for p, a in params.items()})
               for lname, params in pairs]
+    lazy = [p for _, params in values for p, a in params.items() if is_lazy(a)]
+    if mode == "broadcast" and lazy:       # at any world size: a script must not work on one rank only
+        raise UsageError(f"init_values='broadcast' needs whole arrays, and parameter {lazy[0]!r} is lazy (each "
+                         "rank makes only its shard of it); use init_values='check', or pass the arrays")
     mpi = comm.mpi
     if mpi.Get_size() == 1:
         return values
+    whole = [(lname, {p: a for p, a in params.items() if not is_lazy(a)}) for lname, params in values]
     if mode == "broadcast":
         with watched(comm, "broadcast of rank 0's initial values"):
             for _, params in values:
@@ -129,7 +138,7 @@ def _agree_values(comm, pairs, mode: str) -> List[Tuple[str, Dict[str, np.ndarra
                     mpi.Bcast(arr, root=0)
         return values
     digests = [(lname, p, _digest(a), float(a.reshape(-1)[0]) if a.size else 0.0)
-               for lname, params in values for p, a in params.items()]
+               for lname, params in whole for p, a in params.items()]
     mine = hashlib.blake2b(b"".join(d for _, _, d, _ in digests), digest_size=16).digest()
     with watched(comm, "start-up check of the initial values"):
         everyone = mpi.allgather(mine)

@@ -1,8 +1,8 @@
 """The sharded optimizer state: the fp32 master and the AdamW moments of this rank's shard.
 
 Stage 0 keeps them for the whole model, stages 1-3 for this rank's slice of every bucket
-(the shard, in bucket order). :class:`ShardedAdamW` fills the master from the caller's
-initial arrays, updates one bucket's slice at a time, and gathers the whole master for a
+(the shard, in bucket order). :class:`ShardedAdamW` holds the master (engine/initial.py fills it
+from the initial values), updates one bucket's slice at a time, and gathers the whole master for a
 caller that asks for the parameters by name.
 
 The rows live where engine/offload/ keeps them: on the device (the update runs there, through
@@ -80,26 +80,6 @@ class ShardedAdamW:
     def write_row(self, name: str, host: np.ndarray, xp) -> None:
         """Overwrite a whole row from a host array (checkpoints)."""
         self.rows.write(name, slice(None), xp.asarray(host) if self.rows.place == "device" else host)
-
-    def load_initial(self, pairs, xp) -> None:
-        """Fill the master from the caller's arrays (``pairs``: [(layer, {name: array})]); each
-        rank keeps only its slice of every bucket (stage 0: everything)."""
-        lay = self.layout
-        full = np.zeros(self.n, F32)
-        for _, params in pairs:
-            for pname, arr in params.items():
-                pr = lay.params[pname]
-                values = np.asarray(arr, dtype=F32).reshape(-1)
-                if self.config.stage == 0:
-                    full[pr.start:pr.stop] = values
-                    continue
-                b = lay.buckets[pr.bucket]
-                lo, hi = b.slice_bounds(self.slot)
-                a, z = max(lo, pr.bucket_offset), min(hi, pr.bucket_offset + pr.numel)
-                if a < z:
-                    dst = b.shard_start + (a - lo)
-                    full[dst:dst + (z - a)] = values[a - pr.bucket_offset:z - pr.bucket_offset]
-        self.rows.write("master", slice(None), full if self.rows.place != "device" else xp.asarray(full))
 
     def scalars(self, lr: Optional[float], step: int, grad_scale: float) -> AdamWScalars:
         """The constants of update number ``step``; ``lr`` None: the config's."""

@@ -19,6 +19,7 @@ from ..comm.mesh import Mesh
 from ..comm.watchdog import watched
 from ..errors import ConfigError, MismatchError, UsageError
 from ..optim import impl
+from .lazy import is_lazy
 
 TP_KEY = "tensor_parallel"    # manifest["extra"][TP_KEY]: {"size", "rank", "split": {name: [axis, groups]}}
 
@@ -72,7 +73,9 @@ class TensorParallel:
         check_consistent(world, "tensor-parallel engine", {
             "zero": self.config.to_dict(), "tp_split": {k: list(v) for k, v in self.split.items()},
             "layers": [[lname, list(params)] for lname, params in values],
-            "replicated_shape": {p: list(a.shape) for _, params in replicated for p, a in params.items()}})
+            "replicated_shape": {p: list(a.shape) for _, params in replicated for p, a in params.items()},
+            # a lazy replicated parameter (engine/lazy.py): the same rule and seed on every TP rank
+            "replicated_rule": {p: a.describe() for _, params in replicated for p, a in params.items() if is_lazy(a)}})
         agree_values(world, replicated, mode)
 
     def world_view(self, dp_comm) -> SimpleNamespace:

@@ -32,7 +32,7 @@ from ..comm.watchdog import watched
 from ..errors import UsageError, install_abort_hook
 from ..layout import FlatLayout
 from ..optim import impl
-from . import contract, step as stepping, trace, traffic
+from . import contract, initial, step as stepping, trace, traffic
 from .buffers import BucketPool, plan_classes
 from .config import ZeroConfig
 from .gatherer import ParameterGatherer
@@ -52,8 +52,8 @@ LayersArg = Union[Mapping[str, Mapping[str, np.ndarray]], Sequence[Tuple[str, Ma
 class ZeroEngine:
     """ZeRO data parallelism over ``comm`` for a model given as named layers of named arrays.
 
-    ``layers``: an ordered mapping (or list of pairs) layer name -> {param name -> array};
-    every rank must pass the same initial values. ``config``: a ZeroConfig.
+    ``layers``: an ordered mapping (or list of pairs) layer name -> {param name -> array, or a lazy
+    rule (engine/lazy.py): each rank then makes only its shard}; every rank must pass the same values. ``config``: a ZeroConfig.
     ``comm``: an mpi4py communicator (default COMM_WORLD), a zerompi Communicator, or a zerompi.Mesh
     (tensor parallelism: ZeRO over its DP group; ``tp_split`` names the split parameters, engine/tensor.py).
 
@@ -115,7 +115,7 @@ class ZeroEngine:
         self.reducer = GradientReducer(self.layout, self.config, self.group, self.replica, self.world_size,
                                        self.inflight, pool, self.ledger, self.guard, self.dtype)
         self.optimizer = ShardedAdamW(self.layout, self.config, self.ledger, self.slot, self.rank, transfers)
-        self.optimizer.load_initial(pairs, xp)
+        initial.load(self, pairs)        # each rank makes its own part (lazy: checked, engine/initial.py)
         self.trace = trace.attach(self) if self.config.trace else None   # the timeline (engine/trace.py)
         self.publish_params(all_gather=True)
         # A program that ends without close() must not reach MPI_Finalize with collectives in flight.

@@ -93,25 +93,21 @@ def stage_estimate(cfg: TrainConfig, world_size: int) -> dict:
 
 def memory_needed(cfg: TrainConfig, world_size: int) -> dict:
     """Bytes one rank holds at once at least, by part: the model states and engine buffers (zerompi.estimate,
-    best case; with --tp for this TP rank's pieces), and the model's initial fp32 parameters (alive while the
-    engine copies them; with --tp the whole model, which every TP rank cuts its pieces from) with the MLP's
-    teacher (float32, built first and kept), or for the GPT the larger of the initial parameters and the
-    attention probabilities one micro-batch keeps for the backward (one block's with checkpointing; with
-    --tp its n_head/K heads')."""
+    best case; with --tp for this TP rank's pieces), and the MLP's teacher (float32, built whole and kept) or
+    the GPT's attention probabilities one micro-batch keeps for the backward (one block's with checkpointing;
+    with --tp its n_head/K heads'). The built-in models are lazy (engine/lazy.py): no rank makes its initial
+    parameters whole, so they add nothing beside the model states."""
     z, tp = cfg.zero, cfg.zero.tp
     row = stage_estimate(cfg, world_size)
     offloaded = (row["optimizer_bytes"] if z.offload_optimizer == "nvme" else 0) + \
         (row["params_bytes"] if z.offload_params == "nvme" else 0)       # in files, not in memory
     parts = {"model states and buffers": row["total_bytes_best_case"] - offloaded}
-    init = 4 * model_size(cfg)[0]                 # the whole model, in closed form
-    if cfg.model == "mlp":        # the teacher is built before the engine and kept: both are alive at the start
-        parts.update({"initial fp32 parameters": init, "teacher network (float32)": init})
+    if cfg.model == "mlp":        # the teacher is built whole before the engine and kept
+        parts["teacher network (float32)"] = 4 * model_size(cfg)[0]
         return parts
     rows = max(1, cfg.batch // (world_size // tp * z.micro_batches))
     kept = 1 if cfg.checkpoint_activations else cfg.n_layer      # blocks whose probabilities are held at once
-    attention = 4 * kept * rows * (cfg.n_head // tp) * cfg.seq_len ** 2
-    # The initial parameters are freed before the first step: the larger of the two counts.
-    parts.update({"attention probabilities": attention} if attention > init else {"initial fp32 parameters": init})
+    parts["attention probabilities"] = 4 * kept * rows * (cfg.n_head // tp) * cfg.seq_len ** 2
     return parts
 
 

@@ -75,7 +75,7 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
         mesh = tensor.make_mesh(cfg, comm, placement)
     model, data = build_model(cfg, xp, mesh)
     dev_comm = comm if mesh else device_communicator(comm, xp, cfg.comm, cfg.zero.timeout_s)
-    engine = ZeroEngine(model.init_layers(), cfg.zero, mesh or dev_comm, xp=xp,
+    engine = ZeroEngine(model.lazy_layers(), cfg.zero, mesh or dev_comm, xp=xp,
                         tp_split=model.tp_split() if mesh else None)
     report.print_banner(cfg, engine, comm, placement, data)
     if mesh:

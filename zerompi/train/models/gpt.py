@@ -27,6 +27,7 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 
+from ...engine import lazy
 from ..model_kernels import upcast
 from .activations import Keep, MeteredWorkspace, Recompute, scratch
 from .gpt_fast import FRESH, Workspace, fused_layers
@@ -75,13 +76,14 @@ class GPT:
                 "ln2.g", "ln2.b", "fc.w", "fc.b", "out.w", "out.b"]
         return {k: f"block{i}.{k}" for k in keys}
 
-    def init_layers(self) -> List[Tuple[str, Dict[str, np.ndarray]]]:
-        """[(layer name, {param name: float32 array})], GPT-2 style: N(0, 0.02), residual
-        projections N(0, 0.02 / sqrt(2 L)), LayerNorm gain 1, biases 0."""
-        rng = np.random.default_rng([self.seed, 0x6E7])
+    def lazy_layers(self) -> List[Tuple[str, Dict[str, lazy.Lazy]]]:
+        """[(layer name, {param name: lazy rule})] (engine/lazy.py), GPT-2 style: N(0, 0.02), residual
+        projections N(0, 0.02 / sqrt(2 L)), LayerNorm gain 1, biases 0; the normals drawn in turn from
+        one generator, in layer order. The engine makes each rank's shard of them, never the whole model."""
+        stream = lazy.Stream([self.seed, 0x6E7])
         C, L = self.d_model, self.n_layer
-        normal = lambda shape, std=0.02: (rng.standard_normal(shape) * std).astype(np.float32)
-        zeros, ones = (lambda n: np.zeros(n, np.float32)), (lambda n: np.ones(n, np.float32))
+        normal = lambda shape, std=0.02: stream.normal(shape, scale=std)
+        zeros, ones = (lambda n: lazy.Constant(n, 0.0)), (lambda n: lazy.Constant(n, 1.0))
         layers = [("embed", {WTE: normal((self.vocab, C)), WPE: normal((self.seq_len, C))})]
         resid = 0.02 / np.sqrt(2 * L)
         for i in range(L):
@@ -96,6 +98,10 @@ class GPT:
             }))
         layers.append(("ln_f", {"ln_f.g": ones(C), "ln_f.b": zeros(C)}))
         return layers
+
+    def init_layers(self) -> List[Tuple[str, Dict[str, np.ndarray]]]:
+        """lazy_layers() made whole: [(layer name, {param name: float32 array})] (references, tests)."""
+        return lazy.materialize(self.lazy_layers())
 
     def _cast(self, params, names, ws: Workspace = FRESH) -> Dict[str, object]:
         """{short name: parameter in the compute dtype}. Stored fp16 ones are converted (F16C where it

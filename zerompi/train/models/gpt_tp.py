@@ -9,14 +9,15 @@ and the row-parallel biases are replicated; their inputs and upstream gradients 
 every TP rank after those all-reduces (summed in rank order: the same bits), so are their gradients.
 
 Parameter names are the full model's; shapes are the pieces' (tp_split() says how each is cut,
-comm/tpsplit.py). init_layers() cuts the full model's initial values, so a run at any TP size
-starts from the same model.
+comm/tpsplit.py). lazy_layers() cuts the full model's rules into pieces (engine/lazy.Piece), so a run
+at any TP size starts from the same model, and no rank makes more than its shard of its pieces.
 """
 from typing import Dict, List, Tuple
 
 import numpy as np
 
-from ...comm.tpsplit import check_divides, piece
+from ...comm.tpsplit import check_divides
+from ...engine import lazy
 from .gpt import GPT
 from .gpt_numpy import attention, gelu, layernorm, linear, NumpyLayers
 
@@ -75,11 +76,15 @@ class TPGPT(GPT):
         """{parameter name: (axis, groups)} of the split parameters (the engine's tp_split)."""
         return {f"block{i}.{k}": s for i in range(self.n_layer) for k, s in SPLIT.items()}
 
-    def init_layers(self) -> List[Tuple[str, Dict[str, np.ndarray]]]:
-        """The full model's initial values, each split parameter cut to this TP rank's piece."""
+    def lazy_layers(self):
+        """The full model's rules, each split parameter cut to this TP rank's piece (lazy.Piece)."""
         split, r, k = self.tp_split(), self.tp.rank, self.tp.size
-        return [(lname, {n: piece(a, *split[n], r, k) if n in split else a for n, a in params.items()})
-                for lname, params in super().init_layers()]
+        return [(lname, {n: lazy.Piece(a, *split[n], r, k) if n in split else a for n, a in params.items()})
+                for lname, params in super().lazy_layers()]
+
+    def init_layers(self):
+        """lazy_layers() made whole: this TP rank's pieces as float32 arrays."""
+        return lazy.materialize(self.lazy_layers())
 
     def tp_bytes_per_micro_batch(self, rows: int, itemsize: int = 4) -> int:
         """Bytes one rank sends in the TP all-reduces of one micro-batch of ``rows`` sequences:

@@ -4,6 +4,7 @@ from typing import List
 
 import numpy as np
 
+from ...engine import lazy
 from .. import loop
 from ..model_kernels import upcast
 
@@ -24,14 +25,17 @@ def gelu_grad(x):
     return F32(0.5) * (F32(1.0) + t) + F32(0.5) * x * (F32(1.0) - t * t) * _C * (F32(1.0) + F32(3 * 0.044715) * x * x)
 
 
+def lazy_mlp(width: int, depth: int, seed: int):
+    """[(layer name, {param name: lazy rule})] (engine/lazy.py): W ~ N(0, 1/width), drawn in turn from
+    one generator, b = 0."""
+    stream = lazy.Stream(seed)
+    return [(f"block{i}", {f"block{i}.weight": stream.normal((width, width), divisor=np.sqrt(width)),
+                           f"block{i}.bias": lazy.Constant(width, 0.0)}) for i in range(depth)]
+
+
 def init_mlp(width: int, depth: int, seed: int):
-    """[(layer name, {param name: float32 array})]: W ~ N(0, 1/width), b = 0."""
-    rng = np.random.default_rng(seed)
-    layers = []
-    for i in range(depth):
-        w = (rng.standard_normal((width, width)) / np.sqrt(width)).astype(F32)
-        layers.append((f"block{i}", {f"block{i}.weight": w, f"block{i}.bias": np.zeros(width, F32)}))
-    return layers
+    """lazy_mlp() made whole: [(layer name, {param name: float32 array})]."""
+    return lazy.materialize(lazy_mlp(width, depth, seed))
 
 
 class MLP:
@@ -39,6 +43,10 @@ class MLP:
 
     def __init__(self, width: int, depth: int, seed: int = 0):
         self.width, self.depth, self.seed = width, depth, seed
+
+    def lazy_layers(self):
+        """The parameters as lazy rules: the engine makes each rank's shard of them."""
+        return lazy_mlp(self.width, self.depth, self.seed)
 
     def init_layers(self):
         return init_mlp(self.width, self.depth, self.seed)

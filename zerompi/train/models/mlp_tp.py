@@ -9,7 +9,8 @@ from typing import Dict, Tuple
 
 import numpy as np
 
-from ...comm.tpsplit import check_divides, piece
+from ...comm.tpsplit import check_divides
+from ...engine import lazy
 from .mlp import MLP, gelu
 
 
@@ -31,10 +32,15 @@ class TPMLP(MLP):
                 out[f"block{i}.weight"] = (0, 1)
         return out
 
-    def init_layers(self):
+    def lazy_layers(self):
+        """The full model's rules, each split parameter cut to this TP rank's piece (lazy.Piece)."""
         split, r, k = self.tp_split(), self.tp.rank, self.tp.size
-        return [(lname, {n: piece(a, *split[n], r, k) if n in split else a for n, a in params.items()})
-                for lname, params in super().init_layers()]
+        return [(lname, {n: lazy.Piece(a, *split[n], r, k) if n in split else a for n, a in params.items()})
+                for lname, params in super().lazy_layers()]
+
+    def init_layers(self):
+        """lazy_layers() made whole: this TP rank's pieces as float32 arrays."""
+        return lazy.materialize(self.lazy_layers())
 
     def forward_layer(self, i, params, x):
         w = self._weight(params, i)
