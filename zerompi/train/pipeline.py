@@ -84,7 +84,7 @@ class PipelineJob:
         self.where = self.schedule.placement()
         self.local = self.schedule.chunks_of(mesh.pp_rank)
         self.model, self.data = build(cfg, xp, mesh if z.tp > 1 else None)   # train/run.py's build_model
-        names = [n for _, params in self.model.init_layers() for n in params]
+        names = [n for _, params in self.model.lazy_layers() for n in params]
         exempt_names(SimpleNamespace(params=dict.fromkeys(names)), z.no_decay)   # over the whole model, as unpipelined
         self.runners = {c: self._runner(c) for c in self.local}
         engines = {c: self._engine(c, xp) for c in self.local}
@@ -119,10 +119,10 @@ class PipelineJob:
         z = self.cfg.zero
         per_step = self.cfg.pipeline.grad_reduce == "step"
         runner = self.runners[c]
-        names = [n for _, params in runner.init_layers() for n in params]
+        names = [n for _, params in runner.lazy_layers() for n in params]
         zc = replace(z, trace=None, micro_batches=1 if per_step else z.micro_batches,   # the patterns this chunk matches
                      no_decay=tuple(p for p in z.no_decay if any(fnmatchcase(n, p) for n in names)))
-        engine = ZeroEngine(runner.init_layers(), zc, self.mesh, xp=xp,
+        engine = ZeroEngine(runner.lazy_layers(), zc, self.mesh, xp=xp,
                             tp_split=runner.tp_split() if z.tp > 1 else None)
         runner.attach(engine, GradSink(engine, self.cfg.pipeline.grad_reduce, z.micro_batches))
         return engine

@@ -23,8 +23,10 @@ class MLPChunk:
         self.state, self.losses, self.batches = {}, {}, None
         self.activation_bytes = None
 
-    def init_layers(self):
-        full = self.model.init_layers()
+    def lazy_layers(self):
+        """The chunk's layers of the whole model's lazy rules (engine/lazy.py: each knows its place in the
+        model's draws, so the engine makes this chunk's shard of the same initial values)."""
+        full = self.model.lazy_layers()
         return [full[g] for g in self.layers]
 
     def tp_split(self):
