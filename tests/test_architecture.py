@@ -13,7 +13,10 @@ from tests.mpirun import ROOT, run_train
 
 PACKAGE = ROOT / "zerompi"
 # Each layer may import from itself and the layers above it (train, bench and plot: not from each other).
-LAYERS = [{"errors"}, {"layout"}, {"optim"}, {"comm"}, {"checkpoint"}, {"engine"}, {"estimate"}, {"train", "bench", "plot"}]
+# pipeline: above the engine (its executor drives ZeroEngines), below estimate (which simulates its schedules; its
+# schedule modules import no MPI: test_estimate_runs_without_mpi).
+LAYERS = [{"errors"}, {"layout"}, {"optim"}, {"comm"}, {"checkpoint"}, {"engine"}, {"pipeline"}, {"estimate"},
+          {"train", "bench", "plot"}]
 MAX_LINES = 400
 BLOCK_MPI = "import sys; sys.modules['mpi4py'] = None; "   # importing mpi4py now raises ImportError
 
@@ -135,6 +138,8 @@ def test_estimate_runs_without_mpi():
            "runpy.run_module('zerompi.estimate', run_name='__main__')")
     out = python(run, "--params", "10e9", "--ranks", "64").stdout
     assert "stage" in out and "16Ψ/N" in out
+    out = python(run, "--pp", "4", "--micro-batches", "8", "--schedule", "zb-h1").stdout
+    assert "bubble fraction        0.1111" in out, out
     out = python("import zerompi; print(zerompi.estimate(params=1e9, ranks=8)['stages'][3]['formula'])").stdout
     assert out.strip() == "16Ψ/N"
     loaded = python("import zerompi, zerompi.estimate; print(sorted(m for m in sys.modules if 'mpi4py' in m))").stdout

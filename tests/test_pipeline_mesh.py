@@ -59,7 +59,12 @@ def test_coordinates_groups_and_messages(launched):
             "node_size=2 with pp=2: a node must lie inside one pipeline stage of 3 ranks or hold whole stages; "
             "use a divisor or a multiple of 3",
             "shard_size=4 with pp=3: a shard group lies inside one pipeline stage of 2 ranks; use a divisor of 2",
-            "pp=0 must be a whole number of stages >= 1"]
+            "pp=0 must be a whole number of stages >= 1",
+            "config.pp=2: an engine holds one pipeline stage's chunk; pass it the zerompi.Mesh(tp=..., pp=...) and "
+            "run the stages with zerompi.pipeline (docs/pipeline.md)",
+            "begin_step() twice without finish_step(); finish the step begun first",
+            "finish_step() needs the PendingStep this engine's begin_step() returned, once",
+            True]
 
 
 def test_an_engine_per_stage_over_a_mesh_without_tp(launched):

@@ -18,6 +18,7 @@ The package, by layer (each may import only those above it):
     optim/       AdamW and the local sum: NumPy references, fused C and CUDA kernels
     comm/        collectives: Communicator, device staging, NCCL, placement, watchdog
     engine/      ZeroEngine and its parts: reducer, gatherer, buffers, layout, config
+    pipeline/    schedules as data (no MPI) and the executor: an engine per pipeline chunk
     checkpoint/  sharded save / load / reshard; ``python -m zerompi.checkpoint``
     estimate/    memory and traffic before launch; ``python -m zerompi.estimate``
     train/       the training job; ``python -m zerompi.train``

@@ -61,6 +61,24 @@ for args in ((n, 1, 4), (n, 2, n), (n, 1, 1, 3), (n, 1, 2, 3), (n, 1, 2, None, 3
         errors.append(None)
     except zerompi.ConfigError as e:
         errors.append(str(e))
+try:                                    # an engine of a pipelined config needs the mesh that says so
+    zerompi.ZeroEngine([("a", {"w": np.ones(4, np.float32)})], zerompi.ZeroConfig(pp=2), comm=world)
+    errors.append(None)
+except zerompi.UsageError as e:
+    errors.append(str(e))
+m = zerompi.Mesh(pp=2) if n % 2 == 0 else None
+if m is not None:                       # the step's halves: each once, in order
+    eng = zerompi.ZeroEngine([("a", {"w": np.ones(4, np.float32)})], zerompi.ZeroConfig(stage=1, dtype="fp16"), comm=m)
+    eng.grads_ready(0, {"w": np.ones(4, np.float32)})
+    pending = eng.begin_step()
+    for call in (lambda: eng.begin_step(), lambda: eng.finish_step(None)):
+        try:
+            call()
+            errors.append(None)
+        except zerompi.UsageError as e:
+            errors.append(str(e))
+    errors.append(eng.finish_step(pending, (0.0, 1.0)).skipped)     # totals given: a non-finite count skips (fp16)
+    eng.close()
 everyone = world.gather(rows)
 if rank == 0:
     print("MESH " + json.dumps({"rows": everyone, "errors": errors}), flush=True)

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ..errors import ConfigError, OneLineParser, quiet_exit_on_closed_stdout
-from .format import F32, MANIFEST_SHA, TP_FOLDER, CheckpointError, read_manifest, resolve, verify_shard
+from .format import F32, MANIFEST_SHA, PP_FOLDER, TP_FOLDER, CheckpointError, read_manifest, resolve, verify_shard
 from .outputs import check_file, check_roles, write_atomic
 from .pointer import complete_checkpoints
 from .savedir import folders_read, pointer_notes
@@ -34,35 +34,54 @@ def consolidate(path: str, out: str) -> Dict[str, np.ndarray]:
     renamed, and may not lie inside the checkpoint; it must be a new path or a regular file
     (checked before any shard is read: never a folder or a device such as /dev/full).
     A tensor-parallel save directory (``tp{r}-of-{K}`` folders, engine/tensor.py) is merged:
-    every TP rank's pieces put together, the same names and shapes as a run without TP.
+    every TP rank's pieces put together, the same names and shapes as a run without TP; a
+    pipelined one (``pp{c}-of-{C}`` folders, one per model chunk, each possibly with TP folders)
+    is the union of its chunks' parameters: the names and shapes of a run without --pp.
     """
     check_roles([("out", out)], folders_read("dir", path))    # not inside what is read, its save folder included
     check_file(out, "out")
-    parts = tp_parts(path)
-    ckpts = [resolve(p) for p in parts] if parts else [resolve(path)]
-    pieces = [_params(ckpt) for ckpt in ckpts]
-    if parts:
-        params = _merge_tp(ckpts, pieces)
-    else:
-        params = pieces[0][0]
+    chunks = part_folders(path, PP_FOLDER, "pipeline")
+    wholes = [(c, tp_parts(c)) for c in chunks] if chunks else [(path, tp_parts(path))]
+    params: Dict[str, np.ndarray] = {}
+    steps = {}
+    for where, parts in wholes:
+        found = [resolve(p) for p in (parts or [where])]
+        pieces = [_params(ckpt) for ckpt in found]
+        steps[where] = pieces[0][1]["step"]
+        got = _merge_tp(found, pieces) if parts else pieces[0][0]
+        twice = sorted(set(got) & set(params))
+        if twice:
+            raise CheckpointError(f"{where}: parameters {twice[:3]} are in two pipeline chunks' checkpoints")
+        params.update(got)
+    if len(set(steps.values())) > 1:
+        raise CheckpointError(f"{path}: the pipeline chunks' checkpoints are of different steps ("
+                              + ", ".join(f"{os.path.basename(w)}: step {s}" for w, s in steps.items())
+                              + "); consolidate checkpoints of one step")
     write_atomic(out, lambda f: np.savez(f, **params))
     return params
 
 
 def tp_parts(path: str) -> List[str]:
     """The ``tp{r}-of-{K}`` folders of a tensor-parallel save directory, in TP rank order ([] if none)."""
+    return part_folders(path, TP_FOLDER, "tensor-parallel")
+
+
+def part_folders(path: str, pattern, what: str) -> List[str]:
+    """The folders of ``path`` named by ``pattern`` (``tp{r}-of-{K}``, ``pp{c}-of-{C}``), in order ([] if none);
+    CheckpointError unless they are one whole set of K."""
     if not os.path.isdir(path):
         return []
-    found = {n: m for n in os.listdir(path) for m in [TP_FOLDER.fullmatch(n)] if m}
+    found = {n: m for n in os.listdir(path) for m in [pattern.fullmatch(n)] if m}
     if not found:
         return []
     names = sorted(found)
     k = int(found[names[0]].group(2))
     ranks = sorted(int(m.group(1)) for m in found.values() if int(m.group(2)) == k)   # no list of k names
     if k < 1 or len(found) != k or ranks != list(range(k)):
-        raise CheckpointError(f"{path}: tensor-parallel folders {names[:4] + ['...'] * (len(names) > 4)} "
+        raise CheckpointError(f"{path}: {what} folders {names[:4] + ['...'] * (len(names) > 4)} "
                               f"are not one whole set of {k}")
-    return [os.path.join(path, f"tp{r}-of-{k}") for r in range(k)]
+    prefix = pattern.pattern.split("(")[0]
+    return [os.path.join(path, f"{prefix}{r}-of-{k}") for r in range(k)]
 
 
 def _merge_tp(ckpts, pieces) -> Dict[str, np.ndarray]:

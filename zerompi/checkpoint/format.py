@@ -220,6 +220,18 @@ def crash_point(point: str, step: int, rank: Optional[int] = None) -> None:
 
 # ---- read and verify ----------------------------------------------------------------
 TP_FOLDER = re.compile(r"tp(\d+)-of-(\d+)")   # one TP rank's part of a save directory (engine/tensor.py)
+PP_FOLDER = re.compile(r"pp(\d+)-of-(\d+)")   # one pipeline chunk's part (zerompi/pipeline/engines.py)
+
+
+def part_folders_of(directory: str) -> List[str]:
+    """The folders of the save folder ``directory`` that hold its checkpoints: its tensor-parallel and
+    pipeline parts (``tp{r}-of-{K}``, ``pp{c}-of-{C}``, ``pp{c}-of-{C}/tp{r}-of-{K}``), in order; [] when
+    it has none (a plain run's: ``directory`` itself holds them)."""
+    if not os.path.isdir(directory):
+        return []
+    subs = [os.path.join(directory, n) for n in sorted(os.listdir(directory))
+            if TP_FOLDER.fullmatch(n) or PP_FOLDER.fullmatch(n)]
+    return [leaf for sub in subs for leaf in (part_folders_of(sub) or [sub])]
 
 
 def resolve(path: str) -> str:
@@ -247,6 +259,11 @@ def resolve(path: str) -> str:
             f"{latest} is empty or unreadable"
     found = complete_checkpoints(path)
     tp = sorted((m for m in map(TP_FOLDER.fullmatch, os.listdir(path)) if m), key=lambda m: int(m.group(1)))
+    pp = sorted((m for m in map(PP_FOLDER.fullmatch, os.listdir(path)) if m), key=lambda m: int(m.group(1)))
+    if not found and pp:             # a pipelined save directory: one part per model chunk
+        raise CheckpointError(f"{path}: a pipeline save ({pp[0].group(0)}, ...: {pp[0].group(2)} model chunks): resume "
+                              "it with the --pp (and --chunks) it was saved with, inspect one chunk's part "
+                              f"({os.path.join(path, pp[0].group(0))}), or consolidate it")
     if not found and tp:             # a tensor-parallel save directory: its pieces are one level down
         raise CheckpointError(f"{path}: a tensor-parallel save ({tp[0].group(0)}, ...): resume it with --tp "
                               f"{tp[0].group(2)}, inspect one TP rank's part ({os.path.join(path, tp[0].group(0))}), "

@@ -19,7 +19,7 @@ import json
 import os
 from typing import List, Optional, Tuple
 
-from .format import TP_FOLDER, publish, shard_file
+from .format import PP_FOLDER, TP_FOLDER, part_folders_of, publish, shard_file
 from .pointer import DRAFT, ENTRY, TEMP_PREFIX, latest_name, step_of
 
 
@@ -52,18 +52,19 @@ def orphans(directory: str) -> List[Tuple[str, dict]]:
 
 def recover(directory: str) -> List[str]:
     """Publish the complete unpublished checkpoints of the save folder ``directory``; returns one line for
-    each. A save folder of a tensor-parallel run (``tp{r}-of-{K}`` folders) gets a step published only when
-    every TP folder holds a complete one of it (pieces of two steps would make a model that never was); one
-    TP folder alone (a TP rank's save) is left to a caller that sees them all (the train CLI at start)."""
-    if TP_FOLDER.fullmatch(os.path.basename(os.path.realpath(directory))):
+    each. A save folder of a tensor-parallel or pipelined run (``tp{r}-of-{K}``, ``pp{c}-of-{C}`` folders)
+    gets a step published only when every part folder holds a complete one of it (pieces of two steps would
+    make a model that never was); one part folder alone (a TP rank's or a chunk's save) is left to a caller
+    that sees them all (the train CLI at start)."""
+    base = os.path.basename(os.path.realpath(directory))
+    if TP_FOLDER.fullmatch(base) or PP_FOLDER.fullmatch(base):
         return []
-    subs = sorted(n for n in os.listdir(directory) if TP_FOLDER.fullmatch(n)) if os.path.isdir(directory) else []
+    subs = part_folders_of(directory)
     if not subs:
         return [line for tmp, manifest in orphans(directory) for line in _publish(directory, tmp, manifest)]
-    found = [{m["step"]: (t, m) for t, m in orphans(os.path.join(directory, s))} for s in subs]
+    found = [{m["step"]: (t, m) for t, m in orphans(sub)} for sub in subs]
     whole = sorted(set.intersection(*(set(f) for f in found)))
-    return [line for step in whole for sub, f in zip(subs, found)
-            for line in _publish(os.path.join(directory, sub), *f[step])]
+    return [line for step in whole for sub, f in zip(subs, found) for line in _publish(sub, *f[step])]
 
 
 def _publish(directory: str, tmp: str, manifest: dict) -> List[str]:

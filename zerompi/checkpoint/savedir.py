@@ -25,12 +25,14 @@ import time
 from typing import List, Optional, Tuple
 
 from ..errors import ConfigError
-from .format import remove_dir
+from .format import part_folders_of, remove_dir
 from .orphans import orphans
 from .pointer import CHECKPOINT_NAME, LATEST, MANIFEST, complete_checkpoints, latest_name, read_latest, step_of
 
 LOCK = ".zerompi.lock"
-TP_FOLDER = re.compile(r"tp\d+-of-\d+")    # a tensor-parallel run's checkpoints: DIR/tp{r}-of-{K}/ (engine/tensor.py)
+# A tensor-parallel or pipelined run's checkpoints: DIR/tp{r}-of-{K}/ (engine/tensor.py), DIR/pp{c}-of-{C}/
+# (zerompi/pipeline/engines.py: one per model chunk), and DIR/pp{c}-of-{C}/tp{r}-of-{K}/ with both.
+PART_FOLDER = re.compile(r"(tp|pp)\d+-of-\d+")
 
 
 def _process_start(pid: int) -> Optional[str]:
@@ -127,18 +129,18 @@ def folders_read(role: str, path: Optional[str]) -> List[Tuple[str, str]]:
     if not path:
         return []
     found, real = [(role, path)], os.path.realpath(path)
-    while CHECKPOINT_NAME.fullmatch(os.path.basename(real)) or TP_FOLDER.fullmatch(os.path.basename(real)):
+    while CHECKPOINT_NAME.fullmatch(os.path.basename(real)) or PART_FOLDER.fullmatch(os.path.basename(real)):
         real = os.path.dirname(real)
         found.append((f"{role}'s save folder", real))
     return found
 
 
 def saved_checkpoints(directory: str) -> List[str]:
-    """The complete checkpoints in ``directory`` and in its tensor-parallel folders (``tp0-of-2/step_...``),
-    as paths relative to it."""
-    subs = sorted(n for n in os.listdir(directory) if TP_FOLDER.fullmatch(n)) if os.path.isdir(directory) else []
+    """The complete checkpoints in ``directory`` and in its tensor-parallel and pipeline folders
+    (``tp0-of-2/step_...``, ``pp1-of-2/tp0-of-2/step_...``), as paths relative to it."""
+    subs = sorted(n for n in os.listdir(directory) if PART_FOLDER.fullmatch(n)) if os.path.isdir(directory) else []
     return complete_checkpoints(directory) + [f"{sub}/{name}" for sub in subs
-                                              for name in complete_checkpoints(os.path.join(directory, sub))]
+                                              for name in saved_checkpoints(os.path.join(directory, sub))]
 
 
 def own_folder(directory: str, resume: Optional[str]) -> bool:
@@ -149,7 +151,7 @@ def own_folder(directory: str, resume: Optional[str]) -> bool:
 
 
 def check_fresh(directory: str, resume: Optional[str], overwrite: bool) -> List[str]:
-    """A run into a ``directory`` that holds checkpoints (its own or in tensor-parallel folders) of another
+    """A run into a ``directory`` that holds checkpoints (its own or in tensor-parallel or pipeline folders) of another
     run: ConfigError, unless ``overwrite``. Another run's: any, for a run without ``resume``; for a resumed
     run, any unless ``directory`` is the save folder of what it resumes (own_folder). Returns the
     checkpoints there (an ``overwrite`` run replaces them later)."""
@@ -174,15 +176,14 @@ def newer_checkpoints(directory: str, step: int) -> List[str]:
 
 
 def pointer_notes(path: str) -> List[str]:
-    """What a reader of the save folder ``path`` (or each of its tensor-parallel folders) through its
+    """What a reader of the save folder ``path`` (or each of its tensor-parallel and pipeline folders) through its
     ``latest`` is told beside the checkpoint it gets: a pointer that carries no checksum (followed
     unverified), complete checkpoints of later steps than the one it names, and complete ones never
     published (orphans.py). [] for a checkpoint named directly."""
     if not os.path.isdir(path) or os.path.isfile(os.path.join(path, MANIFEST)):
         return []
-    subs = sorted(n for n in os.listdir(path) if TP_FOLDER.fullmatch(n))
     notes = []
-    for folder in [os.path.join(path, s) for s in subs] or [path]:
+    for folder in part_folders_of(path) or [path]:
         name, digest = read_latest(folder)
         if not name or not os.path.isfile(os.path.join(folder, name, MANIFEST)):
             continue                      # resolve() refuses it, naming what is there
@@ -194,7 +195,7 @@ def pointer_notes(path: str) -> List[str]:
         if newer:
             notes.append(f"{folder} holds complete checkpoints of later steps than {name}, which {latest} names: "
                          f"{', '.join(newer)}; to use one, name it (e.g. {os.path.join(folder, newer[-1])})")
-    for tmp, manifest in [o for folder in [os.path.join(path, s) for s in subs] or [path] for o in orphans(folder)]:
+    for tmp, manifest in [o for folder in part_folders_of(path) or [path] for o in orphans(folder)]:
         notes.append(f"{tmp} holds a complete checkpoint of step {manifest['step']} that was never published; the "
                      f"next run of zerompi.train with --save-dir {path} (or an engine.save into it) publishes it")
     return notes
@@ -223,7 +224,7 @@ def retain(directory: str, keep_last: Optional[int], current: str, keep=()) -> L
 
 def replace(directory: str, old: List[str], current: str) -> List[str]:
     """Remove the checkpoints ``old`` (those an ``overwrite`` run found, relative paths), except those
-    named ``current`` (in any tensor-parallel folder: each TP rank has just written its own)."""
+    named ``current`` (in any tensor-parallel or pipeline folder: each part has just written its own)."""
     doomed = [n for n in old if os.path.basename(n) != current and os.path.isdir(os.path.join(directory, n))]
     for name in doomed:
         remove_dir(os.path.join(directory, name), background=True)

@@ -27,11 +27,12 @@ from .watchdog import WaitRecord
 class Message:
     """One posted send or receive: its MPI request and the array it keeps alive until done."""
 
-    __slots__ = ("request", "array", "peer", "kind", "done")
+    __slots__ = ("request", "array", "peer", "kind", "done", "send", "posted")
 
-    def __init__(self, request, array, peer: int, kind: str):
-        self.request, self.array, self.peer, self.kind = request, array, peer, kind
+    def __init__(self, request, array, peer: int, kind: str, send: bool):
+        self.request, self.array, self.peer, self.kind, self.send = request, array, peer, kind, send
         self.done = False
+        self.posted = time.perf_counter()
 
 
 class PointToPoint:
@@ -48,6 +49,7 @@ class PointToPoint:
         self.node_of: List[int] = list(node_of) if node_of is not None else [0] * self.size
         self.stats: Dict[str, OpStats] = defaultdict(OpStats)
         self.posted: List[Message] = []        # not yet known to be complete
+        self.events: Optional[list] = None     # a list: each message's (kind, send?, peer, bytes, posted, done) goes there
 
     def _check(self, array, peer: int, what: str) -> None:
         if not (isinstance(array, np.ndarray) and array.flags.c_contiguous):
@@ -63,14 +65,14 @@ class PointToPoint:
         st.calls += 1
         remote = self.node_of[peer] != self.node_of[self.rank]
         st.sent(array.nbytes, (0, 1) if remote else (1, 0))
-        msg = Message(self.mpi.Isend(array.reshape(-1).view(np.uint8), peer, tag), array, peer, kind)
+        msg = Message(self.mpi.Isend(array.reshape(-1).view(np.uint8), peer, tag), array, peer, kind, True)
         self.posted.append(msg)
         return msg
 
     def irecv(self, array: np.ndarray, peer: int, tag: int, kind: str) -> Message:
         """Post the receive of ``peer``'s next message under ``tag`` into ``array`` (its exact size)."""
         self._check(array, peer, f"receive of {kind}")
-        msg = Message(self.mpi.Irecv(array.reshape(-1).view(np.uint8), peer, tag), array, peer, kind)
+        msg = Message(self.mpi.Irecv(array.reshape(-1).view(np.uint8), peer, tag), array, peer, kind, False)
         self.posted.append(msg)
         return msg
 
@@ -81,8 +83,13 @@ class PointToPoint:
             with self.waiting(what or f"pipeline {msg.kind} with stage {msg.peer}", tag):
                 msg.request.Wait()
             self.stats[msg.kind].seconds += time.perf_counter() - t
-            msg.done = True
+            self._done(msg)
         return msg.array
+
+    def _done(self, msg: Message) -> None:
+        msg.done = True
+        if self.events is not None:
+            self.events.append((msg.kind, msg.send, msg.peer, msg.array.nbytes, msg.posted, time.perf_counter()))
 
     def poll(self) -> None:
         """Let MPI move the posted messages on (one Testall; no wait) and forget the finished ones."""
@@ -90,9 +97,9 @@ class PointToPoint:
             return
         live = [m for m in self.posted if not m.done]
         if live:
-            flags = [m.request.Test() for m in live]
-            for m, ok in zip(live, flags):
-                m.done = m.done or ok
+            for m in live:
+                if m.request.Test():
+                    self._done(m)
         self.posted = [m for m in self.posted if not m.done]
 
     def wait_all(self, what: str = "pipeline messages at the end of the step") -> None:

@@ -159,6 +159,10 @@ class ZeroConfig:
     """Sequence-parallel ranks per group (DeepSpeed-Ulysses; comm/mesh.py): each sequence is cut into sp
     contiguous chunks, one per rank of the group, whose all-to-alls give attention the whole sequence for
     n_head / sp of the heads. Those ranks hold the same parameters: ZeRO shards over dp x sp ranks together."""
+    pp: int = 1
+    """Pipeline stages of the mesh (comm/mesh.py): N ranks = pp stages x N/(tp pp) data-parallel x tp. An engine
+    holds one model chunk of one stage (give it the zerompi.Mesh); zerompi.pipeline runs the stages and decides
+    each step over the whole mesh (docs/pipeline.md)."""
     hpz: bool = False
     """Stage 3, ZeRO++'s hpZ: keep a node-local secondary copy (1/node_size of the parameters per rank)
     after each gather across nodes, and gather from it inside the node until the next step."""
@@ -246,6 +250,8 @@ class ZeroConfig:
               f"tp={self.tp!r} must be a whole number of ranks >= 1 (tensor-parallel group size)")
         check(isinstance(self.sp, int) and not isinstance(self.sp, bool) and self.sp >= 1,
               f"sp={self.sp!r} must be a whole number of ranks >= 1 (sequence-parallel group size)")
+        check(isinstance(self.pp, int) and not isinstance(self.pp, bool) and self.pp >= 1,
+              f"pp={self.pp!r} must be a whole number of pipeline stages >= 1")
         check(isinstance(self.hpz, bool), f"hpz={self.hpz!r} must be True or False")
         check(not self.hpz or self.stage == 3, f"hpz=True needs stage 3 (stage={self.stage}): it keeps a "
                                                "node-local copy of the parameters stage 3 shards")

@@ -25,14 +25,17 @@ TP_KEY = "tensor_parallel"    # manifest["extra"][TP_KEY]: {"size", "rank", "spl
 
 
 def mesh_of(comm, config) -> Optional[Mesh]:
-    """The engine's Mesh: ``comm`` when it is one, a new one over ``comm`` when config.tp or config.sp > 1,
-    else None (plain data parallelism). ZeRO then runs over the mesh's zero_comm (its dp x sp ranks)."""
+    """The engine's Mesh: ``comm`` when it is one (config.tp, sp and pp, where set, must be its), a new one
+    over ``comm`` when config.tp or config.sp > 1 (config.pp > 1 needs a Mesh: UsageError), else None (plain data parallelism). ZeRO then runs over the mesh's zero_comm (its dp x sp ranks)."""
     if isinstance(comm, Mesh):
-        for name in ("tp", "sp"):
+        for name in ("tp", "sp", "pp"):
             if getattr(config, name) not in (1, getattr(comm, name)):
                 raise UsageError(f"config.{name}={getattr(config, name)} but the Mesh passed has {name}="
                                  f"{getattr(comm, name)}; give one")
         return comm
+    if config.pp > 1:
+        raise UsageError(f"config.pp={config.pp}: an engine holds one pipeline stage's chunk; pass it the "
+                         "zerompi.Mesh(tp=..., pp=...) and run the stages with zerompi.pipeline (docs/pipeline.md)")
     if config.tp > 1 or config.sp > 1:
         return Mesh(comm, config.tp, sp=config.sp, node_size=config.node_size)
     return None

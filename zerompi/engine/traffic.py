@@ -33,9 +33,12 @@ from typing import Dict, Optional, Sequence, Tuple
 
 
 def step_bytes(stage: int, buckets: Sequence[int], itemsize: int, ranks: int, node_size: int, shard_size: int,
-               micro_batches: int = 1, ahead: int = 0, hpz: bool = False, weights=None, grads=None) -> Dict[str, int]:
+               micro_batches: int = 1, ahead: int = 0, hpz: bool = False, weights=None, grads=None,
+               turns: bool = True) -> Dict[str, int]:
     """{"intra": bytes, "inter": bytes} one rank sends per step. ``buckets``: every bucket's padded
-    length in elements, in layout order; ``ahead``: stage 3's prefetch depth (0 with overlap off).
+    length in elements, in layout order; ``ahead``: stage 3's prefetch depth (0 with overlap off);
+    ``turns`` False: stage 3 gathers every bucket in every forward and backward, none kept across a
+    turn (the most a pipeline's chunk sends, whose forwards and backwards a schedule interleaves).
     ``weights`` / ``grads``: the comm.quantized.Quantization of the parameter gathers (qwZ) and
     the gradient reduce-scatters (qgZ), or None; with them the bytes are those on the wire
     (values + scales), and the same call without them gives the logical bytes."""
@@ -70,6 +73,7 @@ def step_bytes(stage: int, buckets: Sequence[int], itemsize: int, ranks: int, no
         nb, t = len(buckets), min(1 + ahead, len(buckets))
         for i, b in enumerate(buckets):
             gathers = 2 * micro_batches - micro_batches * (i >= nb - t) - (micro_batches - 1) * (i < t)
+            gathers = gathers if turns else 2 * micro_batches
             if hpz and m > 1:
                 gather(b, 1, weights)                            # the first forward after the step
                 intra += (gathers - 1) * (k - 1) * (b // k) * itemsize   # the others from the node-local copies

@@ -244,6 +244,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ZeRO++ qgZ as zerompi.train's: the gradient reduce-scatters travel quantized")
     p.add_argument("--quant-block", type=int, default=None, metavar="B",
                    help="elements per quantization block (a power of two >= 8)")
+    pipe = p.add_argument_group("pipeline parallelism: the schedule's bubble and activations (estimate/pipeline.py)")
+    pipe.add_argument("--pp", type=int, default=None, metavar="P",
+                      help="pipeline stages: print the bubble fraction and the peak activations of --schedule with "
+                           "--micro-batches (alone: not with the memory table's options)")
+    pipe.add_argument("--schedule", default=None, metavar="NAME", help="gpipe, 1f1b (default), interleaved or zb-h1")
+    pipe.add_argument("--schedule-file", default=None, metavar="FILE", help="a schedule file (docs/pipeline.md)")
+    pipe.add_argument("--chunks", type=int, default=None, metavar="V", help="chunks per stage (--schedule interleaved)")
+    pipe.add_argument("--costs", default=None, metavar="F,B,W",
+                      help="seconds (any unit) of one micro-batch's forward, input-gradient and weight-gradient "
+                           "backward on one stage (default 1,1,1)")
     p.add_argument("--json", metavar="PATH", help="also write the table as JSON")
     p.add_argument("--from-run", metavar="METRICS.json",
                    help="a train run's --metrics-json: estimate its configuration and show measured beside it")
@@ -259,8 +269,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         except SystemExit as e:              # --help: the usage is printed
             sys.stdout.flush()
             return e.code or 0
-        check_roles([("json", a.json)], [("from_run", a.from_run)])   # before any work: never over the run's file
+        check_roles([("json", a.json)], [("from_run", a.from_run), ("schedule_file", a.schedule_file)])   # before any work
         check_file(a.json, "json")           # a path that cannot take the file is bad input
+        if any(v is not None for v in (a.pp, a.schedule, a.schedule_file, a.chunks, a.costs)):
+            return _pipeline(a)
         largest = None if a.largest_layer is None else int(a.largest_layer)
         opts = dict(bucket_mb=a.bucket_mb, prefetch=a.prefetch, micro_batches=a.micro_batches,
                     in_flight=a.in_flight, bandwidth_gbps=a.bandwidth_gbps, latency_us=a.latency_us,
@@ -354,6 +366,28 @@ def main(argv: Optional[List[str]] = None) -> int:
         sys.stdout.flush()
     except BrokenPipeError:
         return quiet_exit_on_closed_stdout()
+    problem = save_json(a.json, est, "json") if a.json else None
+    if problem:
+        sys.stderr.write(f"zerompi.estimate: error: {problem}\n")
+        return EXIT_OUTPUT
+    return 0
+
+
+PIPELINE_ALONE = ("params", "ranks", "layers", "largest_layer", "from_run") + GPT_FLAGS
+
+
+def _pipeline(a) -> int:
+    """``--pp P --micro-batches m --schedule NAME``: the schedule's bubble and activations (estimate/pipeline.py)."""
+    from .pipeline import format_pipeline, parse_costs, pipeline_estimate
+    check(a.pp is not None, "--schedule, --schedule-file, --chunks and --costs need --pp P (the pipeline stages)")
+    other = [f"--{k.replace('_', '-')}" for k in PIPELINE_ALONE if getattr(a, k) is not None] + (["--tp"] if a.tp != 1 else [])
+    check(not other, f"--pp estimates the pipeline's schedule alone; drop {' '.join(other)} (the memory table of one "
+                     "stage is not estimated with --pp yet)")
+    check(not (a.schedule and a.schedule_file), "--schedule and --schedule-file contradict each other; give one")
+    est = pipeline_estimate(a.pp, a.micro_batches, a.schedule or "1f1b", a.chunks or 1, a.schedule_file,
+                            parse_costs(a.costs) if a.costs else (1.0, 1.0, 1.0))
+    print(format_pipeline(est))
+    sys.stdout.flush()
     problem = save_json(a.json, est, "json") if a.json else None
     if problem:
         sys.stderr.write(f"zerompi.estimate: error: {problem}\n")

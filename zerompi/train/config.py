@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from ..engine.config import PROGRESS, ZeroConfig
+from ..pipeline.config import PipelineConfig
 from ..comm.device import DEVICES
 from ..comm.watchdog import default_timeout_s
 from ..errors import ConfigError, RankParser, check
@@ -100,6 +101,8 @@ class TrainConfig:
     save_dir is set, and exit 0: a graceful stop under any launcher. Must not exist at the start."""
     zero: ZeroConfig = ZeroConfig()
     """Engine configuration."""
+    pipeline: PipelineConfig = PipelineConfig()
+    """With zero.pp > 1: the pipeline's schedule and options (zerompi/pipeline/config.py)."""
 
     def __post_init__(self):
         check(self.model in MODELS, f"model={self.model!r} is not allowed; use one of {', '.join(MODELS)}")
@@ -119,6 +122,11 @@ class TrainConfig:
         if self.zero.sp > 1:
             from .sequence import check_model as check_sp_model
             check_sp_model(self)
+        check(self.zero.sp == 1 or self.zero.pp == 1,
+              f"sp={self.zero.sp} (--sp) with pp={self.zero.pp} (--pp) is not supported yet: the pipeline's stages "
+              "are not sequence-parallel; use one of the two")
+        from .pipeline import check_model as check_pipeline
+        check_pipeline(self)
         check(self.steps >= 1, f"steps={self.steps} must be >= 1")
         check(isinstance(self.seed, int) and self.seed >= 0,
               f"seed={self.seed!r} must be an integer >= 0 (it seeds NumPy's generators)")
@@ -163,10 +171,10 @@ class TrainConfig:
             check_file(self.data, self.seq_len)
 
     def check_world(self, world_size: int) -> None:
-        """Raises ConfigError unless the ranks fit: --tp, --sp, --node-size (or $ZEROMPI_NODE_SIZE, named when it
-        is the culprit) and --shard-size in the user's units (a node size MPI's split gives is checked once the
-        ranks have met: preflight.topology_error), and batch splits evenly over the data-parallel ranks x
-        micro-batches."""
+        """Raises ConfigError unless the ranks fit: --tp, --sp, --pp, --node-size (or $ZEROMPI_NODE_SIZE, named
+        when it is the culprit) and --shard-size in the user's units (a node size MPI's split gives is checked
+        once the ranks have met: preflight.topology_error), and batch splits evenly over the data-parallel
+        ranks x micro-batches."""
         from ..comm.topology import check_sizes, node_size_env
         z, t = self.zero, self.zero.tp
         env = node_size_env() if z.node_size is None else None
@@ -174,7 +182,10 @@ class TrainConfig:
         if z.sp > 1:
             from ..comm.mesh import check_sp
             check_sp(z.sp, t, world_size, z.node_size or env)
-        dp = world_size // (t * z.sp)
+        if z.pp > 1:
+            from ..comm.mesh import check_mesh
+            check_mesh(world_size, t, z.pp, z.node_size or env, z.shard_size, sp=z.sp)
+        dp = world_size // (t * z.sp * z.pp)
         parts = dp * z.micro_batches
         check(self.batch % parts == 0,
               f"batch={self.batch} does not split over {dp} data-parallel ranks x {z.micro_batches} "
@@ -283,6 +294,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sequence parallelism (DeepSpeed-Ulysses, the GPT): each sequence cut into K chunks over K "
                         "adjacent ranks (TP groups), an all-to-all before and after attention; ZeRO shards over the "
                         "data- x sequence-parallel ranks (docs/sequence-parallel.md)")
+    p.add_argument("--pp", type=int, default=ZeroConfig.pp, metavar="P",
+                   help="pipeline parallelism: the model's layers in P stages of N/P ranks (data x tensor "
+                        "parallel inside each), micro-batches through them by --schedule (docs/pipeline.md)")
+    p.add_argument("--schedule", default=None, metavar="NAME",
+                   help="with --pp: gpipe, 1f1b (default), interleaved (with --chunks) or zb-h1")
+    p.add_argument("--schedule-file", default=None, metavar="FILE",
+                   help="with --pp: run the schedule in FILE (one line of actions per stage: docs/pipeline.md)")
+    p.add_argument("--chunks", type=int, default=None, metavar="V",
+                   help="with --pp --schedule interleaved: model chunks per stage (>= 2)")
+    p.add_argument("--pp-grad-reduce", default=None, metavar="micro-batch|step",
+                   help="with --pp: reduce each chunk's gradients per micro-batch (default; the same bits as "
+                        "without --pp) or once per step (Megatron's; m x less traffic)")
+    p.add_argument("--pp-gather", default=None, metavar="micro-batch|step",
+                   help="with --pp, stage 3: gather a chunk's parameters per micro-batch (default) or once per "
+                        "step, kept until its last backward")
     p.add_argument("--hpz", action="store_true",
                    help="stage 3: keep a node-local copy of the parameters after each gather across nodes "
                         "(ZeRO++ hpZ)")
@@ -316,7 +342,7 @@ def parse_config(argv: Optional[List[str]] = None, environ=None) -> TrainConfig:
                           optimizer_impl=a.optimizer_impl,
                           overlap=not a.no_overlap, prefetch=a.prefetch,
                           progress=a.comm_progress, timeout_s=timeout_s,
-                          node_size=a.node_size, shard_size=a.shard_size, hpz=a.hpz, tp=a.tp, sp=a.sp,
+                          node_size=a.node_size, shard_size=a.shard_size, hpz=a.hpz, tp=a.tp, sp=a.sp, pp=a.pp,
                           quantize_weights=a.quantize_weights, quantize_grads=a.quantize_grads,
                           offload_optimizer=a.offload_optimizer,
                           offload_params=a.offload_params, offload_io=a.offload_io,
@@ -335,6 +361,14 @@ def parse_config(argv: Optional[List[str]] = None, environ=None) -> TrainConfig:
                               "nvme" in (a.offload_optimizer, a.offload_params))):
         flag = FLAG_OF_FIELD.get(field, "--" + field.replace("_", "-"))
         check(field not in given or ok, f"{field}={given.get(field)!r} ({flag}) applies with {needs} only; drop it")
+    pipe = {field: getattr(a, flag) for field, flag in (("schedule", "schedule"), ("schedule_file", "schedule_file"),
+            ("chunks", "chunks"), ("grad_reduce", "pp_grad_reduce"), ("gather", "pp_gather")) if getattr(a, flag) is not None}
+    for field, flag in (("schedule", "--schedule"), ("schedule_file", "--schedule-file"), ("chunks", "--chunks"),
+                        ("grad_reduce", "--pp-grad-reduce"), ("gather", "--pp-gather")):
+        check(field not in pipe or a.pp > 1, f"{flag} {pipe.get(field)} applies with --pp > 1 only; drop it or add --pp")
+    check(not ("schedule" in pipe and "schedule_file" in pipe), "--schedule and --schedule-file contradict each "
+                                                                "other; give one")
+    pipeline = PipelineConfig(**pipe)
     specific = {}                   # model-specific flags given; the other model's are an error
     for model, names in MODEL_ONLY.items():
         for name in names:
@@ -347,5 +381,5 @@ def parse_config(argv: Optional[List[str]] = None, environ=None) -> TrainConfig:
     return TrainConfig(model=a.model, steps=a.steps, batch=a.batch, seed=a.seed,
                        log_every=a.log_every, metrics_json=a.metrics_json, save_dir=a.save_dir,
                        save_every=a.save_every, resume=a.resume, device=a.device, comm=a.comm,
-                       progress=a.progress, stop_file=a.stop_file, zero=zero,
+                       progress=a.progress, stop_file=a.stop_file, zero=zero, pipeline=pipeline,
                        async_save=a.async_save, keep_last=a.keep_last, overwrite=a.overwrite, **specific)

@@ -32,3 +32,19 @@ def choose_progress(mode: str, stream: Optional[TextIO] = None, environ: Mapping
     except (AttributeError, ValueError):        # a replaced or closed stream
         terminal = False
     return "bar" if terminal and pty_launcher(environ) is None else "lines"
+
+
+def step_line(step: int, steps: int, loss: float, extra: str, result, seconds: float, parts: str, bar: bool) -> str:
+    """The logged line of step ``step`` (0-based) of ``steps``: loss, the extra fields, loss scale, norm, time
+    (``parts``: its breakdown, or ""); over the progress bar when there is one."""
+    skipped = " (skipped: overflow)" if result.skipped else ""
+    lead = "\r\033[K" if bar else ""
+    return (f"{lead}step {step + 1:5d}/{steps}  loss {loss:.6f}{extra}  scale {result.loss_scale:g}  norm "
+            f"{result.grad_norm:.4g}  {seconds * 1e3:.1f} ms{f' ({parts})' if parts else ''}{skipped}")
+
+
+def stopped_line(cfg, stop, step: int) -> str:
+    """What rank 0 prints when a stop signal (or the stop file) ended the run after step ``step`` (0-based)."""
+    saved = f"checkpoint saved in {cfg.save_dir}" if cfg.save_dir else "no checkpoint (no --save-dir)"
+    return (f"zerompi.train: stopped by {stop.received or 'a signal on another rank'} after step {step + 1} of "
+            f"{cfg.steps}; {saved}")

@@ -147,6 +147,8 @@ def memory_error(cfg: TrainConfig, world_size: int, placement) -> Optional[str]:
     """One line when the job cannot fit in this rank's share of the machine (before anything is
     allocated), else None. A lower bound is compared, so a job refused here cannot run."""
     from ..estimate.machine import available_per_rank, human_bytes
+    if cfg.zero.pp > 1:         # not estimated per pipeline stage yet: the whole model on one rank is no lower bound
+        return None
     have = available_per_rank(placement)
     try:
         parts = memory_needed(cfg, world_size)

@@ -203,7 +203,8 @@ def final_metrics(cfg, engine, comm, log, entropy_floor, placement, activation=(
         "steps_applied": engine.step_count,
         "optimizer_impl": engine.optimizer_impl,
         "loss_scale": engine.loss_scale,
-        "config": {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name != "zero"} | {"zero": cfg.zero.to_dict()},
+        "config": {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in ("zero", "pipeline")}
+        | {"zero": cfg.zero.to_dict(), "pipeline": cfg.pipeline.to_dict()},
         "first_step": log.first_kept,              # losses[i] is the loss of step first_step + i
         "steps_run": log.steps_run,                # steps this run made; losses keeps the last history_steps
         "history_steps": log.cap,

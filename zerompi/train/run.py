@@ -62,6 +62,9 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
     comm = as_communicator(mpi_comm, cfg.zero.timeout_s)   # its watchdog times every wait (the engine's too)
     check_consistent(comm, "train", job_fields(cfg))   # ranks given other flags stop here, not in a collective
     cfg.check_world(comm.size)
+    if cfg.zero.pp > 1:                          # pipeline stages: train/pipeline.py, one engine per model chunk
+        from .pipeline_run import train_pipelined
+        return train_pipelined(cfg, comm, build_model, stop)
     xp = placement.xp if placement is not None else np
     mesh = None
     if cfg.zero.tp > 1 or cfg.zero.sp > 1:       # ZeRO over the dp x sp ranks, blocks split over TP, sequences over SP
@@ -116,7 +119,7 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
 
 def _run_steps(cfg: TrainConfig, engine, comm, model, data, floor: Optional[float], start: int, stop) -> StepLog:
     """Steps start .. cfg.steps - 1, or until a stop signal: train, log, evaluate (GPT), save."""
-    from .console import choose_progress
+    from .console import choose_progress, step_line, stopped_line
     from .report import print0, progress_bar
     from ..engine.timers import format_breakdown
     from .saves import Saves
@@ -152,18 +155,13 @@ def _run_steps(cfg: TrainConfig, engine, comm, model, data, floor: Optional[floa
             extra += f"  floor {floor:.4f}" if floor is not None else ""
             extra += f"  {cfg.batch * cfg.seq_len / log.times[-1]:,.0f} tok/s"
         if step % cfg.log_every == 0 or step == cfg.steps - 1 or evaluated:
-            skipped = " (skipped: overflow)" if result.skipped else ""
-            lead = "\r\033[K" if bar else ""                 # over the progress bar
-            print0(comm.mpi, f"{lead}step {step + 1:5d}/{cfg.steps}  loss {loss:.6f}{extra}  "
-                             f"scale {result.loss_scale:g}  norm {result.grad_norm:.4g}  {log.times[-1] * 1e3:.1f} ms "
-                             f"({format_breakdown(log.parts[-1])}){skipped}")
+            print0(comm.mpi, step_line(step, cfg.steps, loss, extra, result, log.times[-1],
+                                       format_breakdown(log.parts[-1]), bar))
         elif bar:
             print0(comm.mpi, f"\r{progress_bar(step + 1, cfg.steps)}  loss {loss:.4f}", end="")
         saves.after_step(step + 1, stopping)
         if stopping:
-            saved = f"checkpoint saved in {cfg.save_dir}" if cfg.save_dir else "no checkpoint (no --save-dir)"
-            print0(comm.mpi, f"zerompi.train: stopped by {stop.received or 'a signal on another rank'} "
-                             f"after step {step + 1} of {cfg.steps}; {saved}")
+            print0(comm.mpi, stopped_line(cfg, stop, step))
             break
     saves.finish()                              # a background save is published before the run ends
     return log
@@ -239,6 +237,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         cfg.check_world(comm.Get_size())
         preflight.check_fault(fault_from_env(), comm.Get_size(), cfg)   # a bad ZEROMPI_FAULT stops every rank here
         preflight.check_outputs(cfg, comm.Get_rank())                    # before the first step, not after the last
+        if cfg.zero.pp > 1:                               # the schedule made (or read) and validated on every rank
+            from .pipeline import load_schedule
+            load_schedule(cfg)
         claim_save_dir(cfg, comm.Get_rank())             # rank 0: the --save-dir lock; no silent overwrite
     except (ConfigError, HelpRequested) as e:
         error = e if isinstance(e, HelpRequested) else str(e)

@@ -26,9 +26,9 @@ RECOMPUTE = "recompute"     # the workspace key of the shared buffers a checkpoi
 
 def parameter_buffer(key) -> bool:
     """True for the workspace's parameter-sized buffers (models/gpt.py's ("param", name) copies,
-    gpt_fast.py's shared ("block", "g.<name>") gradients); every other buffer is an activation."""
-    return isinstance(key, tuple) and len(key) == 2 and (
-        key[0] == "param" or (key[0] == "block" and str(key[1]).startswith("g.")))
+    gpt_fast.py's ("block", "g.<name>") gradients, and a split backward's (layer, "g.<name>") ones kept to its
+    W); every other buffer is an activation."""
+    return isinstance(key, tuple) and len(key) == 2 and (key[0] == "param" or str(key[1]).startswith("g."))
 
 
 class MeteredWorkspace(Workspace):

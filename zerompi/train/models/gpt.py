@@ -164,6 +164,17 @@ class GPT:
         dx, dg, db = self.layers.ln_backward(dy, cache, p["g"], ws, i)
         return dx, {"ln_f.g": dg, "ln_f.b": db}
 
+    def backward_layer_parts(self, i: int, params, cache, dy, ws: Workspace = FRESH):
+        """(dx, weights) of block or final LayerNorm i (1 <= i): the input gradient now, ``weights()`` ->
+        {param name: grad} when called, from the layer's own buffers (a zero-bubble schedule's B, then W;
+        the same bits as backward_layer). The final LayerNorm's gradients are computed here already."""
+        if i <= self.n_layer:
+            names = self.block_names(i - 1)
+            dx, weights = self.layers.block_backward_parts(self._cast(params, names, ws), cache, dy, ws, i, keep=True)
+            return dx, lambda: {names[k]: v for k, v in weights().items()}
+        dx, grads = self.backward_layer(i, params, cache, dy, ws)
+        return dx, lambda: grads
+
     # -- embeddings and the tied head ------------------------------------------------------
     def embed_forward(self, params, idx, ws: Workspace = FRESH):
         B, T = idx.shape

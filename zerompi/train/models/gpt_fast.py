@@ -23,6 +23,9 @@ import numpy as np
 
 from .gpt_numpy import LN_EPS
 
+# The block gradients computed with the input gradient (the rest are the weight multiplies' and their bias sums).
+KEPT_GRADS = ("fc.b", "ln2.g", "ln2.b", "ln1.g", "ln1.b")
+
 
 class Workspace:
     """Arrays by key: ``persistent`` keeps each and hands the same one back while its shape
@@ -77,10 +80,10 @@ class FusedAttention:
         scale = self.core(qkv, B, T, H, att, y)
         return y, (qkv, att, scale)
 
-    def backward(self, cache, dy, ws: Workspace = FRESH):
-        """d qkv (B*T, 3C), a buffer every block shares, of upstream dy (B*T, C)."""
+    def backward(self, cache, dy, ws: Workspace = FRESH, out=None):
+        """d qkv (B*T, 3C) of upstream dy (B*T, C): into ``out``, else a buffer every block shares."""
         qkv, att, scale = cache
-        dqkv = ws.get(("block", "dqkv"), qkv.shape, self.dtype)
+        dqkv = ws.get(("block", "dqkv"), qkv.shape, self.dtype) if out is None else out
         self.core_backward(qkv, att, scale, dy, dqkv, ws.get(("block", "datt"), att.shape, self.dtype))
         return dqkv
 
@@ -174,34 +177,49 @@ class FusedLayers:
 
     def block_backward(self, p, cache, dout, ws: Workspace = FRESH, key=None):
         """(dx, {short name: grad}) of one block."""
+        dx, weights = self.block_backward_parts(p, cache, dout, ws, key)
+        return dx, weights()
+
+    def block_backward_parts(self, p, cache, dout, ws: Workspace = FRESH, key=None, keep: bool = False):
+        """(dx, weights) of one block: the input gradient now, and ``weights()`` -> {short name: grad}, the
+        four weight-gradient matrix multiplies and the bias sums they go with (a zero-bubble schedule's W).
+
+        The gradient buffers are shared by every block; what ``weights`` reads (the fc and qkv input
+        gradients, the LayerNorm and fc-bias gradients computed here) is too, unless ``keep``: then each
+        lives in the layer's own buffers, valid after other blocks' backwards ran, until the layer's next
+        backward. The same matrix multiplies on the same values either way: the same bits."""
         k, dt = self.k, self.dtype
         x2, mu1, rs1, a, attn, y, x1, mu2, rs2, m, f, gf = cache
         n, C = x2.shape
         shared = lambda name, shape: ws.get(("block", name), shape, dt)
-        g = {name: shared("g." + name, self._p(p, name).shape) for name in p}
+        kept = (lambda name, shape: ws.get((key, name), shape, dt)) if keep else shared
+        g = {name: (kept if name in KEPT_GRADS else shared)("g." + name, self._p(p, name).shape) for name in p}
         dout2 = self._flat(dout)
-        np.matmul(gf.T, dout2, out=g["out.w"])
-        dout2.sum(axis=0, out=g["out.b"])
-        dz = shared("dz", (n, 4 * C))
+        dz = kept("dz", (n, 4 * C))
         np.matmul(dout2, self._p(p, "out.w").T, out=dz)
         k.gelu_bwd(dz, f, g["fc.b"])
-        np.matmul(m.T, dz, out=g["fc.w"])
         dm = shared("dm", (n, C))
         np.matmul(dz, self._p(p, "fc.w").T, out=dm)
         dx1 = ws.get((key, "dx1"), (n, C), dt)
         k.layernorm_bwd(dm, x1, mu2, rs2, self._p(p, "ln2.g"), dout2, dx1, g["ln2.g"], g["ln2.b"])
-        np.matmul(y.T, dx1, out=g["proj.w"])
-        dx1.sum(axis=0, out=g["proj.b"])
         dy = shared("dy", (n, C))
         np.matmul(dx1, self._p(p, "proj.w").T, out=dy)
-        dqkv = self.attention.backward(attn, dy, ws)
-        np.matmul(a.T, dqkv, out=g["qkv.w"])
-        dqkv.sum(axis=0, out=g["qkv.b"])
+        dqkv = self.attention.backward(attn, dy, ws, out=kept("dqkv", (n, 3 * C)))
         da = shared("da", (n, C))
         np.matmul(dqkv, self._p(p, "qkv.w").T, out=da)
         dx = ws.get((key, "dx"), (n, C), dt)
         k.layernorm_bwd(da, x2, mu1, rs1, self._p(p, "ln1.g"), dx1, dx, g["ln1.g"], g["ln1.b"])
-        return dx.reshape(dout.shape), g
+
+        def weights():
+            np.matmul(gf.T, dout2, out=g["out.w"])
+            dout2.sum(axis=0, out=g["out.b"])
+            np.matmul(m.T, dz, out=g["fc.w"])
+            np.matmul(y.T, dx1, out=g["proj.w"])
+            dx1.sum(axis=0, out=g["proj.b"])
+            np.matmul(a.T, dqkv, out=g["qkv.w"])
+            dqkv.sum(axis=0, out=g["qkv.b"])
+            return g
+        return dx.reshape(dout.shape), weights
 
 
 def fused_layers(xp, dtype, n_head: int, kernels: str) -> Optional[FusedLayers]:

@@ -48,8 +48,14 @@ def linear(x, w, b):
 
 def linear_backward(dy, x, w):
     """(dx, dw, db) of y = x @ w + b."""
+    dx, weight = linear_backward_parts(dy, x, w)
+    return (dx,) + weight()
+
+
+def linear_backward_parts(dy, x, w):
+    """(dx, weight) of y = x @ w + b: the input gradient now, ``weight()`` -> (dw, db) when called."""
     x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
-    return (dy2 @ w.T).reshape(x.shape), x2.T @ dy2, dy2.sum(axis=0)
+    return (dy2 @ w.T).reshape(x.shape), lambda: (x2.T @ dy2, dy2.sum(axis=0))
 
 
 # ---- attention ------------------------------------------------------------------------
@@ -130,13 +136,28 @@ class NumpyLayers:
 
     def block_backward(self, p, cache, dout, ws=None, key=None):
         """(dx, {short name: grad}) of one block."""
+        dx, weights = self.block_backward_parts(p, cache, dout)
+        return dx, weights()
+
+    def block_backward_parts(self, p, cache, dout, ws=None, key=None, keep=False, reduce=None):
+        """(dx, weights): the input gradient now, ``weights()`` -> {short name: grad} (the linear layers'
+        weight and bias gradients) when called; ``reduce``: applied to the column-parallel layers' input
+        gradients (the tensor-parallel all-reduce), None for none. Every array is new (``keep`` unused)."""
+        reduce = reduce or (lambda x: x)
         ln1, a, att, y, ln2, m, f, t, gf = cache
         g = {}
-        dgf, g["out.w"], g["out.b"] = linear_backward(dout, gf, p["out.w"])
-        dm, g["fc.w"], g["fc.b"] = linear_backward(dgf * gelu_grad(f, t), m, p["fc.w"])
+        dgf, w_out = linear_backward_parts(dout, gf, p["out.w"])
+        dm, w_fc = linear_backward_parts(dgf * gelu_grad(f, t), m, p["fc.w"])
+        dm = reduce(dm)
         dx1, g["ln2.g"], g["ln2.b"] = layernorm_backward(dm, ln2, p["ln2.g"])
         dx1 = dx1 + dout
-        dy, g["proj.w"], g["proj.b"] = linear_backward(dx1, y, p["proj.w"])
-        da, g["qkv.w"], g["qkv.b"] = linear_backward(self.attention.backward(dy, att), a, p["qkv.w"])
+        dy, w_proj = linear_backward_parts(dx1, y, p["proj.w"])
+        da, w_qkv = linear_backward_parts(self.attention.backward(dy, att), a, p["qkv.w"])
+        da = reduce(da)
         dx, g["ln1.g"], g["ln1.b"] = layernorm_backward(da, ln1, p["ln1.g"])
-        return dx + dx1, g
+
+        def weights():
+            for name, part in (("out", w_out), ("fc", w_fc), ("proj", w_proj), ("qkv", w_qkv)):
+                g[name + ".w"], g[name + ".b"] = part()
+            return g
+        return dx + dx1, weights

@@ -108,7 +108,7 @@ class SPFusedAttention(FusedAttention):
         self._exchange(heads.reshape(B, T, h, hd), 1, 2, y.reshape(B, t, H, hd), ws, 3 * n * c)
         return y, (full, att, scale)
 
-    def backward(self, cache, dy, ws: Workspace = FRESH):
+    def backward(self, cache, dy, ws: Workspace = FRESH, out=None):
         full, att, scale = cache
         B, h, T, _ = att.shape
         k, H = self.sp.size, self.n_head
@@ -118,6 +118,6 @@ class SPFusedAttention(FusedAttention):
         self._exchange(dy.reshape(B, t, H, hd), 2, 1, dheads.reshape(B, T, h, hd), ws, 3 * n * c)
         dfull = self._shared(ws, "qkv", 3 * n * c).reshape(B * T, 3 * c // k)
         self.core_backward(full, att, scale, dheads, dfull, ws.get(("block", "datt"), att.shape, self.dtype))
-        dqkv = ws.get(("block", "dqkv"), (n, 3 * c), self.dtype)
+        dqkv = ws.get(("block", "dqkv"), (n, 3 * c), self.dtype) if out is None else out
         self._exchange(dfull.reshape(B, T, 3, h, hd), 1, 3, dqkv.reshape(B, t, 3, H, hd), ws, 3 * n * c)
         return dqkv

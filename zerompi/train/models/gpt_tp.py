@@ -20,7 +20,7 @@ from ...comm.tpsplit import check_divides
 from ...engine import lazy
 from .gpt import GPT
 from .gpt_sp import check_sp_model, sequence_parallel
-from .gpt_numpy import gelu, gelu_grad, layernorm, layernorm_backward, linear, linear_backward, NumpyLayers
+from .gpt_numpy import gelu, layernorm, linear, NumpyLayers
 
 # Short block name -> (axis, groups) of its split; the block's other parameters are replicated.
 SPLIT = {"qkv.w": (1, 3), "qkv.b": (0, 3), "proj.w": (0, 1), "fc.w": (1, 1), "fc.b": (0, 1), "out.w": (0, 1)}
@@ -55,18 +55,12 @@ class TPLayers(NumpyLayers):
         return out, (ln1, a, att, y, ln2, m, f, t, gf)
 
     def block_backward(self, p, cache, dout, ws=None, key=None):
-        ln1, a, att, y, ln2, m, f, t, gf = cache
-        g = {}
-        dgf, g["out.w"], g["out.b"] = linear_backward(dout, gf, p["out.w"])
-        dm, g["fc.w"], g["fc.b"] = linear_backward(dgf * gelu_grad(f, t), m, p["fc.w"])
-        dm = self._reduce(dm)                                                     # fc's input gradient
-        dx1, g["ln2.g"], g["ln2.b"] = layernorm_backward(dm, ln2, p["ln2.g"])
-        dx1 = dx1 + dout
-        dy, g["proj.w"], g["proj.b"] = linear_backward(dx1, y, p["proj.w"])
-        da, g["qkv.w"], g["qkv.b"] = linear_backward(self.attention.backward(dy, att), a, p["qkv.w"])
-        da = self._reduce(da)                                                     # QKV's input gradient
-        dx, g["ln1.g"], g["ln1.b"] = layernorm_backward(da, ln1, p["ln1.g"])
-        return dx + dx1, g
+        dx, weights = self.block_backward_parts(p, cache, dout)
+        return dx, weights()
+
+    def block_backward_parts(self, p, cache, dout, ws=None, key=None, keep=False, reduce=None):
+        """NumpyLayers' with the all-reduce of fc's and QKV's input gradients (column-parallel)."""
+        return super().block_backward_parts(p, cache, dout, reduce=self._reduce)
 
 
 class TPGPT(GPT):

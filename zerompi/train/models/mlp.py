@@ -72,11 +72,16 @@ class MLP:
     def backward_layer(self, i, params, cache, dy):
         """Returns (dx, {param name: grad}) for upstream gradient dy; dx is None for layer 0
         (the data's gradient: nothing reads it, so that matrix multiply is not made)."""
+        dx, weights = self.backward_layer_parts(i, params, cache, dy)
+        return dx, weights()
+
+    def backward_layer_parts(self, i, params, cache, dy):
+        """(dx, weights): the input gradient now (None for layer 0), ``weights()`` -> {param name: grad}
+        when called (a zero-bubble schedule's B, then W; the same bits as backward_layer)."""
         x, z = cache
         dz = dy if z is None else dy * gelu_grad(z)
         w = self._weight(params, i)
-        grads = {f"block{i}.weight": x.T @ dz, f"block{i}.bias": dz.sum(axis=0)}
-        return (dz @ w.T if i else None), grads
+        return (dz @ w.T if i else None), lambda: {f"block{i}.weight": x.T @ dz, f"block{i}.bias": dz.sum(axis=0)}
 
     @staticmethod
     def loss(y, target):

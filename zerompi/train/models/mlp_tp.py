@@ -53,11 +53,11 @@ class TPMLP(MLP):
             return z, (x, None)
         return gelu(z), (x, z)
 
-    def backward_layer(self, i, params, cache, dy):
-        dx, grads = super().backward_layer(i, params, cache, dy)
+    def backward_layer_parts(self, i, params, cache, dy):
+        dx, weights = super().backward_layer_parts(i, params, cache, dy)
         if i % 2 == 0 and dx is not None:
             dx = self.tp.all_reduce(np.ascontiguousarray(dx))
-        return dx, grads
+        return dx, weights
 
     def tp_bytes_per_micro_batch(self, rows: int, itemsize: int = 4) -> int:
         k = self.tp.size

@@ -1,0 +1,58 @@
+"""What the built-in models' pipeline chunks share (gpt_pp.py, mlp_pp.py): which engine layers a chunk
+holds, its micro-batches' state between their forward and their last backward, and the GPT's buffers.
+
+A chunk holds a run of consecutive engine layers of the whole model (numbered as the model numbers
+them); its engine numbers them 0, 1, ... A micro-batch's state (the layers' caches, and for a split
+backward the weight-gradient parts) lives from its F to its B (its W when the backward is split).
+The GPT's C kernels write every activation into a Workspace: each micro-batch in flight gets one of
+its own from a pool (a micro-batch's buffers must outlive the next one's forward), returned after its
+last backward; ``activation_bytes`` is what the pool's workspaces hold at most (models/activations.py).
+"""
+from typing import Dict, List, Optional
+
+from .activations import MeteredWorkspace
+
+
+class WorkspacePool:
+    """Workspaces for the micro-batches in flight: ``take(key)``, ``give(key)``; kept for reuse."""
+
+    def __init__(self):
+        self.free: List[MeteredWorkspace] = []
+        self.used: Dict[object, MeteredWorkspace] = {}
+        self.made: List[MeteredWorkspace] = []
+
+    def take(self, key) -> MeteredWorkspace:
+        ws = self.free.pop() if self.free else None
+        if ws is None:
+            ws = MeteredWorkspace()
+            self.made.append(ws)
+        self.used[key] = ws
+        return ws
+
+    def give(self, key) -> None:
+        self.free.append(self.used.pop(key))
+
+    @property
+    def peak_bytes(self) -> int:
+        """The activation bytes the pool's workspaces hold at most (each keeps its buffers for reuse)."""
+        return sum(ws.peak for ws in self.made)
+
+
+def chunk_layers(num_layers: int, first: List[int], last: List[int], blocks: int, index: int, chunks: int) -> List[int]:
+    """The engine layers (the whole model's numbering) of chunk ``index`` of ``chunks``: the ``first`` layers
+    on chunk 0, the ``last`` on the last chunk, and an equal run of the ``blocks`` in between on each."""
+    per = blocks // chunks
+    lo = len(first) + index * per
+    return (first if index == 0 else []) + list(range(lo, lo + per)) + (last if index == chunks - 1 else [])
+
+
+class ChunkState:
+    """One micro-batch's state in one chunk, from its F to its last backward."""
+
+    __slots__ = ("caches", "ws", "weights", "extra")
+
+    def __init__(self, ws: Optional[MeteredWorkspace]):
+        self.caches: List[object] = []
+        self.ws = ws
+        self.weights = None          # split backward: [(local layer, weights()) ...] for W
+        self.extra = None            # the model's (the GPT's last chunk: the head's input gradient)

@@ -1,0 +1,189 @@
+"""The train job with pipeline stages (--pp P): its checks, the chunks and their engines, the step loop.
+
+The mesh (comm/mesh.py) puts P stages of N/P ranks each (data x tensor parallel inside) in a row;
+the model's layers are cut into C = P x chunks chunks (models/gpt_pp.py, mlp_pp.py), chunk c on stage
+c mod P, one ZeroEngine per chunk over that stage's data-parallel group. Each step the schedule's
+actions run (zerompi/pipeline/executor.py), then every chunk's engine takes the step decided over the
+whole mesh (pipeline/step.py). The loss of a step is the last stage's, summed over the mesh with the
+other stages' zeros, in world rank order: the same sum, the same bits as without --pp. What is printed
+and measured at the end is train/pipeline_report.py's.
+"""
+from fnmatch import fnmatchcase
+from types import SimpleNamespace
+from typing import Dict
+
+import numpy as np
+
+from ..engine.decay import exempt_names
+from ..errors import check
+from ..pipeline.config import PipelineConfig
+
+UNSUPPORTED = (("device", "gpu", "--device gpu (the pipeline runs on the CPU for now)"),
+               ("checkpoint_activations", True, "--checkpoint-activations"))
+
+
+def check_model(cfg) -> None:
+    """ConfigError (one line) unless cfg's pipeline settings fit its model and its other settings."""
+    pp, p = cfg.zero.pp, cfg.pipeline
+    if pp == 1:
+        check(p == PipelineConfig(), f"pipeline={p.to_dict()} applies with pp > 1 only; set --pp, or drop it")
+        return
+    for field, value, what in UNSUPPORTED:
+        check(getattr(cfg, field) != value, f"{what} is not available with pp={pp} yet; drop one of the two")
+    z = cfg.zero
+    check(z.offload_optimizer == "none" and z.offload_params == "none",
+          f"offload is not available with pp={pp} yet (each chunk's engine would need files of its own); drop one")
+    check(p.gather == "micro-batch" or z.stage == 3, f"gather={p.gather!r} (--pp-gather) applies with stage 3 only "
+                                                      f"(stage={z.stage} keeps the parameters whole)")
+    if p.schedule_file is None:
+        from ..pipeline.schedules import check_args
+        check_args(p.schedule, pp, z.micro_batches, p.chunks)
+        check_blocks(cfg, pp * p.chunks, p.chunks)
+
+
+def check_blocks(cfg, chunks: int, per_stage: int) -> None:
+    """ConfigError unless the model's blocks split into ``chunks`` equal chunks (``per_stage`` per stage)."""
+    blocks, what = (cfg.n_layer, "n_layer") if cfg.model == "gpt" else (cfg.depth, "depth")
+    pp = chunks // per_stage
+    check(blocks % pp == 0, f"pp={pp} does not divide {what}={blocks}; each pipeline stage holds an equal run "
+                            f"of blocks, so use a pp dividing {blocks}")
+    check((blocks // pp) % per_stage == 0, f"chunks={per_stage} does not divide the {blocks // pp} blocks per "
+                                           f"stage ({what}={blocks}, pp={pp}); use a divisor of {blocks // pp}")
+
+
+def load_schedule(cfg):
+    """The validated schedule of the run (made, or read from the file): ScheduleError (a ConfigError) else."""
+    from ..pipeline import actions, schedules, validate
+    p, pp = cfg.pipeline, cfg.zero.pp
+    if p.schedule_file is None:
+        s = schedules.make(p.schedule, pp, cfg.zero.micro_batches, p.chunks)
+    else:
+        s = actions.read(p.schedule_file)
+    validate.check(s, micro_batches=cfg.zero.micro_batches, ranks=pp)
+    per = {r: len(s.chunks_of(r)) for r in range(pp)}
+    check(len(set(per.values())) == 1, f"the schedule puts {per} chunks on the stages ({{stage: chunks}}); every "
+                                       "stage must hold as many")
+    check_blocks(cfg, s.chunks, s.chunks // pp)
+    return s
+
+
+class PipelineJob:
+    """This rank's part of a pipelined run: mesh, schedule, chunk runners, engines, executor. ``build(cfg, xp,
+    mesh)``: the model and data (train/run.py's build_model; the mesh when the blocks are split over TP)."""
+
+    def __init__(self, cfg, comm, build, xp=np):
+        from ..comm.mesh import Mesh
+        from ..comm.consistency import check_consistent
+        from ..pipeline.engines import StageEngines
+        from ..pipeline.executor import PipelineExecutor
+        self.cfg, self.comm = cfg, comm
+        z = cfg.zero
+        self.mesh = mesh = Mesh(comm, z.tp, pp=z.pp, node_size=z.node_size)
+        self.schedule = load_schedule(cfg)
+        check_consistent(comm, "pipeline schedule", {"schedule": self.schedule.text()})   # a file per rank
+        self.where = self.schedule.placement()
+        self.local = self.schedule.chunks_of(mesh.pp_rank)
+        self.model, self.data = build(cfg, xp, mesh if z.tp > 1 else None)   # train/run.py's build_model
+        names = [n for _, params in self.model.lazy_layers() for n in params]
+        exempt_names(SimpleNamespace(params=dict.fromkeys(names)), z.no_decay)   # over the whole model, as unpipelined
+        self.runners = {c: self._runner(c) for c in self.local}
+        engines = {c: self._engine(c, xp) for c in self.local}
+        self.engines = StageEngines(engines, self.schedule.chunks, mesh)
+        keep = {c: e for c, e in engines.items()} if z.stage == 3 and cfg.pipeline.gather == "step" else None
+        self.executor = PipelineExecutor(self.schedule, mesh.pp_comm, self.runners, keep)
+
+    # ---- building ----------------------------------------------------------------------------------
+    def _runner(self, c: int):
+        cfg, mesh, s = self.cfg, self.mesh, self.schedule
+        args = (self.model, c, s.chunks, self.data, cfg.batch, mesh.dp_rank, mesh.dp, cfg.zero.micro_batches)
+        if cfg.model == "mlp":
+            from .models.mlp_pp import MLPChunk
+            return MLPChunk(*args)
+        from .models.gpt_pp import GPTChunk
+        return GPTChunk(*args, self.tie())
+
+    def tie(self):
+        """The tied embedding / head weight between chunk 0's stage and the last chunk's (the GPT)."""
+        if getattr(self, "_tie", None) is None:
+            from ..engine.contract import storage_dtype
+            from ..pipeline.tied import TiedWeight
+            owner, reader = self.where[0], self.where[self.schedule.chunks - 1]
+            self._tie = TiedWeight(self.mesh.pp_comm, owner, reader, (self.model.vocab, self.model.d_model),
+                                   storage_dtype(self.cfg.zero.dtype, np))
+        return self._tie
+
+    def _engine(self, c: int, xp):
+        from dataclasses import replace
+        from ..engine.zero_engine import ZeroEngine
+        from ..pipeline.grads import GradSink
+        z = self.cfg.zero
+        per_step = self.cfg.pipeline.grad_reduce == "step"
+        runner = self.runners[c]
+        names = [n for _, params in runner.lazy_layers() for n in params]
+        zc = replace(z, trace=None, micro_batches=1 if per_step else z.micro_batches,   # the patterns this chunk matches
+                     no_decay=tuple(p for p in z.no_decay if any(fnmatchcase(n, p) for n in names)))
+        engine = ZeroEngine(runner.lazy_layers(), zc, self.mesh, xp=xp,
+                            tp_split=runner.tp_split() if z.tp > 1 else None)
+        runner.attach(engine, GradSink(engine, self.cfg.pipeline.grad_reduce, z.micro_batches))
+        return engine
+
+    # ---- one step ------------------------------------------------------------------------------------
+    def train_step(self, step: int):
+        """The schedule's actions, then the step over the mesh; returns (StepResult, this rank's micro-batch
+        losses or None where it holds no last chunk, the executor's action times)."""
+        times = self.executor.run(step)
+        result = self.engines.step()
+        last = self.runners.get(self.schedule.chunks - 1)
+        losses = [last.losses[mb] for mb in range(self.cfg.zero.micro_batches)] if last is not None else None
+        return result, losses, times
+
+    def reduce_loss(self, losses, flag: float = 0.0):
+        """(the step's loss, the summed stop flag): the last stage's mean micro-batch loss summed over the
+        world in rank order with the other stages' zeros, divided by the ranks of one stage: the bits of an
+        unpipelined run's (train/run.py) sum."""
+        total = self.comm.sum_scalars([sum(losses) / len(losses) if losses else 0.0, flag])
+        return float(total[0] / (self.comm.size // self.mesh.pp)), total[1]
+
+    def close(self) -> None:
+        self.engines.close()
+
+
+def validation_loss(job, chunk: int = 32) -> float:
+    """The GPT's mean held-out token loss through the pipeline (a collective over the whole mesh): each
+    data-parallel rank's share of the rows in passes of ``chunk`` rows as models/gpt.validation_loss makes
+    them, every pass through every chunk in model order; the last chunk's sums summed over the world (the
+    last stage's ranks of TP rank 0; zeros elsewhere) as there: the same bits."""
+    from .data import rank_rows
+    from ..pipeline.executor import KINDS, TAGS
+    mesh, data, comm = job.mesh, job.data, job.mesh.pp_comm
+    mine = rank_rows(data.val_size, mesh.dp_rank, mesh.dp)
+    passes = -(-len(rank_rows(data.val_size, 0, mesh.dp)) // chunk)
+    rows = [data.val_rows(range(min(mine.start + k * chunk, mine.stop),
+                                min(min(mine.start + k * chunk, mine.stop) + chunk, mine.stop))) for k in range(passes)]
+    C, me, total = job.schedule.chunks, mesh.pp_rank, 0.0
+    last = job.runners.get(C - 1)
+    if last is not None:
+        last.tie.expect_value()
+    outputs: Dict[tuple, np.ndarray] = {}
+    for c in job.local:
+        runner = job.runners[c]
+        runner.sent_value = False
+        for k, r in enumerate(rows):
+            x = None
+            if c > 0:
+                src = job.where[c - 1]
+                if src == me:
+                    x = outputs.pop((k, c - 1))
+                else:
+                    buf = np.empty((len(r), data.seq_len, job.model.d_model), job.model.dtype)
+                    x = comm.wait(comm.irecv(buf, src, TAGS["F"], KINDS["F"]), "pipeline: held-out activations")
+            out = runner.evaluate(r, x)
+            if c == C - 1:
+                total += out
+            elif job.where[c + 1] == me:
+                outputs[(k, c)] = np.array(out)
+            else:
+                comm.isend(np.ascontiguousarray(out).copy(), job.where[c + 1], TAGS["F"], KINDS["F"])
+    comm.wait_all()
+    keep = last is not None and mesh.tp_rank == 0
+    return float(job.comm.sum_scalars([total if keep else 0.0])[0]) / (data.val_size * data.seq_len)

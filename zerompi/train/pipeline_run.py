@@ -1,0 +1,110 @@
+"""The step loop of a pipelined run (--pp P): train, log, evaluate, save, stop; then the metrics.
+
+As train/run.py's loop for one engine, with the pipeline's measurements beside: per step the bytes each
+kind of point-to-point message sent, the tensor-parallel all-reduce bytes, and the schedule's actions
+timed on a clock aligned over the mesh (the measured bubble, and the costs the simulator is given).
+"""
+import time
+from collections import deque
+
+from ..comm.watchdog import watched
+from .history import StepLog
+
+
+def train_pipelined(cfg, comm, build, stop=None) -> dict:
+    """Run the pipelined job on ``comm`` (a zerompi Communicator over the world) with the model and data of
+    ``build(cfg, xp, mesh)`` (train/run.py's build_model); the metrics dict."""
+    from . import pipeline_report as report
+    from .pipeline import PipelineJob
+    job = PipelineJob(cfg, comm, build)
+    report.print_banner(cfg, job, comm)
+    start = _resume(job, cfg) if cfg.resume else 0
+    log = _run_steps(cfg, job, comm, start, stop)
+    metrics = report.final_metrics(cfg, job, comm, log)
+    report.print_summary(metrics, comm)
+    problem = None
+    if cfg.metrics_json and comm.rank == 0:
+        from ..checkpoint.outputs import save_json
+        problem = save_json(cfg.metrics_json, metrics, "metrics_json")
+    if cfg.zero.trace:                           # a collective; rank 0 writes the ranks' timeline
+        from ..pipeline.trace import write_trace
+        k = len(log.pp_msgs)
+        problem = write_trace(cfg.zero.trace, job, list(log.pp_times)[-k:] if k else [], list(log.pp_msgs)) or problem
+    job.close()
+    if problem:
+        from ..errors import OutputError
+        raise OutputError(problem)
+    return metrics
+
+
+def _run_steps(cfg, job, comm, start: int, stop) -> StepLog:
+    from .pipeline import validation_loss
+    from .report import print0, progress_bar
+    from .console import choose_progress, step_line, stopped_line
+    from .saves import Saves
+    from ..engine.trace import align_clocks
+    saves = Saves(cfg, job.engines, comm.mpi)
+    bar = comm.rank == 0 and choose_progress(cfg.progress) == "bar"
+    sent = lambda: sum(s.bytes for op, s in comm.stats.items() if op != "sum_scalars")
+    log = StepLog(start, {op: s.bytes for op, s in comm.stats.items()})
+    keep = min(log.cap, 64)
+    log.pp_bytes, log.tp_bytes, log.pp_times = deque(maxlen=log.cap), deque(maxlen=log.cap), deque(maxlen=keep)
+    log.pp_msgs = deque(maxlen=cfg.zero.trace_steps)     # --trace: each kept step's messages
+    pc, tc = job.mesh.pp_comm, job.mesh.tp_comm
+    with watched(comm, "pipeline: aligning the clocks"):
+        offset = align_clocks(comm, time.perf_counter)[0]
+    gpt = cfg.model == "gpt"
+    for step in range(start, cfg.steps):
+        t0 = time.perf_counter()
+        for e in job.engines:
+            e.timers.take()
+        b0, l0, q0 = sent(), comm.level_bytes(), comm.logical_bytes()
+        p0, tp0 = {k: s.bytes for k, s in pc.stats.items()}, tc.bytes_sent()
+        pc.events = [] if cfg.zero.trace else None
+        result, losses, times = job.train_step(step)
+        if pc.events is not None:
+            log.pp_msgs.append([(k, sd, peer, n, t0 + offset, t1 + offset) for k, sd, peer, n, t0, t1 in pc.events])
+            pc.events = None
+        loss, flag = job.reduce_loss(losses, stop.flag if stop else 0.0)
+        stopping = flag > 0
+        l1 = comm.level_bytes()
+        parts = {}
+        for e in job.engines:
+            for k, v in e.timers.take().items():
+                parts[k] = parts.get(k, 0.0) + v
+        log.record(loss, time.perf_counter() - t0, sent() - b0, parts,
+                   (l1["intra"] - l0["intra"], l1["inter"] - l0["inter"], comm.logical_bytes() - q0))
+        log.pp_bytes.append({k: s.bytes - p0.get(k, 0) for k, s in pc.stats.items()})
+        log.tp_bytes.append(tc.bytes_sent() - tp0)
+        log.pp_times.append([(a.action, a.start + offset, a.ready + offset, a.end + offset) for a in times])
+        extra, evaluated = "", False
+        if gpt and cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1 or stopping):
+            before = {op: s.bytes for op, s in comm.stats.items()}
+            log.val_losses.append([step + 1, validation_loss(job)])
+            for op, s in comm.stats.items():
+                log.base_bytes[op] = log.base_bytes.get(op, 0) + s.bytes - before.get(op, 0)
+            evaluated, extra = True, f"  val {log.val_losses[-1][1]:.4f}"
+        if step % cfg.log_every == 0 or step == cfg.steps - 1 or evaluated:
+            print0(comm.mpi, step_line(step, cfg.steps, loss, extra, result, log.times[-1], "", bar))
+        elif bar:
+            print0(comm.mpi, f"\r{progress_bar(step + 1, cfg.steps)}  loss {loss:.4f}", end="")
+        saves.after_step(step + 1, stopping)
+        if stopping:
+            print0(comm.mpi, stopped_line(cfg, stop, step))
+            break
+    saves.finish()
+    return log
+
+
+def _resume(job, cfg) -> int:
+    from ..checkpoint.collective import CheckpointError
+    from .report import print0
+    info = job.engines.load(cfg.resume)
+    extra = info.manifest["extra"]
+    start = int(extra.get("data_step", info.manifest["step"]))
+    if start >= cfg.steps:
+        raise CheckpointError(f"{info.path}: is at step {start} and --steps {cfg.steps} leaves nothing to run; "
+                              f"--steps counts from step 0, so use more than {start}")
+    print0(job.comm.mpi, f"  resumed from {cfg.resume}: step {start}, chunk 0 saved by {info.manifest['world_size']} "
+                         f"data-parallel ranks at stage {info.manifest['stage']} ({info.manifest['dtype']})")
+    return start
