@@ -21,6 +21,7 @@ from mpi4py import MPI
 
 from ..errors import ConfigError, UsageError
 from .communicator import Communicator, OpStats, sum_table
+from .split import split
 from .watchdog import WaitRecord
 
 
@@ -100,8 +101,8 @@ class Mesh:
         rank = world.Get_rank()
         self.tp_rank, self.dp_rank = rank % tp, rank // tp
         self.ranks: List[List[int]] = [[d * tp + t for t in range(tp)] for d in range(self.dp)]
-        self.tp_mpi = world.Split(self.dp_rank, rank)
-        self.dp_mpi = world.Split(self.tp_rank, rank)
+        self.tp_mpi = split(world, lambda r: r // tp)     # TP ranks adjacent
+        self.dp_mpi = split(world, lambda r: r % tp)
         self.dp_comm = Communicator(self.dp_mpi, share=share)
         self.tp_comm = TPComm(self.tp_mpi, self.dp_comm.waiting)   # timed by the engine's watchdog too
 

@@ -60,7 +60,8 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
     from ..comm.staging import device_communicator
     from ..checkpoint.collective import CheckpointError
 
-    comm = Communicator(mpi_comm)
+    from . import simulate
+    comm = Communicator(mpi_comm if mpi_comm is not None else simulate.world(cfg))   # --simulate-world: a stand-in
     # The engine's watchdog starts with the engine and times every later wait; this one times the check.
     with closing(Watchdog(comm.waiting, cfg.zero.timeout_s, comm.rank, comm.mpi)):
         check_consistent(comm, "train", job_fields(cfg))   # ranks given other flags stop here, not in a collective
@@ -75,6 +76,8 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
     engine = ZeroEngine(model.lazy_layers(), cfg.zero, mesh or dev_comm, xp=xp,
                         tp_split=model.tp_split() if mesh else None)
     report.print_banner(cfg, engine, comm, placement, data)
+    if cfg.simulate_world:
+        report.print0(comm.mpi, simulate.banner(cfg))
     if mesh:
         report.print0(comm.mpi, f"  mesh: {mesh.describe()}")
     start = _resume(engine, cfg) if cfg.resume else 0    # the step a resumed run starts at
@@ -92,11 +95,15 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
                                    report.activations(cfg, model, comm.size))
     if mesh:
         metrics.update(tensor.metrics(cfg, engine, model, log, metrics))
+    if cfg.simulate_world:
+        metrics.update(simulate.metrics(cfg, engine, comm, log, metrics))
     report.print_summary(metrics, engine, comm, log.base_bytes)
     if mesh:
         report.print0(comm.mpi, tensor.summary(metrics, cfg))
+    if cfg.simulate_world:
+        report.print0(comm.mpi, simulate.summary(metrics))
     problem = None
-    if cfg.metrics_json and comm.rank == 0:      # atomically: a full disk leaves the old file, not an empty one
+    if cfg.metrics_json and report.leads(comm):      # atomically: a full disk leaves the old file, not an empty one
         from ..checkpoint.outputs import save_json
         problem = save_json(cfg.metrics_json, metrics, "metrics_json")
     if engine.trace is not None:                 # --trace: a collective; rank 0 writes the ranks' timeline
@@ -112,13 +119,14 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
 def _run_steps(cfg: TrainConfig, engine, comm, model, data, floor: Optional[float], start: int, stop) -> StepLog:
     """Steps start .. cfg.steps - 1, or until a stop signal: train, log, evaluate (GPT), save."""
     from .console import choose_progress
-    from .report import print0, progress_bar
+    from .report import leads, print0, progress_bar
     from ..engine.timers import format_breakdown
     from .saves import Saves
     saves = Saves(cfg, engine, comm.mpi)            # checkpoints: --save-dir, --save-every, --async-save
     losses_of = step_losses(cfg.model)
     gpt = cfg.model == "gpt"
-    bar = comm.rank == 0 and choose_progress(cfg.progress) == "bar"    # auto: a bar only for a person at a terminal
+    stand_in = " (simulated rank: not a real run's loss)" if cfg.simulate_world else ""
+    bar = leads(comm) and choose_progress(cfg.progress) == "bar"    # auto: a bar only for a person at a terminal
     sent = lambda: sum(s.bytes for op, s in comm.stats.items() if op != "sum_scalars")
     log = StepLog(start, {op: s.bytes for op, s in comm.stats.items()})   # so far: the initial parameter all-gather
     from collections import deque
@@ -153,7 +161,7 @@ def _run_steps(cfg: TrainConfig, engine, comm, model, data, floor: Optional[floa
         if step % cfg.log_every == 0 or step == cfg.steps - 1 or evaluated:
             skipped = " (skipped: overflow)" if result.skipped else ""
             lead = "\r\033[K" if bar else ""                 # over the progress bar
-            print0(comm.mpi, f"{lead}step {step + 1:5d}/{cfg.steps}  loss {loss:.6f}{extra}  "
+            print0(comm.mpi, f"{lead}step {step + 1:5d}/{cfg.steps}  loss {loss:.6f}{stand_in}{extra}  "
                              f"scale {result.loss_scale:g}  norm {result.grad_norm:.4g}  {log.times[-1] * 1e3:.1f} ms "
                              f"({format_breakdown(log.parts[-1])}){skipped}")
         elif bar:
@@ -229,11 +237,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     _one_blas_thread()
     from . import preflight
     from .saves import claim_save_dir
-    error = None
+    error, world = None, comm.Get_size()
     try:
         cfg = parse_config(argv)          # reads ZEROMPI_TIMEOUT_S too: now, not at import
-        cfg.check_world(comm.Get_size())
-        preflight.check_fault(fault_from_env(), comm.Get_size(), cfg)   # a bad ZEROMPI_FAULT stops every rank here
+        world = cfg.world_size(world)     # --simulate-world N: N (one process launched), else the processes
+        cfg.check_world(world)
+        preflight.check_fault(fault_from_env(), world, cfg)   # a bad ZEROMPI_FAULT stops every rank here
         preflight.check_outputs(cfg, comm.Get_rank())                    # before the first step, not after the last
         claim_save_dir(cfg, comm.Get_rank())             # rank 0: the --save-dir lock; no silent overwrite
     except (ConfigError, HelpRequested) as e:
@@ -245,7 +254,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     placement = place_every_rank(cfg.device, comm, "zerompi.train")   # gpu: needs CuPy and a GPU
     if placement is None:
         return 2
-    if agree_on_errors(comm, preflight.memory_error(cfg, comm.Get_size(), placement), "zerompi.train"):
+    if agree_on_errors(comm, preflight.memory_error(cfg, world, placement), "zerompi.train"):
         return 2                          # a job that cannot fit stops before it allocates
     from ..checkpoint.collective import CheckpointError
     try:
