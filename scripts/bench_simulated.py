@@ -6,7 +6,7 @@ the estimator's 10B example), a short sequence and one micro-batch (one sequence
 each run in a fresh process under an address-space limit (``--limit-gib``, default 8: this machine's
 share). It prints one JSON object: per run the ledger's model states and buffers, the activations, the
 process's peak resident set, the bytes and calls of each collective per step and the step time, beside
-zerompi.estimate's numbers for the same flags; where the preflight refuses a run (exit 2, one line:
+zerompi.estimate's numbers for the same flags (each run also as one JSON line on stderr as it ends); where the preflight refuses a run (exit 2, one line:
 the job cannot fit), that line is the run's answer, with the estimate. ``--n-layer`` / ``--d-model``
 make a smaller model (check the RSS prediction on one before the big run); ``--table`` also prints
 the markdown table of docs/estimate.md.
@@ -105,7 +105,11 @@ def main():
     p.add_argument("--timeout-s", type=float, default=7200)
     p.add_argument("--table", action="store_true", help="also print the markdown table")
     a = p.parse_args()
-    runs = [run(a, s, d) for s in a.stages for d in a.dtypes]
+    runs = []
+    for s in a.stages:
+        for d in a.dtypes:
+            runs.append(run(a, s, d))
+            print(json.dumps(runs[-1]), file=sys.stderr, flush=True)    # each run as it ends: a long one shows progress
     report = {"world": a.world, "rank": a.rank, "model": {"n_layer": a.n_layer, "d_model": a.d_model,
               "n_head": a.n_head, "seq_len": a.seq_len}, "limit_gib": a.limit_gib, "runs": runs}
     print(json.dumps(report))

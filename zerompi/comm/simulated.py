@@ -18,6 +18,7 @@ Sub-communicators (nodes, shard groups, the tensor- and data-parallel groups) co
 for the ranks it stands in for. Nodes are blocks of ``node_size`` consecutive ranks (default: one
 node of all N, as N ranks on this machine would be).
 """
+import copy
 from typing import List, Optional
 
 import numpy as np
@@ -78,8 +79,8 @@ class SimulatedWorld:
         """comm.split.split: the ranks whose color (``color_of(rank)``) is this rank's, in rank order."""
         mine = color_of(self._rank)
         same = [r for r in range(self.Get_size()) if color_of(r) == mine]
-        sub = SimulatedWorld.__new__(SimulatedWorld)
-        sub.members, sub.node_size, sub._rank = [self.members[r] for r in same], self.node_size, same.index(self._rank)
+        sub = copy.copy(self)
+        sub.members, sub._rank = [self.members[r] for r in same], same.index(self._rank)
         return sub
 
     def Split(self, color=0, key=0):
