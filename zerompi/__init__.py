@@ -39,6 +39,7 @@ _PUBLIC = {
     "BucketState": "zerompi.engine.gatherer",
     "Communicator": "zerompi.comm.communicator",
     "Mesh": "zerompi.comm.mesh",
+    "SimulatedWorld": "zerompi.comm.simulated",
     "ConfigError": "zerompi.errors",
     "UsageError": "zerompi.errors",
     "JobError": "zerompi.errors",

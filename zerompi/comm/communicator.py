@@ -107,7 +107,8 @@ class Communicator:
         self.waiting = share.waiting if share is not None else WaitRecord()   # what this rank is blocked in
         self.watchdog = share.watchdog if share is not None else guard_job(self, timeout_s, abort_on_exception)
         self.check_stats = share.check_stats if share is not None else OpStats()   # the checks' headers, counted apart
-        self.checked = (share.checked if share is not None else True) if check is None else bool(check)
+        default = not getattr(self.mpi, "simulated", False)      # a simulated world's stand-ins agree by construction
+        self.checked = (share.checked if share is not None else default) if check is None else bool(check)
         self.checks = Checks(self.mpi, self.check_stats, self.peers, self.waiting) if self.checked and self.size > 1 \
             else None
         self._layouts: Dict[int, tuple] = {}   # slice elements -> block_layout (a bucket's shape repeats every step)

@@ -41,6 +41,7 @@ from .communicator import Communicator
 from .consistency import check_consistent
 from .group import GroupComm
 from .p2p import PointToPoint
+from .split import split
 from .topology import check_tp, node_size_env
 
 AXES = ("tp", "sp", "dp", "pp")      # the mesh's axes, innermost (adjacent ranks) first
@@ -155,12 +156,14 @@ class Mesh:
                 if all(c == me[a] for a, c in self.coords(r).items() if a not in vary)]
 
     def _split(self, *vary: str):
-        """The sub-communicator of :meth:`members` (a collective), ordered as in the world."""
-        me = self.coords(self.world.Get_rank())
-        color = 0
-        for axis in reversed(AXES):
-            color = color * self.shape[axis] + (0 if axis in vary else me[axis])
-        return self.world.Split(color, self.world.Get_rank())
+        """The sub-communicator of :meth:`members` (a collective), ordered as in the world; its color a
+        function of the rank (comm/split.py: what a simulated world evaluates for every rank)."""
+        def color_of(rank: int) -> int:
+            at, color = self.coords(rank), 0
+            for axis in reversed(AXES):
+                color = color * self.shape[axis] + (0 if axis in vary else at[axis])
+            return color
+        return split(self.world, color_of)
 
     def node_of(self, rank: int) -> int:
         """The node of world rank ``rank`` when the node size is known (``node_size``, or

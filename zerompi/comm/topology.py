@@ -25,6 +25,7 @@ from typing import List, Optional, Tuple
 
 from ..errors import AgreedConfigError, ConfigError
 from .communicator import Communicator
+from .split import split
 
 NODE_SIZE_ENV = "ZEROMPI_NODE_SIZE"
 
@@ -123,6 +124,8 @@ def placement_from(mpi_comm, requested: Optional[int], environ=os.environ) -> Tu
     k = node_size_env(environ)
     if k is not None:
         return k, None
+    if hasattr(mpi_comm, "shared_size"):     # a simulated world (comm/simulated.py): its nodes, as it was given them
+        return mpi_comm.shared_size, None
     nodes = nodes_of(mpi_comm)
     sizes = sorted({len(ranks) for ranks in nodes})
     if len(sizes) > 1:
@@ -188,21 +191,21 @@ class Communicators:
 
 def build(world: Communicator, topo: Topology) -> Communicators:
     """Split ``world`` into the communicators of ``topo`` (collectives: every rank calls it)."""
-    rank, k, s = world.rank, topo.node_size, topo.shard_size
+    k, s = topo.node_size, topo.shard_size
     mpi = world.mpi
-    group_mpi = mpi.Split(rank // s, rank)
-    node_mpi = group_mpi.Split((rank % s) // k, rank)
+    group_mpi = split(mpi, lambda r: r // s)              # consecutive blocks of s; g below is a rank in one
+    node_mpi = split(group_mpi, lambda g: g // k)
     intra = Communicator(node_mpi, share=world)           # every peer on this node
     if topo.nodes_per_group == 1:
         group = intra
     else:
         from .hierarchical import HierarchicalCommunicator
-        across = Communicator(group_mpi.Split(rank % k, rank), share=world,
+        across = Communicator(split(group_mpi, lambda g: g % k), share=world,
                               node_of=list(range(topo.nodes_per_group)))
         group = HierarchicalCommunicator(intra, across, group_mpi)
     replica = None
     if topo.replicas > 1:
-        replica = Communicator(mpi.Split(rank % s, rank), share=world, node_of=list(range(topo.replicas)))
+        replica = Communicator(split(mpi, lambda r: r % s), share=world, node_of=list(range(topo.replicas)))
     return Communicators(group, replica, intra)
 
 

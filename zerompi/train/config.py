@@ -99,6 +99,12 @@ class TrainConfig:
     stop_file: Optional[str] = None
     """Stop after the step at which this file appears (as rank 0 sees it), saving a checkpoint when
     save_dir is set, and exit 0: a graceful stop under any launcher. Must not exist at the start."""
+    simulate_world: Optional[int] = None
+    """Run this one process as one rank of a job of this many ranks, the others stood in for under
+    comm/simulated.py's rule: memory and bytes sent are that rank's in the real job, the loss is not a
+    real run's. None: a real job of the processes launched."""
+    simulate_rank: Optional[int] = None
+    """With simulate_world: the rank this process is, 0 .. simulate_world - 1 (None: 0)."""
     zero: ZeroConfig = ZeroConfig()
     """Engine configuration."""
     pipeline: PipelineConfig = PipelineConfig()
@@ -144,6 +150,37 @@ class TrainConfig:
                   f"{name}={getattr(self, name)!r} needs save_dir (--save-dir DIR)")
         self._check_progress()
         self._check_stop_file()
+        self._check_simulation()
+
+    def _check_simulation(self) -> None:
+        if self.simulate_world is None:
+            check(self.simulate_rank is None,
+                  f"simulate_rank={self.simulate_rank!r} needs simulate_world (--simulate-world N)")
+            return
+        from ..comm.simulated import check_world_rank
+        if self.simulate_rank is None:
+            object.__setattr__(self, "simulate_rank", 0)
+        check_world_rank(self.simulate_world, self.simulate_rank)
+        n = self.simulate_world
+        for name in ("save_dir", "resume"):
+            check(getattr(self, name) is None, f"{name}={getattr(self, name)!r} is not available with simulate_world={n}: "
+                                               "a simulated rank holds one shard of a checkpoint; drop one of the two")
+        check(self.zero.trace is None, f"trace={self.zero.trace!r} is not available with simulate_world={n} (a timeline "
+                                       "of one real rank beside N - 1 stand-ins); drop one of the two")
+        check(self.device == "cpu", f"device={self.device!r} is not available with simulate_world={n} yet; use --device cpu")
+        for name in ("sp", "pp"):
+            check(getattr(self.zero, name) == 1, f"{name}={getattr(self.zero, name)} (--{name}) is not available with "
+                                                 f"simulate_world={n} yet (the stand-ins are not built for its "
+                                                 "groups); drop one of the two")
+
+    def world_size(self, processes: int) -> int:
+        """The ranks of the job: the ``processes`` launched, or simulate_world (ConfigError unless one was)."""
+        if self.simulate_world is None:
+            return processes
+        check(processes == 1, f"simulate_world={self.simulate_world} runs one process as rank {self.simulate_rank} of "
+                              f"{self.simulate_world}, and {processes} were launched; start it as one process (no "
+                              "mpiexec, or mpiexec -n 1)")
+        return self.simulate_world
 
     def _check_progress(self) -> None:
         moved = f" (how collectives advance is --comm-progress {self.progress})" if self.progress in PROGRESS else ""
@@ -315,6 +352,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", default=None, metavar="FILE",
                    help="write a timeline of every rank's compute and collectives to FILE (Chrome trace-event "
                         "JSON: open it in ui.perfetto.dev or chrome://tracing)")
+    p.add_argument("--simulate-world", type=int, default=None, metavar="N",
+                   help="run this one process as one rank of an N-rank job, the other ranks stood in for (each a "
+                        "mirror of this one): memory and bytes sent are that rank's, the loss is not a real run's")
+    p.add_argument("--simulate-rank", type=int, default=None, metavar="R",
+                   help="with --simulate-world: the rank this process is (default 0)")
     p.add_argument("--trace-steps", type=int, default=None, metavar="K",
                    help=f"with --trace: keep the last K steps (default {ZeroConfig.trace_steps})")
     return p
@@ -382,4 +424,5 @@ def parse_config(argv: Optional[List[str]] = None, environ=None) -> TrainConfig:
                        log_every=a.log_every, metrics_json=a.metrics_json, save_dir=a.save_dir,
                        save_every=a.save_every, resume=a.resume, device=a.device, comm=a.comm,
                        progress=a.progress, stop_file=a.stop_file, zero=zero, pipeline=pipeline,
-                       async_save=a.async_save, keep_last=a.keep_last, overwrite=a.overwrite, **specific)
+                       async_save=a.async_save, keep_last=a.keep_last, overwrite=a.overwrite,
+                       simulate_world=a.simulate_world, simulate_rank=a.simulate_rank, **specific)

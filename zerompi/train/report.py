@@ -18,9 +18,16 @@ from ..engine.timers import format_breakdown, per_step, summarize
 from ..comm.watchdog import watched
 
 
+def leads(comm) -> bool:
+    """This process prints and writes the job's outputs: rank 0, or a simulated world's one process
+    (comm/simulated.py; ``comm``: an mpi4py communicator, a stand-in, or a zerompi Communicator)."""
+    mpi = getattr(comm, "mpi", comm)
+    return mpi.Get_rank() == 0 or getattr(mpi, "simulated", False)
+
+
 def print0(comm, *args, **kwargs) -> None:
-    """print on rank 0 only, flushed."""
-    if comm.Get_rank() == 0:
+    """print on rank 0 only (see leads), flushed."""
+    if leads(comm):
         print(*args, **kwargs)
         sys.stdout.flush()
 
@@ -162,7 +169,8 @@ def final_metrics(cfg, engine, comm, log, entropy_floor, placement, activation=(
     levels, logical, act = levels[:2], levels[2], int(top[-1])
     digest, lay = hashlib.sha256(), engine.layout      # the parameters in layout order, no padding, hashed
     engine.synchronize()                                # a bucket at a time: the model is never whole here
-    for bucket, values in engine.optimizer.gather_buckets(engine.group, step):
+    # (not for a simulated world: its stand-ins' slices are mirrors of this rank's, the hash would name no model)
+    for bucket, values in [] if getattr(comm.mpi, "simulated", False) else engine.optimizer.gather_buckets(engine.group, step):
         for layer in bucket.layers:
             for name in lay.layer_params[layer]:
                 pr = lay.params[name]
@@ -178,7 +186,7 @@ def final_metrics(cfg, engine, comm, log, entropy_floor, placement, activation=(
         "params": engine.layout.params_numel,
         "padded_params": engine.layout.numel,
         "losses": list(log.losses),
-        "final_params_sha256": digest.hexdigest(),
+        "final_params_sha256": None if getattr(comm.mpi, "simulated", False) else digest.hexdigest(),
         "memory_bytes": mem,                       # maxima over ranks, as peak_buffer_bytes and comm_bytes_per_step
         "memory_bytes_by_place": engine.ledger.by_place(),   # rank 0's: device, host (offloaded), disk (files)
         "theory_bytes_by_place": engine.memory_report()["theory_by_place"],

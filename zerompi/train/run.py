@@ -59,7 +59,9 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
     from ..comm.staging import device_communicator
     from ..checkpoint.collective import CheckpointError
 
-    comm = as_communicator(mpi_comm, cfg.zero.timeout_s)   # its watchdog times every wait (the engine's too)
+    from . import simulate
+    comm = as_communicator(mpi_comm if mpi_comm is not None else simulate.world(cfg),   # --simulate-world: a stand-in
+                           cfg.zero.timeout_s)    # its watchdog times every wait (the engine's too)
     check_consistent(comm, "train", job_fields(cfg))   # ranks given other flags stop here, not in a collective
     cfg.check_world(comm.size)
     if cfg.zero.pp > 1:                          # pipeline stages: train/pipeline.py, one engine per model chunk
@@ -75,6 +77,8 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
     engine = ZeroEngine(model.lazy_layers(), cfg.zero, mesh or dev_comm, xp=xp,
                         tp_split=model.tp_split() if mesh and mesh.tp > 1 else None)
     report.print_banner(cfg, engine, comm, placement, data)
+    if cfg.simulate_world:
+        report.print0(comm.mpi, simulate.banner(cfg))
     if mesh:
         report.print0(comm.mpi, f"  mesh: {mesh.describe()}")
     start = _resume(engine, cfg) if cfg.resume else 0    # the step a resumed run starts at
@@ -98,13 +102,17 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
         metrics.update(tensor.metrics(cfg, engine, model, log, metrics))
     if mesh and mesh.sp > 1:
         metrics.update(sequence.metrics(cfg, mesh, model, log))
+    if cfg.simulate_world:
+        metrics.update(simulate.metrics(cfg, engine, comm, log, metrics))
     report.print_summary(metrics, engine, comm, log.base_bytes)
     for part in (tensor, sequence) if mesh else ():
         line = part.summary(metrics, cfg)
         if line:
             report.print0(comm.mpi, line)
+    if cfg.simulate_world:
+        report.print0(comm.mpi, simulate.summary(metrics))
     problem = None
-    if cfg.metrics_json and comm.rank == 0:      # atomically: a full disk leaves the old file, not an empty one
+    if cfg.metrics_json and report.leads(comm):      # atomically: a full disk leaves the old file, not an empty one
         from ..checkpoint.outputs import save_json
         problem = save_json(cfg.metrics_json, metrics, "metrics_json")
     if engine.trace is not None:                 # --trace: a collective; rank 0 writes the ranks' timeline
@@ -120,13 +128,14 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
 def _run_steps(cfg: TrainConfig, engine, comm, model, data, floor: Optional[float], start: int, stop) -> StepLog:
     """Steps start .. cfg.steps - 1, or until a stop signal: train, log, evaluate (GPT), save."""
     from .console import choose_progress, step_line, stopped_line
-    from .report import print0, progress_bar
+    from .report import leads, print0, progress_bar
     from ..engine.timers import format_breakdown
     from .saves import Saves
     saves = Saves(cfg, engine, comm.mpi)            # checkpoints: --save-dir, --save-every, --async-save
     losses_of = step_losses(cfg.model)
     gpt = cfg.model == "gpt"
-    bar = comm.rank == 0 and choose_progress(cfg.progress) == "bar"    # auto: a bar only for a person at a terminal
+    stand_in = " (simulated rank: not a real run's loss)" if cfg.simulate_world else ""
+    bar = leads(comm) and choose_progress(cfg.progress) == "bar"    # auto: a bar only for a person at a terminal
     sent = lambda: sum(s.bytes for op, s in comm.stats.items() if op != "sum_scalars")
     log = StepLog(start, {op: s.bytes for op, s in comm.stats.items()})   # so far: the initial parameter all-gather
     from .parallel import metered_groups
@@ -155,7 +164,7 @@ def _run_steps(cfg: TrainConfig, engine, comm, model, data, floor: Optional[floa
             extra += f"  floor {floor:.4f}" if floor is not None else ""
             extra += f"  {cfg.batch * cfg.seq_len / log.times[-1]:,.0f} tok/s"
         if step % cfg.log_every == 0 or step == cfg.steps - 1 or evaluated:
-            print0(comm.mpi, step_line(step, cfg.steps, loss, extra, result, log.times[-1],
+            print0(comm.mpi, step_line(step, cfg.steps, loss, stand_in + extra, result, log.times[-1],
                                        format_breakdown(log.parts[-1]), bar))
         elif bar:
             print0(comm.mpi, f"\r{progress_bar(step + 1, cfg.steps)}  loss {loss:.4f}", end="")
@@ -231,11 +240,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     _one_blas_thread()
     from . import preflight
     from .saves import claim_save_dir
-    error = None
+    error, world = None, comm.Get_size()
     try:
         cfg = parse_config(argv)          # reads ZEROMPI_TIMEOUT_S too: now, not at import
-        cfg.check_world(comm.Get_size())
-        preflight.check_fault(fault_from_env(), comm.Get_size(), cfg)   # a bad ZEROMPI_FAULT stops every rank here
+        world = cfg.world_size(world)     # --simulate-world N: N (one process launched), else the processes
+        cfg.check_world(world)
+        preflight.check_fault(fault_from_env(), world, cfg)   # a bad ZEROMPI_FAULT stops every rank here
         preflight.check_outputs(cfg, comm.Get_rank())                    # before the first step, not after the last
         if cfg.zero.pp > 1:                               # the schedule made (or read) and validated on every rank
             from .pipeline import load_schedule
@@ -252,7 +262,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     placement = place_every_rank(cfg.device, comm, "zerompi.train")   # gpu: needs CuPy and a GPU
     if placement is None:
         return 2
-    if agree_on_errors(comm, preflight.memory_error(cfg, comm.Get_size(), placement), "zerompi.train"):
+    if agree_on_errors(comm, preflight.memory_error(cfg, world, placement), "zerompi.train"):
         return 2                          # a job that cannot fit stops before it allocates
     from ..checkpoint.collective import CheckpointError
     try:

@@ -38,7 +38,8 @@ def metrics(cfg, engine, model, log, base: dict) -> dict:
     tp_bytes, tp_seconds = log.group_series("tp")
     digests = mesh.tp_mpi.allgather(base["final_params_sha256"])   # each TP rank's pieces, in TP rank order
     full = sum(pr.numel * (mesh.tp if name in split else 1) for name, pr in engine.layout.params.items())
-    return {"final_params_sha256": hashlib.sha256("".join(digests).encode()).hexdigest(),
+    whole = None if None in digests else hashlib.sha256("".join(digests).encode()).hexdigest()   # None: simulated
+    return {"final_params_sha256": whole,
             "tensor_parallel": {"tp": mesh.tp, "dp": mesh.dp, "params_total": full,
                                 "params_local": engine.layout.params_numel,
                                 "bytes_per_step": int(statistics.median(tp_bytes)) if tp_bytes else 0,

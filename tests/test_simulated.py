@@ -1,0 +1,157 @@
+"""A simulated world (comm/simulated.py, train/simulate.py): one process as rank R of N.
+
+Its memory and traffic must be rank R's in the real job: checked against a real 4-rank job rank by
+rank (tests/drivers/simulated.py: flat, two levels, shard groups, quantized, hpZ, offload, tensor
+parallel), through the CLI, and against zerompi.estimate to the byte at world sizes no job here
+could run (N = 64, 512, 4096). The stand-in rule is in the output and the metrics; bad input is one
+line and exit status 2."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import zerompi
+from zerompi import Mesh, SimulatedWorld, ZeroConfig, ZeroEngine
+from zerompi.comm.simulated import RULE
+from zerompi.engine import lazy
+from zerompi.errors import ConfigError, UsageError
+from tests.mpirun import ROOT, mpi_env, one_line, run_mpi
+
+DRIVER = ROOT / "tests" / "drivers" / "simulated.py"
+
+
+# ---- the stand-ins' answers ---------------------------------------------------------------
+def test_every_peer_mirrors_this_rank():
+    w = SimulatedWorld(4, 2)
+    assert (w.Get_rank(), w.Get_size(), w.allgather("x"), w.bcast(5), w.allreduce(3)) == (2, 4, ["x"] * 4, 5, 12)
+    send = np.arange(8, dtype=np.float32)
+    table = np.zeros((4, 8), np.float32)
+    w.Allgather(send, table)
+    assert (table == send).all()
+    buf = np.arange(8, dtype=np.float16)
+    w.Iallgather(MPI.IN_PLACE, [MPI.buffer(buf), 1, MPI.UINT16_T.Create_contiguous(2).Commit()]).Wait()
+    assert buf.tolist() == [4, 5] * 4                           # every slice is this rank's (slice 2)
+    recv = np.zeros((4, 2), np.float32)
+    w.Alltoall(send.reshape(4, 2), recv)
+    assert (recv == [4, 5]).all()
+    with pytest.raises(UsageError, match="function of the rank"):
+        w.Split(0, 2)
+
+
+def test_groups_are_the_ranks_the_rule_names():
+    mesh = Mesh(SimulatedWorld(8, 5), tp=2)                     # TP groups [4, 5], DP group [1, 3, 5, 7]
+    assert (mesh.tp_rank, mesh.dp_rank, mesh.tp_mpi.members, mesh.dp_mpi.members) == (1, 2, [4, 5], [1, 3, 5, 7])
+    assert SimulatedWorld(8, 5, node_size=2).shared_size == 2 and SimulatedWorld(8, 5).shared_size == 8
+    for bad, word in (((4, 4), "out of range"), ((0, 0), "simulate_world=0"), ((6, 1, 4), "does not divide")):
+        with pytest.raises(ConfigError, match=word):
+            SimulatedWorld(*bad)
+
+
+# ---- one rank, real and simulated -------------------------------------------------------------
+def test_simulated_rank_is_the_real_rank():
+    real = json.loads(run_mpi(4, [DRIVER], timeout=240).stdout.strip().splitlines()[-1])
+    for rank in (1, 3):
+        proc = subprocess.run([sys.executable, DRIVER, str(rank)], capture_output=True, text=True, timeout=240,
+                              env=mpi_env(), cwd=str(ROOT))
+        assert proc.returncode == 0, proc.stderr
+        sim = json.loads(proc.stdout.strip().splitlines()[-1])
+        for case, ranks in real.items():
+            assert sim[case] == ranks[rank], (case, rank)
+
+
+def test_cli_simulated_rank_reports_the_real_ranks_memory_and_traffic(tmp_path):
+    flags = ["--stage", "3", "--steps", "2", "--batch", "8", "--n-layer", "2", "--eval-every", "0", "--no-overlap",
+             "--node-size", "2", "--progress", "lines"]
+    run_mpi(4, ["-m", "zerompi.train", *flags, "--metrics-json", tmp_path / "real.json"], timeout=240)
+    proc = subprocess.run([sys.executable, "-m", "zerompi.train", "--simulate-world", "4", "--simulate-rank", "3",
+                           *flags, "--metrics-json", tmp_path / "sim.json"], capture_output=True, text=True,
+                          timeout=240, env=mpi_env(), cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr
+    real, sim = (json.loads((tmp_path / f"{k}.json").read_text()) for k in ("real", "sim"))
+    for key in ("memory_bytes", "peak_buffer_bytes", "activation_bytes", "comm_bytes_per_step",
+                "comm_bytes_per_step_by_level", "comm_logical_bytes_per_step", "world_size"):
+        assert sim[key] == real[key], key
+    assert sim["simulated"]["rule"] == RULE and sim["simulated"]["world_size"] == 4 and sim["final_params_sha256"] is None
+    assert sim["simulated"]["measured"]["model_state_bytes"] == sim["simulated"]["estimate"]["model_state_bytes"]
+    assert "SIMULATED: this one process is rank 3 of 4" in proc.stdout and RULE in proc.stdout
+    steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert steps and all("not a real run's loss" in line for line in steps)
+    assert "measured beside zerompi.estimate" in proc.stdout and "peak RSS" in proc.stdout
+
+
+# ---- at world sizes no job here could run ------------------------------------------------------
+MODELS = {   # layer shapes: buckets of one length (the estimate's buffers are then reached exactly) ...
+    "4 x 512^2 + a short one": [(512, 512)] * 4 + [(1000,)],
+    "8 x 512^2": [(512, 512)] * 8,
+    "3 x 1024 x 512": [(1024, 512)] * 3,
+    "mixed": [(300, 1600), (1000,), (512, 2048), (64, 900)],   # ... and of four lengths: a bound, not reached
+}
+
+
+def _layers(shapes):
+    stream = lazy.Stream(9)
+    return [(f"l{i}", {f"w{i}": stream.normal(s, scale=0.01)}) for i, s in enumerate(shapes)]
+
+
+def _two_steps(eng) -> int:
+    """Two steps of constant gradients; the bytes the second sent (every collective but the scalars')."""
+    lay = eng.layout
+    for _ in range(2):
+        before = eng.comm.total_bytes() - eng.comm.stats["sum_scalars"].bytes
+        for i in range(lay.num_layers):
+            with eng.unsharded(i):
+                pass
+        for i in reversed(range(lay.num_layers)):
+            with eng.unsharded(i):
+                pass
+            eng.grads_ready(i, {n: np.full(lay.params[n].shape, 1e-3, np.float32) for n in lay.layer_params[i]})
+        assert not eng.step().skipped
+    return eng.comm.total_bytes() - eng.comm.stats["sum_scalars"].bytes - before
+
+
+@pytest.mark.parametrize("n,rank", [(64, 0), (512, 300), (4096, 4095)])
+def test_model_states_buffers_and_traffic_equal_the_estimate_to_the_byte(n, rank):
+    for name, shapes in MODELS.items():                          # Ψ from 1.05 M to 2.1 M
+        for stage in range(4):
+            eng = ZeroEngine(_layers(shapes), ZeroConfig(stage=stage, dtype="fp16", bucket_mb=0.5),
+                             SimulatedWorld(n, rank))
+            sent = _two_steps(eng)
+            row = zerompi.estimate(layout=eng.layout, ranks=n, dtype="fp16")["stages"][stage]
+            report = eng.memory_report()
+            case = (n, name, stage)
+            assert report["measured"]["total"] == row["model_state_bytes"], case
+            assert sent == sum(row["comm_bytes_per_step_by_level"].values()), case
+            if name == "mixed":
+                assert report["peak_buffers"]["bytes"] <= row["buffer_bytes_best_case"], case
+            else:
+                assert report["peak_buffers"]["bytes"] == row["buffer_bytes_best_case"], case
+            eng.close()
+
+
+def test_checkpoints_are_refused_on_a_simulated_world(tmp_path):
+    eng = ZeroEngine(_layers(MODELS["mixed"]), ZeroConfig(stage=3), SimulatedWorld(8, 1))
+    with pytest.raises(UsageError, match="simulated world"):
+        eng.save(str(tmp_path / "ck"))
+    eng.close()
+
+
+# ---- bad input: one line, exit 2 ------------------------------------------------------------------
+@pytest.mark.parametrize("flags,words", [
+    (["--simulate-world", "4", "--simulate-rank", "4"], ["simulate_rank=4 is out of range", "0..3"]),
+    (["--simulate-world", "3", "--batch", "8"], ["batch=8 does not split over 3"]),
+    (["--simulate-world", "4", "--model", "mlp", "--width", "48", "--tp", "3"], ["tp=3 does not divide the 4 ranks"]),
+    (["--simulate-rank", "1"], ["simulate_rank=1 needs simulate_world"]),
+    (["--simulate-world", "4", "--save-dir", "ck"], ["save_dir='ck' is not available with simulate_world=4"]),
+])
+def test_bad_simulation_flags_are_one_line_and_exit_2(flags, words):
+    proc = subprocess.run([sys.executable, "-m", "zerompi.train", "--steps", "1", *flags], capture_output=True,
+                          text=True, timeout=120, env=mpi_env(), cwd=str(ROOT))
+    one_line(proc, 2, *words)
+
+
+def test_simulating_under_several_processes_is_one_line_and_exit_2():
+    proc = run_mpi(2, ["-m", "zerompi.train", "--steps", "1", "--simulate-world", "8"], check=False, timeout=120)
+    one_line(proc, 2, "simulate_world=8 runs one process as rank 0 of 8, and 2 were launched")

@@ -1,0 +1,89 @@
+"""The train job as one rank of a job that does not fit here: ``--simulate-world N [--simulate-rank R]``.
+
+This process runs rank R's engine -- its layout, buffers, kernels and step -- over a
+comm/simulated.SimulatedWorld, whose stood-in ranks mirror this one (its RULE). What it prints
+and records is therefore rank R's memory and traffic in the real N-rank job, measured: the
+ledger's model states and buffers, the activations, the process's peak resident set, and the
+bytes each collective sent per step, beside zerompi.estimate's numbers for the same flags (the
+engine's own layout). The loss it prints is not a real run's: every step line says so, and the
+rule is in the banner and in the metrics ("simulated").
+"""
+import resource
+from typing import Optional
+
+from ..estimate.machine import human_bytes
+
+
+def world(cfg):
+    """The SimulatedWorld of cfg (rank simulate_rank of simulate_world), or None for a real job."""
+    if cfg.simulate_world is None:
+        return None
+    from ..comm.simulated import SimulatedWorld
+    return SimulatedWorld(cfg.simulate_world, cfg.simulate_rank)
+
+
+def simulated(comm) -> bool:
+    """True for a Communicator (or mpi4py communicator) over a SimulatedWorld."""
+    return bool(getattr(getattr(comm, "mpi", comm), "simulated", False))
+
+
+def banner(cfg) -> str:
+    from ..comm.simulated import RULE
+    return (f"  SIMULATED: this one process is rank {cfg.simulate_rank} of {cfg.simulate_world}; the other "
+            f"{cfg.simulate_world - 1} ranks are stand-ins: {RULE}")
+
+
+def peak_rss_bytes() -> int:
+    """The most resident memory this process has held (getrusage; Linux counts KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def estimate_row(cfg, engine) -> dict:
+    """zerompi.estimate's stage row for the same flags, on the engine's own layout (exact model states)."""
+    from ..estimate.stages import estimate
+    z, t = cfg.zero, engine.topology
+    return estimate(layout=engine.layout, ranks=t.size, dtype=z.dtype, prefetch=z.prefetch, micro_batches=z.micro_batches,
+                    overlap=z.overlap, align=z.align, node_size=t.node_size, shard_size=t.shard_size, hpz=z.hpz,
+                    offload_optimizer=z.offload_optimizer, offload_params=z.offload_params,
+                    quantize_weights=z.quantize_weights, quantize_grads=z.quantize_grads,
+                    quant_block=z.quant_block)["stages"][z.stage]
+
+
+def metrics(cfg, engine, comm, log, base: dict) -> dict:
+    """The "simulated" entry of the metrics: who this process stood for, the rule, the estimate beside, and
+    the bytes and calls per step of each collective (``log``: the step loop's, whose base_bytes are not steps')."""
+    from ..comm.simulated import RULE
+    row = estimate_row(cfg, engine)
+    steps = max(1, log.steps_run)
+    by_op = {op: {"bytes": (s.bytes - log.base_bytes.get(op, 0)) / steps, "calls": s.calls}
+             for op, s in sorted(comm.stats.items())}
+    return {"simulated": {
+        "world_size": cfg.simulate_world, "rank": cfg.simulate_rank, "rule": RULE,
+        "peak_rss_bytes": peak_rss_bytes(),
+        "comm_by_op": by_op,          # bytes: a mean over the steps run; calls: every one, the start's included
+        "estimate": {"model_state_bytes": row["model_state_bytes"], "buffer_bytes": row["buffer_bytes"],
+                     "buffer_bytes_best_case": row["buffer_bytes_best_case"], "buffers": row["buffers"],
+                     "comm_bytes_per_step_by_level": row["comm_bytes_per_step_by_level"],
+                     "formula": row["formula"]},
+        "measured": {"model_state_bytes": base["memory_bytes"]["total"], "buffer_bytes": base["peak_buffer_bytes"],
+                     "activation_bytes": base["activation_bytes"], "comm_bytes_per_step": base["comm_bytes_per_step"]},
+    }}
+
+
+def summary(m: dict) -> str:
+    """The lines printed after the run's tables: this rank's memory beside the estimate, and the RSS."""
+    sim = m["simulated"]
+    est, got = sim["estimate"], sim["measured"]
+    act: Optional[int] = got["activation_bytes"]
+    known = got["model_state_bytes"] + got["buffer_bytes"] + (act or 0)
+    rows = [("model states", got["model_state_bytes"], f"{human_bytes(est['model_state_bytes'])} ({est['formula']})"),
+            ("buffers, peak", got["buffer_bytes"], f"{human_bytes(est['buffer_bytes_best_case'])} best case, "
+                                                   f"{human_bytes(est['buffer_bytes'])} with 2 reductions pending"),
+            ("peak RSS", sim["peak_rss_bytes"], f"{human_bytes(sim['peak_rss_bytes'] - known)} beyond model states, "
+                                                "buffers and activations (interpreter, NumPy, MPI, the model's compute "
+                                                "copies of a layer)")]
+    lines = [f"simulated rank {sim['rank']} of {sim['world_size']} (stand-ins; the loss is not a real run's): "
+             "measured beside zerompi.estimate for the same flags",
+             f"  {'':14} {'measured':>12}   estimate"]
+    lines += [f"  {name:14} {human_bytes(v):>12}   {text}" for name, v, text in rows]
+    return "\n".join(lines)
