@@ -151,18 +151,25 @@ def test_a_lost_offload_file_stops_every_rank_with_one_line(tmp_path):
     assert "zerompi-optimizer-rank1" in lines[0] and "failed at step 3" in lines[0] and "truncated" in lines[0]
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_delayed_update_matches_its_float64_reference(stage):
+@pytest.mark.parametrize("stage,warmup", [(1, 0), (2, 5), (3, 0)])
+def test_delayed_update_matches_its_float64_reference(stage, warmup):
     """Step k's gradient is taken at the parameters before update k - 1: the engine follows the
-    float64 reference of that algorithm, and visibly not the plain one's."""
-    proc = run_mpi(2, [ROOT / "tests" / "drivers" / "delayed.py", stage], timeout=120)
+    float64 reference of that algorithm, and visibly not the plain one's. With a warm-up of 5 steps
+    (offload_delayed_warmup), the first 5 updates are not delayed: its own reference, neither of the others."""
+    proc = run_mpi(2, [ROOT / "tests" / "drivers" / "delayed.py", stage, warmup], timeout=120)
     r = json.loads(proc.stdout.splitlines()[-1])
     assert r["delayed"]["vs_own_reference"] < 1e-6 and r["delayed"]["vs_other_reference"] > 1e-2, r
     assert r["plain"]["vs_own_reference"] < 1e-6, r
+    if warmup:
+        w = r["warmup"]
+        assert w["vs_own_reference"] < 1e-6 and w["vs_plain_reference"] > 1e-3 and w["vs_delayed_reference"] > 1e-3, r
 
 
 @pytest.mark.parametrize("kw,match", [
     (dict(stage=2, offload_delayed_update=True), "needs offload_optimizer='cpu'"),
+    (dict(stage=2, offload_optimizer="cpu", offload_delayed_warmup=5), "applies with the delayed update only"),
+    (dict(stage=2, offload_optimizer="cpu", offload_delayed_update=True, offload_delayed_warmup=-1),
+     "must be a whole number of steps >= 0"),
     (dict(stage=2, offload_optimizer="nvme"), "offload to nvme needs offload_dir"),
     (dict(stage=0, offload_optimizer="cpu"), "needs stage 1, 2 or 3"),
     (dict(stage=2, offload_params="nvme", offload_dir="x"), "needs stage 3"),

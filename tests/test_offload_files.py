@@ -168,3 +168,21 @@ def test_the_rows_stream_through_the_buffer_sets_and_two_generations(tmp_path, d
     assert np.array_equal(rows.read("exp_avg", slices[3]), np.full(5950, avg, np.float32))
     rows.close()
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("how,why", [("eio", "Input/output error"), ("truncate", "was it truncated?")])
+def test_a_failing_file_on_one_rank_ends_the_job_in_seconds_naming_the_file(tmp_path, how, why):
+    """Rank 1's optimizer file fails mid-run -- every transfer an EIO (a dying disk), or the file cut to
+    nothing -- and only rank 1 sees it: the job ends with rank 1's line naming its file, not when the
+    others' watchdog fires (300 s, "collective timeout"), which the 60 s limit here would not wait for."""
+    from tests.mpirun import ROOT, zerompi_lines
+    flags = ["--model", "mlp", "--width", "16", "--depth", "4", "--batch", "8", "--steps", "8", "--stage", "2",
+             "--bucket-mb", "0.001", "--offload-optimizer", "nvme", "--offload-dir", tmp_path]
+    proc = run_mpi(2, [ROOT / "tests" / "drivers" / "offload_eio.py", 1, 60, how, *flags], timeout=60, check=False,
+                   env={"ZEROMPI_TEST_AGREEMENT_S": "1"})
+    assert proc.returncode != 0 and "step     8/" not in proc.stdout, proc.stdout + proc.stderr
+    assert "collective timeout" not in proc.stderr, proc.stderr
+    lines = zerompi_lines(proc.stderr)
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("zerompi.train: error (rank 1): offload file ") and "zerompi-optimizer-rank1" in lines[0]
+    assert why in lines[0] and "rank 0 did not raise it" in lines[0], lines

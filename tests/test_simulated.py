@@ -42,8 +42,8 @@ def test_every_peer_mirrors_this_rank():
 
 
 def test_groups_are_the_ranks_the_rule_names():
-    mesh = Mesh(SimulatedWorld(8, 5), tp=2)                     # TP groups [4, 5], DP group [1, 3, 5, 7]
-    assert (mesh.tp_rank, mesh.dp_rank, mesh.tp_mpi.members, mesh.dp_mpi.members) == (1, 2, [4, 5], [1, 3, 5, 7])
+    mesh = Mesh(SimulatedWorld(8, 5), tp=2)                     # TP groups [4, 5], ZeRO group (dp x sp) [1, 3, 5, 7]
+    assert (mesh.tp_rank, mesh.dp_rank, mesh.tp_mpi.members, mesh.zero_mpi.members) == (1, 2, [4, 5], [1, 3, 5, 7])
     assert SimulatedWorld(8, 5, node_size=2).shared_size == 2 and SimulatedWorld(8, 5).shared_size == 8
     for bad, word in (((4, 4), "out of range"), ((0, 0), "simulate_world=0"), ((6, 1, 4), "does not divide")):
         with pytest.raises(ConfigError, match=word):

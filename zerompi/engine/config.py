@@ -184,6 +184,9 @@ class ZeroConfig:
     """ZeRO-Offload's one-step delayed parameter update (offload_optimizer="cpu"): step k's update runs
     on the host in the background while step k + 1's forward and backward run, so the gradients of
     step k + 1 are taken at the parameters before update k (staleness one step; docs/offload.md)."""
+    offload_delayed_warmup: int = 0
+    """With offload_delayed_update: the first this many updates run in step() as without it (not
+    stale); the delayed update starts after them (DeepSpeed's warm-up steps; docs/offload.md)."""
     offload_dir: Optional[str] = None
     """The folder of the offload files (needed by "nvme"; checked at start for room)."""
     offload_io: str = "direct"
@@ -272,6 +275,11 @@ class ZeroConfig:
               "on the host while the device computes the next step)")
         check(self.offload_io in ("direct", "buffered"), f"offload_io={self.offload_io!r} is not allowed; use "
                                                          "direct or buffered")
+        w = self.offload_delayed_warmup
+        check(isinstance(w, int) and not isinstance(w, bool) and w >= 0,
+              f"offload_delayed_warmup={w!r} must be a whole number of steps >= 0")
+        check(w == 0 or self.offload_delayed_update, f"offload_delayed_warmup={w!r} applies with the delayed "
+              "update only (offload_delayed_update=True, --offload-delayed-update); drop it")
         nvme = "nvme" in (self.offload_optimizer, self.offload_params)
         check(not nvme or bool(self.offload_dir), "offload to nvme needs offload_dir (--offload-dir DIR): a "
                                                   "folder for the state files")

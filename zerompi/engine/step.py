@@ -126,7 +126,8 @@ def _update(engine, lay, grads, s) -> None:
         with engine.timers.blocking("all_gather (stage 0)"):
             engine.reducer.all_gather(engine.steps_taken)
     publish = stage in (1, 2)
-    if opt.delayed:     # publish update k - 1 (its master), start update k behind the next step
+    if opt.delayed and engine.step_count > engine.config.offload_delayed_warmup:
+        # publish update k - 1 (its master), start update k behind the next step
         opt.wait()
         if opt.unpublished:
             engine.publish_params()

@@ -324,6 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "the page cache (buffered)")
     p.add_argument("--offload-delayed-update", action="store_true",
                    help="with --offload-optimizer cpu: run step k's update behind step k+1 (one step stale)")
+    p.add_argument("--offload-delayed-warmup", type=int, default=0, metavar="K",
+                   help="with --offload-delayed-update: the first K updates are not delayed (warm-up)")
     p.add_argument("--tp", type=int, default=ZeroConfig.tp, metavar="K",
                    help="tensor parallelism: N ranks as N/K data-parallel groups x K adjacent TP ranks; ZeRO "
                         "shards each TP rank's pieces over its data-parallel group (docs/tensor-parallel.md)")
@@ -388,7 +390,8 @@ def parse_config(argv: Optional[List[str]] = None, environ=None) -> TrainConfig:
                           quantize_weights=a.quantize_weights, quantize_grads=a.quantize_grads,
                           offload_optimizer=a.offload_optimizer,
                           offload_params=a.offload_params, offload_io=a.offload_io,
-                          offload_delayed_update=a.offload_delayed_update, trace=a.trace,
+                          offload_delayed_update=a.offload_delayed_update,
+                          offload_delayed_warmup=a.offload_delayed_warmup, trace=a.trace,
                           lazy_publish=True)   # the built-in models read parameters through unshard() every step
     except ConfigError as e:         # ZeroConfig names its fields; say the flag where its name differs
         flag = next((f for field, f in FLAG_OF_FIELD.items() if str(e).startswith(field + "=")), None)
