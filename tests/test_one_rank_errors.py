@@ -61,7 +61,12 @@ def test_every_error_class_is_audited():
     elsewhere = {"HelpRequested": "start-up only: every rank reports it to the start-up agreement",
                  "OutputError": "rank 0 only, after the job's last collective: no rank waits for it",
                  "InjectedFault": "a RuntimeError: the abort hook (tests/test_faults.py)",
-                 "BuildError": "a RuntimeError: the abort hook"}
+                 "BuildError": "a RuntimeError: the abort hook",
+                 "ScheduleError": "start-up only: the train CLI makes and validates the schedule before the start-up "
+                                  "agreement; a pipeline job agrees on it before any chunk runs",
+                 "Deadlock": "a ScheduleError: the validator's, at start-up",
+                 "UnknownFieldError": "a ConfigError of ZeroConfig(...): start-up (the CLI's agreement), or the "
+                                      "library's abort hook as ConfigError"}
     defined = set()
     for path in (ROOT / "zerompi").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
