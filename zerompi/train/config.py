@@ -12,6 +12,7 @@ from ..pipeline.config import PipelineConfig
 from ..comm.device import DEVICES
 from ..comm.watchdog import default_timeout_s
 from ..errors import ConfigError, RankParser, check
+from . import pipeline_flags
 from .console import PROGRESS_MODES
 
 # --help's description: the train module's docstring, where the parser used to live.
@@ -153,25 +154,8 @@ class TrainConfig:
         self._check_simulation()
 
     def _check_simulation(self) -> None:
-        if self.simulate_world is None:
-            check(self.simulate_rank is None,
-                  f"simulate_rank={self.simulate_rank!r} needs simulate_world (--simulate-world N)")
-            return
-        from ..comm.simulated import check_world_rank
-        if self.simulate_rank is None:
-            object.__setattr__(self, "simulate_rank", 0)
-        check_world_rank(self.simulate_world, self.simulate_rank)
-        n = self.simulate_world
-        for name in ("save_dir", "resume"):
-            check(getattr(self, name) is None, f"{name}={getattr(self, name)!r} is not available with simulate_world={n}: "
-                                               "a simulated rank holds one shard of a checkpoint; drop one of the two")
-        check(self.zero.trace is None, f"trace={self.zero.trace!r} is not available with simulate_world={n} (a timeline "
-                                       "of one real rank beside N - 1 stand-ins); drop one of the two")
-        check(self.device == "cpu", f"device={self.device!r} is not available with simulate_world={n} yet; use --device cpu")
-        for name in ("sp", "pp"):
-            check(getattr(self.zero, name) == 1, f"{name}={getattr(self.zero, name)} (--{name}) is not available with "
-                                                 f"simulate_world={n} yet (the stand-ins are not built for its "
-                                                 "groups); drop one of the two")
+        from .simulate import check_config
+        check_config(self)
 
     def world_size(self, processes: int) -> int:
         """The ranks of the job: the ``processes`` launched, or simulate_world (ConfigError unless one was)."""
@@ -336,18 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, default=ZeroConfig.pp, metavar="P",
                    help="pipeline parallelism: the model's layers in P stages of N/P ranks (data x tensor "
                         "parallel inside each), micro-batches through them by --schedule (docs/pipeline.md)")
-    p.add_argument("--schedule", default=None, metavar="NAME",
-                   help="with --pp: gpipe, 1f1b (default), interleaved (with --chunks) or zb-h1")
-    p.add_argument("--schedule-file", default=None, metavar="FILE",
-                   help="with --pp: run the schedule in FILE (one line of actions per stage: docs/pipeline.md)")
-    p.add_argument("--chunks", type=int, default=None, metavar="V",
-                   help="with --pp --schedule interleaved: model chunks per stage (>= 2)")
-    p.add_argument("--pp-grad-reduce", default=None, metavar="micro-batch|step",
-                   help="with --pp: reduce each chunk's gradients per micro-batch (default; the same bits as "
-                        "without --pp) or once per step (Megatron's; m x less traffic)")
-    p.add_argument("--pp-gather", default=None, metavar="micro-batch|step",
-                   help="with --pp, stage 3: gather a chunk's parameters per micro-batch (default) or once per "
-                        "step, kept until its last backward")
+    pipeline_flags.add_flags(p)
     p.add_argument("--hpz", action="store_true",
                    help="stage 3: keep a node-local copy of the parameters after each gather across nodes "
                         "(ZeRO++ hpZ)")
@@ -406,14 +379,7 @@ def parse_config(argv: Optional[List[str]] = None, environ=None) -> TrainConfig:
                               "nvme" in (a.offload_optimizer, a.offload_params))):
         flag = FLAG_OF_FIELD.get(field, "--" + field.replace("_", "-"))
         check(field not in given or ok, f"{field}={given.get(field)!r} ({flag}) applies with {needs} only; drop it")
-    pipe = {field: getattr(a, flag) for field, flag in (("schedule", "schedule"), ("schedule_file", "schedule_file"),
-            ("chunks", "chunks"), ("grad_reduce", "pp_grad_reduce"), ("gather", "pp_gather")) if getattr(a, flag) is not None}
-    for field, flag in (("schedule", "--schedule"), ("schedule_file", "--schedule-file"), ("chunks", "--chunks"),
-                        ("grad_reduce", "--pp-grad-reduce"), ("gather", "--pp-gather")):
-        check(field not in pipe or a.pp > 1, f"{flag} {pipe.get(field)} applies with --pp > 1 only; drop it or add --pp")
-    check(not ("schedule" in pipe and "schedule_file" in pipe), "--schedule and --schedule-file contradict each "
-                                                                "other; give one")
-    pipeline = PipelineConfig(**pipe)
+    pipeline = pipeline_flags.pipeline_config(a)
     specific = {}                   # model-specific flags given; the other model's are an error
     for model, names in MODEL_ONLY.items():
         for name in names:

@@ -11,7 +11,33 @@ rule is in the banner and in the metrics ("simulated").
 import resource
 from typing import Optional
 
+from ..errors import check
 from ..estimate.machine import human_bytes
+
+
+def check_config(cfg) -> None:
+    """ConfigError (one line) unless the TrainConfig's --simulate-world / --simulate-rank fit its other
+    settings (simulate_rank defaults to 0 here)."""
+    if cfg.simulate_world is None:
+        check(cfg.simulate_rank is None,
+              f"simulate_rank={cfg.simulate_rank!r} needs simulate_world (--simulate-world N)")
+        return
+    from ..comm.simulated import check_world_rank
+    if cfg.simulate_rank is None:
+        object.__setattr__(cfg, "simulate_rank", 0)
+    check_world_rank(cfg.simulate_world, cfg.simulate_rank)
+    n = cfg.simulate_world
+    for name in ("save_dir", "resume"):
+        check(getattr(cfg, name) is None, f"{name}={getattr(cfg, name)!r} is not available with simulate_world={n}: "
+                                           "a simulated rank holds one shard of a checkpoint; drop one of the two")
+    check(cfg.zero.trace is None, f"trace={cfg.zero.trace!r} is not available with simulate_world={n} (a timeline "
+                                   "of one real rank beside N - 1 stand-ins); drop one of the two")
+    check(cfg.device == "cpu", f"device={cfg.device!r} is not available with simulate_world={n} yet; use --device cpu")
+    for name in ("sp", "pp"):
+        check(getattr(cfg.zero, name) == 1, f"{name}={getattr(cfg.zero, name)} (--{name}) is not available with "
+                                             f"simulate_world={n} yet (the stand-ins are not built for its "
+                                             "groups); drop one of the two")
+
 
 
 def world(cfg):

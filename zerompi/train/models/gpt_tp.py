@@ -12,7 +12,7 @@ Parameter names are the full model's; shapes are the pieces' (tp_split() says ho
 comm/tpsplit.py). lazy_layers() cuts the full model's rules into pieces (engine/lazy.Piece), so a run
 at any TP size starts from the same model, and no rank makes more than its shard of its pieces.
 """
-from typing import Dict, List, Tuple
+from typing import Dict, Tuple
 
 import numpy as np
 
