@@ -13,7 +13,7 @@ from typing import Optional
 from mpi4py import MPI
 
 from ..errors import MismatchError
-from .signature import HEADER_BYTES, HEADER_TAG, MAX_TAG, mismatch_message
+from .signature import HEADER_BYTES, HEADER_TAG, MAX_TAG, mismatch_message, signature
 
 
 class Checks:
@@ -91,3 +91,15 @@ class Exchange:
             MPI.Request.Waitall(self._heads)
             self._check()
         MPI.Request.Waitall(self._data)
+
+
+def allgather_rows(mpi_comm, checks: Optional[Checks], op: str, local, table) -> None:
+    """``table[r]`` = rank r's ``local`` (a few numbers: every rank must pass as many), checked by ``checks``
+    (the operation ``op``, the dtype and the count agreed), or MPI's own Allgather when it is None."""
+    if checks is None:
+        mpi_comm.Allgather(local, table)
+        return
+    others = checks.others
+    checks.exchange(signature(op, local.dtype, local.size), [(r, local) for r in others],
+                    [(r, table[r]) for r in others]).Wait()
+    table[checks.rank] = local

@@ -23,7 +23,7 @@ from mpi4py import MPI
 from ..errors import ConfigError, UsageError
 from ..optim import impl
 from .blocks import WORD, MOVED, OpStats, RecvRows, block_layout, check_flat, sum_table
-from .checked import Checks
+from .checked import Checks, allgather_rows
 from .signature import signature
 from .watchdog import WaitRecord, guard_job
 
@@ -294,13 +294,7 @@ class Communicator:
         table = np.empty((self.size, local.size), np.float64)
         t = time.perf_counter()
         with self.waiting("sum_scalars"):
-            if self.checks is None:
-                self.mpi.Allgather(local, table)
-            else:
-                others = self.checks.others
-                self.checks.exchange(signature(op_name, local.dtype, local.size), [(r, local) for r in others],
-                                     [(r, table[r]) for r in others]).Wait()
-                table[self.rank] = local
+            allgather_rows(self.mpi, self.checks, op_name, local, table)
         st = self.stats["sum_scalars"]
         st.calls += 1
         st.sent(local.nbytes, self.peers)

@@ -15,7 +15,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .blocks import OpStats, sum_table
-from .checked import Checks
+from .checked import Checks, allgather_rows
 from .signature import signature
 from .watchdog import WaitRecord
 
@@ -54,13 +54,7 @@ class GroupComm:
         table = np.empty((self.size, local.size), np.float64)
         op = f"{self.kind}_sum_scalars"
         with self.waiting(op):
-            if self.checks is None:
-                self.mpi.Allgather(local, table)
-            else:
-                others = self.checks.others
-                self.checks.exchange(signature(op, local.dtype, local.size), [(r, local) for r in others],
-                                     [(r, table[r]) for r in others]).Wait()
-                table[self.rank] = local
+            allgather_rows(self.mpi, self.checks, op, local, table)
         return sum_table(table)
 
     def bytes_sent(self) -> int:
