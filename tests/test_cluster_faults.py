@@ -76,7 +76,8 @@ def test_a_link_that_flaps_changes_nothing_a_cut_one_ends_the_job_and_its_checkp
     # where the cut lands: a bucket's collective, or the agreement of the checkpoint save every 2 steps
     assert " at step " in line and (" of bucket " in line or " in checkpoint save: " in line), line
     assert "not arrived: no answer from ranks 2-3 on node1 (dead, hung, or cut off" in line, line
-    assert "waiting in it too: rank 1" in line, line
+    # rank 1, on node 0, answered: in the same collective, or already in the next one (several are in flight)
+    assert "waiting in it too: rank 1" in line or "rank 1 (node0) waits in " in line, line
     recorder = [l for l in err.splitlines() if l.startswith("zerompi: rank 0: flight recorder: ")]
     assert len(recorder) == 4 and "rank 2 (node1): no answer" in recorder[2], recorder
     assert "last collectives: " in recorder[0] and "reduce_scatter of bucket" in recorder[0], recorder
