@@ -40,6 +40,26 @@ def test_checkpoints_per_stage_consolidate_and_resume_at_another_dp_size(tmp_pat
     one_line(bad, 2, "a pipeline save (pp0-of-2, ...: 2 model chunks)")
 
 
+def test_a_pipelined_save_killed_before_its_rename_is_published_by_the_next_run(tmp_path):
+    """Every chunk's shards of step 4 written, the job killed before any rename: inspect names the
+    unpublished checkpoint in each chunk's folder, and the next run into the folder publishes step 4 in
+    every chunk (pp{c}-of-2/.tmp-..., one step of all chunks) and resumes from it."""
+    from tests.test_checkpoint import checkpoint_cli
+    from zerompi.checkpoint.pointer import latest_name
+    ck = tmp_path / "ck"
+    common = ["-m", "zerompi.train", *GPT, "--pp", "2", "--save-every", "2", "--save-dir", ck]
+    proc = run_mpi(2, [*common, "--steps", "4"], check=False, env={"ZEROMPI_CHECKPOINT_CRASH": "after_shards@4"})
+    assert proc.returncode != 0
+    assert [latest_name(ck / f"pp{c}-of-2") for c in (0, 1)] == ["step_000002"] * 2
+    note = checkpoint_cli("inspect", ck / "pp1-of-2").stdout
+    assert "holds a complete checkpoint of step 4 that was never published" in note, note
+    proc = run_mpi(2, [*common, "--steps", "6", "--resume", ck])
+    assert proc.stderr.count("published ") == 2, proc.stderr        # one line per chunk
+    for c in (0, 1):
+        chunk = ck / f"pp{c}-of-2"
+        assert sorted(p.name for p in chunk.iterdir()) == ["latest", "step_000002", "step_000004", "step_000006"]
+
+
 def test_the_trace_shows_the_schedule(tmp_path):
     m = run_train(2, tmp_path, *GPT, "--steps", "3", "--pp", "2", "--schedule", "zb-h1", "--trace",
                   tmp_path / "t.json", "--trace-steps", "2")

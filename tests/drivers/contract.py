@@ -163,10 +163,11 @@ def case_raise(stage):
 def case_no_close(stage):
     """A program that ends after step() without close(), collectives still in flight
     (stage 3: the next forward's prefetch; stages 1/2 with lazy_publish: the all-gathers)."""
-    eng = engine(stage, lazy_publish=True)
-    forward(eng, range(len(SIZES)))
-    g = grads(1, RANK)
-    for i in reversed(range(len(SIZES))):
+    sizes = SIZES + [4_000_000]      # a 16 MB layer: its gather cannot have arrived when step() returns
+    eng = engine(stage, sizes, lazy_publish=True)
+    forward(eng, range(len(sizes)))
+    g = grads(1, RANK, sizes)
+    for i in reversed(range(len(sizes))):
         eng.grads_ready(i, {f"w{i}": g[i]})
     eng.step()
     return {"in_flight": WORLD.allreduce(len(eng.inflight))}

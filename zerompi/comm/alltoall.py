@@ -10,8 +10,9 @@ heads). Both are one call::
     sp.all_to_all(y, scatter=1, gather=2)       # (B, T, H/K, hd)    -> (B, T/K, H, hd)
 
 and the backward of one is the other on the gradient. MPI moves contiguous blocks, so the parts
-are packed into ``send`` (K blocks, rank order), exchanged by one ``Alltoall`` into ``recv`` and
-unpacked into ``out``: two copies of the array, no arithmetic (the same bits on every path).
+are packed into ``send`` (K blocks, rank order), exchanged into ``recv`` (checked as every
+collective is: comm/group.py; MPI's own ``Alltoall`` with the check off) and unpacked into
+``out``: two copies of the array, no arithmetic (the same bits on every path).
 Each call sends (K-1)/K of the array's bytes from every rank, counted under its ``op``.
 """
 import time
