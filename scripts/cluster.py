@@ -95,18 +95,27 @@ def _alive(pid: int) -> bool:
 
 
 def remove_stale() -> List[str]:
-    """Delete the namespaces (and /etc/netns folders) of harness processes that no longer run
-    (killed with SIGKILL: no teardown ran). Returns their names."""
+    """Delete the namespaces (and /etc/netns folders) and the temporary folders (the agent script) of
+    harness processes that no longer run (killed with SIGKILL: no teardown ran). Returns their names."""
     out = _sh("ip", "netns", "list", check=False).stdout.split()
     gone = []
     for name in out:
-        if not name.startswith(STEM) or "x" not in name:
-            continue
-        pid = name[len(STEM):].split("x", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if _stale(name):
             _kill_namespace(name)
             gone.append(name)
+    for folder in Path(tempfile.gettempdir()).glob(f"{STEM}*x*-*"):
+        if folder.is_dir() and _stale(folder.name):
+            shutil.rmtree(folder, ignore_errors=True)
+            gone.append(str(folder))
     return gone
+
+
+def _stale(name: str) -> bool:
+    """``name`` (zmc<pid>x<n>-...) is made by a harness process that no longer runs."""
+    if not name.startswith(STEM) or "x" not in name:
+        return False
+    pid = name[len(STEM):].split("x", 1)[0]
+    return pid.isdigit() and not _alive(int(pid))
 
 
 def _namespace_pids(ns: str) -> List[int]:

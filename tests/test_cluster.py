@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import tempfile
 import sys
 from pathlib import Path
 
@@ -124,6 +125,7 @@ def test_teardown_leaves_nothing_behind(cluster, end):
         cl, _ = harness()
         assert set(cl.remove_stale()) >= {f"{prefix}-s", f"{prefix}-n0", f"{prefix}-n1"}
     assert ours(prefix) == []
+    assert list(Path(tempfile.gettempdir()).glob(f"{prefix}-*")) == []     # its agent's folder too
 
 
 def test_unavailable_says_why(monkeypatch):
