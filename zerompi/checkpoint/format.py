@@ -223,14 +223,18 @@ TP_FOLDER = re.compile(r"tp(\d+)-of-(\d+)")   # one TP rank's part of a save dir
 PP_FOLDER = re.compile(r"pp(\d+)-of-(\d+)")   # one pipeline chunk's part (zerompi/pipeline/engines.py)
 
 
+def is_part_folder(name: str) -> bool:
+    """``name`` is a tensor-parallel or pipeline part of a save folder (``tp{r}-of-{K}``, ``pp{c}-of-{C}``)."""
+    return bool(TP_FOLDER.fullmatch(name) or PP_FOLDER.fullmatch(name))
+
+
 def part_folders_of(directory: str) -> List[str]:
     """The folders of the save folder ``directory`` that hold its checkpoints: its tensor-parallel and
     pipeline parts (``tp{r}-of-{K}``, ``pp{c}-of-{C}``, ``pp{c}-of-{C}/tp{r}-of-{K}``), in order; [] when
     it has none (a plain run's: ``directory`` itself holds them)."""
     if not os.path.isdir(directory):
         return []
-    subs = [os.path.join(directory, n) for n in sorted(os.listdir(directory))
-            if TP_FOLDER.fullmatch(n) or PP_FOLDER.fullmatch(n)]
+    subs = [os.path.join(directory, n) for n in sorted(os.listdir(directory)) if is_part_folder(n)]
     return [leaf for sub in subs for leaf in (part_folders_of(sub) or [sub])]
 
 

@@ -19,7 +19,7 @@ import json
 import os
 from typing import List, Optional, Tuple
 
-from .format import PP_FOLDER, TP_FOLDER, part_folders_of, publish, shard_file
+from .format import is_part_folder, part_folders_of, publish, shard_file
 from .pointer import DRAFT, ENTRY, TEMP_PREFIX, latest_name, step_of
 
 
@@ -56,8 +56,7 @@ def recover(directory: str) -> List[str]:
     gets a step published only when every part folder holds a complete one of it (pieces of two steps would
     make a model that never was); one part folder alone (a TP rank's or a chunk's save) is left to a caller
     that sees them all (the train CLI at start)."""
-    base = os.path.basename(os.path.realpath(directory))
-    if TP_FOLDER.fullmatch(base) or PP_FOLDER.fullmatch(base):
+    if is_part_folder(os.path.basename(os.path.realpath(directory))):
         return []
     subs = part_folders_of(directory)
     if not subs:

@@ -19,20 +19,16 @@ here is a collective or touches MPI; rank 0 calls these, and the caller makes th
 """
 import json
 import os
-import re
 import socket
 import time
 from typing import List, Optional, Tuple
 
 from ..errors import ConfigError
-from .format import part_folders_of, remove_dir
+from .format import is_part_folder, part_folders_of, remove_dir
 from .orphans import orphans
 from .pointer import CHECKPOINT_NAME, LATEST, MANIFEST, complete_checkpoints, latest_name, read_latest, step_of
 
 LOCK = ".zerompi.lock"
-# A tensor-parallel or pipelined run's checkpoints: DIR/tp{r}-of-{K}/ (engine/tensor.py), DIR/pp{c}-of-{C}/
-# (zerompi/pipeline/engines.py: one per model chunk), and DIR/pp{c}-of-{C}/tp{r}-of-{K}/ with both.
-PART_FOLDER = re.compile(r"(tp|pp)\d+-of-\d+")
 
 
 def _process_start(pid: int) -> Optional[str]:
@@ -125,11 +121,12 @@ class SaveDirLock:
 def folders_read(role: str, path: Optional[str]) -> List[Tuple[str, str]]:
     """The (role, folder) pairs a reader of the checkpoint ``path`` (None: none) depends on, for
     outputs.check_roles: ``path`` itself and, where it is one checkpoint (``step_NNNNNN``) or one
-    tensor-parallel part (``tp{r}-of-{K}``), each save folder above it (its ``latest``, its checkpoints)."""
+    tensor-parallel or pipeline part (``tp{r}-of-{K}``, ``pp{c}-of-{C}``), each save folder above it (its
+    ``latest``, its checkpoints)."""
     if not path:
         return []
     found, real = [(role, path)], os.path.realpath(path)
-    while CHECKPOINT_NAME.fullmatch(os.path.basename(real)) or PART_FOLDER.fullmatch(os.path.basename(real)):
+    while CHECKPOINT_NAME.fullmatch(os.path.basename(real)) or is_part_folder(os.path.basename(real)):
         real = os.path.dirname(real)
         found.append((f"{role}'s save folder", real))
     return found
@@ -137,10 +134,9 @@ def folders_read(role: str, path: Optional[str]) -> List[Tuple[str, str]]:
 
 def saved_checkpoints(directory: str) -> List[str]:
     """The complete checkpoints in ``directory`` and in its tensor-parallel and pipeline folders
-    (``tp0-of-2/step_...``, ``pp1-of-2/tp0-of-2/step_...``), as paths relative to it."""
-    subs = sorted(n for n in os.listdir(directory) if PART_FOLDER.fullmatch(n)) if os.path.isdir(directory) else []
-    return complete_checkpoints(directory) + [f"{sub}/{name}" for sub in subs
-                                              for name in saved_checkpoints(os.path.join(directory, sub))]
+    (``tp0-of-2/step_...``, ``pp1-of-2/tp0-of-2/step_...``: format.part_folders_of), as paths relative to it."""
+    return complete_checkpoints(directory) + [f"{os.path.relpath(part, directory)}/{name}"
+                                              for part in part_folders_of(directory) for name in complete_checkpoints(part)]
 
 
 def own_folder(directory: str, resume: Optional[str]) -> bool:
