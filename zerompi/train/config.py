@@ -200,11 +200,8 @@ class TrainConfig:
         z, t = self.zero, self.zero.tp
         env = node_size_env() if z.node_size is None else None
         check_sizes(world_size, z.node_size or env or t, z.shard_size, t, env=env is not None)
-        if z.sp > 1:
-            from ..comm.mesh import check_sp
-            check_sp(z.sp, t, world_size, z.node_size or env)
-        if z.pp > 1:
-            from ..comm.mesh import check_mesh
+        if z.sp > 1 or z.pp > 1:
+            from ..comm.mesh import check_mesh         # sp and pp (tp again: checked above)
             check_mesh(world_size, t, z.pp, z.node_size or env, z.shard_size, sp=z.sp)
         dp = world_size // (t * z.sp * z.pp)
         parts = dp * z.micro_batches
