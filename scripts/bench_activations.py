@@ -16,16 +16,13 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from launch import mpiexec  # noqa: E402  (one launcher and environment for every script)
 MODELS = {
     "default GPT (2 x 64, T 64, batch 48)": [],
     "6 x 256 GPT (T 512, 8 heads, batch 8)": ["--n-layer", "6", "--d-model", "256", "--n-head", "8",
                                                "--seq-len", "512", "--batch", "8"],
 }
-
-
-def mpiexec() -> str:
-    here = Path(sys.executable).parent / "mpiexec"
-    return str(here) if here.exists() else "mpiexec"
 
 
 def run(ranks: int, steps: int, flags) -> dict:

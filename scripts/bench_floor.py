@@ -36,7 +36,6 @@ import argparse
 import json
 import os
 import random
-import shutil
 import statistics
 import subprocess
 import sys
@@ -49,6 +48,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+from launch import mpiexec  # noqa: E402  (one launcher and environment for every script)
 
 MODELS = {   # name: train CLI flags (the global batch included)
     "gpt-default": ["--model", "gpt"],
@@ -222,10 +223,6 @@ def params_sha256(engine) -> str:
 
 
 # ---- the launcher -------------------------------------------------------------------------------
-def mpiexec() -> str:
-    here = Path(sys.executable).parent / "mpiexec"
-    return str(here) if here.exists() else (shutil.which("mpiexec") or "mpiexec")
-
 
 def _run(cmd, timeout: float) -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")

@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import random
-import shutil
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+from launch import mpiexec  # noqa: E402  (one launcher and environment for every script)
 
 import zerompi  # noqa: E402  (the estimator: no MPI needed)
 
@@ -58,11 +59,6 @@ EXAMPLE = {   # the seed's example as 8 nodes of 8: name: (stage, estimate's top
     "shard groups of 8, stage 3": (3, dict(node_size=8, shard_size=8), "levels"),
     "hpZ, stage 3": (3, dict(node_size=8, hpz=True), "levels"),
 }
-
-
-def mpiexec() -> str:
-    here = Path(sys.executable).parent / "mpiexec"
-    return str(here) if here.exists() else (shutil.which("mpiexec") or "mpiexec")
 
 
 def run_train(mode: str, a, workdir: Path, tag: str, overlap: bool = True) -> dict:

@@ -31,6 +31,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+from launch import job_env, mpiexec  # noqa: E402  (one launcher and environment for every script)
 CASES = {      # name: the train flags of the model
     "gpt-6x256": ["--n-layer", "6", "--d-model", "256", "--n-head", "8", "--seq-len", "128", "--batch", "16"],
     "gpt-8x512": ["--n-layer", "8", "--d-model", "512", "--n-head", "8", "--seq-len", "16", "--batch", "2",
@@ -46,19 +48,9 @@ MODES = {      # name: the offload flags (DIR filled in)
 }
 
 
-def mpiexec() -> str:
-    here = Path(sys.executable).parent / "mpiexec"
-    return str(here) if here.exists() else "mpiexec"
-
-
-def env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
-                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-
-
 def run(cmd) -> str:
     """Run a command; its stdout, or SystemExit with the tail of what it printed."""
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=str(ROOT), timeout=3600, env=env())
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=str(ROOT), timeout=3600, env=job_env(ROOT))
     if proc.returncode != 0:
         raise SystemExit(f"bench_offload: {' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-2000:]}"
                          f"{proc.stderr[-2000:]}")

@@ -20,7 +20,6 @@ longest job fits the cap by what it measured). Times are only as good as the mac
 """
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+from launch import job_env, mpiexec  # noqa: E402  (one launcher and environment for every script)
 GPT = ["--model", "gpt", "--n-layer", "4", "--d-model", "256", "--n-head", "8", "--eval-every", "0",
        "--log-every", "1000", "--dtype", "fp32"]
 SPS = (1, 2, 4)
@@ -35,16 +36,6 @@ SPS = (1, 2, 4)
 
 def log(*args) -> None:
     print(*args, file=sys.stderr, flush=True)
-
-
-def mpiexec() -> str:
-    here = Path(sys.executable).parent / "mpiexec"
-    return str(here) if here.exists() else "mpiexec"
-
-
-def env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
-                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
 def job_flags(a, sp: int, seq_len: int, ckpt: bool = False) -> list:
@@ -60,7 +51,7 @@ def train(a, flags) -> dict:
         wrapper = ("import resource, subprocess, sys; p = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
                    "sys.stderr.write(p.stderr[-2000:]); print(p.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
         out = subprocess.run([sys.executable, "-c", wrapper, *cmd], capture_output=True, text=True, cwd=str(ROOT),
-                             timeout=3600, env=env())
+                             timeout=3600, env=job_env(ROOT))
         code, rss = out.stdout.split()[-2:]
         if code != "0":
             raise RuntimeError(f"{' '.join(flags)}: exit {code}\n{out.stderr}")
@@ -108,7 +99,7 @@ def bench(a, sp: int) -> list:
         path = Path(tmp) / "b.json"
         subprocess.run([mpiexec(), "-n", str(a.ranks), sys.executable, "-m", "zerompi.bench", "--sp", str(sp),
                         "-b", "64K", "-e", "16M", "-f", "4", "--check", "--no-overlap", "--json", str(path)],
-                       check=True, capture_output=True, cwd=str(ROOT), timeout=1800, env=env())
+                       check=True, capture_output=True, cwd=str(ROOT), timeout=1800, env=job_env(ROOT))
         return json.loads(path.read_text())
 
 

@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import random
-import shutil
 import statistics
 import subprocess
 import sys
@@ -25,11 +24,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def mpiexec() -> str:
-    here = Path(sys.executable).parent / "mpiexec"
-    return str(here) if here.exists() else (shutil.which("mpiexec") or "mpiexec")
+sys.path.insert(0, str(ROOT / "scripts"))
+from launch import mpiexec  # noqa: E402  (one launcher and environment for every script)
 
 
 def run_train(n: int, stage: int, dtype: str, overlap: bool, a, workdir: Path, tag: str) -> dict:

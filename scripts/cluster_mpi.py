@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from launch import mpiexec  # noqa: E402  (one launcher and environment for every script)
 MPICH_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
 OPEN_MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 OPEN_MPI_FLAGS = ["--bind-to", "none", "--mca", "mpi_yield_when_idle", "1", "--mca", "btl", "self,sm,tcp",
@@ -36,11 +38,6 @@ FORWARD = ("PYTHONPATH", "PATH", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL
 def _collect(stream, into: list) -> None:
     for line in stream:
         into.append(line)
-
-
-def mpiexec() -> str:
-    here = Path(sys.executable).parent / "mpiexec"
-    return str(here) if here.exists() else "mpiexec"
 
 
 @functools.lru_cache(maxsize=None)
