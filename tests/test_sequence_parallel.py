@@ -209,7 +209,6 @@ def test_bad_sp_input_is_one_line_and_exit_2(n, extra, needle):
     (["--sp", "0"], "sp=0 must be a whole number of ranks >= 1"),
     (["--sp", "2", "--device", "gpu"], "sp=2 runs on the CPU only"),
     (["--sp", "2", "--pp", "2", "--n-layer", "2"], "sp=2 (--sp) with pp=2 (--pp) is not supported yet"),
-    (["--sp", "2", "--simulate-world", "8"], "sp=2 (--sp) is not available with simulate_world=8 yet"),
 ])
 def test_bad_sp_config_is_refused_in_one_line(extra, needle):
     with pytest.raises(ConfigError) as e:

@@ -28,8 +28,9 @@ from ..errors import ConfigError, UsageError
 
 RULE = ("every other rank mirrors this one: a peer sends this rank a copy of what this rank contributes itself "
         "(a reduce-scatter sums N copies of its own slice, an all-gather fills every slice with its own, every "
-        "gathered number is its own), and every collective has arrived at once; memory and bytes sent are this "
-        "rank's in the real job, the loss and the parameters are not a real run's")
+        "gathered number is its own), a point-to-point message from another pipeline stage holds zeros, and "
+        "every message has arrived at once; memory and bytes sent are this rank's in the real job, the loss "
+        "and the parameters are not a real run's")
 
 
 class Arrived:
@@ -39,6 +40,9 @@ class Arrived:
         return True
 
     def Wait(self) -> None:
+        pass
+
+    def Cancel(self) -> None:
         pass
 
 
@@ -176,6 +180,29 @@ class SimulatedWorld:
 
     def Bcast(self, buf, root: int = 0) -> None:
         pass                     # this rank holds what the root holds
+
+    # ---- point to point: another stage's message holds zeros -------------------------------------
+    # A mirror cannot stand in for a pipeline neighbour (it runs other layers): what arrives from it is
+    # an array of zeros of the size posted (activations, their gradients, a tied weight's value), and
+    # what this rank sends goes nowhere; both at once. The bytes are counted where they are posted.
+    def _peer(self, peer: int, what: str) -> None:
+        if not (isinstance(peer, (int, np.integer)) and 0 <= peer < self.Get_size() and peer != self._rank):
+            raise UsageError(f"a simulated {what}: peer={peer!r} is not another rank of the {self.Get_size()}")
+
+    def Isend(self, buf, dest: int, tag: int = 0) -> Arrived:
+        self._peer(dest, "send")
+        return Arrived()
+
+    def Irecv(self, buf, source: int, tag: int = 0) -> Arrived:
+        self._peer(source, "receive")
+        _bytes(buf)[...] = 0
+        return Arrived()
+
+    def Send(self, buf, dest: int, tag: int = 0) -> None:
+        self.Isend(buf, dest, tag)
+
+    def Recv(self, buf, source: int, tag: int = 0, status=None) -> None:
+        self.Irecv(buf, source, tag)
 
 
 def check_world_rank(size, rank, node_size=None) -> None:

@@ -17,6 +17,7 @@ import numpy as np
 from ..engine.decay import exempt_names
 from ..errors import check
 from ..pipeline.config import PipelineConfig
+from .simulate import simulated
 
 UNSUPPORTED = (("device", "gpu", "--device gpu (the pipeline runs on the CPU for now)"),
                ("checkpoint_activations", True, "--checkpoint-activations"))
@@ -141,7 +142,10 @@ class PipelineJob:
         """(the step's loss, the summed stop flag): the last stage's mean micro-batch loss summed over the
         world in rank order with the other stages' zeros, divided by the ranks of one stage: the bits of an
         unpipelined run's (train/run.py) sum."""
-        total = self.comm.sum_scalars([sum(losses) / len(losses) if losses else 0.0, flag])
+        mine = sum(losses) / len(losses) if losses else 0.0
+        total = self.comm.sum_scalars([mine, flag])
+        if simulated(self.comm):                 # the stand-ins' sum is N copies of this rank's: its own instead
+            return float(mine), total[1]
         return float(total[0] / (self.comm.size // self.mesh.pp)), total[1]
 
     def close(self) -> None:
@@ -186,4 +190,7 @@ def validation_loss(job, chunk: int = 32) -> float:
                 comm.isend(np.ascontiguousarray(out).copy(), job.where[c + 1], TAGS["F"], KINDS["F"])
     comm.wait_all()
     keep = last is not None and mesh.tp_rank == 0
-    return float(job.comm.sum_scalars([total if keep else 0.0])[0]) / (data.val_size * data.seq_len)
+    summed = float(job.comm.sum_scalars([total if keep else 0.0])[0])
+    if simulated(job.comm):                      # N copies of this rank's sum: its own rows' mean instead
+        return total / max(1, len(mine) * data.seq_len) if keep else 0.0
+    return summed / (data.val_size * data.seq_len)

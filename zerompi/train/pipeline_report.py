@@ -26,6 +26,7 @@ from mpi4py import MPI
 
 from ..comm.watchdog import watched
 from .report import human_bytes, print0
+from .simulate import simulated
 
 
 def print_banner(cfg, job, comm) -> None:
@@ -140,17 +141,21 @@ def final_metrics(cfg, job, comm, log) -> dict:
         everyone = comm.mpi.allgather(mine)
     stage_of = [mesh.coords(r) for r in range(comm.size)]
     firsts = [r for r in range(comm.size) if stage_of[r]["dp"] == 0 and stage_of[r]["tp"] == 0]
-    pp_bytes = {k: [everyone[r][0][i] for r in firsts] for i, k in enumerate(kinds)}
-    pp_theory = {k: [everyone[r][1][i] for r in firsts] for i, k in enumerate(kinds)}
-    digest = model_digest(job.engines.engines, s, mesh)
-    if mesh.tp > 1 and mesh.pp_rank == 0 and mesh.dp_rank == 0:
+    # A simulated rank (train/simulate.py) knows its own stage only: the others' entries are None, and the
+    # digest, the bubble and the schedule on measured costs, which need every stage's, are not made.
+    alone = simulated(comm)
+    known = (lambda i: i == mesh.pp_rank) if alone else (lambda i: True)   # noqa: E731
+    pp_bytes = {k: [everyone[r][0][i] if known(st) else None for st, r in enumerate(firsts)] for i, k in enumerate(kinds)}
+    pp_theory = {k: [everyone[r][1][i] if known(st) else None for st, r in enumerate(firsts)] for i, k in enumerate(kinds)}
+    digest = None if alone else model_digest(job.engines.engines, s, mesh)
+    if mesh.tp > 1 and mesh.pp_rank == 0 and mesh.dp_rank == 0 and not alone:
         digest = hashlib.sha256("".join(mesh.tp_mpi.allgather(digest)).encode()).hexdigest()
     with watched(comm, "final metrics: the model's digest"):
         digest = comm.mpi.bcast(digest, root=0)
-    bubbles = _bubble(log.pp_times, mesh, comm)
+    bubbles = [] if alone else _bubble(log.pp_times, mesh, comm)
     costs = _costs(log.pp_times, comm)
-    sim = simulate.run(s, lambda a: costs.get((a.kind, a.chunk), 0.0)) if costs else None
-    params = _params_total(engines, mesh, comm)
+    sim = simulate.run(s, lambda a: costs.get((a.kind, a.chunk), 0.0)) if costs and not alone else None
+    params = whole_model_params(job.model) if alone else _params_total(engines, mesh, comm)
     n = len(names)
     times = list(log.times)
     return {
@@ -191,6 +196,12 @@ def most_zero_bytes(engine) -> int:
                                   engine.gatherer.secondary is not None, turns=False).values())
 
 
+def whole_model_params(model) -> int:
+    """Ψ of the whole model from its rules (engine/lazy.py): a TP rank's piece at its full size."""
+    from ..engine.lazy import Piece
+    return sum((a.whole if isinstance(a, Piece) else a).size for _, params in model.lazy_layers() for a in params.values())
+
+
 def _params_total(engines, mesh, comm) -> int:
     """Ψ of the whole model: every chunk's parameters once (a TP-split one at its full size)."""
     mine = 0
@@ -210,9 +221,10 @@ def print_summary(metrics: dict, comm) -> None:
                      f"{human_bytes(metrics['theory_bytes'])} unpadded); activations {human_bytes(metrics['activation_bytes'] or 0)}"
                      + (f" (formula {human_bytes(metrics['activation_theory_bytes'])})"
                         if metrics["activation_theory_bytes"] else ""))
+    show = lambda b: "-" if b is None else human_bytes(b)   # noqa: E731  (None: a stage a simulated rank is not)
     for kind, per in metrics["pp_bytes_per_step"].items():
-        print0(comm.mpi, f"  pipeline {kind:22} per stage per step: {', '.join(human_bytes(b) for b in per)} "
-                         f"(formula {', '.join(human_bytes(b) for b in metrics['pp_theory_bytes_per_step'][kind])})")
+        print0(comm.mpi, f"  pipeline {kind:22} per stage per step: {', '.join(show(b) for b in per)} "
+                         f"(formula {', '.join(show(b) for b in metrics['pp_theory_bytes_per_step'][kind])})")
     b, sb = metrics["bubble_fraction"], metrics["bubble_fraction_schedule"]
     print0(comm.mpi, f"  bubble: measured {b:.3f}, simulated on the measured costs {sb:.3f}, on equal costs "
                      f"{metrics['bubble_fraction_unit']:.3f} ({p['schedule']}, P = {p['pp']}, m = {p['micro_batches']}); "

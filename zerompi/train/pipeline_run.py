@@ -9,6 +9,8 @@ from collections import deque
 
 from ..comm.watchdog import watched
 from .history import StepLog
+from . import simulate
+from .report import leads, print0
 
 
 def train_pipelined(cfg, comm, build, stop=None) -> dict:
@@ -18,12 +20,18 @@ def train_pipelined(cfg, comm, build, stop=None) -> dict:
     from .pipeline import PipelineJob
     job = PipelineJob(cfg, comm, build)
     report.print_banner(cfg, job, comm)
+    if cfg.simulate_world:
+        print0(comm.mpi, simulate.banner(cfg))
     start = _resume(job, cfg) if cfg.resume else 0
     log = _run_steps(cfg, job, comm, start, stop)
     metrics = report.final_metrics(cfg, job, comm, log)
+    if cfg.simulate_world:
+        metrics.update(simulate.metrics(cfg, list(job.engines), comm, log, metrics))
     report.print_summary(metrics, comm)
+    if cfg.simulate_world:
+        print0(comm.mpi, simulate.summary(metrics))
     problem = None
-    if cfg.metrics_json and comm.rank == 0:
+    if cfg.metrics_json and leads(comm):        # rank 0, or a simulated world's one process
         from ..checkpoint.outputs import save_json
         problem = save_json(cfg.metrics_json, metrics, "metrics_json")
     if cfg.zero.trace:                           # a collective; rank 0 writes the ranks' timeline
@@ -39,12 +47,12 @@ def train_pipelined(cfg, comm, build, stop=None) -> dict:
 
 def _run_steps(cfg, job, comm, start: int, stop) -> StepLog:
     from .pipeline import validation_loss
-    from .report import print0, progress_bar
+    from .report import progress_bar
     from .console import choose_progress, step_line, stopped_line
     from .saves import Saves
     from ..engine.trace import align_clocks
     saves = Saves(cfg, job.engines, comm.mpi)
-    bar = comm.rank == 0 and choose_progress(cfg.progress) == "bar"
+    bar = leads(comm) and choose_progress(cfg.progress) == "bar"
     sent = lambda: sum(s.bytes for op, s in comm.stats.items() if op != "sum_scalars")
     log = StepLog(start, {op: s.bytes for op, s in comm.stats.items()})
     keep = min(log.cap, 64)
@@ -54,6 +62,11 @@ def _run_steps(cfg, job, comm, start: int, stop) -> StepLog:
     with watched(comm, "pipeline: aligning the clocks"):
         offset = align_clocks(comm, time.perf_counter)[0]
     gpt = cfg.model == "gpt"
+    stand_in = ""
+    if cfg.simulate_world:                       # a stage without the last chunk computes no loss at all
+        last = job.schedule.chunks - 1 in job.runners
+        stand_in = (" (simulated rank: not a real run's loss)" if last else
+                    f" (simulated rank of stage {job.mesh.pp_rank}: no loss is computed there)")
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
         for e in job.engines:
@@ -85,7 +98,7 @@ def _run_steps(cfg, job, comm, start: int, stop) -> StepLog:
                 log.base_bytes[op] = log.base_bytes.get(op, 0) + s.bytes - before.get(op, 0)
             evaluated, extra = True, f"  val {log.val_losses[-1][1]:.4f}"
         if step % cfg.log_every == 0 or step == cfg.steps - 1 or evaluated:
-            print0(comm.mpi, step_line(step, cfg.steps, loss, extra, result, log.times[-1], "", bar))
+            print0(comm.mpi, step_line(step, cfg.steps, loss, stand_in + extra, result, log.times[-1], "", bar))
         elif bar:
             print0(comm.mpi, f"\r{progress_bar(step + 1, cfg.steps)}  loss {loss:.4f}", end="")
         saves.after_step(step + 1, stopping)

@@ -103,7 +103,7 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
     if mesh and mesh.sp > 1:
         metrics.update(sequence.metrics(cfg, mesh, model, log))
     if cfg.simulate_world:
-        metrics.update(simulate.metrics(cfg, engine, comm, log, metrics))
+        metrics.update(simulate.metrics(cfg, [engine], comm, log, metrics))
     report.print_summary(metrics, engine, comm, log.base_bytes)
     for part in (tensor, sequence) if mesh else ():
         line = part.summary(metrics, cfg)

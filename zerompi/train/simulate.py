@@ -33,11 +33,6 @@ def check_config(cfg) -> None:
     check(cfg.zero.trace is None, f"trace={cfg.zero.trace!r} is not available with simulate_world={n} (a timeline "
                                    "of one real rank beside N - 1 stand-ins); drop one of the two")
     check(cfg.device == "cpu", f"device={cfg.device!r} is not available with simulate_world={n} yet; use --device cpu")
-    for name in ("sp", "pp"):
-        check(getattr(cfg.zero, name) == 1, f"{name}={getattr(cfg.zero, name)} (--{name}) is not available with "
-                                             f"simulate_world={n} yet (the stand-ins are not built for its "
-                                             "groups); drop one of the two")
-
 
 
 def world(cfg):
@@ -64,10 +59,10 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def estimate_row(cfg, engine) -> dict:
-    """zerompi.estimate's stage row for the same flags, on the engine's own layout (exact model states)."""
+def estimate_row(engine) -> dict:
+    """zerompi.estimate's stage row for an engine's own settings and layout (exact model states)."""
     from ..estimate.stages import estimate
-    z, t = cfg.zero, engine.topology
+    z, t = engine.config, engine.topology
     return estimate(layout=engine.layout, ranks=t.size, dtype=z.dtype, prefetch=z.prefetch, micro_batches=z.micro_batches,
                     overlap=z.overlap, align=z.align, node_size=t.node_size, shard_size=t.shard_size, hpz=z.hpz,
                     offload_optimizer=z.offload_optimizer, offload_params=z.offload_params,
@@ -75,11 +70,30 @@ def estimate_row(cfg, engine) -> dict:
                     quant_block=z.quant_block)["stages"][z.stage]
 
 
-def metrics(cfg, engine, comm, log, base: dict) -> dict:
-    """The "simulated" entry of the metrics: who this process stood for, the rule, the estimate beside, and
-    the bytes and calls per step of each collective (``log``: the step loop's, whose base_bytes are not steps')."""
+SUMMED = ("model_state_bytes", "buffer_bytes", "buffer_bytes_best_case")
+
+
+def estimate_rows(engines) -> dict:
+    """The estimate beside this rank: one engine's row, or the sum of the rows of its engines (a pipeline
+    stage's model chunks, each an ordinary ZeRO engine over the stage's data-parallel group)."""
+    rows = [estimate_row(e) for e in engines]
+    out = {k: sum(r[k] for r in rows) for k in SUMMED}
+    for k in ("buffers", "comm_bytes_per_step_by_level"):
+        out[k] = {}
+        for r in rows:
+            for name, v in r[k].items():
+                out[k][name] = out[k].get(name, 0) + v
+    out["formula"] = " + ".join(sorted({r["formula"] for r in rows})) + (f" for each of {len(rows)} chunks"
+                                                                         if len(rows) > 1 else "")
+    return out
+
+
+def metrics(cfg, engines, comm, log, base: dict) -> dict:
+    """The "simulated" entry of the metrics: who this process stood for, the rule, the estimate beside (``engines``:
+    this rank's, one or a pipeline stage's chunks), and the bytes and calls per step of each collective (``log``:
+    the step loop's, whose base_bytes are not steps')."""
     from ..comm.simulated import RULE
-    row = estimate_row(cfg, engine)
+    est = estimate_rows(engines)
     steps = max(1, log.steps_run)
     by_op = {op: {"bytes": (s.bytes - log.base_bytes.get(op, 0)) / steps, "calls": s.calls}
              for op, s in sorted(comm.stats.items())}
@@ -87,10 +101,7 @@ def metrics(cfg, engine, comm, log, base: dict) -> dict:
         "world_size": cfg.simulate_world, "rank": cfg.simulate_rank, "rule": RULE,
         "peak_rss_bytes": peak_rss_bytes(),
         "comm_by_op": by_op,          # bytes: a mean over the steps run; calls: every one, the start's included
-        "estimate": {"model_state_bytes": row["model_state_bytes"], "buffer_bytes": row["buffer_bytes"],
-                     "buffer_bytes_best_case": row["buffer_bytes_best_case"], "buffers": row["buffers"],
-                     "comm_bytes_per_step_by_level": row["comm_bytes_per_step_by_level"],
-                     "formula": row["formula"]},
+        "estimate": est,
         "measured": {"model_state_bytes": base["memory_bytes"]["total"], "buffer_bytes": base["peak_buffer_bytes"],
                      "activation_bytes": base["activation_bytes"], "comm_bytes_per_step": base["comm_bytes_per_step"]},
     }}

@@ -1,0 +1,66 @@
+"""One pipelined rank's memory and traffic, real and simulated, over the same cases (tests/test_simulated_mesh.py).
+
+``mpiexec -n 4 python simulated_mesh.py``: a real 4-rank job per case; rank 0 prints one JSON line, every
+rank's report per case. ``python simulated_mesh.py R``: one process as rank R of 4 (comm/simulated.py), the
+same cases; it prints one JSON line, its report per case. A report is what the rank measured after two
+steps: each of its chunks' model states and peak buffers, the activations its chunk runners held, the
+calls and bytes of every ZeRO collective (by level, and unquantized), of every kind of pipeline message
+(to peers on this node and on others) and of the TP all-reduces. Overlap is off, so the buffers a real
+run holds do not depend on its timing.
+"""
+import json
+import sys
+
+from zerompi.comm.communicator import as_communicator
+from zerompi.train.config import parse_config
+from zerompi.train.pipeline import PipelineJob
+from zerompi.train.run import build_model
+
+N = 4
+GPT = ["--n-layer", "4", "--d-model", "32", "--n-head", "2", "--seq-len", "16"]
+CASES = {
+    "1f1b-stage1": GPT + ["--pp", "2", "--stage", "1"],
+    "zb-h1-stage3-gather-per-step": GPT + ["--pp", "2", "--stage", "3", "--schedule", "zb-h1", "--pp-gather", "step"],
+    "interleaved-stage2-nodes-bf16": GPT + ["--pp", "2", "--stage", "2", "--schedule", "interleaved", "--chunks", "2",
+                                            "--node-size", "2", "--dtype", "bf16"],
+    "pp4-stage0": GPT + ["--pp", "4", "--stage", "0", "--micro-batches", "4"],
+    "gpipe-tp2-stage3": GPT + ["--pp", "2", "--tp", "2", "--stage", "3", "--schedule", "gpipe"],
+    "mlp-stage2-reduce-per-step": ["--model", "mlp", "--width", "32", "--depth", "4", "--pp", "2", "--stage", "2",
+                                   "--pp-grad-reduce", "step"],
+}
+
+
+def run(world, flags) -> dict:
+    cfg = parse_config(["--batch", "8", "--micro-batches", "2", "--no-overlap", "--bucket-mb", "0.01", *flags])
+    comm = as_communicator(world, 60)
+    cfg.check_world(comm.size)
+    job = PipelineJob(cfg, comm, build_model)
+    for step in range(2):
+        _, losses, _ = job.train_step(step)
+        job.reduce_loss(losses)
+    mesh = job.mesh
+    out = {"chunks": {str(c): [e.memory_report()["measured"], e.memory_report()["peak_buffers"]["bytes"]]
+                      for c, e in job.engines.engines.items()},
+           "activations": sum(getattr(r, "activation_bytes", 0) or 0 for r in job.runners.values()),
+           "zero": {op: [s.calls, s.bytes, s.intra, s.inter, s.logical] for op, s in sorted(comm.stats.items())},
+           "pp": {k: [s.calls, s.bytes, s.intra, s.inter] for k, s in sorted(mesh.pp_comm.stats.items()) if s.calls},
+           "tp": mesh.tp_comm.bytes_sent()}
+    job.close()
+    return out
+
+
+def main():
+    if len(sys.argv) > 1:
+        from zerompi import SimulatedWorld
+        rank = int(sys.argv[1])
+        print(json.dumps({name: run(SimulatedWorld(N, rank), flags) for name, flags in CASES.items()}))
+        return
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    out = {name: world.gather(run(world, flags), root=0) for name, flags in CASES.items()}
+    if world.Get_rank() == 0:
+        print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
