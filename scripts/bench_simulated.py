@@ -26,10 +26,11 @@ GIB = 2 ** 30
 
 
 def flags(a, stage: int, dtype: str):
+    piped = ["--pp", str(a.pp), "--micro-batches", str(a.pp)] if a.pp > 1 else []   # 1F1B: m = P, one sequence each
     return ["--simulate-world", str(a.world), "--simulate-rank", str(a.rank), "--stage", str(stage), "--dtype", dtype,
             "--n-layer", str(a.n_layer), "--d-model", str(a.d_model), "--n-head", str(a.n_head),
             "--seq-len", str(a.seq_len), "--batch", str(a.world), "--steps", str(a.steps), "--eval-every", "0",
-            "--progress", "lines"]
+            "--progress", "lines", *piped]
 
 
 def estimate(argv):
@@ -46,7 +47,7 @@ def estimate(argv):
 
 def run(a, stage: int, dtype: str) -> dict:
     argv = flags(a, stage, dtype)
-    out = {"stage": stage, "dtype": dtype, "estimate": estimate(argv)}
+    out = {"stage": stage, "dtype": dtype, "estimate": estimate(argv) if a.pp == 1 else None}   # --pp: the run's own
     limit = int(a.limit_gib * GIB)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "m.json"
@@ -60,12 +61,16 @@ def run(a, stage: int, dtype: str) -> dict:
             return out
         m = json.loads(path.read_text())
     sim = m["simulated"]
+    if a.pp > 1:                  # no preflight per pipeline stage: the estimate of the rank's chunks, as the run printed
+        out["estimate"] = dict(sim["estimate"], comm_bytes_per_step=sum(sim["estimate"]["comm_bytes_per_step_by_level"].values()))
+        stage = a.rank // (a.world // a.pp)     # world rank = dp rank + DP x stage (no tp, sp)
+        out["pp_bytes_per_step"] = {k: v[stage] for k, v in m["pp_bytes_per_step"].items()}
     out.update(measured={"model_state_bytes": m["memory_bytes"]["total"], "memory_bytes": m["memory_bytes"],
                          "buffer_bytes": m["peak_buffer_bytes"], "activation_bytes": m["activation_bytes"],
                          "peak_rss_bytes": sim["peak_rss_bytes"]},
                comm_by_op=sim["comm_by_op"], comm_bytes_per_step=m["comm_bytes_per_step"],
                comm_theory_bytes_per_step=m["comm_theory_bytes_per_step"], step_time_s=m["step_time_s"],
-               time_breakdown_s=m["time_breakdown_s"], rule=sim["rule"])
+               time_breakdown_s=m.get("time_breakdown_s"), rule=sim["rule"])   # (none with --pp)
     return out
 
 
@@ -99,6 +104,7 @@ def main():
     p.add_argument("--n-head", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=16)
     p.add_argument("--steps", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (1F1B, as many micro-batches)")
     p.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--dtypes", nargs="+", default=["fp16", "bf16"])
     p.add_argument("--limit-gib", type=float, default=8.0, help="address-space limit of each run (GiB)")
@@ -111,7 +117,7 @@ def main():
             runs.append(run(a, s, d))
             print(json.dumps(runs[-1]), file=sys.stderr, flush=True)    # each run as it ends: a long one shows progress
     report = {"world": a.world, "rank": a.rank, "model": {"n_layer": a.n_layer, "d_model": a.d_model,
-              "n_head": a.n_head, "seq_len": a.seq_len}, "limit_gib": a.limit_gib, "runs": runs}
+              "n_head": a.n_head, "seq_len": a.seq_len}, "pp": a.pp, "limit_gib": a.limit_gib, "runs": runs}
     print(json.dumps(report))
     if a.table:
         print(table(report))

@@ -87,13 +87,15 @@ def test_cli_simulated_pipeline_rank_reports_its_stage(tmp_path):
     assert sim["memory_bytes"]["total"] <= real["memory_bytes"]["total"]
 
 
-@pytest.mark.parametrize("n,rank,stage", [(512, 300, 1), (512, 7, 2), (4096, 4095, 3)])
-def test_simulated_pipeline_rank_equals_the_estimate_to_the_byte(tmp_path, n, rank, stage):
-    """Four stages of n / 4 data-parallel ranks: the rank's chunk against the estimate of its layout."""
+@pytest.mark.parametrize("n,rank,stage,chunks", [(512, 300, 1, 1), (512, 7, 2, 2), (4096, 4095, 3, 1), (4096, 2000, 3, 2)])
+def test_simulated_pipeline_rank_equals_the_estimate_to_the_byte(tmp_path, n, rank, stage, chunks):
+    """Four stages of n / 4 data-parallel ranks: the rank's chunks (two per stage: the interleaved schedule, whose
+    engines share the stage's communicator) against the estimate of their layouts."""
     out = tmp_path / "m.json"
+    schedule = ["--schedule", "interleaved", "--chunks", chunks] if chunks > 1 else []
     simulate(["-m", "zerompi.train", "--simulate-world", n, "--simulate-rank", rank, "--stage", stage, "--pp", 4,
-              "--micro-batches", 4, "--batch", n, "--n-layer", 4, "--d-model", 64, "--n-head", 2, "--seq-len", 16,
-              "--steps", 2, "--eval-every", 0, "--progress", "lines", "--metrics-json", out])
+              "--micro-batches", 4, "--batch", n, "--n-layer", 8, "--d-model", 64, "--n-head", 2, "--seq-len", 16,
+              "--steps", 2, "--eval-every", 0, "--progress", "lines", "--metrics-json", out, *schedule])
     s = json.loads(out.read_text())["simulated"]
     est, got = s["estimate"], s["measured"]
     assert got["model_state_bytes"] == est["model_state_bytes"]

@@ -300,7 +300,7 @@ class ZeroEngine:
         ``peak_buffers`` (largest transient bytes held at once, communication scratch included)."""
         k = self.group.k if self.gatherer.secondary is not None else 0    # hpZ's copy: 1/node_size
         return memory_report(self.ledger, self.layout, self.config, self.topology.shard_size,
-                             np.dtype(self.dtype).itemsize, k, sum(c.peak_scratch_bytes for c in self._comms()))
+                             np.dtype(self.dtype).itemsize, k, sum(c.peak_scratch_bytes for c in self.communicators()))
 
     def comm_theory_bytes(self) -> int:
         """Bytes per step one rank should send for the gradient and parameter collectives (padded layout)."""
@@ -323,7 +323,7 @@ class ZeroEngine:
         self.inflight.close()
         self.in_backward.close()
         self.optimizer.close()
-        for c in self._comms():
+        for c in self.communicators():
             c.free_scratch()
         if self.trace is not None:      # a collective: rank 0 writes the merged timeline
             self.trace.close()
@@ -332,7 +332,8 @@ class ZeroEngine:
         self.closed = True
 
     # ---- failures (docs/failures.md) --------------------------------------------
-    def _comms(self):   # the distinct communicators used: the world's, the group's, across groups
+    def communicators(self) -> list:
+        """The distinct Communicators this engine uses (the world's, its shard group's, across the groups)."""
         return list({id(c): c for c in (self.comm, self.group, self.replica) if c}.values())
 
     def _check_open(self) -> None:

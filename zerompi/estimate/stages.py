@@ -100,6 +100,10 @@ def _stage_row(stage: int, plan: BucketPlan, itemsize: int, micro_batches: int, 
         # (with nodes and shard groups: the two levels' and the all-reduce across groups', levels.py)
         "comm_scratch": isz * scratch_elements(plan, lv, pending),
     }
+    # one length's pooled receive buffers: what engines sharing one flat group's Communicator (a pipeline
+    # stage's chunks) hold once between them (sum_rows)
+    by_length = {str(n): isz * scratch_elements(SimpleNamespace(per_size=lambda k, n=n, c=c: n * min(c, k)), lv, pending)
+                 for n, c in plan.lengths().items()}
     comm, reuse = ring_bytes(stage, plan, isz, m, ahead, *quant)
     logical, _ = ring_bytes(stage, plan, isz, m, ahead)
     buckets = plan.num_buckets
@@ -119,6 +123,8 @@ def _stage_row(stage: int, plan: BucketPlan, itemsize: int, micro_batches: int, 
         "model_state_bytes": states["total"],
         "formula": formula(stage, isz, "N" if lv.replicas == 1 else "S", "K" if secondary else None),
         "buffers": buffers,
+        "comm_scratch_by_length": by_length,
+        "comm_scratch_shared": lv.m == 1 and lv.replicas == 1,   # the group's Communicator is the one given
         "buffer_bytes": buffer_bytes,
         "total_bytes": states["total"] + buffer_bytes,
         "comm_bytes_per_step": comm,                  # on the wire (values + scales when quantized)
@@ -235,6 +241,7 @@ def estimate(params: Optional[float] = None, ranks: Optional[int] = None, dtype:
         row["buffer_bytes_best_case"] = best["buffer_bytes"]
         row["total_bytes_best_case"] = best["total_bytes"]
         row["total_bytes_one_in_flight"] = best["total_bytes"]   # the best case's name before the cap
+        row["comm_scratch_by_length_best_case"] = best["comm_scratch_by_length"]
         # where offload puts the model states (stage 0 offloads nothing, params only at stage 3)
         where = SimpleNamespace(offload_optimizer=offload_optimizer if s > 0 else "none",
                                 offload_params=offload_params if s == 3 else "none")
@@ -273,3 +280,36 @@ def estimate(params: Optional[float] = None, ranks: Optional[int] = None, dtype:
         "by_level": any(v is not None for v in (node_size, shard_size, intra_gbps, inter_gbps)) or hpz,
         "stages": stages,
     }
+
+
+def sum_rows(rows, what: str = "engines") -> dict:
+    """One rank's stage row when it holds several engines over one group (a pipeline stage's model chunks),
+    from each engine's row: the numbers summed, the tables summed by key, one formula ("16Ψ/N for each of 2
+    chunks"). Over a flat group the engines share its Communicator, which pools receive buffers by length:
+    in the best case (every reduction done before the next) a length two engines use is held once."""
+    def add(values):
+        first = values[0]
+        if isinstance(first, dict):
+            return {k: add([v.get(k, 0) for v in values]) for k in set().union(*values)}
+        if isinstance(first, (int, float)) and not isinstance(first, bool):
+            return sum(values)
+        return first
+    skip = ("stage", "formula", "comm_scratch_by_length", "comm_scratch_by_length_best_case", "comm_scratch_shared")
+    out = {k: add([r[k] for r in rows]) for k in rows[0] if k not in skip}
+    if all(r["comm_scratch_shared"] for r in rows):
+        held: dict = {}
+        for r in rows:
+            for n, b in r["comm_scratch_by_length_best_case"].items():
+                held[n] = held.get(n, 0) + 1
+        twice = sum((c - 1) * _scratch_of(rows, n) for n, c in held.items())
+        out["buffer_bytes_best_case"] -= twice
+        out["total_bytes_best_case"] -= twice
+        out["total_bytes_one_in_flight"] -= twice
+    formulas = sorted({r["formula"] for r in rows})
+    out["stage"] = rows[0]["stage"]
+    out["formula"] = " + ".join(formulas) + (f" for each of {len(rows)} {what}" if len(rows) > 1 else "")
+    return out
+
+
+def _scratch_of(rows, n) -> int:
+    return next(r["comm_scratch_by_length_best_case"][n] for r in rows if n in r["comm_scratch_by_length_best_case"])

@@ -125,7 +125,7 @@ def final_metrics(cfg, job, comm, log) -> dict:
             measured[k] = measured.get(k, 0) + v
     theory = sum(e.memory_report()["theory"]["total"] for e in engines)
     padded = sum(e.memory_report()["theory_padded"]["total"] for e in engines)
-    peak = sum(e.memory_report()["peak_buffers"]["bytes"] for e in engines)
+    peak = peak_buffer_bytes(engines)
     act = sum(r.activation_bytes or 0 for r in job.runners.values()) if cfg.model == "gpt" else 0
     act_theory = activation_theory(job) if cfg.model == "gpt" and job.model.layers.name == "c" else 0
     names = sorted(measured)
@@ -184,6 +184,14 @@ def final_metrics(cfg, job, comm, log) -> dict:
         "config": {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in ("zero", "pipeline")}
         | {"zero": cfg.zero.to_dict(), "pipeline": cfg.pipeline.to_dict()},
     }
+
+
+def peak_buffer_bytes(engines) -> int:
+    """The transient bytes this rank's engines hold at most: each one's buffers at their peak, and the receive
+    scratch of the communicators they share (every chunk's engine uses the stage's ZeRO group) counted once --
+    each engine's own report counts all of its communicators' scratch."""
+    comms = {id(c): c for e in engines for c in e.communicators()}
+    return sum(e.ledger.peak["buffers"] for e in engines) + sum(c.peak_scratch_bytes for c in comms.values())
 
 
 def most_zero_bytes(engine) -> int:

@@ -70,22 +70,11 @@ def estimate_row(engine) -> dict:
                     quant_block=z.quant_block)["stages"][z.stage]
 
 
-SUMMED = ("model_state_bytes", "buffer_bytes", "buffer_bytes_best_case")
-
-
 def estimate_rows(engines) -> dict:
     """The estimate beside this rank: one engine's row, or the sum of the rows of its engines (a pipeline
     stage's model chunks, each an ordinary ZeRO engine over the stage's data-parallel group)."""
-    rows = [estimate_row(e) for e in engines]
-    out = {k: sum(r[k] for r in rows) for k in SUMMED}
-    for k in ("buffers", "comm_bytes_per_step_by_level"):
-        out[k] = {}
-        for r in rows:
-            for name, v in r[k].items():
-                out[k][name] = out[k].get(name, 0) + v
-    out["formula"] = " + ".join(sorted({r["formula"] for r in rows})) + (f" for each of {len(rows)} chunks"
-                                                                         if len(rows) > 1 else "")
-    return out
+    from ..estimate.stages import sum_rows
+    return sum_rows([estimate_row(e) for e in engines], "chunks")
 
 
 def metrics(cfg, engines, comm, log, base: dict) -> dict:
