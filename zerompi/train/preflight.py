@@ -2,6 +2,7 @@
 written, that an injected fault names a rank and a step of this job, and that the job fits in
 memory. Each returns or raises one line (ConfigError); main() makes the ranks agree on them.
 """
+from types import SimpleNamespace
 from typing import List, Optional, Tuple
 
 from ..checkpoint.outputs import check_file, check_folder, check_roles
@@ -115,16 +116,67 @@ def stage_estimate(cfg: TrainConfig, world_size: int) -> dict:
     return estimate(layout=layout, **common)["stages"][z.stage]
 
 
-def memory_needed(cfg: TrainConfig, world_size: int) -> dict:
+def pipeline_estimate(cfg: TrainConfig, world_size: int, rank: int) -> dict:
+    """zerompi.estimate's row for world rank ``rank`` of a pipelined job (--pp): the rows of the model chunks its
+    stage holds (the schedule's placement, models/chunks.py's cut of the layers), each laid out as its engine
+    lays it over the stage's data-parallel ranks, summed (estimate.stages.sum_rows). A chunk of more than
+    EXACT_LAYERS layers is estimated from its blocks alone, in closed form (a lower bound)."""
+    from ..estimate.plan import bucket_numel
+    from ..estimate.stages import estimate, sum_rows
+    from ..layout import FlatLayout
+    from .models.chunks import chunk_layers
+    from .pipeline import load_schedule
+    z, s = cfg.zero, load_schedule(cfg)
+    dp = world_size // (z.tp * z.sp * z.pp)
+    common = dict(ranks=dp, dtype=z.dtype, bucket_mb=z.bucket_mb, prefetch=z.prefetch, overlap=z.overlap,
+                  align=z.align, micro_batches=1 if cfg.pipeline.grad_reduce == "step" else z.micro_batches)
+    gpt = cfg.model == "gpt"
+    blocks = cfg.n_layer if gpt else cfg.depth
+    rows = []
+    for c in s.chunks_of(pipeline_stage(cfg, world_size, rank)):
+        if blocks // s.chunks > EXACT_LAYERS:
+            block = (12 * cfg.d_model ** 2 + 7 * cfg.d_model) // z.tp + 6 * cfg.d_model if gpt else \
+                min(layer_sizes(SimpleNamespace(model="mlp", width=cfg.width, depth=2), z.tp))
+            rows.append(estimate(params=blocks // s.chunks * block, largest_layer=block, **common)["stages"][z.stage])
+            continue
+        sizes = layer_sizes(cfg, z.tp)
+        layers = chunk_layers(len(sizes), [0] if gpt else [], [blocks + 1] if gpt else [], blocks, c, s.chunks)
+        spec = [(f"layer{g}", [(f"p{g}", (sizes[g],))]) for g in layers]
+        layout = FlatLayout(spec, dp, bucket_numel(z.dtype, z.bucket_mb), z.align)
+        rows.append(estimate(layout=layout, **common)["stages"][z.stage])
+    return sum_rows(rows, "chunks")
+
+
+def pipeline_stage(cfg: TrainConfig, world_size: int, rank: int) -> int:
+    """The pipeline stage of world rank ``rank`` (the mesh's order: rank = tp_i + TP (sp_i + SP (dp_i + DP pp_i)))."""
+    return rank // (world_size // cfg.zero.pp)
+
+
+def _pipeline_activations(cfg: TrainConfig, world_size: int, rank: int) -> int:
+    """The GPT's activation bytes on a pipelined rank (C kernels): per chunk, its micro-batches in flight (from
+    the schedule) x estimate/activations.py's chunk formula; what the run measures."""
+    from ..estimate.activations import gpt_chunk_activation_elements
+    from ..pipeline.simulate import in_flight
+    from .pipeline import load_schedule
+    s, z = load_schedule(cfg), cfg.zero
+    stage = pipeline_stage(cfg, world_size, rank)
+    rows = max(1, cfg.batch // (world_size // (z.tp * z.sp * z.pp)) // z.micro_batches)
+    vocab = FILE_VOCAB if cfg.data else GENERATED_VOCAB
+    return sum(4 * n * gpt_chunk_activation_elements(rows, cfg.seq_len, cfg.d_model, cfg.n_layer // s.chunks, cfg.n_head,
+                                                     vocab, c == 0, c == s.chunks - 1, s.split_backward)
+               for c, n in in_flight(s, stage).items())
+
+
+def memory_needed(cfg: TrainConfig, world_size: int, rank: int = 0) -> dict:
     """Bytes one rank holds at once at least, by part: the model states and engine buffers (zerompi.estimate,
     best case; with --tp for this TP rank's pieces), and the MLP's teacher (float32, built whole and kept) or
     the GPT's activations: on the CPU without --tp all of one micro-batch's (estimate/activations.py, what the
     run measures; with --sp K of this rank's chunk), else the attention probabilities one micro-batch keeps for
     the backward (one block's with checkpointing; n_head/(tp x sp) heads over the whole sequence). The
     built-in models are lazy (engine/lazy.py): no rank makes its initial parameters whole, so they add
-    nothing beside the model states."""
+    nothing beside the model states. With --pp: world rank ``rank``'s, the chunks of its stage (pipeline_estimate)."""
     z, tp = cfg.zero, cfg.zero.tp
-    row = stage_estimate(cfg, world_size)
+    row = pipeline_estimate(cfg, world_size, rank) if z.pp > 1 else stage_estimate(cfg, world_size)
     offloaded = (row["optimizer_bytes"] if z.offload_optimizer == "nvme" else 0) + \
         (row["params_bytes"] if z.offload_params == "nvme" else 0)       # in files, not in memory
     parts = {"model states and buffers": row["total_bytes_best_case"] - offloaded}
@@ -132,6 +184,10 @@ def memory_needed(cfg: TrainConfig, world_size: int) -> dict:
         parts["teacher network (float32)"] = 4 * model_size(cfg)[0]
         return parts
     rows = max(1, cfg.batch // (world_size // (tp * z.sp) * z.micro_batches))   # sequences per data-parallel rank
+    if z.pp > 1:                                 # the micro-batches in flight in each chunk of the stage
+        if tp == 1 and cfg.device == "cpu" and not cfg.checkpoint_activations:
+            parts["activations"] = _pipeline_activations(cfg, world_size, rank)
+        return parts
     if tp == 1 and cfg.device == "cpu":          # the C kernels' workspace: every activation, by its formula
         from ..estimate.activations import gpt_activation_bytes
         vocab = FILE_VOCAB if cfg.data else GENERATED_VOCAB
@@ -143,15 +199,14 @@ def memory_needed(cfg: TrainConfig, world_size: int) -> dict:
     return parts
 
 
-def memory_error(cfg: TrainConfig, world_size: int, placement) -> Optional[str]:
+def memory_error(cfg: TrainConfig, world_size: int, placement, rank: int = 0) -> Optional[str]:
     """One line when the job cannot fit in this rank's share of the machine (before anything is
-    allocated), else None. A lower bound is compared, so a job refused here cannot run."""
+    allocated), else None. A lower bound is compared, so a job refused here cannot run. With --pp each
+    rank checks its own stage's chunks (world rank ``rank``)."""
     from ..estimate.machine import available_per_rank, human_bytes
-    if cfg.zero.pp > 1:         # not estimated per pipeline stage yet: the whole model on one rank is no lower bound
-        return None
     have = available_per_rank(placement)
     try:
-        parts = memory_needed(cfg, world_size)
+        parts = memory_needed(cfg, world_size, rank)
     except ConfigError as e:       # the estimate refused the layout: say so, as the ranks agree on it
         return str(e)
     if placement is not None and placement.kind == "gpu":     # the device holds these; the host the rest
@@ -159,11 +214,14 @@ def memory_error(cfg: TrainConfig, world_size: int, placement) -> Optional[str]:
     need = sum(parts.values())
     if have is None or need <= have[0]:
         return None
-    tp, sp = cfg.zero.tp, cfg.zero.sp
+    tp, sp, pp = cfg.zero.tp, cfg.zero.sp, cfg.zero.pp
     tp_words = "".join(f" x {k} {what}-parallel" for k, what in ((sp, "sequence"), (tp, "tensor")) if k > 1)
-    tp_words = f" as {world_size // (tp * sp)} data-parallel{tp_words}" if tp_words else ""
+    tp_words = f" as {world_size // (tp * sp * pp)} data-parallel{tp_words}" if tp_words or pp > 1 else ""
+    if pp > 1:
+        tp_words += f" x {pp} pipeline stages; rank {rank}'s stage {pipeline_stage(cfg, world_size, rank)}"
     detail = ", ".join(f"{k} {human_bytes(v)}" for k, v in parts.items())
     return (f"the job needs at least {human_bytes(need)} per rank ({detail}; stage {cfg.zero.stage}, "
             f"{world_size} ranks{tp_words}, by zerompi.estimate) and this rank has {human_bytes(have[0])} ({have[1]}); "
-            "use a smaller model, more ranks, a higher --stage or --offload-optimizer nvme"
-            + (" (long sequences: --checkpoint-activations, --sp)" if cfg.model == "gpt" else ""))
+            + ("use a smaller model, more ranks, a higher --stage or more --pp stages" if pp > 1 else
+               "use a smaller model, more ranks, a higher --stage or --offload-optimizer nvme"
+               + (" (long sequences: --checkpoint-activations, --sp)" if cfg.model == "gpt" else "")))

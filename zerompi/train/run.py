@@ -262,7 +262,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     placement = place_every_rank(cfg.device, comm, "zerompi.train")   # gpu: needs CuPy and a GPU
     if placement is None:
         return 2
-    if agree_on_errors(comm, preflight.memory_error(cfg, world, placement), "zerompi.train"):
+    rank = cfg.simulate_rank if cfg.simulate_world else comm.Get_rank()     # --pp: each rank checks its stage
+    if agree_on_errors(comm, preflight.memory_error(cfg, world, placement, rank), "zerompi.train"):
         return 2                          # a job that cannot fit stops before it allocates
     from ..checkpoint.collective import CheckpointError
     try:

@@ -31,14 +31,25 @@ def parameter_buffer(key) -> bool:
     return isinstance(key, tuple) and len(key) == 2 and (key[0] == "param" or str(key[1]).startswith("g."))
 
 
-class MeteredWorkspace(Workspace):
-    """A persistent Workspace that counts its activation bytes: ``current`` and ``peak``."""
+def one_layer_buffer(key) -> bool:
+    """True for the parameter-sized buffers that live through one layer's call only (the ("param", name) copies
+    and the ("block", "g.<name>") gradients, read before the next layer's): workspaces may share them."""
+    return parameter_buffer(key) and key[0] in ("param", "block")
 
-    def __init__(self):
+
+class MeteredWorkspace(Workspace):
+    """A persistent Workspace that counts its activation bytes: ``current`` and ``peak``. ``shared``: a Workspace
+    that holds its one-layer buffers instead (the workspaces of micro-batches in flight share one set: a
+    pipeline stage with m micro-batches in flight keeps one fp32 copy of a block, not m)."""
+
+    def __init__(self, shared: Workspace = None):
         super().__init__(persistent=True)
         self.current = self.peak = 0
+        self.shared = shared
 
     def get(self, key, shape, dtype):
+        if self.shared is not None and one_layer_buffer(key):
+            return self.shared.get(key, shape, dtype)
         old = self._arrays.get(key)
         a = super().get(key, shape, dtype)
         if a is not old and not parameter_buffer(key):

@@ -7,24 +7,28 @@ backward the weight-gradient parts) lives from its F to its B (its W when the ba
 The GPT's C kernels write every activation into a Workspace: each micro-batch in flight gets one of
 its own from a pool (a micro-batch's buffers must outlive the next one's forward), returned after its
 last backward; ``activation_bytes`` is what the pool's workspaces hold at most (models/activations.py).
+The buffers that live through one layer's call only (a block's fp32 copy of its parameters, its
+gradients before the engine takes them) are one set for the whole pool, not one per micro-batch.
 """
 from typing import Dict, List, Optional
 
 from .activations import MeteredWorkspace
+from .gpt_fast import Workspace
 
 
 class WorkspacePool:
     """Workspaces for the micro-batches in flight: ``take(key)``, ``give(key)``; kept for reuse."""
 
-    def __init__(self):
+    def __init__(self, shared: Optional[Workspace] = None):
         self.free: List[MeteredWorkspace] = []
         self.used: Dict[object, MeteredWorkspace] = {}
         self.made: List[MeteredWorkspace] = []
+        self.shared = shared if shared is not None else Workspace()   # one-layer buffers: one set for all
 
     def take(self, key) -> MeteredWorkspace:
         ws = self.free.pop() if self.free else None
         if ws is None:
-            ws = MeteredWorkspace()
+            ws = MeteredWorkspace(self.shared)
             self.made.append(ws)
         self.used[key] = ws
         return ws
