@@ -1,13 +1,16 @@
 """The train CLI's pre-launch memory check (train/preflight.py) under --tp: its per-rank layers against
 the TP models' own pieces, its model states against what TP runs measure, and a job that fits only
-thanks to the split is let through (where the estimate without TP would refuse it)."""
+thanks to the split is let through (where the estimate without TP would refuse it). With --pp, each rank's
+own stage: against what a simulated rank of that stage measures, and a stage too big refused in one line."""
 import json
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from tests.mpirun import run_mpi
+from tests.mpirun import ROOT, mpi_env, one_line, run_mpi
 from zerompi.estimate import machine
 from zerompi.estimate.activations import gpt_activation_bytes
 from zerompi.estimate.tensor import gpt_tp
@@ -92,3 +95,55 @@ def test_tp_attention_and_init_parts():
                        .init_layers() for a in p.values())
     mlp = parse_config(["--model", "mlp", "--width", "64", "--depth", "2"])
     assert preflight.memory_needed(mlp, 4)["teacher network (float32)"] == 4 * 2 * (64 * 64 + 64)
+
+
+# ---- pipeline stages: each rank checks its own stage's chunks ------------------------------------------
+PIPELINED = [  # (world, rank, flags): the simulated rank's ledger, buffers and activations are the oracle
+    (8, 1, ["--pp", "2", "--stage", "1"]),
+    (8, 6, ["--pp", "2", "--stage", "3", "--schedule", "zb-h1", "--dtype", "bf16"]),
+    (8, 5, ["--pp", "4", "--chunks", "2", "--schedule", "interleaved", "--stage", "2", "--micro-batches", "4",
+            "--n-layer", "8"]),
+    (8, 3, ["--pp", "2", "--tp", "2", "--stage", "0", "--dtype", "fp32"]),
+]
+
+
+@pytest.mark.parametrize("world,rank,flags", PIPELINED)
+def test_pipeline_preflight_is_the_ranks_own_stage(tmp_path, world, rank, flags):
+    argv = GPT + ["--n-layer", "4", "--micro-batches", "2", "--batch", "16", "--steps", "2", *flags]
+    out = tmp_path / "m.json"
+    run_sim = ["--simulate-world", str(world), "--simulate-rank", str(rank), "--metrics-json", str(out)]
+    proc = subprocess.run([sys.executable, "-m", "zerompi.train", *argv, *run_sim], capture_output=True, text=True,
+                          timeout=240, env=mpi_env(), cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr
+    m = json.loads(out.read_text())
+    cfg = parse_config(argv)
+    row = preflight.pipeline_estimate(cfg, world, rank)
+    assert row["model_state_bytes"] == m["memory_bytes"]["total"]
+    assert row["buffer_bytes_best_case"] == m["peak_buffer_bytes"]
+    parts = preflight.memory_needed(cfg, world, rank)
+    assert parts["model states and buffers"] == m["memory_bytes"]["total"] + m["peak_buffer_bytes"]
+    if cfg.zero.tp == 1:
+        assert parts["activations"] == m["activation_bytes"]
+    else:
+        assert list(parts) == ["model states and buffers"]
+
+
+def test_a_pipeline_stage_that_cannot_fit_is_one_line_naming_the_rank(monkeypatch):
+    cfg = parse_config(GPT + ["--n-layer", "4", "--pp", "2", "--micro-batches", "2", "--stage", "0"])
+    need = [sum(preflight.memory_needed(cfg, 4, r).values()) for r in range(4)]
+    assert need[0] == need[1] != need[2] == need[3]           # the two stages hold other layers
+    have = min(need)
+    monkeypatch.setattr(machine, "available_per_rank", lambda placement: (have, "a test's share"))
+    big = max(range(4), key=lambda r: need[r])
+    assert preflight.memory_error(cfg, 4, None, min(range(4), key=lambda r: need[r])) is None
+    line = preflight.memory_error(cfg, 4, None, big)
+    assert line and "\n" not in line and f"rank {big}'s stage {big // 2}" in line and "2 pipeline stages" in line
+    assert "more --pp stages" in line
+
+
+def test_the_cli_refuses_a_pipeline_stage_too_big_for_here():
+    proc = subprocess.run([sys.executable, "-m", "zerompi.train", "--simulate-world", "2", "--simulate-rank", "1",
+                           "--pp", "2", "--n-layer", "2", "--d-model", "16384", "--n-head", "8", "--micro-batches", "2",
+                           "--stage", "0", "--steps", "1"], capture_output=True, text=True, timeout=120, env=mpi_env(),
+                          cwd=str(ROOT))
+    one_line(proc, 2, "the job needs at least", "rank 1's stage 1", "2 pipeline stages")
