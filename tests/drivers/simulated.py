@@ -50,15 +50,16 @@ def run(world, kw: dict) -> dict:
     return out
 
 
-def main():
+def main(run=run, cases=CASES, n: int = N):
+    """Rank R of n simulated (``sys.argv[1]``: R) or the real job: ``run(world, case)`` for every case."""
     if len(sys.argv) > 1:
         from zerompi import SimulatedWorld
         rank = int(sys.argv[1])
-        print(json.dumps({name: run(SimulatedWorld(N, rank), kw) for name, kw in CASES.items()}))
+        print(json.dumps({name: run(SimulatedWorld(n, rank), kw) for name, kw in cases.items()}))
         return
     from mpi4py import MPI
     world = MPI.COMM_WORLD
-    out = {name: world.gather(run(world, kw), root=0) for name, kw in CASES.items()}
+    out = {name: world.gather(run(world, kw), root=0) for name, kw in cases.items()}
     if world.Get_rank() == 0:
         print(json.dumps(out))
 

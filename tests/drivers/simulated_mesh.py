@@ -8,9 +8,6 @@ calls and bytes of every ZeRO collective (by level, and unquantized), of every k
 (to peers on this node and on others) and of the TP all-reduces. Overlap is off, so the buffers a real
 run holds do not depend on its timing.
 """
-import json
-import sys
-
 from zerompi.comm.communicator import as_communicator
 from zerompi.train.config import parse_config
 from zerompi.train.pipeline import PipelineJob
@@ -49,18 +46,6 @@ def run(world, flags) -> dict:
     return out
 
 
-def main():
-    if len(sys.argv) > 1:
-        from zerompi import SimulatedWorld
-        rank = int(sys.argv[1])
-        print(json.dumps({name: run(SimulatedWorld(N, rank), flags) for name, flags in CASES.items()}))
-        return
-    from mpi4py import MPI
-    world = MPI.COMM_WORLD
-    out = {name: world.gather(run(world, flags), root=0) for name, flags in CASES.items()}
-    if world.Get_rank() == 0:
-        print(json.dumps(out))
-
-
 if __name__ == "__main__":
-    main()
+    from simulated import main        # this folder's driver: the same real / simulated launch
+    main(run, CASES, N)

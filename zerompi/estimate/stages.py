@@ -297,9 +297,9 @@ def sum_rows(rows, what: str = "engines") -> dict:
     skip = ("stage", "formula", "comm_scratch_by_length", "comm_scratch_by_length_best_case", "comm_scratch_shared")
     out = {k: add([r[k] for r in rows]) for k in rows[0] if k not in skip}
     if all(r["comm_scratch_shared"] for r in rows):
-        held: dict = {}
+        held: dict = {}                       # bucket length -> the engines that pool receive buffers of it
         for r in rows:
-            for n, b in r["comm_scratch_by_length_best_case"].items():
+            for n in r["comm_scratch_by_length_best_case"]:
                 held[n] = held.get(n, 0) + 1
         twice = sum((c - 1) * _scratch_of(rows, n) for n, c in held.items())
         out["buffer_bytes_best_case"] -= twice
