@@ -8,8 +8,9 @@ share). It prints one JSON object: per run the ledger's model states and buffers
 process's peak resident set, the bytes and calls of each collective per step and the step time, beside
 zerompi.estimate's numbers for the same flags (each run also as one JSON line on stderr as it ends); where the preflight refuses a run (exit 2, one line:
 the job cannot fit), that line is the run's answer, with the estimate. ``--n-layer`` / ``--d-model``
-make a smaller model (check the RSS prediction on one before the big run); ``--table`` also prints
-the markdown table of docs/estimate.md.
+make a smaller model (check the RSS prediction on one before the big run); ``--pp P`` runs rank R of
+the job as P pipeline stages (1F1B, P micro-batches of one sequence each; the estimate is the run's own
+of its stage's chunks); ``--table`` also prints the markdown table of docs/estimate.md.
 """
 import argparse
 import json

@@ -104,6 +104,7 @@ PIPELINED = [  # (world, rank, flags): the simulated rank's ledger, buffers and 
     (8, 5, ["--pp", "4", "--chunks", "2", "--schedule", "interleaved", "--stage", "2", "--micro-batches", "4",
             "--n-layer", "8"]),
     (8, 3, ["--pp", "2", "--tp", "2", "--stage", "0", "--dtype", "fp32"]),
+    (8, 5, ["--pp", "2", "--sp", "2", "--stage", "2", "--schedule", "zb-h1"]),
 ]
 
 

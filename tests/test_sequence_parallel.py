@@ -208,7 +208,6 @@ def test_bad_sp_input_is_one_line_and_exit_2(n, extra, needle):
     (["--sp", "2", "--n-head", "3", "--d-model", "48"], "sp=2 does not divide n_head=3"),
     (["--sp", "0"], "sp=0 must be a whole number of ranks >= 1"),
     (["--sp", "2", "--device", "gpu"], "sp=2 runs on the CPU only"),
-    (["--sp", "2", "--pp", "2", "--n-layer", "2"], "sp=2 (--sp) with pp=2 (--pp) is not supported yet"),
 ])
 def test_bad_sp_config_is_refused_in_one_line(extra, needle):
     with pytest.raises(ConfigError) as e:

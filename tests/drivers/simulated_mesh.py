@@ -22,6 +22,7 @@ CASES = {
                                             "--node-size", "2", "--dtype", "bf16"],
     "pp4-stage0": GPT + ["--pp", "4", "--stage", "0", "--micro-batches", "4"],
     "gpipe-tp2-stage3": GPT + ["--pp", "2", "--tp", "2", "--stage", "3", "--schedule", "gpipe"],
+    "zb-h1-sp2-stage2": GPT + ["--pp", "2", "--sp", "2", "--stage", "2", "--schedule", "zb-h1"],
     "mlp-stage2-reduce-per-step": ["--model", "mlp", "--width", "32", "--depth", "4", "--pp", "2", "--stage", "2",
                                    "--pp-grad-reduce", "step"],
 }
@@ -41,7 +42,7 @@ def run(world, flags) -> dict:
            "activations": sum(getattr(r, "activation_bytes", 0) or 0 for r in job.runners.values()),
            "zero": {op: [s.calls, s.bytes, s.intra, s.inter, s.logical] for op, s in sorted(comm.stats.items())},
            "pp": {k: [s.calls, s.bytes, s.intra, s.inter] for k, s in sorted(mesh.pp_comm.stats.items()) if s.calls},
-           "tp": mesh.tp_comm.bytes_sent()}
+           "tp": mesh.tp_comm.bytes_sent(), "sp": mesh.sp_comm.bytes_sent()}
     job.close()
     return out
 

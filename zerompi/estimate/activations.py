@@ -55,17 +55,19 @@ def gpt_activation_elements(batch: int, seq_len: int, d_model: int, n_layer: int
 
 
 def gpt_chunk_activation_elements(batch: int, seq_len: int, d_model: int, blocks: int, n_head: int, vocab: int,
-                                  first: bool, last: bool, split: bool = False) -> int:
+                                  first: bool, last: bool, split: bool = False, sp: int = 1) -> int:
     """Elements one micro-batch in flight holds in one pipeline chunk of ``blocks`` blocks (models/gpt_pp.py:
     a workspace each), as gpt_activation_elements counts them: the blocks' kept buffers and backward (with a
     split backward, ``split``, each block keeps its d fc and d qkv, 7 n C, to its W instead of sharing them),
-    the embedding's output and one-hot on the first chunk, the final LayerNorm and the head on the last."""
-    B, T, C, L, H, V = batch, seq_len, d_model, blocks, n_head, vocab
-    n, A = B * T, B * H * T * T
+    the embedding's output and one-hot on the first chunk, the final LayerNorm and the head on the last.
+    ``sp``: ranks sharing each sequence (n = B T/K rows, A = B (H/K) T^2, and the all-to-alls' 10 n C)."""
+    B, T, C, L, H, V, K = batch, seq_len, d_model, blocks, n_head, vocab, sp
+    n, A = B * T // K, B * (H // K) * T * T
     kept = L * (16 * n * C + 4 * n + A)
     backward = 2 * L * n * C + (L * 7 * n * C + 3 * n * C if split else 10 * n * C) + A
     ends = (n * C + n * V if first else 0) + ((2 * n * C + 2 * n) + (2 * n * V + n * C) if last else 0)
-    return kept + backward + ends
+    exchange = 10 * n * C if K > 1 else 0        # models/gpt_sp.py's shared all-to-all buffers, per workspace
+    return kept + backward + ends + exchange
 
 
 def gpt_activation_bytes(batch: int, seq_len: int, d_model: int, n_layer: int, n_head: int, vocab: int,

@@ -129,9 +129,6 @@ class TrainConfig:
         if self.zero.sp > 1:
             from .sequence import check_model as check_sp_model
             check_sp_model(self)
-        check(self.zero.sp == 1 or self.zero.pp == 1,
-              f"sp={self.zero.sp} (--sp) with pp={self.zero.pp} (--pp) is not supported yet: the pipeline's stages "
-              "are not sequence-parallel; use one of the two")
         from .pipeline import check_model as check_pipeline
         check_pipeline(self)
         check(self.steps >= 1, f"steps={self.steps} must be >= 1")

@@ -79,12 +79,12 @@ class PipelineJob:
         from ..pipeline.executor import PipelineExecutor
         self.cfg, self.comm = cfg, comm
         z = cfg.zero
-        self.mesh = mesh = Mesh(comm, z.tp, pp=z.pp, node_size=z.node_size)
+        self.mesh = mesh = Mesh(comm, z.tp, sp=z.sp, pp=z.pp, node_size=z.node_size)
         self.schedule = load_schedule(cfg)
         check_consistent(comm, "pipeline schedule", {"schedule": self.schedule.text()})   # a file per rank
         self.where = self.schedule.placement()
         self.local = self.schedule.chunks_of(mesh.pp_rank)
-        self.model, self.data = build(cfg, xp, mesh if z.tp > 1 else None)   # train/run.py's build_model
+        self.model, self.data = build(cfg, xp, mesh if z.tp > 1 or z.sp > 1 else None)   # train/run.py's build_model
         names = [n for _, params in self.model.lazy_layers() for n in params]
         exempt_names(SimpleNamespace(params=dict.fromkeys(names)), z.no_decay)   # over the whole model, as unpipelined
         self.runners = {c: self._runner(c) for c in self.local}
@@ -179,7 +179,7 @@ def validation_loss(job, chunk: int = 32) -> float:
                 if src == me:
                     x = outputs.pop((k, c - 1))
                 else:
-                    buf = np.empty((len(r), data.seq_len, job.model.d_model), job.model.dtype)
+                    buf = np.empty((len(r), data.seq_len // mesh.sp, job.model.d_model), job.model.dtype)
                     x = comm.wait(comm.irecv(buf, src, TAGS["F"], KINDS["F"]), "pipeline: held-out activations")
             out = runner.evaluate(r, x)
             if c == C - 1:

@@ -48,7 +48,7 @@ def _bubble(pp_times, mesh, comm) -> List[float]:
     groups: Dict[tuple, List[int]] = {}
     for r in range(comm.size):
         c = mesh.coords(r)
-        groups.setdefault((c["dp"], c["tp"]), []).append(r)
+        groups.setdefault((c["dp"], c["sp"], c["tp"]), []).append(r)
     out = []
     for k in range(1 if len(mine) > 1 else 0, len(mine)):
         values = []
@@ -98,6 +98,19 @@ def message_theory(job) -> Dict[str, int]:
     return out
 
 
+def sp_theory(job) -> int:
+    """The SP all-to-all bytes this rank sends per step (--sp): the micro-batches through its chunks' blocks
+    (estimate/sequence.all_to_all_bytes, each micro-batch this rank's seq_len / sp positions of its rows)."""
+    from ..estimate.sequence import all_to_all_bytes
+    cfg, mesh, s = job.cfg, job.mesh, job.schedule
+    if mesh.sp == 1 or cfg.model != "gpt":
+        return 0
+    rows = cfg.batch // mesh.dp // cfg.zero.micro_batches
+    blocks = len(job.runners) * (cfg.n_layer // s.chunks)
+    return cfg.zero.micro_batches * all_to_all_bytes(blocks, rows, cfg.seq_len // mesh.sp, cfg.d_model // mesh.tp,
+                                                     mesh.sp)
+
+
 def activation_theory(job) -> int:
     """The GPT's activation bytes on this rank: per chunk, its micro-batches in flight x the chunk formula."""
     from ..estimate.activations import gpt_chunk_activation_elements
@@ -109,7 +122,7 @@ def activation_theory(job) -> int:
     total = 0
     for c, r in job.runners.items():
         e = gpt_chunk_activation_elements(rows, cfg.seq_len, cfg.d_model, blocks, cfg.n_head, m.vocab, r.first,
-                                          r.last, s.split_backward)
+                                          r.last, s.split_backward, sp=job.mesh.sp)
         total += peak[c] * e * np.dtype(m.dtype).itemsize
     return total
 
@@ -132,7 +145,7 @@ def final_metrics(cfg, job, comm, log) -> dict:
     steady = lambda v: int(statistics.median(list(v)[1:] or list(v))) if v else 0   # noqa: E731
     top = np.array([measured[k] for k in names] + [theory, act, act_theory, steady(log.comm_bytes),
                     sum(e.comm_theory_bytes() for e in engines), steady(log.tp_bytes), padded,
-                    sum(most_zero_bytes(e) for e in engines), peak], np.int64)
+                    sum(most_zero_bytes(e) for e in engines), peak, steady(log.sp_bytes), sp_theory(job)], np.int64)
     with watched(comm, "final metrics: all-reduce (max) of memory and traffic bytes"):
         comm.mpi.Allreduce(MPI.IN_PLACE, top, op=MPI.MAX)
     kinds = sorted({k for step in log.pp_bytes for k in step} | set(message_theory(job)))
@@ -140,7 +153,7 @@ def final_metrics(cfg, job, comm, log) -> dict:
     with watched(comm, "final metrics: the messages of each stage"):
         everyone = comm.mpi.allgather(mine)
     stage_of = [mesh.coords(r) for r in range(comm.size)]
-    firsts = [r for r in range(comm.size) if stage_of[r]["dp"] == 0 and stage_of[r]["tp"] == 0]
+    firsts = [r for r in range(comm.size) if stage_of[r]["dp"] == stage_of[r]["sp"] == stage_of[r]["tp"] == 0]
     # A simulated rank (train/simulate.py) knows its own stage only: the others' entries are None, and the
     # digest, the bubble and the schedule on measured costs, which need every stage's, are not made.
     alone = simulated(comm)
@@ -168,7 +181,8 @@ def final_metrics(cfg, job, comm, log) -> dict:
         "tp_bytes_per_step": int(top[n + 5]), "theory_bytes_padded": int(top[n + 6]),
         "comm_most_bytes_per_step": int(top[n + 7]),   # stage 3: no bucket kept across a turn (traffic.step_bytes)
         "peak_buffer_bytes": int(top[n + 8]),          # the engines' transient buffers at peak (stage 3's gathered ones)
-        "pipeline": {"pp": mesh.pp, "dp": mesh.dp, "tp": mesh.tp, "schedule": s.name, "chunks": s.chunks,
+        "sp_bytes_per_step": int(top[n + 9]), "sp_theory_bytes_per_step": int(top[n + 10]),   # the SP all-to-alls
+        "pipeline": {"pp": mesh.pp, "dp": mesh.dp, "sp": mesh.sp, "tp": mesh.tp, "schedule": s.name, "chunks": s.chunks,
                      "micro_batches": s.micro_batches, "split_backward": s.split_backward,
                      "grad_reduce": cfg.pipeline.grad_reduce, "gather": cfg.pipeline.gather,
                      "costs_s": {f"{k}{c}": v for (k, c), v in sorted(costs.items())},
@@ -213,7 +227,7 @@ def whole_model_params(model) -> int:
 def _params_total(engines, mesh, comm) -> int:
     """Ψ of the whole model: every chunk's parameters once (a TP-split one at its full size)."""
     mine = 0
-    if mesh.dp_rank == 0 and mesh.tp_rank == 0:
+    if mesh.dp_rank == mesh.sp_rank == mesh.tp_rank == 0:
         for e in engines:
             split = e.tp.split if e.tp else {}
             mine += sum(pr.numel * (mesh.tp if name in split else 1) for name, pr in e.layout.params.items())
@@ -233,6 +247,10 @@ def print_summary(metrics: dict, comm) -> None:
     for kind, per in metrics["pp_bytes_per_step"].items():
         print0(comm.mpi, f"  pipeline {kind:22} per stage per step: {', '.join(show(b) for b in per)} "
                          f"(formula {', '.join(show(b) for b in metrics['pp_theory_bytes_per_step'][kind])})")
+    if p.get("sp", 1) > 1:
+        print0(comm.mpi, f"  sp all-to-all per rank per step: {human_bytes(metrics['sp_bytes_per_step'])} (formula "
+                         f"{human_bytes(metrics['sp_theory_bytes_per_step'])}: the micro-batches through this stage's "
+                         f"blocks, 2 passes x 4nC x (K-1)/K x 4 B, K = {p['sp']})")
     b, sb = metrics["bubble_fraction"], metrics["bubble_fraction_schedule"]
     print0(comm.mpi, f"  bubble: measured {b:.3f}, simulated on the measured costs {sb:.3f}, on equal costs "
                      f"{metrics['bubble_fraction_unit']:.3f} ({p['schedule']}, P = {p['pp']}, m = {p['micro_batches']}); "

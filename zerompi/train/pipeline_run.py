@@ -57,8 +57,9 @@ def _run_steps(cfg, job, comm, start: int, stop) -> StepLog:
     log = StepLog(start, {op: s.bytes for op, s in comm.stats.items()})
     keep = min(log.cap, 64)
     log.pp_bytes, log.tp_bytes, log.pp_times = deque(maxlen=log.cap), deque(maxlen=log.cap), deque(maxlen=keep)
+    log.sp_bytes = deque(maxlen=log.cap)
     log.pp_msgs = deque(maxlen=cfg.zero.trace_steps)     # --trace: each kept step's messages
-    pc, tc = job.mesh.pp_comm, job.mesh.tp_comm
+    pc, tc, sc = job.mesh.pp_comm, job.mesh.tp_comm, job.mesh.sp_comm
     with watched(comm, "pipeline: aligning the clocks"):
         offset = align_clocks(comm, time.perf_counter)[0]
     gpt = cfg.model == "gpt"
@@ -72,7 +73,7 @@ def _run_steps(cfg, job, comm, start: int, stop) -> StepLog:
         for e in job.engines:
             e.timers.take()
         b0, l0, q0 = sent(), comm.level_bytes(), comm.logical_bytes()
-        p0, tp0 = {k: s.bytes for k, s in pc.stats.items()}, tc.bytes_sent()
+        p0, tp0, sp0 = {k: s.bytes for k, s in pc.stats.items()}, tc.bytes_sent(), sc.bytes_sent()
         pc.events = [] if cfg.zero.trace else None
         result, losses, times = job.train_step(step)
         if pc.events is not None:
@@ -89,6 +90,7 @@ def _run_steps(cfg, job, comm, start: int, stop) -> StepLog:
                    (l1["intra"] - l0["intra"], l1["inter"] - l0["inter"], comm.logical_bytes() - q0))
         log.pp_bytes.append({k: s.bytes - p0.get(k, 0) for k, s in pc.stats.items()})
         log.tp_bytes.append(tc.bytes_sent() - tp0)
+        log.sp_bytes.append(sc.bytes_sent() - sp0)
         log.pp_times.append([(a.action, a.start + offset, a.ready + offset, a.end + offset) for a in times])
         extra, evaluated = "", False
         if gpt and cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1 or stopping):

@@ -127,8 +127,8 @@ def pipeline_estimate(cfg: TrainConfig, world_size: int, rank: int) -> dict:
     from .models.chunks import chunk_layers
     from .pipeline import load_schedule
     z, s = cfg.zero, load_schedule(cfg)
-    dp = world_size // (z.tp * z.sp * z.pp)
-    common = dict(ranks=dp, dtype=z.dtype, bucket_mb=z.bucket_mb, prefetch=z.prefetch, overlap=z.overlap,
+    group = world_size // (z.tp * z.pp)           # the stage's ZeRO group: its data- x sequence-parallel ranks
+    common = dict(ranks=group, dtype=z.dtype, bucket_mb=z.bucket_mb, prefetch=z.prefetch, overlap=z.overlap,
                   align=z.align, micro_batches=1 if cfg.pipeline.grad_reduce == "step" else z.micro_batches)
     gpt = cfg.model == "gpt"
     blocks = cfg.n_layer if gpt else cfg.depth
@@ -142,7 +142,7 @@ def pipeline_estimate(cfg: TrainConfig, world_size: int, rank: int) -> dict:
         sizes = layer_sizes(cfg, z.tp)
         layers = chunk_layers(len(sizes), [0] if gpt else [], [blocks + 1] if gpt else [], blocks, c, s.chunks)
         spec = [(f"layer{g}", [(f"p{g}", (sizes[g],))]) for g in layers]
-        layout = FlatLayout(spec, dp, bucket_numel(z.dtype, z.bucket_mb), z.align)
+        layout = FlatLayout(spec, group, bucket_numel(z.dtype, z.bucket_mb), z.align)
         rows.append(estimate(layout=layout, **common)["stages"][z.stage])
     return sum_rows(rows, "chunks")
 
@@ -163,7 +163,7 @@ def _pipeline_activations(cfg: TrainConfig, world_size: int, rank: int) -> int:
     rows = max(1, cfg.batch // (world_size // (z.tp * z.sp * z.pp)) // z.micro_batches)
     vocab = FILE_VOCAB if cfg.data else GENERATED_VOCAB
     return sum(4 * n * gpt_chunk_activation_elements(rows, cfg.seq_len, cfg.d_model, cfg.n_layer // s.chunks, cfg.n_head,
-                                                     vocab, c == 0, c == s.chunks - 1, s.split_backward)
+                                                     vocab, c == 0, c == s.chunks - 1, s.split_backward, sp=z.sp)
                for c, n in in_flight(s, stage).items())
 
 

@@ -79,11 +79,12 @@ class GPTChunk:
         self.rows = None
 
     def _tokens(self, mb: int):
-        r = self.model.xp.asarray(self.rows[mb * self.per:(mb + 1) * self.per])
-        return r[:, :-1], r[:, 1:]
+        """(inputs, targets) of micro-batch ``mb``: this rank's chunk of each sequence (all of it without --sp)."""
+        return self.model.local_sequence(self.model.xp.asarray(self.rows[mb * self.per:(mb + 1) * self.per]))
 
     def input_spec(self, mb: int):
-        return (self.per, self.model.seq_len, self.model.d_model), self.model.dtype
+        sp = self.model.sp.size if self.model.sp else 1
+        return (self.per, self.model.seq_len // sp, self.model.d_model), self.model.dtype
 
     grad_spec = input_spec
 
@@ -119,7 +120,7 @@ class GPTChunk:
         """Forward only, as models/gpt.evaluate runs it: the next chunk's input, or (the last chunk) the sum of
         the token cross-entropies of ``rows`` (nats)."""
         e, m = self.engine, self.model
-        r = m.xp.asarray(rows)
+        inputs, targets = m.local_sequence(m.xp.asarray(rows))
         e.begin_forward()
         h = x
         for li, g in enumerate(self.layers):
@@ -127,10 +128,10 @@ class GPTChunk:
                 if g == 0 and not self.sent_value:
                     self.tie.send_value(p[WTE])
                     self.sent_value = True
-                h, _ = m.forward_layer(g, p, r[:, :-1] if g == 0 else h)
+                h, _ = m.forward_layer(g, p, inputs if g == 0 else h)
         if not self.last:
             return h
-        return float(m.token_losses(self.tie.value(), h, r[:, 1:]).astype(np.float64).sum())
+        return float(m.token_losses(self.tie.value(), h, targets).astype(np.float64).sum())
 
     def backward(self, mb: int, dy, weights: bool):
         e, m = self.engine, self.model
