@@ -3,7 +3,8 @@
 Point-to-point messages from another pipeline stage are stood in for by zeros (the RULE): the rank's
 memory and every byte it sends must still be rank R's in the real job. Checked rank by rank against
 a real 4-rank job (tests/drivers/simulated_mesh.py: 1F1B, ZB-H1 with stage-3 gathers per step, the
-interleaved schedule over two nodes in bf16, four stages, pp x tp, pp x sp, the MLP reducing per step), through
+interleaved schedule over two nodes in bf16, stage 3 with hpZ, qwZ and qgZ over nodes of one rank, four
+stages, pp x tp, pp x sp, the MLP reducing per step), through
 the CLI's metrics (the pipeline's and the sequence-parallel run's), and against zerompi.estimate to
 the byte at world sizes no job here could run."""
 import json

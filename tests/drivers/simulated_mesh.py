@@ -20,6 +20,8 @@ CASES = {
     "zb-h1-stage3-gather-per-step": GPT + ["--pp", "2", "--stage", "3", "--schedule", "zb-h1", "--pp-gather", "step"],
     "interleaved-stage2-nodes-bf16": GPT + ["--pp", "2", "--stage", "2", "--schedule", "interleaved", "--chunks", "2",
                                             "--node-size", "2", "--dtype", "bf16"],
+    "stage3-nodes-hpz-qwz-qgz": GPT + ["--pp", "2", "--stage", "3", "--node-size", "1", "--hpz", "--quantize-weights",
+                                       "int8", "--quantize-grads", "int8"],
     "pp4-stage0": GPT + ["--pp", "4", "--stage", "0", "--micro-batches", "4"],
     "gpipe-tp2-stage3": GPT + ["--pp", "2", "--tp", "2", "--stage", "3", "--schedule", "gpipe"],
     "zb-h1-sp2-stage2": GPT + ["--pp", "2", "--sp", "2", "--stage", "2", "--schedule", "zb-h1"],
