@@ -2,7 +2,7 @@
 
 Point-to-point messages from another pipeline stage are stood in for by zeros (the RULE): the rank's
 memory and every byte it sends must still be rank R's in the real job. Checked rank by rank against
-a real 4-rank job (tests/drivers/simulated_mesh.py: 1F1B, ZB-H1 with stage-3 gathers per step, the
+a real 4-rank job (tests/drivers/simulated_mesh.py: 1F1B, with cpu offload too, ZB-H1 with stage-3 gathers per step, the
 interleaved schedule over two nodes in bf16, stage 3 with hpZ, qwZ and qgZ over nodes of one rank, four
 stages, pp x tp, pp x sp, the MLP reducing per step), through
 the CLI's metrics (the pipeline's and the sequence-parallel run's), and against zerompi.estimate to

@@ -17,6 +17,7 @@ N = 4
 GPT = ["--n-layer", "4", "--d-model", "32", "--n-head", "2", "--seq-len", "16"]
 CASES = {
     "1f1b-stage1": GPT + ["--pp", "2", "--stage", "1"],
+    "1f1b-stage2-offload-cpu": GPT + ["--pp", "2", "--stage", "2", "--offload-optimizer", "cpu"],
     "zb-h1-stage3-gather-per-step": GPT + ["--pp", "2", "--stage", "3", "--schedule", "zb-h1", "--pp-gather", "step"],
     "interleaved-stage2-nodes-bf16": GPT + ["--pp", "2", "--stage", "2", "--schedule", "interleaved", "--chunks", "2",
                                             "--node-size", "2", "--dtype", "bf16"],

@@ -8,6 +8,7 @@ whole mesh (pipeline/step.py). The loss of a step is the last stage's, summed ov
 other stages' zeros, in world rank order: the same sum, the same bits as without --pp. What is printed
 and measured at the end is train/pipeline_report.py's.
 """
+import os
 from fnmatch import fnmatchcase
 from types import SimpleNamespace
 from typing import Dict
@@ -32,8 +33,6 @@ def check_model(cfg) -> None:
     for field, value, what in UNSUPPORTED:
         check(getattr(cfg, field) != value, f"{what} is not available with pp={pp} yet; drop one of the two")
     z = cfg.zero
-    check(z.offload_optimizer == "none" and z.offload_params == "none",
-          f"offload is not available with pp={pp} yet (each chunk's engine would need files of its own); drop one")
     check(p.gather == "micro-batch" or z.stage == 3, f"gather={p.gather!r} (--pp-gather) applies with stage 3 only "
                                                       f"(stage={z.stage} keeps the parameters whole)")
     if p.schedule_file is None:
@@ -122,7 +121,8 @@ class PipelineJob:
         runner = self.runners[c]
         names = [n for _, params in runner.lazy_layers() for n in params]
         zc = replace(z, trace=None, micro_batches=1 if per_step else z.micro_batches,   # the patterns this chunk matches
-                     no_decay=tuple(p for p in z.no_decay if any(fnmatchcase(n, p) for n in names)))
+                     no_decay=tuple(p for p in z.no_decay if any(fnmatchcase(n, p) for n in names)),
+                     offload_dir=offload_folder(z, c, self.schedule.chunks))
         engine = ZeroEngine(runner.lazy_layers(), zc, self.mesh, xp=xp,
                             tp_split=runner.tp_split() if z.tp > 1 else None)
         runner.attach(engine, GradSink(engine, self.cfg.pipeline.grad_reduce, z.micro_batches))
@@ -149,7 +149,26 @@ class PipelineJob:
         return float(total[0] / (self.comm.size // self.mesh.pp)), total[1]
 
     def close(self) -> None:
-        self.engines.close()
+        self.engines.close()                      # each engine removes its offload files ...
+        for e in self.engines:                    # ... and the chunk's folder goes once it is empty
+            folder = e.config.offload_dir
+            if folder is not None and folder != self.cfg.zero.offload_dir:
+                try:
+                    os.rmdir(folder)
+                except OSError:                   # another rank's files still there, or it went first
+                    pass
+
+
+def offload_folder(z, chunk: int, chunks: int):
+    """Where chunk ``chunk``'s engine keeps its offload files (--offload-* nvme): a folder of its own under
+    offload_dir (pp{c}-of-{C}, as its checkpoints), made here, so that two chunks of one rank (the
+    interleaved schedule) never name the same file; offload_dir itself otherwise."""
+    if z.offload_dir is None or "nvme" not in (z.offload_optimizer, z.offload_params):
+        return z.offload_dir
+    from ..pipeline.engines import chunk_folder
+    path = os.path.join(z.offload_dir, chunk_folder(chunk, chunks))
+    os.makedirs(path, exist_ok=True)
+    return path
 
 
 def validation_loss(job, chunk: int = 32) -> float:
