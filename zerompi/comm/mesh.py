@@ -42,7 +42,7 @@ from .consistency import check_consistent
 from .group import GroupComm
 from .p2p import PointToPoint
 from .split import split
-from .topology import check_tp, node_size_env
+from .topology import check_tp, node_size_env, nodes_of
 
 AXES = ("tp", "sp", "dp", "pp")      # the mesh's axes, innermost (adjacent ranks) first
 
@@ -131,6 +131,7 @@ class Mesh:
         self.zero_comm = Communicator(self.zero_mpi, share=share)
         self.tp_comm = TPComm(self.tp_mpi, self.zero_comm.waiting, share.checked)   # timed by the engine's watchdog too
         self.sp_comm = SPComm(self.sp_mpi, self.zero_comm.waiting, share.checked)
+        self._nodes = self._find_nodes() if pp > 1 else None   # pipeline neighbours may be on other nodes
         self.pp_comm = PointToPoint(self.pp_mpi, self.zero_comm.waiting,
                                     [self.node_of(r) for r in self.pp_ranks] if pp > 1 else [0])
 
@@ -166,10 +167,25 @@ class Mesh:
         return split(self.world, color_of)
 
     def node_of(self, rank: int) -> int:
-        """The node of world rank ``rank`` when the node size is known (``node_size``, or
-        $ZEROMPI_NODE_SIZE), else 0 (every rank counted on one node)."""
+        """The node of world rank ``rank``: blocks of ``node_size`` (or $ZEROMPI_NODE_SIZE) where given; else,
+        with pipeline stages, the nodes MPI's shared-memory split found (in any placement); else 0."""
+        if self._nodes is not None:
+            return self._nodes[rank]
         k = self.node_size or node_size_env()
         return rank // k if k else 0
+
+    def _find_nodes(self) -> List[int]:
+        """The node of every world rank (a collective when MPI's split has to be asked): the node size given,
+        a simulated world's nodes, or the shared-memory split's nodes, numbered by their lowest rank."""
+        n = self.world.Get_size()
+        k = self.node_size or node_size_env() or getattr(self.world, "node_size", None)   # simulated: its nodes
+        if k:
+            return [r // k for r in range(n)]
+        where = [0] * n
+        for i, ranks in enumerate(nodes_of(self.world)):
+            for r in ranks:
+                where[r] = i
+        return where
 
     # ---- the ZeRO group's settings ----------------------------------------------------------
     def zero_sizes(self, node_size: Optional[int], shard_size: Optional[int]) -> Tuple[Optional[int], Optional[int]]:
