@@ -44,3 +44,26 @@ def test_the_wrong_mpi_is_one_line_and_exit_2(tmp_path):
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert f"--mpi {other}, but this Python's mpiexec is" in proc.stderr
     assert not (tmp_path / "b.json").exists()
+
+
+PIPELINE = ROOT / "scripts" / "bench_cluster_pipeline.py"
+
+
+@pytest.mark.cluster
+def test_the_pipeline_bench_writes_a_record_per_configuration(cluster, tmp_path):
+    cluster(1)
+    out = tmp_path / "p.json"
+    proc = subprocess.run([sys.executable, PIPELINE, "--link", "500mbit", "--mpi", mpi_name(), "--json", out, "--only",
+                           "two-level3,pp-zb1", "--steps", "4", "--warmup", "1", "--gpt",
+                           "--n-layer 2 --d-model 64 --seq-len 16 --batch 8", "--bucket-mb", "0.05"],
+                          capture_output=True, text=True, timeout=300, cwd=str(ROOT))
+    assert proc.returncode == 0 and out.exists(), proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [r["name"] for r in rows] == ["two-level3", "pp-zb1"]
+    for r in rows:
+        assert r["step_s"] > 0 and r["link_bytes"] > 0 and r["link_s"] > 0, r
+    assert rows[1]["link_bytes"] < rows[0]["link_bytes"]           # only the stages' messages cross
+    assert rows[1]["bubble"] is not None and set(rows[1]["pp_bytes_per_step"]) >= {"activations"}
+    proc = subprocess.run([sys.executable, PIPELINE, "--mpi", mpi_name(), "--json", out, "--only", "nope"],
+                          capture_output=True, text=True, timeout=60, cwd=str(ROOT))
+    assert proc.returncode == 2 and "unknown configurations ['nope']" in proc.stderr
