@@ -55,19 +55,40 @@ def gpt_activation_elements(batch: int, seq_len: int, d_model: int, n_layer: int
 
 
 def gpt_chunk_activation_elements(batch: int, seq_len: int, d_model: int, blocks: int, n_head: int, vocab: int,
-                                  first: bool, last: bool, split: bool = False, sp: int = 1) -> int:
-    """Elements one micro-batch in flight holds in one pipeline chunk of ``blocks`` blocks (models/gpt_pp.py:
-    a workspace each), as gpt_activation_elements counts them: the blocks' kept buffers and backward (with a
-    split backward, ``split``, each block keeps its d fc and d qkv, 7 n C, to its W instead of sharing them),
-    the embedding's output and one-hot on the first chunk, the final LayerNorm and the head on the last.
-    ``sp``: ranks sharing each sequence (n = B T/K rows, A = B (H/K) T^2, and the all-to-alls' 10 n C)."""
+                                  first: bool, last: bool, split: bool = False, sp: int = 1,
+                                  checkpoint: bool = False) -> Dict[str, int]:
+    """Elements a pipeline chunk of ``blocks`` blocks holds (models/gpt_pp.py), as gpt_activation_elements counts
+    them, in two parts. ``per_micro_batch``: what each micro-batch in flight holds in its own workspace -- the
+    blocks' kept buffers (with ``checkpoint`` each block's output only), their input gradients (2 n C per block;
+    checkpointing: two alternating sets; a split backward, ``split``, also keeps each block's d fc and d qkv,
+    7 n C, to its W), the embedding's output and one-hot on the first chunk, the final LayerNorm and the head
+    on the last. ``per_chunk``: what the chunk's micro-batches share, one set (models/chunks.py): a block
+    backward's scratch (10 n C + A; with a split backward 3 n C + A), the SP all-to-alls' 10 n C, and a
+    recomputing block's forward set. ``sp``: ranks sharing each sequence (n = B T/K rows, A = B (H/K) T^2)."""
     B, T, C, L, H, V, K = batch, seq_len, d_model, blocks, n_head, vocab, sp
     n, A = B * T // K, B * (H // K) * T * T
-    kept = L * (16 * n * C + 4 * n + A)
-    backward = 2 * L * n * C + (L * 7 * n * C + 3 * n * C if split else 10 * n * C) + A
+    check(not (checkpoint and split), "checkpointing does not apply to a split backward")
+    block = 16 * n * C + 4 * n + A
+    kept = L * n * C if checkpoint else L * block
+    grads = (2 * min(L, 2) if checkpoint else 2 * L) * n * C + (L * 7 * n * C if split else 0)
     ends = (n * C + n * V if first else 0) + ((2 * n * C + 2 * n) + (2 * n * V + n * C) if last else 0)
-    exchange = 10 * n * C if K > 1 else 0        # models/gpt_sp.py's shared all-to-all buffers, per workspace
-    return kept + backward + ends + exchange
+    scratch = (3 if split else 10) * n * C + A
+    exchange = 10 * n * C if K > 1 else 0        # models/gpt_sp.py's shared all-to-all buffers
+    return {"per_micro_batch": kept + grads + ends, "per_chunk": scratch + exchange + (block if checkpoint else 0)}
+
+
+def gpt_chunks_activation_bytes(in_flight: Dict[int, int], chunks: int, batch: int, seq_len: int, d_model: int,
+                                n_layer: int, n_head: int, vocab: int, split: bool = False, sp: int = 1,
+                                checkpoint: bool = False, itemsize: int = 4) -> int:
+    """The GPT's activation bytes on one pipeline rank: for each of its chunks (``in_flight``: {chunk: the most
+    micro-batches of it held at once}, pipeline/simulate.in_flight) of ``chunks``, its micro-batches in flight x
+    per_micro_batch + per_chunk (gpt_chunk_activation_elements), in the compute dtype's ``itemsize``."""
+    total = 0
+    for c, held in in_flight.items():
+        e = gpt_chunk_activation_elements(batch, seq_len, d_model, n_layer // chunks, n_head, vocab, c == 0,
+                                          c == chunks - 1, split, sp, checkpoint)
+        total += held * e["per_micro_batch"] + e["per_chunk"]
+    return itemsize * total
 
 
 def gpt_activation_bytes(batch: int, seq_len: int, d_model: int, n_layer: int, n_head: int, vocab: int,

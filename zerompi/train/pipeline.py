@@ -20,8 +20,7 @@ from ..errors import check
 from ..pipeline.config import PipelineConfig
 from .simulate import simulated
 
-UNSUPPORTED = (("device", "gpu", "--device gpu (the pipeline runs on the CPU for now)"),
-               ("checkpoint_activations", True, "--checkpoint-activations"))
+UNSUPPORTED = (("device", "gpu", "--device gpu (the pipeline runs on the CPU for now)"),)
 
 
 def check_model(cfg) -> None:
@@ -60,6 +59,9 @@ def load_schedule(cfg):
     else:
         s = actions.read(p.schedule_file)
     validate.check(s, micro_batches=cfg.zero.micro_batches, ranks=pp)
+    check(not (cfg.checkpoint_activations and s.split_backward),
+          f"checkpoint_activations=True is not available with the {s.name} schedule, whose backward is split into "
+          "B and W (W reads the activations a recomputing block does not keep); use another schedule or drop one")
     per = {r: len(s.chunks_of(r)) for r in range(pp)}
     check(len(set(per.values())) == 1, f"the schedule puts {per} chunks on the stages ({{stage: chunks}}); every "
                                        "stage must hold as many")

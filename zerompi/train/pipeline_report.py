@@ -108,23 +108,19 @@ def sp_theory(job) -> int:
     rows = cfg.batch // mesh.dp // cfg.zero.micro_batches
     blocks = len(job.runners) * (cfg.n_layer // s.chunks)
     return cfg.zero.micro_batches * all_to_all_bytes(blocks, rows, cfg.seq_len // mesh.sp, cfg.d_model // mesh.tp,
-                                                     mesh.sp)
+                                                     mesh.sp, recompute=cfg.checkpoint_activations)
 
 
 def activation_theory(job) -> int:
-    """The GPT's activation bytes on this rank: per chunk, its micro-batches in flight x the chunk formula."""
-    from ..estimate.activations import gpt_chunk_activation_elements
+    """The GPT's activation bytes on this rank: per chunk, its micro-batches in flight x what each holds, and
+    what they share (estimate/activations.gpt_chunks_activation_bytes)."""
+    from ..estimate.activations import gpt_chunks_activation_bytes
     from ..pipeline.simulate import in_flight
     cfg, m, s = job.cfg, job.model, job.schedule
-    peak = in_flight(s, job.mesh.pp_rank)
     rows = cfg.batch // job.mesh.dp // cfg.zero.micro_batches
-    blocks = cfg.n_layer // s.chunks
-    total = 0
-    for c, r in job.runners.items():
-        e = gpt_chunk_activation_elements(rows, cfg.seq_len, cfg.d_model, blocks, cfg.n_head, m.vocab, r.first,
-                                          r.last, s.split_backward, sp=job.mesh.sp)
-        total += peak[c] * e * np.dtype(m.dtype).itemsize
-    return total
+    return gpt_chunks_activation_bytes(in_flight(s, job.mesh.pp_rank), s.chunks, rows, cfg.seq_len, cfg.d_model,
+                                       cfg.n_layer, cfg.n_head, m.vocab, s.split_backward, job.mesh.sp,
+                                       cfg.checkpoint_activations, np.dtype(m.dtype).itemsize)
 
 
 def final_metrics(cfg, job, comm, log) -> dict:
@@ -250,7 +246,8 @@ def print_summary(metrics: dict, comm) -> None:
     if p.get("sp", 1) > 1:
         print0(comm.mpi, f"  sp all-to-all per rank per step: {human_bytes(metrics['sp_bytes_per_step'])} (formula "
                          f"{human_bytes(metrics['sp_theory_bytes_per_step'])}: the micro-batches through this stage's "
-                         f"blocks, 2 passes x 4nC x (K-1)/K x 4 B, K = {p['sp']})")
+                         f"blocks, {3 if metrics['config']['checkpoint_activations'] else 2} passes x 4nC x (K-1)/K "
+                         f"x 4 B, K = {p['sp']})")
     b, sb = metrics["bubble_fraction"], metrics["bubble_fraction_schedule"]
     print0(comm.mpi, f"  bubble: measured {b:.3f}, simulated on the measured costs {sb:.3f}, on equal costs "
                      f"{metrics['bubble_fraction_unit']:.3f} ({p['schedule']}, P = {p['pp']}, m = {p['micro_batches']}); "

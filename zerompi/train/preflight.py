@@ -155,16 +155,15 @@ def pipeline_stage(cfg: TrainConfig, world_size: int, rank: int) -> int:
 def _pipeline_activations(cfg: TrainConfig, world_size: int, rank: int) -> int:
     """The GPT's activation bytes on a pipelined rank (C kernels): per chunk, its micro-batches in flight (from
     the schedule) x estimate/activations.py's chunk formula; what the run measures."""
-    from ..estimate.activations import gpt_chunk_activation_elements
+    from ..estimate.activations import gpt_chunks_activation_bytes
     from ..pipeline.simulate import in_flight
     from .pipeline import load_schedule
     s, z = load_schedule(cfg), cfg.zero
     stage = pipeline_stage(cfg, world_size, rank)
     rows = max(1, cfg.batch // (world_size // (z.tp * z.sp * z.pp)) // z.micro_batches)
     vocab = FILE_VOCAB if cfg.data else GENERATED_VOCAB
-    return sum(4 * n * gpt_chunk_activation_elements(rows, cfg.seq_len, cfg.d_model, cfg.n_layer // s.chunks, cfg.n_head,
-                                                     vocab, c == 0, c == s.chunks - 1, s.split_backward, sp=z.sp)
-               for c, n in in_flight(s, stage).items())
+    return gpt_chunks_activation_bytes(in_flight(s, stage), s.chunks, rows, cfg.seq_len, cfg.d_model, cfg.n_layer,
+                                       cfg.n_head, vocab, s.split_backward, z.sp, cfg.checkpoint_activations)
 
 
 def memory_needed(cfg: TrainConfig, world_size: int, rank: int = 0) -> dict:
@@ -185,7 +184,7 @@ def memory_needed(cfg: TrainConfig, world_size: int, rank: int = 0) -> dict:
         return parts
     rows = max(1, cfg.batch // (world_size // (tp * z.sp) * z.micro_batches))   # sequences per data-parallel rank
     if z.pp > 1:                                 # the micro-batches in flight in each chunk of the stage
-        if tp == 1 and cfg.device == "cpu" and not cfg.checkpoint_activations:
+        if tp == 1 and cfg.device == "cpu":
             parts["activations"] = _pipeline_activations(cfg, world_size, rank)
         return parts
     if tp == 1 and cfg.device == "cpu":          # the C kernels' workspace: every activation, by its formula

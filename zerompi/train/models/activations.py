@@ -20,6 +20,7 @@ not measured (``GPT.activation_bytes`` is None there).
 import numpy as np
 
 from .gpt_fast import Workspace
+from .gpt_sp import SHARED
 
 RECOMPUTE = "recompute"     # the workspace key of the shared buffers a checkpointed block runs in
 
@@ -32,9 +33,12 @@ def parameter_buffer(key) -> bool:
 
 
 def one_layer_buffer(key) -> bool:
-    """True for the parameter-sized buffers that live through one layer's call only (the ("param", name) copies
-    and the ("block", "g.<name>") gradients, read before the next layer's): workspaces may share them."""
-    return parameter_buffer(key) and key[0] in ("param", "block")
+    """True for the buffers that live through one layer's call only, which the workspaces of several micro-batches
+    may share: the ("param", name) fp32 copies; everything of ("block", name) -- the parameter gradients and the
+    backward's scratch (d fc, d m, d y, d a, d qkv, d att), read before the next layer's call (a split backward
+    keeps what its W reads under the layer's own key); the SP attention's (SHARED, name) exchange buffers; and a
+    recomputing block's (RECOMPUTE, name) forward set (its output is copied to the layer's own)."""
+    return isinstance(key, tuple) and len(key) == 2 and key[0] in ("param", "block", SHARED, RECOMPUTE)
 
 
 class MeteredWorkspace(Workspace):
@@ -82,16 +86,21 @@ class _Renamed:
 
 
 class Keep:
-    """Each layer's forward in its own buffers, its cache kept for its backward."""
+    """Each layer's forward in its own buffers, its cache kept for its backward. ``ws``: the workspace
+    (default: the model's; a pipeline chunk gives each micro-batch in flight its own)."""
 
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, model, ws=None):
+        self.model, self._ws = model, ws
+
+    @property
+    def ws(self):
+        return self._ws if self._ws is not None else self.model.workspace
 
     def forward(self, i, params, x):
-        return self.model.forward_layer(i, params, x, self.model.workspace)
+        return self.model.forward_layer(i, params, x, self.ws)
 
     def backward(self, i, params, cache, dy):
-        return self.model.backward_layer(i, params, cache, dy, self.model.workspace)
+        return self.model.backward_layer(i, params, cache, dy, self.ws)
 
 
 class Recompute(Keep):
@@ -104,8 +113,8 @@ class Recompute(Keep):
         if not self._block(i):
             return super().forward(i, params, x)
         m = self.model
-        out, _ = m.forward_layer(i, params, x, _Renamed(m.workspace, i, RECOMPUTE))
-        kept = scratch(m.workspace, m.xp, (i, "output"), out.shape, out.dtype)
+        out, _ = m.forward_layer(i, params, x, _Renamed(self.ws, i, RECOMPUTE))
+        kept = scratch(self.ws, m.xp, (i, "output"), out.shape, out.dtype)
         kept[...] = out               # the shared buffers are the next block's; the output is its input
         return kept, x
 
@@ -113,6 +122,6 @@ class Recompute(Keep):
         if not self._block(i):
             return super().backward(i, params, x, dy)
         m = self.model
-        _, cache = m.forward_layer(i, params, x, _Renamed(m.workspace, i, RECOMPUTE))
+        _, cache = m.forward_layer(i, params, x, _Renamed(self.ws, i, RECOMPUTE))
         # dx of block i is block i-1's dy: two alternating sets of input-gradient buffers.
-        return m.backward_layer(i, params, cache, dy, _Renamed(m.workspace, i, (RECOMPUTE, i % 2)))
+        return m.backward_layer(i, params, cache, dy, _Renamed(self.ws, i, (RECOMPUTE, i % 2)))

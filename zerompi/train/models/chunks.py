@@ -8,7 +8,8 @@ The GPT's C kernels write every activation into a Workspace: each micro-batch in
 its own from a pool (a micro-batch's buffers must outlive the next one's forward), returned after its
 last backward; ``activation_bytes`` is what the pool's workspaces hold at most (models/activations.py).
 The buffers that live through one layer's call only (a block's fp32 copy of its parameters, its
-gradients before the engine takes them) are one set for the whole pool, not one per micro-batch.
+gradients before the engine takes them, its backward's scratch, the SP all-to-all's buffers, a
+recomputing block's forward set) are one set for the whole pool, not one per micro-batch.
 """
 from typing import Dict, List, Optional
 
@@ -23,7 +24,7 @@ class WorkspacePool:
         self.free: List[MeteredWorkspace] = []
         self.used: Dict[object, MeteredWorkspace] = {}
         self.made: List[MeteredWorkspace] = []
-        self.shared = shared if shared is not None else Workspace()   # one-layer buffers: one set for all
+        self.shared = shared if shared is not None else MeteredWorkspace()   # one-layer buffers: one set for all
 
     def take(self, key) -> MeteredWorkspace:
         ws = self.free.pop() if self.free else None
@@ -38,8 +39,9 @@ class WorkspacePool:
 
     @property
     def peak_bytes(self) -> int:
-        """The activation bytes the pool's workspaces hold at most (each keeps its buffers for reuse)."""
-        return sum(ws.peak for ws in self.made)
+        """The activation bytes the pool's workspaces hold at most (each keeps its buffers for reuse), the shared
+        one-layer set's included."""
+        return sum(ws.peak for ws in self.made) + getattr(self.shared, "peak", 0)
 
 
 def chunk_layers(num_layers: int, first: List[int], last: List[int], blocks: int, index: int, chunks: int) -> List[int]:

@@ -18,6 +18,7 @@ from typing import Optional
 
 import numpy as np
 
+from .activations import Keep, Recompute
 from .chunks import ChunkState, WorkspacePool, chunk_layers
 from .gpt import WTE
 from .gpt_fast import FRESH
@@ -106,7 +107,7 @@ class GPTChunk:
                     self.tie.expect_grad(mb)
                     h, cache = m.forward_layer(0, p, idx, ws)
                 else:
-                    h, cache = m.forward_layer(g, p, h, ws)
+                    h, cache = self.run(ws).forward(g, p, h)   # checkpointing: a block keeps its input only
             st.caches.append(cache)
         if not self.last:
             return h
@@ -148,7 +149,7 @@ class GPTChunk:
                 continue
             with e.unsharded(li) as p:
                 if weights:
-                    dh, grads = m.backward_layer(g, p, st.caches[li], dh, st.ws)
+                    dh, grads = self.run(st.ws).backward(g, p, st.caches[li], dh)
                     self.sink(li, grads)
                 else:
                     dh, part = m.backward_layer_parts(g, p, st.caches[li], dh, st.ws)
@@ -161,6 +162,11 @@ class GPTChunk:
         else:
             st.weights = parts
         return None if self.first else dh
+
+    def run(self, ws):
+        """How a layer runs in workspace ``ws`` (models/activations.py): kept, or recomputed in the backward
+        with --checkpoint-activations (not with a split backward: W would read recomputed buffers)."""
+        return (Recompute if self.model.checkpoint_activations else Keep)(self.model, ws)
 
     def weights(self, mb: int) -> None:
         st = self.state[mb]
