@@ -48,3 +48,32 @@ def stopped_line(cfg, stop, step: int) -> str:
     saved = f"checkpoint saved in {cfg.save_dir}" if cfg.save_dir else "no checkpoint (no --save-dir)"
     return (f"zerompi.train: stopped by {stop.received or 'a signal on another rank'} after step {step + 1} of "
             f"{cfg.steps}; {saved}")
+
+
+def progress_bar(done: int, total: int, width: int = 30) -> str:
+    """``[#######.......]  45%`` for a terminal."""
+    fill = width * done // total
+    return f"[{'#' * fill}{'.' * (width - fill)}] {100 * done // total:3d}%"
+
+
+def evaluates(cfg, step: int, stopping: bool) -> bool:
+    """Whether the held-out loss follows step ``step`` (0-based): every --eval-every steps, the last, a stop."""
+    return bool(cfg.eval_every) and ((step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1 or stopping)
+
+
+def show_step(show, cfg, step: int, loss: float, extra: str, result, seconds: float, parts: str, bar: bool,
+              evaluated: bool) -> None:
+    """The step's line (every --log-every steps, the last one, one with a held-out loss), else the bar redrawn;
+    ``show``: print on the job's printing rank (report.print0 on its communicator)."""
+    if step % cfg.log_every == 0 or step == cfg.steps - 1 or evaluated:
+        show(step_line(step, cfg.steps, loss, extra, result, seconds, parts, bar))
+    elif bar:
+        show(f"\r{progress_bar(step + 1, cfg.steps)}  loss {loss:.4f}", end="")
+
+
+def after_step(show, cfg, saves, stop, step: int, stopping: bool) -> bool:
+    """The step's checkpoint (saves.after_step), and the stop line when a signal ends the run here: True then."""
+    saves.after_step(step + 1, stopping)
+    if stopping:
+        show(stopped_line(cfg, stop, step))
+    return stopping

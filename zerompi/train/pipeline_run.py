@@ -47,8 +47,7 @@ def train_pipelined(cfg, comm, build, stop=None) -> dict:
 
 def _run_steps(cfg, job, comm, start: int, stop) -> StepLog:
     from .pipeline import validation_loss
-    from .report import progress_bar
-    from .console import choose_progress, step_line, stopped_line
+    from .console import after_step, choose_progress, evaluates, show_step
     from .saves import Saves
     from ..engine.trace import align_clocks
     saves = Saves(cfg, job.engines, comm.mpi)
@@ -68,6 +67,7 @@ def _run_steps(cfg, job, comm, start: int, stop) -> StepLog:
         last = job.schedule.chunks - 1 in job.runners
         stand_in = (" (simulated rank: not a real run's loss)" if last else
                     f" (simulated rank of stage {job.mesh.pp_rank}: no loss is computed there)")
+    show = lambda *text, **kw: print0(comm.mpi, *text, **kw)   # noqa: E731  (the printing rank)
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
         for e in job.engines:
@@ -93,19 +93,14 @@ def _run_steps(cfg, job, comm, start: int, stop) -> StepLog:
         log.sp_bytes.append(sc.bytes_sent() - sp0)
         log.pp_times.append([(a.action, a.start + offset, a.ready + offset, a.end + offset) for a in times])
         extra, evaluated = "", False
-        if gpt and cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1 or stopping):
+        if gpt and evaluates(cfg, step, stopping):
             before = {op: s.bytes for op, s in comm.stats.items()}
             log.val_losses.append([step + 1, validation_loss(job)])
             for op, s in comm.stats.items():
                 log.base_bytes[op] = log.base_bytes.get(op, 0) + s.bytes - before.get(op, 0)
             evaluated, extra = True, f"  val {log.val_losses[-1][1]:.4f}"
-        if step % cfg.log_every == 0 or step == cfg.steps - 1 or evaluated:
-            print0(comm.mpi, step_line(step, cfg.steps, loss, stand_in + extra, result, log.times[-1], "", bar))
-        elif bar:
-            print0(comm.mpi, f"\r{progress_bar(step + 1, cfg.steps)}  loss {loss:.4f}", end="")
-        saves.after_step(step + 1, stopping)
-        if stopping:
-            print0(comm.mpi, stopped_line(cfg, stop, step))
+        show_step(show, cfg, step, loss, stand_in + extra, result, log.times[-1], "", bar, evaluated)
+        if after_step(show, cfg, saves, stop, step, stopping):
             break
     saves.finish()
     return log

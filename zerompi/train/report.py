@@ -98,12 +98,6 @@ def comm_table(measured: Dict[str, float], theory: float, stage: int, levels=Non
     return "\n".join(lines)
 
 
-def progress_bar(done: int, total: int, width: int = 30) -> str:
-    """``[#######.......]  45%`` for a terminal."""
-    fill = width * done // total
-    return f"[{'#' * fill}{'.' * (width - fill)}] {100 * done // total:3d}%"
-
-
 def print_banner(cfg, engine, comm, placement, data) -> None:
     """The train run's start-up lines (rank 0): job, MPI and buffers, layout; the GPT's shape and data."""
     z, lay = cfg.zero, engine.layout

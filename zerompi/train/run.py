@@ -127,8 +127,8 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
 
 def _run_steps(cfg: TrainConfig, engine, comm, model, data, floor: Optional[float], start: int, stop) -> StepLog:
     """Steps start .. cfg.steps - 1, or until a stop signal: train, log, evaluate (GPT), save."""
-    from .console import choose_progress, step_line, stopped_line
-    from .report import leads, print0, progress_bar
+    from .console import after_step, choose_progress, evaluates, show_step
+    from .report import leads, print0
     from ..engine.timers import format_breakdown
     from .saves import Saves
     saves = Saves(cfg, engine, comm.mpi)            # checkpoints: --save-dir, --save-every, --async-save
@@ -140,6 +140,7 @@ def _run_steps(cfg: TrainConfig, engine, comm, model, data, floor: Optional[floa
     log = StepLog(start, {op: s.bytes for op, s in comm.stats.items()})   # so far: the initial parameter all-gather
     from .parallel import metered_groups
     groups = metered_groups(engine.mesh)        # TP all-reduces, SP all-to-alls: counted per step, apart
+    show = lambda *text, **kw: print0(comm.mpi, *text, **kw)   # noqa: E731  (the printing rank)
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
         engine.timers.take()                        # drop what ran between steps (checkpoints)
@@ -157,20 +158,15 @@ def _run_steps(cfg: TrainConfig, engine, comm, model, data, floor: Optional[floa
                    (l1["intra"] - l0["intra"], l1["inter"] - l0["inter"], comm.logical_bytes() - q0))
         extra, evaluated = "", False            # GPT: held-out loss, floor, throughput
         if gpt:
-            if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1 or stopping):
+            if evaluates(cfg, step, stopping):
                 log.val_losses.append([step + 1, _validate(engine, model, data, log.base_bytes)])
                 evaluated = True
                 extra += f"  val {log.val_losses[-1][1]:.4f}"
             extra += f"  floor {floor:.4f}" if floor is not None else ""
             extra += f"  {cfg.batch * cfg.seq_len / log.times[-1]:,.0f} tok/s"
-        if step % cfg.log_every == 0 or step == cfg.steps - 1 or evaluated:
-            print0(comm.mpi, step_line(step, cfg.steps, loss, stand_in + extra, result, log.times[-1],
-                                       format_breakdown(log.parts[-1]), bar))
-        elif bar:
-            print0(comm.mpi, f"\r{progress_bar(step + 1, cfg.steps)}  loss {loss:.4f}", end="")
-        saves.after_step(step + 1, stopping)
-        if stopping:
-            print0(comm.mpi, stopped_line(cfg, stop, step))
+        show_step(show, cfg, step, loss, stand_in + extra, result, log.times[-1], format_breakdown(log.parts[-1]),
+                  bar, evaluated)
+        if after_step(show, cfg, saves, stop, step, stopping):
             break
     saves.finish()                              # a background save is published before the run ends
     return log
