@@ -1,4 +1,5 @@
-"""The examples/ programs at N = 1, 2, 3 and stages 0-3 against single-process float64 NumPy."""
+"""The examples/ programs at N = 1, 2, 3 (the pipelined one at 2 and 4) and stages 0-3 against single-process float64
+NumPy."""
 import importlib.util
 import math
 import re
@@ -94,3 +95,42 @@ def test_custom_model_fp16_trains(tmp_path):
     losses = [float(re.search(r"loss\(rank 0\) (\S+)", l).group(1)) for l in proc.stdout.splitlines()
               if l.startswith("step")]
     assert losses[-1] < 0.1 * losses[0] and all(math.isfinite(x) for x in losses)
+
+
+def pipeline_model_reference(steps):
+    """The 4-layer network in float64 on the whole global batch (the pipeline's micro-batches are equal
+    parts of it on every data-parallel rank: the mean of their means is the batch's mean)."""
+    ex = load_example("pipeline_model")
+    layers = ex.build()
+    p = {k: v.astype(np.float64) for lay in layers for k, v in lay.init.items()}
+    state = {}
+    for t in range(steps):
+        x, y = (a.astype(np.float64) for a in ex.batch(t))
+        hs = [x]
+        for i, lay in enumerate(layers):
+            z = hs[-1] @ p[f"{lay.name}.W"] + p[f"{lay.name}.b"]
+            hs.append(np.tanh(z) if lay.act else z)
+        dy = 2 * (hs[-1] - y) / len(x)
+        grads = {}
+        for i in reversed(range(len(layers))):
+            lay = layers[i]
+            dz = dy * (1 - hs[i + 1] ** 2) if lay.act else dy
+            grads[f"{lay.name}.W"], grads[f"{lay.name}.b"] = hs[i].T @ dz, dz.sum(0)
+            dy = dz @ p[f"{lay.name}.W"].T
+        adamw64(p, grads, state, t + 1, 1e-2)
+    return p
+
+
+@pytest.mark.parametrize("n,stage,schedule", [(2, 0, "gpipe"), (4, 1, "1f1b"), (4, 2, "gpipe"), (4, 3, "1f1b")])
+def test_pipeline_model(tmp_path, n, stage, schedule):
+    out = tmp_path / "pm.npz"
+    steps = 40
+    run_mpi(n, ["examples/pipeline_model.py", "--stage", stage, "--schedule", schedule, "--steps", steps,
+                "--out", out], timeout=120)
+    got = np.load(out)
+    ref = pipeline_model_reference(steps)
+    init = {k: v for lay in load_example("pipeline_model").build() for k, v in lay.init.items()}
+    assert sorted(got.keys()) == sorted(ref)                  # both stages' layers
+    for k, want in ref.items():
+        moved = np.linalg.norm(want - init[k])
+        assert moved > 0 and np.linalg.norm(got[k] - want) / moved < 1e-4, k
