@@ -8,6 +8,7 @@ stages, pp x tp, pp x sp, the MLP reducing per step), through
 the CLI's metrics (the pipeline's and the sequence-parallel run's), and against zerompi.estimate to
 the byte at world sizes no job here could run."""
 import json
+import math
 import subprocess
 import sys
 
@@ -84,6 +85,10 @@ def test_cli_simulated_pipeline_rank_reports_its_stage(tmp_path):
         words = "not a real run's loss" if stage == 1 else "simulated rank of stage 0: no loss is computed there"
         assert len(steps) == 3 and all(words in line for line in steps), proc.stdout
         assert "measured beside zerompi.estimate" in proc.stdout and "peak RSS" in proc.stdout
+        # the rule, seen: the last stage receives zeros (activations and the tied weight's value), so its logits are
+        # 0 and every loss -- its own, held-out too -- is log(vocab); stage 0 computes none
+        want = math.log(32) if stage == 1 else 0.0
+        assert all(abs(v - want) < 1e-6 for v in sim["losses"] + [v for _, v in sim["val_losses"]]), sim["losses"]
     # the stage-1 rank holds the last chunk: a real rank's memory is at most the mesh's maximum
     assert sim["memory_bytes"]["total"] <= real["memory_bytes"]["total"]
 

@@ -212,6 +212,6 @@ def validation_loss(job, chunk: int = 32) -> float:
     comm.wait_all()
     keep = last is not None and mesh.tp_rank == 0
     summed = float(job.comm.sum_scalars([total if keep else 0.0])[0])
-    if simulated(job.comm):                      # N copies of this rank's sum: its own rows' mean instead
-        return total / max(1, len(mine) * data.seq_len) if keep else 0.0
+    if simulated(job.comm):                      # N copies of this rank's sum: its own tokens' mean instead
+        return total / max(1, len(mine) * (data.seq_len // mesh.sp)) if last is not None else 0.0
     return summed / (data.val_size * data.seq_len)
