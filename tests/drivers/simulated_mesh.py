@@ -10,6 +10,7 @@ run holds do not depend on its timing.
 """
 from zerompi.comm.communicator import as_communicator
 from zerompi.train.config import parse_config
+from zerompi.train.models.chunks import pools_peak_bytes
 from zerompi.train.pipeline import PipelineJob
 from zerompi.train.run import build_model
 
@@ -42,7 +43,7 @@ def run(world, flags) -> dict:
     mesh = job.mesh
     out = {"chunks": {str(c): [e.memory_report()["measured"], e.memory_report()["peak_buffers"]["bytes"]]
                       for c, e in job.engines.engines.items()},
-           "activations": sum(getattr(r, "activation_bytes", 0) or 0 for r in job.runners.values()),
+           "activations": pools_peak_bytes([r.pool for r in job.runners.values() if getattr(r, "pool", None)]),
            "zero": {op: [s.calls, s.bytes, s.intra, s.inter, s.logical] for op, s in sorted(comm.stats.items())},
            "pp": {k: [s.calls, s.bytes, s.intra, s.inter] for k, s in sorted(mesh.pp_comm.stats.items()) if s.calls},
            "tp": mesh.tp_comm.bytes_sent(), "sp": mesh.sp_comm.bytes_sent()}

@@ -82,13 +82,15 @@ def gpt_chunks_activation_bytes(in_flight: Dict[int, int], chunks: int, batch: i
                                 checkpoint: bool = False, itemsize: int = 4) -> int:
     """The GPT's activation bytes on one pipeline rank: for each of its chunks (``in_flight``: {chunk: the most
     micro-batches of it held at once}, pipeline/simulate.in_flight) of ``chunks``, its micro-batches in flight x
-    per_micro_batch + per_chunk (gpt_chunk_activation_elements), in the compute dtype's ``itemsize``."""
-    total = 0
+    per_micro_batch, and per_chunk once (gpt_chunk_activation_elements: the rank's chunks share one set), in the
+    compute dtype's ``itemsize``."""
+    total, shared = 0, 0
     for c, held in in_flight.items():
         e = gpt_chunk_activation_elements(batch, seq_len, d_model, n_layer // chunks, n_head, vocab, c == 0,
                                           c == chunks - 1, split, sp, checkpoint)
-        total += held * e["per_micro_batch"] + e["per_chunk"]
-    return itemsize * total
+        total += held * e["per_micro_batch"]
+        shared = max(shared, e["per_chunk"])
+    return itemsize * (total + shared)
 
 
 def gpt_activation_bytes(batch: int, seq_len: int, d_model: int, n_layer: int, n_head: int, vocab: int,

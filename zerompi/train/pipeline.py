@@ -102,7 +102,10 @@ class PipelineJob:
             from .models.mlp_pp import MLPChunk
             return MLPChunk(*args)
         from .models.gpt_pp import GPTChunk
-        return GPTChunk(*args, self.tie())
+        if getattr(self, "_shared", None) is None:
+            from .models.activations import MeteredWorkspace
+            self._shared = MeteredWorkspace()     # one set of one-layer buffers for all of this rank's chunks
+        return GPTChunk(*args, self.tie(), self._shared)
 
     def tie(self):
         """The tied embedding / head weight between chunk 0's stage and the last chunk's (the GPT)."""

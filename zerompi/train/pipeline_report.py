@@ -26,6 +26,7 @@ from mpi4py import MPI
 
 from ..comm.watchdog import watched
 from .report import human_bytes, print0
+from .models.chunks import pools_peak_bytes
 from .simulate import simulated
 
 
@@ -135,7 +136,7 @@ def final_metrics(cfg, job, comm, log) -> dict:
     theory = sum(e.memory_report()["theory"]["total"] for e in engines)
     padded = sum(e.memory_report()["theory_padded"]["total"] for e in engines)
     peak = peak_buffer_bytes(engines)
-    act = sum(r.activation_bytes or 0 for r in job.runners.values()) if cfg.model == "gpt" else 0
+    act = pools_peak_bytes([r.pool for r in job.runners.values() if getattr(r, "pool", None) is not None])
     act_theory = activation_theory(job) if cfg.model == "gpt" and job.model.layers.name == "c" else 0
     names = sorted(measured)
     steady = lambda v: int(statistics.median(list(v)[1:] or list(v))) if v else 0   # noqa: E731

@@ -9,7 +9,8 @@ its own from a pool (a micro-batch's buffers must outlive the next one's forward
 last backward; ``activation_bytes`` is what the pool's workspaces hold at most (models/activations.py).
 The buffers that live through one layer's call only (a block's fp32 copy of its parameters, its
 gradients before the engine takes them, its backward's scratch, the SP all-to-all's buffers, a
-recomputing block's forward set) are one set for the whole pool, not one per micro-batch.
+recomputing block's forward set) are one set for the whole pool, not one per micro-batch -- and one
+for all the chunks of a rank (the interleaved schedule's), which never run at the same time.
 """
 from typing import Dict, List, Optional
 
@@ -42,6 +43,13 @@ class WorkspacePool:
         """The activation bytes the pool's workspaces hold at most (each keeps its buffers for reuse), the shared
         one-layer set's included."""
         return sum(ws.peak for ws in self.made) + getattr(self.shared, "peak", 0)
+
+
+def pools_peak_bytes(pools) -> int:
+    """The activation bytes of several chunks' pools on one rank: their workspaces', and each shared one-layer set
+    once (the chunks of a rank share one: they never run at the same time)."""
+    shared = {id(p.shared): p.shared for p in pools}
+    return sum(ws.peak for p in pools for ws in p.made) + sum(getattr(s, "peak", 0) for s in shared.values())
 
 
 def chunk_layers(num_layers: int, first: List[int], last: List[int], blocks: int, index: int, chunks: int) -> List[int]:

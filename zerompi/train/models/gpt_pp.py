@@ -26,17 +26,18 @@ from .gpt_fast import FRESH
 
 class GPTChunk:
     """Chunk ``index`` of ``chunks`` of ``model`` (a GPT or TPGPT), fed from ``data`` (rows of data-parallel
-    rank ``dp_rank`` of ``dp``; ``batch`` sequences per step, ``micro_batches``); ``tie`` a TiedWeight."""
+    rank ``dp_rank`` of ``dp``; ``batch`` sequences per step, ``micro_batches``); ``tie`` a TiedWeight; ``shared``:
+    the Workspace of one-layer buffers this rank's chunks share (models/chunks.py; default: the chunk's own)."""
 
     def __init__(self, model, index: int, chunks: int, data, batch: int, dp_rank: int, dp: int,
-                 micro_batches: int, tie):
+                 micro_batches: int, tie, shared=None):
         self.model, self.index, self.chunks, self.data = model, index, chunks, data
         self.batch, self.dp_rank, self.dp, self.m = batch, dp_rank, dp, micro_batches
         self.tie = tie
         self.first, self.last = index == 0, index == chunks - 1
         self.layers = chunk_layers(model.num_layers, [0], [model.n_layer + 1], model.n_layer, index, chunks)
         self.engine = self.sink = None
-        self.pool = WorkspacePool() if model.layers.name == "c" else None
+        self.pool = WorkspacePool(shared) if model.layers.name == "c" else None   # shared: the rank's one-layer set
         self.state = {}
         self.rows = None
         self.losses = {}
