@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+import zerompi
+
 from tests.mpirun import ROOT
 from zerompi.errors import ConfigError
 from zerompi.pipeline import actions, schedules, simulate, validate
@@ -168,6 +170,16 @@ def test_the_estimator_prints_the_bubble_and_the_activations(tmp_path):
     assert "peak activations       4 micro-batches of one stage's (chunk micro-batches held per rank: 4, 3, 2, 1)" in out.stdout
     est = json.loads((tmp_path / "e.json").read_text())
     assert est["bubble_fraction"] == pytest.approx(3 / 11) and est["peak_in_flight"] == [4, 3, 2, 1]
+    # with --params and --ranks (--layers): one stage's memory table too, the estimate of Ψ/P over N/P ranks
+    out = estimate("--pp", "8", "--micro-batches", "8", "--params", "10e9", "--ranks", "64", "--layers", "48",
+                   "--json", tmp_path / "s.json")
+    assert out.returncode == 0, out.stderr
+    stage = json.loads((tmp_path / "s.json").read_text())["stage_table"]
+    whole = zerompi.estimate(1.25e9, 8, "fp16", layers=6, micro_batches=8)
+    assert [r["model_state_bytes"] for r in stage["stages"]] == [r["model_state_bytes"] for r in whole["stages"]]
+    assert stage["stages"][1]["model_state_bytes"] == pytest.approx(6.875e9, rel=1e-5)   # 4Ψc + 12Ψc/8, padded
+    assert stage["pipeline_stage"]["ranks"] == 8
+    assert "one of 8 pipeline stages" in out.stdout and "6.8750" in out.stdout
     out = estimate("--pp", "2", "--micro-batches", "4", "--schedule", "interleaved", "--chunks", "2").stdout
     assert "bubble fraction        0.1111   (formula 0.1111)" in out and "2.5 micro-batches" in out
     schedules_file = tmp_path / "s.csv"
@@ -175,7 +187,12 @@ def test_the_estimator_prints_the_bubble_and_the_activations(tmp_path):
     out = estimate("--pp", "2", "--micro-batches", "4", "--schedule-file", schedules_file).stdout
     assert "bubble fraction        0.0769" in out and "(B and W split)" in out
     for args, needle in ((["--pp", "4", "--micro-batches", "2"], "micro_batches=2 is too few for the 1f1b"),
-                         (["--pp", "2", "--params", "1e9"], "--pp estimates the pipeline's schedule alone; drop --params"),
+                         (["--pp", "2", "--params", "1e9", "--micro-batches", "2"], "a stage's memory table needs --params and --ranks"),
+                         (["--pp", "3", "--params", "1e9", "--ranks", "8", "--micro-batches", "3"],
+                          "pp=3 does not divide ranks=8"),
+                         (["--pp", "2", "--params", "1e9", "--ranks", "8", "--layers", "5", "--micro-batches", "2"],
+                          "pp=2 does not divide layers=5"),
+                         (["--pp", "2", "--n-layer", "4"], "drop --n-layer (not estimated per stage)"),
                          (["--schedule", "gpipe"], "need --pp P"),
                          (["--pp", "2", "--micro-batches", "4", "--costs", "1,x,1"], "costs='1,x,1' is not allowed"),
                          (["--pp", "2", "--micro-batches", "4", "--schedule-file", tmp_path / "none.csv"],

@@ -271,8 +271,6 @@ def main(argv: Optional[List[str]] = None) -> int:
             return e.code or 0
         check_roles([("json", a.json)], [("from_run", a.from_run), ("schedule_file", a.schedule_file)])   # before any work
         check_file(a.json, "json")           # a path that cannot take the file is bad input
-        if any(v is not None for v in (a.pp, a.schedule, a.schedule_file, a.chunks, a.costs)):
-            return _pipeline(a)
         largest = None if a.largest_layer is None else int(a.largest_layer)
         opts = dict(bucket_mb=a.bucket_mb, prefetch=a.prefetch, micro_batches=a.micro_batches,
                     in_flight=a.in_flight, bandwidth_gbps=a.bandwidth_gbps, latency_us=a.latency_us,
@@ -283,6 +281,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         check(a.quant_block is None or a.quantize_weights or a.quantize_grads,
               f"quant_block={a.quant_block} applies to quantized communication only; add --quantize-weights or "
               "--quantize-grads, or drop --quant-block")
+        if any(v is not None for v in (a.pp, a.schedule, a.schedule_file, a.chunks, a.costs)):
+            return _pipeline(a, opts)
         topo = {k: v for k, v in (("node_size", a.node_size), ("shard_size", a.shard_size), ("hpz", a.hpz or None))
                 if v is not None}
         dims = {k: getattr(a, k) for k in GPT_FLAGS}
@@ -373,19 +373,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 0
 
 
-PIPELINE_ALONE = ("params", "ranks", "layers", "largest_layer", "from_run") + GPT_FLAGS
+PIPELINE_ALONE = ("largest_layer", "from_run") + GPT_FLAGS
 
 
-def _pipeline(a) -> int:
-    """``--pp P --micro-batches m --schedule NAME``: the schedule's bubble and activations (estimate/pipeline.py)."""
-    from .pipeline import format_pipeline, parse_costs, pipeline_estimate
+def _pipeline(a, opts) -> int:
+    """``--pp P --micro-batches m --schedule NAME``: the schedule's bubble and activations, and with --params and
+    --ranks (--layers) one stage's memory table (estimate/pipeline.py)."""
+    from .pipeline import format_pipeline, parse_costs, pipeline_estimate, stage_estimate
     check(a.pp is not None, "--schedule, --schedule-file, --chunks and --costs need --pp P (the pipeline stages)")
     other = [f"--{k.replace('_', '-')}" for k in PIPELINE_ALONE if getattr(a, k) is not None] + (["--tp"] if a.tp != 1 else [])
-    check(not other, f"--pp estimates the pipeline's schedule alone; drop {' '.join(other)} (the memory table of one "
-                     "stage is not estimated with --pp yet)")
+    check(not other, f"--pp estimates the schedule, and one stage's table from --params, --ranks and --layers; drop "
+                     f"{' '.join(other)} (not estimated per stage)")
     check(not (a.schedule and a.schedule_file), "--schedule and --schedule-file contradict each other; give one")
     est = pipeline_estimate(a.pp, a.micro_batches, a.schedule or "1f1b", a.chunks or 1, a.schedule_file,
                             parse_costs(a.costs) if a.costs else (1.0, 1.0, 1.0))
+    if a.params is not None or a.ranks is not None:      # the memory of one stage: its share of the model and ranks
+        est = dict(est, stage_table=stage_estimate(a.params, a.ranks, a.layers, a.pp, a.dtype, opts))
+        print(format_table(est["stage_table"]))
     print(format_pipeline(est))
     sys.stdout.flush()
     problem = save_json(a.json, est, "json") if a.json else None

@@ -57,6 +57,20 @@ def pipeline_estimate(pp: int, micro_batches: int, schedule: str = "1f1b", chunk
             "ideal_length": micro_batches * (costs[0] + costs[1] + costs[2])}
 
 
+def stage_estimate(params, ranks, layers, pp: int, dtype: str, opts: dict) -> dict:
+    """zerompi.estimate's table of one of ``pp`` equal pipeline stages of a model of ``params`` parameters (``layers``
+    equal layers) on ``ranks`` ranks: Ψ/P (layers/P) sharded over the stage's N/P data-parallel ranks."""
+    from .stages import estimate
+    check(params is not None and ranks is not None, "a stage's memory table needs --params and --ranks; give both")
+    check(isinstance(pp, int) and pp >= 1, f"pp={pp!r} must be a whole number of stages >= 1")
+    check(ranks % pp == 0, f"pp={pp} does not divide ranks={ranks}; each stage holds ranks/pp of them")
+    check(layers is None or layers % pp == 0, f"pp={pp} does not divide layers={layers}; each stage holds an equal "
+                                              "run of them")
+    est = estimate(params / pp, ranks // pp, dtype, layers=None if layers is None else layers // pp, **opts)
+    return dict(est, pipeline_stage={"pp": pp, "params": params / pp, "ranks": ranks // pp,
+                                     "layers": None if layers is None else layers // pp})
+
+
 def format_pipeline(est: dict) -> str:
     f, b, w = est["costs"]
     lines = [f"zerompi.estimate: pipeline schedule {est['schedule']}, P = {est['pp']} stages, m = "
@@ -70,6 +84,12 @@ def format_pipeline(est: dict) -> str:
     lines.append(f"  peak activations       {est['peak_activations']:g} micro-batches of one stage's "
                  f"(chunk micro-batches held per rank: {per})")
     lines.append(f"  step length            {est['step_length']:g} (without a bubble: {est['ideal_length']:g})")
+    st = est.get("stage_table", {}).get("pipeline_stage")
+    if st:
+        lines.append(f"  the table above: one of {st['pp']} pipeline stages, its {st['params']:,.0f} parameters"
+                     + (f" ({st['layers']} layers)" if st["layers"] else "") + f" sharded over its {st['ranks']} "
+                     "data-parallel ranks (equal stages; the built-in GPT's own, exact: python -m zerompi.train "
+                     "--simulate-world)")
     return "\n".join(lines)
 
 
