@@ -193,6 +193,7 @@ def test_the_estimator_prints_the_bubble_and_the_activations(tmp_path):
                          (["--pp", "2", "--params", "1e9", "--ranks", "8", "--layers", "5", "--micro-batches", "2"],
                           "pp=2 does not divide layers=5"),
                          (["--pp", "2", "--n-layer", "4"], "drop --n-layer (not estimated per stage)"),
+                         (["--pp", "2", "--params", "1e9", "--ranks", "8", "--hpz"], "drop --hpz"),
                          (["--schedule", "gpipe"], "need --pp P"),
                          (["--pp", "2", "--micro-batches", "4", "--costs", "1,x,1"], "costs='1,x,1' is not allowed"),
                          (["--pp", "2", "--micro-batches", "4", "--schedule-file", tmp_path / "none.csv"],

@@ -373,15 +373,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 0
 
 
-PIPELINE_ALONE = ("largest_layer", "from_run") + GPT_FLAGS
+PIPELINE_ALONE = ("largest_layer", "from_run", "node_size", "shard_size") + GPT_FLAGS
 
 
 def _pipeline(a, opts) -> int:
-    """``--pp P --micro-batches m --schedule NAME``: the schedule's bubble and activations, and with --params and
-    --ranks (--layers) one stage's memory table (estimate/pipeline.py)."""
+    """``--pp P``: the schedule's bubble and activations; with --params, --ranks: one stage's table (pipeline.py)."""
     from .pipeline import format_pipeline, parse_costs, pipeline_estimate, stage_estimate
     check(a.pp is not None, "--schedule, --schedule-file, --chunks and --costs need --pp P (the pipeline stages)")
-    other = [f"--{k.replace('_', '-')}" for k in PIPELINE_ALONE if getattr(a, k) is not None] + (["--tp"] if a.tp != 1 else [])
+    on = (("--tp", a.tp != 1), ("--sp", a.sp != 1), ("--hpz", a.hpz), ("--checkpoint-activations", a.checkpoint_activations))
+    other = [f"--{k.replace('_', '-')}" for k in PIPELINE_ALONE if getattr(a, k) is not None] + [f for f, o in on if o]
     check(not other, f"--pp estimates the schedule, and one stage's table from --params, --ranks and --layers; drop "
                      f"{' '.join(other)} (not estimated per stage)")
     check(not (a.schedule and a.schedule_file), "--schedule and --schedule-file contradict each other; give one")
