@@ -4,10 +4,13 @@ The oracle is the run without --pp at the same sequence- and data-parallel sizes
 the full GPT in float64, tests/test_sequence_parallel.py): the final parameter hash, every loss and every
 held-out loss must be equal, for every schedule and ZeRO stage (fp32, and fp16 with loss-scale skips and
 clipping), sp x pp and dp x sp x pp. The activations each rank holds, the SP all-to-all bytes and the
-pipeline's messages per stage must equal their formulas.
+pipeline's messages per stage must equal their formulas; a checkpoint resumes to the same bits.
 """
+import json
+
 import pytest
 
+from tests.mpirun import run_mpi
 from tests.test_pipeline import FP16, FP32, SCHEDULES, key, launch, same
 
 GPT = ["--model", "gpt", "--n-layer", "4", "--d-model", "32", "--n-head", "4", "--seq-len", "16", "--batch", "8",
@@ -58,3 +61,14 @@ def test_data_and_sequence_parallel_stages_on_eight_ranks():
         assert run["sp_bytes_per_step"] == run["sp_theory_bytes_per_step"] > 0
         assert run["pp_bytes_per_step"] == run["pp_theory_bytes_per_step"]
     assert piped[0]["pipeline"]["dp"] == 2 and piped[1]["pipeline"]["tp"] == 2
+
+
+def test_a_sequence_parallel_pipeline_resumes_to_the_same_bits(tmp_path):
+    """Saved after step 2 of 4 at sp 2 x pp 2, resumed there: the bits of the run that never stopped."""
+    base = ["-m", "zerompi.train", *GPT, *FP32, "--pp", "2", "--stage", "2"]     # the last --steps counts
+    whole, resumed = tmp_path / "whole.json", tmp_path / "resumed.json"
+    run_mpi(4, [*base, "--steps", "4", "--metrics-json", whole], timeout=240)
+    run_mpi(4, [*base, "--steps", "2", "--save-dir", tmp_path / "ck"], timeout=240)
+    run_mpi(4, [*base, "--steps", "4", "--resume", tmp_path / "ck", "--metrics-json", resumed], timeout=240)
+    a, b = (json.loads(p.read_text()) for p in (whole, resumed))
+    assert a["final_params_sha256"] == b["final_params_sha256"] and a["losses"][-1] == b["losses"][-1]
