@@ -100,10 +100,6 @@ def _stage_row(stage: int, plan: BucketPlan, itemsize: int, micro_batches: int, 
         # (with nodes and shard groups: the two levels' and the all-reduce across groups', levels.py)
         "comm_scratch": isz * scratch_elements(plan, lv, pending),
     }
-    # one length's pooled receive buffers: what engines sharing one flat group's Communicator (a pipeline
-    # stage's chunks) hold once between them (sum_rows)
-    by_length = {str(n): isz * scratch_elements(SimpleNamespace(per_size=lambda k, n=n, c=c: n * min(c, k)), lv, pending)
-                 for n, c in plan.lengths().items()}
     comm, reuse = ring_bytes(stage, plan, isz, m, ahead, *quant)
     logical, _ = ring_bytes(stage, plan, isz, m, ahead)
     buckets = plan.num_buckets
@@ -123,8 +119,6 @@ def _stage_row(stage: int, plan: BucketPlan, itemsize: int, micro_batches: int, 
         "model_state_bytes": states["total"],
         "formula": formula(stage, isz, "N" if lv.replicas == 1 else "S", "K" if secondary else None),
         "buffers": buffers,
-        "comm_scratch_by_length": by_length,
-        "comm_scratch_shared": lv.m == 1 and lv.replicas == 1,   # the group's Communicator is the one given
         "buffer_bytes": buffer_bytes,
         "total_bytes": states["total"] + buffer_bytes,
         "comm_bytes_per_step": comm,                  # on the wire (values + scales when quantized)
@@ -233,6 +227,10 @@ def estimate(params: Optional[float] = None, ranks: Optional[int] = None, dtype:
                                         "(every reduction is waited for as it starts); leave it out")
     pending = (reducer.MAX_PENDING_REDUCES if in_flight is None else in_flight) if overlap else 0
     cap = max(pending, reducer.MAX_PENDING_REDUCES) if overlap else 0   # what the engine's buffer pool is sized for
+    # the best case's receive buffers of each bucket length (one pooled set each, whatever the stage): what engines
+    # sharing one flat group's Communicator (a pipeline stage's chunks) hold once between them (sum_rows)
+    by_length = {str(n): itemsize * scratch_elements(SimpleNamespace(per_size=lambda k, n=n: n), lv, 0)
+                 for n in plan.lengths()}
     stages = []
     for s in STAGES:
         common = (bandwidth_gbps, latency_us, cap, lv, gbps, quant)
@@ -241,7 +239,8 @@ def estimate(params: Optional[float] = None, ranks: Optional[int] = None, dtype:
         row["buffer_bytes_best_case"] = best["buffer_bytes"]
         row["total_bytes_best_case"] = best["total_bytes"]
         row["total_bytes_one_in_flight"] = best["total_bytes"]   # the best case's name before the cap
-        row["comm_scratch_by_length_best_case"] = best["comm_scratch_by_length"]
+        row["comm_scratch_by_length_best_case"] = by_length
+        row["comm_scratch_shared"] = lv.m == 1 and lv.replicas == 1   # the group's Communicator is the one given
         # where offload puts the model states (stage 0 offloads nothing, params only at stage 3)
         where = SimpleNamespace(offload_optimizer=offload_optimizer if s > 0 else "none",
                                 offload_params=offload_params if s == 3 else "none")
@@ -294,14 +293,14 @@ def sum_rows(rows, what: str = "engines") -> dict:
         if isinstance(first, (int, float)) and not isinstance(first, bool):
             return sum(values)
         return first
-    skip = ("stage", "formula", "comm_scratch_by_length", "comm_scratch_by_length_best_case", "comm_scratch_shared")
+    skip = ("stage", "formula", "comm_scratch_by_length_best_case", "comm_scratch_shared")
     out = {k: add([r[k] for r in rows]) for k in rows[0] if k not in skip}
     if all(r["comm_scratch_shared"] for r in rows):
-        held: dict = {}                       # bucket length -> the engines that pool receive buffers of it
+        held: dict = {}                       # bucket length -> each engine's pooled receive buffers of it
         for r in rows:
-            for n in r["comm_scratch_by_length_best_case"]:
-                held[n] = held.get(n, 0) + 1
-        twice = sum((c - 1) * _scratch_of(rows, n) for n, c in held.items())
+            for n, b in r["comm_scratch_by_length_best_case"].items():
+                held.setdefault(n, []).append(b)
+        twice = sum(sum(bs) - bs[0] for bs in held.values())      # every set but one: the same buffers
         out["buffer_bytes_best_case"] -= twice
         out["total_bytes_best_case"] -= twice
         out["total_bytes_one_in_flight"] -= twice
@@ -309,7 +308,3 @@ def sum_rows(rows, what: str = "engines") -> dict:
     out["stage"] = rows[0]["stage"]
     out["formula"] = " + ".join(formulas) + (f" for each of {len(rows)} {what}" if len(rows) > 1 else "")
     return out
-
-
-def _scratch_of(rows, n) -> int:
-    return next(r["comm_scratch_by_length_best_case"][n] for r in rows if n in r["comm_scratch_by_length_best_case"])
