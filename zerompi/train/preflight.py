@@ -116,17 +116,18 @@ def stage_estimate(cfg: TrainConfig, world_size: int) -> dict:
     return estimate(layout=layout, **common)["stages"][z.stage]
 
 
-def pipeline_estimate(cfg: TrainConfig, world_size: int, rank: int) -> dict:
+def pipeline_estimate(cfg: TrainConfig, world_size: int, rank: int, schedule=None) -> dict:
     """zerompi.estimate's row for world rank ``rank`` of a pipelined job (--pp): the rows of the model chunks its
     stage holds (the schedule's placement, models/chunks.py's cut of the layers), each laid out as its engine
     lays it over the stage's data-parallel ranks, summed (estimate.stages.sum_rows). A chunk of more than
-    EXACT_LAYERS layers is estimated from its blocks alone, in closed form (a lower bound)."""
+    EXACT_LAYERS layers is estimated from its blocks alone, in closed form (a lower bound). ``schedule``: the
+    run's (pipeline.load_schedule; loaded here when not given)."""
     from ..estimate.plan import bucket_numel
     from ..estimate.stages import estimate, sum_rows
     from ..layout import FlatLayout
     from .models.chunks import chunk_layers
     from .pipeline import load_schedule
-    z, s = cfg.zero, load_schedule(cfg)
+    z, s = cfg.zero, schedule or load_schedule(cfg)
     group = world_size // (z.tp * z.pp)           # the stage's ZeRO group: its data- x sequence-parallel ranks
     common = dict(ranks=group, dtype=z.dtype, bucket_mb=z.bucket_mb, prefetch=z.prefetch, overlap=z.overlap,
                   align=z.align, micro_batches=1 if cfg.pipeline.grad_reduce == "step" else z.micro_batches)
@@ -152,13 +153,12 @@ def pipeline_stage(cfg: TrainConfig, world_size: int, rank: int) -> int:
     return rank // (world_size // cfg.zero.pp)
 
 
-def _pipeline_activations(cfg: TrainConfig, world_size: int, rank: int) -> int:
-    """The GPT's activation bytes on a pipelined rank (C kernels): per chunk, its micro-batches in flight (from
-    the schedule) x estimate/activations.py's chunk formula; what the run measures."""
+def _pipeline_activations(cfg: TrainConfig, world_size: int, rank: int, s) -> int:
+    """The GPT's activation bytes on a pipelined rank (C kernels) of schedule ``s``: per chunk, its micro-batches
+    in flight x estimate/activations.py's chunk formula; what the run measures."""
     from ..estimate.activations import gpt_chunks_activation_bytes
     from ..pipeline.simulate import in_flight
-    from .pipeline import load_schedule
-    s, z = load_schedule(cfg), cfg.zero
+    z = cfg.zero
     stage = pipeline_stage(cfg, world_size, rank)
     rows = max(1, cfg.batch // (world_size // (z.tp * z.sp * z.pp)) // z.micro_batches)
     vocab = FILE_VOCAB if cfg.data else GENERATED_VOCAB
@@ -175,7 +175,10 @@ def memory_needed(cfg: TrainConfig, world_size: int, rank: int = 0) -> dict:
     built-in models are lazy (engine/lazy.py): no rank makes its initial parameters whole, so they add
     nothing beside the model states. With --pp: world rank ``rank``'s, the chunks of its stage (pipeline_estimate)."""
     z, tp = cfg.zero, cfg.zero.tp
-    row = pipeline_estimate(cfg, world_size, rank) if z.pp > 1 else stage_estimate(cfg, world_size)
+    if z.pp > 1:
+        from .pipeline import load_schedule
+        schedule = load_schedule(cfg)            # once, for the model states and the activations
+    row = pipeline_estimate(cfg, world_size, rank, schedule) if z.pp > 1 else stage_estimate(cfg, world_size)
     offloaded = (row["optimizer_bytes"] if z.offload_optimizer == "nvme" else 0) + \
         (row["params_bytes"] if z.offload_params == "nvme" else 0)       # in files, not in memory
     parts = {"model states and buffers": row["total_bytes_best_case"] - offloaded}
@@ -185,7 +188,7 @@ def memory_needed(cfg: TrainConfig, world_size: int, rank: int = 0) -> dict:
     rows = max(1, cfg.batch // (world_size // (tp * z.sp) * z.micro_batches))   # sequences per data-parallel rank
     if z.pp > 1:                                 # the micro-batches in flight in each chunk of the stage
         if tp == 1 and cfg.device == "cpu":
-            parts["activations"] = _pipeline_activations(cfg, world_size, rank)
+            parts["activations"] = _pipeline_activations(cfg, world_size, rank, schedule)
         return parts
     if tp == 1 and cfg.device == "cpu":          # the C kernels' workspace: every activation, by its formula
         from ..estimate.activations import gpt_activation_bytes
