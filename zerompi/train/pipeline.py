@@ -88,6 +88,8 @@ class PipelineJob:
         self.model, self.data = build(cfg, xp, mesh if z.tp > 1 or z.sp > 1 else None)   # train/run.py's build_model
         names = [n for _, params in self.model.lazy_layers() for n in params]
         exempt_names(SimpleNamespace(params=dict.fromkeys(names)), z.no_decay)   # over the whole model, as unpipelined
+        from .models.activations import MeteredWorkspace
+        self.shared = MeteredWorkspace()          # the GPT's one-layer buffers: one set for all of this rank's chunks
         self.runners = {c: self._runner(c) for c in self.local}
         engines = {c: self._engine(c, xp) for c in self.local}
         self.engines = StageEngines(engines, self.schedule.chunks, mesh)
@@ -102,10 +104,7 @@ class PipelineJob:
             from .models.mlp_pp import MLPChunk
             return MLPChunk(*args)
         from .models.gpt_pp import GPTChunk
-        if getattr(self, "_shared", None) is None:
-            from .models.activations import MeteredWorkspace
-            self._shared = MeteredWorkspace()     # one set of one-layer buffers for all of this rank's chunks
-        return GPTChunk(*args, self.tie(), self._shared)
+        return GPTChunk(*args, self.tie(), self.shared)
 
     def tie(self):
         """The tied embedding / head weight between chunk 0's stage and the last chunk's (the GPT)."""
