@@ -62,11 +62,8 @@ def _run_steps(cfg, job, comm, start: int, stop) -> StepLog:
     with watched(comm, "pipeline: aligning the clocks"):
         offset = align_clocks(comm, time.perf_counter)[0]
     gpt = cfg.model == "gpt"
-    stand_in = ""
-    if cfg.simulate_world:                       # a stage without the last chunk computes no loss at all
-        last = job.schedule.chunks - 1 in job.runners
-        stand_in = (" (simulated rank: not a real run's loss)" if last else
-                    f" (simulated rank of stage {job.mesh.pp_rank}: no loss is computed there)")
+    last = job.schedule.chunks - 1 in job.runners    # a stage without the last chunk computes no loss at all
+    stand_in = simulate.loss_note(cfg, None if last else job.mesh.pp_rank)
     show = lambda *text, **kw: print0(comm.mpi, *text, **kw)   # noqa: E731  (the printing rank)
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()

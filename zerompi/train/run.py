@@ -134,7 +134,8 @@ def _run_steps(cfg: TrainConfig, engine, comm, model, data, floor: Optional[floa
     saves = Saves(cfg, engine, comm.mpi)            # checkpoints: --save-dir, --save-every, --async-save
     losses_of = step_losses(cfg.model)
     gpt = cfg.model == "gpt"
-    stand_in = " (simulated rank: not a real run's loss)" if cfg.simulate_world else ""
+    from .simulate import loss_note
+    stand_in = loss_note(cfg)
     bar = leads(comm) and choose_progress(cfg.progress) == "bar"    # auto: a bar only for a person at a terminal
     sent = lambda: sum(s.bytes for op, s in comm.stats.items() if op != "sum_scalars")
     log = StepLog(start, {op: s.bytes for op, s in comm.stats.items()})   # so far: the initial parameter all-gather

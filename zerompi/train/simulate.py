@@ -48,6 +48,16 @@ def simulated(comm) -> bool:
     return bool(getattr(getattr(comm, "mpi", comm), "simulated", False))
 
 
+def loss_note(cfg, stage=None) -> str:
+    """What follows the loss on every step line: nothing for a real run; for a simulated rank, that the loss is
+    not a real run's, or (``stage``: a pipeline stage without the last chunk) that none is computed there."""
+    if not cfg.simulate_world:
+        return ""
+    if stage is not None:
+        return f" (simulated rank of stage {stage}: no loss is computed there)"
+    return " (simulated rank: not a real run's loss)"
+
+
 def banner(cfg) -> str:
     from ..comm.simulated import RULE
     return (f"  SIMULATED: this one process is rank {cfg.simulate_rank} of {cfg.simulate_world}; the other "
