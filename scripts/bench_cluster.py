@@ -138,9 +138,12 @@ def train(c, a, name: str, stage: int, flags, workdir: Path) -> dict:
             a.bucket_mb, "--stage", str(stage), "--steps", str(a.steps), "--log-every", "1",
             "--metrics-json", metrics, *flags]
     job = cluster_mpi.Job(c, a.ranks_per_node, argv)
-    job.start()
-    log = LinkLog(c, 1, job)
-    proc = job.wait(a.timeout)
+    for _ in range(cluster_mpi.LAUNCH_TRIES):           # a launcher that failed to start is started again
+        job.start()
+        log = LinkLog(c, 1, job)
+        proc = job.wait(a.timeout)
+        if not cluster_mpi.launch_failed(proc):
+            break
     if proc.returncode != 0:
         raise RuntimeError(f"{name}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
     m = json.loads(metrics.read_text())

@@ -132,3 +132,13 @@ def test_unavailable_says_why(monkeypatch):
     cl, _ = harness()
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert "need root" in cl.unavailable()
+
+
+def test_a_launcher_that_failed_to_start_is_told_apart():
+    """Job.run starts again only a launcher that never started (Open MPI's PMIx listener, now and then in a fresh
+    namespace); a job that ran and failed, or printed the words and succeeded, is not run again."""
+    _, mpi = harness()
+    said = "--------\\nThe PMIx server's listener thread failed to start. We cannot\\ncontinue.\\n"
+    assert mpi.launch_failed(subprocess.CompletedProcess([], 213, "", said))
+    assert not mpi.launch_failed(subprocess.CompletedProcess([], 0, "", said))
+    assert not mpi.launch_failed(subprocess.CompletedProcess([], 1, "", "zerompi.train: error: batch=3 ..."))
