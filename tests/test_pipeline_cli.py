@@ -48,7 +48,7 @@ def test_a_pipelined_save_killed_before_its_rename_is_published_by_the_next_run(
     from zerompi.checkpoint.pointer import latest_name
     ck = tmp_path / "ck"
     common = ["-m", "zerompi.train", *GPT, "--pp", "2", "--save-every", "2", "--save-dir", ck]
-    proc = run_mpi(2, [*common, "--steps", "4"], check=False, env={"ZEROMPI_CHECKPOINT_CRASH": "after_shards@4"})
+    proc = run_mpi(2, [*common, "--steps", "4"], check=False, env={"ZEROMPI_CHECKPOINT_CRASH": "after_shards@4:all"})
     assert proc.returncode != 0
     assert [latest_name(ck / f"pp{c}-of-2") for c in (0, 1)] == ["step_000002"] * 2
     note = checkpoint_cli("inspect", ck / "pp1-of-2").stdout

@@ -105,7 +105,7 @@ def test_a_complete_unpublished_checkpoint_is_published_by_the_next_run(tmp_path
     ck = tmp_path / "ck"
     common = [*TRAIN, "--save-every", "2", "--save-dir", ck]
     proc = run_mpi(2, [*common, "--steps", "4"], timeout=LIMIT, check=False,
-                   env={"ZEROMPI_CHECKPOINT_CRASH": "after_shards@4"})        # killed before the rename
+                   env={"ZEROMPI_CHECKPOINT_CRASH": "after_shards@4:all"})    # killed before the rename
     assert proc.returncode != 0 and latest_name(ck) == "step_000002"
     note = checkpoint_cli("inspect", ck).stdout
     assert "holds a complete checkpoint of step 4 that was never published" in note, note

@@ -43,7 +43,7 @@ ROWS = ("master", "exp_avg", "exp_avg_sq")   # engine.optimizer's arrays, one ro
 MANIFEST_SHA = "manifest_sha256"             # the manifest's last key: sha256 of its text with this value zeroed
 CHUNK_BYTES = 4 << 20                        # read size when checksumming a shard
 WRITE_CHUNK_BYTES = 64 << 20                 # a shard is written, checksummed and handed to the disk in such chunks
-CRASH_ENV = "ZEROMPI_CHECKPOINT_CRASH"       # test hook: "POINT@STEP[:rankR]" exits the process there
+CRASH_ENV = "ZEROMPI_CHECKPOINT_CRASH"       # test hook: "POINT@STEP[:rankR|:all]" exits the process there
 _ZERO_SHA = "0" * 64
 F32 = np.float32
 
@@ -210,9 +210,14 @@ def wait_removals() -> None:
 
 def crash_point(point: str, step: int, rank: Optional[int] = None) -> None:
     """Test hook: ``ZEROMPI_CHECKPOINT_CRASH=POINT@STEP`` ends the process here, without cleanup
-    (``POINT@STEP:rankR``: only on rank R). Points: after_shards, mid_shard (the shard file half
-    written; in the background writer with an async save), before_rename, before_latest."""
-    if os.environ.get(CRASH_ENV) in (f"{point}@{step}", f"{point}@{step}:rank{rank}"):
+    (``POINT@STEP:rankR``: only on rank R; ``POINT@STEP:all``: every rank, once all of MPI's world reached
+    it, so that each rank's work before the point is done). Points: after_shards, mid_shard (the shard
+    file half written; in the background writer with an async save), before_rename, before_latest."""
+    spec = os.environ.get(CRASH_ENV)
+    if spec == f"{point}@{step}:all":
+        from mpi4py import MPI
+        MPI.COMM_WORLD.Barrier()
+    if spec in (f"{point}@{step}", f"{point}@{step}:rank{rank}", f"{point}@{step}:all"):
         sys.stderr.write(f"zerompi.checkpoint: simulated crash at {point}, step {step}\n")
         sys.stderr.flush()
         os._exit(17)
