@@ -112,3 +112,20 @@ def test_a_complete_unpublished_checkpoint_is_published_by_the_next_run(tmp_path
     proc = run_mpi(2, [*common, "--steps", "6", "--resume", ck], timeout=LIMIT)
     assert "published " in proc.stderr and "resumed from " + str(ck / "step_000004") in proc.stdout, proc.stdout
     assert tree(ck) == ["latest", "step_000002", "step_000004", "step_000006"]
+
+
+@pytest.mark.parametrize("first,then", [(["--pp", "2"], []), ([], ["--pp", "2"])])
+def test_overwrite_by_a_run_of_another_layout_replaces_all_of_the_old_run(tmp_path, first, then):
+    """A pipelined run's part folders (pp{c}-of-{C}) replaced by an unpipelined run's --overwrite, and the
+    reverse: nothing of the old run is left for a later --resume with its layout to continue."""
+    ck = tmp_path / "ck"
+    flags = [*TRAIN, "--depth", "4", "--micro-batches", "2", "--steps", "2", "--save-dir", ck]
+    run_mpi(2, [*flags, *first], timeout=LIMIT)
+    proc = run_mpi(2, [*flags, *then, "--overwrite"], timeout=LIMIT)
+    assert "--overwrite: removed the earlier run's checkpoints" in proc.stdout, proc.stdout
+    want = ["pp0-of-2", "pp1-of-2"] if then else ["latest", "step_000002"]
+    assert [n for n in tree(ck) if not n.startswith(".")] == want
+    proc = run_mpi(2, [*flags, *first, "--steps", "3", "--resume", ck], timeout=LIMIT, check=False)
+    assert proc.returncode == 2 and "resumed from" not in proc.stdout, proc.stdout + proc.stderr
+    proc = run_mpi(2, [*flags, *then, "--steps", "3", "--resume", ck], timeout=LIMIT)
+    assert "resumed from " in proc.stdout, proc.stdout

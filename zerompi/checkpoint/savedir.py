@@ -19,6 +19,7 @@ here is a collective or touches MPI; rank 0 calls these, and the caller makes th
 """
 import json
 import os
+import re
 import socket
 import time
 from typing import List, Optional, Tuple
@@ -218,10 +219,37 @@ def retain(directory: str, keep_last: Optional[int], current: str, keep=()) -> L
     return doomed
 
 
-def replace(directory: str, old: List[str], current: str) -> List[str]:
-    """Remove the checkpoints ``old`` (those an ``overwrite`` run found, relative paths), except those
-    named ``current`` (in any tensor-parallel or pipeline folder: each part has just written its own)."""
-    doomed = [n for n in old if os.path.basename(n) != current and os.path.isdir(os.path.join(directory, n))]
-    for name in doomed:
+def layout(folder: str) -> str:
+    """The part-folder pattern of ``folder`` (relative to its save folder): ``pp1-of-2/tp0-of-2`` ->
+    ``pp*-of-2/tp*-of-2``, '' for the save folder itself: the folders of one run share it."""
+    return "/".join(re.sub(r"^(pp|tp)\d+-of-", r"\1*-of-", p) for p in folder.split(os.sep) if p not in ("", "."))
+
+
+def replace(directory: str, old: List[str], current: str, own: Optional[str] = None) -> List[str]:
+    """Remove the checkpoints ``old`` (those an ``overwrite`` run found, relative paths), except those named
+    ``current`` in this run's own folders (each part has just written its own); returns what was removed.
+
+    ``own``: the folder, relative to ``directory``, of one of this run's new checkpoints, given when the run
+    replaces another run as a whole: then what that run left in folders of another layout goes too, which a
+    later --resume would otherwise continue: its part folders (a pipelined or tensor-parallel run's, replaced by
+    a run of another --pp, --chunks or --tp, or by one without them), or the save folder's own ``latest`` (an
+    unpartitioned run's, replaced by a partitioned one)."""
+    mine = layout(current if own is None else own)
+    gone: List[str] = []                  # part folders of another layout, removed whole
+    if own is not None and os.path.isdir(directory):
+        for name in sorted(os.listdir(directory)):
+            sub = os.path.join(directory, name)
+            if not is_part_folder(name):
+                continue
+            leaves = [os.path.relpath(leaf, directory) for leaf in part_folders_of(sub) or [sub]]
+            foreign = [leaf for leaf in leaves if layout(leaf) != mine]
+            gone += [name] if foreign == leaves else foreign
+    inside = lambda n: any(n.startswith(g + os.sep) for g in gone)
+    doomed = [n for n in old if (os.path.basename(n) != current or own is not None and layout(os.path.dirname(n))
+                                 != mine) and not inside(n) and os.path.isdir(os.path.join(directory, n))]
+    for name in doomed + gone:
         remove_dir(os.path.join(directory, name), background=True)
-    return doomed
+    if own is not None and mine and os.path.lexists(os.path.join(directory, LATEST)):
+        os.unlink(os.path.join(directory, LATEST))
+        gone.append(LATEST)
+    return doomed + gone

@@ -73,11 +73,13 @@ class Saves:
         # --overwrite: the other run's checkpoints (resumed into its own folder: those newer than the one it
         # resumed from), removed once this run's first one is published.
         self.replace: List[str] = []
+        self.whole = False                  # --overwrite of another run: its folders of another layout go too
         if cfg.save_dir and mpi.Get_rank() == 0:
             newer = newer_checkpoints(cfg.save_dir, engine.steps_taken) if own_folder(cfg.save_dir, cfg.resume) \
                 else None
             if cfg.overwrite:
                 self.replace = saved_checkpoints(cfg.save_dir) if newer is None else newer
+                self.whole = newer is None        # another run's folder: all of that run goes, any layout
             if newer:
                 fate = ("--overwrite: they are removed once this run's first checkpoint is saved" if cfg.overwrite
                         else "this run keeps them (--keep-last never removes them; --overwrite would replace them)")
@@ -119,7 +121,9 @@ class Saves:
     def _published(self, path: str, how: str) -> None:
         from .report import print0
         print0(self.mpi, f"  saved checkpoint {path}{how}")
-        if self.replace:
-            removed, self.replace = replace(self.cfg.save_dir, self.replace, os.path.basename(path)), []
+        if self.replace or self.whole:
+            own = os.path.relpath(os.path.dirname(path), self.cfg.save_dir) if self.whole else None
+            removed = replace(self.cfg.save_dir, self.replace, os.path.basename(path), own)
+            self.replace, self.whole = [], False
             if removed:
                 print0(self.mpi, f"  --overwrite: removed the earlier run's checkpoints {', '.join(removed)}")
