@@ -7,7 +7,11 @@ here is a collective or touches MPI; rank 0 calls these, and the caller makes th
   saves there. A second job stops at start naming them. A lock left by a process that is gone
   (same host, that pid not running, or running since another time: the pid was reused) is
   taken over, and the taker is told so; a lock of another host cannot be checked from here
-  and is refused with the file to delete.
+  and is refused with the file to delete. A holder on this host that still runs is waited for,
+  HOLDER_WAIT_S at most, before the job is refused: a job that crashed (killed, or ended without its
+  clean-up) can still be exiting when its launcher has returned (Open MPI's mpiexec was seen to),
+  and a user who reruns at once must not be refused by it; an exited, unreaped process (a zombie)
+  counts as gone. The holder itself removes the lock at exit and, on rank 0, when it aborts the job.
 - :func:`check_fresh`: a run may not save into a directory that already holds checkpoints of
   another run (any, unless it resumes from one of them: :func:`own_folder`), unless told to
   replace them (``overwrite``).
@@ -30,27 +34,50 @@ from .orphans import orphans
 from .pointer import CHECKPOINT_NAME, LATEST, MANIFEST, complete_checkpoints, latest_name, read_latest, step_of
 
 LOCK = ".zerompi.lock"
+HOLDER_WAIT_S = 10.0            # how long a holder on this host that still runs may take to end before a job is refused
+GONE_STATES = ("Z", "X")        # /proc/PID/stat states of a process that has exited (zombie, dead)
 
 
-def _process_start(pid: int) -> Optional[str]:
-    """When process ``pid`` started (Linux: /proc/PID/stat field 22, clock ticks since boot), or None."""
+def _process_stat(pid: int) -> Optional[Tuple[str, str]]:
+    """(state, start) of process ``pid`` (Linux: /proc/PID/stat fields 3 and 22, the start in clock ticks since
+    boot), or None."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[19]
+            fields = f.read(4096).rpartition(")")[2].split()
+        return fields[0], fields[19]
     except (OSError, IndexError):
         return None
 
 
+def _process_start(pid: int) -> Optional[str]:
+    """When process ``pid`` started (clock ticks since boot), or None."""
+    stat = _process_stat(pid)
+    return None if stat is None else stat[1]
+
+
 def _alive(pid: int, start: Optional[str]) -> bool:
-    """True when ``pid`` runs on this host and (where both are known) started at ``start``."""
+    """True when ``pid`` runs on this host (not exited and unreaped) and (where both are known) started at
+    ``start``."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except (PermissionError, OverflowError, ValueError):
         pass                        # another user's process: it exists
-    now = _process_start(pid)
-    return start is None or now is None or now == start
+    stat = _process_stat(pid)
+    if stat is not None and stat[0] in GONE_STATES:
+        return False
+    return start is None or stat is None or stat[1] == start
+
+
+def _ends_within(pid: int, start: Optional[str], seconds: float) -> bool:
+    """True when process ``pid`` (started at ``start``) is gone, or goes within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while _alive(pid, start):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 class SaveDirLock:
@@ -94,9 +121,10 @@ class SaveDirLock:
             raise ConfigError(f"save_dir={self.directory!r} is locked by pid {pid} on host {host} since {since} "
                               f"({self.path}): another job saves there; use another --save-dir, or delete that "
                               "file if no job runs there")
-        if _alive(pid, start):
+        if not _ends_within(pid, start, HOLDER_WAIT_S):   # a crashed job's rank may still be exiting: wait a while
             raise ConfigError(f"save_dir={self.directory!r} is in use by another job (pid {pid} on this host, "
-                              f"{host}, since {since}; {self.path}); use another --save-dir or wait for it to end")
+                              f"{host}, since {since}; {self.path}; still running after {HOLDER_WAIT_S:g} s); "
+                              "use another --save-dir or wait for it to end")
         stale = f"{self.path}.stale-{os.getpid()}"
         try:
             os.rename(self.path, stale)          # one taker wins; the others find the new lock

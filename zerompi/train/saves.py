@@ -17,6 +17,7 @@ from typing import List, Optional
 from ..checkpoint.format import ROWS
 from ..checkpoint.orphans import recover
 from ..checkpoint.savedir import SaveDirLock, check_fresh, newer_checkpoints, own_folder, replace, saved_checkpoints
+from ..errors import at_abort
 from .config import TrainConfig
 
 HEADER_BYTES = 128       # a shard file's .npy header
@@ -30,6 +31,7 @@ def claim_save_dir(cfg: TrainConfig, rank: int) -> Optional[SaveDirLock]:
         return None
     lock = SaveDirLock(cfg.save_dir).acquire()
     atexit.register(lock.release)
+    at_abort(lock.release)                     # an error that aborts the job skips atexit: released here first
     if lock.note:
         sys.stderr.write(f"zerompi.train: note: {lock.note}\n")
     try:
@@ -38,6 +40,7 @@ def claim_save_dir(cfg: TrainConfig, rank: int) -> Optional[SaveDirLock]:
         check_fresh(cfg.save_dir, cfg.resume, cfg.overwrite)
     except BaseException:
         lock.release()
+        at_abort(lock.release, add=False)
         raise
     return lock
 
