@@ -55,6 +55,10 @@ def place(tmp_path, monkeypatch):
                                                                                  "are one folder"),
     (["--metrics-json", "off/m.json", "--offload-dir", "off", "--offload-optimizer", "nvme"],
      "metrics_json='off/m.json' lies inside offload_dir='off'"),
+    (["--pp", "2", "--schedule-file", "d.bin", "--metrics-json", "d.bin"],
+     "metrics_json='d.bin' is also the input schedule_file='d.bin'"),
+    (["--pp", "2", "--schedule-file", "d.bin", "--trace", "./d.bin"], "trace='./d.bin' is also the input "
+                                                                        "schedule_file='d.bin'"),
 ])
 def test_train_refuses_a_path_in_two_roles(place, flags, needle):
     gpt = "--data" in flags

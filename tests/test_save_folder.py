@@ -8,13 +8,21 @@ exist; a checkpoint whose every shard was written is published when the job fail
 Oracles: the files themselves (which checkpoints exist, what ``latest`` names) and the bytes of the
 checkpoints the runs must not touch."""
 import hashlib
+import json
 import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
 
 import pytest
 
 from tests.mpirun import one_line, run_mpi
 from tests.test_checkpoint import SMALL, checkpoint_cli
 from zerompi.checkpoint.pointer import latest_name
+
+pytestmark = pytest.mark.every_mpi       # CI runs these under Open MPI too (.ci/run)
 
 TRAIN = ["-m", "zerompi.train", *SMALL, "--stage", "2", "--optimizer-impl", "numpy"]
 LIMIT = 90
@@ -112,3 +120,51 @@ def test_a_complete_unpublished_checkpoint_is_published_by_the_next_run(tmp_path
     proc = run_mpi(2, [*common, "--steps", "6", "--resume", ck], timeout=LIMIT)
     assert "published " in proc.stderr and "resumed from " + str(ck / "step_000004") in proc.stdout, proc.stdout
     assert tree(ck) == ["latest", "step_000002", "step_000004", "step_000006"]
+
+
+@pytest.mark.parametrize("first,then", [(["--pp", "2"], []), ([], ["--pp", "2"])])
+def test_overwrite_by_a_run_of_another_layout_replaces_all_of_the_old_run(tmp_path, first, then):
+    """A pipelined run's part folders (pp{c}-of-{C}) replaced by an unpipelined run's --overwrite, and the
+    reverse: nothing of the old run is left for a later --resume with its layout to continue."""
+    ck = tmp_path / "ck"
+    flags = [*TRAIN, "--depth", "4", "--micro-batches", "2", "--steps", "2", "--save-dir", ck]
+    run_mpi(2, [*flags, *first], timeout=LIMIT)
+    proc = run_mpi(2, [*flags, *then, "--overwrite"], timeout=LIMIT)
+    assert "--overwrite: removed the earlier run's checkpoints" in proc.stdout, proc.stdout
+    want = ["pp0-of-2", "pp1-of-2"] if then else ["latest", "step_000002"]
+    assert [n for n in tree(ck) if not n.startswith(".")] == want
+    proc = run_mpi(2, [*flags, *first, "--steps", "3", "--resume", ck], timeout=LIMIT, check=False)
+    assert proc.returncode == 2 and "resumed from" not in proc.stdout, proc.stdout + proc.stderr
+    proc = run_mpi(2, [*flags, *then, "--steps", "3", "--resume", ck], timeout=LIMIT)
+    assert "resumed from " in proc.stdout, proc.stdout
+
+
+def hold_lock(ck, code: str):
+    """A process running ``code`` holds ck's lock (its pid and start time, as a job's rank 0 writes them)."""
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    with open(f"/proc/{proc.pid}/stat") as f:
+        start = f.read().rpartition(")")[2].split()[19]
+    ck.mkdir()
+    (ck / ".zerompi.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": proc.pid, "start": start,
+                                                  "since": "2000-01-01 00:00:00"}))
+    return proc
+
+
+@pytest.mark.parametrize("holder", ["exiting", "exited"])
+def test_a_run_right_after_a_crashed_one_is_not_refused_by_its_dying_rank(tmp_path, holder):
+    """The lock of a job whose rank 0 is still exiting (Open MPI's mpiexec can return before it is gone) or has
+    exited unreaped (a zombie): a run started at once waits for it (a bounded time), takes the lock over and
+    runs, where it was refused as 'in use by another job'."""
+    ck = tmp_path / "ck"
+    proc = hold_lock(ck, "import time; time.sleep(2)" if holder == "exiting" else "pass")
+    if holder == "exiting":
+        threading.Thread(target=proc.wait, daemon=True).start()      # reaped once it ends, as by its launcher
+    else:
+        while open(f"/proc/{proc.pid}/stat").read().rpartition(")")[2].split()[0] != "Z":
+            time.sleep(0.01)                                          # exited, not reaped: a zombie
+    try:
+        run = run_mpi(2, [*TRAIN, "--steps", "1", "--save-dir", ck], timeout=LIMIT)
+        assert "took over the lock" in run.stderr and tree(ck) == ["latest", "step_000001"], run.stderr
+    finally:
+        proc.kill()
+        proc.wait()

@@ -32,6 +32,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from ..errors import ConfigError
+from ..inputs import JSON_BYTES, read_bytes
 from ..layout import Bucket, ParamRange
 from .pointer import (CHECKPOINT_NAME, DRAFT, ENTRY, LATEST, MANIFEST, TEMP_PREFIX, complete_checkpoints, fsync_dir,
                       latest_name, manifest_digest, point_latest, read_latest, write_durable)
@@ -297,9 +298,10 @@ def read_manifest(ckpt: str) -> Tuple[dict, SavedLayout]:
     """Parse and sanity-check ``ckpt``/manifest.json (raises CheckpointError naming the file)."""
     path = os.path.join(ckpt, MANIFEST)
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
+        raw = read_bytes(path, path, JSON_BYTES, CheckpointError)
         manifest = json.loads(raw)
+    except CheckpointError:                         # not a regular file, or too large: its own line
+        raise
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: cannot read the manifest: {e}")
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:

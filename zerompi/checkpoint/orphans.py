@@ -19,6 +19,7 @@ import json
 import os
 from typing import List, Optional, Tuple
 
+from ..inputs import JSON_BYTES, read_bytes
 from .format import is_part_folder, part_folders_of, publish, shard_file
 from .pointer import DRAFT, ENTRY, TEMP_PREFIX, latest_name, step_of
 
@@ -26,12 +27,10 @@ from .pointer import DRAFT, ENTRY, TEMP_PREFIX, latest_name, step_of
 def complete_manifest(tmp: str) -> Optional[dict]:
     """The manifest of the temporary folder ``tmp`` when every shard it needs is there (see the module), else None."""
     try:
-        with open(os.path.join(tmp, DRAFT)) as f:
-            draft = json.load(f)
+        draft = json.loads(read_bytes(os.path.join(tmp, DRAFT), DRAFT, JSON_BYTES, OSError))
         shards = []
         for r in range(int(draft["world_size"])):
-            with open(os.path.join(tmp, shard_file(r) + ENTRY)) as f:
-                entry = json.load(f)
+            entry = json.loads(read_bytes(os.path.join(tmp, shard_file(r) + ENTRY), ENTRY, JSON_BYTES, OSError))
             if os.path.getsize(os.path.join(tmp, entry["file"])) != entry["bytes"]:
                 return None
             shards.append(entry)

@@ -20,6 +20,8 @@ import os
 import re
 from typing import List, Optional, Tuple
 
+from ..inputs import JSON_BYTES, read_bytes
+
 LATEST = "latest"
 MANIFEST = "manifest.json"
 CHECKPOINT_NAME = re.compile(r"step_(\d+)(?:-(\d+))?")   # a published checkpoint's directory name
@@ -50,8 +52,7 @@ def step_of(name: str) -> Optional[int]:
 def manifest_digest(ckpt: str) -> Optional[str]:
     """The sha256 of ``ckpt``/manifest.json's bytes, or None when it cannot be read."""
     try:
-        with open(os.path.join(ckpt, MANIFEST), "rb") as f:
-            return hashlib.sha256(f.read()).hexdigest()
+        return hashlib.sha256(read_bytes(os.path.join(ckpt, MANIFEST), MANIFEST, JSON_BYTES, OSError)).hexdigest()
     except OSError:
         return None
 

@@ -7,7 +7,11 @@ here is a collective or touches MPI; rank 0 calls these, and the caller makes th
   saves there. A second job stops at start naming them. A lock left by a process that is gone
   (same host, that pid not running, or running since another time: the pid was reused) is
   taken over, and the taker is told so; a lock of another host cannot be checked from here
-  and is refused with the file to delete.
+  and is refused with the file to delete. A holder on this host that still runs is waited for,
+  HOLDER_WAIT_S at most, before the job is refused: a job that crashed (killed, or ended without its
+  clean-up) can still be exiting when its launcher has returned (Open MPI's mpiexec was seen to),
+  and a user who reruns at once must not be refused by it; an exited, unreaped process (a zombie)
+  counts as gone. The holder itself removes the lock at exit and, on rank 0, when it aborts the job.
 - :func:`check_fresh`: a run may not save into a directory that already holds checkpoints of
   another run (any, unless it resumes from one of them: :func:`own_folder`), unless told to
   replace them (``overwrite``).
@@ -19,6 +23,7 @@ here is a collective or touches MPI; rank 0 calls these, and the caller makes th
 """
 import json
 import os
+import re
 import socket
 import time
 from typing import List, Optional, Tuple
@@ -29,27 +34,50 @@ from .orphans import orphans
 from .pointer import CHECKPOINT_NAME, LATEST, MANIFEST, complete_checkpoints, latest_name, read_latest, step_of
 
 LOCK = ".zerompi.lock"
+HOLDER_WAIT_S = 10.0            # how long a holder on this host that still runs may take to end before a job is refused
+GONE_STATES = ("Z", "X")        # /proc/PID/stat states of a process that has exited (zombie, dead)
 
 
-def _process_start(pid: int) -> Optional[str]:
-    """When process ``pid`` started (Linux: /proc/PID/stat field 22, clock ticks since boot), or None."""
+def _process_stat(pid: int) -> Optional[Tuple[str, str]]:
+    """(state, start) of process ``pid`` (Linux: /proc/PID/stat fields 3 and 22, the start in clock ticks since
+    boot), or None."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[19]
+            fields = f.read(4096).rpartition(")")[2].split()
+        return fields[0], fields[19]
     except (OSError, IndexError):
         return None
 
 
+def _process_start(pid: int) -> Optional[str]:
+    """When process ``pid`` started (clock ticks since boot), or None."""
+    stat = _process_stat(pid)
+    return None if stat is None else stat[1]
+
+
 def _alive(pid: int, start: Optional[str]) -> bool:
-    """True when ``pid`` runs on this host and (where both are known) started at ``start``."""
+    """True when ``pid`` runs on this host (not exited and unreaped) and (where both are known) started at
+    ``start``."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except (PermissionError, OverflowError, ValueError):
         pass                        # another user's process: it exists
-    now = _process_start(pid)
-    return start is None or now is None or now == start
+    stat = _process_stat(pid)
+    if stat is not None and stat[0] in GONE_STATES:
+        return False
+    return start is None or stat is None or stat[1] == start
+
+
+def _ends_within(pid: int, start: Optional[str], seconds: float) -> bool:
+    """True when process ``pid`` (started at ``start``) is gone, or goes within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while _alive(pid, start):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 class SaveDirLock:
@@ -93,9 +121,10 @@ class SaveDirLock:
             raise ConfigError(f"save_dir={self.directory!r} is locked by pid {pid} on host {host} since {since} "
                               f"({self.path}): another job saves there; use another --save-dir, or delete that "
                               "file if no job runs there")
-        if _alive(pid, start):
+        if not _ends_within(pid, start, HOLDER_WAIT_S):   # a crashed job's rank may still be exiting: wait a while
             raise ConfigError(f"save_dir={self.directory!r} is in use by another job (pid {pid} on this host, "
-                              f"{host}, since {since}; {self.path}); use another --save-dir or wait for it to end")
+                              f"{host}, since {since}; {self.path}; still running after {HOLDER_WAIT_S:g} s); "
+                              "use another --save-dir or wait for it to end")
         stale = f"{self.path}.stale-{os.getpid()}"
         try:
             os.rename(self.path, stale)          # one taker wins; the others find the new lock
@@ -218,10 +247,37 @@ def retain(directory: str, keep_last: Optional[int], current: str, keep=()) -> L
     return doomed
 
 
-def replace(directory: str, old: List[str], current: str) -> List[str]:
-    """Remove the checkpoints ``old`` (those an ``overwrite`` run found, relative paths), except those
-    named ``current`` (in any tensor-parallel or pipeline folder: each part has just written its own)."""
-    doomed = [n for n in old if os.path.basename(n) != current and os.path.isdir(os.path.join(directory, n))]
-    for name in doomed:
+def layout(folder: str) -> str:
+    """The part-folder pattern of ``folder`` (relative to its save folder): ``pp1-of-2/tp0-of-2`` ->
+    ``pp*-of-2/tp*-of-2``, '' for the save folder itself: the folders of one run share it."""
+    return "/".join(re.sub(r"^(pp|tp)\d+-of-", r"\1*-of-", p) for p in folder.split(os.sep) if p not in ("", "."))
+
+
+def replace(directory: str, old: List[str], current: str, own: Optional[str] = None) -> List[str]:
+    """Remove the checkpoints ``old`` (those an ``overwrite`` run found, relative paths), except those named
+    ``current`` in this run's own folders (each part has just written its own); returns what was removed.
+
+    ``own``: the folder, relative to ``directory``, of one of this run's new checkpoints, given when the run
+    replaces another run as a whole: then what that run left in folders of another layout goes too, which a
+    later --resume would otherwise continue: its part folders (a pipelined or tensor-parallel run's, replaced by
+    a run of another --pp, --chunks or --tp, or by one without them), or the save folder's own ``latest`` (an
+    unpartitioned run's, replaced by a partitioned one)."""
+    mine = layout(current if own is None else own)
+    gone: List[str] = []                  # part folders of another layout, removed whole
+    if own is not None and os.path.isdir(directory):
+        for name in sorted(os.listdir(directory)):
+            sub = os.path.join(directory, name)
+            if not is_part_folder(name):
+                continue
+            leaves = [os.path.relpath(leaf, directory) for leaf in part_folders_of(sub) or [sub]]
+            foreign = [leaf for leaf in leaves if layout(leaf) != mine]
+            gone += [name] if foreign == leaves else foreign
+    inside = lambda n: any(n.startswith(g + os.sep) for g in gone)
+    doomed = [n for n in old if (os.path.basename(n) != current or own is not None and layout(os.path.dirname(n))
+                                 != mine) and not inside(n) and os.path.isdir(os.path.join(directory, n))]
+    for name in doomed + gone:
         remove_dir(os.path.join(directory, name), background=True)
-    return doomed
+    if own is not None and mine and os.path.lexists(os.path.join(directory, LATEST)):
+        os.unlink(os.path.join(directory, LATEST))
+        gone.append(LATEST)
+    return doomed + gone

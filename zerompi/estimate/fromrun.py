@@ -5,6 +5,7 @@ import json
 from ..comm.quantized import DEFAULT_BLOCK
 from ..engine.config import ZeroConfig
 from ..errors import ConfigError, check
+from ..inputs import JSON_BYTES, read_bytes
 from .stages import DEFAULT_PREFETCH, estimate
 
 
@@ -37,8 +38,9 @@ def read_run(path: str) -> dict:
     """A train run's --metrics-json, checked for what --from-run reads (ConfigError naming the file)."""
     check(path != "", "from_run='' is an empty path; give a train run's --metrics-json file")
     try:
-        with open(path) as f:
-            metrics = json.load(f)
+        metrics = json.loads(read_bytes(path, f"from_run={path!r}", JSON_BYTES))
+    except ConfigError:                             # not a regular file, or too large: its own line
+        raise
     except (OSError, ValueError) as e:
         raise ConfigError(f"from_run={path!r} is not a readable metrics JSON ({e})")
     what = f"from_run={path!r} is not the --metrics-json of a zerompi.train run"

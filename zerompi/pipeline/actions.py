@@ -19,9 +19,13 @@ an optional line of ``#`` comments. ``read``/``write`` do that; ScheduleError na
 """
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Dict, List, NamedTuple, Sequence, Tuple
 
 from ..errors import ConfigError
+from ..inputs import read_bytes
+
+MAX_FILE_BYTES = 64 << 20    # a schedule file's size, at most: 8 ranks x 100k micro-batches of 1F1B are ~30 MB
 
 KINDS = ("F", "B", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
 COMPUTE = ("F", "B", "W")
@@ -51,22 +55,26 @@ class Schedule:
     def ranks(self) -> int:
         return len(self.actions)
 
-    @property
+    @cached_property
     def chunks(self) -> int:
         """C, the model chunks (ranks x chunks per rank)."""
         return 1 + max((a.chunk for acts in self.actions for a in acts), default=-1)
 
-    @property
+    @cached_property
     def micro_batches(self) -> int:
         return 1 + max((a.mb for acts in self.actions for a in acts), default=-1)
 
-    @property
+    @cached_property
     def split_backward(self) -> bool:
         """True when the backward is split into B (input gradient) and W (weight gradient)."""
         return any(a.kind == "W" for acts in self.actions for a in acts)
 
     def placement(self) -> Dict[int, int]:
         """{chunk: the rank that computes it} (the first rank found with a compute action of it)."""
+        return dict(self._placement)
+
+    @cached_property
+    def _placement(self) -> Dict[int, int]:
         out: Dict[int, int] = {}
         for r, acts in enumerate(self.actions):
             for a in acts:
@@ -76,7 +84,7 @@ class Schedule:
 
     def chunks_of(self, rank: int) -> List[int]:
         """The chunks rank ``rank`` computes, in model order."""
-        return sorted(c for c, r in self.placement().items() if r == rank)
+        return sorted(c for c, r in self._placement.items() if r == rank)
 
     def text(self) -> str:
         """The schedule in its file format (see the module docstring)."""
@@ -108,10 +116,10 @@ def parse(text: str, name: str = "custom", source: str = "schedule") -> Schedule
 
 
 def read(path: str) -> Schedule:
-    """The schedule in file ``path`` (ScheduleError when it cannot be read or parsed)."""
+    """The schedule in file ``path`` (ScheduleError when it cannot be read or parsed, is not a regular file or is
+    larger than MAX_FILE_BYTES)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        text = read_bytes(path, f"schedule file {path!r}", MAX_FILE_BYTES, ScheduleError).decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise ScheduleError(f"schedule file {path!r} cannot be read ({type(e).__name__}: {e})") from None
     return parse(text, name=f"file {path}", source=path)

@@ -12,12 +12,14 @@
    micro-batch gradients in the order of an unpipelined run (the same bits).
 5. No deadlock: the schedule run on unit costs (simulate.run) finishes.
 """
+import itertools
 from collections import Counter, defaultdict
 from typing import Dict, List, Optional, Tuple
 
 from .actions import COMPUTE, Action, Schedule, ScheduleError
 from . import simulate
 
+SHOWN = 20                      # missing chunks named in an error, at most
 PAIRS = {"SEND_F": ("RECV_F", +1), "SEND_B": ("RECV_B", -1)}    # a send of chunk c is received by chunk c +- 1
 
 
@@ -46,32 +48,60 @@ def _placement(s: Schedule) -> Dict[int, int]:
             if a.kind in COMPUTE and where.setdefault(a.chunk, r) != r:
                 raise ScheduleError(f"schedule {s.name}: chunk {a.chunk} is computed on ranks {where[a.chunk]} and "
                                     f"{r} ({a}); each chunk lives on one rank")
-    missing = sorted(set(range(s.chunks)) - set(where))
+    missing = _missing_chunks(s, where)
     if missing:
         raise ScheduleError(f"schedule {s.name}: chunks {missing} are never computed; every chunk 0..{s.chunks - 1} "
                             "needs its F and B")
-    idle = [r for r in range(s.ranks) if r not in where.values()]
+    used = set(where.values())
+    idle = [r for r in range(s.ranks) if r not in used]
     if idle:
         raise ScheduleError(f"schedule {s.name}: rank{'s' if len(idle) > 1 else ''} {idle} compute{'s' if len(idle) == 1 else ''} "
                             "no chunk; every rank (pipeline stage) holds at least one")
     return where
 
 
+def _missing_chunks(s: Schedule, where: Dict[int, int]) -> str:
+    """The chunks 0 .. C - 1 that no action computes, written as a list ('' when none): all of them when they are
+    few, else the first SHOWN and how many more (C is one more than the largest chunk an action names: never a
+    range of it is made, which may be huge)."""
+    gone = s.chunks - len(where)
+    if gone <= SHOWN:
+        return str([c for c in range(s.chunks) if c not in where]) if gone else ""
+    first = itertools.islice((c for c in range(s.chunks) if c not in where), SHOWN)
+    return f"[{', '.join(map(str, first))}, ... and {gone - SHOWN:,} more]"
+
+
 def _check_compute(s: Schedule, where: Dict[int, int]) -> None:
-    count = Counter(a for acts in s.actions for a in acts)
     split = s.split_backward
-    for mb in range(s.micro_batches):
-        for ch in range(s.chunks):
-            for kind in ("F", "B") + (("W",) if split else ()):
-                n = count[Action(kind, mb, ch)]
-                if n != 1:
-                    raise ScheduleError(f"schedule {s.name}: {Action(kind, mb, ch)} appears {n} times on rank "
-                                        f"{where[ch]}; every micro-batch of every chunk needs one F and one B"
-                                        + (" and one W (the schedule splits the backward)" if split else ""))
+    kinds = ("F", "B") + (("W",) if split else ())
+    count = Counter(a for acts in s.actions for a in acts if a.kind in COMPUTE)
+    bad = _first_miscounted(count, kinds, s.micro_batches, s.chunks)
+    if bad is not None:
+        n = count[bad]
+        raise ScheduleError(f"schedule {s.name}: {bad} appears {n} times on rank "
+                            f"{where[bad.chunk]}; every micro-batch of every chunk needs one F and one B"
+                            + (" and one W (the schedule splits the backward)" if split else ""))
     for r, acts in enumerate(s.actions):
         for a in acts:
             if a.kind in COMPUTE and a.mb >= s.micro_batches:
                 raise ScheduleError(f"schedule {s.name}: rank {r} has {a}, beyond micro-batch {s.micro_batches - 1}")
+
+
+def _first_miscounted(count: Counter, kinds, m: int, chunks: int) -> Optional[Action]:
+    """The first (micro-batch, chunk, kind) in that order whose compute action does not appear once, or None: a
+    repeated one from ``count``, a missing one from the first micro-batch short of its chunks x kinds distinct
+    actions (the micro-batches before it are complete): O(actions), not O(m x chunks)."""
+    order = {k: i for i, k in enumerate(kinds)}
+    key = lambda a: (a.mb, a.chunk, order[a.kind])
+    repeated = min((a for a, n in count.items() if n > 1), key=key, default=None)
+    per_mb = Counter(a.mb for a in count)
+    missing = None
+    for mb in range(m):
+        if per_mb[mb] < chunks * len(kinds):
+            missing = next(Action(k, mb, ch) for ch in range(chunks) for k in kinds if Action(k, mb, ch) not in count)
+            break
+    found = [a for a in (repeated, missing) if a is not None]
+    return min(found, key=key) if found else None
 
 
 def _expected_messages(s: Schedule, where: Dict[int, int]) -> Counter:

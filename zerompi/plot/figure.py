@@ -23,6 +23,7 @@ from typing import List, Optional
 
 from ..checkpoint.outputs import check_file, check_image, check_roles, write_atomic
 from ..errors import ConfigError, OneLineParser, check
+from ..inputs import JSON_BYTES, read_bytes
 
 REQUIRED = ("model", "stage", "dtype", "world_size", "losses", "first_step", "step_times_s", "memory_bytes",
             "theory_bytes_padded", "config")
@@ -37,8 +38,9 @@ PROG = "zerompi.plot"
 def load_run(path: str) -> dict:
     """A --metrics-json file's object; ConfigError (one line naming the file) when it is not one."""
     try:
-        with open(path, encoding="utf-8") as f:
-            run = json.load(f)
+        run = json.loads(read_bytes(path, path, JSON_BYTES).decode("utf-8"))
+    except ConfigError:                             # not a regular file, or too large: its own line
+        raise
     except OSError as e:
         raise ConfigError(f"{path}: cannot be read ({e.strerror or e})")
     except (ValueError, UnicodeDecodeError) as e:

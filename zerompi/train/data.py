@@ -11,6 +11,7 @@ from typing import Optional
 import numpy as np
 
 from ..errors import ConfigError, check
+from ..inputs import open_regular
 
 TRAIN, VAL = 1, 2                 # stream ids: training rows and held-out rows never share a seed
 GENERATED_VOCAB = 32              # tokens of the generated corpus
@@ -176,7 +177,7 @@ class FileData:
     def __init__(self, path: str, seq_len: int, seed: int):
         check_file(path, seq_len)
         self.seq_len, self.seed, self.path = seq_len, seed, path
-        self._file = open(path, "rb")
+        self._file = os.fdopen(open_regular(path, f"data={path!r}"), "rb")   # a FIFO put there since: no hang
         n = os.fstat(self._file.fileno()).st_size
         self.size = n                         # bytes when the run started
         self.n_val = _val_bytes(n, seq_len)

@@ -21,7 +21,8 @@ def check_outputs(cfg: TrainConfig, rank: int) -> None:
     outputs = [("metrics_json", cfg.metrics_json), ("trace", cfg.zero.trace), ("stop_file", cfg.stop_file)]
     if cfg.zero.trace and rank > 0:
         outputs.append((f"the trace of rank {rank} if it aborts the job", crash_path(cfg.zero.trace, rank)))
-    check_roles(outputs, [("data", cfg.data)] + folders_read("resume", cfg.resume),
+    inputs = [("data", cfg.data), ("schedule_file", cfg.pipeline.schedule_file)]
+    check_roles(outputs, inputs + folders_read("resume", cfg.resume),
                 [("save_dir", cfg.save_dir), ("offload_dir", cfg.zero.offload_dir if nvme else None)])
     if rank == 0:
         check_file(cfg.metrics_json, "metrics_json")

@@ -17,6 +17,7 @@ from typing import List, Optional
 from ..checkpoint.format import ROWS
 from ..checkpoint.orphans import recover
 from ..checkpoint.savedir import SaveDirLock, check_fresh, newer_checkpoints, own_folder, replace, saved_checkpoints
+from ..errors import at_abort
 from .config import TrainConfig
 
 HEADER_BYTES = 128       # a shard file's .npy header
@@ -30,6 +31,7 @@ def claim_save_dir(cfg: TrainConfig, rank: int) -> Optional[SaveDirLock]:
         return None
     lock = SaveDirLock(cfg.save_dir).acquire()
     atexit.register(lock.release)
+    at_abort(lock.release)                     # an error that aborts the job skips atexit: released here first
     if lock.note:
         sys.stderr.write(f"zerompi.train: note: {lock.note}\n")
     try:
@@ -38,6 +40,7 @@ def claim_save_dir(cfg: TrainConfig, rank: int) -> Optional[SaveDirLock]:
         check_fresh(cfg.save_dir, cfg.resume, cfg.overwrite)
     except BaseException:
         lock.release()
+        at_abort(lock.release, add=False)
         raise
     return lock
 
@@ -73,11 +76,13 @@ class Saves:
         # --overwrite: the other run's checkpoints (resumed into its own folder: those newer than the one it
         # resumed from), removed once this run's first one is published.
         self.replace: List[str] = []
+        self.whole = False                  # --overwrite of another run: its folders of another layout go too
         if cfg.save_dir and mpi.Get_rank() == 0:
             newer = newer_checkpoints(cfg.save_dir, engine.steps_taken) if own_folder(cfg.save_dir, cfg.resume) \
                 else None
             if cfg.overwrite:
                 self.replace = saved_checkpoints(cfg.save_dir) if newer is None else newer
+                self.whole = newer is None        # another run's folder: all of that run goes, any layout
             if newer:
                 fate = ("--overwrite: they are removed once this run's first checkpoint is saved" if cfg.overwrite
                         else "this run keeps them (--keep-last never removes them; --overwrite would replace them)")
@@ -119,7 +124,9 @@ class Saves:
     def _published(self, path: str, how: str) -> None:
         from .report import print0
         print0(self.mpi, f"  saved checkpoint {path}{how}")
-        if self.replace:
-            removed, self.replace = replace(self.cfg.save_dir, self.replace, os.path.basename(path)), []
+        if self.replace or self.whole:
+            own = os.path.relpath(os.path.dirname(path), self.cfg.save_dir) if self.whole else None
+            removed = replace(self.cfg.save_dir, self.replace, os.path.basename(path), own)
+            self.replace, self.whole = [], False
             if removed:
                 print0(self.mpi, f"  --overwrite: removed the earlier run's checkpoints {', '.join(removed)}")
