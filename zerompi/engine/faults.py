@@ -14,7 +14,8 @@ and KIND says how:
 
     raise  an exception (the abort hook prints it and ends the job)
     exit   the process exits at once, without cleanup (mpiexec ends the others)
-    hang   the rank sleeps forever (the others' collective watchdogs end the job)
+    hang   the rank sleeps forever (the others' collective watchdogs end the job; in a simulated
+           world, comm/simulated.py, it sleeps in a wait of its own, which its watchdog times)
     nan    every gradient this rank hands back in step S is NaN (backward only)
 
 Detection: :class:`GradientGuard` notes the first bucket where this rank's own gradients
@@ -28,6 +29,7 @@ import os
 import re
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import List, Mapping, Optional, Sequence
 
@@ -85,19 +87,28 @@ def fault_from_env(environ=os.environ) -> Optional[Fault]:
     return parse_fault(text) if text.strip() else None
 
 
-def fire(fault: Fault) -> None:
-    """Act out a raise / exit / hang fault on this rank (nan is applied by the guard)."""
+def fire(fault: Fault, stand_ins=None) -> None:
+    """Act out a raise / exit / hang fault on this rank (nan is applied by the guard).
+
+    ``stand_ins``: in a simulated world, the engine's Communicator. There no other rank runs to time
+    the hang out: the rank sleeps in a wait on its record, as its stand-ins would wait for it in their
+    next collective, so its own watchdog ends the job as the others' would in the real one."""
     where = f"rank {fault.rank} at step {fault.step}{_WHERE[fault.point]}"
     if fault.kind == "raise":
         raise InjectedFault(f"injected fault 'raise' on {where} ({FAULT_ENV}={fault})")
     note = {"exit": "exiting at once without cleanup", "hang": "sleeping forever"}[fault.kind]
+    if fault.kind == "hang" and stand_ins is not None:
+        note = "sleeping until the watchdog ends the job (the stand-in ranks wait for it)"
     sys.stderr.write(f"zerompi: injected fault '{fault.kind}' on {where} ({FAULT_ENV}={fault}): {note}\n")
     sys.stderr.flush()
     sys.stdout.flush()
     if fault.kind == "exit":
         os._exit(EXIT_STATUS)
-    while True:
-        time.sleep(3600)
+    op = {"backward": "the next collective", "save": "the checkpoint save's first collective",
+          "metrics": "the final metrics' first collective"}[fault.point]
+    with (stand_ins.waiting(op, (None, fault.step)) if stand_ins is not None else nullcontext()):
+        while True:
+            time.sleep(3600)
 
 
 def range_limit(dtype) -> float:
@@ -109,8 +120,9 @@ def range_limit(dtype) -> float:
 class GradientGuard:
     """Per-engine fault state: the injected fault, where non-finite gradients appeared, skip counts."""
 
-    def __init__(self, rank: int, dtype, max_skipped_steps: int, fault: Optional[Fault] = None):
-        self.rank = rank               # this process's world rank: the one a fault names
+    def __init__(self, rank: int, dtype, max_skipped_steps: int, fault: Optional[Fault] = None, stand_ins=None):
+        self.rank = rank               # this process's world rank (a simulated world's: R): the one a fault names
+        self.stand_ins = stand_ins     # a simulated world: the engine's Communicator, whose record a hang waits on
         self.fp16 = np.dtype(dtype) == np.float16          # fp16 skips non-finite steps; fp32 and bf16 stop
         self.name = "fp32" if np.dtype(dtype) == np.float32 else "bf16" if not self.fp16 else "fp16"
         self.limit = range_limit(dtype)                     # |g| >= limit is inf once stored
@@ -127,7 +139,7 @@ class GradientGuard:
         if step != self._step:          # the first gradients of a new step
             self._step, self.first_bad_bucket = step, -1
             if self._due("backward", step) and self.fault.kind != "nan":
-                fire(self.fault)
+                fire(self.fault, self.stand_ins)
         if self._due("backward", step) and self.fault.kind == "nan":
             grads = {n: g * np.float32("nan") for n, g in grads.items()}   # NumPy or CuPy alike
         if self.first_bad_bucket < 0 or bucket < self.first_bad_bucket:
@@ -138,7 +150,7 @@ class GradientGuard:
     def at(self, point: str, step: int) -> None:
         """Act out this rank's injected fault if it is due at ``point`` (save, metrics) after ``step``."""
         if self._due(point, step):
-            fire(self.fault)
+            fire(self.fault, self.stand_ins)
 
     def _due(self, point: str, step: int) -> bool:
         f = self.fault
