@@ -127,14 +127,14 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
 
 def _run_steps(cfg: TrainConfig, engine, comm, model, data, floor: Optional[float], start: int, stop) -> StepLog:
     """Steps start .. cfg.steps - 1, or until a stop signal: train, log, evaluate (GPT), save."""
-    from .console import after_step, choose_progress, evaluates, show_step
+    from .console import after_step, choose_progress, evaluates, held_out, show_step
     from .report import leads, print0
     from ..engine.timers import format_breakdown
     from .saves import Saves
     saves = Saves(cfg, engine, comm.mpi)            # checkpoints: --save-dir, --save-every, --async-save
     losses_of = step_losses(cfg.model)
     gpt = cfg.model == "gpt"
-    from .simulate import loss_note
+    from .simulate import loss_note, no_held_out
     stand_in = loss_note(cfg)
     bar = leads(comm) and choose_progress(cfg.progress) == "bar"    # auto: a bar only for a person at a terminal
     sent = lambda: sum(s.bytes for op, s in comm.stats.items() if op != "sum_scalars")
@@ -157,27 +157,29 @@ def _run_steps(cfg: TrainConfig, engine, comm, model, data, floor: Optional[floa
         l1 = comm.level_bytes()
         log.record(loss, time.perf_counter() - t0, sent() - b0, engine.timers.take(),   # bounded (history.py)
                    (l1["intra"] - l0["intra"], l1["inter"] - l0["inter"], comm.logical_bytes() - q0))
-        extra, evaluated = "", False            # GPT: held-out loss, floor, throughput
+        extra, evaluated, note = "", False, ""  # GPT: held-out loss, floor, throughput
         if gpt:
             if evaluates(cfg, step, stopping):
-                log.val_losses.append([step + 1, _validate(engine, model, data, log.base_bytes)])
-                evaluated = True
-                extra += f"  val {log.val_losses[-1][1]:.4f}"
+                val, note = held_out(log, step, _validate(engine, model, data, log.base_bytes), no_held_out(cfg))
+                extra, evaluated = extra + val, True
             extra += f"  floor {floor:.4f}" if floor is not None else ""
             extra += f"  {cfg.batch * cfg.seq_len / log.times[-1]:,.0f} tok/s"
         show_step(show, cfg, step, loss, stand_in + extra, result, log.times[-1], format_breakdown(log.parts[-1]),
                   bar, evaluated)
+        if note:
+            show(note)
         if after_step(show, cfg, saves, stop, step, stopping):
             break
     saves.finish()                              # a background save is published before the run ends
     return log
 
 
-def _validate(engine, model, data, base_bytes: Dict[str, int]) -> float:
-    """The held-out loss; its traffic (stage 3 gathers) goes to base_bytes, out of the per-step table."""
-    from .models.gpt import validation_loss
+def _validate(engine, model, data, base_bytes: Dict[str, int]):
+    """The held-out loss and its rows (data.HeldOut); its traffic (stage 3 gathers) goes to base_bytes, out of
+    the per-step table."""
+    from .models.gpt import held_out_loss
     before = {op: s.bytes for op, s in engine.comm.stats.items()}
-    loss = validation_loss(engine, model, data)
+    loss = held_out_loss(engine, model, data)
     for op, s in engine.comm.stats.items():
         base_bytes[op] = base_bytes.get(op, 0) + s.bytes - before.get(op, 0)
     return loss
