@@ -52,6 +52,9 @@ def start_guards(engine):
     rank = world_rank(mpi)        # what the fault's rankR and every rank's own lines number (not the DP rank under TP)
     guard = GradientGuard(rank, engine.dtype, engine.config.max_skipped_steps, fault_from_env(),
                           stand_ins=engine.comm if simulated else None)
+    if engine.tp is not None:     # the step's non-finite count is summed over the TP group too: its report as well
+        guard.tp_rank = engine.mesh.tp_rank
+        guard.groups.append(("the tensor-parallel group", engine.mesh.tp_comm))
     me = weakref.ref(engine)      # the thread must not keep a forgotten engine alive
     step = lambda: me().steps_taken + 1      # noqa: E731
     dog = Watchdog(engine.comm.waiting, engine.config.timeout_s, rank, mpi, step=step)

@@ -123,6 +123,8 @@ class GradientGuard:
     def __init__(self, rank: int, dtype, max_skipped_steps: int, fault: Optional[Fault] = None, stand_ins=None):
         self.rank = rank               # this process's world rank (a simulated world's: R): the one a fault names
         self.stand_ins = stand_ins     # a simulated world: the engine's Communicator, whose record a hang waits on
+        self.tp_rank: Optional[int] = None   # under --tp: this rank's TP rank (named in the non-finite report)
+        self.groups: List[tuple] = []  # (what, Communicator) the step's non-finite count is also summed over (TP, PP)
         self.fp16 = np.dtype(dtype) == np.float16          # fp16 skips non-finite steps; fp32 and bf16 stop
         self.name = "fp32" if np.dtype(dtype) == np.float32 else "bf16" if not self.fp16 else "fp16"
         self.limit = range_limit(dtype)                     # |g| >= limit is inf once stored
@@ -184,27 +186,50 @@ class GradientGuard:
                              "ZeroConfig.init_loss_scale / --loss-scale or the learning rate, or check the data)")
 
     def locate(self, comm, reduced_slices: Sequence[np.ndarray], step: int, master=None):
-        """('first in bucket B on rank R', the ranks whose master is non-finite, '' for none): one
-        all-gather (the error path only: every rank is here)."""
-        local = self.first_bad_bucket if self._step == step else -1
-        reduced = next((b for b, g in enumerate(reduced_slices) if not _all_finite(g)), -1)
-        params_ok = master is None or _all_finite(master)
-        mpi = getattr(comm, "mpi", comm)
-        with watched(comm, "non-finite gradient report: all-gather of where they were", step):
-            table: List[tuple] = mpi.allgather((local, reduced, params_ok))
-        bad_params = [r for r, (_, _, ok) in enumerate(table) if not ok]
+        """('first in bucket B on rank R', the ranks whose master is non-finite, '' for none): one all-gather
+        over ``comm`` and one over each of ``groups`` (the error path only: every rank is here). Ranks are
+        world ranks; under --tp with their TP rank; under --pp the model chunk is named (every engine of the
+        rank is looked at: ``siblings``)."""
+        mine = [(chunk, g.first_bad_bucket if g._step == step else -1,
+                 next((b for b, x in enumerate(slices) if not _all_finite(x)), -1),
+                 m is None or _all_finite(m)) for chunk, g, slices, m in self.siblings(reduced_slices, master)]
+        table: List[tuple] = [(self.rank, self.tp_rank, mine)]
+        for what, group in [("the data-parallel group", comm)] + list(self.groups):
+            mpi = getattr(group, "mpi", group)
+            with watched(group, f"non-finite gradient report: all-gather over {what}", step):
+                table = [row for part in mpi.allgather(table) for row in part]
+        table = sorted(set((r, t, tuple(parts)) for r, t, parts in table))   # a simulated world's mirrors: once
+        bad_params = sorted({r for r, _, parts in table if not all(ok for *_, ok in parts)})
         params = (f"rank{'s' if len(bad_params) > 1 else ''} {', '.join(map(str, bad_params))}"
                   if bad_params else "")
-        bad = [(b, r) for r, (b, _, _) in enumerate(table) if b >= 0]
+        tp = {r: t for r, t, _ in table}
+        name = lambda r: f"rank {r}" + (f" (TP rank {tp[r]})" if tp[r] is not None else "")    # noqa: E731
+        chunk = lambda c: f" of model chunk {c}" if c is not None else ""                     # noqa: E731
+        bad = sorted((c if c is not None else -1, b, r) for r, _, parts in table for c, b, _, _ in parts if b >= 0)
         if bad:
-            b, r = min(bad)
-            ranks = sorted({rr for bb, rr in bad})
+            c, b, r = bad[0]
+            ranks = sorted({rr for _, _, rr in bad})
             also = f" (non-finite gradients on ranks {ranks})" if len(ranks) > 1 else ""
-            return f"first in bucket {b} on rank {r}{also}", params
-        sums = [(b, r) for r, (_, b, _) in enumerate(table) if b >= 0]
-        b, r = min(sums) if sums else (-1, -1)
-        return (f"first in bucket {b}, in the slice rank {r} reduces: every rank's own gradients were finite, "
-                "their sum over ranks overflowed the storage dtype"), params
+            spread = ""
+            if self.tp_rank is not None and len({tp[rr] for rr in ranks}) > 1:
+                spread = ("; the TP ranks of a group sum their activations and gradients in the forward and backward, "
+                          "so a non-finite value on one reaches the others: it may have started on any of them")
+            return f"first in bucket {b}{chunk(c if c >= 0 else None)} on {name(r)}{also}{spread}", params
+        sums = sorted((c if c is not None else -1, b, r) for r, _, parts in table for c, _, b, _ in parts if b >= 0)
+        if sums:
+            c, b, r = sums[0]
+            return (f"first in bucket {b}{chunk(c if c >= 0 else None)}, in the slice {name(r)} reduces: every rank's "
+                    "own gradients were finite, their sum over ranks overflowed the storage dtype"), params
+        return ("every rank's own gradients and every reduced slice were finite; their sum of squares, the gradient "
+                "norm's, overflowed"), params
+
+    def siblings(self, reduced_slices, master):
+        """[(model chunk or None, guard, its reduced slices, its master)] of every engine of this rank: this one
+        alone, unless a pipeline set ``pipeline_engines`` (its chunks' engines, which decide one step)."""
+        engines = getattr(self, "pipeline_engines", None)
+        if not engines:
+            return [(None, self, reduced_slices, master)]
+        return [(c, e.guard, e.reducer.reduced_slices(), e.optimizer.master) for c, e in engines.items()]
 
 
 def _all_finite(arr) -> bool:

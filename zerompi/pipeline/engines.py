@@ -49,6 +49,9 @@ class StageEngines:
         first = next(iter(self.engines.values()))
         self.first = first
         self.group = SimpleNamespace(mpi=mesh.pp_mpi, waiting=first.comm.waiting, ranks=mesh.pp_ranks)
+        for e in self.engines.values():     # one step over the mesh: a non-finite report looks at every chunk
+            e.guard.pipeline_engines = self.engines
+            e.guard.groups.append(("the pipeline group", self.group))
 
     def __iter__(self):
         return iter(self.engines.values())
