@@ -115,6 +115,7 @@ def _resume(job, cfg) -> int:
     if start >= cfg.steps:
         raise CheckpointError(f"{info.path}: is at step {start} and --steps {cfg.steps} leaves nothing to run; "
                               f"--steps counts from step 0, so use more than {start}")
-    print0(job.comm.mpi, f"  resumed from {cfg.resume}: step {start}, chunk 0 saved by {info.manifest['world_size']} "
-                         f"data-parallel ranks at stage {info.manifest['stage']} ({info.manifest['dtype']})")
+    n = info.manifest["world_size"]
+    print0(job.comm.mpi, f"  resumed from {cfg.resume}: step {start}, chunk 0 saved by {n} data-parallel "
+                         f"rank{'s' if n > 1 else ''} at stage {info.manifest['stage']} ({info.manifest['dtype']})")
     return start

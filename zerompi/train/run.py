@@ -81,7 +81,7 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
         report.print0(comm.mpi, simulate.banner(cfg))
     if mesh:
         report.print0(comm.mpi, f"  mesh: {mesh.describe()}")
-    start = _resume(engine, cfg) if cfg.resume else 0    # the step a resumed run starts at
+    start = _resume(engine, cfg, comm.mpi) if cfg.resume else 0    # the step a resumed run starts at
     if cfg.save_dir:
         from .saves import disk_line
         report.print0(comm.mpi, disk_line(cfg, engine, start))
@@ -185,8 +185,9 @@ def _validate(engine, model, data, base_bytes: Dict[str, int]):
     return loss
 
 
-def _resume(engine, cfg: TrainConfig) -> int:
-    """Load cfg.resume into engine (every rank); returns the first step to run."""
+def _resume(engine, cfg: TrainConfig, world) -> int:
+    """Load cfg.resume into engine (every rank); returns the first step to run. ``world``: the job's mpi4py
+    communicator, whose rank 0 prints the lines once (the engine's is one TP rank's group under --tp)."""
     from ..checkpoint.collective import CheckpointError
     from .report import print0
     info = engine.load(cfg.resume)
@@ -196,14 +197,16 @@ def _resume(engine, cfg: TrainConfig) -> int:
         raise CheckpointError(f"{info.path}: is at step {start} and --steps {cfg.steps} leaves nothing to run; "
                               f"--steps counts from step 0, so use more than {start}")
     m = info.manifest
-    print0(engine.comm.mpi, f"  resumed from {info.path}: step {start}, saved by {m['world_size']} ranks "
-                            f"at stage {m['stage']} ({m['dtype']})")
+    n, tp = m["world_size"], engine.mesh.tp if engine.mesh else 1
+    by = f"{n} rank{'s' if n > 1 else ''}" if tp == 1 else \
+        f"{n} data-parallel rank{'s' if n > 1 else ''} per TP rank ({tp} TP ranks)"
+    print0(world, f"  resumed from {info.path}: step {start}, saved by {by} at stage {m['stage']} ({m['dtype']})")
     from ..checkpoint.savedir import pointer_notes
     for note in pointer_notes(cfg.resume):        # newer checkpoints, a pointer with no checksum
-        print0(engine.comm.mpi, f"  note: {note}")
+        print0(world, f"  note: {note}")
     if extra.get("seed", cfg.seed) != cfg.seed:
-        print0(engine.comm.mpi, f"  note: the checkpoint was trained with seed {extra['seed']}, this run's data "
-                                f"uses seed {cfg.seed}")
+        print0(world, f"  note: the checkpoint was trained with seed {extra['seed']}, this run's data "
+                      f"uses seed {cfg.seed}")
     return start
 
 
