@@ -169,6 +169,22 @@ def test_nan_in_fp32_is_an_error_naming_step_bucket_rank():
     assert "step     2/" not in proc.stdout
 
 
+@pytest.mark.parametrize("mesh,rank,where", [
+    (["--tp", "2"], 3, "first in bucket 0 on rank 3 (TP rank 1);"),
+    (["--tp", "2"], 1, "first in bucket 0 on rank 1 (TP rank 1);"),
+    (["--pp", "2", "--micro-batches", "2"], 3, "first in bucket 0 of model chunk 1 on rank 3;"),
+])
+def test_nan_under_tp_or_pp_names_the_world_rank_that_had_it(mesh, rank, where):
+    """The report was gathered over the data-parallel group alone, and rank 0 printed 'bucket -1, in the slice
+    rank -1 reduces: every rank's own gradients were finite' (another TP rank's, or stage's, NaN), or named a
+    data-parallel index as a rank; it now looks at every rank the step's non-finite count is summed over."""
+    proc = run_mpi(4, ["-m", "zerompi.train", *SMALL[:4], "--depth", "4", "--batch", "8", "--stage", "2", "--dtype",
+                       "fp32", "--steps", "3", *mesh], timeout=LIMIT,
+                   env=env_with(ZEROMPI_FAULT=f"nan@rank{rank}:step2"), check=False)
+    line = one_line(proc, 1, f"non-finite gradients at step 2: {where}")
+    assert "bucket -1" not in line and "rank -1" not in line
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_nan_in_fp16_skips_the_step_and_keeps_the_parameters(tmp_path, stage):
     """nan at the last step: the step is skipped, the scale halves, and the parameters are

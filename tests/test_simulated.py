@@ -18,7 +18,7 @@ from zerompi import Mesh, SimulatedWorld, ZeroConfig, ZeroEngine
 from zerompi.comm.simulated import RULE
 from zerompi.engine import lazy
 from zerompi.errors import ConfigError, UsageError
-from tests.mpirun import ROOT, mpi_env, one_line, run_mpi
+from tests.mpirun import ROOT, mpi_env, one_line, run_mpi, zerompi_lines
 
 DRIVER = ROOT / "tests" / "drivers" / "simulated.py"
 
@@ -155,3 +155,39 @@ def test_bad_simulation_flags_are_one_line_and_exit_2(flags, words):
 def test_simulating_under_several_processes_is_one_line_and_exit_2():
     proc = run_mpi(2, ["-m", "zerompi.train", "--steps", "1", "--simulate-world", "8"], check=False, timeout=120)
     one_line(proc, 2, "simulate_world=8 runs one process as rank 0 of 8, and 2 were launched")
+
+
+# ---- the fault injector in a simulated world ---------------------------------------------------
+SIM = ["--simulate-world", "4", "--simulate-rank", "3", "--model", "mlp", "--width", "32", "--depth", "2",
+       "--steps", "3", "--progress", "lines"]
+
+
+def _simulate(fault: str, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zerompi.train", *SIM, *flags], capture_output=True, text=True,
+                          timeout=120, env=mpi_env({"ZEROMPI_FAULT": fault}), cwd=str(ROOT))
+
+
+@pytest.mark.parametrize("fault", ["raise@rank1:step2", "hang@rank0:step2", "exit@rank2:step3"])
+def test_a_fault_on_a_stand_in_rank_is_refused(fault):
+    """Only rank 3 runs: a fault on a stand-in could never fire (it was accepted, and the run ended 0)."""
+    rank = fault.split("@rank")[1][0]
+    one_line(_simulate(fault), 2, f"ZEROMPI_FAULT='{fault}' names rank {rank}, a stand-in of the simulated "
+                                  "world", "runs rank 3 alone); use rank3")
+
+
+@pytest.mark.parametrize("point,where", [("", "the next collective at step 2"),
+                                         (":metrics", "the final metrics' first collective at step 3")])
+def test_a_hang_in_a_simulated_world_ends_as_the_real_worlds_watchdog_ends_it(point, where):
+    """The hang slept forever (nothing else runs to time it out); now the rank's watchdog ends it: exit 3."""
+    step = "step3" if point else "step2"
+    proc = _simulate(f"hang@rank3:{step}{point}", "--timeout-s", "1")
+    assert proc.returncode == 3, proc.stderr
+    lines = zerompi_lines(proc.stderr)
+    assert lines[0].startswith(f"zerompi: injected fault 'hang' on rank 3 at {step.replace('step', 'step ')}")
+    assert lines[1].startswith("zerompi: rank 3: collective timeout: waited ") and where in lines[1], proc.stderr
+    assert "the 3 stand-in ranks of this simulated world waited there for rank 3" in lines[1]
+
+
+def test_a_nan_in_a_simulated_world_is_the_one_error_line():
+    """It was the error and a traceback of end_together, which asked the stand-ins to report it."""
+    one_line(_simulate("nan@rank3:step2", "--dtype", "fp32"), 1, "non-finite gradients at step 2")

@@ -244,6 +244,28 @@ def part_folders_of(directory: str) -> List[str]:
     return [leaf for sub in subs for leaf in (part_folders_of(sub) or [sub])]
 
 
+def resume_flags(directory: str) -> str:
+    """The train CLI's flags that resume the save folder ``directory``: ``--resume DIR`` with the ``--tp`` and
+    ``--pp`` (``--schedule interleaved --chunks V`` for more chunks than stages) its run had, read from the
+    manifest of one of its complete checkpoints; '' when it holds none (nothing there can be resumed)."""
+    for folder in part_folders_of(directory) or [directory]:
+        found = complete_checkpoints(folder)
+        if found:
+            break
+    else:
+        return ""
+    try:
+        config = read_manifest(os.path.join(folder, found[-1]))[0].get("config", {})
+    except CheckpointError:
+        config = {}
+    tp, pp = int(config.get("tp", 1) or 1), int(config.get("pp", 1) or 1)
+    chunks = max([int(m.group(2)) for m in map(PP_FOLDER.fullmatch, os.listdir(directory)) if m] or [pp])
+    flags = f"--resume {directory}" + (f" --tp {tp}" if tp > 1 else "") + (f" --pp {pp}" if pp > 1 else "")
+    if chunks > pp:
+        flags += f" --schedule interleaved --chunks {chunks // pp}"
+    return flags
+
+
 def resolve(path: str) -> str:
     """The checkpoint directory ``path`` names: itself if it holds a manifest, else what ``latest`` says.
 
@@ -272,12 +294,12 @@ def resolve(path: str) -> str:
     pp = sorted((m for m in map(PP_FOLDER.fullmatch, os.listdir(path)) if m), key=lambda m: int(m.group(1)))
     if not found and pp:             # a pipelined save directory: one part per model chunk
         raise CheckpointError(f"{path}: a pipeline save ({pp[0].group(0)}, ...: {pp[0].group(2)} model chunks): resume "
-                              "it with the --pp (and --chunks) it was saved with, inspect one chunk's part "
-                              f"({os.path.join(path, pp[0].group(0))}), or consolidate it")
+                              f"it with the mesh it was saved with ({resume_flags(path) or '--pp and --chunks'}), "
+                              f"inspect one chunk's part ({os.path.join(path, pp[0].group(0))}), or consolidate it")
     if not found and tp:             # a tensor-parallel save directory: its pieces are one level down
         raise CheckpointError(f"{path}: a tensor-parallel save ({tp[0].group(0)}, ...): resume it with --tp "
-                              f"{tp[0].group(2)}, inspect one TP rank's part ({os.path.join(path, tp[0].group(0))}), "
-                              "or consolidate it")
+                              f"{tp[0].group(2)} ({resume_flags(path) or f'--resume {path} --tp {tp[0].group(2)}'}), "
+                              f"inspect one TP rank's part ({os.path.join(path, tp[0].group(0))}), or consolidate it")
     if not found:
         raise CheckpointError(f"{path}: {problem}, and holds no complete checkpoint; "
                               "pass a checkpoint directory or the --save-dir of a run")

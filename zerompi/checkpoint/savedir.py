@@ -29,7 +29,7 @@ import time
 from typing import List, Optional, Tuple
 
 from ..errors import ConfigError
-from .format import is_part_folder, part_folders_of, remove_dir
+from .format import is_part_folder, part_folders_of, remove_dir, resume_flags
 from .orphans import orphans
 from .pointer import CHECKPOINT_NAME, LATEST, MANIFEST, complete_checkpoints, latest_name, read_latest, step_of
 
@@ -189,9 +189,12 @@ def check_fresh(directory: str, resume: Optional[str], overwrite: bool) -> List[
     latest = latest_name(latest_at[0] if latest_at else directory)
     listed = ", ".join(found) if found else "none complete"
     whose = f"another run than the one --resume {resume} continues" if resume else "another run"
+    flags = resume_flags(directory)        # none complete: nothing there can be resumed, so no --resume advised
+    last = max((step_of(os.path.basename(n)) or 0 for n in found), default=0)
+    cont = f"pass {flags} (and --steps above {last}) to continue that run, " if flags else ""
     raise ConfigError(f"save_dir={directory!r} already holds checkpoints ({listed}; {LATEST}: {latest}) of "
-                      f"{whose}; pass --resume {directory} to continue that run, --overwrite to replace them "
-                      "(removed once this run's first checkpoint is saved), or another --save-dir")
+                      f"{whose}; {cont}--overwrite to replace them (removed once this run's first checkpoint is "
+                      "saved), or another --save-dir")
 
 
 def newer_checkpoints(directory: str, step: int) -> List[str]:

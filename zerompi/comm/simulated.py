@@ -63,6 +63,7 @@ class SimulatedWorld:
     def __init__(self, size: int, rank: int = 0, node_size: Optional[int] = None):
         check_world_rank(size, rank, node_size)
         self.members: List[int] = list(range(size))   # this communicator's ranks, as ranks of the world
+        self.world_size = size                          # the simulated world's ranks (a group's too)
         self.node_size = node_size or size              # consecutive world ranks per node
         self._rank = rank
 
@@ -72,6 +73,11 @@ class SimulatedWorld:
 
     def Get_size(self) -> int:
         return len(self.members)
+
+    @property
+    def world_rank(self) -> int:
+        """This rank in the simulated world (what the job's rank R is): for a group, its member's."""
+        return self.members[self._rank]
 
     @property
     def shared_size(self) -> int:

@@ -142,6 +142,7 @@ class Watchdog:
     def __init__(self, record: WaitRecord, timeout_s: Optional[float], rank: int, mpi_comm=None,
                  step: Callable[[], Optional[int]] = lambda: None, abort: Optional[Callable[[int], None]] = None):
         self.peers = None                   # comm/flight.py's Peers: the other ranks' reports, once set
+        self.stand_ins = 0                  # a simulated world's stand-in ranks (they wait for this one), or 0
         self.timeout_s = float(default_timeout_s() if timeout_s is None else timeout_s)   # seconds one wait may last
         self.rank = rank
         self.fired: Optional[str] = None    # the message, once it has fired
@@ -186,8 +187,10 @@ class Watchdog:
             step = None
         where = describe_wait(op, tag, step)
         line = (f"zerompi: rank {self.rank}: collective timeout: waited {waited:.1f} s in {where} (timeout "
-                f"{self.timeout_s:g} s: ZeroConfig.timeout_s, --timeout-s or {TIMEOUT_ENV}); another rank did not "
-                f"join it (it died, hangs, or took another path)")
+                f"{self.timeout_s:g} s: ZeroConfig.timeout_s, --timeout-s or {TIMEOUT_ENV}); "
+                + (f"the {self.stand_ins} stand-in ranks of this simulated world waited there for rank {self.rank}, "
+                   "which did not join it (it hangs)" if self.stand_ins else
+                   "another rank did not join it (it died, hangs, or took another path)"))
         self.fired = line + "; aborting the job"
         _fired.append(self.fired)    # before the abort: the main thread may finish the job meanwhile
         summary = []

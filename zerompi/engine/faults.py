@@ -14,7 +14,8 @@ and KIND says how:
 
     raise  an exception (the abort hook prints it and ends the job)
     exit   the process exits at once, without cleanup (mpiexec ends the others)
-    hang   the rank sleeps forever (the others' collective watchdogs end the job)
+    hang   the rank sleeps forever (the others' collective watchdogs end the job; in a simulated
+           world, comm/simulated.py, it sleeps in a wait of its own, which its watchdog times)
     nan    every gradient this rank hands back in step S is NaN (backward only)
 
 Detection: :class:`GradientGuard` notes the first bucket where this rank's own gradients
@@ -28,6 +29,7 @@ import os
 import re
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import List, Mapping, Optional, Sequence
 
@@ -85,19 +87,28 @@ def fault_from_env(environ=os.environ) -> Optional[Fault]:
     return parse_fault(text) if text.strip() else None
 
 
-def fire(fault: Fault) -> None:
-    """Act out a raise / exit / hang fault on this rank (nan is applied by the guard)."""
+def fire(fault: Fault, stand_ins=None) -> None:
+    """Act out a raise / exit / hang fault on this rank (nan is applied by the guard).
+
+    ``stand_ins``: in a simulated world, the engine's Communicator. There no other rank runs to time
+    the hang out: the rank sleeps in a wait on its record, as its stand-ins would wait for it in their
+    next collective, so its own watchdog ends the job as the others' would in the real one."""
     where = f"rank {fault.rank} at step {fault.step}{_WHERE[fault.point]}"
     if fault.kind == "raise":
         raise InjectedFault(f"injected fault 'raise' on {where} ({FAULT_ENV}={fault})")
     note = {"exit": "exiting at once without cleanup", "hang": "sleeping forever"}[fault.kind]
+    if fault.kind == "hang" and stand_ins is not None:
+        note = "sleeping until the watchdog ends the job (the stand-in ranks wait for it)"
     sys.stderr.write(f"zerompi: injected fault '{fault.kind}' on {where} ({FAULT_ENV}={fault}): {note}\n")
     sys.stderr.flush()
     sys.stdout.flush()
     if fault.kind == "exit":
         os._exit(EXIT_STATUS)
-    while True:
-        time.sleep(3600)
+    op = {"backward": "the next collective", "save": "the checkpoint save's first collective",
+          "metrics": "the final metrics' first collective"}[fault.point]
+    with (stand_ins.waiting(op, (None, fault.step)) if stand_ins is not None else nullcontext()):
+        while True:
+            time.sleep(3600)
 
 
 def range_limit(dtype) -> float:
@@ -109,8 +120,11 @@ def range_limit(dtype) -> float:
 class GradientGuard:
     """Per-engine fault state: the injected fault, where non-finite gradients appeared, skip counts."""
 
-    def __init__(self, rank: int, dtype, max_skipped_steps: int, fault: Optional[Fault] = None):
-        self.rank = rank               # this process's world rank: the one a fault names
+    def __init__(self, rank: int, dtype, max_skipped_steps: int, fault: Optional[Fault] = None, stand_ins=None):
+        self.rank = rank               # this process's world rank (a simulated world's: R): the one a fault names
+        self.stand_ins = stand_ins     # a simulated world: the engine's Communicator, whose record a hang waits on
+        self.tp_rank: Optional[int] = None   # under --tp: this rank's TP rank (named in the non-finite report)
+        self.groups: List[tuple] = []  # (what, Communicator) the step's non-finite count is also summed over (TP, PP)
         self.fp16 = np.dtype(dtype) == np.float16          # fp16 skips non-finite steps; fp32 and bf16 stop
         self.name = "fp32" if np.dtype(dtype) == np.float32 else "bf16" if not self.fp16 else "fp16"
         self.limit = range_limit(dtype)                     # |g| >= limit is inf once stored
@@ -127,7 +141,7 @@ class GradientGuard:
         if step != self._step:          # the first gradients of a new step
             self._step, self.first_bad_bucket = step, -1
             if self._due("backward", step) and self.fault.kind != "nan":
-                fire(self.fault)
+                fire(self.fault, self.stand_ins)
         if self._due("backward", step) and self.fault.kind == "nan":
             grads = {n: g * np.float32("nan") for n, g in grads.items()}   # NumPy or CuPy alike
         if self.first_bad_bucket < 0 or bucket < self.first_bad_bucket:
@@ -138,7 +152,7 @@ class GradientGuard:
     def at(self, point: str, step: int) -> None:
         """Act out this rank's injected fault if it is due at ``point`` (save, metrics) after ``step``."""
         if self._due(point, step):
-            fire(self.fault)
+            fire(self.fault, self.stand_ins)
 
     def _due(self, point: str, step: int) -> bool:
         f = self.fault
@@ -172,27 +186,50 @@ class GradientGuard:
                              "ZeroConfig.init_loss_scale / --loss-scale or the learning rate, or check the data)")
 
     def locate(self, comm, reduced_slices: Sequence[np.ndarray], step: int, master=None):
-        """('first in bucket B on rank R', the ranks whose master is non-finite, '' for none): one
-        all-gather (the error path only: every rank is here)."""
-        local = self.first_bad_bucket if self._step == step else -1
-        reduced = next((b for b, g in enumerate(reduced_slices) if not _all_finite(g)), -1)
-        params_ok = master is None or _all_finite(master)
-        mpi = getattr(comm, "mpi", comm)
-        with watched(comm, "non-finite gradient report: all-gather of where they were", step):
-            table: List[tuple] = mpi.allgather((local, reduced, params_ok))
-        bad_params = [r for r, (_, _, ok) in enumerate(table) if not ok]
+        """('first in bucket B on rank R', the ranks whose master is non-finite, '' for none): one all-gather
+        over ``comm`` and one over each of ``groups`` (the error path only: every rank is here). Ranks are
+        world ranks; under --tp with their TP rank; under --pp the model chunk is named (every engine of the
+        rank is looked at: ``siblings``)."""
+        mine = [(chunk, g.first_bad_bucket if g._step == step else -1,
+                 next((b for b, x in enumerate(slices) if not _all_finite(x)), -1),
+                 m is None or _all_finite(m)) for chunk, g, slices, m in self.siblings(reduced_slices, master)]
+        table: List[tuple] = [(self.rank, self.tp_rank, mine)]
+        for what, group in [("the data-parallel group", comm)] + list(self.groups):
+            mpi = getattr(group, "mpi", group)
+            with watched(group, f"non-finite gradient report: all-gather over {what}", step):
+                table = [row for part in mpi.allgather(table) for row in part]
+        table = sorted(set((r, t, tuple(parts)) for r, t, parts in table))   # a simulated world's mirrors: once
+        bad_params = sorted({r for r, _, parts in table if not all(ok for *_, ok in parts)})
         params = (f"rank{'s' if len(bad_params) > 1 else ''} {', '.join(map(str, bad_params))}"
                   if bad_params else "")
-        bad = [(b, r) for r, (b, _, _) in enumerate(table) if b >= 0]
+        tp = {r: t for r, t, _ in table}
+        name = lambda r: f"rank {r}" + (f" (TP rank {tp[r]})" if tp[r] is not None else "")    # noqa: E731
+        chunk = lambda c: f" of model chunk {c}" if c is not None else ""                     # noqa: E731
+        bad = sorted((c if c is not None else -1, b, r) for r, _, parts in table for c, b, _, _ in parts if b >= 0)
         if bad:
-            b, r = min(bad)
-            ranks = sorted({rr for bb, rr in bad})
+            c, b, r = bad[0]
+            ranks = sorted({rr for _, _, rr in bad})
             also = f" (non-finite gradients on ranks {ranks})" if len(ranks) > 1 else ""
-            return f"first in bucket {b} on rank {r}{also}", params
-        sums = [(b, r) for r, (_, b, _) in enumerate(table) if b >= 0]
-        b, r = min(sums) if sums else (-1, -1)
-        return (f"first in bucket {b}, in the slice rank {r} reduces: every rank's own gradients were finite, "
-                "their sum over ranks overflowed the storage dtype"), params
+            spread = ""
+            if self.tp_rank is not None and len({tp[rr] for rr in ranks}) > 1:
+                spread = ("; the TP ranks of a group sum their activations and gradients in the forward and backward, "
+                          "so a non-finite value on one reaches the others: it may have started on any of them")
+            return f"first in bucket {b}{chunk(c if c >= 0 else None)} on {name(r)}{also}{spread}", params
+        sums = sorted((c if c is not None else -1, b, r) for r, _, parts in table for c, _, b, _ in parts if b >= 0)
+        if sums:
+            c, b, r = sums[0]
+            return (f"first in bucket {b}{chunk(c if c >= 0 else None)}, in the slice {name(r)} reduces: every rank's "
+                    "own gradients were finite, their sum over ranks overflowed the storage dtype"), params
+        return ("every rank's own gradients and every reduced slice were finite; their sum of squares, the gradient "
+                "norm's, overflowed"), params
+
+    def siblings(self, reduced_slices, master):
+        """[(model chunk or None, guard, its reduced slices, its master)] of every engine of this rank: this one
+        alone, unless a pipeline set ``pipeline_engines`` (its chunks' engines, which decide one step)."""
+        engines = getattr(self, "pipeline_engines", None)
+        if not engines:
+            return [(None, self, reduced_slices, master)]
+        return [(c, e.guard, e.reducer.reduced_slices(), e.optimizer.master) for c, e in engines.items()]
 
 
 def _all_finite(arr) -> bool:

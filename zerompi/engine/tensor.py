@@ -134,12 +134,14 @@ class TensorParallel:
     def load_path(self, path: str) -> str:
         """This TP rank's checkpoint under ``path``; CheckpointError (on every rank alike: one file system)
         when ``path`` holds no pieces of this TP size."""
-        from ..checkpoint.format import CheckpointError
+        from ..checkpoint.format import CheckpointError, resume_flags
         mine = self.path(path)
         if not os.path.isdir(mine):
             there = sorted(n for n in os.listdir(path) if n.startswith("tp")) if os.path.isdir(path) else []
+            flags = resume_flags(path)     # what it was saved with, from its manifest
             raise CheckpointError(f"{path}: no tensor-parallel checkpoint for tp={self.mesh.tp} (found "
-                                  f"{there or 'none'}); resume with the TP size it was saved at, or consolidate it")
+                                  f"{there or 'none'}); resume it with the mesh it was saved with "
+                                  f"({flags or 'its TP size'}), or consolidate it")
         return mine
 
     def load(self, engine, path: str, load):

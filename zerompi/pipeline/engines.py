@@ -13,7 +13,7 @@ import os
 from types import SimpleNamespace
 from typing import Dict, List
 
-from ..checkpoint.format import PP_FOLDER, CheckpointError, read_manifest, resolve
+from ..checkpoint.format import PP_FOLDER, CheckpointError, read_manifest, resolve, resume_flags
 from ..comm.consistency import rank_set
 from ..comm.watchdog import watched
 from .step import step_together
@@ -49,6 +49,9 @@ class StageEngines:
         first = next(iter(self.engines.values()))
         self.first = first
         self.group = SimpleNamespace(mpi=mesh.pp_mpi, waiting=first.comm.waiting, ranks=mesh.pp_ranks)
+        for e in self.engines.values():     # one step over the mesh: a non-finite report looks at every chunk
+            e.guard.pipeline_engines = self.engines
+            e.guard.groups.append(("the pipeline group", self.group))
 
     def __iter__(self):
         return iter(self.engines.values())
@@ -107,10 +110,14 @@ def _check_loadable(path: str, everyone, saved: List[str], chunks: int) -> None:
     """CheckpointError (the same on every rank: every rank sees the same table) unless every chunk of every
     rank found a checkpoint, all of one step."""
     wanted = [chunk_folder(c, chunks) for c in range(chunks)]
+    flags = resume_flags(path)         # what it was saved with, from its manifest ('' when nothing there is whole)
     if saved and sorted(saved) != sorted(wanted):
         raise CheckpointError(f"{path}: saved as {len(saved)} pipeline chunks ({saved[0]}, ...), this run has "
-                              f"{chunks} ({wanted[0]}, ...); resume with the --pp and --chunks it was saved with, "
-                              "or consolidate it")
+                              f"{chunks} ({wanted[0]}, ...); resume it with the mesh it was saved with "
+                              f"({flags or '--pp and --chunks'}), or consolidate it")
+    if not saved and flags:            # a save without --pp: its checkpoints are not cut into chunks
+        raise CheckpointError(f"{path}: not a pipeline save (no pp0-of-{chunks}, ...): it was saved without --pp; "
+                              f"resume it with the mesh it was saved with ({flags}), or consolidate it")
     bad = [(r, p) for r, (_, p) in enumerate(everyone) if p]
     if bad:
         raise CheckpointError(f"{path}: {rank_set([r for r, _ in bad])} found no checkpoint to load: {bad[0][1]}")

@@ -8,7 +8,7 @@ lines. Under MPICH's mpiexec and Slurm's srun a rank's stdout is a pipe: lines t
 """
 import os
 import sys
-from typing import Mapping, Optional, TextIO
+from typing import Mapping, Optional, TextIO, Tuple
 
 PROGRESS_MODES = ("auto", "bar", "lines")
 # Set in every rank by a launcher that hands ranks a pseudo-terminal whatever its own output is:
@@ -77,3 +77,15 @@ def after_step(show, cfg, saves, stop, step: int, stopping: bool) -> bool:
     if stopping:
         show(stopped_line(cfg, stop, step))
     return stopping
+
+
+def held_out(log, step: int, result, none: str) -> Tuple[str, str]:
+    """(the step line's held-out part, a note or "") for ``result`` (data.HeldOut) after step ``step`` (0-based):
+    '  val 5.4321 (256 rows)', its loss kept in log.val_losses and its rows in log.val_rows. No row on any rank:
+    no loss and no field, and the first time a line saying so, ``none`` its reason (to print after the step's)."""
+    first = log.val_rows is None
+    log.val_rows = result.rows
+    if result.loss is None:
+        return "", f"  note: no held-out loss: {none}" if first else ""
+    log.val_losses.append([step + 1, result.loss])
+    return f"  val {result.loss:.4f} ({result.rows} row{'' if result.rows == 1 else 's'})", ""

@@ -6,7 +6,7 @@ targets the last ``seq_len``). Row ``j`` of the global batch of step ``s`` depen
 see the same global batch. Entropies and losses are in nats per token.
 """
 import os
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -18,6 +18,20 @@ GENERATED_VOCAB = 32              # tokens of the generated corpus
 FILE_VOCAB = 256                  # tokens of a --data file: its bytes
 VAL_SEQUENCES = 256               # rows in the held-out set (fewer if a file's held-out part is short)
 VAL_FRACTION = 0.1                # share of a --data file kept for validation (its tail)
+
+
+class HeldOut(NamedTuple):
+    """One evaluation of the held-out set: the mean token loss (nats) over the rows the ranks evaluated,
+    and how many rows those were, over every rank (a rank whose share is empty adds none). ``loss``
+    None: no rank had a held-out row."""
+    loss: Optional[float]
+    rows: int
+
+    @classmethod
+    def of(cls, summed_loss: float, summed_tokens: float, seq_len: int) -> "HeldOut":
+        """From the token losses and the token count, each summed over the ranks."""
+        rows = int(round(summed_tokens)) // seq_len
+        return cls(summed_loss / summed_tokens if summed_tokens > 0 else None, rows)
 
 
 def rank_rows(n_rows: int, rank: int, world_size: int) -> range:

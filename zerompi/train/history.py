@@ -27,6 +27,7 @@ class StepLog:
     times: Deque[float] = field(default=None)    # this rank's wall seconds of the step
     parts: Deque[dict] = field(default=None)     # the engine's timers of the step (engine/timers.py)
     val_losses: Deque[list] = field(default=None)   # [step, held-out loss] pairs (GPT)
+    val_rows: Optional[int] = None               # held-out rows the latest evaluation covered, over every rank
     steps_run: int = 0                           # steps recorded, all of them
     total_time: float = 0.0                      # their wall seconds, summed
     comm_bytes: Deque[int] = field(default=None)   # bytes this rank sent in the step (sum_scalars aside)

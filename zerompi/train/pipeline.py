@@ -175,12 +175,13 @@ def offload_folder(z, chunk: int, chunks: int):
     return path
 
 
-def validation_loss(job, chunk: int = 32) -> float:
-    """The GPT's mean held-out token loss through the pipeline (a collective over the whole mesh): each
-    data-parallel rank's share of the rows in passes of ``chunk`` rows as models/gpt.validation_loss makes
-    them, every pass through every chunk in model order; the last chunk's sums summed over the world (the
-    last stage's ranks of TP rank 0; zeros elsewhere) as there: the same bits."""
-    from .data import rank_rows
+def validation_loss(job, chunk: int = 32):
+    """data.HeldOut: the GPT's mean held-out token loss through the pipeline and the rows it covers (a
+    collective over the whole mesh): each data-parallel rank's share of the rows in passes of ``chunk`` rows
+    as models/gpt.held_out_loss makes them (an empty pass where a share ran out: no loss, no row), every pass
+    through every chunk in model order; the last chunk's sums and tokens summed over the world (the last
+    stage's ranks of TP rank 0; zeros elsewhere) as there: the same bits."""
+    from .data import HeldOut, rank_rows
     from ..pipeline.executor import KINDS, TAGS
     mesh, data, comm = job.mesh, job.data, job.mesh.pp_comm
     mine = rank_rows(data.val_size, mesh.dp_rank, mesh.dp)
@@ -213,7 +214,8 @@ def validation_loss(job, chunk: int = 32) -> float:
                 comm.isend(np.ascontiguousarray(out).copy(), job.where[c + 1], TAGS["F"], KINDS["F"])
     comm.wait_all()
     keep = last is not None and mesh.tp_rank == 0
-    summed = float(job.comm.sum_scalars([total if keep else 0.0])[0])
+    tokens = len(mine) * (data.seq_len // mesh.sp)
+    summed = job.comm.sum_scalars([total if keep else 0.0, tokens if keep else 0])
     if simulated(job.comm):                      # N copies of this rank's sum: its own tokens' mean instead
-        return total / max(1, len(mine) * (data.seq_len // mesh.sp)) if last is not None else 0.0
-    return summed / (data.val_size * data.seq_len)
+        return HeldOut.of(total, tokens if last is not None else 0, data.seq_len // mesh.sp)
+    return HeldOut.of(float(summed[0]), float(summed[1]), data.seq_len)

@@ -191,7 +191,8 @@ def final_metrics(cfg, job, comm, log) -> dict:
         "pp_bytes_per_step": pp_bytes, "pp_theory_bytes_per_step": pp_theory,
         "step_time_s": statistics.median(times) if times else None, "step_times_s": times,
         "steps_applied": job.engines.step_count, "loss_scale": job.engines.loss_scale,
-        "val_losses": list(log.val_losses), "first_step": log.first_kept, "steps_run": log.steps_run,
+        "val_losses": list(log.val_losses), "val_rows": log.val_rows,
+        "first_step": log.first_kept, "steps_run": log.steps_run,
         "config": {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in ("zero", "pipeline")}
         | {"zero": cfg.zero.to_dict(), "pipeline": cfg.pipeline.to_dict()},
     }

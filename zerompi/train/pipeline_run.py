@@ -47,7 +47,7 @@ def train_pipelined(cfg, comm, build, stop=None) -> dict:
 
 def _run_steps(cfg, job, comm, start: int, stop) -> StepLog:
     from .pipeline import validation_loss
-    from .console import after_step, choose_progress, evaluates, show_step
+    from .console import after_step, choose_progress, evaluates, held_out, show_step
     from .saves import Saves
     from ..engine.trace import align_clocks
     saves = Saves(cfg, job.engines, comm.mpi)
@@ -89,14 +89,17 @@ def _run_steps(cfg, job, comm, start: int, stop) -> StepLog:
         log.tp_bytes.append(tc.bytes_sent() - tp0)
         log.sp_bytes.append(sc.bytes_sent() - sp0)
         log.pp_times.append([(a.action, a.start + offset, a.ready + offset, a.end + offset) for a in times])
-        extra, evaluated = "", False
+        extra, evaluated, note = "", False, ""
         if gpt and evaluates(cfg, step, stopping):
             before = {op: s.bytes for op, s in comm.stats.items()}
-            log.val_losses.append([step + 1, validation_loss(job)])
+            held = validation_loss(job)
             for op, s in comm.stats.items():
                 log.base_bytes[op] = log.base_bytes.get(op, 0) + s.bytes - before.get(op, 0)
-            evaluated, extra = True, f"  val {log.val_losses[-1][1]:.4f}"
+            extra, note = held_out(log, step, held, simulate.no_held_out(cfg, None if last else job.mesh.pp_rank))
+            evaluated = True
         show_step(show, cfg, step, loss, stand_in + extra, result, log.times[-1], "", bar, evaluated)
+        if note:
+            show(note)
         if after_step(show, cfg, saves, stop, step, stopping):
             break
     saves.finish()
@@ -112,6 +115,7 @@ def _resume(job, cfg) -> int:
     if start >= cfg.steps:
         raise CheckpointError(f"{info.path}: is at step {start} and --steps {cfg.steps} leaves nothing to run; "
                               f"--steps counts from step 0, so use more than {start}")
-    print0(job.comm.mpi, f"  resumed from {cfg.resume}: step {start}, chunk 0 saved by {info.manifest['world_size']} "
-                         f"data-parallel ranks at stage {info.manifest['stage']} ({info.manifest['dtype']})")
+    n = info.manifest["world_size"]
+    print0(job.comm.mpi, f"  resumed from {cfg.resume}: step {start}, chunk 0 saved by {n} data-parallel "
+                         f"rank{'s' if n > 1 else ''} at stage {info.manifest['stage']} ({info.manifest['dtype']})")
     return start

@@ -50,11 +50,16 @@ def topology_error(cfg: TrainConfig, mpi_comm) -> Optional[str]:
 
 def check_fault(fault, world_size: int, cfg: TrainConfig) -> None:
     """ConfigError unless ``fault`` (engine.faults.Fault, or None) can fire in this job: its rank
-    exists, its step is run, and its point (save, metrics) comes after that step."""
+    exists (in a simulated world: is the one that runs), its step is run, and its point (save, metrics)
+    comes after that step."""
     if fault is None:
         return
     text = f"ZEROMPI_FAULT='{fault}'"
     check(fault.rank < world_size, f"{text} names rank {fault.rank}; this job has ranks 0-{world_size - 1}")
+    if cfg.simulate_world:        # only rank R runs; the others are stand-ins (comm/simulated.py), where nothing fires
+        r = cfg.simulate_rank or 0
+        check(fault.rank == r, f"{text} names rank {fault.rank}, a stand-in of the simulated world (--simulate-world "
+                               f"{world_size} --simulate-rank {r} runs rank {r} alone); use rank{r}")
     check(fault.step <= cfg.steps, f"{text} names step {fault.step}; this job runs steps 1-{cfg.steps} (--steps)")
     if fault.point == "metrics":
         check(fault.step == cfg.steps, f"{text}: the final metrics follow the last step, {cfg.steps}; "

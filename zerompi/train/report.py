@@ -216,6 +216,7 @@ def final_metrics(cfg, engine, comm, log, entropy_floor, placement, activation=(
         "step_times_s": times,                     # rank 0's wall seconds of each (kept) step, in order
         "step_breakdown_s": per_step(list(log.parts), times),   # the same steps' time_breakdown_s parts, each
         "val_losses": list(log.val_losses),        # [step, mean held-out loss (nats/token)] pairs
+        "val_rows": log.val_rows,                  # held-out rows those losses cover, over every rank; null: none run
         "entropy_floor": entropy_floor,            # nats/token; null for --data and the MLP
         "tokens_per_s": tokens / log.total_time if cfg.model == "gpt" else None,   # global, rank 0's clock
         "device": placement.describe() if placement is not None else "cpu (NumPy)",

@@ -81,7 +81,7 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
         report.print0(comm.mpi, simulate.banner(cfg))
     if mesh:
         report.print0(comm.mpi, f"  mesh: {mesh.describe()}")
-    start = _resume(engine, cfg) if cfg.resume else 0    # the step a resumed run starts at
+    start = _resume(engine, cfg, comm.mpi) if cfg.resume else 0    # the step a resumed run starts at
     if cfg.save_dir:
         from .saves import disk_line
         report.print0(comm.mpi, disk_line(cfg, engine, start))
@@ -127,14 +127,14 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
 
 def _run_steps(cfg: TrainConfig, engine, comm, model, data, floor: Optional[float], start: int, stop) -> StepLog:
     """Steps start .. cfg.steps - 1, or until a stop signal: train, log, evaluate (GPT), save."""
-    from .console import after_step, choose_progress, evaluates, show_step
+    from .console import after_step, choose_progress, evaluates, held_out, show_step
     from .report import leads, print0
     from ..engine.timers import format_breakdown
     from .saves import Saves
     saves = Saves(cfg, engine, comm.mpi)            # checkpoints: --save-dir, --save-every, --async-save
     losses_of = step_losses(cfg.model)
     gpt = cfg.model == "gpt"
-    from .simulate import loss_note
+    from .simulate import loss_note, no_held_out
     stand_in = loss_note(cfg)
     bar = leads(comm) and choose_progress(cfg.progress) == "bar"    # auto: a bar only for a person at a terminal
     sent = lambda: sum(s.bytes for op, s in comm.stats.items() if op != "sum_scalars")
@@ -157,34 +157,37 @@ def _run_steps(cfg: TrainConfig, engine, comm, model, data, floor: Optional[floa
         l1 = comm.level_bytes()
         log.record(loss, time.perf_counter() - t0, sent() - b0, engine.timers.take(),   # bounded (history.py)
                    (l1["intra"] - l0["intra"], l1["inter"] - l0["inter"], comm.logical_bytes() - q0))
-        extra, evaluated = "", False            # GPT: held-out loss, floor, throughput
+        extra, evaluated, note = "", False, ""  # GPT: held-out loss, floor, throughput
         if gpt:
             if evaluates(cfg, step, stopping):
-                log.val_losses.append([step + 1, _validate(engine, model, data, log.base_bytes)])
-                evaluated = True
-                extra += f"  val {log.val_losses[-1][1]:.4f}"
+                val, note = held_out(log, step, _validate(engine, model, data, log.base_bytes), no_held_out(cfg))
+                extra, evaluated = extra + val, True
             extra += f"  floor {floor:.4f}" if floor is not None else ""
             extra += f"  {cfg.batch * cfg.seq_len / log.times[-1]:,.0f} tok/s"
         show_step(show, cfg, step, loss, stand_in + extra, result, log.times[-1], format_breakdown(log.parts[-1]),
                   bar, evaluated)
+        if note:
+            show(note)
         if after_step(show, cfg, saves, stop, step, stopping):
             break
     saves.finish()                              # a background save is published before the run ends
     return log
 
 
-def _validate(engine, model, data, base_bytes: Dict[str, int]) -> float:
-    """The held-out loss; its traffic (stage 3 gathers) goes to base_bytes, out of the per-step table."""
-    from .models.gpt import validation_loss
+def _validate(engine, model, data, base_bytes: Dict[str, int]):
+    """The held-out loss and its rows (data.HeldOut); its traffic (stage 3 gathers) goes to base_bytes, out of
+    the per-step table."""
+    from .models.gpt import held_out_loss
     before = {op: s.bytes for op, s in engine.comm.stats.items()}
-    loss = validation_loss(engine, model, data)
+    loss = held_out_loss(engine, model, data)
     for op, s in engine.comm.stats.items():
         base_bytes[op] = base_bytes.get(op, 0) + s.bytes - before.get(op, 0)
     return loss
 
 
-def _resume(engine, cfg: TrainConfig) -> int:
-    """Load cfg.resume into engine (every rank); returns the first step to run."""
+def _resume(engine, cfg: TrainConfig, world) -> int:
+    """Load cfg.resume into engine (every rank); returns the first step to run. ``world``: the job's mpi4py
+    communicator, whose rank 0 prints the lines once (the engine's is one TP rank's group under --tp)."""
     from ..checkpoint.collective import CheckpointError
     from .report import print0
     info = engine.load(cfg.resume)
@@ -194,14 +197,16 @@ def _resume(engine, cfg: TrainConfig) -> int:
         raise CheckpointError(f"{info.path}: is at step {start} and --steps {cfg.steps} leaves nothing to run; "
                               f"--steps counts from step 0, so use more than {start}")
     m = info.manifest
-    print0(engine.comm.mpi, f"  resumed from {info.path}: step {start}, saved by {m['world_size']} ranks "
-                            f"at stage {m['stage']} ({m['dtype']})")
+    n, tp = m["world_size"], engine.mesh.tp if engine.mesh else 1
+    by = f"{n} rank{'s' if n > 1 else ''}" if tp == 1 else \
+        f"{n} data-parallel rank{'s' if n > 1 else ''} per TP rank ({tp} TP ranks)"
+    print0(world, f"  resumed from {info.path}: step {start}, saved by {by} at stage {m['stage']} ({m['dtype']})")
     from ..checkpoint.savedir import pointer_notes
     for note in pointer_notes(cfg.resume):        # newer checkpoints, a pointer with no checksum
-        print0(engine.comm.mpi, f"  note: {note}")
+        print0(world, f"  note: {note}")
     if extra.get("seed", cfg.seed) != cfg.seed:
-        print0(engine.comm.mpi, f"  note: the checkpoint was trained with seed {extra['seed']}, this run's data "
-                                f"uses seed {cfg.seed}")
+        print0(world, f"  note: the checkpoint was trained with seed {extra['seed']}, this run's data "
+                      f"uses seed {cfg.seed}")
     return start
 
 

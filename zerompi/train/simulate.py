@@ -58,6 +58,17 @@ def loss_note(cfg, stage=None) -> str:
     return " (simulated rank: not a real run's loss)"
 
 
+def no_held_out(cfg, stage=None) -> str:
+    """Why an evaluation found no held-out row anywhere (console.held_out's note): a simulated rank whose share
+    is empty (its stand-ins mirror it), or (``stage``) a pipeline stage without the last chunk."""
+    if not cfg.simulate_world:
+        return "no rank has a row of the held-out set"
+    if stage is not None:
+        return f"simulated rank of stage {stage}, which computes no loss"
+    return (f"simulated rank {cfg.simulate_rank}'s share of the held-out set is empty, and its stand-ins mirror it "
+            "(a short --data file has fewer held-out rows than data-parallel ranks)")
+
+
 def banner(cfg) -> str:
     from ..comm.simulated import RULE
     return (f"  SIMULATED: this one process is rank {cfg.simulate_rank} of {cfg.simulate_world}; the other "

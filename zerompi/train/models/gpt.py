@@ -23,7 +23,7 @@ previous step's buffers; called without one, every layer returns new arrays.
 forward again inside its backward (activations.Recompute); ``activation_bytes`` is what the
 activations measured (activations.MeteredWorkspace; the formula: estimate/activations.py).
 """
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -37,7 +37,7 @@ from .gpt_numpy import (LN_EPS, NumpyLayers, attention, attention_backward, gelu
 
 __all__ = ["GPT", "LN_EPS", "WPE", "WTE", "attention", "attention_backward", "evaluate", "gelu", "gelu_grad",
            "layernorm", "layernorm_backward", "linear", "linear_backward", "run_micro_batch", "train_losses",
-           "validation_loss"]
+           "held_out_loss", "validation_loss"]
 WTE, WPE = "wte", "wpe"
 KERNELS = ("auto", "c", "numpy")
 
@@ -296,8 +296,15 @@ def run_micro_batch(engine, model: GPT, idx, targets) -> float:
 
 
 def evaluate(engine, model: GPT, idx, targets) -> float:
-    """Sum of the token cross-entropies (nats) of rows idx -> targets; forward only, no gradients."""
+    """Sum of the token cross-entropies (nats) of rows idx -> targets; forward only, no gradients.
+    No rows (this rank's share of the held-out set ran out): the layers are visited (stage 3 gathers
+    them with the others), nothing is computed, 0."""
     engine.begin_forward()
+    if idx.shape[0] == 0:
+        for i in range(model.num_layers):
+            with engine.unsharded(i):
+                pass
+        return 0.0
     with engine.unsharded(0) as embed:
         h, _ = model.forward_layer(0, embed, idx)
         for i in range(1, model.num_layers):
@@ -324,20 +331,32 @@ def train_losses(engine, model: GPT, data, step: int, batch: int, micro_batches:
     return out
 
 
-def validation_loss(engine, model: GPT, data, chunk: int = 32) -> float:
-    """Mean token loss (nats) over the whole held-out set; a collective (every rank calls it).
+def held_out_loss(engine, model: GPT, data, chunk: int = 32):
+    """data.HeldOut: the mean token loss (nats) over the held-out set and its rows; a collective
+    (every rank calls it).
 
     Each rank evaluates its share of the rows; every rank makes the same number of forward
-    passes (stage 3 gathers in each), an empty one where its share ran out.
+    passes (stage 3 gathers in each), an empty one where its share ran out (a short --data
+    file: fewer rows than ranks), which adds no loss and no row.
     """
-    from ..data import rank_rows
+    from ..data import HeldOut, rank_rows
     share, size = model.data_share(engine)
     mine = rank_rows(data.val_size, share, size)
     passes = -(-len(rank_rows(data.val_size, 0, size)) // chunk)    # rank 0 has the most rows
     xp = model.xp
-    total = 0.0
+    total, tokens = 0.0, 0
     for k in range(passes):
         lo = min(mine.start + k * chunk, mine.stop)
         r = xp.asarray(data.val_rows(range(lo, min(lo + chunk, mine.stop))))
-        total += evaluate(engine, model, *model.local_sequence(r))
-    return float(engine.comm.sum_scalars([total])[0]) / (data.val_size * data.seq_len)
+        idx, targets = model.local_sequence(r)
+        total += evaluate(engine, model, idx, targets)
+        tokens += targets.size
+    summed = engine.comm.sum_scalars([total, tokens])
+    if getattr(engine.comm.mpi, "simulated", False):    # N copies of this rank's sums: its own rows' mean instead
+        return HeldOut.of(total, tokens, data.seq_len // (model.sp.size if model.sp else 1))
+    return HeldOut.of(float(summed[0]), float(summed[1]), data.seq_len)
+
+
+def validation_loss(engine, model: GPT, data, chunk: int = 32) -> Optional[float]:
+    """Mean token loss (nats) over the held-out set (held_out_loss), None when no rank has a row of it."""
+    return held_out_loss(engine, model, data, chunk).loss

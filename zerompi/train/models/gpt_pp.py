@@ -130,7 +130,11 @@ class GPTChunk:
                 if g == 0 and not self.sent_value:
                     self.tie.send_value(p[WTE])
                     self.sent_value = True
-                h, _ = m.forward_layer(g, p, inputs if g == 0 else h)
+                if len(rows):             # no rows (a share of the held-out set that ran out): visited, not run
+                    h, _ = m.forward_layer(g, p, inputs if g == 0 else h)
+        if not len(rows):
+            sp = m.sp.size if m.sp else 1
+            return m.xp.empty((0, m.seq_len // sp, m.d_model), m.dtype) if not self.last else 0.0
         if not self.last:
             return h
         return float(m.token_losses(self.tie.value(), h, targets).astype(np.float64).sum())
