@@ -99,6 +99,8 @@ def metrics(cfg, engines, comm, log, base: dict) -> dict:
     return {"simulated": {
         "world_size": cfg.simulate_world, "rank": cfg.simulate_rank, "rule": RULE,
         "peak_rss_bytes": peak_rss_bytes(),
+        # steps whose stand-in gradients were not finite, applied with zero gradients (engine/step.py), not skipped
+        "stand_in_overflows": max(e.stand_in_overflows for e in engines),
         "comm_by_op": by_op,          # bytes: a mean over the steps run; calls: every one, the start's included
         "estimate": est,
         "measured": {"model_state_bytes": base["memory_bytes"]["total"], "buffer_bytes": base["peak_buffer_bytes"],
@@ -122,4 +124,8 @@ def summary(m: dict) -> str:
              "measured beside zerompi.estimate for the same flags",
              f"  {'':14} {'measured':>12}   estimate"]
     lines += [f"  {name:14} {human_bytes(v):>12}   {text}" for name, v, text in rows]
+    if sim["stand_in_overflows"]:
+        lines.append(f"  {sim['stand_in_overflows']} step(s) had stand-in gradients that were not finite (the mirrored "
+                     "values, no real run's): applied with zero gradients, not skipped, so their traffic is the "
+                     "real job's")
     return "\n".join(lines)
