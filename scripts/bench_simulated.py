@@ -2,7 +2,8 @@
 
 ``python scripts/bench_simulated.py`` runs, for each stage and storage dtype, one process as rank 0 of
 64 (``python -m zerompi.train --simulate-world 64``): the GPT of 48 blocks x 4096 channels (Ψ = 9.67 B,
-the estimator's 10B example), a short sequence and one micro-batch (one sequence per rank), one step,
+the estimator's 10B example), a short sequence and one micro-batch (one sequence per rank), two steps
+(the bytes per step are a steady step's: the first is left out),
 each run in a fresh process under an address-space limit (``--limit-gib``, default 8: this machine's
 share). It prints one JSON object: per run the ledger's model states and buffers, the activations, the
 process's peak resident set, the bytes and calls of each collective per step and the step time, beside
@@ -89,7 +90,10 @@ def table(report) -> str:
                                 f"({gb(e['comm_bytes_per_step'])}) | - | {how} (exit {r['exit']}): {r['refusal']} |")
             continue
         m, ops = r["measured"], r["comm_by_op"]
-        sent = ", ".join(gb(ops.get(op, {}).get("bytes", 0)) for op in ("all_gather", "reduce_scatter"))
+        steady = lambda op: ops.get(op, {}).get("bytes")    # None: one step ran, no steady step measured
+        sent = ", ".join(gb(steady(op)) if steady(op) is not None else
+                         f"{gb(ops.get(op, {}).get('first_step_bytes') or 0)} (the first step's; no steady step)"
+                         for op in ("all_gather", "reduce_scatter"))
         lines.append(head + f"{gb(m['model_state_bytes'])} | {gb(e['buffer_bytes_best_case'])} ({gb(e['buffer_bytes'])})"
                             f" / {gb(m['buffer_bytes'])} | {gb(m['peak_rss_bytes'])} | {sent} "
                             f"({gb(e['comm_bytes_per_step'])}) | {r['step_time_s']:.0f} s | ran |")
@@ -104,7 +108,7 @@ def main():
     p.add_argument("--d-model", type=int, default=4096)
     p.add_argument("--n-head", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=16)
-    p.add_argument("--steps", type=int, default=1)
+    p.add_argument("--steps", type=int, default=2, help="steps run; the bytes per step are the steps' after the first")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (1F1B, as many micro-batches)")
     p.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--dtypes", nargs="+", default=["fp16", "bf16"])

@@ -125,3 +125,18 @@ def test_a_failing_stage_ends_the_whole_job(kind):
         assert "injected failure on the last stage" in proc.stderr
     else:
         assert "pipeline: activation gradients of micro-batch 0 for chunk 0 from stage 1" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_grad_reduce_per_step_keeps_the_bits_at_dp_1_in_fp32_only(tmp_path):
+    """docs/pipeline.md: at dp 1, --pp-grad-reduce step gives the default's bits in fp32 (a reduce-scatter over one
+    rank is a power-of-two scaling, the micro-batches are added in float32 either way); in fp16 and bf16 not (the
+    default rounds each micro-batch's reduced gradient to the storage dtype before adding it)."""
+    flags = ["--pp", "2", "--micro-batches", "4", "--batch", "8", "--steps", "3", "--n-layer", "2", "--eval-every", "0",
+             "--progress", "lines"]
+    for dtype in ("fp32", "fp16", "bf16"):
+        per = {mode: run_train(2, tmp_path, *flags, "--dtype", dtype, "--pp-grad-reduce", mode, tag=f"{dtype}-{mode}")
+               for mode in ("micro-batch", "step")}
+        a, b = per["micro-batch"], per["step"]
+        same = (a["final_params_sha256"], a["losses"]) == (b["final_params_sha256"], b["losses"])
+        assert same == (dtype == "fp32"), dtype
+        assert a["losses"][0] == b["losses"][0] and np.allclose(a["losses"], b["losses"], rtol=1e-4), dtype

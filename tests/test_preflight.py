@@ -120,9 +120,11 @@ def test_pipeline_preflight_is_the_ranks_own_stage(tmp_path, world, rank, flags)
     cfg = parse_config(argv)
     row = preflight.pipeline_estimate(cfg, world, rank)
     assert row["model_state_bytes"] == m["memory_bytes"]["total"]
-    assert row["buffer_bytes_best_case"] == m["peak_buffer_bytes"]
+    # The preflight's "at least": the best case's buffers; the rank (its stand-ins arrive when it waits, as a real
+    # rank's pending reductions do) holds that or more, up to the cap's row.
+    assert row["buffer_bytes_best_case"] <= m["peak_buffer_bytes"] <= row["buffer_bytes"]
     parts = preflight.memory_needed(cfg, world, rank)
-    assert parts["model states and buffers"] == m["memory_bytes"]["total"] + m["peak_buffer_bytes"]
+    assert parts["model states and buffers"] == m["memory_bytes"]["total"] + row["buffer_bytes_best_case"]
     if cfg.zero.tp == 1:
         assert parts["activations"] == m["activation_bytes"]
     else:

@@ -105,6 +105,8 @@ class Communicator:
         self.scratch_bytes = 0            # bytes of receive buffers currently allocated
         self.peak_scratch_bytes = 0
         self.waiting = share.waiting if share is not None else WaitRecord()   # what this rank is blocked in
+        if hasattr(self.mpi, "waits_in"):   # a simulated world: its collectives arrive when this rank waits
+            self.mpi.waits_in(self.waiting)
         self.watchdog = share.watchdog if share is not None else guard_job(self, timeout_s, abort_on_exception)
         self.check_stats = share.check_stats if share is not None else OpStats()   # the checks' headers, counted apart
         default = not getattr(self.mpi, "simulated", False)      # a simulated world's stand-ins agree by construction

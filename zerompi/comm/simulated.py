@@ -9,9 +9,12 @@ step, and the counters of the bytes each collective sends. Only the messages are
 under one deterministic rule (:data:`RULE`): every other rank is a mirror of this one, so what a
 peer would send this rank is a copy of this rank's own contribution. A reduce-scatter sums N
 copies of this rank's own slice; an all-gather fills every slice with this rank's; every number
-or object gathered is this rank's own. Every collective has arrived at once (the network keeps
-up: the buffers held are the estimate's best case). So the memory and the traffic are rank R's
-in the real job; the values -- the loss, the parameters -- are not a real run's.
+or object gathered is this rank's own. A non-blocking collective arrives when this rank waits for
+it (the peers are never ahead of it): the engine then holds what a real rank holds when MPI has not
+moved a collective on by the time its next one starts -- up to its cap of reductions pending, the
+estimate's figure, which ranks of a real job reach (a blocking one, and a pipeline neighbour's
+message, arrive at once). So the memory and the traffic are rank R's in the real job; the values
+-- the loss, the parameters -- are not a real run's.
 
 Sub-communicators (nodes, shard groups, the tensor- and data-parallel groups) come from
 :func:`comm.split.split`, whose colors are a function of the rank: a simulated world evaluates it
@@ -28,13 +31,13 @@ from ..errors import ConfigError, UsageError
 
 RULE = ("every other rank mirrors this one: a peer sends this rank a copy of what this rank contributes itself "
         "(a reduce-scatter sums N copies of its own slice, an all-gather fills every slice with its own, every "
-        "gathered number is its own), a point-to-point message from another pipeline stage holds zeros, and "
-        "every message has arrived at once; memory and bytes sent are this rank's in the real job, the loss "
-        "and the parameters are not a real run's")
+        "gathered number is its own), a point-to-point message from another pipeline stage holds zeros, a "
+        "non-blocking collective arrives when this rank waits for it, every other message at once; memory and "
+        "bytes sent are this rank's in the real job, the loss and the parameters are not a real run's")
 
 
 class Arrived:
-    """The request of a stood-in collective: it has arrived when it starts."""
+    """The request of a stood-in message that has arrived when it starts (a pipeline neighbour's)."""
 
     def Test(self) -> bool:
         return True
@@ -44,6 +47,35 @@ class Arrived:
 
     def Cancel(self) -> None:
         pass
+
+
+class ArrivesWhenWaited(Arrived):
+    """The request of a stood-in non-blocking collective. Its messages arrive once this rank has waited for it
+    or for a collective started after it (MPI moves a rank's collectives on in the order they started, and a
+    wait moves them all): tested while this rank is blocked in a wait (its Communicator's WaitRecord shows
+    one), it has arrived, and so has every one started before it; tested between waits (the engine's polls
+    while it computes), it has not, unless a later one has been waited for. A real rank whose peers have not
+    caught up is in that state: its engine retires a reduction when its cap of pending ones, or a gather it
+    needs, makes it wait, and holds the buffers it holds then."""
+
+    __slots__ = ("_world", "_order")
+
+    def __init__(self, world: "SimulatedWorld"):
+        self._world = world
+        clock = world.clock
+        clock[0] += 1
+        self._order = clock[0]                 # this rank's collectives, numbered as they start
+
+    def Test(self) -> bool:
+        world, clock = self._world, self._world.clock
+        record = world.wait_record
+        if record is None or record.current is not None:
+            clock[1] = max(clock[1], self._order)   # every collective started up to this one has arrived
+        return self._order <= clock[1]
+
+    def Wait(self) -> None:
+        clock = self._world.clock
+        clock[1] = max(clock[1], self._order)
 
 
 def _bytes(buf) -> np.ndarray:
@@ -59,12 +91,14 @@ class SimulatedWorld:
 
     simulated = True
     rule = RULE
+    wait_record = None        # the WaitRecord of the Communicator over it (None: collectives arrive at once)
 
     def __init__(self, size: int, rank: int = 0, node_size: Optional[int] = None):
         check_world_rank(size, rank, node_size)
         self.members: List[int] = list(range(size))   # this communicator's ranks, as ranks of the world
         self.world_size = size                          # the simulated world's ranks (a group's too)
         self.node_size = node_size or size              # consecutive world ranks per node
+        self.clock = [0, 0]      # [collectives started, the last arrived] on this communicator
         self._rank = rank
 
     # ---- who is here -------------------------------------------------------------
@@ -91,6 +125,7 @@ class SimulatedWorld:
         same = [r for r in range(self.Get_size()) if color_of(r) == mine]
         sub = copy.copy(self)
         sub.members, sub._rank = [self.members[r] for r in same], same.index(self._rank)
+        sub.clock = [0, 0]       # MPI orders the collectives of each communicator on its own
         return sub
 
     def Split(self, color=0, key=0):
@@ -105,6 +140,11 @@ class SimulatedWorld:
 
     def Free(self) -> None:
         pass
+
+    def waits_in(self, record) -> None:
+        """Its non-blocking collectives arrive while ``record`` (a comm.watchdog.WaitRecord: the Communicator's
+        over this world) shows a wait (ArrivesWhenWaited)."""
+        self.wait_record = record
 
     def Barrier(self) -> None:
         pass
@@ -143,7 +183,7 @@ class SimulatedWorld:
 
     def Iallgather(self, send, recv) -> Arrived:
         self.Allgather(send, recv)
-        return Arrived()
+        return ArrivesWhenWaited(self)
 
     def _fill(self, spec) -> None:
         """In place: every block of ``spec`` ([buffer, count, datatype] or a buffer) is this rank's."""
@@ -173,7 +213,7 @@ class SimulatedWorld:
         else:
             for at in starts:
                 dst[at * block:(at + 1) * block] = own
-        return Arrived()
+        return ArrivesWhenWaited(self)
 
     def Allreduce(self, send, recv, op=MPI.SUM) -> None:
         """``recv`` = the reduction of N copies of this rank's values (MIN, MAX: themselves; SUM: N times)."""

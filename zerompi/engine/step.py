@@ -97,6 +97,8 @@ def finish(engine, pending: PendingStep, totals: Optional[Sequence[float]] = Non
     lay, grads = engine.layout, engine.reducer.reduced_slices()
     scale = engine.scaler.scale
     overflow = nonfinite > 0 or not math.isfinite(sumsq)
+    if overflow and getattr(engine.comm.mpi, "simulated", False):
+        sumsq, overflow = _stand_in_overflow(engine, grads), False
     engine.steps_taken += 1
     if overflow:   # fp32, or too many fp16 skips in a row: NonFiniteError on every rank, nothing updated
         engine.in_backward.take_back()     # updates begun in the backward (engine/in_backward.py) set back first
@@ -114,6 +116,18 @@ def finish(engine, pending: PendingStep, totals: Optional[Sequence[float]] = Non
     engine.scaler.update(False)
     engine._end_step()
     return StepResult(engine.step_count, False, norm, coef, scale)
+
+
+def _stand_in_overflow(engine, grads) -> float:
+    """A simulated rank (comm/simulated.py) whose gradients are not finite: the values are its stand-ins' mirror
+    of it (an all-gather tiles its own shard), no real run's, so the step is not skipped -- the real job applies
+    its steps, gathers and updates, and the simulated rank must send and hold what it does. The step is applied
+    with zero gradients (the parameters stay finite); the steps so applied are counted. Returns the new sum of
+    squares, 0."""
+    for g in grads:
+        g.fill(0)
+    engine.stand_in_overflows += 1
+    return 0.0
 
 
 def _update(engine, lay, grads, s) -> None:

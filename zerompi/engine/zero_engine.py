@@ -101,6 +101,7 @@ class ZeroEngine:
                                         self.config.min_loss_scale, enabled=self.config.dtype == "fp16")
         self.step_count = 0             # optimizer updates applied
         self.steps_taken = 0            # step() calls, skipped ones included
+        self.stand_in_overflows = 0     # a simulated rank's steps applied with zero gradients (engine/step.py)
         self.closed = False
         self._pending = None            # a step begun (begin_step) and not finished (engine/step.py)
         self.timers = StepTimers()                      # phase and communication seconds (engine/timers.py)

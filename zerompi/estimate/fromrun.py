@@ -79,7 +79,10 @@ def format_compare(cmp: dict, est: dict) -> str:
     for key, m in cmp["measured"].items():
         e = cmp["estimate"][key]
         best = cmp["estimate_best_case"].get(key)
-        lines.append(f"  {key:26}{m:>14,}{e:>14,}{m - e:>12,}" + (f"{best:>14,}" if best is not None else ""))
+        got = (f"{m:>14,}{e:>14,}{m - e:>12,}" if m is not None else f"{'-':>14}{e:>14,}{'':>12}")
+        lines.append(f"  {key:26}{got}" + (f"{best:>14,}" if best is not None else ""))
+    if any(m is None for m in cmp["measured"].values()):
+        lines.append("  (-: the run made one step, and a steady step's traffic leaves out the first: not measured)")
     bound = (f"up to {est['in_flight']} reductions pending while the next bucket fills"
              if est["overlap"] else "overlap off, no reduction pending while the next bucket fills")
     lines.append(f"  (estimate: {bound}, the most a rank holds; best case: each reduction done before the next "

@@ -7,10 +7,15 @@ HISTORY_STEPS steps; the medians of the metrics (step_time_s, time_breakdown_s, 
 of a step) are over those; the counts and totals (steps_run, tokens_per_s) are over every
 step, in a few numbers. ``losses[i]`` is the loss of step ``first_kept + i``.
 A run of at most HISTORY_STEPS steps keeps everything, as before.
+
+A steady step's figures (the traffic medians, the bytes per step of each collective) leave out the
+run's first step, which can send more than the others (stage 3 also gathers for the step after it);
+a run of one step has no steady step, and its figures are None there, not the first step's.
 """
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Deque, Dict, Optional
+from typing import Deque, Dict, Mapping, Optional
 
 HISTORY_STEPS = 10_000     # steps whose loss, time and timers the metrics list; older ones are dropped
 VAL_HISTORY = 1_000        # held-out losses kept (one every --eval-every steps)
@@ -33,6 +38,8 @@ class StepLog:
     comm_bytes: Deque[int] = field(default=None)   # bytes this rank sent in the step (sum_scalars aside)
     level_bytes: Deque[tuple] = field(default=None)   # the same as (inside its node, across nodes, unquantized)
     groups: Dict[str, Deque[tuple]] = field(default=None)   # {"tp", "sp": (bytes, seconds) of the step's model groups}
+    stats: Optional[Mapping] = None              # comm.stats (op -> OpStats), read after the first step
+    first_ops: Optional[Dict[str, int]] = None   # bytes per op the run's first step sent (None: not yet run)
 
     def __post_init__(self):
         self.cap = HISTORY_STEPS if self.cap is None else self.cap
@@ -60,8 +67,48 @@ class StepLog:
         self.level_bytes.append(tuple(levels))
         self.steps_run += 1
         self.total_time += seconds
+        if self.steps_run == 1 and self.stats is not None:
+            self.first_ops = {op: st.bytes - self.base_bytes.get(op, 0) for op, st in self.stats.items()}
 
     @property
     def first_kept(self) -> int:
         """The step whose loss is ``losses[0]``."""
         return self.first_step + self.steps_run - len(self.losses)
+
+    # ---- a steady step: every step but the run's first -----------------------------------------
+    def steady(self, series) -> list:
+        """The values of ``series`` (one per kept step, as ``losses``) of the kept steps after the run's first."""
+        values = list(series)
+        return values[1:] if self.first_kept == self.first_step else values
+
+    def steady_median(self, series) -> Optional[int]:
+        """The median of ``series`` over the steady steps; None when only the first step ran."""
+        values = self.steady(series)
+        return int(statistics.median(values)) if values else None
+
+    def first_value(self, series) -> Optional[int]:
+        """The run's first step's value of ``series`` (None once it is no longer kept)."""
+        values = list(series)
+        return int(values[0]) if values and self.first_kept == self.first_step else None
+
+    def steady_per_op(self, exclude=()) -> Optional[Dict[str, float]]:
+        """Bytes per op of a steady step (``stats`` given): the mean over the steps after the first, the
+        checkpoints' and held-out loss's traffic (base_bytes) aside; None when only the first step ran."""
+        if self.stats is None or self.first_ops is None or self.steps_run < 2:
+            return None
+        return {op: (st.bytes - self.base_bytes.get(op, 0) - self.first_ops.get(op, 0)) / (self.steps_run - 1)
+                for op, st in sorted(self.stats.items()) if op not in exclude}
+
+    def first_per_op(self, exclude=()) -> Optional[Dict[str, int]]:
+        """Bytes per op the run's first step sent (``stats`` given; None before it)."""
+        if self.first_ops is None:
+            return None
+        return {op: b for op, b in sorted(self.first_ops.items()) if op not in exclude}
+
+    def traffic_figures(self) -> list:
+        """[a steady step's bytes, of them inside a node, across nodes, unquantized; the first step's bytes]: the
+        medians of the kept steps after the first, -1 for a figure not measured (the form the final metrics'
+        all-reduce of maxima carries)."""
+        series = [self.comm_bytes] + list(zip(*self.level_bytes or [(0, 0, 0)]))
+        figures = [self.steady_median(v) for v in series] + [self.first_value(self.comm_bytes)]
+        return [-1 if v is None else v for v in figures]

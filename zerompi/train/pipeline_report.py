@@ -139,14 +139,16 @@ def final_metrics(cfg, job, comm, log) -> dict:
     act = pools_peak_bytes([r.pool for r in job.runners.values() if getattr(r, "pool", None) is not None])
     act_theory = activation_theory(job) if cfg.model == "gpt" and job.model.layers.name == "c" else 0
     names = sorted(measured)
-    steady = lambda v: int(statistics.median(list(v)[1:] or list(v))) if v else 0   # noqa: E731
+    steady = lambda v: -1 if log.steady_median(v) is None else log.steady_median(v)   # noqa: E731  (-1: one step ran)
     top = np.array([measured[k] for k in names] + [theory, act, act_theory, steady(log.comm_bytes),
                     sum(e.comm_theory_bytes() for e in engines), steady(log.tp_bytes), padded,
                     sum(most_zero_bytes(e) for e in engines), peak, steady(log.sp_bytes), sp_theory(job)], np.int64)
     with watched(comm, "final metrics: all-reduce (max) of memory and traffic bytes"):
         comm.mpi.Allreduce(MPI.IN_PLACE, top, op=MPI.MAX)
+    measured_once = lambda i: None if top[i] < 0 else int(top[i])   # noqa: E731  (None: no steady step measured)
     kinds = sorted({k for step in log.pp_bytes for k in step} | set(message_theory(job)))
-    mine = ([steady([step.get(k, 0) for step in log.pp_bytes]) for k in kinds], [message_theory(job).get(k, 0) for k in kinds])
+    mine = ([log.steady_median([step.get(k, 0) for step in log.pp_bytes]) for k in kinds],
+            [message_theory(job).get(k, 0) for k in kinds])
     with watched(comm, "final metrics: the messages of each stage"):
         everyone = comm.mpi.allgather(mine)
     stage_of = [mesh.coords(r) for r in range(comm.size)]
@@ -174,11 +176,11 @@ def final_metrics(cfg, job, comm, log) -> dict:
         "memory_bytes": {k: int(v) for k, v in zip(names, top[:n])}, "theory_bytes": int(top[n]),
         "activation_bytes": int(top[n + 1]) if cfg.model == "gpt" and job.model.layers.name == "c" else None,
         "activation_theory_bytes": int(top[n + 2]) if cfg.model == "gpt" and job.model.layers.name == "c" else None,
-        "comm_bytes_per_step": int(top[n + 3]), "comm_theory_bytes_per_step": int(top[n + 4]),
-        "tp_bytes_per_step": int(top[n + 5]), "theory_bytes_padded": int(top[n + 6]),
+        "comm_bytes_per_step": measured_once(n + 3), "comm_theory_bytes_per_step": int(top[n + 4]),
+        "tp_bytes_per_step": measured_once(n + 5), "theory_bytes_padded": int(top[n + 6]),
         "comm_most_bytes_per_step": int(top[n + 7]),   # stage 3: no bucket kept across a turn (traffic.step_bytes)
         "peak_buffer_bytes": int(top[n + 8]),          # the engines' transient buffers at peak (stage 3's gathered ones)
-        "sp_bytes_per_step": int(top[n + 9]), "sp_theory_bytes_per_step": int(top[n + 10]),   # the SP all-to-alls
+        "sp_bytes_per_step": measured_once(n + 9), "sp_theory_bytes_per_step": int(top[n + 10]),   # the SP all-to-alls
         "pipeline": {"pp": mesh.pp, "dp": mesh.dp, "sp": mesh.sp, "tp": mesh.tp, "schedule": s.name, "chunks": s.chunks,
                      "micro_batches": s.micro_batches, "split_backward": s.split_backward,
                      "grad_reduce": cfg.pipeline.grad_reduce, "gather": cfg.pipeline.gather,
@@ -242,11 +244,13 @@ def print_summary(metrics: dict, comm) -> None:
                      + (f" (formula {human_bytes(metrics['activation_theory_bytes'])})"
                         if metrics["activation_theory_bytes"] else ""))
     show = lambda b: "-" if b is None else human_bytes(b)   # noqa: E731  (None: a stage a simulated rank is not)
+    if metrics["comm_bytes_per_step"] is None:
+        print0(comm.mpi, "  one step ran: no steady step was measured, so no bytes per step (they leave out the first)")
     for kind, per in metrics["pp_bytes_per_step"].items():
         print0(comm.mpi, f"  pipeline {kind:22} per stage per step: {', '.join(show(b) for b in per)} "
                          f"(formula {', '.join(show(b) for b in metrics['pp_theory_bytes_per_step'][kind])})")
     if p.get("sp", 1) > 1:
-        print0(comm.mpi, f"  sp all-to-all per rank per step: {human_bytes(metrics['sp_bytes_per_step'])} (formula "
+        print0(comm.mpi, f"  sp all-to-all per rank per step: {show(metrics['sp_bytes_per_step'])} (formula "
                          f"{human_bytes(metrics['sp_theory_bytes_per_step'])}: the micro-batches through this stage's "
                          f"blocks, {3 if metrics['config']['checkpoint_activations'] else 2} passes x 4nC x (K-1)/K "
                          f"x 4 B, K = {p['sp']})")

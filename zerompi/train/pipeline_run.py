@@ -53,7 +53,7 @@ def _run_steps(cfg, job, comm, start: int, stop) -> StepLog:
     saves = Saves(cfg, job.engines, comm.mpi)
     bar = leads(comm) and choose_progress(cfg.progress) == "bar"
     sent = lambda: sum(s.bytes for op, s in comm.stats.items() if op != "sum_scalars")
-    log = StepLog(start, {op: s.bytes for op, s in comm.stats.items()})
+    log = StepLog(start, {op: s.bytes for op, s in comm.stats.items()}, stats=comm.stats)
     keep = min(log.cap, 64)
     log.pp_bytes, log.tp_bytes, log.pp_times = deque(maxlen=log.cap), deque(maxlen=log.cap), deque(maxlen=keep)
     log.sp_bytes = deque(maxlen=log.cap)

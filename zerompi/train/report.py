@@ -78,18 +78,22 @@ def memory_table(measured: Dict[str, int], theory: Dict[str, int], padded: Dict[
 
 
 def comm_table(measured: Dict[str, float], theory: float, stage: int, levels=None, level_theory=None,
-               logical=None) -> str:
-    """Measured bytes sent per rank per step beside the formula; ``levels``: the bytes of a steady
-    step inside the node and across nodes, beside ``level_theory`` (engine/traffic.py)."""
-    lines = ["communication per rank per step: measured vs formula"]
+               logical=None, steady: bool = True) -> str:
+    """Measured bytes sent per rank per step beside the formula: a steady step's (the mean of the steps after
+    the first), or with ``steady`` False the first step's, the only one run; ``levels``: the bytes of a steady
+    step inside the node and across nodes (None: not measured), beside ``level_theory`` (engine/traffic.py)."""
+    lines = ["communication per rank per step: measured (a steady step: the mean of the steps after the first) "
+             "vs formula" if steady else
+             "communication per rank: one step ran, so no steady step was measured; the first step's bytes (it can "
+             "send more than a steady step) vs a steady step's formula"]
     for op, nbytes in measured.items():
         lines.append(f"  {op:16} {human_bytes(nbytes):>14}")
     total = sum(measured.values())
     what = "3Ψ (gather fwd + gather bwd + reduce-scatter), less the buckets kept at turns" if stage == 3 \
         else "2Ψ (reduce-scatter + all-gather)"
     lines.append(f"  {'total':16} {human_bytes(total):>14}   formula {human_bytes(theory)} = {what} × (N-1)/N bytes")
-    if levels is not None:
-        lines.append("  a steady step (the rows above are means over every step run; the first can differ):")
+    if levels is not None and steady:
+        lines.append("  a steady step (the median of the steps after the first):")
         for key, name in (("intra", "inside a node"), ("inter", "across nodes")):
             lines.append(f"  {name:16} {human_bytes(levels[key]):>14}   formula {human_bytes(level_theory[key])}")
     if logical is not None:
@@ -149,9 +153,9 @@ def final_metrics(cfg, engine, comm, log, entropy_floor, placement, activation=(
     engine.guard.at("metrics", step)          # ZEROMPI_FAULT=KIND@rankR:stepS:metrics (engine/faults.py)
     report = engine.memory_report()
     names = list(report["measured"])
-    # A steady step's traffic: the median over steps (the first can differ: stage 3 gathers the next
-    # forward's first buckets at the end of a step); then the maximum over ranks.
-    steady = [int(statistics.median(v)) if v else 0 for v in [log.comm_bytes] + list(zip(*log.level_bytes or [(0, 0, 0)]))]
+    # A steady step's traffic: the median over the steps after the run's first (history.py; -1: one step ran,
+    # none measured), and the first step's bytes; then the maximum over ranks.
+    steady = log.traffic_figures()
     act = -1 if activation[0] is None else activation[0]
     top = np.array([report["measured"][k] for k in names] + [report["peak_buffers"]["bytes"]] + steady + [act], np.int64)
     # The buffer form, not mpi4py's pickled allreduce: that one holds the GIL while it waits
@@ -159,8 +163,8 @@ def final_metrics(cfg, engine, comm, log, entropy_floor, placement, activation=(
     with watched(comm, "final metrics: all-reduce (max) of memory and traffic bytes", step):
         comm.mpi.Allreduce(MPI.IN_PLACE, top, op=MPI.MAX)
     mem = {k: int(v) for k, v in zip(names, top)}
-    peak, traffic, levels = int(top[len(names)]), int(top[len(names) + 1]), [int(v) for v in top[len(names) + 2:-1]]
-    levels, logical, act = levels[:2], levels[2], int(top[-1])
+    peak, act = int(top[len(names)]), int(top[-1])
+    traffic, *levels, logical, first = [None if v < 0 else int(v) for v in top[len(names) + 1:-1]]
     digest, lay = hashlib.sha256(), engine.layout      # the parameters in layout order, no padding, hashed
     engine.synchronize()                                # a bucket at a time: the model is never whole here
     # (not for a simulated world: its stand-ins' slices are mirrors of this rank's, the hash would name no model)
@@ -190,9 +194,11 @@ def final_metrics(cfg, engine, comm, log, entropy_floor, placement, activation=(
         "peak_buffer_bytes": peak,
         "activation_bytes": act if act >= 0 else None,   # the GPT's, measured (max over ranks); null: not measured
         "activation_theory_bytes": activation[1],        # its formula (estimate/activations.py)
-        "comm_bytes_per_step": traffic,
+        "comm_bytes_per_step": traffic,            # a steady step's (the first left out); None: one step ran
+        "comm_bytes_first_step": first,            # the run's first step's (None once no longer kept)
+        "comm_bytes_per_step_by_op": log.steady_per_op(exclude=("sum_scalars",)),   # rank 0's, a steady step's
         "comm_theory_bytes_per_step": engine.comm_theory_bytes(),
-        "comm_bytes_per_step_by_level": dict(zip(("intra", "inter"), levels)),
+        "comm_bytes_per_step_by_level": dict(zip(("intra", "inter"), levels)) if traffic is not None else None,
         "comm_theory_bytes_per_step_by_level": engine.comm_theory_bytes_by_level(),
         "comm_logical_bytes_per_step": logical,    # what the same step would send unquantized (= comm_bytes without)
         "comm_theory_logical_bytes_per_step": sum(engine.comm_theory_bytes_by_level(logical=True).values()),
@@ -247,14 +253,15 @@ def print_summary(metrics: dict, engine, comm, base_bytes: Dict[str, int]) -> No
                          f"held; engine model states {report['measured']['total']:,} + buffers at peak "
                          f"{report['peak_buffers']['bytes']:,} bytes (these include the communicator's "
                          f"host-side scratch: pinned staging buffers on the MPI path)")
-    steps = metrics["steps_run"]
-    per_op = {op: (s.bytes - base_bytes.get(op, 0)) / steps
-              for op, s in sorted(comm.stats.items()) if op != "sum_scalars"}
+    per_op = metrics["comm_bytes_per_step_by_op"]     # None: one step ran, and its bytes are the first step's
+    steady = per_op is not None
+    if not steady:
+        per_op = {op: s.bytes - base_bytes.get(op, 0) for op, s in sorted(comm.stats.items()) if op != "sum_scalars"}
     quantized = z.quantize_weights or z.quantize_grads
     print0(comm.mpi, comm_table(per_op, engine.comm_theory_bytes(), z.stage, metrics["comm_bytes_per_step_by_level"],
                                 metrics["comm_theory_bytes_per_step_by_level"],
                                 (metrics["comm_logical_bytes_per_step"], metrics["comm_theory_logical_bytes_per_step"])
-                                if quantized else None))
+                                if quantized and steady else None, steady))
     checks = metrics["comm_check_bytes"]
     print0(comm.mpi, f"  collective checks (comm/signature.py), not in the rows above: {checks['calls']:,} headers, "
                      f"{human_bytes(checks['bytes'])} over the run (64 bytes to each peer per collective)")

@@ -138,7 +138,7 @@ def _run_steps(cfg: TrainConfig, engine, comm, model, data, floor: Optional[floa
     stand_in = loss_note(cfg)
     bar = leads(comm) and choose_progress(cfg.progress) == "bar"    # auto: a bar only for a person at a terminal
     sent = lambda: sum(s.bytes for op, s in comm.stats.items() if op != "sum_scalars")
-    log = StepLog(start, {op: s.bytes for op, s in comm.stats.items()})   # so far: the initial parameter all-gather
+    log = StepLog(start, {op: s.bytes for op, s in comm.stats.items()}, stats=comm.stats)   # so far: the initial gather
     from .parallel import metered_groups
     groups = metered_groups(engine.mesh)        # TP all-reduces, SP all-to-alls: counted per step, apart
     show = lambda *text, **kw: print0(comm.mpi, *text, **kw)   # noqa: E731  (the printing rank)

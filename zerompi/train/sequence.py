@@ -44,9 +44,9 @@ def metrics(cfg, mesh, model, log) -> dict:
     return {"sequence_parallel": {
         "sp": mesh.sp, "dp": mesh.dp, "tp": mesh.tp, "chunk": cfg.seq_len // mesh.sp,
         "heads_per_rank": cfg.n_head // (mesh.tp * mesh.sp),
-        "bytes_per_step": int(statistics.median(sent)) if sent else 0,
+        "bytes_per_step": log.steady_median(sent),   # the steps after the first; None: one ran
         "theory_bytes_per_step": theory_bytes_per_step(cfg, model, mesh.dp),
-        "seconds_per_step": statistics.median(seconds) if seconds else 0.0}}
+        "seconds_per_step": statistics.median(log.steady(seconds) or seconds or [0.0])}}
 
 
 def summary(metrics: dict, cfg):
@@ -58,7 +58,8 @@ def summary(metrics: dict, cfg):
     c = "C" if sp["tp"] == 1 else "C/tp"
     passes = "3 (forward, its recompute, backward)" if cfg.checkpoint_activations else "2 (forward, backward)"
     step = metrics["step_time_s"]
-    return (f"  {'sp all-to-all':16} {human_bytes(sp['bytes_per_step']):>14}   formula "
+    sent = "- (one step)" if sp["bytes_per_step"] is None else human_bytes(sp["bytes_per_step"])   # None: one ran
+    return (f"  {'sp all-to-all':16} {sent:>14}   formula "
             f"{human_bytes(sp['theory_bytes_per_step'])} = {cfg.zero.micro_batches} micro-batches x {cfg.n_layer} "
             f"blocks x {passes} x 4n{c} x (K-1)/K x 4 B (K={sp['sp']}, n = rows·T/K = rows·{sp['chunk']}; "
             f"{sp['seconds_per_step'] * 1e3:.1f} ms/step, median, of a {step * 1e3:.1f} ms step); attention: "

@@ -104,13 +104,16 @@ def metrics(cfg, engines, comm, log, base: dict) -> dict:
     the step loop's, whose base_bytes are not steps')."""
     from ..comm.simulated import RULE
     est = estimate_rows(engines)
-    steps = max(1, log.steps_run)
-    by_op = {op: {"bytes": (s.bytes - log.base_bytes.get(op, 0)) / steps, "calls": s.calls}
+    steady, first = log.steady_per_op() or {}, log.first_per_op() or {}
+    by_op = {op: {"bytes": steady.get(op), "first_step_bytes": first.get(op), "calls": s.calls}
              for op, s in sorted(comm.stats.items())}
     return {"simulated": {
         "world_size": cfg.simulate_world, "rank": cfg.simulate_rank, "rule": RULE,
         "peak_rss_bytes": peak_rss_bytes(),
-        "comm_by_op": by_op,          # bytes: a mean over the steps run; calls: every one, the start's included
+        # steps whose stand-in gradients were not finite, applied with zero gradients (engine/step.py), not skipped
+        "stand_in_overflows": max(e.stand_in_overflows for e in engines),
+        "comm_by_op": by_op,          # bytes: a steady step's, the mean of the steps after the first (None: one
+                                      # step ran); first_step_bytes: the first's; calls: every one, the start's too
         "estimate": est,
         "measured": {"model_state_bytes": base["memory_bytes"]["total"], "buffer_bytes": base["peak_buffer_bytes"],
                      "activation_bytes": base["activation_bytes"], "comm_bytes_per_step": base["comm_bytes_per_step"]},
@@ -133,4 +136,8 @@ def summary(m: dict) -> str:
              "measured beside zerompi.estimate for the same flags",
              f"  {'':14} {'measured':>12}   estimate"]
     lines += [f"  {name:14} {human_bytes(v):>12}   {text}" for name, v, text in rows]
+    if sim["stand_in_overflows"]:
+        lines.append(f"  {sim['stand_in_overflows']} step(s) had stand-in gradients that were not finite (the mirrored "
+                     "values, no real run's): applied with zero gradients, not skipped, so their traffic is the "
+                     "real job's")
     return "\n".join(lines)

@@ -42,9 +42,9 @@ def metrics(cfg, engine, model, log, base: dict) -> dict:
     return {"final_params_sha256": whole,
             "tensor_parallel": {"tp": mesh.tp, "dp": mesh.dp, "params_total": full,
                                 "params_local": engine.layout.params_numel,
-                                "bytes_per_step": int(statistics.median(tp_bytes)) if tp_bytes else 0,
+                                "bytes_per_step": log.steady_median(tp_bytes),   # after the first step; None: one ran
                                 "theory_bytes_per_step": theory_bytes_per_step(cfg, model, mesh.dp),
-                                "seconds_per_step": statistics.median(tp_seconds) if tp_seconds else 0.0}}
+                                "seconds_per_step": statistics.median(log.steady(tp_seconds) or tp_seconds or [0.0])}}
 
 
 def summary(metrics: dict, cfg) -> str:
@@ -54,7 +54,8 @@ def summary(metrics: dict, cfg) -> str:
     if tp is None:
         return None
     blocks = f"4 x {cfg.n_layer} blocks" if cfg.model == "gpt" else f"{cfg.depth - 1} layers"
-    return (f"  {'tp all-reduce':16} {human_bytes(tp['bytes_per_step']):>14}   formula "
+    sent = "- (one step)" if tp["bytes_per_step"] is None else human_bytes(tp["bytes_per_step"])   # None: one ran
+    return (f"  {'tp all-reduce':16} {sent:>14}   formula "
             f"{human_bytes(tp['theory_bytes_per_step'])} = {cfg.zero.micro_batches} micro-batches x {blocks} x "
             f"2(K-1)/K x rows·{'T·d_model' if cfg.model == 'gpt' else 'width'} x 4 B (K={tp['tp']}; "
             f"{tp['seconds_per_step'] * 1e3:.1f} ms/step, median); model states: {tp['params_local']:,} of "
