@@ -154,6 +154,10 @@ class GradientGuard:
         if self._due(point, step):
             fire(self.fault, self.stand_ins)
 
+    def injected_nan(self, step: int) -> bool:
+        """This rank's injected fault made step ``step``'s gradients NaN (a real run's error, never a stand-in's)."""
+        return self._due("backward", step) and self.fault.kind == "nan"
+
     def _due(self, point: str, step: int) -> bool:
         f = self.fault
         return f is not None and f.point == point and f.step == step
