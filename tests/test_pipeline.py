@@ -115,4 +115,4 @@ def test_dp_x_tp_x_pp_gives_the_bits_of_dp_x_tp(dp_pp, dp_tp_pp):
         ref = dp_pp[key(GPT + FP32 + ["--stage", s, "--tp", "2"])]
         assert same(run, ref), flags
         assert run["pipeline"] == run["pipeline"] | {"pp": 2, "dp": 2, "tp": 2}
-        assert run["tp_bytes_per_step"] > 0
+        assert run["tensor_parallel"]["bytes_per_step"] > 0   # the one schema's TP entry
