@@ -78,7 +78,8 @@ class SingleJob:
             for layer in bucket.layers:
                 for name in lay.layer_params[layer]:
                     pr = lay.params[name]
-                    digest.update(np.ascontiguousarray(values[pr.bucket_offset:pr.bucket_offset + pr.numel], "<f4").data)
+                    part = values[pr.bucket_offset:pr.bucket_offset + pr.numel]
+                    digest.update(np.ascontiguousarray(part, "<f4").data)
         digest = digest.hexdigest()
         if self.mesh is not None and self.mesh.tp > 1:
             digest = hashlib.sha256("".join(self.mesh.tp_mpi.allgather(digest)).encode()).hexdigest()

@@ -98,7 +98,7 @@ def comm_table(measured: Dict[str, float], theory: float, stage: int, levels=Non
 
 
 def print_banner(cfg, job, comm, placement) -> None:
-    """The train run's start-up lines (rank 0): job (its pipeline), MPI and buffers, layout; the GPT's shape and data."""
+    """The train run's start-up lines (rank 0): the job (its pipeline), MPI and buffers, layout; the GPT's shape."""
     engine, data = next(iter(job.engines)), job.data
     if job.pipelined:
         for line in job.banner():
@@ -187,10 +187,14 @@ def final_metrics(cfg, job, comm, log, placement) -> dict:
     reports = [e.memory_report() for e in engines]
     measured = _summed(r["measured"] for r in reports)
     names = list(measured)
-    steady = [int(statistics.median(v)) if v else 0 for v in [log.comm_bytes] + list(zip(*log.level_bytes or [(0, 0, 0)]))]
+    # A steady step's traffic: the median over the kept steps but the first (stage 3 gathers the next forward's
+    # first buckets at the end of a step, which the first step did not find), then the maximum over ranks.
+    steady = [int(statistics.median(list(v)[1:] or v)) if v else 0
+              for v in [log.comm_bytes] + list(zip(*log.level_bytes or [(0, 0, 0)]))]
     activation = job.activations()
     groups = {name: log.group_series(name)[0] for name in ("tp", "sp")}
-    theories = (activation[1], job.tp_theory() if cfg.zero.tp > 1 else None, job.sp_theory() if cfg.zero.sp > 1 else None)
+    theories = (activation[1], job.tp_theory() if cfg.zero.tp > 1 else None,
+                job.sp_theory() if cfg.zero.sp > 1 else None)
     extra = [-1 if activation[0] is None else activation[0], sum(most_zero_bytes(e) for e in engines)] \
         + [int(statistics.median(v)) if v else 0 for v in groups.values()] + [-1 if t is None else t for t in theories]
     theory, padded = (_summed(r[key] for r in reports) for key in ("theory", "theory_padded"))   # this rank's
@@ -248,7 +252,8 @@ def final_metrics(cfg, job, comm, log, placement) -> dict:
         "quantization": {"weights": cfg.zero.quantize_weights, "grads": cfg.zero.quantize_grads,
                          "block": cfg.zero.quant_block},
         "tensor_parallel": None if cfg.zero.tp == 1 else {
-            "tp": mesh.tp, "dp": mesh.dp, "params_total": params, "params_local": sum(e.layout.params_numel for e in engines),
+            "tp": mesh.tp, "dp": mesh.dp, "params_total": params,
+            "params_local": sum(e.layout.params_numel for e in engines),
             "bytes_per_step": tp_bytes, "theory_bytes_per_step": known(tp_theory),
             "seconds_per_step": _median(log.group_series("tp")[1])},
         "sequence_parallel": None if cfg.zero.sp == 1 else {
