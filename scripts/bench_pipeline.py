@@ -5,7 +5,7 @@
 
 For each mesh, each schedule (gpipe, 1f1b, interleaved with 2 chunks per stage, zb-h1) and m = 4 and 8
 micro-batches, one zerompi.train run (fp32, stage 1; every run of a mesh in one mpiexec launch): the
-median step time, the bubble measured from the actions' timers (train/pipeline_report.py) beside the
+median step time, the bubble measured from the actions' timers (zerompi/pipeline/measure.py) beside the
 simulator's on the measured costs and on equal costs, activation and model-state bytes per rank (the
 largest), and the bytes per step by kind (point-to-point per stage, ZeRO's data-parallel, TP's). Then,
 on pp 2 x dp N/2, stage 3 against stage 1 with 1F1B, m = 8 (model states per rank: what sharding the
@@ -76,7 +76,7 @@ def summarize(row, m) -> dict:
         "peak_buffer_bytes": m["peak_buffer_bytes"], "zero_theory_bytes_per_step": m["comm_theory_bytes_per_step"],
         "zero_most_bytes_per_step": m["comm_most_bytes_per_step"],
         "pp_bytes_per_step": m["pp_bytes_per_step"], "pp_theory_bytes_per_step": m["pp_theory_bytes_per_step"],
-        "zero_bytes_per_step": m["comm_bytes_per_step"], "tp_bytes_per_step": m["tp_bytes_per_step"],
+        "zero_bytes_per_step": m["comm_bytes_per_step"], "tp_bytes_per_step": (m["tensor_parallel"] or {}).get("bytes_per_step", 0),
         "params": m["params"], "costs_s": m["pipeline"]["costs_s"]}
 
 

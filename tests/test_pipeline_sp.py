@@ -44,7 +44,8 @@ def test_sequence_parallel_stages_give_the_bits_of_sp_alone(runs, name, stage, p
         assert run["steps_applied"] < 5                 # some steps were skipped, the same ones
     assert (run["pipeline"]["pp"], run["pipeline"]["sp"], run["pipeline"]["dp"]) == (2, 2, 1)
     assert run["activation_bytes"] == run["activation_theory_bytes"]
-    assert run["sp_bytes_per_step"] == run["sp_theory_bytes_per_step"] > 0
+    sp = run["sequence_parallel"]                # the one schema: the SP facts where an unpipelined run has them
+    assert sp["bytes_per_step"] == sp["theory_bytes_per_step"] > 0
     assert run["pp_bytes_per_step"] == run["pp_theory_bytes_per_step"]
     assert len(run["pp_bytes_per_step"]["activations"]) == 2          # one entry per stage
 
@@ -58,7 +59,7 @@ def test_data_and_sequence_parallel_stages_on_eight_ranks():
     piped = launch(8, [f + ["--pp", "2"] for f in flags], timeout=900)
     for ref, run in zip(refs, piped):
         assert same(run, ref), (run["losses"], ref["losses"])
-        assert run["sp_bytes_per_step"] == run["sp_theory_bytes_per_step"] > 0
+        assert run["sequence_parallel"]["bytes_per_step"] == run["sequence_parallel"]["theory_bytes_per_step"] > 0
         assert run["pp_bytes_per_step"] == run["pp_theory_bytes_per_step"]
     assert piped[0]["pipeline"]["dp"] == 2 and piped[1]["pipeline"]["tp"] == 2
 

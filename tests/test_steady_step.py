@@ -60,10 +60,11 @@ def test_pipelined_steady_step_leaves_out_the_first(tmp_path, extra):
     one, said = _run(tmp_path, 1, *flags)
     assert one["comm_bytes_per_step"] is None and "no steady step was measured" in said
     if extra:
-        assert one["sp_bytes_per_step"] is None
+        assert one["sequence_parallel"]["bytes_per_step"] is None
     two, three = _run(tmp_path, 2, *flags)[0], _run(tmp_path, 3, *flags)[0]
     assert two["comm_bytes_per_step"] == three["comm_bytes_per_step"] < one["simulated"]["comm_by_op"]["all_gather"][
         "first_step_bytes"] + one["simulated"]["comm_by_op"]["reduce_scatter"]["first_step_bytes"]
     assert two["pp_bytes_per_step"] == three["pp_bytes_per_step"] == one["pp_theory_bytes_per_step"]
     if extra:
-        assert two["sp_bytes_per_step"] == two["sp_theory_bytes_per_step"]
+        sp = two["sequence_parallel"]
+        assert sp["bytes_per_step"] == sp["theory_bytes_per_step"]

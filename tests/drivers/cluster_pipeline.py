@@ -8,7 +8,7 @@ synchronized, a barrier), over which every rank's counters of bytes to peers on 
 the pipeline's messages by kind (comm/p2p.py) and ZeRO's collectives (the loss sums included) -- and,
 with LINK (the emulated cluster's ``eth0``), the first rank of each node reads that interface's byte
 counters. Rank 0 prints one JSON line: the losses, the model's digest, the schedule's bytes per step of
-each rank (pipeline_report.message_theory), and the counters per rank and per node.
+each rank (PipelineJob.message_theory), and the counters per rank and per node.
 """
 import json
 import sys
@@ -20,7 +20,6 @@ from zerompi.errors import install_abort_hook
 from zerompi.pipeline.digest import model_digest
 from zerompi.train.config import parse_config
 from zerompi.train.pipeline import PipelineJob
-from zerompi.train.pipeline_report import message_theory
 from zerompi.train.run import build_model
 
 install_abort_hook()
@@ -49,14 +48,14 @@ def sent():
 
 
 losses = []
-_, first, _ = job.train_step(0)
+_, first, _ = job.step_once(0)
 job.reduce_loss(first)
 quiet()
 pp0, zero0 = sent()
 wire0 = counters()
 comm.mpi.Barrier()                     # no rank sends before every node's counters were read
 for step in range(1, 1 + steps):
-    _, mine, _ = job.train_step(step)
+    _, mine, _ = job.step_once(step)
     losses.append(job.reduce_loss(mine)[0])
 quiet()
 pp1, zero1 = sent()
@@ -64,7 +63,7 @@ wire = [b - a for a, b in zip(wire0, counters())]
 node = mesh.node_of(comm.rank)
 first_of_node = all(mesh.node_of(r) != node for r in range(comm.rank))
 row = {"rank": comm.rank, "node": node, "stage": mesh.pp_rank, "pp_inter": {k: v - pp0.get(k, 0) for k, v in pp1.items()},
-       "zero_inter": zero1 - zero0, "theory": message_theory(job), "link": wire if first_of_node else None}
+       "zero_inter": zero1 - zero0, "theory": job.message_theory(), "link": wire if first_of_node else None}
 rows = comm.mpi.gather(row)
 digest = model_digest(job.engines.engines, job.schedule, mesh)
 digest = comm.mpi.bcast(digest, root=0)

@@ -38,7 +38,7 @@ def run(world, flags) -> dict:
     cfg.check_world(comm.size)
     job = PipelineJob(cfg, comm, build_model)
     for step in range(2):
-        _, losses, _ = job.train_step(step)
+        _, losses, _ = job.step_once(step)
         job.reduce_loss(losses)
     mesh = job.mesh
     out = {"chunks": {str(c): [e.memory_report()["measured"], e.memory_report()["peak_buffers"]["bytes"]]

@@ -10,12 +10,35 @@ from .stages import DEFAULT_PREFETCH, estimate
 
 
 def run_estimate(metrics: dict, **overrides) -> dict:
-    """The estimate for the configuration of a train run (its --metrics-json output)."""
+    """The estimate for the configuration of a train run (its --metrics-json output); of a pipelined run, for
+    the rank of its largest stage (whose memory the run's maxima over ranks are): the sum of the estimates of
+    the stage's chunks, each an ordinary ZeRO engine over the stage's data-parallel (x SP) ranks."""
+    pipe = metrics.get("pipeline")
+    if pipe:
+        from .stages import sum_rows
+        stages = {}
+        for c, (st, n) in enumerate(zip(pipe["stage_of_chunk"], pipe["chunk_params"])):
+            if n is not None:
+                stages.setdefault(st, []).append(n)
+        depth = metrics.get("config", {}).get("depth") if metrics["model"] == "mlp" else None
+        ests = {st: [_one_estimate(metrics, n, pipe["dp"] * pipe["sp"], depth and depth // len(pipe["chunk_params"]),
+                                   overrides) for n in ns] for st, ns in stages.items()}
+        rows = {st: sum_rows([e["stages"][metrics["stage"]] for e in es], "chunks") for st, es in ests.items()}
+        stage = max(rows, key=lambda st: rows[st]["model_state_bytes"])
+        est = dict(ests[stage][0])
+        est["stages"] = list(est["stages"])
+        est["stages"][metrics["stage"]] = rows[stage]
+        est["pipeline_stage"] = stage
+        return est
+    return _one_estimate(metrics, metrics["params"], metrics["world_size"], None, overrides)
+
+
+def _one_estimate(metrics: dict, params: int, ranks: int, layers, overrides: dict) -> dict:
     cfg = metrics.get("config", {})
     zero = cfg.get("zero", {})
     # The MLP's blocks are equal, so --layers depth reproduces its layout exactly.
-    layers = cfg.get("depth") if cfg.get("model") == "mlp" else None
-    kwargs = dict(params=metrics["params"], ranks=metrics["world_size"], dtype=metrics["dtype"],
+    layers = layers or (cfg.get("depth") if cfg.get("model") == "mlp" else None)
+    kwargs = dict(params=params, ranks=ranks, dtype=metrics["dtype"],
                   bucket_mb=zero.get("bucket_mb", ZeroConfig.bucket_mb), layers=layers,
                   micro_batches=zero.get("micro_batches", 1), prefetch=zero.get("prefetch", DEFAULT_PREFETCH),
                   overlap=zero.get("overlap", True), align=zero.get("align", ZeroConfig.align))
@@ -24,8 +47,7 @@ def run_estimate(metrics: dict, **overrides) -> dict:
                   quantize_grads=quant.get("grads", zero.get("quantize_grads")),
                   quant_block=quant.get("block", zero.get("quant_block", DEFAULT_BLOCK)))
     topo = metrics.get("topology") or {}
-    if topo.get("node_size", metrics["world_size"]) < metrics["world_size"] or \
-            topo.get("shard_size", metrics["world_size"]) < metrics["world_size"]:    # nodes or shard groups
+    if topo.get("node_size", ranks) < ranks or topo.get("shard_size", ranks) < ranks:    # nodes or shard groups
         kwargs.update(node_size=topo["node_size"], shard_size=topo["shard_size"], hpz=bool(topo.get("hpz")))
     kwargs.update(overrides)
     return estimate(**kwargs)
@@ -69,12 +91,15 @@ def compare_run(est: dict, metrics: dict) -> dict:
             measured[f"comm_{lvl}_bytes_per_step"] = levels[lvl]
             estimated[f"comm_{lvl}_bytes_per_step"] = row["comm_bytes_per_step_by_level"][lvl]
     best = {"buffer_bytes": row["buffer_bytes_best_case"], "total_bytes": row["total_bytes_best_case"]}
-    return {"stage": metrics["stage"], "measured": measured, "estimate": estimated,
+    return {"stage": metrics["stage"], "pipeline_stage": est.get("pipeline_stage"), "measured": measured, "estimate": estimated,
             "estimate_best_case": best, "estimate_one_in_flight": best}   # the latter: its name before the cap
 
 
 def format_compare(cmp: dict, est: dict) -> str:
-    lines = [f"measured in the run (stage {cmp['stage']}) beside the estimate for its configuration, bytes per rank",
+    where = "" if cmp.get("pipeline_stage") is None else \
+        f", of a rank of pipeline stage {cmp['pipeline_stage']} (its largest: the run's numbers are maxima over ranks)"
+    lines = [f"measured in the run (stage {cmp['stage']}) beside the estimate for its configuration{where}, "
+             "bytes per rank",
              f"  {'':26}{'measured':>14}{'estimate':>14}{'difference':>12}{'best case':>14}"]
     for key, m in cmp["measured"].items():
         e = cmp["estimate"][key]

@@ -6,9 +6,12 @@ c mod P, one ZeroEngine per chunk over that stage's data-parallel group. Each st
 actions run (zerompi/pipeline/executor.py), then every chunk's engine takes the step decided over the
 whole mesh (pipeline/step.py). The loss of a step is the last stage's, summed over the mesh with the
 other stages' zeros, in world rank order: the same sum, the same bits as without --pp. What is printed
-and measured at the end is train/pipeline_report.py's.
+and measured at the end is train/report.py's, as for every run; the pipeline's own facts are pipeline_metrics'.
 """
 import os
+import statistics
+import time
+from collections import deque
 from fnmatch import fnmatchcase
 from types import SimpleNamespace
 from typing import Dict
@@ -71,7 +74,10 @@ def load_schedule(cfg):
 
 class PipelineJob:
     """This rank's part of a pipelined run: mesh, schedule, chunk runners, engines, executor. ``build(cfg, xp,
-    mesh)``: the model and data (train/run.py's build_model; the mesh when the blocks are split over TP)."""
+    mesh)``: the model and data (train/run.py's build_model; the mesh when the blocks are split over TP).
+    One of the two strategies of train/run.py's step loop (the other: train/job.py's SingleJob)."""
+
+    pipelined = True
 
     def __init__(self, cfg, comm, build, xp=np):
         from ..comm.mesh import Mesh
@@ -133,9 +139,47 @@ class PipelineJob:
         return engine
 
     # ---- one step ------------------------------------------------------------------------------------
-    def train_step(self, step: int):
-        """The schedule's actions, then the step over the mesh; returns (StepResult, this rank's micro-batch
-        losses or None where it holds no last chunk, the executor's action times)."""
+    @property
+    def checkpoints(self):
+        """What saves and loads the run's checkpoints (DIR/pp{c}-of-{C}/ per chunk: pipeline/engines.py)."""
+        return self.engines
+
+    @property
+    def computes_loss(self) -> bool:
+        return self.schedule.chunks - 1 in self.runners    # a stage without the last chunk computes no loss
+
+    def begin(self, log) -> None:
+        """Before the first step: the log's pipeline series, and the clock aligned over the mesh (a collective)."""
+        from ..comm.watchdog import watched
+        from ..engine.trace import align_clocks
+        from .parallel import metered_groups
+        log.pp_bytes, log.pp_times = deque(maxlen=log.cap), deque(maxlen=min(log.cap, 64))
+        log.pp_msgs = deque(maxlen=self.cfg.zero.trace_steps)     # --trace: each kept step's messages
+        self.groups = metered_groups(self.mesh)
+        with watched(self.comm, "pipeline: aligning the clocks"):
+            self.offset = align_clocks(self.comm, time.perf_counter)[0]
+
+    def train_step(self, step: int, log):
+        """The schedule's actions, then the step over the mesh, measured into ``log`` (the bytes of each kind of
+        message, the TP and SP groups', the actions' times); returns (StepResult, this rank's micro-batch
+        losses or None where it holds no last chunk)."""
+        pc, offset = self.mesh.pp_comm, self.offset
+        p0 = {k: s.bytes for k, s in pc.stats.items()}
+        g0 = {name: (c.bytes_sent(), c.seconds()) for name, c in self.groups.items()}
+        pc.events = [] if self.cfg.zero.trace else None
+        result, losses, times = self.step_once(step)
+        if pc.events is not None:
+            log.pp_msgs.append([(k, sd, peer, n, t0 + offset, t1 + offset) for k, sd, peer, n, t0, t1 in pc.events])
+            pc.events = None
+        log.pp_bytes.append({k: s.bytes - p0.get(k, 0) for k, s in pc.stats.items()})
+        for name, c in self.groups.items():
+            log.record_group(name, c.bytes_sent() - g0[name][0], c.seconds() - g0[name][1])
+        log.pp_times.append([(a.action, a.start + offset, a.ready + offset, a.end + offset) for a in times])
+        return result, losses
+
+    def step_once(self, step: int):
+        """The schedule's actions, then the step over the mesh, unmeasured: (StepResult, this rank's micro-batch
+        losses or None, the executor's action times)."""
         times = self.executor.run(step)
         result = self.engines.step()
         last = self.runners.get(self.schedule.chunks - 1)
@@ -151,6 +195,130 @@ class PipelineJob:
         if simulated(self.comm):                 # the stand-ins' sum is N copies of this rank's: its own instead
             return float(mine), total[1]
         return float(total[0] / (self.comm.size // self.mesh.pp)), total[1]
+
+    def validation_loss(self):
+        """data.HeldOut: the held-out loss through the pipeline and its rows (a collective over the mesh)."""
+        return validation_loss(self)
+
+    # ---- the facts of the final metrics (collectives over the mesh) ----------------------------------
+    def params_total(self) -> int:
+        """Ψ of the whole model: every chunk's parameters once (a TP-split one at its full size)."""
+        from ..comm.watchdog import watched
+        from ..engine.lazy import Piece
+        mesh = self.mesh
+        if simulated(self.comm):                  # a simulated rank knows its own stage only: from the rules
+            return sum((a.whole if isinstance(a, Piece) else a).size for _, params in self.model.lazy_layers()
+                       for a in params.values())
+        mine = 0
+        if mesh.dp_rank == mesh.sp_rank == mesh.tp_rank == 0:
+            for e in self.engines:
+                split = e.tp.split if e.tp else {}
+                mine += sum(pr.numel * (mesh.tp if name in split else 1) for name, pr in e.layout.params.items())
+        with watched(self.comm, "final metrics: the model's size"):
+            return int(sum(self.comm.mpi.allgather(mine)))
+
+    def digest(self):
+        """The whole model's sha256 in model order (pipeline/digest.py), on every rank; None when simulated."""
+        import hashlib
+        from ..comm.watchdog import watched
+        from ..pipeline.digest import model_digest
+        mesh = self.mesh
+        if simulated(self.comm):
+            return None
+        digest = model_digest(self.engines.engines, self.schedule, mesh)
+        if mesh.tp > 1 and mesh.pp_rank == 0 and mesh.dp_rank == 0:
+            digest = hashlib.sha256("".join(mesh.tp_mpi.allgather(digest)).encode()).hexdigest()
+        with watched(self.comm, "final metrics: the model's digest"):
+            return self.comm.mpi.bcast(digest, root=0)
+
+    def activations(self):
+        """(measured, formula) activation bytes of this rank: the GPT's on its C kernels (every chunk's pools),
+        beside its micro-batches in flight per chunk x what each holds (estimate/activations.py); else Nones."""
+        from ..estimate.activations import gpt_chunks_activation_bytes
+        from ..pipeline.simulate import in_flight
+        from .models.chunks import pools_peak_bytes
+        cfg, m, s = self.cfg, self.model, self.schedule
+        if cfg.model != "gpt" or m.layers.name != "c":
+            return None, None
+        act = pools_peak_bytes([r.pool for r in self.runners.values() if getattr(r, "pool", None) is not None])
+        rows = cfg.batch // self.mesh.dp // cfg.zero.micro_batches
+        return act, gpt_chunks_activation_bytes(in_flight(s, self.mesh.pp_rank), s.chunks, rows, cfg.seq_len,
+                                                cfg.d_model, cfg.n_layer, cfg.n_head, m.vocab, s.split_backward,
+                                                self.mesh.sp, cfg.checkpoint_activations, np.dtype(m.dtype).itemsize)
+
+    def tp_theory(self):
+        return None                               # not derived per stage yet
+
+    def sp_theory(self) -> int:
+        """The SP all-to-all bytes this rank sends per step: the micro-batches through its chunks' blocks."""
+        from ..estimate.sequence import all_to_all_bytes
+        cfg, mesh = self.cfg, self.mesh
+        rows = cfg.batch // mesh.dp // cfg.zero.micro_batches
+        blocks = len(self.runners) * (cfg.n_layer // self.schedule.chunks)
+        return cfg.zero.micro_batches * all_to_all_bytes(blocks, rows, cfg.seq_len // mesh.sp, cfg.d_model // mesh.tp,
+                                                         mesh.sp, recompute=cfg.checkpoint_activations)
+
+    def message_theory(self) -> Dict[str, int]:
+        """Bytes this rank sends per step by kind of message, from its schedule and the messages' sizes."""
+        from ..pipeline.measure import message_bytes
+        gpt = self.cfg.model == "gpt"
+        return message_bytes(self.schedule, self.mesh.pp_rank, self.runners, self.tie() if gpt else None,
+                             self.model.vocab * self.model.d_model if gpt else 0)
+
+    def pipeline_metrics(self, log) -> dict:
+        """The pipeline's entries of the metrics (pipeline/measure.py; per-stage lists hold None for the stages a
+        simulated rank is not, and the bubble, which needs every stage, is None there)."""
+        from ..comm.watchdog import watched
+        from ..pipeline import measure, simulate
+        cfg, mesh, s, comm = self.cfg, self.mesh, self.schedule, self.comm
+        theory = self.message_theory()
+        kinds = sorted({k for step in log.pp_bytes for k in step} | set(theory))
+        mine = ([log.steady_median([step.get(k, 0) for step in log.pp_bytes]) for k in kinds],   # None: one step
+                [theory.get(k, 0) for k in kinds])
+        with watched(comm, "final metrics: the messages of each stage"):
+            everyone = comm.mpi.allgather(mine)
+        coords = [mesh.coords(r) for r in range(comm.size)]
+        firsts = [r for r in range(comm.size) if coords[r]["dp"] == coords[r]["sp"] == coords[r]["tp"] == 0]
+        alone = simulated(comm)
+        known = (lambda i: i == mesh.pp_rank) if alone else (lambda i: True)   # noqa: E731
+        per_stage = lambda j: {k: [everyone[r][j][i] if known(st) else None for st, r in enumerate(firsts)]  # noqa: E731
+                               for i, k in enumerate(kinds)}
+        mine = {c: e.layout.params_numel for c, e in self.engines.engines.items()} \
+            if mesh.dp_rank == mesh.sp_rank == mesh.tp_rank == 0 else {}
+        with watched(comm, "final metrics: each chunk's size"):
+            sizes = {c: n for table in comm.mpi.allgather(mine) for c, n in table.items()}
+        bubbles = [] if alone else measure.bubble(log.pp_times, mesh, comm)
+        costs = measure.costs(log.pp_times, comm)
+        sim = simulate.run(s, lambda a: costs.get((a.kind, a.chunk), 0.0)) if costs and not alone else None
+        unit = simulate.run(s)
+        return {
+            "pipeline": {"pp": mesh.pp, "dp": mesh.dp, "sp": mesh.sp, "tp": mesh.tp, "schedule": s.name,
+                         "chunks": s.chunks, "micro_batches": s.micro_batches, "split_backward": s.split_backward,
+                         "grad_reduce": cfg.pipeline.grad_reduce, "gather": cfg.pipeline.gather,
+                         "stage_of_chunk": [self.where[c] for c in range(s.chunks)],   # Ψ of each chunk on its
+                         "chunk_params": [sizes.get(c) for c in range(s.chunks)],     # ranks (a TP piece; None:
+                                                                                      # a simulated rank's other)
+                         "costs_s": {f"{k}{c}": v for (k, c), v in sorted(costs.items())},
+                         "bubble_fraction_per_step": bubbles},
+            "bubble_fraction": statistics.median(bubbles) if bubbles else None,
+            "bubble_fraction_schedule": sim.bubble_fraction if sim is not None else None,
+            "bubble_fraction_unit": unit.bubble_fraction, "peak_activations_schedule": unit.peak_activations,
+            "pp_bytes_per_step": per_stage(0), "pp_theory_bytes_per_step": per_stage(1)}
+
+    def banner(self) -> list:
+        m, s, z = self.mesh, self.schedule, self.cfg.zero
+        return [f"zerompi: {self.comm.size} ranks, stage {z.stage}, dtype {z.dtype}, model {self.cfg.model}; "
+                f"pipeline: {m.describe()}",
+                f"  schedule {s.name}: {s.chunks} model chunks ({s.chunks // m.pp} per stage), {s.micro_batches} "
+                f"micro-batches, backward {'split into B and W' if s.split_backward else 'whole'}; gradients reduced "
+                f"per {self.cfg.pipeline.grad_reduce}" + (f", stage-3 gathers per {self.cfg.pipeline.gather}"
+                                                           if z.stage == 3 else "")]
+
+    def write_trace(self, log):
+        """--trace: a collective; rank 0 writes the ranks' timeline (its one line when that failed)."""
+        from ..pipeline.trace import write_trace
+        k = len(log.pp_msgs)
+        return write_trace(self.cfg.zero.trace, self, list(log.pp_times)[-k:] if k else [], list(log.pp_msgs))
 
     def close(self) -> None:
         self.engines.close()                      # each engine removes its offload files ...

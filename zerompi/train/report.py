@@ -1,6 +1,5 @@
 """What rank 0 prints (the start-up banner, the progress bar, the final tables) and the
 train run's final metrics, the dict that --metrics-json writes."""
-import hashlib
 import statistics
 import sys
 from dataclasses import fields
@@ -102,8 +101,25 @@ def comm_table(measured: Dict[str, float], theory: float, stage: int, levels=Non
     return "\n".join(lines)
 
 
-def print_banner(cfg, engine, comm, placement, data) -> None:
-    """The train run's start-up lines (rank 0): job, MPI and buffers, layout; the GPT's shape and data."""
+def print_banner(cfg, job, comm, placement) -> None:
+    """The train run's start-up lines (rank 0): the job (its pipeline), MPI and buffers, layout; the GPT's shape."""
+    engine, data = next(iter(job.engines)), job.data
+    if job.pipelined:
+        for line in job.banner():
+            print0(comm.mpi, line)
+    else:
+        _engine_banner(cfg, engine, comm, placement)
+    if cfg.model != "gpt":
+        return
+    print0(comm.mpi, f"  GPT: n_layer {cfg.n_layer}, n_head {cfg.n_head}, d_model {cfg.d_model}, vocab "
+                     f"{data.vocab}, {cfg.batch} sequences x {cfg.seq_len} tokens = {cfg.batch * cfg.seq_len:,} "
+                     f"tokens/step; data: {data.source}")
+    if data.entropy_floor is not None:
+        print0(comm.mpi, f"  entropy floor {data.entropy_floor:.4f} nats/token: the lowest expected loss any model "
+                         f"can reach on this corpus (uniform guessing: {np.log(data.vocab):.4f})")
+
+
+def _engine_banner(cfg, engine, comm, placement) -> None:
     z, lay = cfg.zero, engine.layout
     print0(comm.mpi, f"zerompi: {comm.size} ranks, stage {z.stage}, Ψ={lay.params_numel:,} parameters, "
                      f"dtype {z.dtype}, model {cfg.model}")
@@ -117,14 +133,6 @@ def print_banner(cfg, engine, comm, placement, data) -> None:
     peers = engine.watchdog.peers
     hosts = hosts_line(peers.table) if peers is not None else ""    # where the ranks run (MPI's hosts)
     print0(comm.mpi, f"  topology: {engine.topology.describe()}{f' ({hosts})' if hosts else ''}{two}{hpz}")
-    if cfg.model != "gpt":
-        return
-    print0(comm.mpi, f"  GPT: n_layer {cfg.n_layer}, n_head {cfg.n_head}, d_model {cfg.d_model}, vocab "
-                     f"{data.vocab}, {cfg.batch} sequences x {cfg.seq_len} tokens = {cfg.batch * cfg.seq_len:,} "
-                     f"tokens/step; data: {data.source}")
-    if data.entropy_floor is not None:
-        print0(comm.mpi, f"  entropy floor {data.entropy_floor:.4f} nats/token: the lowest expected loss any model "
-                         f"can reach on this corpus (uniform guessing: {np.log(data.vocab):.4f})")
 
 
 def activations(cfg, model, world_size: int) -> Tuple[Optional[int], Optional[int]]:
@@ -141,76 +149,129 @@ def activations(cfg, model, world_size: int) -> Tuple[Optional[int], Optional[in
     return measured, theory["total"]
 
 
-def final_metrics(cfg, engine, comm, log, entropy_floor, placement, activation=(None, None)) -> dict:
-    """The train run's metrics, keys in the order the JSON has them (rank 0's dict is the one written).
+def _summed(dicts):
+    """Per key, the sum of the dicts' numbers (nested dicts summed alike): a rank's facts over its engines."""
+    out = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = _summed([out.get(k, {}), v]) if isinstance(v, dict) else out.get(k, 0) + v
+    return out
 
-    A collective (one all-reduce, timed by the engine's watchdog): call it before
-    ``engine.close()``. Memory and traffic bytes are maxima over ranks; times are this
-    rank's clock. ``log`` is the step loop's record (train.StepLog); ``entropy_floor`` in
-    nats/token, None for the MLP and for --data; ``activation``: activations()'s pair.
+
+def peak_buffer_bytes(engines) -> int:
+    """The transient bytes this rank's engines hold at most: each one's buffers at their peak, and the receive
+    scratch of the communicators they share counted once (a pipeline stage's chunks share its ZeRO group)."""
+    comms = {id(c): c for e in engines for c in e.communicators()}
+    return sum(e.ledger.peak["buffers"] for e in engines) + sum(c.peak_scratch_bytes for c in comms.values())
+
+
+def most_zero_bytes(engine) -> int:
+    """The engine's data-parallel bytes per step when no stage-3 bucket is kept across a forward/backward turn
+    (a schedule that interleaves the chunk's forwards and backwards keeps fewer than an unpipelined run)."""
+    from ..engine import traffic
+    c, t = engine.config, engine.topology
+    return sum(traffic.step_bytes(c.stage, [b.numel for b in engine.layout.buckets], np.dtype(engine.dtype).itemsize,
+                                  t.size, t.node_size, t.shard_size, c.micro_batches, c.prefetch if c.overlap else 0,
+                                  engine.gatherer.secondary is not None, turns=False).values())
+
+
+def final_metrics(cfg, job, comm, log, placement) -> dict:
+    """The train run's metrics, one schema for every run (keys in the order the JSON has them; rank 0's dict is
+    the one written): ``job`` is train/job.py's SingleJob or train/pipeline.py's PipelineJob (its engines: the
+    one engine, or this rank's chunks' engines, whose facts are summed). Facts of a mode a run does not use
+    (tensor_parallel, sequence_parallel, the pipeline's, simulated, cupy_pool_bytes) are null, never renamed.
+
+    A collective (all-reduces, timed by the engines' watchdog): call it before the job closes. Memory and
+    traffic bytes are maxima over ranks; times are this rank's clock. ``log`` is the step loop's record.
     """
-    step = engine.steps_taken
-    engine.guard.at("metrics", step)          # ZEROMPI_FAULT=KIND@rankR:stepS:metrics (engine/faults.py)
-    report = engine.memory_report()
-    names = list(report["measured"])
-    # A steady step's traffic: the median over the steps after the run's first (history.py; -1: one step ran,
-    # none measured), and the first step's bytes; then the maximum over ranks.
-    steady = log.traffic_figures()
-    act = -1 if activation[0] is None else activation[0]
-    top = np.array([report["measured"][k] for k in names] + [report["peak_buffers"]["bytes"]] + steady + [act], np.int64)
+    engines = list(job.engines)
+    first = engines[0]
+    step = first.steps_taken
+    first.guard.at("metrics", step)           # ZEROMPI_FAULT=KIND@rankR:stepS:metrics (engine/faults.py)
+    reports = [e.memory_report() for e in engines]
+    measured = _summed(r["measured"] for r in reports)
+    names = list(measured)
+    # A steady step's traffic: the median over the kept steps after the run's first (history.py; -1: one step
+    # ran, none measured: stage 3 gathers the next forward's first buckets at the end of a step, which the first
+    # step did not find), and the first step's bytes; then the maximum over ranks.
+    steady = log.traffic_figures()             # [a steady step's, intra, inter, unquantized; the first step's]
+    activation = job.activations()
+    groups = {name: log.steady_median(log.group_series(name)[0]) for name in ("tp", "sp")}
+    theories = (activation[1], job.tp_theory() if cfg.zero.tp > 1 else None,
+                job.sp_theory() if cfg.zero.sp > 1 else None)
+    extra = [-1 if activation[0] is None else activation[0], sum(most_zero_bytes(e) for e in engines)] \
+        + [-1 if v is None else v for v in groups.values()] + [-1 if t is None else t for t in theories]
+    theory, padded = (_summed(r[key] for r in reports) for key in ("theory", "theory_padded"))   # this rank's
+    formulas = [theory[k] for k in theory] + [padded[k] for k in padded] + [sum(e.comm_theory_bytes() for e in engines)]
+    top = np.array([measured[k] for k in names] + [peak_buffer_bytes(engines)] + steady + extra + formulas, np.int64)
     # The buffer form, not mpi4py's pickled allreduce: that one holds the GIL while it waits
     # (measured, mpi4py 4.1), so the watchdog thread could never run and a hang here would be forever.
     with watched(comm, "final metrics: all-reduce (max) of memory and traffic bytes", step):
         comm.mpi.Allreduce(MPI.IN_PLACE, top, op=MPI.MAX)
+    n = len(names)
     mem = {k: int(v) for k, v in zip(names, top)}
-    peak, act = int(top[len(names)]), int(top[-1])
-    traffic, *levels, logical, first = [None if v < 0 else int(v) for v in top[len(names) + 1:-1]]
-    digest, lay = hashlib.sha256(), engine.layout      # the parameters in layout order, no padding, hashed
-    engine.synchronize()                                # a bucket at a time: the model is never whole here
-    # (not for a simulated world: its stand-ins' slices are mirrors of this rank's, the hash would name no model)
-    for bucket, values in [] if getattr(comm.mpi, "simulated", False) else engine.optimizer.gather_buckets(engine.group, step):
-        for layer in bucket.layers:
-            for name in lay.layer_params[layer]:
-                pr = lay.params[name]
-                digest.update(np.ascontiguousarray(values[pr.bucket_offset:pr.bucket_offset + pr.numel], "<f4").data)
+    known = lambda v: None if v < 0 else int(v)    # noqa: E731  (-1: not measured)
+    peak = int(top[n])
+    traffic, intra, inter, logical, first_bytes = (known(v) for v in top[n + 1:n + 6])
+    act, most, tp_bytes, sp_bytes, act_theory, tp_theory, sp_theory = (int(v) for v in top[n + 6:n + 13])
+    theory = {k: int(v) for k, v in zip(theory, top[n + 13:])}             # formulas: maxima over ranks too
+    padded = {k: int(v) for k, v in zip(padded, top[n + 13 + len(theory):])}
+    comm_theory = int(top[-1])
+    digest = job.digest()
+    params = job.params_total()
     times = list(log.times)                            # the last history.HISTORY_STEPS steps
     breakdown, hidden = summarize(list(log.parts), times)
     tokens = cfg.batch * cfg.seq_len * log.steps_run    # GPT: the tokens of the steps run, over all ranks
+    gpt = cfg.model == "gpt"
+    mesh = job.mesh
+    pipe = job.pipeline_metrics(log) if job.pipelined else dict.fromkeys(PIPELINE_KEYS)
     metrics = {
         "world_size": comm.size,
         "stage": cfg.zero.stage,
         "dtype": cfg.zero.dtype,
         "model": cfg.model,
-        "params": engine.layout.params_numel,
-        "padded_params": engine.layout.numel,
+        "params": params,                          # Ψ of the whole model (a TP-split parameter at its full size)
+        "padded_params": sum(e.layout.numel for e in engines),   # this rank's layouts' elements, padding included
         "losses": list(log.losses),
-        "final_params_sha256": None if getattr(comm.mpi, "simulated", False) else digest.hexdigest(),
+        "final_params_sha256": digest,             # the whole model's, in model order; null for a simulated rank
         "memory_bytes": mem,                       # maxima over ranks, as peak_buffer_bytes and comm_bytes_per_step
-        "memory_bytes_by_place": engine.ledger.by_place(),   # rank 0's: device, host (offloaded), disk (files)
-        "theory_bytes_by_place": engine.memory_report()["theory_by_place"],
-        "offload": engine.in_backward.stats(),    # rank 0's: updates begun in the backward, hashing seconds
-        "theory_bytes": report["theory"],
-        "theory_bytes_padded": report["theory_padded"],
+        "memory_bytes_by_place": _summed(e.ledger.by_place() for e in engines),   # rank 0's: device, host, disk
+        "theory_bytes_by_place": _summed(r["theory_by_place"] for r in reports),
+        "offload": _summed(e.in_backward.stats() for e in engines),   # rank 0's: updates begun in the backward
+        "theory_bytes": theory,
+        "theory_bytes_padded": padded,
         "peak_buffer_bytes": peak,
-        "activation_bytes": act if act >= 0 else None,   # the GPT's, measured (max over ranks); null: not measured
-        "activation_theory_bytes": activation[1],        # its formula (estimate/activations.py)
-        "comm_bytes_per_step": traffic,            # a steady step's (the first left out); None: one step ran
-        "comm_bytes_first_step": first,            # the run's first step's (None once no longer kept)
+        "activation_bytes": known(act),            # the GPT's, measured (max over ranks); null: not measured
+        "activation_theory_bytes": known(act_theory),    # its formula (estimate/activations.py)
+        "comm_bytes_per_step": traffic,            # a steady step's (the first left out); null: one step ran
+        "comm_bytes_first_step": first_bytes,      # the run's first step's (null once no longer kept)
         "comm_bytes_per_step_by_op": log.steady_per_op(exclude=("sum_scalars",)),   # rank 0's, a steady step's
-        "comm_theory_bytes_per_step": engine.comm_theory_bytes(),
-        "comm_bytes_per_step_by_level": dict(zip(("intra", "inter"), levels)) if traffic is not None else None,
-        "comm_theory_bytes_per_step_by_level": engine.comm_theory_bytes_by_level(),
+        "comm_theory_bytes_per_step": comm_theory,
+        "comm_most_bytes_per_step": most,          # stage 3: no bucket kept across a turn (traffic.step_bytes)
+        "comm_bytes_per_step_by_level": {"intra": intra, "inter": inter} if traffic is not None else None,
+        "comm_theory_bytes_per_step_by_level": _summed(e.comm_theory_bytes_by_level() for e in engines),
         "comm_logical_bytes_per_step": logical,    # what the same step would send unquantized (= comm_bytes without)
-        "comm_theory_logical_bytes_per_step": sum(engine.comm_theory_bytes_by_level(logical=True).values()),
+        "comm_theory_logical_bytes_per_step": sum(sum(e.comm_theory_bytes_by_level(logical=True).values())
+                                                  for e in engines),
         "comm_check_bytes": {"calls": comm.check_stats.calls, "bytes": comm.check_stats.bytes},   # rank 0's, apart
-        "topology": {"node_size": engine.topology.node_size, "shard_size": engine.topology.shard_size,
-                     "hpz": engine.gatherer.secondary is not None},
+        "topology": {"node_size": first.topology.node_size, "shard_size": first.topology.shard_size,
+                     "hpz": first.gatherer.secondary is not None},
         "quantization": {"weights": cfg.zero.quantize_weights, "grads": cfg.zero.quantize_grads,
                          "block": cfg.zero.quant_block},
-        "step_time_s": statistics.median(times),
-        "steps_applied": engine.step_count,
-        "optimizer_impl": engine.optimizer_impl,
-        "loss_scale": engine.loss_scale,
+        "tensor_parallel": None if cfg.zero.tp == 1 else {
+            "tp": mesh.tp, "dp": mesh.dp, "params_total": params,
+            "params_local": sum(e.layout.params_numel for e in engines),
+            "bytes_per_step": known(tp_bytes), "theory_bytes_per_step": known(tp_theory),
+            "seconds_per_step": _steady_seconds(log, "tp")},
+        "sequence_parallel": None if cfg.zero.sp == 1 else {
+            "sp": mesh.sp, "dp": mesh.dp, "tp": mesh.tp, "chunk": cfg.seq_len // mesh.sp,
+            "heads_per_rank": cfg.n_head // (mesh.tp * mesh.sp), "bytes_per_step": known(sp_bytes),
+            "theory_bytes_per_step": known(sp_theory), "seconds_per_step": _steady_seconds(log, "sp")},
+        **pipe,                                    # the pipeline's facts (train/pipeline.py); null without --pp
+        "step_time_s": statistics.median(times) if times else None,
+        "steps_applied": first.step_count,
+        "optimizer_impl": first.optimizer_impl,
+        "loss_scale": first.loss_scale,
         "config": {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in ("zero", "pipeline")}
         | {"zero": cfg.zero.to_dict(), "pipeline": cfg.pipeline.to_dict()},
         "first_step": log.first_kept,              # losses[i] is the loss of step first_step + i
@@ -218,55 +279,82 @@ def final_metrics(cfg, engine, comm, log, entropy_floor, placement, activation=(
         "history_steps": log.cap,
         "time_breakdown_s": breakdown,
         "comm_hidden_fraction": hidden,
-        "peak_gathered_buckets": engine.gatherer.peak_gathered_buckets,
+        "peak_gathered_buckets": max(e.gatherer.peak_gathered_buckets for e in engines),
         "step_times_s": times,                     # rank 0's wall seconds of each (kept) step, in order
         "step_breakdown_s": per_step(list(log.parts), times),   # the same steps' time_breakdown_s parts, each
         "val_losses": list(log.val_losses),        # [step, mean held-out loss (nats/token)] pairs
         "val_rows": log.val_rows,                  # held-out rows those losses cover, over every rank; null: none run
-        "entropy_floor": entropy_floor,            # nats/token; null for --data and the MLP
-        "tokens_per_s": tokens / log.total_time if cfg.model == "gpt" else None,   # global, rank 0's clock
+        "entropy_floor": job.data.entropy_floor if gpt else None,   # nats/token; null for --data and the MLP
+        "tokens_per_s": tokens / log.total_time if gpt else None,   # global, rank 0's clock
         "device": placement.describe() if placement is not None else "cpu (NumPy)",
+        "cupy_pool_bytes": None,                   # --device gpu: what CuPy's allocator holds (rank 0)
+        "simulated": None,                         # --simulate-world: train/simulate.py's entry
     }
-    if engine.xp is not np:      # what CuPy's allocator holds (rank 0), printed beside the engine's own accounting
-        pool = engine.xp.get_default_memory_pool()
+    if first.xp is not np:      # printed beside the engine's own accounting
+        pool = first.xp.get_default_memory_pool()
         metrics["cupy_pool_bytes"] = {"used": int(pool.used_bytes()), "held": int(pool.total_bytes())}
     return metrics
 
 
-def print_summary(metrics: dict, engine, comm, base_bytes: Dict[str, int]) -> None:
-    """The end-of-run tables (rank 0): memory and traffic per rank beside the formulas, then the step time.
+PIPELINE_KEYS = ("pipeline", "bubble_fraction", "bubble_fraction_schedule", "bubble_fraction_unit",
+                 "peak_activations_schedule", "pp_bytes_per_step", "pp_theory_bytes_per_step")
+
+
+def _steady_seconds(log, group: str) -> float:
+    """The median seconds a step spent in ``group``'s collectives (tp, sp): over the steps after the first."""
+    seconds = log.group_series(group)[1]
+    return statistics.median(log.steady(seconds) or seconds or [0.0])
+
+
+def print_summary(metrics: dict, job, comm, base_bytes: Dict[str, int]) -> None:
+    """The end-of-run tables (rank 0): memory and traffic per rank beside the formulas, the model-parallel
+    groups' and the pipeline's rows, then the step time.
 
     ``base_bytes``: comm.stats bytes per operation that are not the steps' own (the initial
     all-gather, the held-out loss); the rest, over the steps run, is the per-step table.
     """
-    z = engine.config
-    report = engine.memory_report()
+    from . import sequence, tensor
+    engines = list(job.engines)
+    first, cfg = engines[0], metrics["config"]
+    z = first.config
     act = None
     if metrics["activation_bytes"] is not None:
         act = (metrics["activation_bytes"], metrics["activation_theory_bytes"],
-               formula_text(metrics["config"]["checkpoint_activations"], sp=z.sp) + " (docs/activations.md)")
-    print0(comm.mpi, memory_table(metrics["memory_bytes"], report["theory"], report["theory_padded"],
-                                  z.stage, engine.topology.shard_size, z.itemsize, engine.topology.node_size, act))
-    if "cupy_pool_bytes" in metrics:
+               formula_text(cfg["checkpoint_activations"], sp=z.sp) + " (docs/activations.md)")
+    print0(comm.mpi, memory_table(metrics["memory_bytes"], metrics["theory_bytes"], metrics["theory_bytes_padded"],
+                                  z.stage, first.topology.shard_size, z.itemsize, first.topology.node_size, act))
+    peak = peak_buffer_bytes(engines)
+    if metrics["cupy_pool_bytes"] is not None:
         pool = metrics["cupy_pool_bytes"]
         print0(comm.mpi, f"  CuPy memory pool (rank 0): {pool['used']:,} bytes in use, {pool['held']:,} "
-                         f"held; engine model states {report['measured']['total']:,} + buffers at peak "
-                         f"{report['peak_buffers']['bytes']:,} bytes (these include the communicator's "
+                         f"held; engine model states {_summed(e.ledger.model_states() for e in engines)['total']:,} "
+                         f"+ buffers at peak {peak:,} bytes (these include the communicator's "
                          f"host-side scratch: pinned staging buffers on the MPI path)")
     per_op = metrics["comm_bytes_per_step_by_op"]     # None: one step ran, and its bytes are the first step's
     steady = per_op is not None
     if not steady:
         per_op = {op: s.bytes - base_bytes.get(op, 0) for op, s in sorted(comm.stats.items()) if op != "sum_scalars"}
     quantized = z.quantize_weights or z.quantize_grads
-    print0(comm.mpi, comm_table(per_op, engine.comm_theory_bytes(), z.stage, metrics["comm_bytes_per_step_by_level"],
-                                metrics["comm_theory_bytes_per_step_by_level"],
+    print0(comm.mpi, comm_table(per_op, metrics["comm_theory_bytes_per_step"], z.stage,
+                                metrics["comm_bytes_per_step_by_level"], metrics["comm_theory_bytes_per_step_by_level"],
                                 (metrics["comm_logical_bytes_per_step"], metrics["comm_theory_logical_bytes_per_step"])
                                 if quantized and steady else None, steady))
+    for line in (tensor.summary(metrics, job.cfg), sequence.summary(metrics, job.cfg)):
+        if line:
+            print0(comm.mpi, line)
+    show = lambda b: "-" if b is None else human_bytes(b)   # noqa: E731  (None: a stage a simulated rank is not)
+    for kind, per in (metrics["pp_bytes_per_step"] or {}).items():
+        print0(comm.mpi, f"  pipeline {kind:22} per stage per step: {', '.join(show(b) for b in per)} "
+                         f"(formula {', '.join(show(b) for b in metrics['pp_theory_bytes_per_step'][kind])})")
+    b, sb, p = metrics["bubble_fraction"], metrics["bubble_fraction_schedule"], metrics["pipeline"]
+    if b is not None and sb is not None:
+        print0(comm.mpi, f"  bubble: measured {b:.3f}, simulated on the measured costs {sb:.3f}, on equal costs "
+                         f"{metrics['bubble_fraction_unit']:.3f} ({p['schedule']}, P = {p['pp']}, "
+                         f"m = {p['micro_batches']})")
     checks = metrics["comm_check_bytes"]
     print0(comm.mpi, f"  collective checks (comm/signature.py), not in the rows above: {checks['calls']:,} headers, "
                      f"{human_bytes(checks['bytes'])} over the run (64 bytes to each peer per collective)")
-    print0(comm.mpi, f"  transient buffers at peak: {report['peak_buffers']['bytes']:,} bytes; "
-                     f"median step {metrics['step_time_s'] * 1e3:.1f} ms")
+    print0(comm.mpi, f"  transient buffers at peak: {peak:,} bytes; median step {metrics['step_time_s'] * 1e3:.1f} ms")
     tb = metrics["time_breakdown_s"]
     print0(comm.mpi, f"  step time, median of steps: {format_breakdown(tb)}, other {tb['other'] * 1e3:.1f} ms; "
                      f"communication in flight {tb['comm_busy'] * 1e3:.1f} ms, "

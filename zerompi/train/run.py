@@ -1,8 +1,8 @@
 """``mpiexec -n N python -m zerompi.train``: train a built-in model with ZeRO stage 0-3.
 
-This module runs the job: the model and the engine, the step loop (progress, held-out
-loss, checkpoints, stopping on a signal) and main()'s error handling. The flags and
-TrainConfig live in config.py, the banner, final metrics and tables in report.py.
+This module runs the job, one in every mode: its strategy (train/job.py without --pp, train/pipeline.py
+with it), the one step loop (progress, held-out loss, checkpoints, stopping on a signal) and main()'s error
+handling. The flags and TrainConfig live in config.py, the banner, final metrics and tables in report.py.
 """
 import sys
 import time
@@ -48,119 +48,101 @@ def step_losses(model: str) -> Callable[..., List[float]]:
 def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
     """Run the job; returns the metrics dict (identical on every rank).
 
-    ``stop``: a watchdog.StopSignal; once any rank has received one, every rank stops
-    after the same step (and saves a checkpoint when save_dir is set). ``placement``: a
+    One job in every mode: a run without --pp is the pipeline's one stage holding one chunk, on its own
+    strategy (train/job.py's SingleJob; train/pipeline.py's PipelineJob for --pp P > 1); one step loop,
+    one report, one metrics schema. ``stop``: a watchdog.StopSignal; once any rank has received one, every
+    rank stops after the same step (and saves a checkpoint when save_dir is set). ``placement``: a
     device.Placement (main() makes it from cfg.device; None: the host, NumPy).
     """
-    from . import report
+    from . import report, simulate
     from ..comm.communicator import as_communicator
     from ..comm.consistency import check_consistent, job_fields
-    from ..engine.zero_engine import ZeroEngine
-    from ..comm.staging import device_communicator
     from ..checkpoint.collective import CheckpointError
-
-    from . import simulate
     comm = as_communicator(mpi_comm if mpi_comm is not None else simulate.world(cfg),   # --simulate-world: a stand-in
                            cfg.zero.timeout_s)    # its watchdog times every wait (the engine's too)
     check_consistent(comm, "train", job_fields(cfg))   # ranks given other flags stop here, not in a collective
     cfg.check_world(comm.size)
-    if cfg.zero.pp > 1:                          # pipeline stages: train/pipeline.py, one engine per model chunk
-        from .pipeline_run import train_pipelined
-        return train_pipelined(cfg, comm, build_model, stop)
-    xp = placement.xp if placement is not None else np
-    mesh = None
-    if cfg.zero.tp > 1 or cfg.zero.sp > 1:       # ZeRO over the dp x sp ranks, blocks split over TP, sequences over SP
-        from . import parallel, sequence, tensor
-        mesh = parallel.make_mesh(cfg, comm, placement)
-    model, data = build_model(cfg, xp, mesh)
-    dev_comm = comm if mesh else device_communicator(comm, xp, cfg.comm, cfg.zero.timeout_s)
-    engine = ZeroEngine(model.lazy_layers(), cfg.zero, mesh or dev_comm, xp=xp,
-                        tp_split=model.tp_split() if mesh and mesh.tp > 1 else None)
-    report.print_banner(cfg, engine, comm, placement, data)
+    if cfg.zero.pp > 1:                          # pipeline stages: one engine per model chunk
+        from .pipeline import PipelineJob
+        job = PipelineJob(cfg, comm, build_model)
+    else:
+        from .job import SingleJob
+        job = SingleJob(cfg, comm, build_model, placement)
+    report.print_banner(cfg, job, comm, placement)
     if cfg.simulate_world:
         report.print0(comm.mpi, simulate.banner(cfg))
-    if mesh:
-        report.print0(comm.mpi, f"  mesh: {mesh.describe()}")
-    start = _resume(engine, cfg, comm.mpi) if cfg.resume else 0    # the step a resumed run starts at
-    if cfg.save_dir:
+    if job.mesh is not None and not job.pipelined:
+        report.print0(comm.mpi, f"  mesh: {job.mesh.describe()}")
+    start = _resume(job, cfg) if cfg.resume else 0    # the step a resumed run starts at
+    if cfg.save_dir and not job.pipelined:
         from .saves import disk_line
-        report.print0(comm.mpi, disk_line(cfg, engine, start))
-    floor = data.entropy_floor if cfg.model == "gpt" else None   # nats/token; None: a user's file, or the MLP
+        report.print0(comm.mpi, disk_line(cfg, job.engine, start))
     try:
-        log = _run_steps(cfg, engine, comm, model, data, floor, start, stop)
+        log = _run_steps(cfg, job, comm, start, stop)
     except (JobError, CheckpointError) as e:   # meant to be raised on every rank together: --trace keeps what there is
         end_together(comm.mpi, e, "zerompi.train")   # ... else this rank's line ends the job, before the trace's collective
-        if engine.trace is not None:
-            engine.trace.close()
         from ..checkpoint.collective import salvage
-        for line in salvage(engine):       # a background save whose shards are all written: published
-            print(f"zerompi.train: note: {line}", flush=True)
+        for engine in job.engines:
+            if engine.trace is not None:
+                engine.trace.close()
+            for line in salvage(engine):       # a background save whose shards are all written: published
+                print(f"zerompi.train: note: {line}", flush=True)
         raise
-    metrics = report.final_metrics(cfg, engine, comm, log, floor, placement,   # before engine.close(): still watched
-                                   report.activations(cfg, model, comm.size))
-    if mesh and mesh.tp > 1:
-        metrics.update(tensor.metrics(cfg, engine, model, log, metrics))
-    if mesh and mesh.sp > 1:
-        metrics.update(sequence.metrics(cfg, mesh, model, log))
+    metrics = report.final_metrics(cfg, job, comm, log, placement)   # before the job closes: still watched
     if cfg.simulate_world:
-        metrics.update(simulate.metrics(cfg, [engine], comm, log, metrics))
-    report.print_summary(metrics, engine, comm, log.base_bytes)
-    for part in (tensor, sequence) if mesh else ():
-        line = part.summary(metrics, cfg)
-        if line:
-            report.print0(comm.mpi, line)
+        metrics.update(simulate.metrics(cfg, list(job.engines), comm, log, metrics))
+    report.print_summary(metrics, job, comm, log.base_bytes)
     if cfg.simulate_world:
         report.print0(comm.mpi, simulate.summary(metrics))
     problem = None
     if cfg.metrics_json and report.leads(comm):      # atomically: a full disk leaves the old file, not an empty one
         from ..checkpoint.outputs import save_json
         problem = save_json(cfg.metrics_json, metrics, "metrics_json")
-    if engine.trace is not None:                 # --trace: a collective; rank 0 writes the ranks' timeline
-        problem = engine.trace.write() or problem
-    engine.close()
-    if dev_comm is not comm:
-        getattr(dev_comm, "close", lambda: None)()   # NCCL's communicator is destroyed here
+    if cfg.zero.trace:                           # --trace: a collective; rank 0 writes the ranks' timeline
+        problem = (job.write_trace(log) if job.pipelined else job.engine.trace.write()) or problem
+    job.close()
     if problem:                                  # rank 0 only, after the last collective
         raise OutputError(problem)
     return metrics
 
 
-def _run_steps(cfg: TrainConfig, engine, comm, model, data, floor: Optional[float], start: int, stop) -> StepLog:
+def _run_steps(cfg: TrainConfig, job, comm, start: int, stop) -> StepLog:
     """Steps start .. cfg.steps - 1, or until a stop signal: train, log, evaluate (GPT), save."""
     from .console import after_step, choose_progress, evaluates, held_out, show_step
     from .report import leads, print0
     from ..engine.timers import format_breakdown
     from .saves import Saves
-    saves = Saves(cfg, engine, comm.mpi)            # checkpoints: --save-dir, --save-every, --async-save
-    losses_of = step_losses(cfg.model)
-    gpt = cfg.model == "gpt"
     from .simulate import loss_note, no_held_out
-    stand_in = loss_note(cfg)
+    saves = Saves(cfg, job.checkpoints, comm.mpi)   # checkpoints: --save-dir, --save-every, --async-save
+    gpt = cfg.model == "gpt"
+    floor = job.data.entropy_floor if gpt else None   # nats/token; None: a user's file, or the MLP
+    stand_in = loss_note(cfg, None if job.computes_loss else job.mesh.pp_rank)
     bar = leads(comm) and choose_progress(cfg.progress) == "bar"    # auto: a bar only for a person at a terminal
     sent = lambda: sum(s.bytes for op, s in comm.stats.items() if op != "sum_scalars")
     log = StepLog(start, {op: s.bytes for op, s in comm.stats.items()}, stats=comm.stats)   # so far: the initial gather
-    from .parallel import metered_groups
-    groups = metered_groups(engine.mesh)        # TP all-reduces, SP all-to-alls: counted per step, apart
+    if job.pipelined:
+        job.begin(log)                              # the pipeline's series; its clock aligned over the mesh
     show = lambda *text, **kw: print0(comm.mpi, *text, **kw)   # noqa: E731  (the printing rank)
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
-        engine.timers.take()                        # drop what ran between steps (checkpoints)
+        for e in job.engines:
+            e.timers.take()                         # drop what ran between steps (checkpoints)
         b0, l0, q0 = sent(), comm.level_bytes(), comm.logical_bytes()
-        g0 = {name: (c.bytes_sent(), c.seconds()) for name, c in groups.items()}
-        local = losses_of(engine, model, data, step, cfg.batch, cfg.zero.micro_batches)
-        for name, c in groups.items():
-            log.record_group(name, c.bytes_sent() - g0[name][0], c.seconds() - g0[name][1])
-        result = engine.step()
-        total = comm.sum_scalars([sum(local) / len(local), stop.flag if stop else 0.0])   # + the stop flag
-        loss = float(total[0] / comm.size)
-        stopping = total[1] > 0                 # a signal or the stop file on some rank: every rank stops here
+        result, local = job.train_step(step, log)
+        loss, flag = job.reduce_loss(local, stop.flag if stop else 0.0)   # + the stop flag, summed
+        stopping = flag > 0                     # a signal or the stop file on some rank: every rank stops here
         l1 = comm.level_bytes()
-        log.record(loss, time.perf_counter() - t0, sent() - b0, engine.timers.take(),   # bounded (history.py)
+        parts = {}
+        for e in job.engines:                   # the timers of every engine of this rank (a stage's chunks)
+            for k, v in e.timers.take().items():
+                parts[k] = parts.get(k, 0.0) + v
+        log.record(loss, time.perf_counter() - t0, sent() - b0, parts,   # bounded (history.py)
                    (l1["intra"] - l0["intra"], l1["inter"] - l0["inter"], comm.logical_bytes() - q0))
         extra, evaluated, note = "", False, ""  # GPT: held-out loss, floor, throughput
         if gpt:
             if evaluates(cfg, step, stopping):
-                val, note = held_out(log, step, _validate(engine, model, data, log.base_bytes), no_held_out(cfg))
+                why = no_held_out(cfg, None if job.computes_loss else job.mesh.pp_rank)
+                val, note = held_out(log, step, _validate(job, comm, log.base_bytes), why)
                 extra, evaluated = extra + val, True
             extra += f"  floor {floor:.4f}" if floor is not None else ""
             extra += f"  {cfg.batch * cfg.seq_len / log.times[-1]:,.0f} tok/s"
@@ -174,39 +156,39 @@ def _run_steps(cfg: TrainConfig, engine, comm, model, data, floor: Optional[floa
     return log
 
 
-def _validate(engine, model, data, base_bytes: Dict[str, int]):
-    """The held-out loss and its rows (data.HeldOut); its traffic (stage 3 gathers) goes to base_bytes, out of
-    the per-step table."""
-    from .models.gpt import held_out_loss
-    before = {op: s.bytes for op, s in engine.comm.stats.items()}
-    loss = held_out_loss(engine, model, data)
-    for op, s in engine.comm.stats.items():
+def _validate(job, comm, base_bytes: Dict[str, int]):
+    """The held-out loss and its rows (data.HeldOut; a collective); its traffic (stage 3 gathers) goes to
+    base_bytes, out of the per-step table."""
+    before = {op: s.bytes for op, s in comm.stats.items()}
+    loss = job.validation_loss()
+    for op, s in comm.stats.items():
         base_bytes[op] = base_bytes.get(op, 0) + s.bytes - before.get(op, 0)
     return loss
 
 
-def _resume(engine, cfg: TrainConfig, world) -> int:
-    """Load cfg.resume into engine (every rank); returns the first step to run. ``world``: the job's mpi4py
-    communicator, whose rank 0 prints the lines once (the engine's is one TP rank's group under --tp)."""
+def _resume(job, cfg: TrainConfig) -> int:
+    """Load cfg.resume into the job's engines (every rank); returns the first step to run."""
     from ..checkpoint.collective import CheckpointError
     from .report import print0
-    info = engine.load(cfg.resume)
+    mpi = job.comm.mpi
+    info = job.checkpoints.load(cfg.resume)
     extra = info.manifest["extra"]
     start = int(extra.get("data_step", info.manifest["step"]))
     if start >= cfg.steps:
         raise CheckpointError(f"{info.path}: is at step {start} and --steps {cfg.steps} leaves nothing to run; "
                               f"--steps counts from step 0, so use more than {start}")
     m = info.manifest
-    n, tp = m["world_size"], engine.mesh.tp if engine.mesh else 1
+    n, tp = m["world_size"], job.mesh.tp if job.mesh is not None else 1
     by = f"{n} rank{'s' if n > 1 else ''}" if tp == 1 else \
         f"{n} data-parallel rank{'s' if n > 1 else ''} per TP rank ({tp} TP ranks)"
-    print0(world, f"  resumed from {info.path}: step {start}, saved by {by} at stage {m['stage']} ({m['dtype']})")
+    chunk = " (chunk 0: each chunk's data-parallel ranks)" if job.pipelined else ""
+    print0(mpi, f"  resumed from {info.path}: step {start}, saved by {by}{chunk} at stage {m['stage']} ({m['dtype']})")
     from ..checkpoint.savedir import pointer_notes
     for note in pointer_notes(cfg.resume):        # newer checkpoints, a pointer with no checksum
-        print0(world, f"  note: {note}")
+        print0(mpi, f"  note: {note}")
     if extra.get("seed", cfg.seed) != cfg.seed:
-        print0(world, f"  note: the checkpoint was trained with seed {extra['seed']}, this run's data "
-                      f"uses seed {cfg.seed}")
+        print0(mpi, f"  note: the checkpoint was trained with seed {extra['seed']}, this run's data "
+                    f"uses seed {cfg.seed}")
     return start
 
 

@@ -6,8 +6,6 @@ in the SP all-to-alls per step (measured around the forward and backward of the 
 formula) and their seconds beside the step's; the activations are in the memory table
 (train/report.py, with the formula in K).
 """
-import statistics
-
 from ..errors import check
 
 SP_MODELS = ("gpt",)          # the built-in models with a sequence-parallel version
@@ -35,18 +33,6 @@ def theory_bytes_per_step(cfg, model, dp: int) -> int:
     channels = cfg.d_model // cfg.zero.tp
     return cfg.zero.micro_batches * all_to_all_bytes(cfg.n_layer, rows, cfg.seq_len // k, channels, k,
                                                      recompute=cfg.checkpoint_activations)
-
-
-def metrics(cfg, mesh, model, log) -> dict:
-    """The SP entries of the metrics: sizes, the all-to-all bytes and seconds of a step (medians) beside
-    the formula. This rank's numbers: every SP rank sends the same bytes."""
-    sent, seconds = log.group_series("sp")
-    return {"sequence_parallel": {
-        "sp": mesh.sp, "dp": mesh.dp, "tp": mesh.tp, "chunk": cfg.seq_len // mesh.sp,
-        "heads_per_rank": cfg.n_head // (mesh.tp * mesh.sp),
-        "bytes_per_step": log.steady_median(sent),   # the steps after the first; None: one ran
-        "theory_bytes_per_step": theory_bytes_per_step(cfg, model, mesh.dp),
-        "seconds_per_step": statistics.median(log.steady(seconds) or seconds or [0.0])}}
 
 
 def summary(metrics: dict, cfg):

@@ -1,11 +1,8 @@
 """The train job's tensor parallelism (--tp K): its checks, metrics and the TP row (train/parallel.py
-builds the mesh and the models). What is reported here: the bytes
-each rank sends in TP all-reduces per step (measured around the forward and backward of the
-step, beside the model's formula) and a hash of the whole model (every TP rank's pieces).
+builds the mesh and the models). The bytes each rank
+sends in TP all-reduces per step (measured around the forward and backward of the step) are in the
+metrics' tensor_parallel entry (train/report.py), beside the model's formula here.
 """
-import hashlib
-import statistics
-
 from ..errors import check
 
 
@@ -32,21 +29,6 @@ def theory_bytes_per_step(cfg, model, dp: int) -> int:
     return cfg.zero.micro_batches * model.tp_bytes_per_micro_batch(rows)
 
 
-def metrics(cfg, engine, model, log, base: dict) -> dict:
-    """The TP entries of the metrics (a collective over the TP group: the whole model's hash)."""
-    mesh, split = engine.tp.mesh, engine.tp.split
-    tp_bytes, tp_seconds = log.group_series("tp")
-    digests = mesh.tp_mpi.allgather(base["final_params_sha256"])   # each TP rank's pieces, in TP rank order
-    full = sum(pr.numel * (mesh.tp if name in split else 1) for name, pr in engine.layout.params.items())
-    whole = None if None in digests else hashlib.sha256("".join(digests).encode()).hexdigest()   # None: simulated
-    return {"final_params_sha256": whole,
-            "tensor_parallel": {"tp": mesh.tp, "dp": mesh.dp, "params_total": full,
-                                "params_local": engine.layout.params_numel,
-                                "bytes_per_step": log.steady_median(tp_bytes),   # after the first step; None: one ran
-                                "theory_bytes_per_step": theory_bytes_per_step(cfg, model, mesh.dp),
-                                "seconds_per_step": statistics.median(log.steady(tp_seconds) or tp_seconds or [0.0])}}
-
-
 def summary(metrics: dict, cfg) -> str:
     """The TP traffic row printed under the communication table (None without tensor parallelism)."""
     from .report import human_bytes
@@ -55,8 +37,9 @@ def summary(metrics: dict, cfg) -> str:
         return None
     blocks = f"4 x {cfg.n_layer} blocks" if cfg.model == "gpt" else f"{cfg.depth - 1} layers"
     sent = "- (one step)" if tp["bytes_per_step"] is None else human_bytes(tp["bytes_per_step"])   # None: one ran
-    return (f"  {'tp all-reduce':16} {sent:>14}   formula "
-            f"{human_bytes(tp['theory_bytes_per_step'])} = {cfg.zero.micro_batches} micro-batches x {blocks} x "
-            f"2(K-1)/K x rows·{'T·d_model' if cfg.model == 'gpt' else 'width'} x 4 B (K={tp['tp']}; "
+    formula = "none derived per pipeline stage yet" if tp["theory_bytes_per_step"] is None else \
+        (f"{human_bytes(tp['theory_bytes_per_step'])} = {cfg.zero.micro_batches} micro-batches x {blocks} x "
+         f"2(K-1)/K x rows·{'T·d_model' if cfg.model == 'gpt' else 'width'} x 4 B")
+    return (f"  {'tp all-reduce':16} {sent:>14}   formula {formula} (K={tp['tp']}; "
             f"{tp['seconds_per_step'] * 1e3:.1f} ms/step, median); model states: {tp['params_local']:,} of "
             f"{tp['params_total']:,} parameters per TP rank, sharded over {tp['dp']} data-parallel ranks")

@@ -1,0 +1,72 @@
+"""What a pipelined run measures of its schedule, summarized over the mesh (collectives), and its message formula.
+
+- ``bubble``: per kept step, of each pipeline group (the P ranks sharing a data-parallel, SP and TP coordinate),
+  1 - (the ranks' compute seconds in the schedule's actions) / (P x the schedule's span, from the first
+  action's start to the last one's end, on a clock aligned over the mesh), averaged over the groups;
+- ``costs``: the median compute seconds of each (kind, chunk) of action, which the simulator (simulate.py)
+  is given to make the bubble the schedule would have on them;
+- ``message_bytes``: the bytes a rank sends per step by kind of message, from its schedule and the sizes.
+"""
+from typing import Dict, List
+
+import numpy as np
+
+from ..comm.watchdog import watched
+
+
+def bubble(pp_times, mesh, comm) -> List[float]:
+    """Per kept step (the first left out when more are kept): the measured bubble, mean over pipeline groups."""
+    mine = [(min(t[1] for t in step), max(t[3] for t in step), sum(t[3] - t[2] for t in step)) if step else None
+            for step in pp_times]
+    with watched(comm, "final metrics: the schedule's times"):
+        everyone = comm.mpi.allgather(mine)
+    groups: Dict[tuple, List[int]] = {}
+    for r in range(comm.size):
+        c = mesh.coords(r)
+        groups.setdefault((c["dp"], c["sp"], c["tp"]), []).append(r)
+    out = []
+    for k in range(1 if len(mine) > 1 else 0, len(mine)):
+        values = []
+        for ranks in groups.values():
+            spans = [everyone[r][k] for r in ranks if everyone[r][k] is not None]
+            span = max(e for _, e, _ in spans) - min(s for s, _, _ in spans)
+            values.append(1.0 - sum(b for _, _, b in spans) / (len(ranks) * span) if span > 0 else 0.0)
+        out.append(sum(values) / len(values))
+    return out
+
+
+def costs(pp_times, comm) -> Dict[tuple, float]:
+    """{(kind, chunk): median compute seconds} over the kept steps (but the first) and every rank."""
+    mine: Dict[tuple, List[float]] = {}
+    for step in list(pp_times)[1 if len(pp_times) > 1 else 0:]:
+        for a, _, ready, end in step:
+            mine.setdefault((a.kind, a.chunk), []).append(end - ready)
+    with watched(comm, "final metrics: the actions' costs"):
+        everyone = comm.mpi.allgather(mine)
+    merged: Dict[tuple, List[float]] = {}
+    for table in everyone:
+        for k, v in table.items():
+            merged.setdefault(k, []).extend(v)
+    return {k: float(np.median(v)) for k, v in merged.items()}
+
+
+def message_bytes(schedule, rank: int, runners, tie=None, tied_numel: int = 0) -> Dict[str, int]:
+    """Bytes pipeline rank ``rank`` sends per step by kind, from its schedule and the messages' sizes (``runners``:
+    {chunk: runner} of the rank; ``tie``: the GPT's TiedWeight, whose value and gradient (``tied_numel``
+    elements) go between the first and the last chunk's stages)."""
+    out = {"activations": 0, "activation gradients": 0}
+    for a in schedule.actions[rank]:
+        if a.kind == "SEND_F":              # chunk c's output: the shape of its gradient
+            shape, dt = runners[a.chunk].grad_spec(a.mb)
+            out["activations"] += int(np.prod(shape)) * np.dtype(dt).itemsize
+        elif a.kind == "SEND_B":
+            shape, dt = runners[a.chunk].input_spec(a.mb)
+            out["activation gradients"] += int(np.prod(shape)) * np.dtype(dt).itemsize
+    if tie is not None:
+        sent = 0
+        if not tie.local and 0 in runners:
+            sent += tied_numel * tie.value_dtype.itemsize
+        if not tie.local and schedule.chunks - 1 in runners:
+            sent += schedule.micro_batches * tied_numel * 4
+        out["tied weight"] = sent
+    return out
