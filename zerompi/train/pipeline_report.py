@@ -121,7 +121,7 @@ def activation_theory(job) -> int:
     rows = cfg.batch // job.mesh.dp // cfg.zero.micro_batches
     return gpt_chunks_activation_bytes(in_flight(s, job.mesh.pp_rank), s.chunks, rows, cfg.seq_len, cfg.d_model,
                                        cfg.n_layer, cfg.n_head, m.vocab, s.split_backward, job.mesh.sp,
-                                       cfg.checkpoint_activations, np.dtype(m.dtype).itemsize)
+                                       cfg.checkpoint_activations, np.dtype(m.dtype).itemsize, job.mesh.tp)
 
 
 def final_metrics(cfg, job, comm, log) -> dict:
