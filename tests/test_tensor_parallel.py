@@ -263,6 +263,25 @@ def test_estimator_tp_rows():
     assert "Ψ_local = 14,496 of Ψ = 27,008" in out and "65,536 bytes" in out, out
 
 
+def test_estimator_tp_activations_with_and_without_checkpointing(tmp_path):
+    """The estimate with --tp counts a TP rank's activations (the formula zerompi.train measures, in tp) and,
+    with --checkpoint-activations (refused before), 6 TP all-reduces per block in place of 4."""
+    dims = ["--ranks", "4", "--n-layer", "2", "--d-model", "32", "--n-head", "4", "--seq-len", "16", "--vocab", "32",
+            "--batch", "8", "--dtype", "fp32"]
+    got = {}
+    for ckpt in (False, True):
+        path = tmp_path / f"{ckpt}.json"
+        proc = subprocess.run([sys.executable, "-m", "zerompi.estimate", "--tp", "2", *dims, "--json", str(path)]
+                              + (["--checkpoint-activations"] if ckpt else []), capture_output=True, text=True,
+                              timeout=60, cwd=str(ROOT))
+        assert proc.returncode == 0, proc.stderr
+        got[ckpt] = json.loads(path.read_text())
+        act = gpt_activation_bytes(4, 16, 32, 2, 4, 32, ckpt, tp=2)["total"]       # rows: 8 / (4/2) data-parallel
+        assert got[ckpt]["activations"]["bytes"] == act and got[ckpt]["stages"][0]["activation_bytes"] == act
+        assert "c = C/2" in got[ckpt]["activations"]["formula"]
+    assert got[True]["tensor_parallel"]["tp_bytes_per_step"] * 4 == got[False]["tensor_parallel"]["tp_bytes_per_step"] * 6
+
+
 def test_public_mesh_groups_and_tp_all_reduce():
     code = ("import json, numpy as np, zerompi\n"
             "from mpi4py import MPI\n"

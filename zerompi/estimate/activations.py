@@ -114,8 +114,9 @@ def gpt_activation_bytes(batch: int, seq_len: int, d_model: int, n_layer: int, n
                     ("n_head", n_head), ("vocab", vocab), ("sp", sp), ("tp", tp)):
         check(isinstance(v, int) and v >= 1, f"{name}={v!r} must be an integer >= 1")
     check(d_model % n_head == 0, f"d_model={d_model} is not divisible by n_head={n_head}")
-    check(n_head % (sp * tp) == 0, f"sp x tp={sp * tp} does not divide n_head={n_head}" if tp > 1 else
-          f"sp={sp} does not divide n_head={n_head}")
+    check(n_head % (sp * tp) == 0, f"sp={sp} does not divide n_head={n_head}" if tp == 1 else
+          f"tp={tp} does not divide n_head={n_head}" if sp == 1 else
+          f"sp={sp} does not divide the {n_head // tp} heads per TP rank (n_head={n_head}, tp={tp})")
     check(d_model % tp == 0, f"tp={tp} does not divide d_model={d_model}")
     check(seq_len % sp == 0, f"sp={sp} does not divide seq_len={seq_len}")
     return {k: v * itemsize for k, v in
@@ -148,10 +149,12 @@ def gpt_layer_sizes(vocab: int, seq_len: int, d_model: int, n_layer: int):
     return [vocab * c + seq_len * c] + [12 * c * c + 13 * c] * n_layer + [2 * c]
 
 
-def gpt_activations(dims: dict, ranks: int, micro_batches: int = 1, checkpoint: bool = False, sp: int = 1) -> dict:
+def gpt_activations(dims: dict, ranks: int, micro_batches: int = 1, checkpoint: bool = False, sp: int = 1,
+                    tp: int = 1) -> dict:
     """The estimate's activation entry for a GPT of ``dims`` (GPT_FLAGS; ``batch``: sequences per step
     over all ranks, as zerompi.train --batch): rows per rank per micro-batch, bytes by term, the
-    formula; ``sp``: ranks sharing each sequence (their rows are the same). Raises ConfigError on bad input."""
+    formula; ``sp``: ranks sharing each sequence (their rows are the same); ``ranks``: the TP groups
+    (N/tp) with ``tp`` ranks each. Raises ConfigError on bad input."""
     for name in GPT_FLAGS:
         v = dims[name]
         check(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"{name}={v!r} must be an integer >= 1")
@@ -163,9 +166,9 @@ def gpt_activations(dims: dict, ranks: int, micro_batches: int = 1, checkpoint: 
                                       f"micro-batches; use a multiple of {parts}")
     rows = dims["batch"] // parts
     terms = gpt_activation_bytes(rows, dims["seq_len"], dims["d_model"], dims["n_layer"], dims["n_head"],
-                                 dims["vocab"], checkpoint, sp=sp)
+                                 dims["vocab"], checkpoint, sp=sp, tp=tp)
     return {"bytes": terms["total"], "terms": terms, "rows_per_rank": rows, "checkpoint": checkpoint,
-            "sp": sp, "formula": formula_text(checkpoint, sp=sp), **dims}
+            "sp": sp, "tp": tp, "formula": formula_text(checkpoint, sp=sp, tp=tp), **dims}
 
 
 def with_activations(est: dict, act: dict) -> dict:
