@@ -64,21 +64,45 @@ def summarize(runs: list) -> list:
         mine = [r for r in runs if (r["ranks"], r["code"], r["tp"]) == (n, code, tp)]
         times = [r["step_time_s"] for r in mine]
         out.append({"ranks": n, "code": code, "tp": tp, "step_time_s": statistics.median(times),
-                    "step_times_s": times, "tp_seconds_per_step": statistics.median(r["tp_seconds_per_step"] for r in mine),
+                    "step_times_s": times,
+                    "tp_seconds_per_step": statistics.median(r["tp_seconds_per_step"] for r in mine),
                     "activation_bytes": mine[0]["activation_bytes"],
                     "activation_theory_bytes": mine[0]["activation_theory_bytes"]})
     return out
 
 
-def markdown(rows: list) -> str:
+def paired(runs: list) -> list:
+    """Per N and tp, the ratios of runs of one round, next to each other in time (the machine's load changes
+    between rounds more than between neighbours): new / old (with --old), and tp 2 / tp 1 of each code; the
+    median of each over rounds."""
+    at = {(r["code"], r["ranks"], r["tp"], r["round"]): r["step_time_s"] for r in runs}
+    rounds = sorted({r["round"] for r in runs})
+    out = []
+    for n in sorted({r["ranks"] for r in runs}):
+        pairs = [(f"new/old tp={tp}", ("new", tp), ("old", tp)) for tp in (1, 2)]
+        pairs += [(f"{code} tp2/tp1", (code, 2), (code, 1)) for code in ("old", "new")]
+        for name, (ca, ta), (cb, tb) in pairs:
+            ratios = [at[(ca, n, ta, k)] / at[(cb, n, tb, k)] for k in rounds
+                      if (cb, n, tb, k) in at and (ca, n, ta, k) in at]
+            if ratios:
+                out.append({"ranks": n, "ratio": name, "median": statistics.median(ratios), "rounds": ratios})
+    return out
+
+
+def markdown(rows: list, ratios: list = ()) -> str:
     mib = lambda b: "—" if b is None else f"{b / 2 ** 20:.2f}"   # noqa: E731
     lines = ["| N | code | mesh | step time (median) | rounds | TP all-reduce s/step | activations measured "
              "(formula), MiB |", "|---|---|---|---:|---|---:|---|"]
     for r in rows:
         mesh = f"dp {r['ranks'] // r['tp']} × tp {r['tp']}"
         lines.append(f"| {r['ranks']} | {r['code']} | {mesh} | {r['step_time_s'] * 1e3:.0f} ms | "
-                     f"{', '.join(f'{t * 1e3:.0f}' for t in r['step_times_s'])} | {r['tp_seconds_per_step'] * 1e3:.0f} ms | "
+                     f"{', '.join(f'{t * 1e3:.0f}' for t in r['step_times_s'])} | "
+                     f"{r['tp_seconds_per_step'] * 1e3:.0f} ms | "
                      f"{mib(r['activation_bytes'])} ({mib(r['activation_theory_bytes'])}) |")
+    if ratios:
+        lines += ["", "| N | ratio of a round's neighbours | median | rounds |", "|---|---|---:|---|"]
+        lines += [f"| {r['ranks']} | {r['ratio']} | {r['median']:.2f} | {', '.join(f'{x:.2f}' for x in r['rounds'])} |"
+                  for r in ratios]
     return "\n".join(lines)
 
 
@@ -99,7 +123,7 @@ def main(argv=None) -> int:
                     m = train(root, n, tp, a.steps)
                     runs.append(record(m, code, n, rnd))
                     log(f"round {rnd} N={n} {code} tp={tp}: step {m['step_time_s'] * 1e3:.1f} ms")
-    rows = summarize(runs)
+    rows, ratios = summarize(runs), paired(runs)
     bad = [f"N={r['ranks']} {r['code']} tp={r['tp']}: activations {r['activation_bytes']} != formula "
            f"{r['activation_theory_bytes']}" for r in rows
            if r["activation_bytes"] is not None and r["activation_bytes"] != r["activation_theory_bytes"]]
@@ -109,10 +133,10 @@ def main(argv=None) -> int:
                 if sha[("old", n, 1)] != sha[("new", n, 1)]]
     json.dump({"config": {"flags": GPT, "steps": a.steps, "rounds": a.rounds, "ranks": a.ranks,
                           "old": str(a.old) if a.old else None},
-               "summary": rows, "runs": runs, "validation": bad}, sys.stdout, indent=1)
+               "summary": rows, "paired": ratios, "runs": runs, "validation": bad}, sys.stdout, indent=1)
     print()
     if a.markdown:
-        log(markdown(rows))
+        log(markdown(rows, ratios))
     return 1 if bad else 0
 
 
