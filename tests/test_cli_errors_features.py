@@ -125,7 +125,3 @@ def test_flags_that_apply_in_one_setting_only(flags, needle):
     one_line(run_mpi(2, MLP + flags, timeout=LIMIT, check=False), "zerompi.train", needle)
 
 
-def test_estimate_refuses_checkpointed_activations_with_tp():
-    """As zerompi.train does; the estimate printed its table and ignored the flag."""
-    proc = tool("zerompi.estimate", "--n-layer", "4", *GPT_DIMS, "--tp", "2", "--checkpoint-activations")
-    one_line(proc, "zerompi.estimate", "checkpoint_activations=True is not available with tp=2")

@@ -13,7 +13,6 @@ from zerompi.comm.tpsplit import piece
 from zerompi.engine import lazy
 from zerompi.errors import UsageError
 from zerompi.train.models.gpt import GPT
-from zerompi.train.models.gpt_tp import TPGPT
 from zerompi.train.models.mlp import MLP
 from zerompi.train.models.mlp_tp import TPMLP
 from tests.mpirun import ROOT, run_mpi
@@ -61,7 +60,7 @@ def test_models_give_todays_values_bit_for_bit():
     same_bits(GPT(32, 8, 3, 4, 16, seed=5).init_layers(), gpt_whole(32, 8, 3, 16, 5))
     same_bits(MLP(24, 3, seed=2).init_layers(), mlp_whole(24, 3, 2))
     for r in range(2):                       # tensor-parallel pieces: today's whole values, cut
-        tp = TPGPT(32, 8, 2, 4, 16, seed=5, tp=_TP(r, 2))
+        tp = GPT(32, 8, 2, 4, 16, seed=5, tp=_TP(r, 2))
         want = [(ln, {n: piece(a, *tp.tp_split()[n], r, 2) if n in tp.tp_split() else a for n, a in ps.items()})
                 for ln, ps in gpt_whole(32, 8, 2, 16, 5)]
         same_bits(tp.init_layers(), want)

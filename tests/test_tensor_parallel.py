@@ -11,6 +11,7 @@ import pytest
 from tests.mpirun import ROOT, no_python_noise, one_line, run_mpi, run_train, zerompi_lines
 from zerompi.comm.tpsplit import merge, piece
 from zerompi.engine.memory import theory_bytes, theory_comm_bytes
+from zerompi.estimate.activations import gpt_activation_bytes
 from zerompi.estimate.tensor import gpt_tp
 
 # The GPT: 2 blocks, d_model 32, 4 heads, 16 tokens; the MLP: width 32, depth 4. 50 steps, fp32.
@@ -51,6 +52,12 @@ def test_tp_models_equal_the_full_models(k):
     for dtype, isz in (("float64", 8), ("float32", 4)):
         r = res[f"gpt-{dtype}"]
         assert r["calls"] == 4 * L and r["bytes"] == 4 * L * 2 * (k - 1) * (B * T * C // k) * isz, r
+        # The C kernels, as every mode runs them: the workspace's activations equal the formula in tp (with
+        # checkpointing too); checkpointing runs each block's 2 forward all-reduces again and gives the same bits.
+        assert r["kernels"] == "c" and r["checkpoint_same_bits"] and r["driven_same_bits"], r
+        for name in ("activations", "activations-ckpt"):
+            assert r[name][0] == r[name][1] > 0, (name, r)
+        assert r["activations-ckpt"][0] < r["activations"][0] and r["calls-ckpt"] == 6 * L, r
     r = res["mlp-float32"]     # depth 4: forward after blocks 1, 3; backward on block 2's input gradient
     assert r["calls"] == 3 and r["bytes"] == 3 * 2 * (k - 1) * (6 * 16 // k) * 4, r
 
@@ -132,6 +139,26 @@ def test_tp_bytes_memory_and_dp_traffic_equal_formulas(tp_runs):
             assert m["comm_bytes_per_step"] == theory_comm_bytes(m["stage"], padded, dp, isz, micro)
 
 
+# ---- activations: measured on the C kernels, and checkpointed -------------------------------------------
+def test_tp_checkpointed_activations_give_the_same_bits_and_their_formula(tmp_path):
+    """--tp 2 on dp 2 x tp 2 with --checkpoint-activations (refused while the TP GPT had no C-kernel path):
+    the same losses and final_params_sha256 as without it, the activations the workspace measured equal to
+    their formula in tp (and fewer), the TP all-reduce bytes 6 per block (the recomputed forward's again)."""
+    common = GPT + ["--dtype", "fp32", "--stage", "2", "--tp", "2", "--micro-batches", "2", "--steps", "4",
+                    "--log-every", "1000"]
+    plain = run_train(4, tmp_path, *common, tag="plain")
+    ckpt = run_train(4, tmp_path, *common, "--checkpoint-activations", tag="ckpt")
+    assert ckpt["losses"] == plain["losses"] and ckpt["final_params_sha256"] == plain["final_params_sha256"]
+    for m, on in ((plain, False), (ckpt, True)):
+        rows, L = 8 // 2 // 2, 2
+        want = gpt_activation_bytes(rows, 16, 32, L, 4, 32, on, tp=2)["total"]
+        assert m["activation_bytes"] == m["activation_theory_bytes"] == want, (on, m["activation_bytes"], want)
+        t = m["tensor_parallel"]
+        calls = 2 * L * (6 if on else 4)          # 2 micro-batches x L blocks x all-reduces, each (K-1)/K x 2 sent
+        assert t["bytes_per_step"] == t["theory_bytes_per_step"] == calls * 2 * (rows * 16 * 32 // 2) * 4
+    assert ckpt["activation_bytes"] < plain["activation_bytes"]
+
+
 # ---- checkpoints ---------------------------------------------------------------------------------------
 def consolidate(ckpt, out):
     return subprocess.run([sys.executable, "-m", "zerompi.checkpoint", "consolidate", str(ckpt), str(out)],
@@ -191,7 +218,6 @@ def test_a_fresh_run_never_overwrites_tp_checkpoints(tmp_path):
     (4, ["--model", "mlp", "--width", "30", "--tp", "4"], "tp=4 does not divide width=30"),
     (2, ["--model", "mlp", "--depth", "3", "--tp", "2"], "depth=3 is odd"),
     (2, ["--model", "mlp", "--tp", "2", "--device", "gpu"], "tp=2 runs on the CPU only"),
-    (2, ["--tp", "2", "--checkpoint-activations"], "checkpoint_activations=True is not available with tp=2"),
     (4, GPT + ["--tp", "4", "--node-size", "2"], "tp=4 does not divide node_size=2"),
     (4, GPT + ["--tp", "2", "--batch", "5"], "batch=5 does not split over 2 data-parallel ranks"),
 ])
@@ -235,6 +261,25 @@ def test_estimator_tp_rows():
                          timeout=60, cwd=str(ROOT)).stdout
     # GPT, L=2, C=32, V=32, T=16: split 2(12C^2 + 7C) = 25,024 -> 12,512 per TP rank; whole 1,984.
     assert "Ψ_local = 14,496 of Ψ = 27,008" in out and "65,536 bytes" in out, out
+
+
+def test_estimator_tp_activations_with_and_without_checkpointing(tmp_path):
+    """The estimate with --tp counts a TP rank's activations (the formula zerompi.train measures, in tp) and,
+    with --checkpoint-activations (refused before), 6 TP all-reduces per block in place of 4."""
+    dims = ["--ranks", "4", "--n-layer", "2", "--d-model", "32", "--n-head", "4", "--seq-len", "16", "--vocab", "32",
+            "--batch", "8", "--dtype", "fp32"]
+    got = {}
+    for ckpt in (False, True):
+        path = tmp_path / f"{ckpt}.json"
+        proc = subprocess.run([sys.executable, "-m", "zerompi.estimate", "--tp", "2", *dims, "--json", str(path)]
+                              + (["--checkpoint-activations"] if ckpt else []), capture_output=True, text=True,
+                              timeout=60, cwd=str(ROOT))
+        assert proc.returncode == 0, proc.stderr
+        got[ckpt] = json.loads(path.read_text())
+        act = gpt_activation_bytes(4, 16, 32, 2, 4, 32, ckpt, tp=2)["total"]       # rows: 8 / (4/2) data-parallel
+        assert got[ckpt]["activations"]["bytes"] == act and got[ckpt]["stages"][0]["activation_bytes"] == act
+        assert "c = C/2" in got[ckpt]["activations"]["formula"]
+    assert got[True]["tensor_parallel"]["tp_bytes_per_step"] * 4 == got[False]["tensor_parallel"]["tp_bytes_per_step"] * 6
 
 
 def test_public_mesh_groups_and_tp_all_reduce():

@@ -4,7 +4,7 @@ Usage: mpiexec -n N python tests/drivers/sp_model.py TP
 The N ranks form a Mesh of tp=TP x sp=N/TP (no data parallelism). Rank 0 prints ``RESULT {json}``: per
 case (kernels, dtype, checkpointing) the largest relative error of the loss (the SP ranks' mean) and of
 every gradient (the SP ranks' gradients summed, / K, split ones merged over the TP ranks) against the full
-model, the all-to-all calls and bytes of the pass beside the formula, and (C kernels, tp 1) the activation
+model, the all-to-all calls and bytes of the pass beside the formula, and (C kernels) the activation
 bytes the workspace measured beside estimate/activations.py's formula.
 """
 import json
@@ -18,7 +18,6 @@ from zerompi.comm.tpsplit import merge
 from zerompi.estimate.activations import gpt_activation_bytes
 from zerompi.train.models.gpt import GPT, WTE
 from zerompi.estimate.sequence import all_to_all_bytes
-from zerompi.train.models.gpt_tp import TPGPT
 
 world = MPI.COMM_WORLD
 TP = int(sys.argv[1])
@@ -48,17 +47,12 @@ rows = rng.integers(0, V, (B, T + 1))
 results = {}
 for kernels, dtype, ckpt in (("c", np.float64, False), ("c", np.float32, False), ("c", np.float32, True),
                              ("numpy", np.float64, False), ("numpy", np.float32, False), ("numpy", np.float32, True)):
-    if TP > 1 and (kernels == "c" or ckpt):
-        continue                         # the TP GPT runs on the plain array code, without checkpointing
     cast = lambda layers: [(n, {k: a.astype(dtype) for k, a in p.items()}) for n, p in layers]
     full = GPT(V, T, L, H, C, seed=3, dtype=dtype, kernels=kernels)
     full_loss, full_grads = full.loss_and_grads(cast(full.init_layers()), rows[:, :-1], rows[:, 1:])
-    if TP > 1:
-        part = TPGPT(V, T, L, H, C, seed=3, dtype=dtype, tp=mesh.tp_comm, sp=sp)
-        split = part.tp_split()
-    else:
-        part = GPT(V, T, L, H, C, seed=3, dtype=dtype, kernels=kernels, checkpoint_activations=ckpt, sp=sp)
-        split = {}
+    part = GPT(V, T, L, H, C, seed=3, dtype=dtype, kernels=kernels, checkpoint_activations=ckpt, sp=sp,
+               tp=mesh.tp_comm)
+    split = part.tp_split() if TP > 1 else {}
     before = sp.bytes_sent(), sp.calls()
     loss, grads = one_pass(part, cast(part.init_layers()), *part.local_sequence(rows))
     sent, calls = sp.bytes_sent() - before[0], sp.calls() - before[1]
@@ -77,7 +71,7 @@ for kernels, dtype, ckpt in (("c", np.float64, False), ("c", np.float32, False),
                formula_calls=L * (6 if ckpt else 4))
     if kernels == "c":
         out["activation_bytes"] = part.activation_bytes
-        out["activation_formula"] = gpt_activation_bytes(B, T, C, L, H, V, ckpt, isz, sp=K)["total"]
+        out["activation_formula"] = gpt_activation_bytes(B, T, C, L, H, V, ckpt, isz, sp=K, tp=TP)["total"]
     results[f"{kernels}-{np.dtype(dtype).name}{'-ckpt' if ckpt else ''}"] = out
 if world.Get_rank() == 0:
     print("RESULT " + json.dumps(results), flush=True)

@@ -4,7 +4,9 @@ Usage: mpiexec -n K python tests/drivers/tp_model.py
 Rank 0 prints one line ``RESULT {json}``: per model and dtype, the largest relative error of the
 loss and of every gradient (split ones merged from every rank's piece) against the full model in
 one process, whether the replicated gradients are bit-identical on every TP rank, and the TP
-all-reduce calls and bytes of the pass.
+all-reduce calls and bytes of the pass. For the GPT on the C kernels also, run as the engine driver runs
+it (model.activations, the model's workspace), with and without activation checkpointing: the activation
+bytes measured beside estimate/activations.py's formula in tp, and whether checkpointing gave the same bits.
 """
 import json
 
@@ -13,8 +15,8 @@ from mpi4py import MPI
 
 from zerompi.comm.mesh import Mesh
 from zerompi.comm.tpsplit import merge
-from zerompi.train.models.gpt import GPT
-from zerompi.train.models.gpt_tp import TPGPT
+from zerompi.estimate.activations import gpt_activation_bytes
+from zerompi.train.models.gpt import GPT, WTE
 from zerompi.train.models.mlp import MLP
 from zerompi.train.models.mlp_tp import TPMLP
 
@@ -41,13 +43,29 @@ def compare(loss, grads, split, full_loss, full_grads):
     return out
 
 
+def driven(model, layers, idx, tgt):
+    """Loss and gradients (copies) of one micro-batch run as the engine driver runs it (model.activations)."""
+    params, run = [p for _, p in layers], model.activations
+    h, caches = idx, []
+    for i, p in enumerate(params):
+        h, c = run.forward(i, p, h)
+        caches.append(c)
+    loss, dh, dwte = model.head(params[0][WTE], h, tgt, 1.0, model.workspace)
+    grads = {}
+    for i in reversed(range(len(params))):
+        dh, g = run.backward(i, params[i], caches[i], dh)
+        grads.update({k: np.array(v, copy=True) for k, v in g.items()})
+    grads[WTE] = grads[WTE] + dwte
+    return loss, grads
+
+
 rng = np.random.default_rng(5)
 idx = rng.integers(0, V, (B, T))
 tgt = rng.integers(0, V, (B, T))
 results = {}
 for dtype in (np.float64, np.float32):
     full = GPT(V, T, L, H, C, seed=3, dtype=dtype, kernels="numpy")
-    part = TPGPT(V, T, L, H, C, seed=3, dtype=dtype, tp=tp)
+    part = GPT(V, T, L, H, C, seed=3, dtype=dtype, tp=tp)
     cast = lambda layers: [(n, {k: a.astype(dtype) for k, a in p.items()}) for n, p in layers]
     full_loss, full_grads = full.loss_and_grads(cast(full.init_layers()), idx, tgt)
     before = tp.bytes_sent(), tp.stats["tp_all_reduce"].calls
@@ -55,7 +73,20 @@ for dtype in (np.float64, np.float32):
     r = compare(loss, grads, part.tp_split(), full_loss, full_grads)
     r["bytes"], r["calls"] = tp.bytes_sent() - before[0], tp.stats["tp_all_reduce"].calls - before[1]
     r["formula_bytes"] = part.tp_bytes_per_micro_batch(B, np.dtype(dtype).itemsize)
+    r["kernels"] = part.layers.name
     results[f"gpt-{np.dtype(dtype).name}"] = r
+    runs = {}
+    for ckpt in (False, True):
+        model = GPT(V, T, L, H, C, seed=3, dtype=dtype, tp=tp, checkpoint_activations=ckpt)
+        before = tp.stats["tp_all_reduce"].calls
+        loss, grads = driven(model, cast(model.init_layers()), idx, tgt)
+        runs[ckpt] = (loss, grads)
+        r[f"activations{'-ckpt' if ckpt else ''}"] = [model.activation_bytes, gpt_activation_bytes(
+            B, T, C, L, H, V, ckpt, np.dtype(dtype).itemsize, tp=tp.size)["total"]]
+        r[f"calls{'-ckpt' if ckpt else ''}"] = tp.stats["tp_all_reduce"].calls - before
+    r["checkpoint_same_bits"] = runs[False][0] == runs[True][0] and all(
+        np.array_equal(runs[False][1][n], runs[True][1][n]) for n in runs[False][1])
+    r["driven_same_bits"] = runs[False][0] == loss and all(np.array_equal(runs[False][1][n], grads[n]) for n in grads)
 
 # The MLP (float32 compute only): forward and backward through every layer, MSE loss.
 W, D, R = 16, 4, 6

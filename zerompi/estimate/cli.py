@@ -306,8 +306,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                   "give --params (--layers, --largest-layer) or the GPT's dimensions, not both: "
                   "the dimensions give Ψ and its layers")
             check(a.ranks is not None, "give --ranks")
-            act = gpt_activations(dims, a.ranks // a.tp, a.micro_batches, a.checkpoint_activations, a.sp) \
-                if a.tp == 1 else None   # the TP GPT's activations are not counted
+            act = gpt_activations(dims, a.ranks, a.micro_batches, a.checkpoint_activations, a.sp) \
+                if a.tp == 1 else None   # with --tp: after the split's checks, below
             sizes = gpt_layer_sizes(a.vocab, a.seq_len, a.d_model, 1)   # each block's size once, not n_layer times
             a.params, largest = sum(sizes) + (a.n_layer - 1) * sizes[1], max(sizes)
         if a.from_run is not None:
@@ -329,11 +329,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             tp = sp = None
             if a.tp != 1:                # the TP split of the GPT's dimensions, then ZeRO over N/K
                 from .tensor import gpt_tp
-                tp = gpt_tp(a.tp, a.ranks, a.n_layer, a.d_model, a.vocab, a.seq_len, a.batch, a.micro_batches, a.sp)
+                tp = gpt_tp(a.tp, a.ranks, a.n_layer, a.d_model, a.vocab, a.seq_len, a.batch, a.micro_batches, a.sp,
+                            a.checkpoint_activations)
                 check(a.n_head % a.tp == 0, f"tp={a.tp} does not divide n_head={a.n_head}")
-                check(not a.checkpoint_activations, f"checkpoint_activations=True is not available with tp={a.tp} "
-                                                    "(as in zerompi.train; no activations are estimated with --tp); "
-                                                    "drop one of the two")
+                act = gpt_activations(dims, tp["dp"], a.micro_batches, a.checkpoint_activations, a.sp, a.tp) \
+                    if given else None       # a TP rank's (its heads, its columns of the split layers)
             if a.sp != 1:                # each sequence over K ranks (TP groups); ZeRO over the dp x sp ranks
                 from .sequence import gpt_sp
                 sp = gpt_sp(a.sp, a.tp, a.ranks, a.n_layer, a.d_model, a.n_head, a.vocab, a.seq_len, a.batch,
@@ -342,7 +342,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 a.params, a.ranks, largest = tp["params_local"], tp["dp"], None
             check(a.params is not None and a.ranks is not None, "give --params and --ranks (or --from-run)")
             est = estimate(a.params, a.ranks, a.dtype, layers=a.layers, largest_layer=largest, **opts, **topo)
-            est = with_activations(est, act) if given and tp is None else est
+            est = with_activations(est, act) if given else est
             est = dict(est, tensor_parallel=tp) if tp else est
             est = dict(est, sequence_parallel=sp) if sp else est
             cmp = None

@@ -28,8 +28,7 @@ def all_to_all_bytes(n_layer: int, rows: int, chunk: int, channels: int, sp: int
 def gpt_sp(sp: int, tp: int, ranks: int, n_layer: int, d_model: int, n_head: int, vocab: int, seq_len: int,
            batch: int, micro_batches: int = 1, checkpoint: bool = False) -> dict:
     """{sp, tp, dp, rows, chunk, heads_per_rank, all_to_all_bytes_per_step (with and without checkpointing),
-    activation_bytes (both; None with tp > 1: the TP GPT's activations are not counted)}; ConfigError on
-    bad input."""
+    activation_bytes (both, per rank: its chunk, its TP heads)}; ConfigError on bad input."""
     for name, v in (("sp", sp), ("tp", tp), ("ranks", ranks), ("n_layer", n_layer), ("d_model", d_model),
                     ("n_head", n_head), ("vocab", vocab), ("seq_len", seq_len), ("batch", batch),
                     ("micro_batches", micro_batches)):
@@ -45,14 +44,12 @@ def gpt_sp(sp: int, tp: int, ranks: int, n_layer: int, d_model: int, n_head: int
                                              f"{micro_batches} micro-batches; use a multiple of {dp * micro_batches}")
     rows, chunk, c = batch // dp // micro_batches, seq_len // sp, d_model // tp
     a2a = {ckpt: micro_batches * all_to_all_bytes(n_layer, rows, chunk, c, sp, recompute=ckpt) for ckpt in (False, True)}
-    act = None
-    if tp == 1:
-        act = {ckpt: gpt_activation_bytes(rows, seq_len, d_model, n_layer, n_head, vocab, ckpt, sp=sp)["total"]
-               for ckpt in (False, True)}
+    act = {ckpt: gpt_activation_bytes(rows, seq_len, d_model, n_layer, n_head, vocab, ckpt, sp=sp, tp=tp)["total"]
+           for ckpt in (False, True)}
     return {"sp": sp, "tp": tp, "dp": dp, "rows": rows, "chunk": chunk, "heads_per_rank": n_head // (tp * sp),
             "checkpoint": checkpoint, "all_to_all_bytes_per_step": a2a[checkpoint],
             "all_to_all_bytes_per_step_by_checkpointing": {"off": a2a[False], "on": a2a[True]},
-            "activation_bytes_by_checkpointing": None if act is None else {"off": act[False], "on": act[True]},
+            "activation_bytes_by_checkpointing": {"off": act[False], "on": act[True]},
             "formula": f"{micro_batches} micro-batches x {n_layer} blocks x {3 if checkpoint else 2} passes x 4nC x "
                        f"(K-1)/K x 4 B, n = {rows}·{chunk}, C = {c}"}
 
@@ -65,8 +62,8 @@ def format_sp(sp: dict) -> str:
              f"  SP all-to-all per rank per step: {sp['all_to_all_bytes_per_step']:,} bytes = {sp['formula']} "
              f"(checkpointing off: {sp['all_to_all_bytes_per_step_by_checkpointing']['off']:,}, on: "
              f"{sp['all_to_all_bytes_per_step_by_checkpointing']['on']:,})"]
-    act = sp["activation_bytes_by_checkpointing"]
-    if act is not None:
-        lines.append(f"  activations per rank: {act['off']:,} bytes without checkpointing, {act['on']:,} with "
-                     "(n = B T/K, A = B (H/K) T^2, + 10nC of all-to-all buffers; docs/sequence-parallel.md)")
+    act, c = sp["activation_bytes_by_checkpointing"], "nc, c = C/tp" if sp["tp"] > 1 else "nC"
+    lines.append(f"  activations per rank: {act['off']:,} bytes without checkpointing, {act['on']:,} with "
+                 f"(n = B T/K, A = B (H/K{'/tp' if sp['tp'] > 1 else ''}) T^2, + 10{c} of all-to-all buffers; "
+                 "docs/sequence-parallel.md)")
     return "\n".join(lines)

@@ -1,7 +1,7 @@
 """The train job's model parallelism (--tp, --sp): the Mesh, the models split over it, the groups metered.
 
 The engine runs ZeRO over the mesh's dp x sp ranks (engine/tensor.py); the TP models split their
-blocks over its TP group (models/gpt_tp.py, models/mlp_tp.py), the SP GPT its sequences over its
+blocks over its TP group (models/gpt.py, models/mlp_tp.py), the SP GPT its sequences over its
 SP group (models/gpt_sp.py). train/tensor.py and train/sequence.py check and report each.
 """
 import numpy as np
@@ -23,13 +23,9 @@ def build_model(cfg, mesh, xp=np):
     if cfg.model == "gpt":
         from .data import make_data
         data = make_data(cfg.data, cfg.seq_len, cfg.seed)
-        if mesh.tp == 1:
-            from .models.gpt import GPT
-            return GPT(data.vocab, cfg.seq_len, cfg.n_layer, cfg.n_head, cfg.d_model, cfg.seed, xp=xp,
-                       checkpoint_activations=cfg.checkpoint_activations, sp=mesh.sp_comm), data
-        from .models.gpt_tp import TPGPT
-        return TPGPT(data.vocab, cfg.seq_len, cfg.n_layer, cfg.n_head, cfg.d_model, cfg.seed, xp=xp,
-                     tp=mesh.tp_comm, sp=mesh.sp_comm), data
+        from .models.gpt import GPT
+        return GPT(data.vocab, cfg.seq_len, cfg.n_layer, cfg.n_head, cfg.d_model, cfg.seed, xp=xp,
+                   checkpoint_activations=cfg.checkpoint_activations, sp=mesh.sp_comm, tp=mesh.tp_comm), data
     from .models.mlp import TeacherData
     from .models.mlp_tp import TPMLP
     return TPMLP(cfg.width, cfg.depth, cfg.seed, tp=mesh.tp_comm), TeacherData(cfg.width, cfg.depth, cfg.seed)

@@ -244,7 +244,8 @@ class PipelineJob:
         rows = cfg.batch // self.mesh.dp // cfg.zero.micro_batches
         return act, gpt_chunks_activation_bytes(in_flight(s, self.mesh.pp_rank), s.chunks, rows, cfg.seq_len,
                                                 cfg.d_model, cfg.n_layer, cfg.n_head, m.vocab, s.split_backward,
-                                                self.mesh.sp, cfg.checkpoint_activations, np.dtype(m.dtype).itemsize)
+                                                self.mesh.sp, cfg.checkpoint_activations, np.dtype(m.dtype).itemsize,
+                                                self.mesh.tp)
 
     def tp_theory(self):
         return None                               # not derived per stage yet

@@ -77,7 +77,7 @@ def layer_sizes(cfg: TrainConfig, tp: int = 1) -> List[int]:
     """Parameters of each engine layer of the built-in model on one TP rank (``tp`` ranks per TP
     group; 1: the whole model), without building it. The GPT's blocks keep 6·d_model replicated
     (the LayerNorms, the row-parallel biases) and split the rest, 12·d_model² + 7·d_model, K ways
-    (models/gpt_tp.py); the MLP's even blocks split weight and bias, its odd ones the weight only
+    (models/gpt.py, TP_SPLIT); the MLP's even blocks split weight and bias, its odd ones the weight only
     (models/mlp_tp.py). Embeddings and the final LayerNorm are replicated. A list of every layer:
     only for up to EXACT_LAYERS of them (model_size is the closed form)."""
     if cfg.model == "mlp":
@@ -169,15 +169,17 @@ def _pipeline_activations(cfg: TrainConfig, world_size: int, rank: int, s) -> in
     rows = max(1, cfg.batch // (world_size // (z.tp * z.sp * z.pp)) // z.micro_batches)
     vocab = FILE_VOCAB if cfg.data else GENERATED_VOCAB
     return gpt_chunks_activation_bytes(in_flight(s, stage), s.chunks, rows, cfg.seq_len, cfg.d_model, cfg.n_layer,
-                                       cfg.n_head, vocab, s.split_backward, z.sp, cfg.checkpoint_activations)
+                                       cfg.n_head, vocab, s.split_backward, z.sp, cfg.checkpoint_activations,
+                                       tp=z.tp)
 
 
 def memory_needed(cfg: TrainConfig, world_size: int, rank: int = 0) -> dict:
     """Bytes one rank holds at once at least, by part: the model states and engine buffers (zerompi.estimate,
     best case; with --tp for this TP rank's pieces), and the MLP's teacher (float32, built whole and kept) or
-    the GPT's activations: on the CPU without --tp all of one micro-batch's (estimate/activations.py, what the
-    run measures; with --sp K of this rank's chunk), else the attention probabilities one micro-batch keeps for
-    the backward (one block's with checkpointing; n_head/(tp x sp) heads over the whole sequence). The
+    the GPT's activations: on the CPU all of one micro-batch's (estimate/activations.py, what the run
+    measures; with --sp K of this rank's chunk, with --tp of its heads and MLP columns), else the attention
+    probabilities one micro-batch keeps for the backward (one block's with checkpointing; n_head/(tp x sp)
+    heads over the whole sequence). The
     built-in models are lazy (engine/lazy.py): no rank makes its initial parameters whole, so they add
     nothing beside the model states. With --pp: world rank ``rank``'s, the chunks of its stage (pipeline_estimate)."""
     z, tp = cfg.zero, cfg.zero.tp
@@ -193,14 +195,14 @@ def memory_needed(cfg: TrainConfig, world_size: int, rank: int = 0) -> dict:
         return parts
     rows = max(1, cfg.batch // (world_size // (tp * z.sp) * z.micro_batches))   # sequences per data-parallel rank
     if z.pp > 1:                                 # the micro-batches in flight in each chunk of the stage
-        if tp == 1 and cfg.device == "cpu":
+        if cfg.device == "cpu":
             parts["activations"] = _pipeline_activations(cfg, world_size, rank, schedule)
         return parts
-    if tp == 1 and cfg.device == "cpu":          # the C kernels' workspace: every activation, by its formula
+    if cfg.device == "cpu":                     # the C kernels' workspace: every activation, by its formula
         from ..estimate.activations import gpt_activation_bytes
         vocab = FILE_VOCAB if cfg.data else GENERATED_VOCAB
         parts["activations"] = gpt_activation_bytes(rows, cfg.seq_len, cfg.d_model, cfg.n_layer, cfg.n_head, vocab,
-                                                    cfg.checkpoint_activations, sp=z.sp)["total"]
+                                                    cfg.checkpoint_activations, sp=z.sp, tp=tp)["total"]
     else:
         kept = 1 if cfg.checkpoint_activations else cfg.n_layer      # blocks whose probabilities are held at once
         parts["attention probabilities"] = 4 * kept * rows * (cfg.n_head // (tp * z.sp)) * cfg.seq_len ** 2

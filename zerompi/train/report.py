@@ -137,15 +137,15 @@ def _engine_banner(cfg, engine, comm, placement) -> None:
 
 def activations(cfg, model, world_size: int) -> Tuple[Optional[int], Optional[int]]:
     """(measured, formula) activation bytes per rank: the GPT's on its C kernels (models/activations.py,
-    estimate/activations.py; with --sp K, of this rank's chunk), else (None, None) (the MLP, the GPT's
-    plain array path)."""
+    estimate/activations.py; with --sp K, of this rank's chunk; with --tp, of its heads and MLP columns), else
+    (None, None) (the MLP, the GPT's plain array path)."""
     measured = getattr(model, "activation_bytes", None)
     if measured is None:
         return None, None
     z = cfg.zero
     rows = cfg.batch // (world_size // (z.tp * z.sp) * z.micro_batches)    # sequences per data-parallel rank
     theory = gpt_activation_bytes(rows, cfg.seq_len, cfg.d_model, cfg.n_layer, cfg.n_head, model.vocab,
-                                  cfg.checkpoint_activations, np.dtype(model.dtype).itemsize, z.sp)
+                                  cfg.checkpoint_activations, np.dtype(model.dtype).itemsize, z.sp, z.tp)
     return measured, theory["total"]
 
 
@@ -320,7 +320,7 @@ def print_summary(metrics: dict, job, comm, base_bytes: Dict[str, int]) -> None:
     act = None
     if metrics["activation_bytes"] is not None:
         act = (metrics["activation_bytes"], metrics["activation_theory_bytes"],
-               formula_text(cfg["checkpoint_activations"], sp=z.sp) + " (docs/activations.md)")
+               formula_text(cfg["checkpoint_activations"], sp=z.sp, tp=z.tp) + " (docs/activations.md)")
     print0(comm.mpi, memory_table(metrics["memory_bytes"], metrics["theory_bytes"], metrics["theory_bytes_padded"],
                                   z.stage, first.topology.shard_size, z.itemsize, first.topology.node_size, act))
     peak = peak_buffer_bytes(engines)

@@ -10,8 +10,6 @@ def check_model(cfg) -> None:
     """ConfigError (one line) unless cfg's model can be split over cfg.zero.tp ranks."""
     k = cfg.zero.tp
     check(cfg.device != "gpu", f"tp={k} runs on the CPU only for now; use --device cpu (or --tp 1)")
-    check(not cfg.checkpoint_activations, f"checkpoint_activations=True is not available with tp={k} yet (the "
-                                          "tensor-parallel GPT keeps its activations); drop one of the two")
     if cfg.model == "gpt":
         check(cfg.n_head % k == 0, f"tp={k} does not divide n_head={cfg.n_head}; the heads are split over the "
                                    f"TP ranks, so use a divisor of {cfg.n_head}")
@@ -35,7 +33,8 @@ def summary(metrics: dict, cfg) -> str:
     tp = metrics.get("tensor_parallel")
     if tp is None:
         return None
-    blocks = f"4 x {cfg.n_layer} blocks" if cfg.model == "gpt" else f"{cfg.depth - 1} layers"
+    passes = 6 if cfg.checkpoint_activations else 4          # with checkpointing the forward's 2 run twice
+    blocks = f"{passes} x {cfg.n_layer} blocks" if cfg.model == "gpt" else f"{cfg.depth - 1} layers"
     sent = "- (one step)" if tp["bytes_per_step"] is None else human_bytes(tp["bytes_per_step"])   # None: one ran
     formula = "none derived per pipeline stage yet" if tp["theory_bytes_per_step"] is None else \
         (f"{human_bytes(tp['theory_bytes_per_step'])} = {cfg.zero.micro_batches} micro-batches x {blocks} x "

@@ -22,11 +22,20 @@ previous step's buffers; called without one, every layer returns new arrays.
 ``checkpoint_activations``: a block keeps only its input through the forward and runs its
 forward again inside its backward (activations.Recompute); ``activation_bytes`` is what the
 activations measured (activations.MeteredWorkspace; the formula: estimate/activations.py).
+
+``tp`` (a TPComm of K > 1 ranks): tensor parallelism as Megatron-LM splits the blocks, the same layers
+on this rank's pieces (TP_SPLIT, cut by comm/tpsplit.py): QKV column-parallel (its n_head/K heads' q, k
+and v columns), the attention projection row-parallel, fc column-parallel, out row-parallel; one
+all-reduce after each row-parallel multiply in the forward, one on each column-parallel layer's input
+gradient in the backward (the layers' ``reduce``). Embeddings, LayerNorms and the row-parallel biases
+are replicated; their inputs and gradients are the same bits on every TP rank (the all-reduce sums in
+rank order). Parameter names are the full model's, shapes the pieces'. ``sp``: gpt_sp.py.
 """
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from ...comm.tpsplit import check_divides
 from ...engine import lazy
 from ..model_kernels import upcast
 from .activations import Keep, MeteredWorkspace, Recompute, scratch
@@ -40,6 +49,8 @@ __all__ = ["GPT", "LN_EPS", "WPE", "WTE", "attention", "attention_backward", "ev
            "held_out_loss", "validation_loss"]
 WTE, WPE = "wte", "wpe"
 KERNELS = ("auto", "c", "numpy")
+# Short block name -> (axis, groups) of its tensor-parallel split; the block's other parameters are replicated.
+TP_SPLIT = {"qkv.w": (1, 3), "qkv.b": (0, 3), "proj.w": (0, 1), "fc.w": (1, 1), "fc.b": (0, 1), "out.w": (0, 1)}
 
 
 # ---- the model ------------------------------------------------------------------------
@@ -47,7 +58,8 @@ class GPT:
     """Sizes, initial parameters, and per-layer forward/backward in ``dtype`` on ``xp``."""
 
     def __init__(self, vocab: int, seq_len: int, n_layer: int, n_head: int, d_model: int, seed: int = 0,
-                 xp=np, dtype=np.float32, kernels: str = "auto", checkpoint_activations: bool = False, sp=None):
+                 xp=np, dtype=np.float32, kernels: str = "auto", checkpoint_activations: bool = False, sp=None,
+                 tp=None):
         if d_model % n_head:
             raise ValueError(f"d_model={d_model} must be divisible by n_head={n_head}")
         if kernels not in KERNELS:
@@ -56,9 +68,15 @@ class GPT:
         self.n_head, self.d_model, self.seed = n_head, d_model, seed
         self.xp, self.dtype = xp, dtype
         self.sp = sp if sp is not None and sp.size > 1 else None   # SPComm: this rank's chunk of each sequence
-        if self.sp:
-            check_sp_model(sp.size, n_head, seq_len)
-        self.layers = sequence_parallel(fused_layers(xp, dtype, n_head, kernels) or NumpyLayers(xp, n_head), self.sp)
+        self.tp = tp if tp is not None and tp.size > 1 else None   # TPComm: this rank's heads and MLP columns
+        k = self.tp.size if self.tp else 1
+        if self.tp:
+            check_divides(k, n_head=n_head, d_model=d_model)
+        if self.sp:                             # the heads are split by TP first, then by SP
+            check_sp_model(sp.size, n_head, seq_len, k)
+        heads = n_head // k
+        self.layers = sequence_parallel(fused_layers(xp, dtype, heads, kernels, self.tp)
+                                        or NumpyLayers(xp, heads, self.tp), self.sp)
         self.workspace = MeteredWorkspace()    # the engine driver's buffers, kept across steps
         self.checkpoint_activations = bool(checkpoint_activations)
         self.activations = (Recompute if checkpoint_activations else Keep)(self)   # how the driver runs layers
@@ -118,7 +136,23 @@ class GPT:
                 n["out.w"]: normal((4 * C, C), resid), n["out.b"]: zeros(C),
             }))
         layers.append(("ln_f", {"ln_f.g": ones(C), "ln_f.b": zeros(C)}))
+        if self.tp:                    # each split parameter cut to this TP rank's piece (the same draws)
+            split, r, k = self.tp_split(), self.tp.rank, self.tp.size
+            layers = [(name, {n: lazy.Piece(a, *split[n], r, k) if n in split else a for n, a in params.items()})
+                      for name, params in layers]
         return layers
+
+    def tp_split(self) -> Dict[str, Tuple[int, int]]:
+        """{parameter name: (axis, groups)} of the tensor-parallel split parameters (the engine's tp_split)."""
+        return {f"block{i}.{k}": s for i in range(self.n_layer) for k, s in TP_SPLIT.items()}
+
+    def tp_bytes_per_micro_batch(self, rows: int, itemsize: int = 4) -> int:
+        """Bytes one rank sends in the TP all-reduces of one micro-batch of ``rows`` sequences: per block 2 in
+        the forward (again in the backward's recomputation, with checkpointing) and 2 in the backward, of
+        rows·t·d_model values each (t: the positions this rank holds, seq_len / sp), 2(K-1)/K of each."""
+        k, t = (self.tp.size if self.tp else 1), self.seq_len // (self.sp.size if self.sp else 1)
+        calls = 6 if self.checkpoint_activations else 4
+        return self.n_layer * calls * 2 * (k - 1) * (rows * t * self.d_model // k) * itemsize
 
     def init_layers(self) -> List[Tuple[str, Dict[str, np.ndarray]]]:
         """lazy_layers() made whole: [(layer name, {param name: float32 array})] (references, tests)."""

@@ -13,7 +13,10 @@ Same mathematics as gpt_numpy.NumpyLayers, arranged so that the time goes to BLA
   its output straight into (B, T, C) and its q/k/v gradients straight into d qkv: no
   transpose or concatenate copies. The causal softmax and its backward run in place on
   the (B, H, T, T) scores, the lower triangle only;
-- the buffers come from a Workspace: with ``persistent`` the same arrays serve every step.
+- the buffers come from a Workspace: with ``persistent`` the same arrays serve every step;
+- tensor-parallel (``tp``, Megatron-LM's split, models/gpt.py): a block holds its rank's heads and MLP
+  columns; each row-parallel layer's partial sums are all-reduced in place before its bias and
+  residual, each column-parallel layer's input gradient after its matrix multiply.
 
 Float32 or float64 NumPy arrays only (the kernels' types); models.gpt picks this path.
 """
@@ -121,9 +124,15 @@ class FusedLayers:
 
     name = "c"
 
-    def __init__(self, kernels, n_head: int):
-        self.k, self.n_head, self.dtype = kernels, n_head, kernels.dtype
+    def __init__(self, kernels, n_head: int, tp=None):
+        self.k, self.n_head, self.dtype, self.tp = kernels, n_head, kernels.dtype, tp
         self.attention = FusedAttention(kernels, n_head)
+
+    def reduce(self, x) -> None:
+        """The TP all-reduce, in place, of a row-parallel layer's partial sums (before its bias and residual)
+        or a column-parallel layer's input gradient; nothing without tensor parallelism."""
+        if self.tp is not None:
+            self.tp.all_reduce(x)
 
     @staticmethod
     def _flat(x):
@@ -153,25 +162,27 @@ class FusedLayers:
     def block_forward(self, p, x, ws: Workspace = FRESH, key=None):
         k, dt = self.k, self.dtype
         B, T, C = x.shape
-        n = B * T
+        n, c, hidden = B * T, p["qkv.w"].shape[1] // 3, p["fc.w"].shape[1]     # c, hidden: this TP rank's
         own = lambda name, shape: ws.get((key, name), shape, dt)
         x2 = self._flat(x)
         a, mu1, rs1 = own("a", (n, C)), own("mu1", (n,)), own("rs1", (n,))
         k.layernorm_fwd(x2, self._p(p, "ln1.g"), self._p(p, "ln1.b"), a, mu1, rs1, LN_EPS)
-        qkv = self.attention.qkv_buffer(ws, key, n, C)
+        qkv = self.attention.qkv_buffer(ws, key, n, c)
         np.matmul(a, self._p(p, "qkv.w"), out=qkv)
         qkv += self._p(p, "qkv.b")
         y, attn = self.attention.forward(qkv, B, T, ws, key)
         x1 = own("x1", (n, C))
         np.matmul(y, self._p(p, "proj.w"), out=x1)
+        self.reduce(x1)                                       # row-parallel under TP
         k.bias_residual(x1, x2, self._p(p, "proj.b"))
         m, mu2, rs2 = own("m", (n, C)), own("mu2", (n,)), own("rs2", (n,))
         k.layernorm_fwd(x1, self._p(p, "ln2.g"), self._p(p, "ln2.b"), m, mu2, rs2, LN_EPS)
-        f, gf = own("f", (n, 4 * C)), own("gf", (n, 4 * C))
+        f, gf = own("f", (n, hidden)), own("gf", (n, hidden))
         np.matmul(m, self._p(p, "fc.w"), out=f)
         k.gelu_fwd(f, self._p(p, "fc.b"), gf)
         out = own("out", (n, C))
         np.matmul(gf, self._p(p, "out.w"), out=out)
+        self.reduce(out)
         k.bias_residual(out, x1, self._p(p, "out.b"))
         return out.reshape(B, T, C), (x2, mu1, rs1, a, attn, y, x1, mu2, rs2, m, f, gf)
 
@@ -191,22 +202,25 @@ class FusedLayers:
         k, dt = self.k, self.dtype
         x2, mu1, rs1, a, attn, y, x1, mu2, rs2, m, f, gf = cache
         n, C = x2.shape
+        c, hidden = y.shape[1], f.shape[1]          # this TP rank's channels of its heads, of the MLP
         shared = lambda name, shape: ws.get(("block", name), shape, dt)
         kept = (lambda name, shape: ws.get((key, name), shape, dt)) if keep else shared
         g = {name: (kept if name in KEPT_GRADS else shared)("g." + name, self._p(p, name).shape) for name in p}
         dout2 = self._flat(dout)
-        dz = kept("dz", (n, 4 * C))
+        dz = kept("dz", (n, hidden))
         np.matmul(dout2, self._p(p, "out.w").T, out=dz)
         k.gelu_bwd(dz, f, g["fc.b"])
         dm = shared("dm", (n, C))
         np.matmul(dz, self._p(p, "fc.w").T, out=dm)
+        self.reduce(dm)                                       # column-parallel under TP
         dx1 = ws.get((key, "dx1"), (n, C), dt)
         k.layernorm_bwd(dm, x1, mu2, rs2, self._p(p, "ln2.g"), dout2, dx1, g["ln2.g"], g["ln2.b"])
-        dy = shared("dy", (n, C))
+        dy = shared("dy", (n, c))
         np.matmul(dx1, self._p(p, "proj.w").T, out=dy)
-        dqkv = self.attention.backward(attn, dy, ws, out=kept("dqkv", (n, 3 * C)))
+        dqkv = self.attention.backward(attn, dy, ws, out=kept("dqkv", (n, 3 * c)))
         da = shared("da", (n, C))
         np.matmul(dqkv, self._p(p, "qkv.w").T, out=da)
+        self.reduce(da)
         dx = ws.get((key, "dx"), (n, C), dt)
         k.layernorm_bwd(da, x2, mu1, rs1, self._p(p, "ln1.g"), dx1, dx, g["ln1.g"], g["ln1.b"])
 
@@ -222,9 +236,10 @@ class FusedLayers:
         return dx.reshape(dout.shape), weights
 
 
-def fused_layers(xp, dtype, n_head: int, kernels: str) -> Optional[FusedLayers]:
-    """FusedLayers when ``kernels`` allows them and they can run here (NumPy, float32/float64,
-    the C library loads), else None. ``kernels="c"`` raises RuntimeError when they cannot."""
+def fused_layers(xp, dtype, n_head: int, kernels: str, tp=None) -> Optional[FusedLayers]:
+    """FusedLayers of ``n_head`` heads (this TP rank's, with ``tp``) when ``kernels`` allows them and they can
+    run here (NumPy, float32/float64, the C library loads), else None. ``kernels="c"`` raises RuntimeError
+    when they cannot."""
     if kernels == "numpy":
         return None
     from ..model_kernels import kernels_for, unavailable_reason
@@ -232,4 +247,4 @@ def fused_layers(xp, dtype, n_head: int, kernels: str) -> Optional[FusedLayers]:
     if k is None and kernels == "c":
         why = "they run on NumPy only" if xp is not np else (unavailable_reason() or f"dtype {np.dtype(dtype)}")
         raise RuntimeError(f"the GPT's C kernels cannot be used: {why}")
-    return FusedLayers(k, n_head) if k is not None else None
+    return FusedLayers(k, n_head, tp) if k is not None else None

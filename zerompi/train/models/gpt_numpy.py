@@ -46,6 +46,11 @@ def linear(x, w, b):
     return (x.reshape(-1, x.shape[-1]) @ w).reshape(x.shape[:-1] + (w.shape[1],)) + b
 
 
+def matmul(x, w):
+    """x @ w on the last axis of x, without a bias (a row-parallel layer's partial sum under tensor parallelism)."""
+    return (x.reshape(-1, x.shape[-1]) @ w).reshape(x.shape[:-1] + (w.shape[1],))
+
+
 def linear_backward(dy, x, w):
     """(dx, dw, db) of y = x @ w + b."""
     dx, weight = linear_backward_parts(dy, x, w)
@@ -109,13 +114,19 @@ class Attention:
 
 class NumpyLayers:
     """A transformer block and the final LayerNorm in array code (``ws`` and ``key`` unused:
-    every array is new)."""
+    every array is new). ``tp``: the TP group (a TPComm) whose all-reduces ``reduce`` runs, None
+    without tensor parallelism (models/gpt.py: this rank's heads and MLP columns)."""
 
     name = "numpy"
 
-    def __init__(self, xp, n_head: int):
-        self.xp, self.n_head = xp, n_head
+    def __init__(self, xp, n_head: int, tp=None):
+        self.xp, self.n_head, self.tp = xp, n_head, tp
         self.attention = Attention(xp, n_head)
+
+    def reduce(self, x):
+        """The TP all-reduce of a row-parallel layer's partial sums or a column-parallel layer's input
+        gradient (x itself without tensor parallelism)."""
+        return x if self.tp is None else self.tp.all_reduce(self.xp.ascontiguousarray(x))
 
     def ln_forward(self, x, g, b, ws=None, key=None):
         return layernorm(self.xp, x, g, b)
@@ -127,11 +138,11 @@ class NumpyLayers:
         xp = self.xp
         a, ln1 = layernorm(xp, x, p["ln1.g"], p["ln1.b"])
         y, att = self.attention.forward(linear(a, p["qkv.w"], p["qkv.b"]))
-        x1 = x + linear(y, p["proj.w"], p["proj.b"])
+        x1 = x + (self.reduce(matmul(y, p["proj.w"])) + p["proj.b"])      # row-parallel under TP
         m, ln2 = layernorm(xp, x1, p["ln2.g"], p["ln2.b"])
         f = linear(m, p["fc.w"], p["fc.b"])
         gf, t = gelu(xp, f)
-        out = x1 + linear(gf, p["out.w"], p["out.b"])
+        out = x1 + (self.reduce(matmul(gf, p["out.w"])) + p["out.b"])
         return out, (ln1, a, att, y, ln2, m, f, t, gf)
 
     def block_backward(self, p, cache, dout, ws=None, key=None):
@@ -139,11 +150,11 @@ class NumpyLayers:
         dx, weights = self.block_backward_parts(p, cache, dout)
         return dx, weights()
 
-    def block_backward_parts(self, p, cache, dout, ws=None, key=None, keep=False, reduce=None):
+    def block_backward_parts(self, p, cache, dout, ws=None, key=None, keep=False):
         """(dx, weights): the input gradient now, ``weights()`` -> {short name: grad} (the linear layers'
-        weight and bias gradients) when called; ``reduce``: applied to the column-parallel layers' input
-        gradients (the tensor-parallel all-reduce), None for none. Every array is new (``keep`` unused)."""
-        reduce = reduce or (lambda x: x)
+        weight and bias gradients) when called; the column-parallel layers' input gradients all-reduced
+        over TP. Every array is new (``keep`` unused)."""
+        reduce = self.reduce
         ln1, a, att, y, ln2, m, f, t, gf = cache
         g = {}
         dgf, w_out = linear_backward_parts(dout, gf, p["out.w"])

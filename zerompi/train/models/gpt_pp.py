@@ -25,7 +25,7 @@ from .gpt_fast import FRESH
 
 
 class GPTChunk:
-    """Chunk ``index`` of ``chunks`` of ``model`` (a GPT or TPGPT), fed from ``data`` (rows of data-parallel
+    """Chunk ``index`` of ``chunks`` of ``model`` (a GPT, any --tp), fed from ``data`` (rows of data-parallel
     rank ``dp_rank`` of ``dp``; ``batch`` sequences per step, ``micro_batches``); ``tie`` a TiedWeight; ``shared``:
     the Workspace of one-layer buffers this rank's chunks share (models/chunks.py; default: the chunk's own)."""
 
