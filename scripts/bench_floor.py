@@ -149,7 +149,8 @@ def worker(name: str, repeats: int, stages, device: str = "cpu") -> None:
     from zerompi import ZeroEngine
     from zerompi.engine.timers import KEYS
     from zerompi.train.config import parse_config
-    from zerompi.train.run import _one_blas_thread, build_model, step_losses
+    from zerompi.train.job import step_losses
+    from zerompi.train.run import _one_blas_thread, build_model
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     _one_blas_thread()

@@ -89,3 +89,11 @@ def held_out(log, step: int, result, none: str) -> Tuple[str, str]:
         return "", f"  note: no held-out loss: {none}" if first else ""
     log.val_losses.append([step + 1, result.loss])
     return f"  val {result.loss:.4f} ({result.rows} row{'' if result.rows == 1 else 's'})", ""
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024.0
+    return f"{n:.2f} TiB"

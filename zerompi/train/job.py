@@ -6,10 +6,21 @@ PipelineJob, --pp P > 1); both answer the same questions -- a step, its loss ove
 loss, a resume, the facts of the final metrics -- so that the loop, the report and the metrics are one.
 """
 import hashlib
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import numpy as np
 
+
+
+def step_losses(model: str) -> Callable[..., List[float]]:
+    """The built-in model's ``train_losses(engine, model, data, step, batch, micro_batches)``:
+    forward and backward of this rank's micro-batches of that step (``batch`` over all
+    ranks), gradients handed to the engine; returns the micro-batch losses."""
+    if model == "gpt":
+        from .models.gpt import train_losses
+    else:
+        from .models.mlp import train_losses
+    return train_losses
 
 class SingleJob:
     """This rank's part of a run without --pp; ``build(cfg, xp, mesh)``: train/run.py's build_model."""
@@ -30,7 +41,6 @@ class SingleJob:
                                  tp_split=self.model.tp_split() if self.mesh and self.mesh.tp > 1 else None)
         self.engines = [self.engine]
         self.groups = metered_groups(self.mesh)   # TP all-reduces, SP all-to-alls: counted per step, apart
-        from .run import step_losses
         self._losses = step_losses(cfg.model)
 
     @property

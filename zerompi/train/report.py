@@ -15,6 +15,7 @@ from ..comm.device import describe_buffers
 from ..comm.flight import hosts_line
 from ..engine.timers import format_breakdown, per_step, summarize
 from ..comm.watchdog import watched
+from .console import human_bytes
 
 
 def leads(comm) -> bool:
@@ -29,14 +30,6 @@ def print0(comm, *args, **kwargs) -> None:
     if leads(comm):
         print(*args, **kwargs)
         sys.stdout.flush()
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024.0
-    return f"{n:.2f} TiB"
 
 
 def memory_table(measured: Dict[str, int], theory: Dict[str, int], padded: Dict[str, int],

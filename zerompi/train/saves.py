@@ -55,7 +55,7 @@ def checkpoint_bytes(engine) -> int:
 
 def disk_line(cfg: TrainConfig, engine, start: int) -> str:
     """What the run's checkpoints take on disk, for the banner."""
-    from .report import human_bytes
+    from .console import human_bytes
     every = cfg.save_every
     saves = len({s for s in range(start + 1, cfg.steps + 1) if every and s % every == 0} | {cfg.steps})
     one = checkpoint_bytes(engine)

@@ -37,7 +37,7 @@ def theory_bytes_per_step(cfg, model, dp: int) -> int:
 
 def summary(metrics: dict, cfg):
     """The SP traffic row printed under the communication table (None without sequence parallelism)."""
-    from .report import human_bytes
+    from .console import human_bytes
     sp = metrics.get("sequence_parallel")
     if sp is None:
         return None

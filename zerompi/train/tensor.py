@@ -29,7 +29,7 @@ def theory_bytes_per_step(cfg, model, dp: int) -> int:
 
 def summary(metrics: dict, cfg) -> str:
     """The TP traffic row printed under the communication table (None without tensor parallelism)."""
-    from .report import human_bytes
+    from .console import human_bytes
     tp = metrics.get("tensor_parallel")
     if tp is None:
         return None
