@@ -104,13 +104,21 @@ class PipelineJob:
 
     # ---- building ----------------------------------------------------------------------------------
     def _runner(self, c: int):
-        cfg, mesh, s = self.cfg, self.mesh, self.schedule
-        args = (self.model, c, s.chunks, self.data, cfg.batch, mesh.dp_rank, mesh.dp, cfg.zero.micro_batches)
+        """Chunk c's walk (models/chunks.py, models/gpt_pp.py), fed this data-parallel rank's rows."""
+        from .models.chunks import Chunk, WorkspacePool, chunk_layers
+        cfg, mesh, m, m_b, chunks = self.cfg, self.mesh, self.model, self.cfg.zero.micro_batches, self.schedule.chunks
+        rows = cfg.batch // mesh.dp // m_b
         if cfg.model == "mlp":
-            from .models.mlp_pp import MLPChunk
-            return MLPChunk(*args)
+            from .models.mlp import step_batches
+            feed = lambda step: step_batches(self.data, step, cfg.batch, mesh.dp_rank, mesh.dp, m_b)  # noqa: E731
+            return Chunk(m, chunk_layers(m.depth, [], [], m.depth, c, chunks), m.depth, feed, rows)
+        from .models.gpt import step_batches
+        from .models.gpt_fast import FRESH
         from .models.gpt_pp import GPTChunk
-        return GPTChunk(*args, self.tie(), self.shared)
+        feed = lambda step: step_batches(m, self.data, step, cfg.batch, mesh.dp_rank, mesh.dp, m_b)  # noqa: E731
+        pool = WorkspacePool(self.shared) if m.layers.name == "c" else None   # shared: the rank's one-layer set
+        layers = chunk_layers(m.num_layers, [0], [m.n_layer + 1], m.n_layer, c, chunks)
+        return GPTChunk(m, layers, feed, rows, self.tie(), pool, FRESH)
 
     def tie(self):
         """The tied embedding / head weight between chunk 0's stage and the last chunk's (the GPT)."""

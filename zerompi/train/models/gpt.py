@@ -104,6 +104,10 @@ class GPT:
         k = self.sp.size if self.sp else 1
         return engine.rank // k, engine.world_size // k
 
+    def activation_spec(self, i: int, rows: int):
+        """(shape, dtype) of engine layer i's output for ``rows`` sequences (this rank's positions of each)."""
+        return (rows, self.seq_len // (self.sp.size if self.sp else 1), self.d_model), self.dtype
+
     @property
     def num_layers(self) -> int:
         """Engine layers: embeddings, n_layer blocks, final LayerNorm."""
@@ -294,75 +298,42 @@ class GPT:
         return loss, grads
 
 
-# ---- driving the engine ---------------------------------------------------------------
+# ---- driving the engine: the one chunk of all layers (models/gpt_pp.py) ---------------
+def whole(engine, model: GPT, feed=None):
+    """The model's one chunk of all its layers through ``engine``, its micro-batches in the model's workspace."""
+    from .gpt_pp import GPTChunk
+    return GPTChunk(model, range(model.num_layers), feed).attach(engine)
+
+
 def run_micro_batch(engine, model: GPT, idx, targets) -> float:
-    """Forward, loss and backward of one micro-batch through the public engine API.
-
-    The visit order is the one the engine schedules stage 3 by: forward 0..n-1, backward
-    n-1..0, so every bucket is gathered once for the forward and once for the backward.
-    Layer 0 stays unsharded from the embedding lookup until the tied head has used ``wte``
-    (the embedding bucket is held through the forward: the only bucket that is).
-    Gradients handed back are those of this rank's mean loss times ``engine.loss_scale``;
-    layer 0's ``wte`` (the lookup's plus the head's) goes last, once. Returns the loss.
-    """
-    n = model.num_layers
-    caches = [None] * n
-    run = model.activations            # the buffers of the previous micro-batch, reused (model.workspace)
-    engine.begin_forward()
-    with engine.unsharded(0) as embed:
-        h, caches[0] = run.forward(0, embed, idx)
-        for i in range(1, n):
-            with engine.unsharded(i) as p:
-                h, caches[i] = run.forward(i, p, h)
-        loss, dh, dwte_head = model.head(embed[WTE], h, targets, engine.loss_scale, model.workspace)
-    engine.begin_backward()
-    for i in reversed(range(1, n)):
-        with engine.unsharded(i) as p:
-            dh, grads = run.backward(i, p, caches[i], dh)
-        caches[i] = None
-        engine.grads_ready(i, grads)
-    # The lookup's backward reads no parameter; the visit keeps the schedule the engine prefetches by.
-    with engine.unsharded(0):
-        _, grads = run.backward(0, None, caches[0], dh)
-    grads[WTE] += dwte_head
-    engine.grads_ready(0, grads)
-    return loss
+    """Forward, loss and backward of one micro-batch through the public engine API (GPTChunk's walk):
+    gradients handed back are those of this rank's mean loss times ``engine.loss_scale``, layer 0's (the
+    lookup's ``wte`` plus the head's) last. Returns the loss."""
+    chunk = whole(engine, model)
+    chunk.batches = [(idx, targets)]
+    return chunk.run()[0]
 
 
-def evaluate(engine, model: GPT, idx, targets) -> float:
-    """Sum of the token cross-entropies (nats) of rows idx -> targets; forward only, no gradients.
-    No rows (this rank's share of the held-out set ran out): the layers are visited (stage 3 gathers
-    them with the others), nothing is computed, 0."""
-    engine.begin_forward()
-    if idx.shape[0] == 0:
-        for i in range(model.num_layers):
-            with engine.unsharded(i):
-                pass
-        return 0.0
-    with engine.unsharded(0) as embed:
-        h, _ = model.forward_layer(0, embed, idx)
-        for i in range(1, model.num_layers):
-            with engine.unsharded(i) as p:
-                h, _ = model.forward_layer(i, p, h)
-        return float(model.token_losses(embed[WTE], h, targets).astype(np.float64).sum())
+def evaluate(engine, model: GPT, rows) -> float:
+    """Sum of the token cross-entropies (nats) of ``rows`` (sequences of seq_len + 1 tokens); forward only."""
+    return whole(engine, model).evaluate(rows, None)
 
 
 # ---- one training step's data, and the held-out loss ------------------------------------
-def train_losses(engine, model: GPT, data, step: int, batch: int, micro_batches: int) -> List[float]:
-    """This rank's micro-batch losses of training step ``step``.
-
-    ``batch`` sequences per step over all ranks; the rank builds only its own rows of the
-    global batch (data.train_rows), which are the same rows at any world size.
-    """
+def step_batches(model: GPT, data, step: int, batch: int, share: int, shares: int, micro_batches: int):
+    """[(inputs, targets)] of the micro-batches of share ``share`` of ``shares`` of step ``step``'s global batch
+    of ``batch`` sequences (data.train_rows: the same rows at any world size)."""
     from ..data import rank_rows
-    rows = data.train_rows(step, rank_rows(batch, *model.data_share(engine)))
+    rows = data.train_rows(step, rank_rows(batch, share, shares))
     per = rows.shape[0] // micro_batches
-    xp = model.xp
-    out = []
-    for m in range(micro_batches):
-        r = xp.asarray(rows[m * per:(m + 1) * per])
-        out.append(run_micro_batch(engine, model, *model.local_sequence(r)))
-    return out
+    return [model.local_sequence(model.xp.asarray(rows[m * per:(m + 1) * per])) for m in range(micro_batches)]
+
+
+def train_losses(engine, model: GPT, data, step: int, batch: int, micro_batches: int) -> List[float]:
+    """This rank's micro-batch losses of training step ``step`` (``batch`` sequences over all ranks)."""
+    chunk = whole(engine, model)
+    chunk.batches = step_batches(model, data, step, batch, *model.data_share(engine), micro_batches)
+    return chunk.run()
 
 
 def held_out_loss(engine, model: GPT, data, chunk: int = 32):
@@ -382,9 +353,8 @@ def held_out_loss(engine, model: GPT, data, chunk: int = 32):
     for k in range(passes):
         lo = min(mine.start + k * chunk, mine.stop)
         r = xp.asarray(data.val_rows(range(lo, min(lo + chunk, mine.stop))))
-        idx, targets = model.local_sequence(r)
-        total += evaluate(engine, model, idx, targets)
-        tokens += targets.size
+        total += evaluate(engine, model, r)
+        tokens += model.local_sequence(r)[1].size
     summed = engine.comm.sum_scalars([total, tokens])
     if getattr(engine.comm.mpi, "simulated", False):    # N copies of this rank's sums: its own rows' mean instead
         return HeldOut.of(total, tokens, data.seq_len // (model.sp.size if model.sp else 1))

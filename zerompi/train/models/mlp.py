@@ -7,6 +7,7 @@ import numpy as np
 from ...engine import lazy
 from .. import loop
 from ..model_kernels import upcast
+from .chunks import Chunk
 
 F32 = np.float32
 _C = F32(np.sqrt(2.0 / np.pi))   # a float32 scalar keeps float32 arrays float32 (NEP 50)
@@ -83,6 +84,10 @@ class MLP:
         w = self._weight(params, i)
         return (dz @ w.T if i else None), lambda: {f"block{i}.weight": x.T @ dz, f"block{i}.bias": dz.sum(axis=0)}
 
+    def activation_spec(self, i: int, rows: int):
+        """(shape, dtype) of block i's output for ``rows`` rows (the input of block i + 1)."""
+        return (rows, self.width), F32
+
     @staticmethod
     def loss(y, target):
         """Mean squared error over every element of the micro-batch; returns (loss, dloss/dy)."""
@@ -141,15 +146,18 @@ class TeacherData:
         return self.rows(step, range(batch))
 
 
-def train_losses(engine, model: MLP, data: TeacherData, step: int, batch: int, micro_batches: int) -> List[float]:
-    """This rank's micro-batch losses of training step ``step`` (as models.gpt.train_losses).
-
-    ``batch`` rows per step over all ranks; the rank computes only its own rows
-    (TeacherData.rows), on the host, NumPy; each micro-batch moves to the engine's array
-    module (CuPy for --device gpu), on which the model's NumPy calls then dispatch.
-    """
-    rows = loop.local_rows(batch, engine.rank, engine.world_size)
+def step_batches(data: TeacherData, step: int, batch: int, share: int, shares: int, micro_batches: int, xp=np):
+    """[(x, y)] of the micro-batches of share ``share`` of ``shares`` of step ``step``'s global batch of ``batch``
+    rows: computed on the host (TeacherData.rows, the share's rows only), each moved to ``xp`` (CuPy for
+    --device gpu, on which the model's NumPy calls then dispatch)."""
+    rows = loop.local_rows(batch, share, shares)
     x, y = data.rows(step, range(rows.start, rows.stop))
-    xp = engine.xp
-    return [loop.run_micro_batch(engine, model, xp.asarray(xm), xp.asarray(ym))
-            for xm, ym in loop.micro_batches(x, y, micro_batches)]
+    return [(xp.asarray(xm), xp.asarray(ym)) for xm, ym in loop.micro_batches(x, y, micro_batches)]
+
+
+def train_losses(engine, model: MLP, data: TeacherData, step: int, batch: int, micro_batches: int) -> List[float]:
+    """This rank's micro-batch losses of training step ``step`` (``batch`` rows over all ranks), through the one
+    chunk of all layers (models/chunks.py)."""
+    chunk = Chunk(model, range(model.depth), model.depth).attach(engine)
+    chunk.batches = step_batches(data, step, batch, engine.rank, engine.world_size, micro_batches, engine.xp)
+    return chunk.run()
