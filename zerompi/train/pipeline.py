@@ -21,6 +21,7 @@ import numpy as np
 from ..engine.decay import exempt_names
 from ..errors import check
 from ..pipeline.config import PipelineConfig
+from .job import Job
 from .simulate import simulated
 
 UNSUPPORTED = (("device", "gpu", "--device gpu (the pipeline runs on the CPU for now)"),)
@@ -72,7 +73,7 @@ def load_schedule(cfg):
     return s
 
 
-class PipelineJob:
+class PipelineJob(Job):
     """This rank's part of a pipelined run: mesh, schedule, chunk runners, engines, executor. ``build(cfg, xp,
     mesh)``: the model and data (train/run.py's build_model; the mesh when the blocks are split over TP).
     One of the two strategies of train/run.py's step loop (the other: train/job.py's SingleJob)."""
@@ -173,15 +174,12 @@ class PipelineJob:
         losses or None where it holds no last chunk)."""
         pc, offset = self.mesh.pp_comm, self.offset
         p0 = {k: s.bytes for k, s in pc.stats.items()}
-        g0 = {name: (c.bytes_sent(), c.seconds()) for name, c in self.groups.items()}
         pc.events = [] if self.cfg.zero.trace else None
-        result, losses, times = self.step_once(step)
+        result, losses, times = self.metered(log, lambda: self.step_once(step))
         if pc.events is not None:
             log.pp_msgs.append([(k, sd, peer, n, t0 + offset, t1 + offset) for k, sd, peer, n, t0, t1 in pc.events])
             pc.events = None
         log.pp_bytes.append({k: s.bytes - p0.get(k, 0) for k, s in pc.stats.items()})
-        for name, c in self.groups.items():
-            log.record_group(name, c.bytes_sent() - g0[name][0], c.seconds() - g0[name][1])
         log.pp_times.append([(a.action, a.start + offset, a.ready + offset, a.end + offset) for a in times])
         return result, losses
 
@@ -193,16 +191,6 @@ class PipelineJob:
         last = self.runners.get(self.schedule.chunks - 1)
         losses = [last.losses[mb] for mb in range(self.cfg.zero.micro_batches)] if last is not None else None
         return result, losses, times
-
-    def reduce_loss(self, losses, flag: float = 0.0):
-        """(the step's loss, the summed stop flag): the last stage's mean micro-batch loss summed over the
-        world in rank order with the other stages' zeros, divided by the ranks of one stage: the bits of an
-        unpipelined run's (train/run.py) sum."""
-        mine = sum(losses) / len(losses) if losses else 0.0
-        total = self.comm.sum_scalars([mine, flag])
-        if simulated(self.comm):                 # the stand-ins' sum is N copies of this rank's: its own instead
-            return float(mine), total[1]
-        return float(total[0] / (self.comm.size // self.mesh.pp)), total[1]
 
     def validation_loss(self):
         """data.HeldOut: the held-out loss through the pipeline and its rows (a collective over the mesh)."""
