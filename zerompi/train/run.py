@@ -193,13 +193,9 @@ def _resume(job, cfg: TrainConfig) -> int:
 
 
 def _one_blas_thread() -> None:
-    """One OpenBLAS thread per rank, unless the user set OPENBLAS_NUM_THREADS or OMP_NUM_THREADS.
-
-    OpenBLAS otherwise starts a spinning thread per core in every rank. Measured on a shared
-    2-core machine: the default GPT step 5-7 s with them at 4 ranks, 0.1 s without; even one
-    rank alone ran 16x slower (GPT, 3.8 s vs 0.23 s) and a width-1024 MLP 2x slower.
-    Parallelism here comes from ranks; the per-rank matrices are small.
-    """
+    """One OpenBLAS thread per rank, unless the user set OPENBLAS_NUM_THREADS or OMP_NUM_THREADS: OpenBLAS
+    otherwise starts a spinning thread per core in every rank (docs/gpt.md has the cost); parallelism here
+    comes from ranks, the per-rank matrices are small."""
     import ctypes
     import os
     if any(k in os.environ for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")):

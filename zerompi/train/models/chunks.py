@@ -1,13 +1,9 @@
 """A chunk of a model: a run of its layers, walked forward and backward through the chunk's engine.
 
-The one layer walk of every built-in model, pipelined or not: a pipeline chunk is a run of the model's
-layers (``chunk_layers``), an unpipelined run the one chunk of all of them, its micro-batches one at a
-time. A chunk's engine numbers its layers 0, 1, ...; the walk visits them in the order the engine
-schedules stage 3 by (forward 0..n-1, backward n-1..0) and hands each layer's gradients back as its
-backward ends. A split backward (a zero-bubble schedule) runs B (the input gradients, through the model's
-backward_layer_parts) and W (the weight parts) apart: the same bits. The GPT's chunk (gpt_pp.py) adds
-the embedding, the tied head and its workspaces: ``WorkspacePool`` gives each micro-batch in flight its own
-buffers; the buffers that live through one layer's call only are one set for all the chunks of a rank.
+The one layer walk of every built-in model: a pipeline chunk is a run of the model's layers, an unpipelined
+run the one chunk of all of them, its micro-batches one at a time; each sees the engine's layers in the
+order stage 3 schedules by, and hands each layer's gradients back as its backward ends (a split backward:
+B, then W). ``WorkspacePool``: the GPT's buffers, one set per micro-batch in flight.
 """
 from typing import Dict, List, Optional
 

@@ -1,35 +1,9 @@
 """GPT: a decoder-only transformer with hand-written forward and backward, one engine layer at a time.
 
-Engine layers: 0 = ``embed`` (token table ``wte``, position table ``wpe``), 1..L = ``block{i}``
-(pre-LayerNorm causal multi-head self-attention, then a pre-LayerNorm GELU MLP, each with a
-residual connection), L+1 = ``ln_f`` (the final LayerNorm). The output head is tied to
-``wte``: logits = ln_f(h) @ wte.T, so layer 0 stays unsharded from the lookup until the
-head has run (stage 3 holds that one bucket through the forward, every other bucket is
-gathered and freed in turn), and its gradient ``wte`` is the lookup's plus the head's,
-handed back once per micro-batch, last.
-
-Arrays are (batch, time, channels). Compute runs in ``dtype`` (float32 for training,
-float64 in the gradient checks) on ``xp`` (NumPy, or CuPy later); stored parameters of any
-float dtype are upcast per layer. Shapes: B rows, T positions, C = d_model, H heads, V vocab.
-
-The blocks and the final LayerNorm run in one of two implementations of the same
-mathematics (``kernels``): "c", gpt_fast.FusedLayers (NumPy with the C kernels of
-kernels/gpt_cpu.c, buffers from a Workspace), or "numpy", gpt_numpy.NumpyLayers (plain
-array code: CuPy, or no C compiler); "auto" takes "c" where it can run. The engine driver
-(run_micro_batch) passes the model's persistent workspace, so a training step reuses the
-previous step's buffers; called without one, every layer returns new arrays.
-
-``checkpoint_activations``: a block keeps only its input through the forward and runs its
-forward again inside its backward (activations.Recompute); ``activation_bytes`` is what the
-activations measured (activations.MeteredWorkspace; the formula: estimate/activations.py).
-
-``tp`` (a TPComm of K > 1 ranks): tensor parallelism as Megatron-LM splits the blocks, the same layers
-on this rank's pieces (TP_SPLIT, cut by comm/tpsplit.py): QKV column-parallel (its n_head/K heads' q, k
-and v columns), the attention projection row-parallel, fc column-parallel, out row-parallel; one
-all-reduce after each row-parallel multiply in the forward, one on each column-parallel layer's input
-gradient in the backward (the layers' ``reduce``). Embeddings, LayerNorms and the row-parallel biases
-are replicated; their inputs and gradients are the same bits on every TP rank (the all-reduce sums in
-rank order). Parameter names are the full model's, shapes the pieces'. ``sp``: gpt_sp.py.
+Engine layers: 0 = ``embed`` (``wte``, ``wpe``), 1..L = ``block{i}`` (pre-LayerNorm causal attention, then a
+GELU MLP), L+1 = ``ln_f``; the output head is tied to ``wte``. The blocks run on the C kernels (gpt_fast.py)
+or plain array code (gpt_numpy.py), kept or recomputed (activations.py), split over TP (``TP_SPLIT``: Megatron-LM's
+cut) or SP (gpt_sp.py); gpt_pp.py walks them through the engine. docs/gpt.md has the design.
 """
 from typing import Dict, List, Optional, Tuple
 

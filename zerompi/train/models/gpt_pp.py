@@ -1,17 +1,9 @@
-"""The GPT's chunk (models/chunks.py): a run of its engine layers forward and backward, the embedding and the
-tied head where the chunk holds them. Chunk c of C holds ``embed`` (chunk 0 only), its n_layer / C blocks and
-``ln_f`` (the last, which also runs the tied head and the loss); an unpipelined run is the one chunk of all.
+"""The GPT's chunk (models/chunks.py): a run of its engine layers, the embedding and the tied head among them.
 
-The tied embedding / head weight ``wte``: held by the one chunk that holds both, ``embed`` stays unsharded
-from the lookup until the head has read it (stage 3 holds that one bucket through the forward), and the head's
-gradient is added to the lookup's (``grads[wte] += head's``) before layer 0's gradients go, last. Cut into
-chunks (pipeline/tied.py), chunk 0's engine trains it; the last chunk reads a copy of its stored value, sent
-by chunk 0 at its first forward of each step, and sends the head's gradient of each micro-batch back, which
-chunk 0 adds as above: the same sum, the same bits.
-
-Layers run kept or recomputed (``--checkpoint-activations``, models/activations.py) in a workspace: the
-model's own for the micro-batches of an unpipelined run (one at a time), one per micro-batch in flight
-(a WorkspacePool) for a pipeline chunk on the C kernels, new arrays on the plain array path.
+Chunk c of C holds ``embed`` (chunk 0), its n_layer / C blocks and ``ln_f`` (the last, with the tied head and
+the loss); an unpipelined run is the one chunk of all. A chunk holding embedding and head keeps ``embed``
+unsharded until the head has read ``wte`` and adds the head's gradient to the lookup's; cut apart, the value
+and the gradient travel between the two chunks (pipeline/tied.py): the same sum, the same bits.
 """
 from contextlib import ExitStack
 

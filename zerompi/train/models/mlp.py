@@ -54,7 +54,7 @@ class MLP:
 
     def _weight(self, params, i):
         """Layer i's weight in float32; a stored fp16 one is converted into one buffer that every
-        layer shares (model_kernels.upcast: F16C where it can, ~20x NumPy's astype here)."""
+        layer shares (model_kernels.upcast: F16C where it can)."""
         w = params[f"block{i}.weight"]
         if w.dtype != F32 and isinstance(w, np.ndarray):
             self._w32 = upcast(w, F32, getattr(self, "_w32", None))
@@ -108,9 +108,7 @@ class TeacherData:
     may round a row differently in a matrix multiply of another height, so the height is
     always one block: a target depends on (seed, s, j) only, never on the batch size, the
     world size or which rank computes it. Each rank computes the targets of the blocks
-    that hold its own rows, and draws the inputs up to its last row. (Before: every rank
-    computed the whole global batch with a float64 teacher; the inputs are the same, the
-    targets differ from those by float32 rounding.)
+    that hold its own rows, and draws the inputs up to its last row.
     """
 
     def __init__(self, width: int, depth: int, seed: int):
