@@ -88,7 +88,8 @@ class Kernels:
     @staticmethod
     def _rows(x, c: int, *same) -> int:
         if x.ndim < 1 or x.shape[-1] != c or any(a is not None and a.shape != x.shape for a in same):
-            raise ValueError(f"shapes do not match: {x.shape} with rows of {c} and {[getattr(a, 'shape', None) for a in same]}")
+            shapes = [getattr(a, "shape", None) for a in same]
+            raise ValueError(f"shapes do not match: {x.shape} with rows of {c} and {shapes}")
         return x.size // max(c, 1)
 
     def layernorm_fwd(self, x, g, b, y, mean, rstd, eps: float) -> None:

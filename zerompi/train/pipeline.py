@@ -139,7 +139,7 @@ class PipelineJob(Job):
         per_step = self.cfg.pipeline.grad_reduce == "step"
         runner = self.runners[c]
         names = [n for _, params in runner.lazy_layers() for n in params]
-        zc = replace(z, trace=None, micro_batches=1 if per_step else z.micro_batches,   # the patterns this chunk matches
+        zc = replace(z, trace=None, micro_batches=1 if per_step else z.micro_batches,   # the patterns the chunk matches
                      no_decay=tuple(p for p in z.no_decay if any(fnmatchcase(n, p) for n in names)),
                      offload_dir=offload_folder(z, c, self.schedule.chunks))
         engine = ZeroEngine(runner.lazy_layers(), zc, self.mesh, xp=xp,
@@ -278,7 +278,8 @@ class PipelineJob(Job):
         firsts = [r for r in range(comm.size) if coords[r]["dp"] == coords[r]["sp"] == coords[r]["tp"] == 0]
         alone = simulated(comm)
         known = (lambda i: i == mesh.pp_rank) if alone else (lambda i: True)   # noqa: E731
-        per_stage = lambda j: {k: [everyone[r][j][i] if known(st) else None for st, r in enumerate(firsts)]  # noqa: E731
+        per_stage = lambda j: {k: [everyone[r][j][i] if known(st) else None  # noqa: E731
+                                   for st, r in enumerate(firsts)]
                                for i, k in enumerate(kinds)}
         mine = {c: e.layout.params_numel for c, e in self.engines.engines.items()} \
             if mesh.dp_rank == mesh.sp_rank == mesh.tp_rank == 0 else {}
@@ -346,13 +347,11 @@ def validation_loss(job, chunk: int = 32):
     as models/gpt.held_out_loss makes them (an empty pass where a share ran out: no loss, no row), every pass
     through every chunk in model order; the last chunk's sums and tokens summed over the world (the last
     stage's ranks of TP rank 0; zeros elsewhere) as there: the same bits."""
-    from .data import HeldOut, rank_rows
+    from .data import HeldOut, held_out_passes, rank_rows
     from ..pipeline.executor import KINDS, TAGS
     mesh, data, comm = job.mesh, job.data, job.mesh.pp_comm
     mine = rank_rows(data.val_size, mesh.dp_rank, mesh.dp)
-    passes = -(-len(rank_rows(data.val_size, 0, mesh.dp)) // chunk)
-    rows = [data.val_rows(range(min(mine.start + k * chunk, mine.stop),
-                                min(min(mine.start + k * chunk, mine.stop) + chunk, mine.stop))) for k in range(passes)]
+    rows = [data.val_rows(r) for r in held_out_passes(data.val_size, mesh.dp_rank, mesh.dp, chunk)]
     C, me, total = job.schedule.chunks, mesh.pp_rank, 0.0
     last = job.runners.get(C - 1)
     if last is not None:

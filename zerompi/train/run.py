@@ -80,7 +80,7 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
     try:
         log = _run_steps(cfg, job, comm, start, stop)
     except (JobError, CheckpointError) as e:   # meant to be raised on every rank together: --trace keeps what there is
-        end_together(comm.mpi, e, "zerompi.train")   # ... else this rank's line ends the job, before the trace's collective
+        end_together(comm.mpi, e, "zerompi.train")   # ... else this rank's line ends the job (before --trace's)
         from ..checkpoint.collective import salvage
         for engine in job.engines:
             if engine.trace is not None:

@@ -5,7 +5,7 @@ GELU MLP), L+1 = ``ln_f``; the output head is tied to ``wte``. The blocks run on
 or plain array code (gpt_numpy.py), kept or recomputed (activations.py), split over TP (``TP_SPLIT``: Megatron-LM's
 cut) or SP (gpt_sp.py); gpt_pp.py walks them through the engine. docs/gpt.md has the design.
 """
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import numpy as np
 
@@ -20,7 +20,7 @@ from .gpt_numpy import (LN_EPS, NumpyLayers, attention, attention_backward, gelu
 
 __all__ = ["GPT", "LN_EPS", "WPE", "WTE", "attention", "attention_backward", "evaluate", "gelu", "gelu_grad",
            "layernorm", "layernorm_backward", "linear", "linear_backward", "run_micro_batch", "train_losses",
-           "held_out_loss", "validation_loss"]
+           "held_out_loss"]
 WTE, WPE = "wte", "wpe"
 KERNELS = ("auto", "c", "numpy")
 # Short block name -> (axis, groups) of its tensor-parallel split; the block's other parameters are replicated.
@@ -311,30 +311,16 @@ def train_losses(engine, model: GPT, data, step: int, batch: int, micro_batches:
 
 
 def held_out_loss(engine, model: GPT, data, chunk: int = 32):
-    """data.HeldOut: the mean token loss (nats) over the held-out set and its rows; a collective
-    (every rank calls it).
-
-    Each rank evaluates its share of the rows; every rank makes the same number of forward
-    passes (stage 3 gathers in each), an empty one where its share ran out (a short --data
-    file: fewer rows than ranks), which adds no loss and no row.
+    """data.HeldOut: the mean token loss (nats) over the held-out set and its rows; a collective (every rank
+    calls it): each rank's share of the rows in passes (data.held_out_passes; an empty one adds no loss, no row).
     """
-    from ..data import HeldOut, rank_rows
-    share, size = model.data_share(engine)
-    mine = rank_rows(data.val_size, share, size)
-    passes = -(-len(rank_rows(data.val_size, 0, size)) // chunk)    # rank 0 has the most rows
-    xp = model.xp
+    from ..data import HeldOut, held_out_passes
     total, tokens = 0.0, 0
-    for k in range(passes):
-        lo = min(mine.start + k * chunk, mine.stop)
-        r = xp.asarray(data.val_rows(range(lo, min(lo + chunk, mine.stop))))
+    for rows in held_out_passes(data.val_size, *model.data_share(engine), chunk):
+        r = model.xp.asarray(data.val_rows(rows))
         total += evaluate(engine, model, r)
         tokens += model.local_sequence(r)[1].size
     summed = engine.comm.sum_scalars([total, tokens])
     if getattr(engine.comm.mpi, "simulated", False):    # N copies of this rank's sums: its own rows' mean instead
         return HeldOut.of(total, tokens, data.seq_len // (model.sp.size if model.sp else 1))
     return HeldOut.of(float(summed[0]), float(summed[1]), data.seq_len)
-
-
-def validation_loss(engine, model: GPT, data, chunk: int = 32) -> Optional[float]:
-    """Mean token loss (nats) over the held-out set (held_out_loss), None when no rank has a row of it."""
-    return held_out_loss(engine, model, data, chunk).loss
