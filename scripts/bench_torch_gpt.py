@@ -113,7 +113,7 @@ def zerompi_step(cfg, model, data, dtype: str, device: str, comm):
     """(a function running zerompi's training step at N = 1, stage 0, or None, why not)."""
     from zerompi import ZeroEngine
     from zerompi.errors import ConfigError
-    from zerompi.train.run import step_losses
+    from zerompi.train.job import step_losses
     _, _, engine_comm, _ = placed(device, comm)
     try:
         engine = ZeroEngine(model.init_layers(), replace(cfg.zero, stage=0, dtype=dtype), engine_comm(), xp=model.xp)

@@ -52,7 +52,7 @@ def test_every_built_in_model_has_the_same_step_interface():
     """train() runs a step with one call whatever the model: models.<name>.train_losses."""
     import inspect
     from zerompi.train.config import MODELS
-    from zerompi.train.run import step_losses
+    from zerompi.train.job import step_losses
     for model in MODELS:
         assert list(inspect.signature(step_losses(model)).parameters) == [
             "engine", "model", "data", "step", "batch", "micro_batches"], model

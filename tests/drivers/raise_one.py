@@ -10,7 +10,7 @@ from mpi4py import MPI
 from zerompi import errors
 from zerompi.checkpoint.format import CheckpointError
 from zerompi.engine.offload import OffloadError
-from zerompi.train import run
+from zerompi.train import job, run
 
 CLASSES = {"JobError": errors.JobError, "MismatchError": errors.MismatchError, "NonFiniteError": errors.NonFiniteError,
            "AgreedConfigError": errors.AgreedConfigError, "OffloadError": OffloadError,
@@ -19,7 +19,7 @@ CLASSES = {"JobError": errors.JobError, "MismatchError": errors.MismatchError, "
 kind, who, flags = CLASSES[sys.argv[1]], int(sys.argv[2]), sys.argv[3:]
 if "ZEROMPI_TEST_AGREEMENT_S" in os.environ:
     errors.ERROR_AGREEMENT_S = float(os.environ["ZEROMPI_TEST_AGREEMENT_S"])
-losses_of = run.step_losses
+losses_of = job.step_losses
 
 
 def step_losses(model):
@@ -32,5 +32,5 @@ def step_losses(model):
     return losses
 
 
-run.step_losses = step_losses
+job.step_losses = step_losses
 sys.exit(run.main(flags))

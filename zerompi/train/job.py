@@ -6,11 +6,22 @@ and the metrics are one. ``SingleJob``: one stage holding the whole model in one
 one ZeroEngine (over a Mesh when the blocks are split over TP or the sequences over SP).
 """
 import hashlib
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import numpy as np
 
 from .simulate import simulated
+
+
+def step_losses(model: str) -> Callable[..., List[float]]:
+    """The built-in model's ``train_losses(engine, model, data, step, batch, micro_batches)``: forward and
+    backward of this rank's micro-batches of that step (``batch`` over all ranks), gradients handed to the
+    engine; returns the micro-batch losses."""
+    if model == "gpt":
+        from .models.gpt_pp import train_losses
+    else:
+        from .models.mlp import train_losses
+    return train_losses
 
 
 class Job:
@@ -55,7 +66,6 @@ class SingleJob(Job):
                                  tp_split=self.model.tp_split() if self.mesh and self.mesh.tp > 1 else None)
         self.engines = [self.engine]
         self.groups = metered_groups(self.mesh)   # TP all-reduces, SP all-to-alls: counted per step, apart
-        from .run import step_losses
         self._losses = step_losses(cfg.model)
 
     @property
@@ -76,7 +86,7 @@ class SingleJob(Job):
 
     def validation_loss(self):
         """data.HeldOut: the held-out loss and its rows (a collective)."""
-        from .models.gpt import held_out_loss
+        from .models.gpt_pp import held_out_loss
         return held_out_loss(self.engine, self.model, self.data)
 
     # ---- the facts of the final metrics ------------------------------------------------------------

@@ -113,9 +113,8 @@ class PipelineJob(Job):
             from .models.mlp import step_batches
             feed = lambda step: step_batches(self.data, step, cfg.batch, mesh.dp_rank, mesh.dp, m_b)  # noqa: E731
             return Chunk(m, chunk_layers(m.depth, [], [], m.depth, c, chunks), m.depth, feed, rows)
-        from .models.gpt import step_batches
         from .models.gpt_fast import FRESH
-        from .models.gpt_pp import GPTChunk
+        from .models.gpt_pp import GPTChunk, step_batches
         feed = lambda step: step_batches(m, self.data, step, cfg.batch, mesh.dp_rank, mesh.dp, m_b)  # noqa: E731
         pool = WorkspacePool(self.shared) if m.layers.name == "c" else None   # shared: the rank's one-layer set
         layers = chunk_layers(m.num_layers, [0], [m.n_layer + 1], m.n_layer, c, chunks)
@@ -344,7 +343,7 @@ def offload_folder(z, chunk: int, chunks: int):
 def validation_loss(job, chunk: int = 32):
     """data.HeldOut: the GPT's mean held-out token loss through the pipeline and the rows it covers (a
     collective over the whole mesh): each data-parallel rank's share of the rows in passes of ``chunk`` rows
-    as models/gpt.held_out_loss makes them (an empty pass where a share ran out: no loss, no row), every pass
+    as models/gpt_pp.held_out_loss makes them (an empty pass where a share ran out: no loss, no row), every pass
     through every chunk in model order; the last chunk's sums and tokens summed over the world (the last
     stage's ranks of TP rank 0; zeros elsewhere) as there: the same bits."""
     from .data import HeldOut, held_out_passes, rank_rows

@@ -6,7 +6,7 @@ handling. The flags and TrainConfig live in config.py, the banner, final metrics
 """
 import sys
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 
@@ -32,17 +32,6 @@ def build_model(cfg: TrainConfig, xp=np, mesh=None):
                    checkpoint_activations=cfg.checkpoint_activations), data
     from .models.mlp import MLP, TeacherData
     return MLP(cfg.width, cfg.depth, cfg.seed), TeacherData(cfg.width, cfg.depth, cfg.seed)
-
-
-def step_losses(model: str) -> Callable[..., List[float]]:
-    """The built-in model's ``train_losses(engine, model, data, step, batch, micro_batches)``:
-    forward and backward of this rank's micro-batches of that step (``batch`` over all
-    ranks), gradients handed to the engine; returns the micro-batch losses."""
-    if model == "gpt":
-        from .models.gpt import train_losses
-    else:
-        from .models.mlp import train_losses
-    return train_losses
 
 
 def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:

@@ -3,7 +3,7 @@
 Engine layers: 0 = ``embed`` (``wte``, ``wpe``), 1..L = ``block{i}`` (pre-LayerNorm causal attention, then a
 GELU MLP), L+1 = ``ln_f``; the output head is tied to ``wte``. The blocks run on the C kernels (gpt_fast.py)
 or plain array code (gpt_numpy.py), kept or recomputed (activations.py), split over TP (``TP_SPLIT``: Megatron-LM's
-cut) or SP (gpt_sp.py); gpt_pp.py walks them through the engine. docs/gpt.md has the design.
+cut) or SP (gpt_sp.py); gpt_pp.py walks them through the engine (pipelined or not). docs/gpt.md has the design.
 """
 from typing import Dict, List, Tuple
 
@@ -18,9 +18,8 @@ from .gpt_sp import check_sp_model, sequence_parallel
 from .gpt_numpy import (LN_EPS, NumpyLayers, attention, attention_backward, gelu, gelu_grad, layernorm,
                         layernorm_backward, linear, linear_backward)
 
-__all__ = ["GPT", "LN_EPS", "WPE", "WTE", "attention", "attention_backward", "evaluate", "gelu", "gelu_grad",
-           "layernorm", "layernorm_backward", "linear", "linear_backward", "run_micro_batch", "train_losses",
-           "held_out_loss"]
+__all__ = ["GPT", "LN_EPS", "WPE", "WTE", "attention", "attention_backward", "gelu", "gelu_grad",
+           "layernorm", "layernorm_backward", "linear", "linear_backward"]
 WTE, WPE = "wte", "wpe"
 KERNELS = ("auto", "c", "numpy")
 # Short block name -> (axis, groups) of its tensor-parallel split; the block's other parameters are replicated.
@@ -270,57 +269,3 @@ class GPT:
             grads.update({k: v.copy() for k, v in g.items()} if ws.persistent else g)
         grads[WTE] = grads[WTE] + dwte
         return loss, grads
-
-
-# ---- driving the engine: the one chunk of all layers (models/gpt_pp.py) ---------------
-def whole(engine, model: GPT, feed=None):
-    """The model's one chunk of all its layers through ``engine``, its micro-batches in the model's workspace."""
-    from .gpt_pp import GPTChunk
-    return GPTChunk(model, range(model.num_layers), feed).attach(engine)
-
-
-def run_micro_batch(engine, model: GPT, idx, targets) -> float:
-    """Forward, loss and backward of one micro-batch through the public engine API (GPTChunk's walk):
-    gradients handed back are those of this rank's mean loss times ``engine.loss_scale``, layer 0's (the
-    lookup's ``wte`` plus the head's) last. Returns the loss."""
-    chunk = whole(engine, model)
-    chunk.batches = [(idx, targets)]
-    return chunk.run()[0]
-
-
-def evaluate(engine, model: GPT, rows) -> float:
-    """Sum of the token cross-entropies (nats) of ``rows`` (sequences of seq_len + 1 tokens); forward only."""
-    return whole(engine, model).evaluate(rows, None)
-
-
-# ---- one training step's data, and the held-out loss ------------------------------------
-def step_batches(model: GPT, data, step: int, batch: int, share: int, shares: int, micro_batches: int):
-    """[(inputs, targets)] of the micro-batches of share ``share`` of ``shares`` of step ``step``'s global batch
-    of ``batch`` sequences (data.train_rows: the same rows at any world size)."""
-    from ..data import rank_rows
-    rows = data.train_rows(step, rank_rows(batch, share, shares))
-    per = rows.shape[0] // micro_batches
-    return [model.local_sequence(model.xp.asarray(rows[m * per:(m + 1) * per])) for m in range(micro_batches)]
-
-
-def train_losses(engine, model: GPT, data, step: int, batch: int, micro_batches: int) -> List[float]:
-    """This rank's micro-batch losses of training step ``step`` (``batch`` sequences over all ranks)."""
-    chunk = whole(engine, model)
-    chunk.batches = step_batches(model, data, step, batch, *model.data_share(engine), micro_batches)
-    return chunk.run()
-
-
-def held_out_loss(engine, model: GPT, data, chunk: int = 32):
-    """data.HeldOut: the mean token loss (nats) over the held-out set and its rows; a collective (every rank
-    calls it): each rank's share of the rows in passes (data.held_out_passes; an empty one adds no loss, no row).
-    """
-    from ..data import HeldOut, held_out_passes
-    total, tokens = 0.0, 0
-    for rows in held_out_passes(data.val_size, *model.data_share(engine), chunk):
-        r = model.xp.asarray(data.val_rows(rows))
-        total += evaluate(engine, model, r)
-        tokens += model.local_sequence(r)[1].size
-    summed = engine.comm.sum_scalars([total, tokens])
-    if getattr(engine.comm.mpi, "simulated", False):    # N copies of this rank's sums: its own rows' mean instead
-        return HeldOut.of(total, tokens, data.seq_len // (model.sp.size if model.sp else 1))
-    return HeldOut.of(float(summed[0]), float(summed[1]), data.seq_len)

@@ -6,6 +6,7 @@ unsharded until the head has read ``wte`` and adds the head's gradient to the lo
 and the gradient travel between the two chunks (pipeline/tied.py): the same sum, the same bits.
 """
 from contextlib import ExitStack
+from typing import List
 
 import numpy as np
 
@@ -61,8 +62,8 @@ class GPTChunk(Chunk):
                     p = (held if g == 0 and self.last else visit).enter_context(e.unsharded(li))
                     if g == 0:
                         wte = self._embed(mb, p, self.last)
-                    h, st_cache = run.forward(g, p, idx if g == 0 else h)
-                st.caches.append(st_cache)
+                    h, cache = run.forward(g, p, idx if g == 0 else h)
+                st.caches.append(cache)
             if not self.last:
                 return h
             loss, dh, dwte_head = m.head(wte if self.first else self.tie.value(), h, targets, e.loss_scale, ws)
@@ -143,3 +144,56 @@ class GPTChunk(Chunk):
         del self.state[mb]
         if self.pool is not None:
             self.pool.give(mb)
+
+
+# ---- an unpipelined run: the one chunk of all layers ------------------------------------
+def whole(engine, model):
+    """The model's one chunk of all its layers through ``engine``, its micro-batches in the model's workspace."""
+    return GPTChunk(model, range(model.num_layers)).attach(engine)
+
+
+def run_micro_batch(engine, model, idx, targets) -> float:
+    """Forward, loss and backward of one micro-batch through the public engine API (GPTChunk's walk):
+    gradients handed back are those of this rank's mean loss times ``engine.loss_scale``, layer 0's (the
+    lookup's ``wte`` plus the head's) last. Returns the loss."""
+    chunk = whole(engine, model)
+    chunk.batches = [(idx, targets)]
+    return chunk.run()[0]
+
+
+def evaluate(engine, model, rows) -> float:
+    """Sum of the token cross-entropies (nats) of ``rows`` (sequences of seq_len + 1 tokens); forward only."""
+    return whole(engine, model).evaluate(rows, None)
+
+
+# ---- one training step's data, and the held-out loss ------------------------------------
+def step_batches(model, data, step: int, batch: int, share: int, shares: int, micro_batches: int):
+    """[(inputs, targets)] of the micro-batches of share ``share`` of ``shares`` of step ``step``'s global batch
+    of ``batch`` sequences (data.train_rows: the same rows at any world size)."""
+    from ..data import rank_rows
+    rows = data.train_rows(step, rank_rows(batch, share, shares))
+    per = rows.shape[0] // micro_batches
+    return [model.local_sequence(model.xp.asarray(rows[m * per:(m + 1) * per])) for m in range(micro_batches)]
+
+
+def train_losses(engine, model, data, step: int, batch: int, micro_batches: int) -> List[float]:
+    """This rank's micro-batch losses of training step ``step`` (``batch`` sequences over all ranks)."""
+    chunk = whole(engine, model)
+    chunk.batches = step_batches(model, data, step, batch, *model.data_share(engine), micro_batches)
+    return chunk.run()
+
+
+def held_out_loss(engine, model, data, chunk: int = 32):
+    """data.HeldOut: the mean token loss (nats) over the held-out set and its rows; a collective (every rank
+    calls it): each rank's share of the rows in passes (data.held_out_passes; an empty one adds no loss, no row).
+    """
+    from ..data import HeldOut, held_out_passes
+    total, tokens = 0.0, 0
+    for rows in held_out_passes(data.val_size, *model.data_share(engine), chunk):
+        r = model.xp.asarray(data.val_rows(rows))
+        total += evaluate(engine, model, r)
+        tokens += model.local_sequence(r)[1].size
+    summed = engine.comm.sum_scalars([total, tokens])
+    if getattr(engine.comm.mpi, "simulated", False):    # N copies of this rank's sums: its own rows' mean instead
+        return HeldOut.of(total, tokens, data.seq_len // (model.sp.size if model.sp else 1))
+    return HeldOut.of(float(summed[0]), float(summed[1]), data.seq_len)
