@@ -120,15 +120,19 @@ class Chunk:
             if weights:
                 self.sink(li, grads)
         if weights:
-            del self.state[mb]
+            self._done(mb)
         else:
             st.weights = parts
         return None if self.first else dh
 
     def weights(self, mb: int) -> None:
         """W of a split backward: the weight parts, the top layer first, as the whole backward hands them back."""
-        for li, part in self.state.pop(mb).weights:
+        for li, part in self.state[mb].weights:
             self.sink(li, part())
+        self._done(mb)
+
+    def _done(self, mb: int) -> None:
+        del self.state[mb]
 
 
 class WorkspacePool:

@@ -128,11 +128,6 @@ class GPTChunk(Chunk):
             st.weights = parts
         return None if self.first else dh
 
-    def weights(self, mb: int) -> None:
-        for li, part in self.state[mb].weights:          # the top layer first, as the whole backward hands them back
-            self.sink(li, part())
-        self._done(mb)
-
     def _embed_weights(self, mb, st, dh):
         def part():
             grads = self.model.backward_layer(0, None, st.caches[0], dh, st.ws)[1]
@@ -141,7 +136,7 @@ class GPTChunk(Chunk):
         return part
 
     def _done(self, mb: int) -> None:
-        del self.state[mb]
+        super()._done(mb)
         if self.pool is not None:
             self.pool.give(mb)
 
