@@ -13,6 +13,7 @@ from zerompi.errors import ConfigError
 from zerompi.estimate.activations import gpt_activation_bytes, gpt_activation_elements
 from zerompi.train.config import TrainConfig, parse_config
 from zerompi.train.models import gpt as G
+from zerompi.train.models.gpt_pp import run_micro_batch
 
 F64 = np.float64
 C_KERNELS = G.GPT(7, 5, 1, 1, 4, kernels="auto").layers.name == "c"
@@ -34,7 +35,7 @@ def engine_run(model, dtype, batches, stage=0, record=False):
             eng.grads_ready(i, g)
 
     for idx, targets in batches:
-        losses.append(G.run_micro_batch(Recorder() if record else eng, model, idx, targets))
+        losses.append(run_micro_batch(Recorder() if record else eng, model, idx, targets))
         eng.step()
     params = {}
     eng.begin_forward()
@@ -140,7 +141,7 @@ def test_the_counted_bytes_are_allocated(checkpoint):
         tracemalloc.start()
         try:
             base = tracemalloc.get_traced_memory()[0]
-            G.run_micro_batch(eng, model, idx, targets)
+            run_micro_batch(eng, model, idx, targets)
             peak = tracemalloc.get_traced_memory()[1] - base
         finally:
             tracemalloc.stop()

@@ -7,6 +7,7 @@ from zerompi import ZeroConfig, ZeroEngine
 from zerompi.train.data import FileData, GeneratedData, MarkovCorpus, check_file, rank_rows
 from zerompi.errors import ConfigError
 from zerompi.train.models import gpt as G
+from zerompi.train.models.gpt_pp import run_micro_batch
 
 F64 = np.float64
 EPS = 1e-6          # central differences in float64: error ~ EPS**2 * f''' + 1e-16 * |f| / EPS
@@ -203,7 +204,7 @@ def test_engine_micro_batch_hands_back_the_float64_gradient(rng, stage):
     engine = ZeroEngine(layers, ZeroConfig(stage=stage, dtype="fp32", bucket_mb=1e-3))
     rec = Recorder(engine)
     idx, targets = rng.integers(0, 11, (4, 6)), rng.integers(0, 11, (4, 6))
-    loss = G.run_micro_batch(rec, model, idx, targets)
+    loss = run_micro_batch(rec, model, idx, targets)
     n = model.num_layers
     assert rec.visits == ["F"] + list(range(n)) + ["B"] + list(range(n - 1, -1, -1))
     assert sorted(rec.grads) == list(range(n))

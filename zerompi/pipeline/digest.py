@@ -18,7 +18,7 @@ from ..comm.watchdog import watched
 TAG = 41
 
 
-def _buckets(engine):
+def bucket_bytes(engine):
     """(bucket's parameters as little-endian fp32 bytes in layout order) for each bucket (a collective)."""
     lay = engine.layout
     engine.synchronize()
@@ -42,7 +42,7 @@ def model_digest(engines, schedule, mesh) -> Optional[str]:
     for c in range(schedule.chunks):
         owner = where[c]
         if owner == me:
-            for data in _buckets(engines[c]):
+            for data in bucket_bytes(engines[c]):
                 if digest is not None:
                     digest.update(data.data)
                 elif lead:

@@ -1,10 +1,8 @@
 """How rank 0 shows the steps going by: a redrawn bar, or one line per logged step.
 
-``--progress auto`` chooses: a bar only for a person at a terminal, since in a file or a
-pipe every redraw becomes part of the log. isatty() alone cannot tell under Open MPI's
-mpirun: it gives every rank a pseudo-terminal for stdout even when mpirun's own output
-goes to a file, so a rank started by it (known by the variables the launcher sets) gets
-lines. Under MPICH's mpiexec and Slurm's srun a rank's stdout is a pipe: lines too.
+``--progress auto``: a bar only for a person at a terminal. isatty() cannot tell under Open MPI's mpirun
+(a pseudo-terminal even when its output goes to a file), so a rank it started gets lines, as under MPICH
+and Slurm (pipes).
 """
 import os
 import sys

@@ -41,6 +41,15 @@ def rank_rows(n_rows: int, rank: int, world_size: int) -> range:
     return range(lo, lo + per + (1 if rank < extra else 0))
 
 
+def held_out_passes(val_size: int, share: int, shares: int, chunk: int = 32):
+    """The rows of each pass of share ``share`` of ``shares`` over the held-out set, ``chunk`` at a time: as many
+    passes as share 0 (the most rows; stage 3 gathers in each), an empty one where a share ran out."""
+    mine = rank_rows(val_size, share, shares)
+    passes = -(-len(rank_rows(val_size, 0, shares)) // chunk)
+    return [range(min(mine.start + k * chunk, mine.stop), min(mine.start + (k + 1) * chunk, mine.stop))
+            for k in range(passes)]
+
+
 def _row_rng(seed: int, stream: int, step: int, row: int) -> np.random.Generator:
     return np.random.default_rng([seed, stream, step, row])
 
@@ -141,8 +150,8 @@ class MarkovCorpus:
 class GeneratedData:
     """Rows drawn fresh from a MarkovCorpus: unlimited training rows, a fixed held-out set."""
 
-    def __init__(self, seq_len: int, seed: int, vocab: int = GENERATED_VOCAB, order: int = 2, concentration: float = 0.2,
-                 backoff: float = 1.0):
+    def __init__(self, seq_len: int, seed: int, vocab: int = GENERATED_VOCAB, order: int = 2,
+                 concentration: float = 0.2, backoff: float = 1.0):
         self.seq_len, self.seed = seq_len, seed
         self.corpus = MarkovCorpus(vocab, order, concentration, backoff, seed)
         self.vocab = vocab                                       # token ids are 0..vocab-1

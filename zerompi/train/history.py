@@ -1,16 +1,9 @@
-"""The step loop's record, kept in bounded memory.
+"""The step loop's record, kept in bounded memory (docs/failures.md).
 
-Per step the train CLI keeps its loss, its wall time and the engine's timers (about 430
-bytes a step in Python objects), for the metrics. A run of a million steps would hold half
-a gigabyte per rank, so the rule is (docs/failures.md): the per-step lists keep the last
-HISTORY_STEPS steps; the medians of the metrics (step_time_s, time_breakdown_s, the traffic
-of a step) are over those; the counts and totals (steps_run, tokens_per_s) are over every
-step, in a few numbers. ``losses[i]`` is the loss of step ``first_kept + i``.
-A run of at most HISTORY_STEPS steps keeps everything, as before.
-
-A steady step's figures (the traffic medians, the bytes per step of each collective) leave out the
-run's first step, which can send more than the others (stage 3 also gathers for the step after it);
-a run of one step has no steady step, and its figures are None there, not the first step's.
+The per-step lists keep the last HISTORY_STEPS steps (the medians of the metrics are over those), the
+counts and totals every step's in a few numbers; ``losses[i]`` is the loss of step ``first_kept + i``. A
+steady step's figures leave out the run's first step (stage 3 also gathers for the step after it); a run
+of one step has none.
 """
 import statistics
 from collections import deque

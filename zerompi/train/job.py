@@ -1,31 +1,56 @@
-"""The unpipelined job: one stage holding the whole model in one chunk, one ZeroEngine (over a Mesh when the
-blocks are split over TP or the sequences over SP).
+"""The unpipelined job, and what it shares with the pipelined one (train/pipeline.py's PipelineJob).
 
-It is one of the two strategies of train/run.py's one step loop (the other: train/pipeline.py's
-PipelineJob, --pp P > 1); both answer the same questions -- a step, its loss over the world, the held-out
-loss, a resume, the facts of the final metrics -- so that the loop, the report and the metrics are one.
+``Job``: the two strategies of train/run.py's one step loop answer the same questions -- a step, its loss
+over the world, the held-out loss, a resume, the facts of the final metrics -- so that the loop, the report
+and the metrics are one. ``SingleJob``: one stage holding the whole model in one chunk (models/chunks.py),
+one ZeroEngine (over a Mesh when the blocks are split over TP or the sequences over SP).
 """
 import hashlib
 from typing import Callable, List, Optional
 
 import numpy as np
 
+from .simulate import simulated
 
 
 def step_losses(model: str) -> Callable[..., List[float]]:
-    """The built-in model's ``train_losses(engine, model, data, step, batch, micro_batches)``:
-    forward and backward of this rank's micro-batches of that step (``batch`` over all
-    ranks), gradients handed to the engine; returns the micro-batch losses."""
+    """The built-in model's ``train_losses(engine, model, data, step, batch, micro_batches)``: forward and
+    backward of this rank's micro-batches of that step (``batch`` over all ranks), gradients handed to the
+    engine; returns the micro-batch losses."""
     if model == "gpt":
-        from .models.gpt import train_losses
+        from .models.gpt_pp import train_losses
     else:
         from .models.mlp import train_losses
     return train_losses
 
-class SingleJob:
-    """This rank's part of a run without --pp; ``build(cfg, xp, mesh)``: train/run.py's build_model."""
+
+class Job:
+    """What both strategies share: ``cfg``, ``comm``, and ``groups`` (the TP and SP groups, metered per step)."""
 
     pipelined = False
+
+    def metered(self, log, run):
+        """``run()``, its TP all-reduces and SP all-to-alls recorded into ``log`` (per step, apart)."""
+        g0 = {name: (c.bytes_sent(), c.seconds()) for name, c in self.groups.items()}
+        out = run()
+        for name, c in self.groups.items():
+            log.record_group(name, c.bytes_sent() - g0[name][0], c.seconds() - g0[name][1])
+        return out
+
+    def reduce_loss(self, losses: Optional[List[float]], flag: float = 0.0):
+        """(the step's loss, the summed stop flag): the mean micro-batch loss of the ranks that compute it (the
+        last stage's) summed over the world in rank order (zeros elsewhere), divided by the ranks of one stage:
+        the same bits with --pp as without. A simulated pipelined rank: its own (the stand-ins' sum is N copies
+        of it)."""
+        mine = sum(losses) / len(losses) if losses else 0.0
+        total = self.comm.sum_scalars([mine, flag])
+        if self.pipelined and simulated(self.comm):
+            return float(mine), total[1]
+        return float(total[0] / (self.comm.size // self.cfg.zero.pp)), total[1]
+
+
+class SingleJob(Job):
+    """This rank's part of a run without --pp; ``build(cfg, xp, mesh)``: train/run.py's build_model."""
 
     def __init__(self, cfg, comm, build, placement=None):
         from ..comm.staging import device_communicator
@@ -54,20 +79,14 @@ class SingleJob:
 
     def train_step(self, step: int, log):
         """This rank's micro-batches through the engine, then its step; (StepResult, micro-batch losses)."""
-        g0 = {name: (c.bytes_sent(), c.seconds()) for name, c in self.groups.items()}
-        local = self._losses(self.engine, self.model, self.data, step, self.cfg.batch, self.cfg.zero.micro_batches)
-        for name, c in self.groups.items():
-            log.record_group(name, c.bytes_sent() - g0[name][0], c.seconds() - g0[name][1])
+        z = self.cfg.zero
+        local = self.metered(log, lambda: self._losses(self.engine, self.model, self.data, step, self.cfg.batch,
+                                                       z.micro_batches))
         return self.engine.step(), local
-
-    def reduce_loss(self, losses: List[float], flag: float = 0.0):
-        """(the step's loss: the mean over ranks of their mean micro-batch loss, the summed stop flag)."""
-        total = self.comm.sum_scalars([sum(losses) / len(losses), flag])
-        return float(total[0] / self.comm.size), total[1]
 
     def validation_loss(self):
         """data.HeldOut: the held-out loss and its rows (a collective)."""
-        from .models.gpt import held_out_loss
+        from .models.gpt_pp import held_out_loss
         return held_out_loss(self.engine, self.model, self.data)
 
     # ---- the facts of the final metrics ------------------------------------------------------------
@@ -80,17 +99,12 @@ class SingleJob:
     def digest(self) -> Optional[str]:
         """sha256 of the parameters in layout order (no padding), a bucket at a time; with TP, of every TP
         rank's digest in TP rank order; None for a simulated world (its stand-ins' slices mirror this rank's)."""
-        engine = self.engine
-        if getattr(self.comm.mpi, "simulated", False):
+        from ..pipeline.digest import bucket_bytes
+        if simulated(self.comm):
             return None
-        digest, lay = hashlib.sha256(), engine.layout
-        engine.synchronize()
-        for bucket, values in engine.optimizer.gather_buckets(engine.group, engine.steps_taken):
-            for layer in bucket.layers:
-                for name in lay.layer_params[layer]:
-                    pr = lay.params[name]
-                    part = values[pr.bucket_offset:pr.bucket_offset + pr.numel]
-                    digest.update(np.ascontiguousarray(part, "<f4").data)
+        digest = hashlib.sha256()
+        for data in bucket_bytes(self.engine):
+            digest.update(data.data)
         digest = digest.hexdigest()
         if self.mesh is not None and self.mesh.tp > 1:
             digest = hashlib.sha256("".join(self.mesh.tp_mpi.allgather(digest)).encode()).hexdigest()

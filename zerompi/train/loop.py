@@ -1,4 +1,4 @@
-"""The layer-by-layer training step every built-in model uses, on the public engine API."""
+"""A rank's rows of a batch, its micro-batches, and one micro-batch of any layered model through the engine."""
 from typing import List, Tuple
 
 import numpy as np
@@ -17,26 +17,12 @@ def micro_batches(x, y, count: int) -> List[Tuple[np.ndarray, np.ndarray]]:
 
 
 def run_micro_batch(engine, model, x, y) -> float:
-    """Forward, loss and backward of one micro-batch; hands every layer's gradients to the engine.
-
-    ``model`` provides forward_layer(i, params, x) -> (y, cache),
-    backward_layer(i, params, cache, dy) -> (dx, grads) and loss(y, target) -> (loss, dy).
-    Returns the micro-batch loss (unscaled).
-    """
-    caches = []
-    h = x
+    """Forward, loss and backward of one micro-batch through all of the engine's layers (models/chunks.py's
+    walk); hands every layer's gradients to the engine. ``model`` provides forward_layer(i, params, x) ->
+    (y, cache), backward_layer(i, params, cache, dy) -> (dx, grads) and loss(y, target) -> (loss, dy).
+    Returns the micro-batch loss (unscaled)."""
+    from .models.chunks import Chunk
     n = engine.layout.num_layers
-    engine.begin_forward()       # the visit order, said explicitly: stage 3 prefetches by it
-    for i in range(n):
-        with engine.unsharded(i) as p:
-            h, cache = model.forward_layer(i, p, h)
-        caches.append(cache)
-    loss, dy = model.loss(h, y)
-    dy = dy * np.float32(engine.loss_scale)
-    engine.begin_backward()
-    for i in reversed(range(n)):
-        with engine.unsharded(i) as p:
-            dy, grads = model.backward_layer(i, p, caches[i], dy)
-        caches[i] = None
-        engine.grads_ready(i, grads)
-    return loss
+    chunk = Chunk(model, range(n), n).attach(engine)
+    chunk.batches = [(x, y)]
+    return chunk.run()[0]

@@ -1,13 +1,8 @@
 """The GPT's fused elementwise kernels (kernels/gpt_cpu.c), compiled on first use, called through ctypes.
 
-Built like the AdamW kernels (optim/fused_cpu.py: the same compiler search, cache folder,
-flags and atomic publish; the library is named ``zerompi_gpt_cpu-<hash>.so``). Each kernel
-has a float32 and a float64 version; the float64 one uses libm's exp and tanh, so the
-float64 finite-difference tests check the very loops that train in float32.
-
-The wrappers check what the C code assumes (C-contiguous arrays of one dtype, matching
-shapes) and raise ValueError otherwise; they never fall back silently. Which path a model
-takes is decided once, by models.gpt (``kernels="auto"``: these when they load, else NumPy).
+Built as the AdamW kernels are (optim/fused_cpu.py); each has a float32 and a float64 version, so the
+float64 gradient checks test the loops that train. The wrappers raise ValueError on what the C code does
+not take, never falling back silently; models.gpt picks the path once (``kernels="auto"``).
 """
 import ctypes
 from functools import lru_cache
@@ -93,7 +88,8 @@ class Kernels:
     @staticmethod
     def _rows(x, c: int, *same) -> int:
         if x.ndim < 1 or x.shape[-1] != c or any(a is not None and a.shape != x.shape for a in same):
-            raise ValueError(f"shapes do not match: {x.shape} with rows of {c} and {[getattr(a, 'shape', None) for a in same]}")
+            shapes = [getattr(a, "shape", None) for a in same]
+            raise ValueError(f"shapes do not match: {x.shape} with rows of {c} and {shapes}")
         return x.size // max(c, 1)
 
     def layernorm_fwd(self, x, g, b, y, mean, rstd, eps: float) -> None:
@@ -159,7 +155,7 @@ class Kernels:
 
 def upcast(a, dtype, out=None):
     """``a`` in ``dtype`` (no copy when it is already): a stored fp16 parameter as float32 goes through
-    the AdamW library's F16C conversion (exact, as NumPy's, which is about 20x slower here), into
+    the AdamW library's F16C conversion (exact, as NumPy's, and faster), into
     ``out`` when given (an array of a's shape and that dtype); anything else is ``a.astype``."""
     dtype = np.dtype(dtype)
     if a.dtype == dtype:

@@ -21,6 +21,7 @@ import numpy as np
 from ..engine.decay import exempt_names
 from ..errors import check
 from ..pipeline.config import PipelineConfig
+from .job import Job
 from .simulate import simulated
 
 UNSUPPORTED = (("device", "gpu", "--device gpu (the pipeline runs on the CPU for now)"),)
@@ -72,7 +73,7 @@ def load_schedule(cfg):
     return s
 
 
-class PipelineJob:
+class PipelineJob(Job):
     """This rank's part of a pipelined run: mesh, schedule, chunk runners, engines, executor. ``build(cfg, xp,
     mesh)``: the model and data (train/run.py's build_model; the mesh when the blocks are split over TP).
     One of the two strategies of train/run.py's step loop (the other: train/job.py's SingleJob)."""
@@ -104,13 +105,20 @@ class PipelineJob:
 
     # ---- building ----------------------------------------------------------------------------------
     def _runner(self, c: int):
-        cfg, mesh, s = self.cfg, self.mesh, self.schedule
-        args = (self.model, c, s.chunks, self.data, cfg.batch, mesh.dp_rank, mesh.dp, cfg.zero.micro_batches)
+        """Chunk c's walk (models/chunks.py, models/gpt_pp.py), fed this data-parallel rank's rows."""
+        from .models.chunks import Chunk, WorkspacePool, chunk_layers
+        cfg, mesh, m, m_b, chunks = self.cfg, self.mesh, self.model, self.cfg.zero.micro_batches, self.schedule.chunks
+        rows = cfg.batch // mesh.dp // m_b
         if cfg.model == "mlp":
-            from .models.mlp_pp import MLPChunk
-            return MLPChunk(*args)
-        from .models.gpt_pp import GPTChunk
-        return GPTChunk(*args, self.tie(), self.shared)
+            from .models.mlp import step_batches
+            feed = lambda step: step_batches(self.data, step, cfg.batch, mesh.dp_rank, mesh.dp, m_b)  # noqa: E731
+            return Chunk(m, chunk_layers(m.depth, [], [], m.depth, c, chunks), m.depth, feed, rows)
+        from .models.gpt_fast import FRESH
+        from .models.gpt_pp import GPTChunk, step_batches
+        feed = lambda step: step_batches(m, self.data, step, cfg.batch, mesh.dp_rank, mesh.dp, m_b)  # noqa: E731
+        pool = WorkspacePool(self.shared) if m.layers.name == "c" else None   # shared: the rank's one-layer set
+        layers = chunk_layers(m.num_layers, [0], [m.n_layer + 1], m.n_layer, c, chunks)
+        return GPTChunk(m, layers, feed, rows, self.tie(), pool, FRESH)
 
     def tie(self):
         """The tied embedding / head weight between chunk 0's stage and the last chunk's (the GPT)."""
@@ -130,7 +138,7 @@ class PipelineJob:
         per_step = self.cfg.pipeline.grad_reduce == "step"
         runner = self.runners[c]
         names = [n for _, params in runner.lazy_layers() for n in params]
-        zc = replace(z, trace=None, micro_batches=1 if per_step else z.micro_batches,   # the patterns this chunk matches
+        zc = replace(z, trace=None, micro_batches=1 if per_step else z.micro_batches,   # the patterns the chunk matches
                      no_decay=tuple(p for p in z.no_decay if any(fnmatchcase(n, p) for n in names)),
                      offload_dir=offload_folder(z, c, self.schedule.chunks))
         engine = ZeroEngine(runner.lazy_layers(), zc, self.mesh, xp=xp,
@@ -165,15 +173,12 @@ class PipelineJob:
         losses or None where it holds no last chunk)."""
         pc, offset = self.mesh.pp_comm, self.offset
         p0 = {k: s.bytes for k, s in pc.stats.items()}
-        g0 = {name: (c.bytes_sent(), c.seconds()) for name, c in self.groups.items()}
         pc.events = [] if self.cfg.zero.trace else None
-        result, losses, times = self.step_once(step)
+        result, losses, times = self.metered(log, lambda: self.step_once(step))
         if pc.events is not None:
             log.pp_msgs.append([(k, sd, peer, n, t0 + offset, t1 + offset) for k, sd, peer, n, t0, t1 in pc.events])
             pc.events = None
         log.pp_bytes.append({k: s.bytes - p0.get(k, 0) for k, s in pc.stats.items()})
-        for name, c in self.groups.items():
-            log.record_group(name, c.bytes_sent() - g0[name][0], c.seconds() - g0[name][1])
         log.pp_times.append([(a.action, a.start + offset, a.ready + offset, a.end + offset) for a in times])
         return result, losses
 
@@ -185,16 +190,6 @@ class PipelineJob:
         last = self.runners.get(self.schedule.chunks - 1)
         losses = [last.losses[mb] for mb in range(self.cfg.zero.micro_batches)] if last is not None else None
         return result, losses, times
-
-    def reduce_loss(self, losses, flag: float = 0.0):
-        """(the step's loss, the summed stop flag): the last stage's mean micro-batch loss summed over the
-        world in rank order with the other stages' zeros, divided by the ranks of one stage: the bits of an
-        unpipelined run's (train/run.py) sum."""
-        mine = sum(losses) / len(losses) if losses else 0.0
-        total = self.comm.sum_scalars([mine, flag])
-        if simulated(self.comm):                 # the stand-ins' sum is N copies of this rank's: its own instead
-            return float(mine), total[1]
-        return float(total[0] / (self.comm.size // self.mesh.pp)), total[1]
 
     def validation_loss(self):
         """data.HeldOut: the held-out loss through the pipeline and its rows (a collective over the mesh)."""
@@ -282,7 +277,8 @@ class PipelineJob:
         firsts = [r for r in range(comm.size) if coords[r]["dp"] == coords[r]["sp"] == coords[r]["tp"] == 0]
         alone = simulated(comm)
         known = (lambda i: i == mesh.pp_rank) if alone else (lambda i: True)   # noqa: E731
-        per_stage = lambda j: {k: [everyone[r][j][i] if known(st) else None for st, r in enumerate(firsts)]  # noqa: E731
+        per_stage = lambda j: {k: [everyone[r][j][i] if known(st) else None  # noqa: E731
+                                   for st, r in enumerate(firsts)]
                                for i, k in enumerate(kinds)}
         mine = {c: e.layout.params_numel for c, e in self.engines.engines.items()} \
             if mesh.dp_rank == mesh.sp_rank == mesh.tp_rank == 0 else {}
@@ -347,16 +343,14 @@ def offload_folder(z, chunk: int, chunks: int):
 def validation_loss(job, chunk: int = 32):
     """data.HeldOut: the GPT's mean held-out token loss through the pipeline and the rows it covers (a
     collective over the whole mesh): each data-parallel rank's share of the rows in passes of ``chunk`` rows
-    as models/gpt.held_out_loss makes them (an empty pass where a share ran out: no loss, no row), every pass
+    as models/gpt_pp.held_out_loss makes them (an empty pass where a share ran out: no loss, no row), every pass
     through every chunk in model order; the last chunk's sums and tokens summed over the world (the last
     stage's ranks of TP rank 0; zeros elsewhere) as there: the same bits."""
-    from .data import HeldOut, rank_rows
+    from .data import HeldOut, held_out_passes, rank_rows
     from ..pipeline.executor import KINDS, TAGS
     mesh, data, comm = job.mesh, job.data, job.mesh.pp_comm
     mine = rank_rows(data.val_size, mesh.dp_rank, mesh.dp)
-    passes = -(-len(rank_rows(data.val_size, 0, mesh.dp)) // chunk)
-    rows = [data.val_rows(range(min(mine.start + k * chunk, mine.stop),
-                                min(min(mine.start + k * chunk, mine.stop) + chunk, mine.stop))) for k in range(passes)]
+    rows = [data.val_rows(r) for r in held_out_passes(data.val_size, mesh.dp_rank, mesh.dp, chunk)]
     C, me, total = job.schedule.chunks, mesh.pp_rank, 0.0
     last = job.runners.get(C - 1)
     if last is not None:

@@ -70,7 +70,7 @@ def check_fault(fault, world_size: int, cfg: TrainConfig) -> None:
                            "and every --save-every steps, with --save-dir)")
 
 
-EXACT_LAYERS = 100_000   # up to this many layers the check lays the model out as the engine does; beyond, in closed form
+EXACT_LAYERS = 100_000   # up to this many layers the check lays the model out as the engine does; beyond: closed form
 
 
 def layer_sizes(cfg: TrainConfig, tp: int = 1) -> List[int]:

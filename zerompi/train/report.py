@@ -58,13 +58,15 @@ def memory_table(measured: Dict[str, int], theory: Dict[str, int], padded: Dict[
     if activations is not None:
         got, want, text = activations
         rows.insert(len(rows) - 1, ("activations", text))
-        measured, theory, padded = ({**d, "activations": v} for d, v in ((measured, got), (theory, want), (padded, want)))
+        measured, theory, padded = ({**d, "activations": v}
+                                    for d, v in ((measured, got), (theory, want), (padded, want)))
         lines[0] += "; activations: one micro-batch of the GPT"
     for key, text in rows:
         lines.append(f"  {key:10} {human_bytes(measured[key]):>14} {human_bytes(theory[key]):>14} "
                      f"{human_bytes(padded[key]):>16}  {text}")
     if activations is not None:
-        lines.append(f"  {'+ activ.':10} {human_bytes(measured['total'] + got):>14} {human_bytes(theory['total'] + want):>14} "
+        lines.append(f"  {'+ activ.':10} {human_bytes(measured['total'] + got):>14} "
+                     f"{human_bytes(theory['total'] + want):>14} "
                      f"{human_bytes(padded['total'] + want):>16}  model states + activations")
     return "\n".join(lines)
 

@@ -69,7 +69,7 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
     try:
         log = _run_steps(cfg, job, comm, start, stop)
     except (JobError, CheckpointError) as e:   # meant to be raised on every rank together: --trace keeps what there is
-        end_together(comm.mpi, e, "zerompi.train")   # ... else this rank's line ends the job, before the trace's collective
+        end_together(comm.mpi, e, "zerompi.train")   # ... else this rank's line ends the job (before --trace's)
         from ..checkpoint.collective import salvage
         for engine in job.engines:
             if engine.trace is not None:
@@ -182,13 +182,9 @@ def _resume(job, cfg: TrainConfig) -> int:
 
 
 def _one_blas_thread() -> None:
-    """One OpenBLAS thread per rank, unless the user set OPENBLAS_NUM_THREADS or OMP_NUM_THREADS.
-
-    OpenBLAS otherwise starts a spinning thread per core in every rank. Measured on a shared
-    2-core machine: the default GPT step 5-7 s with them at 4 ranks, 0.1 s without; even one
-    rank alone ran 16x slower (GPT, 3.8 s vs 0.23 s) and a width-1024 MLP 2x slower.
-    Parallelism here comes from ranks; the per-rank matrices are small.
-    """
+    """One OpenBLAS thread per rank, unless the user set OPENBLAS_NUM_THREADS or OMP_NUM_THREADS: OpenBLAS
+    otherwise starts a spinning thread per core in every rank (docs/gpt.md has the cost); parallelism here
+    comes from ranks, the per-rank matrices are small."""
     import ctypes
     import os
     if any(k in os.environ for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")):

@@ -1,13 +1,8 @@
 """The train CLI's checkpoints: the save directory claimed at start, and the saves of the step loop.
 
-:func:`claim_save_dir` (rank 0, before the start-up agreement): the lock of ``--save-dir``
-(one job at a time) and the refusal to save a fresh run over another run's checkpoints.
-:class:`Saves` (every rank, in the loop): after every ``--save-every`` step and the last one,
-a save, in the background with ``--async-save`` (the last one, or one on a stop signal, is
-written at once: the run ends with it), ``--keep-last`` applied; each checkpoint is announced
-when it is published, and with ``--overwrite`` the old run's checkpoints go after the first (a
-run resumed into its own folder: those of later steps than the one it resumed from, which it
-otherwise keeps and names at start).
+:func:`claim_save_dir` (rank 0, before the start-up agreement): the ``--save-dir`` lock and the refusal to
+save a fresh run over another run's checkpoints. :class:`Saves` (every rank): the ``--save-every`` and the
+last step's saves, in the background with ``--async-save``, ``--keep-last`` and ``--overwrite`` applied.
 """
 import atexit
 import os

@@ -1,21 +1,9 @@
-"""The GPT's activations: where they live, how many bytes they take, and activation checkpointing.
+"""The GPT's activations: the workspace that measures them, and activation checkpointing.
 
-- ``MeteredWorkspace``: the model's persistent Workspace (gpt_fast.py), counting the bytes of
-  its activation buffers as it allocates them, now and at peak. Parameter-sized buffers (the
-  fp32 copies of a block's fp16/bf16 parameters, the parameter gradients the blocks share) are
-  not activations and are left out. The buffers are kept across steps, so after a step the
-  peak is what every micro-batch holds at once; estimate/activations.py has the formula.
-- ``Keep`` (the default) runs each layer's forward in its own buffers and keeps its cache
-  for the backward; ``Recompute`` (``checkpoint_activations``) keeps only each block's input:
-  the forward runs every block in one shared set of buffers and copies its output aside, the
-  backward runs the block's forward again (the same arithmetic on the same input and
-  parameters: the same bits) and then its backward.
-- ``scratch``: an array from a persistent workspace on NumPy, else a new one (CuPy, or no
-  workspace), for the embedding and the head.
-
-The measurement covers the C kernels' path (FusedLayers), whose every array comes from the
-workspace; the plain array path (NumpyLayers, CuPy) makes new arrays in each call and is
-not measured (``GPT.activation_bytes`` is None there).
+``MeteredWorkspace`` counts a Workspace's activation bytes (not its parameter-sized buffers), now and at
+peak; ``Keep`` runs each layer in its own buffers and keeps its cache; ``Recompute`` (--checkpoint-activations)
+keeps a block's input only and runs its forward again inside its backward: the same bits. Only the C kernels'
+path is measured (the plain array path makes new arrays). docs/activations.md.
 """
 import numpy as np
 

@@ -1,37 +1,11 @@
 """GPT: a decoder-only transformer with hand-written forward and backward, one engine layer at a time.
 
-Engine layers: 0 = ``embed`` (token table ``wte``, position table ``wpe``), 1..L = ``block{i}``
-(pre-LayerNorm causal multi-head self-attention, then a pre-LayerNorm GELU MLP, each with a
-residual connection), L+1 = ``ln_f`` (the final LayerNorm). The output head is tied to
-``wte``: logits = ln_f(h) @ wte.T, so layer 0 stays unsharded from the lookup until the
-head has run (stage 3 holds that one bucket through the forward, every other bucket is
-gathered and freed in turn), and its gradient ``wte`` is the lookup's plus the head's,
-handed back once per micro-batch, last.
-
-Arrays are (batch, time, channels). Compute runs in ``dtype`` (float32 for training,
-float64 in the gradient checks) on ``xp`` (NumPy, or CuPy later); stored parameters of any
-float dtype are upcast per layer. Shapes: B rows, T positions, C = d_model, H heads, V vocab.
-
-The blocks and the final LayerNorm run in one of two implementations of the same
-mathematics (``kernels``): "c", gpt_fast.FusedLayers (NumPy with the C kernels of
-kernels/gpt_cpu.c, buffers from a Workspace), or "numpy", gpt_numpy.NumpyLayers (plain
-array code: CuPy, or no C compiler); "auto" takes "c" where it can run. The engine driver
-(run_micro_batch) passes the model's persistent workspace, so a training step reuses the
-previous step's buffers; called without one, every layer returns new arrays.
-
-``checkpoint_activations``: a block keeps only its input through the forward and runs its
-forward again inside its backward (activations.Recompute); ``activation_bytes`` is what the
-activations measured (activations.MeteredWorkspace; the formula: estimate/activations.py).
-
-``tp`` (a TPComm of K > 1 ranks): tensor parallelism as Megatron-LM splits the blocks, the same layers
-on this rank's pieces (TP_SPLIT, cut by comm/tpsplit.py): QKV column-parallel (its n_head/K heads' q, k
-and v columns), the attention projection row-parallel, fc column-parallel, out row-parallel; one
-all-reduce after each row-parallel multiply in the forward, one on each column-parallel layer's input
-gradient in the backward (the layers' ``reduce``). Embeddings, LayerNorms and the row-parallel biases
-are replicated; their inputs and gradients are the same bits on every TP rank (the all-reduce sums in
-rank order). Parameter names are the full model's, shapes the pieces'. ``sp``: gpt_sp.py.
+Engine layers: 0 = ``embed`` (``wte``, ``wpe``), 1..L = ``block{i}`` (pre-LayerNorm causal attention, then a
+GELU MLP), L+1 = ``ln_f``; the output head is tied to ``wte``. The blocks run on the C kernels (gpt_fast.py)
+or plain array code (gpt_numpy.py), kept or recomputed (activations.py), split over TP (``TP_SPLIT``: Megatron-LM's
+cut) or SP (gpt_sp.py); gpt_pp.py walks them through the engine (pipelined or not). docs/gpt.md has the design.
 """
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import numpy as np
 
@@ -44,9 +18,8 @@ from .gpt_sp import check_sp_model, sequence_parallel
 from .gpt_numpy import (LN_EPS, NumpyLayers, attention, attention_backward, gelu, gelu_grad, layernorm,
                         layernorm_backward, linear, linear_backward)
 
-__all__ = ["GPT", "LN_EPS", "WPE", "WTE", "attention", "attention_backward", "evaluate", "gelu", "gelu_grad",
-           "layernorm", "layernorm_backward", "linear", "linear_backward", "run_micro_batch", "train_losses",
-           "held_out_loss", "validation_loss"]
+__all__ = ["GPT", "LN_EPS", "WPE", "WTE", "attention", "attention_backward", "gelu", "gelu_grad",
+           "layernorm", "layernorm_backward", "linear", "linear_backward"]
 WTE, WPE = "wte", "wpe"
 KERNELS = ("auto", "c", "numpy")
 # Short block name -> (axis, groups) of its tensor-parallel split; the block's other parameters are replicated.
@@ -103,6 +76,10 @@ class GPT:
         (adjacent, comm/mesh.py) take one share together."""
         k = self.sp.size if self.sp else 1
         return engine.rank // k, engine.world_size // k
+
+    def activation_spec(self, i: int, rows: int):
+        """(shape, dtype) of engine layer i's output for ``rows`` sequences (this rank's positions of each)."""
+        return (rows, self.seq_len // (self.sp.size if self.sp else 1), self.d_model), self.dtype
 
     @property
     def num_layers(self) -> int:
@@ -292,105 +269,3 @@ class GPT:
             grads.update({k: v.copy() for k, v in g.items()} if ws.persistent else g)
         grads[WTE] = grads[WTE] + dwte
         return loss, grads
-
-
-# ---- driving the engine ---------------------------------------------------------------
-def run_micro_batch(engine, model: GPT, idx, targets) -> float:
-    """Forward, loss and backward of one micro-batch through the public engine API.
-
-    The visit order is the one the engine schedules stage 3 by: forward 0..n-1, backward
-    n-1..0, so every bucket is gathered once for the forward and once for the backward.
-    Layer 0 stays unsharded from the embedding lookup until the tied head has used ``wte``
-    (the embedding bucket is held through the forward: the only bucket that is).
-    Gradients handed back are those of this rank's mean loss times ``engine.loss_scale``;
-    layer 0's ``wte`` (the lookup's plus the head's) goes last, once. Returns the loss.
-    """
-    n = model.num_layers
-    caches = [None] * n
-    run = model.activations            # the buffers of the previous micro-batch, reused (model.workspace)
-    engine.begin_forward()
-    with engine.unsharded(0) as embed:
-        h, caches[0] = run.forward(0, embed, idx)
-        for i in range(1, n):
-            with engine.unsharded(i) as p:
-                h, caches[i] = run.forward(i, p, h)
-        loss, dh, dwte_head = model.head(embed[WTE], h, targets, engine.loss_scale, model.workspace)
-    engine.begin_backward()
-    for i in reversed(range(1, n)):
-        with engine.unsharded(i) as p:
-            dh, grads = run.backward(i, p, caches[i], dh)
-        caches[i] = None
-        engine.grads_ready(i, grads)
-    # The lookup's backward reads no parameter; the visit keeps the schedule the engine prefetches by.
-    with engine.unsharded(0):
-        _, grads = run.backward(0, None, caches[0], dh)
-    grads[WTE] += dwte_head
-    engine.grads_ready(0, grads)
-    return loss
-
-
-def evaluate(engine, model: GPT, idx, targets) -> float:
-    """Sum of the token cross-entropies (nats) of rows idx -> targets; forward only, no gradients.
-    No rows (this rank's share of the held-out set ran out): the layers are visited (stage 3 gathers
-    them with the others), nothing is computed, 0."""
-    engine.begin_forward()
-    if idx.shape[0] == 0:
-        for i in range(model.num_layers):
-            with engine.unsharded(i):
-                pass
-        return 0.0
-    with engine.unsharded(0) as embed:
-        h, _ = model.forward_layer(0, embed, idx)
-        for i in range(1, model.num_layers):
-            with engine.unsharded(i) as p:
-                h, _ = model.forward_layer(i, p, h)
-        return float(model.token_losses(embed[WTE], h, targets).astype(np.float64).sum())
-
-
-# ---- one training step's data, and the held-out loss ------------------------------------
-def train_losses(engine, model: GPT, data, step: int, batch: int, micro_batches: int) -> List[float]:
-    """This rank's micro-batch losses of training step ``step``.
-
-    ``batch`` sequences per step over all ranks; the rank builds only its own rows of the
-    global batch (data.train_rows), which are the same rows at any world size.
-    """
-    from ..data import rank_rows
-    rows = data.train_rows(step, rank_rows(batch, *model.data_share(engine)))
-    per = rows.shape[0] // micro_batches
-    xp = model.xp
-    out = []
-    for m in range(micro_batches):
-        r = xp.asarray(rows[m * per:(m + 1) * per])
-        out.append(run_micro_batch(engine, model, *model.local_sequence(r)))
-    return out
-
-
-def held_out_loss(engine, model: GPT, data, chunk: int = 32):
-    """data.HeldOut: the mean token loss (nats) over the held-out set and its rows; a collective
-    (every rank calls it).
-
-    Each rank evaluates its share of the rows; every rank makes the same number of forward
-    passes (stage 3 gathers in each), an empty one where its share ran out (a short --data
-    file: fewer rows than ranks), which adds no loss and no row.
-    """
-    from ..data import HeldOut, rank_rows
-    share, size = model.data_share(engine)
-    mine = rank_rows(data.val_size, share, size)
-    passes = -(-len(rank_rows(data.val_size, 0, size)) // chunk)    # rank 0 has the most rows
-    xp = model.xp
-    total, tokens = 0.0, 0
-    for k in range(passes):
-        lo = min(mine.start + k * chunk, mine.stop)
-        r = xp.asarray(data.val_rows(range(lo, min(lo + chunk, mine.stop))))
-        idx, targets = model.local_sequence(r)
-        total += evaluate(engine, model, idx, targets)
-        tokens += targets.size
-    summed = engine.comm.sum_scalars([total, tokens])
-    if getattr(engine.comm.mpi, "simulated", False):    # N copies of this rank's sums: its own rows' mean instead
-        return HeldOut.of(total, tokens, data.seq_len // (model.sp.size if model.sp else 1))
-    return HeldOut.of(float(summed[0]), float(summed[1]), data.seq_len)
-
-
-def validation_loss(engine, model: GPT, data, chunk: int = 32) -> Optional[float]:
-    """Mean token loss (nats) over the held-out set (held_out_loss), None when no rank has a row of it."""
-    return held_out_loss(engine, model, data, chunk).loss

@@ -1,24 +1,9 @@
 """The GPT's blocks on the CPU at the speed of their matrix multiplies.
 
-Same mathematics as gpt_numpy.NumpyLayers, arranged so that the time goes to BLAS:
-
-- every linear layer is one matrix multiply over all B*T rows, written into its buffer
-  (``np.matmul(..., out=)``); the bias and the residual add are one pass after it
-  (kernels/gpt_cpu.c ``bias_residual``), the fc bias rides in the GELU pass;
-- GELU and its gradient are one pass each (tanh recomputed in the backward, nothing but
-  the pre-activation kept), the gradient pass also sums the fc bias gradient;
-- LayerNorm keeps the mean and 1/std per row, not x-hat: two passes forward, two back;
-- attention reads q, k and v where the qkv projection wrote them ((B, T, 3C) viewed as
-  (B, H, T, hd): unit stride along a head, so BLAS takes the views as they are), writes
-  its output straight into (B, T, C) and its q/k/v gradients straight into d qkv: no
-  transpose or concatenate copies. The causal softmax and its backward run in place on
-  the (B, H, T, T) scores, the lower triangle only;
-- the buffers come from a Workspace: with ``persistent`` the same arrays serve every step;
-- tensor-parallel (``tp``, Megatron-LM's split, models/gpt.py): a block holds its rank's heads and MLP
-  columns; each row-parallel layer's partial sums are all-reduced in place before its bias and
-  residual, each column-parallel layer's input gradient after its matrix multiply.
-
-Float32 or float64 NumPy arrays only (the kernels' types); models.gpt picks this path.
+The mathematics of gpt_numpy.NumpyLayers arranged so that the time goes to BLAS: one matrix multiply per
+linear layer over all rows into its buffer, the elementwise passes in the C kernels (model_kernels.py),
+attention on views of qkv with no copies, every buffer from a Workspace; float32 or float64 NumPy arrays
+only. docs/gpt.md ("Speed") has what each arrangement saves.
 """
 from typing import Dict, Optional, Tuple
 

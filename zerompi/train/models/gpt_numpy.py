@@ -11,7 +11,7 @@ LN_EPS = 1e-5
 
 
 # ---- elementwise pieces ----------------------------------------------------------
-# x * x * x, not x ** 3: NumPy's power ufunc measured ~800x slower here (it calls libm pow).
+# x * x * x, not x ** 3: NumPy's power ufunc calls libm pow, far slower.
 def gelu(xp, x):
     """tanh-approximate GELU; returns (y, t) where t = tanh(...) is kept for the backward."""
     t = xp.tanh(_C * x * (1.0 + 0.044715 * (x * x)))

@@ -1,160 +1,120 @@
-"""The GPT cut into pipeline chunks: one chunk's forward, backward and weight gradients, through its engine.
+"""The GPT's chunk (models/chunks.py): a run of its engine layers, the embedding and the tied head among them.
 
-Chunk c of C holds engine layers (the whole model's numbering) ``embed`` (chunk 0 only), its
-n_layer / C blocks, and ``ln_f`` (the last chunk, which also runs the tied head and the loss). Each
-layer runs exactly as models/gpt.py's run_micro_batch runs it (the same kernels, the same visits of
-the engine, the same gradients handed back in the same order), so every micro-batch computes the
-same bits as without pipelining.
-
-The tied embedding / head weight ``wte`` (pipeline/tied.py): chunk 0's engine trains it; the last chunk
-reads a copy of its stored value, sent by chunk 0 at its first forward of each step, and sends the
-head's gradient of each micro-batch back, which chunk 0 adds to the lookup's (``grads[wte] +=
-head's``, as run_micro_batch does) before handing layer 0's gradients to its engine.
-
-A split backward (ZB-H1): B runs each layer's input gradient (gpt.backward_layer_parts) and keeps its
-weight part; W runs the weight parts, top layer first, and hands the gradients back.
+Chunk c of C holds ``embed`` (chunk 0), its n_layer / C blocks and ``ln_f`` (the last, with the tied head and
+the loss); an unpipelined run is the one chunk of all. A chunk holding embedding and head keeps ``embed``
+unsharded until the head has read ``wte`` and adds the head's gradient to the lookup's; cut apart, the value
+and the gradient travel between the two chunks (pipeline/tied.py): the same sum, the same bits.
 """
-from typing import Optional
+from contextlib import ExitStack
+from typing import List
 
 import numpy as np
 
 from .activations import Keep, Recompute
-from .chunks import ChunkState, WorkspacePool, chunk_layers
+from .chunks import Chunk, MicroBatch
 from .gpt import WTE
-from .gpt_fast import FRESH
 
 
-class GPTChunk:
-    """Chunk ``index`` of ``chunks`` of ``model`` (a GPT, any --tp), fed from ``data`` (rows of data-parallel
-    rank ``dp_rank`` of ``dp``; ``batch`` sequences per step, ``micro_batches``); ``tie`` a TiedWeight; ``shared``:
-    the Workspace of one-layer buffers this rank's chunks share (models/chunks.py; default: the chunk's own)."""
+class GPTChunk(Chunk):
+    """Layers ``layers`` of ``model`` (a GPT, any --tp or --sp); ``tie``: a TiedWeight where the embedding and
+    the head are on two chunks; ``pool``: a WorkspacePool, else every micro-batch runs in ``ws`` (default: the
+    model's workspace)."""
 
-    def __init__(self, model, index: int, chunks: int, data, batch: int, dp_rank: int, dp: int,
-                 micro_batches: int, tie, shared=None):
-        self.model, self.index, self.chunks, self.data = model, index, chunks, data
-        self.batch, self.dp_rank, self.dp, self.m = batch, dp_rank, dp, micro_batches
-        self.tie = tie
-        self.first, self.last = index == 0, index == chunks - 1
-        self.layers = chunk_layers(model.num_layers, [0], [model.n_layer + 1], model.n_layer, index, chunks)
-        self.engine = self.sink = None
-        self.pool = WorkspacePool(shared) if model.layers.name == "c" else None   # shared: the rank's one-layer set
-        self.state = {}
-        self.rows = None
-        self.losses = {}
-        self.per = batch // dp // micro_batches      # rows of one micro-batch
+    def __init__(self, model, layers, feed=None, rows: int = 0, tie=None, pool=None, ws=None):
+        super().__init__(model, layers, model.num_layers, feed, rows)
+        self.tie, self.pool = tie, pool
+        self.ws = model.workspace if ws is None else ws
+        self.sent_value = False
 
-    # ---- what the engine holds ---------------------------------------------------------------
-    def lazy_layers(self):
-        """The chunk's layers of the whole model's lazy rules (engine/lazy.py: each knows its place in the
-        model's draws, so the engine makes this chunk's shard of the same initial values)."""
-        full = self.model.lazy_layers()
-        return [full[g] for g in self.layers]
-
-    def tp_split(self):
-        names = {n for g in self.layers for n in self.model_names(g)}
-        return {n: s for n, s in self.model.tp_split().items() if n in names}
-
-    def model_names(self, g: int):
-        if g == 0:
-            return ["wte", "wpe"]
-        if g <= self.model.n_layer:
-            return list(self.model.block_names(g - 1).values())
-        return ["ln_f.g", "ln_f.b"]
-
-    def attach(self, engine, sink) -> None:
-        self.engine, self.sink = engine, sink
-
-    @property
-    def activation_bytes(self) -> Optional[int]:
-        return self.pool.peak_bytes if self.pool is not None else None
-
-    # ---- the step ----------------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
-        from ..data import rank_rows
-        self.losses, self.sent_value = {}, False
-        if self.first or self.last:
-            self.rows = self.data.train_rows(step, rank_rows(self.batch, self.dp_rank, self.dp))
-        if self.last:
+        super().begin_step(step)
+        self.sent_value = False
+        if self.last and not self.first:
             self.tie.expect_value()
 
-    def end_step(self) -> None:
-        self.rows = None
+    def run_layers(self, ws):
+        """How a layer runs in workspace ``ws`` (models/activations.py): kept, or recomputed in the backward
+        with --checkpoint-activations (not with a split backward: W would read recomputed buffers)."""
+        return (Recompute if self.model.checkpoint_activations else Keep)(self.model, ws)
 
-    def _tokens(self, mb: int):
-        """(inputs, targets) of micro-batch ``mb``: this rank's chunk of each sequence (all of it without --sp)."""
-        return self.model.local_sequence(self.model.xp.asarray(self.rows[mb * self.per:(mb + 1) * self.per]))
-
-    def input_spec(self, mb: int):
-        sp = self.model.sp.size if self.model.sp else 1
-        return (self.per, self.model.seq_len // sp, self.model.d_model), self.model.dtype
-
-    grad_spec = input_spec
+    def _embed(self, mb, p, held: bool):
+        """The stored wte the head reads: the held layer's, or this step's value sent to the head's chunk."""
+        if held:
+            return p[WTE]
+        if not self.sent_value:
+            self.tie.send_value(p[WTE])
+            self.sent_value = True
+        if mb is not None:
+            self.tie.expect_grad(mb)
+        return None
 
     def forward(self, mb: int, x):
         e, m = self.engine, self.model
-        ws = self.pool.take(mb) if self.pool is not None else FRESH
-        st = self.state[mb] = ChunkState(ws)
-        idx = targets = None
-        if self.first or self.last:
-            idx, targets = self._tokens(mb)
+        ws = self.pool.take(mb) if self.pool is not None else self.ws
+        st = self.state[mb] = MicroBatch(ws)
+        idx, targets = self.batches[mb] if self.first or self.last else (None, None)
+        run = self.run_layers(ws)
         e.begin_forward()
-        h = x
-        for li, g in enumerate(self.layers):
-            with e.unsharded(li) as p:
-                if g == 0:
-                    if not self.sent_value:          # this step's value of the tied weight, to the head's stage
-                        self.tie.send_value(p[WTE])
-                        self.sent_value = True
-                    self.tie.expect_grad(mb)
-                    h, cache = m.forward_layer(0, p, idx, ws)
-                else:
-                    h, cache = self.run(ws).forward(g, p, h)   # checkpointing: a block keeps its input only
-            st.caches.append(cache)
-        if not self.last:
-            return h
-        loss, dh, dwte_head = m.head(self.tie.value(), h, targets, e.loss_scale, ws)
+        h, wte = x, None
+        with ExitStack() as held:          # the embedding and the head in this chunk: layer 0 held until the head
+            for li, g in enumerate(self.layers):
+                with ExitStack() as visit:
+                    p = (held if g == 0 and self.last else visit).enter_context(e.unsharded(li))
+                    if g == 0:
+                        wte = self._embed(mb, p, self.last)
+                    h, cache = run.forward(g, p, idx if g == 0 else h)
+                st.caches.append(cache)
+            if not self.last:
+                return h
+            loss, dh, dwte_head = m.head(wte if self.first else self.tie.value(), h, targets, e.loss_scale, ws)
         self.losses[mb] = loss
-        self.tie.send_grad(mb, dwte_head)
+        if self.first:
+            st.head_grad = dwte_head
+        else:
+            self.tie.send_grad(mb, dwte_head)
         st.extra = dh
         return None
 
     def evaluate(self, rows, x):
-        """Forward only, as models/gpt.evaluate runs it: the next chunk's input, or (the last chunk) the sum of
-        the token cross-entropies of ``rows`` (nats)."""
+        """Forward only: the next chunk's input, or (the last chunk) the sum of the token cross-entropies of
+        ``rows`` (nats). No rows (a share of the held-out set that ran out): the layers visited, nothing run."""
         e, m = self.engine, self.model
         inputs, targets = m.local_sequence(m.xp.asarray(rows))
         e.begin_forward()
-        h = x
-        for li, g in enumerate(self.layers):
-            with e.unsharded(li) as p:
-                if g == 0 and not self.sent_value:
-                    self.tie.send_value(p[WTE])
-                    self.sent_value = True
-                if len(rows):             # no rows (a share of the held-out set that ran out): visited, not run
-                    h, _ = m.forward_layer(g, p, inputs if g == 0 else h)
-        if not len(rows):
-            sp = m.sp.size if m.sp else 1
-            return m.xp.empty((0, m.seq_len // sp, m.d_model), m.dtype) if not self.last else 0.0
-        if not self.last:
-            return h
-        return float(m.token_losses(self.tie.value(), h, targets).astype(np.float64).sum())
+        h, wte = x, None
+        with ExitStack() as held:
+            for li, g in enumerate(self.layers):
+                with ExitStack() as visit:
+                    p = (held if g == 0 and self.last else visit).enter_context(e.unsharded(li))
+                    if g == 0:
+                        wte = self._embed(None, p, self.last)
+                    if len(rows):
+                        h, _ = m.forward_layer(g, p, inputs if g == 0 else h)
+            if not len(rows):
+                sp = m.sp.size if m.sp else 1
+                return 0.0 if self.last else m.xp.empty((0, m.seq_len // sp, m.d_model), m.dtype)
+            if not self.last:
+                return h
+            return float(m.token_losses(wte if self.first else self.tie.value(), h, targets)
+                         .astype(np.float64).sum())
 
     def backward(self, mb: int, dy, weights: bool):
         e, m = self.engine, self.model
         st = self.state[mb]
         dh = st.extra if self.last else dy
+        run = self.run_layers(st.ws)
         e.begin_backward()
         parts = []
         for li in reversed(range(len(self.layers))):
             g = self.layers[li]
-            if g == 0:      # the lookup reads no parameter; the visit keeps the engine's order (run_micro_batch)
+            if g == 0:      # the lookup reads no parameter; the visit keeps the engine's order
                 with e.unsharded(li):
                     pass
-                parts.append((li, self._embed_weights(mb, st.caches[li], dh, st.ws)))
+                parts.append((li, self._embed_weights(mb, st, dh)))
                 continue
             with e.unsharded(li) as p:
                 if weights:
-                    dh, grads = self.run(st.ws).backward(g, p, st.caches[li], dh)
+                    dh, grads = run.backward(g, p, st.caches[li], dh)
                     self.sink(li, grads)
                 else:
                     dh, part = m.backward_layer_parts(g, p, st.caches[li], dh, st.ws)
@@ -168,25 +128,67 @@ class GPTChunk:
             st.weights = parts
         return None if self.first else dh
 
-    def run(self, ws):
-        """How a layer runs in workspace ``ws`` (models/activations.py): kept, or recomputed in the backward
-        with --checkpoint-activations (not with a split backward: W would read recomputed buffers)."""
-        return (Recompute if self.model.checkpoint_activations else Keep)(self.model, ws)
-
-    def weights(self, mb: int) -> None:
-        st = self.state[mb]
-        for li, part in st.weights:          # the top layer first, as the unsplit backward hands them back
-            self.sink(li, part())
-        self._done(mb)
-
-    def _embed_weights(self, mb, cache, dh, ws):
+    def _embed_weights(self, mb, st, dh):
         def part():
-            grads = self.model.backward_layer(0, None, cache, dh, ws)[1]
-            grads[WTE] += self.tie.grad(mb)      # the lookup's plus the head's, as run_micro_batch adds them
+            grads = self.model.backward_layer(0, None, st.caches[0], dh, st.ws)[1]
+            grads[WTE] += st.head_grad if self.last else self.tie.grad(mb)    # the lookup's plus the head's
             return grads
         return part
 
     def _done(self, mb: int) -> None:
-        del self.state[mb]
+        super()._done(mb)
         if self.pool is not None:
             self.pool.give(mb)
+
+
+# ---- an unpipelined run: the one chunk of all layers ------------------------------------
+def whole(engine, model):
+    """The model's one chunk of all its layers through ``engine``, its micro-batches in the model's workspace."""
+    return GPTChunk(model, range(model.num_layers)).attach(engine)
+
+
+def run_micro_batch(engine, model, idx, targets) -> float:
+    """Forward, loss and backward of one micro-batch through the public engine API (GPTChunk's walk):
+    gradients handed back are those of this rank's mean loss times ``engine.loss_scale``, layer 0's (the
+    lookup's ``wte`` plus the head's) last. Returns the loss."""
+    chunk = whole(engine, model)
+    chunk.batches = [(idx, targets)]
+    return chunk.run()[0]
+
+
+def evaluate(engine, model, rows) -> float:
+    """Sum of the token cross-entropies (nats) of ``rows`` (sequences of seq_len + 1 tokens); forward only."""
+    return whole(engine, model).evaluate(rows, None)
+
+
+# ---- one training step's data, and the held-out loss ------------------------------------
+def step_batches(model, data, step: int, batch: int, share: int, shares: int, micro_batches: int):
+    """[(inputs, targets)] of the micro-batches of share ``share`` of ``shares`` of step ``step``'s global batch
+    of ``batch`` sequences (data.train_rows: the same rows at any world size)."""
+    from ..data import rank_rows
+    rows = data.train_rows(step, rank_rows(batch, share, shares))
+    per = rows.shape[0] // micro_batches
+    return [model.local_sequence(model.xp.asarray(rows[m * per:(m + 1) * per])) for m in range(micro_batches)]
+
+
+def train_losses(engine, model, data, step: int, batch: int, micro_batches: int) -> List[float]:
+    """This rank's micro-batch losses of training step ``step`` (``batch`` sequences over all ranks)."""
+    chunk = whole(engine, model)
+    chunk.batches = step_batches(model, data, step, batch, *model.data_share(engine), micro_batches)
+    return chunk.run()
+
+
+def held_out_loss(engine, model, data, chunk: int = 32):
+    """data.HeldOut: the mean token loss (nats) over the held-out set and its rows; a collective (every rank
+    calls it): each rank's share of the rows in passes (data.held_out_passes; an empty one adds no loss, no row).
+    """
+    from ..data import HeldOut, held_out_passes
+    total, tokens = 0.0, 0
+    for rows in held_out_passes(data.val_size, *model.data_share(engine), chunk):
+        r = model.xp.asarray(data.val_rows(rows))
+        total += evaluate(engine, model, r)
+        tokens += model.local_sequence(r)[1].size
+    summed = engine.comm.sum_scalars([total, tokens])
+    if getattr(engine.comm.mpi, "simulated", False):    # N copies of this rank's sums: its own rows' mean instead
+        return HeldOut.of(total, tokens, data.seq_len // (model.sp.size if model.sp else 1))
+    return HeldOut.of(float(summed[0]), float(summed[1]), data.seq_len)

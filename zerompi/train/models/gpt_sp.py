@@ -1,26 +1,9 @@
 """The GPT's attention, sequence-parallel as DeepSpeed-Ulysses does it.
 
-K ranks (an SPComm, comm/alltoall.py) hold K contiguous chunks of every sequence: T/K positions
-each. LayerNorms, the projections, the MLP, the embedding (by global position) and the loss run
-on the chunk. Attention needs the whole sequence, so around its core two all-to-alls move the
-heads instead of the tokens: before it, (chunk, all of this rank's heads) of q, k and v become
-(whole sequence, 1/K of them); after it, the output goes back to (chunk, all heads). The backward
-runs the same two the other way round. So per block and micro-batch each rank sends
-(K-1)/K x (3 + 1) n C values in the forward and as many in the backward (n = B T/K rows of the
-chunk, C = the channels of this rank's heads: d_model, or d_model / tp under tensor parallelism),
-and holds the attention probabilities of H/K heads over the whole sequence, B (H/K) T^2.
-
-With tensor parallelism the heads are split first by TP (each TP rank's qkv holds its n_head/tp
-heads), then by SP among those: n_head / tp must divide by K.
-
-Two implementations, as the blocks have: SPAttention on the plain array code (gpt_numpy.py, new
-arrays) and SPFusedAttention with the C kernels (gpt_fast.py), whose buffers come from the
-workspace, so the activations measured (models/activations.py) include what the all-to-alls need:
-per block q, k and v over the whole sequence (3 n C, kept for the backward), and four flat
-arrays every block shares: the chunk's qkv before its all-to-all (used again for d qkv over the
-whole sequence), the heads' output before its all-to-all (and d y after), and the all-to-all's
-send and receive blocks: 3 n C + n C + 2 x 3 n C = 10 n C (estimate/activations.py; the all-to-all
-bytes: estimate/sequence.py).
+K ranks hold K chunks of every sequence; around the attention core two all-to-alls trade (the chunk, all of
+this rank's heads) for (the whole sequence, 1/K of them) and back, the other way round in the backward.
+SPAttention wraps the plain array code, SPFusedAttention the C kernels, whose all-to-all buffers come from
+the workspace (measured activations). docs/sequence-parallel.md has the design and the bytes.
 """
 import numpy as np
 

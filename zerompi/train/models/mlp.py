@@ -7,6 +7,7 @@ import numpy as np
 from ...engine import lazy
 from .. import loop
 from ..model_kernels import upcast
+from .chunks import Chunk
 
 F32 = np.float32
 _C = F32(np.sqrt(2.0 / np.pi))   # a float32 scalar keeps float32 arrays float32 (NEP 50)
@@ -53,7 +54,7 @@ class MLP:
 
     def _weight(self, params, i):
         """Layer i's weight in float32; a stored fp16 one is converted into one buffer that every
-        layer shares (model_kernels.upcast: F16C where it can, ~20x NumPy's astype here)."""
+        layer shares (model_kernels.upcast: F16C where it can)."""
         w = params[f"block{i}.weight"]
         if w.dtype != F32 and isinstance(w, np.ndarray):
             self._w32 = upcast(w, F32, getattr(self, "_w32", None))
@@ -83,6 +84,10 @@ class MLP:
         w = self._weight(params, i)
         return (dz @ w.T if i else None), lambda: {f"block{i}.weight": x.T @ dz, f"block{i}.bias": dz.sum(axis=0)}
 
+    def activation_spec(self, i: int, rows: int):
+        """(shape, dtype) of block i's output for ``rows`` rows (the input of block i + 1)."""
+        return (rows, self.width), F32
+
     @staticmethod
     def loss(y, target):
         """Mean squared error over every element of the micro-batch; returns (loss, dloss/dy)."""
@@ -103,9 +108,7 @@ class TeacherData:
     may round a row differently in a matrix multiply of another height, so the height is
     always one block: a target depends on (seed, s, j) only, never on the batch size, the
     world size or which rank computes it. Each rank computes the targets of the blocks
-    that hold its own rows, and draws the inputs up to its last row. (Before: every rank
-    computed the whole global batch with a float64 teacher; the inputs are the same, the
-    targets differ from those by float32 rounding.)
+    that hold its own rows, and draws the inputs up to its last row.
     """
 
     def __init__(self, width: int, depth: int, seed: int):
@@ -141,15 +144,18 @@ class TeacherData:
         return self.rows(step, range(batch))
 
 
-def train_losses(engine, model: MLP, data: TeacherData, step: int, batch: int, micro_batches: int) -> List[float]:
-    """This rank's micro-batch losses of training step ``step`` (as models.gpt.train_losses).
-
-    ``batch`` rows per step over all ranks; the rank computes only its own rows
-    (TeacherData.rows), on the host, NumPy; each micro-batch moves to the engine's array
-    module (CuPy for --device gpu), on which the model's NumPy calls then dispatch.
-    """
-    rows = loop.local_rows(batch, engine.rank, engine.world_size)
+def step_batches(data: TeacherData, step: int, batch: int, share: int, shares: int, micro_batches: int, xp=np):
+    """[(x, y)] of the micro-batches of share ``share`` of ``shares`` of step ``step``'s global batch of ``batch``
+    rows: computed on the host (TeacherData.rows, the share's rows only), each moved to ``xp`` (CuPy for
+    --device gpu, on which the model's NumPy calls then dispatch)."""
+    rows = loop.local_rows(batch, share, shares)
     x, y = data.rows(step, range(rows.start, rows.stop))
-    xp = engine.xp
-    return [loop.run_micro_batch(engine, model, xp.asarray(xm), xp.asarray(ym))
-            for xm, ym in loop.micro_batches(x, y, micro_batches)]
+    return [(xp.asarray(xm), xp.asarray(ym)) for xm, ym in loop.micro_batches(x, y, micro_batches)]
+
+
+def train_losses(engine, model: MLP, data: TeacherData, step: int, batch: int, micro_batches: int) -> List[float]:
+    """This rank's micro-batch losses of training step ``step`` (``batch`` rows over all ranks), through the one
+    chunk of all layers (models/chunks.py)."""
+    chunk = Chunk(model, range(model.depth), model.depth).attach(engine)
+    chunk.batches = step_batches(data, step, batch, engine.rank, engine.world_size, micro_batches, engine.xp)
+    return chunk.run()

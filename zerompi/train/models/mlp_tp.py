@@ -59,6 +59,11 @@ class TPMLP(MLP):
             dx = self.tp.all_reduce(np.ascontiguousarray(dx))
         return dx, weights
 
+    def activation_spec(self, i: int, rows: int):
+        """A column-parallel block's output stays split: this rank's columns."""
+        split = i % 2 == 0 and i != self.depth - 1
+        return (rows, self.width // self.tp.size if split else self.width), np.float32
+
     def tp_bytes_per_micro_batch(self, rows: int, itemsize: int = 4) -> int:
         k = self.tp.size
         return (self.depth - 1) * 2 * (k - 1) * (rows * self.width // k) * itemsize
