@@ -74,8 +74,8 @@ def start_guards(engine):
 # ---- the layers ----------------------------------------------------------------------
 def setup_fields(config, layout, topology) -> dict:
     """What every rank must have alike at construction, for comm/consistency.check_consistent: the
-    config (a dict: the engine's recorded_config), each parameter's shape as a field of its own (a difference names it), the layer
-    order, the layout and the topology."""
+    config (a dict: the engine's recorded_config), each parameter's shape as a field of its own (a
+    difference names it), the layer order, the layout and the topology."""
     return {"zero": config, "shape": {name: list(pr.shape) for name, pr in layout.params.items()},
             "layers": layout.layer_names, "layout": layout.describe(), "topology": asdict(topology)}
 

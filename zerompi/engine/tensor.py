@@ -72,7 +72,8 @@ class TensorParallel:
         ``shapes``: {parameter name: shape of this rank's array}; ``split`` is checked against them."""
         if mesh is None or mesh.tp == 1:
             if split:
-                raise UsageError("tp_split given without tensor parallelism; pass a Mesh with tp > 1 or set mesh_config.tp")
+                raise UsageError("tp_split given without tensor parallelism; pass a Mesh with tp > 1 or set "
+                                 "mesh_config.tp")
             return None
         if split is None:
             raise UsageError("tensor parallelism needs tp_split={parameter name: (axis, groups)} for the split "

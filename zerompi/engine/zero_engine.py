@@ -79,7 +79,8 @@ class ZeroEngine:
             raise UsageError(f"mesh_config is a {type(mesh_config).__name__}; pass a zerompi.MeshConfig")
         self.mesh_config = mesh_config_of(comm, self.config, mesh_config)
         self.mesh = mesh_of(comm, self.mesh_config, "config" if mesh_config is None else "mesh_config")
-        self.tp = TensorParallel.of(self.mesh, self.recorded_config(), tp_split, {n: np.shape(a) for _, p in pairs for n, a in p.items()})
+        shapes = {n: np.shape(a) for _, p in pairs for n, a in p.items()}
+        self.tp = TensorParallel.of(self.mesh, self.recorded_config(), tp_split, shapes)
         comm = self.mesh.zero_comm if self.mesh else comm
         # Nodes and shard groups (comm/topology.py; of the ZeRO group with a Mesh; ranks placed round-robin are
         # numbered node by node).

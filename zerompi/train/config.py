@@ -286,7 +286,8 @@ def parse_config(argv: Optional[List[str]] = None, environ=None) -> TrainConfig:
         check(field not in zero or ok(z), f"{field}={zero.get(field)!r} ({flag}) applies with {needs} only; drop it")
     mesh = made(MeshConfig, given(a, MeshConfig))
     for field, value in pipe.items():
-        check(mesh.pp > 1, f"{flag_name(PipelineConfig, field)} {value} applies with --pp > 1 only; drop it or add --pp")
+        flag = flag_name(PipelineConfig, field)
+        check(mesh.pp > 1, f"{flag} {value} applies with --pp > 1 only; drop it or add --pp")
     check(not ("schedule" in pipe and "schedule_file" in pipe), "--schedule and --schedule-file contradict each "
                                                                 "other; give one")
     pipeline = PipelineConfig(**pipe)

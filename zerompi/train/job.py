@@ -23,7 +23,8 @@ class SingleJob:
         self.cfg, self.comm = cfg, comm
         xp = placement.xp if placement is not None else np
         z = cfg.zero
-        self.mesh = make_mesh(cfg, comm, placement) if cfg.mesh.tp > 1 or cfg.mesh.sp > 1 else None   # ZeRO over dp x sp
+        m = cfg.mesh
+        self.mesh = make_mesh(cfg, comm, placement) if m.tp > 1 or m.sp > 1 else None   # ZeRO over dp x sp
         self.model, self.data = build(cfg, xp, self.mesh)
         self.dev_comm = comm if self.mesh else device_communicator(comm, xp, cfg.comm, z.timeout_s)
         self.engine = ZeroEngine(self.model.lazy_layers(), z, self.mesh or self.dev_comm, xp=xp, mesh_config=cfg.mesh,

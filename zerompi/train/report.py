@@ -320,7 +320,8 @@ def print_summary(metrics: dict, job, comm, base_bytes: Dict[str, int]) -> None:
     act = None
     if metrics["activation_bytes"] is not None:
         act = (metrics["activation_bytes"], metrics["activation_theory_bytes"],
-               formula_text(cfg["checkpoint_activations"], sp=first.mesh_config.sp, tp=first.mesh_config.tp) + " (docs/activations.md)")
+               formula_text(cfg["checkpoint_activations"], sp=first.mesh_config.sp, tp=first.mesh_config.tp)
+               + " (docs/activations.md)")
     print0(comm.mpi, memory_table(metrics["memory_bytes"], metrics["theory_bytes"], metrics["theory_bytes_padded"],
                                   z.stage, first.topology.shard_size, z.itemsize, first.topology.node_size, act))
     peak = peak_buffer_bytes(engines)
