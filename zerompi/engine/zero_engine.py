@@ -74,7 +74,7 @@ class ZeroEngine:
         if self.config.abort_on_exception:
             install_abort_hook()          # an exception on one rank ends the job, as in the CLI (misuse found below too)
         pairs = contract.check_layers(layers)
-        # A Mesh (comm/mesh.py: tp, sp, pp; engine/tensor.py), or config.tp / sp > 1: ZeRO over its dp x sp ranks.
+        # A Mesh (comm/mesh.py: tp, sp, pp; engine/tensor.py), or mesh_config tp / sp > 1: ZeRO over its dp x sp ranks.
         if mesh_config is not None and not isinstance(mesh_config, MeshConfig):
             raise UsageError(f"mesh_config is a {type(mesh_config).__name__}; pass a zerompi.MeshConfig")
         self.mesh_config = mesh_config_of(comm, self.config, mesh_config)
