@@ -42,11 +42,10 @@ def flagged(cls):
     return [f for f in fields(cls) if "flag" in f.metadata]
 
 
-def add_flags(parser, cls, only=None) -> None:
-    """One option per flagged field of ``cls`` (``only``: these fields' names, in that order), each
-    defaulting to None (not given), its value stored as ``ClassName.field``."""
-    chosen = flagged(cls) if only is None else [next(f for f in fields(cls) if f.name == n) for n in only]
-    for f in chosen:
+def add_flags(parser, cls) -> None:
+    """One option per flagged field of ``cls``, each defaulting to None (not given), its value stored as
+    ``ClassName.field``; its type the field's (int, float, else text), a switch where it has a ``const``."""
+    for f in flagged(cls):
         meta = f.metadata["flag"]
         text = meta["help"] and meta["help"].format(default=_default(f))
         name = flag_name(cls, f.name)

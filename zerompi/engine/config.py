@@ -13,8 +13,8 @@ from ..comm.meshconfig import FIELDS as MESH_FIELDS, MeshConfig
 from ..comm.quantized import DEFAULT_BLOCK, check_quantization
 from ..errors import ConfigError, check
 from ..flags import flag
-from ..strict import strict_fields
 from ..optim.impl import OPTIMIZER_IMPLS
+from ..strict import strict_fields
 
 STAGES = (0, 1, 2, 3)
 DTYPES = ("fp16", "fp32", "bf16")
@@ -282,7 +282,8 @@ class ZeroConfig:
         return asdict(self)
 
     mesh = MeshConfig()
-    """Deprecated: the mesh given as ZeroConfig(tp=..., node_size=...), a MeshConfig (else the default's)."""
+    """Deprecated: the mesh given as ZeroConfig(tp=..., node_size=...), a MeshConfig (else the default's; not a
+    field: dataclasses.replace drops it)."""
 
 
 def _forward(name: str) -> property:

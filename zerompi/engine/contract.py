@@ -62,7 +62,8 @@ def start_guards(engine):
         dog.stand_ins = mpi.world_size - 1
     weakref.finalize(engine, dog.close)
     try:
-        check_consistent(engine.comm, "engine", setup_fields(engine.recorded_config(), engine.layout, engine.topology))
+        agreed = setup_fields(engine.recorded_config(), engine.layout, engine.topology)
+        check_consistent(engine.comm, "engine", agreed)
         if engine.comm.size > 1 and not simulated:    # a fired watchdog names who had not arrived (comm/flight.py)
             dog.peers = Peers.start(engine.comm, engine.comm.waiting, rank, step, lambda: dog.fired is not None)
     except BaseException:

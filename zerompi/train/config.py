@@ -36,7 +36,7 @@ NO_DECAY = {"gpt": ("wte", "wpe", "*.b", "*.g"), "mlp": ()}
 class TrainConfig:
     """The training job: model, data and schedule. Engine knobs live in ``zero``."""
 
-    model: str = field(default="gpt", metadata=flag("one of gpt, mlp"))
+    model: str = field(default="gpt", metadata=flag(f"one of {', '.join(MODELS)}"))
     """Built-in model: one of MODELS ("gpt": docs/gpt.md; "mlp": a regression toy)."""
     steps: Optional[int] = field(default=None, metadata=flag())
     """Last step of the run (>= 1), counted from step 0: a resumed run stops where a straight run would.
