@@ -1,4 +1,5 @@
-"""The train CLI's job: TrainConfig (model, data, schedule; engine knobs in ``zero``) and its flags.
+"""The train CLI's job: TrainConfig (model, data, schedule; engine knobs in ``zero``, the ranks in ``mesh``, the
+pipeline in ``pipeline``) and its flags, made from the fields of the four (zerompi/flags.py).
 
 ``python -m zerompi.train --help`` lists the flags; ``parse_config`` turns them into a TrainConfig.
 """
@@ -233,8 +234,8 @@ def _flag(name: str) -> str:
     return name.replace("_", "-")
 
 
-# ZeroConfig's flags that apply in one setting only (the library takes them anyway): field, what it needs, and
-# whether the parsed flags have it.
+# ZeroConfig's flags that apply in one setting only (the library takes them anyway): the field, what it needs,
+# and whether the ZeroConfig made has that.
 APPLIES_WITH = (
     ("init_loss_scale", "--dtype fp16 (bf16 and fp32 use no loss scale)", lambda z: z.dtype == "fp16"),
     ("loss_scale_window", "--dtype fp16 (bf16 and fp32 use no loss scale)", lambda z: z.dtype == "fp16"),
@@ -262,9 +263,9 @@ def made(cls, values: dict):
     try:
         return cls(**values)
     except ConfigError as e:
-        flag = next((flag_name(cls, f) for f in values if str(e).startswith(f + "=")
-                     and flag_name(cls, f) != "--" + _flag(f)), None)
-        raise ConfigError(f"{flag}: {e}" if flag else str(e)) from None
+        opt = next((flag_name(cls, f) for f in values if str(e).startswith(f + "=")
+                    and flag_name(cls, f) != "--" + _flag(f)), None)
+        raise ConfigError(f"{opt}: {e}" if opt else str(e)) from None
 
 
 def parse_config(argv: Optional[List[str]] = None, environ=None) -> TrainConfig:
@@ -281,13 +282,12 @@ def parse_config(argv: Optional[List[str]] = None, environ=None) -> TrainConfig:
     check(not (a.decay_all and "no_decay" in zero), "--decay-all and --no-decay contradict each other; give one")
     zero["no_decay"] = () if a.decay_all else zero.get("no_decay") or NO_DECAY.get(model, ())
     z = made(ZeroConfig, dict(zero, lazy_publish=True))   # the built-in models read parameters through unshard()
-    for field, needs, ok in APPLIES_WITH:                 # every step
-        flag = flag_name(ZeroConfig, field)
-        check(field not in zero or ok(z), f"{field}={zero.get(field)!r} ({flag}) applies with {needs} only; drop it")
+    for name, needs, ok in APPLIES_WITH:                  # every step
+        opt = flag_name(ZeroConfig, name)
+        check(name not in zero or ok(z), f"{name}={zero.get(name)!r} ({opt}) applies with {needs} only; drop it")
     mesh = made(MeshConfig, given(a, MeshConfig))
-    for field, value in pipe.items():
-        flag = flag_name(PipelineConfig, field)
-        check(mesh.pp > 1, f"{flag} {value} applies with --pp > 1 only; drop it or add --pp")
+    for name, value in pipe.items():
+        check(mesh.pp > 1, f"{flag_name(PipelineConfig, name)} {value} applies with --pp > 1 only; drop it or add --pp")
     check(not ("schedule" in pipe and "schedule_file" in pipe), "--schedule and --schedule-file contradict each "
                                                                 "other; give one")
     pipeline = PipelineConfig(**pipe)
