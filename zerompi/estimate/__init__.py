@@ -21,8 +21,8 @@ this package is callable (it calls :func:`zerompi.estimate.stages.estimate`).
 
 May import: zerompi.errors, the MPI-free parts of zerompi.engine (config, layout, buffers,
 memory, reducer, traffic), zerompi.comm.quantized (the wire format of quantized
-communication), zerompi.comm.meshconfig (MeshConfig) and the MPI-free parts of zerompi.pipeline (actions, schedules, validate,
-simulate). Runs where mpi4py cannot be imported.
+communication), zerompi.comm.meshconfig (MeshConfig) and the MPI-free parts of zerompi.pipeline
+(actions, schedules, validate, simulate). Runs where mpi4py cannot be imported.
 """
 import sys
 import types
