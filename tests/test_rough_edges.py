@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.mpirun import one_line, run_mpi
-from zerompi import ZeroConfig
+from zerompi import MeshConfig, ZeroConfig
 from zerompi.errors import ConfigError
 from zerompi.estimate import cli as estimate_cli
 from zerompi.train.config import parse_config
@@ -81,8 +81,9 @@ def test_zero_config_refuses_a_bool_for_a_number_and_a_float_for_an_int(kwargs, 
 
 def test_zero_config_takes_numpy_scalars_as_pythons():
     cfg = ZeroConfig(stage=np.int64(3), lr=np.float32(1e-3), micro_batches=np.int64(2), bucket_mb=np.float64(2.5),
-                     overlap=np.bool_(False), node_size=np.int32(1), timeout_s=np.float32(5))
-    assert (cfg.stage, cfg.micro_batches, cfg.node_size) == (3, 2, 1) and cfg.overlap is False
+                     overlap=np.bool_(False), timeout_s=np.float32(5))
+    assert (cfg.stage, cfg.micro_batches, MeshConfig(node_size=np.int32(1)).node_size) == (3, 2, 1)
+    assert cfg.overlap is False
     assert cfg.lr == float(np.float32(1e-3)) and cfg.bucket_mb == 2.5 and cfg.timeout_s == 5.0
     kinds = {k: type(v) for k, v in cfg.to_dict().items() if k in ("stage", "lr", "micro_batches", "overlap")}
     assert kinds == {"stage": int, "lr": float, "micro_batches": int, "overlap": bool}

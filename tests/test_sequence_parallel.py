@@ -231,7 +231,7 @@ def test_ranks_disagreeing_on_sp_stop_every_rank():
     base = [sys.executable, "-m", "zerompi.train", *GPT, "--steps", "2"]
     cmd = [mpiexec(), "-n", "1", *base, "--sp", "2", ":", "-n", "1", *base, "--sp", "1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=mpi_env())
-    one_line(proc, 2, "mismatch", "zero.sp = 2 on rank 0, 1 on rank 1")
+    one_line(proc, 2, "mismatch", "mesh.sp = 2 on rank 0, 1 on rank 1")
 
 
 # ---- the estimator and the preflight ------------------------------------------------------------------------

@@ -231,7 +231,8 @@ def test_bad_tp_input_is_one_line_and_exit_2(n, extra, needle):
 def test_engine_with_tp_needs_the_split():
     code = ("import zerompi, numpy as np\n"
             "try:\n"
-            "    zerompi.ZeroEngine([('l', {'w': np.zeros(4, np.float32)})], zerompi.ZeroConfig(tp=2))\n"
+            "    zerompi.ZeroEngine([('l', {'w': np.zeros(4, np.float32)})], zerompi.ZeroConfig(),\n"
+            "                       mesh_config=zerompi.MeshConfig(tp=2))\n"
             "except zerompi.UsageError as e:\n"
             "    print('REFUSED', e)\n")
     proc = run_mpi(2, ["-c", code], timeout=60)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tests.mpirun import ROOT, run_mpi
-from zerompi import ConfigError, ZeroConfig
+from zerompi import ConfigError, MeshConfig, ZeroConfig
 from zerompi.comm.topology import Topology
 from zerompi.engine import traffic
 
@@ -159,7 +159,9 @@ def test_hpz_outside_stage_3_is_refused():
     with pytest.raises(ConfigError, match="hpz=True needs stage 3"):
         ZeroConfig(stage=2, hpz=True)
     with pytest.raises(ConfigError, match="shard_size=3 is not a multiple of node_size=2"):
-        ZeroConfig(node_size=2, shard_size=3)
+        MeshConfig(node_size=2, shard_size=3)
+    with pytest.warns(DeprecationWarning, match="MeshConfig"):      # the old place, for one release
+        assert ZeroConfig(node_size=2, shard_size=4).shard_size == 4
 
 
 def test_env_node_size_is_checked(monkeypatch):

@@ -15,6 +15,7 @@ Memory is in bytes per rank, sizes in elements. See README.md for the CLI and th
 The package, by layer (each may import only those above it):
 
     errors       the errors a user can act on; one failing rank ends the job
+    flags        command-line flags made from the configs' fields; strict: the fields' one typing rule
     optim/       AdamW and the local sum: NumPy references, fused C and CUDA kernels
     comm/        collectives: Communicator, device staging, NCCL, placement, watchdog
     engine/      ZeroEngine and its parts: reducer, gatherer, buffers, layout, config
@@ -39,6 +40,7 @@ _PUBLIC = {
     "BucketState": "zerompi.engine.gatherer",
     "Communicator": "zerompi.comm.communicator",
     "Mesh": "zerompi.comm.mesh",
+    "MeshConfig": "zerompi.comm.meshconfig",
     "SimulatedWorld": "zerompi.comm.simulated",
     "ConfigError": "zerompi.errors",
     "UsageError": "zerompi.errors",

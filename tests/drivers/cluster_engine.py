@@ -17,7 +17,8 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from zerompi import ZeroConfig, ZeroEngine
+from zerompi import MeshConfig, ZeroConfig, ZeroEngine
+from zerompi.comm.meshconfig import FIELDS as MESH_FIELDS
 from zerompi.comm.communicator import Communicator
 from zerompi.train.models.mlp import MLP, TeacherData, train_losses
 
@@ -40,7 +41,8 @@ def quiet(engine):
 
 
 for i, kwargs in enumerate(configs):
-    engine = ZeroEngine(model.init_layers(), ZeroConfig(**kwargs), comm)
+    mesh = MeshConfig(**{k: kwargs.pop(k) for k in MESH_FIELDS if k in kwargs})
+    engine = ZeroEngine(model.init_layers(), ZeroConfig(**kwargs), comm, mesh_config=mesh)
     node = engine.rank // engine.topology.node_size      # the engine's ranks are node by node
     first_of_node = engine.rank % engine.topology.node_size == 0
     train_losses(engine, model, data, 0, BATCH, engine.config.micro_batches)

@@ -9,7 +9,8 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from zerompi import ZeroConfig, ZeroEngine
+from zerompi import MeshConfig, ZeroConfig, ZeroEngine
+from zerompi.comm.meshconfig import FIELDS as MESH_FIELDS
 
 WORLD = MPI.COMM_WORLD
 RANK, N = WORLD.Get_rank(), WORLD.Get_size()
@@ -30,7 +31,8 @@ def grads(step, rank, sizes=SIZES):
 def engine(stage, sizes=SIZES, seed=0, **kw):
     cfg = dict(stage=stage, dtype="fp32", bucket_mb=1e-4, lr=LR, timeout_s=20)
     cfg.update(kw)
-    return ZeroEngine(layers(sizes, seed), ZeroConfig(**cfg))
+    mesh = MeshConfig(**{k: cfg.pop(k) for k in MESH_FIELDS if k in cfg})
+    return ZeroEngine(layers(sizes, seed), ZeroConfig(**cfg), mesh_config=mesh)
 
 
 def forward(eng, order):

@@ -12,7 +12,8 @@ import tracemalloc
 import numpy as np
 from mpi4py import MPI
 
-from zerompi import ZeroConfig, ZeroEngine
+from zerompi import MeshConfig, ZeroConfig, ZeroEngine
+from zerompi.comm.meshconfig import FIELDS as MESH_FIELDS
 from zerompi.engine import lazy
 
 WORLD = MPI.COMM_WORLD
@@ -46,6 +47,12 @@ def config(stage, **kw):
     return ZeroConfig(**{"stage": stage, "dtype": "fp16", "bucket_mb": 0.5, "timeout_s": 30, **kw})
 
 
+def make(layers, stage, **kw):
+    """A ZeroEngine of ``config(stage, **kw)``, the mesh's fields among ``kw`` as its mesh_config."""
+    mesh = MeshConfig(**{k: kw.pop(k) for k in MESH_FIELDS if k in kw})
+    return ZeroEngine(layers, config(stage, **kw), mesh_config=mesh)
+
+
 def made_expected(eng):
     """Elements of parameters in the slices this rank must make: its own and the slot before's."""
     lay, s, size = eng.layout, eng.slot, eng.topology.shard_size
@@ -74,12 +81,12 @@ def errors(run):
 def main():
     out = {"stages": {}}
     for stage, kw in [(0, {}), (1, {}), (2, {}), (3, {}), (3, {"shard_size": N // 2, "node_size": N // 2} if N % 2 == 0 else {})]:
-        whole = ZeroEngine(lazy.materialize(rules()), config(stage, **kw))
+        whole = make(lazy.materialize(rules()), stage, **kw)
         ref = whole.gather_master()
         whole.close()
         layers = rules()
         tracemalloc.start()
-        eng = ZeroEngine(layers, config(stage, **kw))
+        eng = make(layers, stage, **kw)
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
         held = sum(eng.ledger.current.values())

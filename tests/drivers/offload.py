@@ -14,7 +14,8 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from zerompi import ZeroConfig, ZeroEngine
+from zerompi import MeshConfig, ZeroConfig, ZeroEngine
+from zerompi.comm.meshconfig import FIELDS as MESH_FIELDS
 from zerompi.comm.communicator import Communicator
 from zerompi.comm.staging import HostTransfers, StagedCommunicator
 from zerompi.train.models.mlp import MLP, TeacherData, train_losses
@@ -27,7 +28,8 @@ def run(kw, staged, schedule, steps=6):
     model, data = MLP(24, 3, 0), TeacherData(24, 3, 0)
     comm = Communicator(world)
     comm = StagedCommunicator(comm, HostTransfers()) if staged else comm
-    engine = ZeroEngine(model.init_layers(), ZeroConfig(**kw), comm)
+    mesh = MeshConfig(**{k: kw.pop(k) for k in MESH_FIELDS if k in kw})
+    engine = ZeroEngine(model.init_layers(), ZeroConfig(**kw), comm, mesh_config=mesh)
     for step in range(steps):
         train_losses(engine, model, data, step, 12 * world.Get_size(), engine.config.micro_batches)
         engine.step(lr=1e-3 * (1 + step // 2) if schedule else None)

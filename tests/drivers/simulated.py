@@ -12,7 +12,8 @@ import sys
 
 import numpy as np
 
-from zerompi import Mesh, ZeroConfig, ZeroEngine
+from zerompi import Mesh, MeshConfig, ZeroConfig, ZeroEngine
+from zerompi.comm.meshconfig import FIELDS as MESH_FIELDS
 from zerompi.train import loop
 from zerompi.train.models.mlp import MLP
 from zerompi.train.models.mlp_tp import TPMLP
@@ -31,11 +32,14 @@ CASES = {
 
 
 def run(world, kw: dict) -> dict:
-    tp = kw.get("tp", 1)
+    kw = dict(kw)
+    sizes = MeshConfig(**{k: kw.pop(k) for k in MESH_FIELDS if k in kw})
+    tp = sizes.tp
     cfg = ZeroConfig(**{"dtype": "fp16", "bucket_mb": 0.01, "overlap": False, "timeout_s": 60, **kw})
     mesh = Mesh(world, tp=tp) if tp > 1 else None
     model = TPMLP(WIDTH, DEPTH, seed=1, tp=mesh.tp_comm) if mesh else MLP(WIDTH, DEPTH, seed=1)
-    eng = ZeroEngine(model.lazy_layers(), cfg, mesh or world, tp_split=model.tp_split() if mesh else None)
+    eng = ZeroEngine(model.lazy_layers(), cfg, mesh or world, tp_split=model.tp_split() if mesh else None,
+                     mesh_config=sizes)
     rng = np.random.default_rng([eng.rank, 3])
     for _ in range(2):
         x = rng.standard_normal((ROWS, WIDTH)).astype(np.float32)

@@ -15,7 +15,8 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from zerompi import ZeroConfig, ZeroEngine
+from zerompi import MeshConfig, ZeroConfig, ZeroEngine
+from zerompi.comm.meshconfig import FIELDS as MESH_FIELDS
 from zerompi.comm.communicator import Communicator
 from zerompi.train.models.mlp import MLP, TeacherData, train_losses
 
@@ -27,7 +28,8 @@ comm = Communicator(MPI.COMM_WORLD)
 model, data = MLP(width, depth, 0), TeacherData(width, depth, 0)
 
 for i, kwargs in enumerate(configs):
-    engine = ZeroEngine(model.init_layers(), ZeroConfig(**kwargs), comm)
+    mesh = MeshConfig(**{k: kwargs.pop(k) for k in MESH_FIELDS if k in kwargs})
+    engine = ZeroEngine(model.init_layers(), ZeroConfig(**kwargs), comm, mesh_config=mesh)
     start = engine.load(load_dir).manifest["step"] if load_dir else 0
     losses, levels = [], []
     for step in range(start, start + steps):

@@ -132,7 +132,7 @@ def build_manifest(engine, shards: List[dict], extra_state) -> dict:
         "optimizer": {"name": "adamw", "step": engine.step_count, "state": list(ROWS), "lr": c.lr,
                       "beta1": c.beta1, "beta2": c.beta2, "eps": c.eps, "weight_decay": c.weight_decay},
         "loss_scaler": engine.scaler.state_dict(),
-        "config": c.to_dict(),
+        "config": engine.recorded_config(),
         "extra": extra_state or {},
         "shards": shards,
     }

@@ -1,7 +1,7 @@
 """Where the ranks are: nodes, shard groups, and the communicators of each level.
 
 **Nodes** are blocks of ``node_size`` consecutive ranks: found by MPI's shared-memory split
-(``MPI_COMM_TYPE_SHARED``), or set by ``ZeroConfig.node_size`` / ``ZEROMPI_NODE_SIZE``
+(``MPI_COMM_TYPE_SHARED``), or set by ``MeshConfig.node_size`` / ``ZEROMPI_NODE_SIZE``
 (which is how one machine simulates several nodes). Ranks that MPI placed round-robin
 (``mpirun --map-by node``: node 0 holds ranks 0, 2, ...) are numbered again node by node
 (:func:`place`): the engine's rank is then the rank's position in that order, and the run
@@ -131,7 +131,8 @@ def placement_from(mpi_comm, requested: Optional[int], environ=os.environ) -> Tu
     if len(sizes) > 1:
         raise AgreedConfigError(f"the nodes hold different numbers of ranks ({describe_nodes(nodes)}); ZeRO's "
                                 f"nodes must be equal: start the same number of ranks on every node, or set "
-                                f"ZeroConfig.node_size / {NODE_SIZE_ENV} to simulate nodes of that many ranks")
+                                f"MeshConfig.node_size (--node-size) / {NODE_SIZE_ENV} to simulate nodes of that many "
+                                "ranks")
     order = [r for ranks in nodes for r in ranks]
     return sizes[0], (None if order == list(range(len(order))) else order)
 

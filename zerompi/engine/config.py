@@ -3,14 +3,18 @@ import difflib
 import functools
 import math
 import os
-from dataclasses import asdict, dataclass, fields
+import warnings
+from dataclasses import asdict, dataclass, field, fields
 from typing import Callable, Optional, Tuple
 
 import numpy as np
 
+from ..comm.meshconfig import FIELDS as MESH_FIELDS, MeshConfig
 from ..comm.quantized import DEFAULT_BLOCK, check_quantization
 from ..errors import ConfigError, check
+from ..flags import flag
 from ..optim.impl import OPTIMIZER_IMPLS
+from ..strict import strict_fields
 
 STAGES = (0, 1, 2, 3)
 DTYPES = ("fp16", "fp32", "bf16")
@@ -52,36 +56,12 @@ class UnknownFieldError(ConfigError, TypeError):
     """A ZeroConfig field that does not exist (a TypeError, as Python's own, and one ConfigError line)."""
 
 
-# What each field's declared type admits (ZeroConfig's docstring): NumPy scalars are taken as Python's.
-KINDS = {int: "int", Optional[int]: "int", float: "float", Optional[float]: "float", bool: "bool"}
-
-
-def strict_value(name: str, kind: str, value):
-    """``value`` of a field of kind "int", "float" or "bool" as ZeroConfig keeps it: a NumPy scalar as the
-    Python int, float or bool it equals; ConfigError for a bool in a number's field or a float in an int's.
-    Other types pass (the field's own check names what it allows)."""
-    if kind == "bool":
-        if isinstance(value, np.bool_):
-            return bool(value)
-        check(isinstance(value, bool), f"{name}={value!r} must be True or False (a bool, not {type(value).__name__})")
-        return value
-    if isinstance(value, (bool, np.bool_)):
-        wanted = "whole number (an int)" if kind == "int" else "number"
-        raise ConfigError(f"{name}={value!r} is a bool; give a {wanted}")
-    if isinstance(value, np.integer):
-        return int(value)
-    if kind == "int" and isinstance(value, (float, np.floating)):
-        whole = f": {int(value)}" if float(value).is_integer() else ""
-        raise ConfigError(f"{name}={value!r} is a float; give a whole number (an int{whole})")
-    return float(value) if isinstance(value, np.floating) else value
-
-
 @dataclass(frozen=True)
 class ZeroConfig:
     """Engine configuration. Units are in each field's docstring; invalid values raise ConfigError.
 
     Types, one rule for every field (checked before the values): an int field (``stage``,
-    ``micro_batches``, ``node_size``, ...) takes an int or a NumPy integer, never a bool or a float
+    ``micro_batches``, ``prefetch``, ...) takes an int or a NumPy integer, never a bool or a float
     (``stage=3.0`` and ``stage=True`` are refused); a float field (``lr``, ``bucket_mb``, ...) takes
     an int, a float or a NumPy integer or float (``lr=np.float32(1e-3)`` is kept as the Python float
     it equals), never a bool; a bool field takes a bool or a NumPy bool, never 0 or 1. NumPy scalars
@@ -89,14 +69,14 @@ class ZeroConfig:
     A field that does not exist is an UnknownFieldError (a ConfigError and a TypeError) naming it.
     """
 
-    stage: int = 2
+    stage: int = field(default=2, metadata=flag("ZeRO stage 0, 1, 2 or 3"))
     """ZeRO stage: 0 (plain data parallel), 1 (shard optimizer state), 2 (+ gradients), 3 (+ parameters)."""
-    dtype: str = "fp16"
+    dtype: str = field(default="fp16", metadata=flag("fp16 (with loss scaling), bf16 or fp32 storage"))
     """Storage dtype of parameters and gradients: "fp16" (with dynamic loss scaling), "bf16" (bfloat16:
     float32's range, no loss scaling; NumPy's bfloat16 comes from the ml_dtypes package) or "fp32"."""
-    bucket_mb: float = 25.0
+    bucket_mb: float = field(default=25.0, metadata=flag("bucket size in MiB"))
     """Target bucket size in MiB of the storage dtype; buckets are cut at layer boundaries."""
-    lr: float = 1e-3
+    lr: float = field(default=1e-3, metadata=flag())
     """AdamW learning rate (> 0)."""
     beta1: float = 0.9
     """AdamW first-moment decay, in [0, 1)."""
@@ -104,41 +84,51 @@ class ZeroConfig:
     """AdamW second-moment decay, in [0, 1)."""
     eps: float = 1e-8
     """AdamW denominator epsilon (> 0)."""
-    weight_decay: float = 0.0
+    weight_decay: float = field(default=0.0, metadata=flag())
     """Decoupled (AdamW) weight decay, >= 0; applied to every parameter but those ``no_decay`` names."""
-    no_decay: Tuple[str, ...] = ()
+    no_decay: Tuple[str, ...] = field(default=(), metadata=flag(
+        "parameters exempt from weight decay, by name pattern (repeat for more; default: gpt: wte, wpe, *.b, "
+        "*.g (biases, LayerNorm gains, embeddings); mlp: none)", metavar="PATTERN", append=True))
     """Parameters exempt from weight decay, by shell-style patterns on their names (``"*.bias"``,
     ``"ln_f.*"``, ``"wte"``: fnmatch, case-sensitive); a pattern matching no parameter is an error
     when the engine starts. Groups follow names, so they survive resharding (engine/decay.py)."""
-    clip: float = 0.0
+    clip: float = field(default=0.0, metadata=flag("global-norm clip, 0 = off"))
     """Clip gradients to this global L2 norm; 0 turns clipping off."""
-    micro_batches: int = 1
+    micro_batches: int = field(default=1, metadata=flag())
     """Micro-batches accumulated per optimizer step (>= 1); gradients are reduced per micro-batch."""
-    init_loss_scale: float = 2.0 ** 16
+    init_loss_scale: float = field(default=2.0 ** 16, metadata=flag(
+        "fp16 initial loss scale (default {default:g})", name="--loss-scale"))
     """fp16: starting loss scale (a power of two is exact)."""
-    loss_scale_window: int = 1000
+    loss_scale_window: int = field(default=1000, metadata=flag(
+        "fp16: good steps before the scale doubles (default {default})"))
     """fp16: double the loss scale after this many consecutive steps without overflow."""
     min_loss_scale: float = 1.0
     """fp16: the loss scale never drops below this."""
-    optimizer_impl: str = "auto"
+    optimizer_impl: str = field(default="auto", metadata=flag(
+        "AdamW step: fused (one-pass kernels), numpy (reference) or auto"))
     """AdamW step and gradient pre-pass: "fused" (one-pass kernels: C on the CPU, CUDA on CuPy),
     "numpy" (the reference), or "auto" (fused when its kernels build or load, else numpy)."""
     align: int = 16
     """Each bucket slice is a multiple of this many elements (16 -> 32-byte fp16 slices)."""
-    overlap: bool = True
+    overlap: bool = field(default=True, metadata=flag(
+        "wait for every collective as soon as it starts (the serial baseline)", name="--no-overlap", const=False))
     """Run collectives behind compute (non-blocking, waited for only when their data is read).
     False waits for every collective as soon as it starts: the serial baseline; prefetch is then unused."""
-    prefetch: int = 1
+    prefetch: int = field(default=1, metadata=flag("stage 3: buckets gathered ahead of the computing layer (0 = off)"))
     """Stage 3: buckets gathered ahead of the layer computing now, in visit order (0 = gather on demand).
     At most 1 + prefetch gathered buckets are alive at once (plus those of layers the caller still holds)."""
-    progress: str = "test"
+    progress: str = field(default="test", metadata=flag(
+        "how collectives advance: test or thread", name="--comm-progress"))
     """How in-flight collectives advance during compute: "test" (the engine tests them at every
     unshard, reshard and grads_ready) or "thread" (also a polling thread; needs MPI_THREAD_MULTIPLE)."""
-    timeout_s: Optional[float] = None
+    timeout_s: Optional[float] = field(default=None, metadata=flag(
+        "abort the job when one collective waits longer (default: $ZEROMPI_TIMEOUT_S or 300)", metavar="S"))
     """Seconds one collective may wait before the watchdog aborts the job (> 0); only waiting counts,
     not compute. None = the environment variable ZEROMPI_TIMEOUT_S, else 300, read when the engine's
     watchdog starts (docs/failures.md); the train CLI reads it when the job starts."""
-    max_skipped_steps: int = 50
+    max_skipped_steps: int = field(default=50, metadata=flag(
+        "fp16: K consecutive steps skipped for non-finite gradients is an error (default {default})",
+        metavar="K"))
     """fp16: this many consecutive steps skipped for non-finite gradients is an error (>= 1)."""
     lazy_publish: bool = False
     """Stages 1/2: return from step() while the new parameters' all-gathers are still in flight, each
@@ -146,50 +136,47 @@ class ZeroConfig:
     next forward). A parameter view taken before step() holds old values until it is taken again, so
     only for code that reads parameters through params()/unshard() after every step, as the built-in
     models do. False (the default): step() returns with every parameter in place."""
-    node_size: Optional[int] = None
-    """Ranks per node: blocks of consecutive ranks that share the fast links. None: $ZEROMPI_NODE_SIZE,
-    else MPI's shared-memory split. Setting it on one machine simulates several nodes (comm/topology.py)."""
-    shard_size: Optional[int] = None
-    """Ranks that share one sharded copy of the model states (MiCS / hybrid sharding): groups of this
-    many consecutive ranks, whole nodes, each replicated across the N / shard_size groups. None: all N."""
-    tp: int = 1
-    """Tensor-parallel ranks per group (comm/mesh.py): N ranks form N/tp data-parallel groups x tp adjacent
-    TP ranks, and the engine shards each TP rank's pieces over its data-parallel group (needs tp_split)."""
-    sp: int = 1
-    """Sequence-parallel ranks per group (DeepSpeed-Ulysses; comm/mesh.py): each sequence is cut into sp
-    contiguous chunks, one per rank of the group, whose all-to-alls give attention the whole sequence for
-    n_head / sp of the heads. Those ranks hold the same parameters: ZeRO shards over dp x sp ranks together."""
-    pp: int = 1
-    """Pipeline stages of the mesh (comm/mesh.py): N ranks = pp stages x N/(tp pp) data-parallel x tp. An engine
-    holds one model chunk of one stage (give it the zerompi.Mesh); zerompi.pipeline runs the stages and decides
-    each step over the whole mesh (docs/pipeline.md)."""
-    hpz: bool = False
+    hpz: bool = field(default=False, metadata=flag(
+        "stage 3: keep a node-local copy of the parameters after each gather across nodes (ZeRO++ hpZ)",
+        const=True))
     """Stage 3, ZeRO++'s hpZ: keep a node-local secondary copy (1/node_size of the parameters per rank)
     after each gather across nodes, and gather from it inside the node until the next step."""
-    quantize_weights: Optional[str] = None
+    quantize_weights: Optional[str] = field(default=None, metadata=flag(
+        "stages 1-3: all-gather the parameters as int8 blocks with a scale each (ZeRO++ qwZ)",
+        metavar="int8"))
     """ZeRO++ qwZ: None, or "int8": the parameter all-gathers (stage 3's, and stages 1/2's publish)
     send int8 blocks with a float32 scale each; the master stays exact (comm/quantized.py)."""
-    quantize_grads: Optional[str] = None
+    quantize_grads: Optional[str] = field(default=None, metadata=flag(
+        "reduce-scatter the gradients as int8 or int4 blocks (ZeRO++ qgZ)", metavar="int8|int4"))
     """ZeRO++ qgZ: None, "int8" or "int4": the gradient reduce-scatters send quantized blocks, summed
     in fp32 after dequantization (across nodes: each level re-quantizes its partial sum)."""
-    quant_block: int = DEFAULT_BLOCK
+    quant_block: int = field(default=DEFAULT_BLOCK, metadata=flag(
+        "elements per quantization block (a power of two >= 8; default {default})", metavar="B"))
     """Elements per quantization block (one float32 scale each): a power of two >= 8."""
-    offload_optimizer: str = "none"
+    offload_optimizer: str = field(default="none", metadata=flag(
+        "stages 1-3: keep the fp32 master and Adam moments in host memory (cpu) or in files under "
+        "--offload-dir (nvme), updated there bucket by bucket", metavar="none|cpu|nvme"))
     """Where the fp32 master and Adam moments live (stages 1-3; engine/offload/): "none" (with the
     parameters), "cpu" (host memory; the update runs there; on the CPU device the normal path) or
     "nvme" (files under offload_dir, streamed bucket by bucket through a few host buffers)."""
-    offload_params: str = "none"
+    offload_params: str = field(default="none", metadata=flag(
+        "stage 3: keep the stored parameter shard in a file under --offload-dir", metavar="none|nvme"))
     """Stage 3: "nvme" keeps the stored parameter shard in a file under offload_dir."""
-    offload_delayed_update: bool = False
+    offload_delayed_update: bool = field(default=False, metadata=flag(
+        "with --offload-optimizer cpu: run step k's update behind step k+1 (one step stale)", const=True))
     """ZeRO-Offload's one-step delayed parameter update (offload_optimizer="cpu"): step k's update runs
     on the host in the background while step k + 1's forward and backward run, so the gradients of
     step k + 1 are taken at the parameters before update k (staleness one step; docs/offload.md)."""
-    offload_delayed_warmup: int = 0
+    offload_delayed_warmup: int = field(default=0, metadata=flag(
+        "with --offload-delayed-update: the first K updates are not delayed (warm-up)", metavar="K"))
     """With offload_delayed_update: the first this many updates run in step() as without it (not
     stale); the delayed update starts after them (DeepSpeed's warm-up steps; docs/offload.md)."""
-    offload_dir: Optional[str] = None
+    offload_dir: Optional[str] = field(default=None, metadata=flag(
+        "the folder of the offload files (nvme)", metavar="DIR"))
     """The folder of the offload files (needed by "nvme"; checked at start for room)."""
-    offload_io: str = "direct"
+    offload_io: str = field(default="direct", metadata=flag(
+        "nvme: read and write the optimizer's file with O_DIRECT (direct, the default) or through the "
+        "page cache (buffered)", metavar="direct|buffered"))
     """How the optimizer's file is read and written: "direct" (O_DIRECT: the device moves the rows, no
     copy through the page cache; buffered where the filesystem refuses it, as tmpfs does) or "buffered"."""
     init_values: str = "check"
@@ -198,17 +185,17 @@ class ZeroConfig:
     abort_on_exception: bool = True
     """An uncaught exception on any rank ends every rank of the job (MPI Abort) instead of leaving the
     others waiting in a collective until timeout_s; False leaves sys.excepthook alone."""
-    trace: Optional[str] = None
+    trace: Optional[str] = field(default=None, metadata=flag(
+        "write a timeline of every rank's compute and collectives to FILE (Chrome trace-event JSON: open it in "
+        "ui.perfetto.dev or chrome://tracing)", metavar="FILE"))
     """Record a timeline of every rank's compute and collectives and write it to this file at close(), as
     Chrome trace-event JSON (Perfetto, chrome://tracing; engine/trace.py). None (the default): off."""
-    trace_steps: int = 20
+    trace_steps: int = field(default=20, metadata=flag(
+        "with --trace: keep the last K steps (default {default})", metavar="K"))
     """With trace: the timeline keeps the last this many steps (>= 1) and the step in progress."""
 
     def __post_init__(self):
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.type in KINDS and value is not None:
-                object.__setattr__(self, f.name, strict_value(f.name, KINDS[f.type], value))
+        strict_fields(self)
         check(self.stage in STAGES, f"stage={self.stage!r} is not allowed; use one of 0, 1, 2, 3")
         check(self.dtype in DTYPES, f"dtype={self.dtype!r} is not allowed; use fp16, bf16 or fp32")
         if isinstance(self.no_decay, list):            # lists (JSON, a user's literal) are taken as tuples
@@ -241,20 +228,6 @@ class ZeroConfig:
               f"timeout_s={t!r} must be a finite number of seconds > 0 (how long one collective may wait)")
         check(isinstance(self.max_skipped_steps, int) and self.max_skipped_steps >= 1,
               f"max_skipped_steps={self.max_skipped_steps!r} must be an integer >= 1")
-        for name in ("node_size", "shard_size"):
-            v = getattr(self, name)
-            check(v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
-                  f"{name}={v!r} must be a whole number of ranks >= 1 (or None)")
-        if self.node_size and self.shard_size:
-            check(self.shard_size % self.node_size == 0,
-                  f"shard_size={self.shard_size} is not a multiple of node_size={self.node_size}; shard groups are "
-                  "whole nodes")
-        check(isinstance(self.tp, int) and not isinstance(self.tp, bool) and self.tp >= 1,
-              f"tp={self.tp!r} must be a whole number of ranks >= 1 (tensor-parallel group size)")
-        check(isinstance(self.sp, int) and not isinstance(self.sp, bool) and self.sp >= 1,
-              f"sp={self.sp!r} must be a whole number of ranks >= 1 (sequence-parallel group size)")
-        check(isinstance(self.pp, int) and not isinstance(self.pp, bool) and self.pp >= 1,
-              f"pp={self.pp!r} must be a whole number of pipeline stages >= 1")
         check(isinstance(self.hpz, bool), f"hpz={self.hpz!r} must be True or False")
         check(not self.hpz or self.stage == 3, f"hpz=True needs stage 3 (stage={self.stage}): it keeps a "
                                                "node-local copy of the parameters stage 3 shards")
@@ -308,19 +281,40 @@ class ZeroConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    mesh = MeshConfig()
+    """Deprecated: the mesh given as ZeroConfig(tp=..., node_size=...), a MeshConfig (else the default's; not a
+    field: dataclasses.replace drops it)."""
+
+
+def _forward(name: str) -> property:
+    return property(lambda self: getattr(self.mesh, name),
+                    doc=f"Deprecated: MeshConfig.{name} (ZeroConfig(tp=...) still sets it for one release).")
+
+
+for _name in MESH_FIELDS:
+    setattr(ZeroConfig, _name, _forward(_name))
+
 
 def _known_fields_only(init):
     """ZeroConfig's __init__, which first names a keyword that is no field (Python's own TypeError does not
-    say which fields there are); the signature stays the dataclass's."""
+    say which fields there are) and takes the mesh's fields that moved to MeshConfig (tp, sp, pp, node_size,
+    shard_size) with a DeprecationWarning; the signature stays the dataclass's."""
     @functools.wraps(init)
     def checked(self, *args, **kwargs):
         known = [f.name for f in fields(ZeroConfig)]
-        unknown = [k for k in kwargs if k not in known]
+        unknown = [k for k in kwargs if k not in known and k not in MESH_FIELDS]
         if unknown:
             close = difflib.get_close_matches(unknown[0], known, n=1)
             raise UnknownFieldError(f"ZeroConfig has no field {unknown[0]!r}" + (
                 f" (did you mean {close[0]!r}?)" if close else "") + f"; the fields are {', '.join(known)}")
+        moved = {k: kwargs.pop(k) for k in MESH_FIELDS if k in kwargs}
+        if moved:
+            warnings.warn(f"ZeroConfig({', '.join(moved)}=...) is deprecated: the mesh is MeshConfig's; pass "
+                          "zerompi.Mesh(...) as the engine's comm, or mesh_config=MeshConfig(...)",
+                          DeprecationWarning, stacklevel=2)
         init(self, *args, **kwargs)
+        if moved:
+            object.__setattr__(self, "mesh", MeshConfig(**moved))
     return checked
 
 

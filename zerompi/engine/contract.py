@@ -62,7 +62,8 @@ def start_guards(engine):
         dog.stand_ins = mpi.world_size - 1
     weakref.finalize(engine, dog.close)
     try:
-        check_consistent(engine.comm, "engine", setup_fields(engine.config, engine.layout, engine.topology))
+        agreed = setup_fields(engine.recorded_config(), engine.layout, engine.topology)
+        check_consistent(engine.comm, "engine", agreed)
         if engine.comm.size > 1 and not simulated:    # a fired watchdog names who had not arrived (comm/flight.py)
             dog.peers = Peers.start(engine.comm, engine.comm.waiting, rank, step, lambda: dog.fired is not None)
     except BaseException:
@@ -74,9 +75,9 @@ def start_guards(engine):
 # ---- the layers ----------------------------------------------------------------------
 def setup_fields(config, layout, topology) -> dict:
     """What every rank must have alike at construction, for comm/consistency.check_consistent: the
-    config, each parameter's shape as a field of its own (a difference names it), the layer
-    order, the layout and the topology."""
-    return {"zero": config.to_dict(), "shape": {name: list(pr.shape) for name, pr in layout.params.items()},
+    config (a dict: the engine's recorded_config), each parameter's shape as a field of its own (a
+    difference names it), the layer order, the layout and the topology."""
+    return {"zero": config, "shape": {name: list(pr.shape) for name, pr in layout.params.items()},
             "layers": layout.layer_names, "layout": layout.describe(), "topology": asdict(topology)}
 
 

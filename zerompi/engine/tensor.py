@@ -8,6 +8,7 @@ so that clipping and skipping agree with a run without TP. Checkpoints go to ``D
 one ordinary checkpoint per TP rank, with the split recorded for ``consolidate``.
 """
 import os
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Dict, List, Mapping, Optional, Tuple
 
@@ -16,6 +17,7 @@ import numpy as np
 from ..comm.blocks import sum_table
 from ..comm.consistency import check_consistent, rank_set
 from ..comm.mesh import Mesh
+from ..comm.meshconfig import MeshConfig
 from ..comm.watchdog import watched
 from ..errors import ConfigError, MismatchError, UsageError
 from ..optim import impl
@@ -24,20 +26,32 @@ from .lazy import is_lazy
 TP_KEY = "tensor_parallel"    # manifest["extra"][TP_KEY]: {"size", "rank", "split": {name: [axis, groups]}}
 
 
-def mesh_of(comm, config) -> Optional[Mesh]:
-    """The engine's Mesh: ``comm`` when it is one (config.tp, sp and pp, where set, must be its), a new one
-    over ``comm`` when config.tp or config.sp > 1 (config.pp > 1 needs a Mesh: UsageError), else None (plain data parallelism). ZeRO then runs over the mesh's zero_comm (its dp x sp ranks)."""
+def mesh_config_of(comm, config, given: Optional[MeshConfig]) -> MeshConfig:
+    """The mesh the engine runs with: ``given`` (ZeroEngine's mesh_config), else a deprecated ZeroConfig(tp=...)'s,
+    with a Mesh passed as ``comm`` its tp, sp and pp (a size set otherwise must be its: UsageError) and, unless
+    given, its node_size."""
+    sizes = given if given is not None else config.mesh
+    if not isinstance(comm, Mesh):
+        return sizes
+    where = "mesh_config" if given is not None else "config"
+    for name in ("tp", "sp", "pp"):
+        if getattr(sizes, name) not in (1, getattr(comm, name)):
+            raise UsageError(f"{where}.{name}={getattr(sizes, name)} but the Mesh passed has {name}="
+                             f"{getattr(comm, name)}; give one")
+    return replace(sizes, tp=comm.tp, sp=comm.sp, pp=comm.pp, node_size=sizes.node_size or comm.node_size)
+
+
+def mesh_of(comm, sizes: MeshConfig, where: str = "config") -> Optional[Mesh]:
+    """The engine's Mesh: ``comm`` when it is one, a new one over ``comm`` when ``sizes`` has tp or sp > 1 (pp > 1
+    needs a Mesh: UsageError), else None (plain data parallelism). ZeRO then runs over the mesh's zero_comm (its
+    dp x sp ranks)."""
     if isinstance(comm, Mesh):
-        for name in ("tp", "sp", "pp"):
-            if getattr(config, name) not in (1, getattr(comm, name)):
-                raise UsageError(f"config.{name}={getattr(config, name)} but the Mesh passed has {name}="
-                                 f"{getattr(comm, name)}; give one")
         return comm
-    if config.pp > 1:
-        raise UsageError(f"config.pp={config.pp}: an engine holds one pipeline stage's chunk; pass it the "
+    if sizes.pp > 1:
+        raise UsageError(f"{where}.pp={sizes.pp}: an engine holds one pipeline stage's chunk; pass it the "
                          "zerompi.Mesh(tp=..., pp=...) and run the stages with zerompi.pipeline (docs/pipeline.md)")
-    if config.tp > 1 or config.sp > 1:
-        return Mesh(comm, config.tp, sp=config.sp, node_size=config.node_size)
+    if sizes.tp > 1 or sizes.sp > 1:
+        return Mesh(comm, sizes.tp, sp=sizes.sp, node_size=sizes.node_size)
     return None
 
 
@@ -58,7 +72,8 @@ class TensorParallel:
         ``shapes``: {parameter name: shape of this rank's array}; ``split`` is checked against them."""
         if mesh is None or mesh.tp == 1:
             if split:
-                raise UsageError("tp_split given without tensor parallelism; pass a Mesh with tp > 1 or set config.tp")
+                raise UsageError("tp_split given without tensor parallelism; pass a Mesh with tp > 1 or set "
+                                 "mesh_config.tp")
             return None
         if split is None:
             raise UsageError("tensor parallelism needs tp_split={parameter name: (axis, groups)} for the split "
@@ -75,7 +90,7 @@ class TensorParallel:
         world = SimpleNamespace(mpi=self.mesh.stage_mpi, waiting=zero_comm.waiting)
         replicated = [(lname, {p: a for p, a in params.items() if p not in self.split}) for lname, params in values]
         check_consistent(world, "tensor-parallel engine", {
-            "zero": self.config.to_dict(), "tp_split": {k: list(v) for k, v in self.split.items()},
+            "zero": self.config, "tp_split": {k: list(v) for k, v in self.split.items()},
             "layers": [[lname, list(params)] for lname, params in values],
             "replicated_shape": {p: list(a.shape) for _, params in replicated for p, a in params.items()},
             # a lazy replicated parameter (engine/lazy.py): the same rule and seed on every TP rank
@@ -181,12 +196,12 @@ class TensorParallel:
                                              "split": {k: list(v) for k, v in self.split.items()}}})
 
 
-def group_sizes(mesh: Optional[Mesh], config) -> Tuple[Optional[int], Optional[int]]:
+def group_sizes(mesh: Optional[Mesh], sizes: MeshConfig) -> Tuple[Optional[int], Optional[int]]:
     """(node_size, shard_size) of the engine's group: with a Mesh, of its ZeRO group (dp x sp ranks: the
-    world's settings divided by tp, Mesh.zero_sizes); else config's."""
+    world's settings divided by tp, Mesh.zero_sizes); else ``sizes``'."""
     if mesh is None:
-        return config.node_size, config.shard_size
-    return mesh.zero_sizes(config.node_size, config.shard_size)
+        return sizes.node_size, sizes.shard_size
+    return mesh.zero_sizes(sizes.node_size, sizes.shard_size)
 
 
 def check_split(split, shapes) -> None:

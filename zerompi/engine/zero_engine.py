@@ -25,6 +25,7 @@ import numpy as np
 
 from ..checkpoint import collective as checkpoint
 from ..comm.communicator import as_communicator
+from ..comm.meshconfig import MeshConfig
 from ..comm.staging import device_transfers
 from ..comm.topology import arrange, place
 from ..comm.watchdog import watched
@@ -43,7 +44,7 @@ from .optimizer import ShardedAdamW
 from .phase import Phase, infer_phase
 from .reducer import MAX_PENDING_REDUCES, GradientReducer
 from .step import PendingStep, StepResult
-from .tensor import TensorParallel, group_sizes, mesh_of
+from .tensor import TensorParallel, group_sizes, mesh_config_of, mesh_of
 from .timers import StepTimers
 
 LayersArg = Union[Mapping[str, Mapping[str, np.ndarray]], Sequence[Tuple[str, Mapping[str, np.ndarray]]]]
@@ -56,6 +57,7 @@ class ZeroEngine:
     rule (engine/lazy.py): each rank then makes only its shard}; every rank must pass the same values. ``config``: a ZeroConfig.
     ``comm``: an mpi4py communicator (default COMM_WORLD), a zerompi Communicator, or a zerompi.Mesh
     (tensor / sequence parallelism: ZeRO over its dp x sp ranks; ``tp_split`` names the TP-split parameters).
+    ``mesh_config``: a MeshConfig (nodes, shard groups; tp / sp > 1 without a Mesh: one is made over ``comm``).
 
     Composed of its parts, each owning its state: ``reducer`` (GradientReducer: the gradient
     buffers and reduce-scatters), ``gatherer`` (ParameterGatherer: the stored parameters,
@@ -64,23 +66,28 @@ class ZeroEngine:
     and take bucket buffers from one ``pool`` (BucketPool). The engine runs the step.
     """
 
-    def __init__(self, layers: LayersArg, config: Optional[ZeroConfig] = None, comm=None, xp=np, tp_split=None):
+    def __init__(self, layers: LayersArg, config: Optional[ZeroConfig] = None, comm=None, xp=np, tp_split=None,
+                 mesh_config: Optional[MeshConfig] = None):
         self.config = config or ZeroConfig()
         if not isinstance(self.config, ZeroConfig):
             raise UsageError(f"config is a {type(self.config).__name__}; pass a zerompi.ZeroConfig")
         if self.config.abort_on_exception:
             install_abort_hook()          # an exception on one rank ends the job, as in the CLI (misuse found below too)
         pairs = contract.check_layers(layers)
-        # A Mesh (comm/mesh.py: tp, sp, pp; engine/tensor.py), or config.tp / sp > 1: ZeRO over its dp x sp ranks.
-        self.mesh = mesh_of(comm, self.config)
-        self.tp = TensorParallel.of(self.mesh, self.config, tp_split, {n: np.shape(a) for _, p in pairs for n, a in p.items()})
+        # A Mesh (comm/mesh.py: tp, sp, pp; engine/tensor.py), or mesh_config tp / sp > 1: ZeRO over its dp x sp ranks.
+        if mesh_config is not None and not isinstance(mesh_config, MeshConfig):
+            raise UsageError(f"mesh_config is a {type(mesh_config).__name__}; pass a zerompi.MeshConfig")
+        self.mesh_config = mesh_config_of(comm, self.config, mesh_config)
+        self.mesh = mesh_of(comm, self.mesh_config, "config" if mesh_config is None else "mesh_config")
+        shapes = {n: np.shape(a) for _, p in pairs for n, a in p.items()}
+        self.tp = TensorParallel.of(self.mesh, self.recorded_config(), tp_split, shapes)
         comm = self.mesh.zero_comm if self.mesh else comm
         # Nodes and shard groups (comm/topology.py; of the ZeRO group with a Mesh; ranks placed round-robin are
         # numbered node by node).
         mesh = self.mesh
         units = mesh.tp if mesh and mesh.pp == 1 else 1      # a bad size is named in the world's units, the user's
         self.comm, self.topology = place(as_communicator(comm, self.config.timeout_s, self.config.abort_on_exception),
-                                         *group_sizes(mesh, self.config), renumber=mesh is None, tp=units)
+                                         *group_sizes(mesh, self.mesh_config), renumber=mesh is None, tp=units)
         self.xp, topo = xp, self.topology
         self.rank, self.world_size = self.comm.rank, self.comm.size
         self.optimizer_impl = impl.use_impl(self.config.optimizer_impl, xp, verbose=self.rank == 0)  # "fused"/"numpy"
@@ -273,6 +280,10 @@ class ZeroEngine:
         return self.tp.load(self, path, checkpoint.load) if self.tp else checkpoint.load(self, path)
 
     # ---- results and reports ---------------------------------------------------
+    def recorded_config(self) -> dict:
+        """The config as checkpoints and the ranks' agreement record it: ZeroConfig's fields and the mesh's."""
+        return dict(self.config.to_dict(), **self.mesh_config.to_dict())
+
     @property
     def loss_scale(self) -> float:
         """Multiply the loss (or its gradient) by this before the backward (1.0 in fp32 mode)."""

@@ -13,15 +13,16 @@ stages (the arithmetic: ``estimate``, ``formula``), levels (nodes and shard grou
 topology's checks, bytes and time inside and across nodes), activations (the GPT's activation
 bytes, with and without checkpointing), tensor (the TP split: --tp), pipeline (a pipeline
 schedule's bubble and activations: --pp), cli (the options, the table), fromrun
-(``--from-run``: a run's measured bytes beside its estimate).
+(``--from-run``: a run's measured bytes beside its estimate), configs (``zero=`` a ZeroConfig,
+``mesh=`` a MeshConfig: a run's configs in place of the keywords).
 
 In Python, ``zerompi.estimate(params=10e9, ranks=64)`` returns the same table as a dict:
 this package is callable (it calls :func:`zerompi.estimate.stages.estimate`).
 
 May import: zerompi.errors, the MPI-free parts of zerompi.engine (config, layout, buffers,
 memory, reducer, traffic), zerompi.comm.quantized (the wire format of quantized
-communication) and the MPI-free parts of zerompi.pipeline (actions, schedules, validate,
-simulate). Runs where mpi4py cannot be imported.
+communication), zerompi.comm.meshconfig (MeshConfig) and the MPI-free parts of zerompi.pipeline
+(actions, schedules, validate, simulate). Runs where mpi4py cannot be imported.
 """
 import sys
 import types

@@ -146,7 +146,7 @@ def estimate(params: Optional[float] = None, ranks: Optional[int] = None, dtype:
              node_size: Optional[int] = None, shard_size: Optional[int] = None, hpz: bool = False,
              intra_gbps: Optional[float] = None, inter_gbps: Optional[float] = None,
              offload_optimizer: str = "none", offload_params: str = "none", quantize_weights: Optional[str] = None,
-             quantize_grads: Optional[str] = None, quant_block: int = DEFAULT_BLOCK) -> dict:
+             quantize_grads: Optional[str] = None, quant_block: int = DEFAULT_BLOCK, zero=None, mesh=None) -> dict:
     """Bytes per rank and communication per step for ZeRO stages 0-3.
 
     ``params``: Psi, parameters of the model; ``ranks``: N. Or ``layout``: the engine's
@@ -173,6 +173,8 @@ def estimate(params: Optional[float] = None, ranks: Optional[int] = None, dtype:
     bytes and times are then those on the wire (a slice's values and scales,
     ``Quantization.wire_bytes``), and ``comm_logical_bytes_per_step[_by_level]`` what the same
     step would send unquantized.
+    ``zero`` (a ZeroConfig) and ``mesh`` (a MeshConfig, without tp, sp or pp): the run's configs, in place of
+    the keywords of their fields (estimate/configs.py).
     Returns ``{"stages": [{stage, model_state_bytes, params_bytes, grads_bytes,
     optimizer_bytes, secondary_bytes, buffers, buffer_bytes, total_bytes, total_bytes_best_case,
     comm_bytes_per_step (the ring volumes over one shard group: 2 or 3 passes per micro-batch),
@@ -180,6 +182,10 @@ def estimate(params: Optional[float] = None, ranks: Optional[int] = None, dtype:
     comm_seconds_per_step_by_level, comm_logical_bytes_per_step, ...}], ...}`` with every size in
     bytes per rank. Raises ConfigError on bad input.
     """
+    if zero is not None or mesh is not None:
+        given = dict(locals())
+        from .configs import with_configs
+        return estimate(**with_configs(estimate, given, zero, mesh))
     check(dtype in DTYPES, f"dtype={dtype!r} is not allowed; use fp16, bf16 or fp32")
     check(offload_optimizer in ("none", "cpu", "nvme"), f"offload_optimizer={offload_optimizer!r} is not allowed; "
                                                         "use none, cpu or nvme")

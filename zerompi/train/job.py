@@ -59,10 +59,11 @@ class SingleJob(Job):
         self.cfg, self.comm = cfg, comm
         xp = placement.xp if placement is not None else np
         z = cfg.zero
-        self.mesh = make_mesh(cfg, comm, placement) if z.tp > 1 or z.sp > 1 else None   # ZeRO over dp x sp
+        m = cfg.mesh
+        self.mesh = make_mesh(cfg, comm, placement) if m.tp > 1 or m.sp > 1 else None   # ZeRO over dp x sp
         self.model, self.data = build(cfg, xp, self.mesh)
         self.dev_comm = comm if self.mesh else device_communicator(comm, xp, cfg.comm, z.timeout_s)
-        self.engine = ZeroEngine(self.model.lazy_layers(), z, self.mesh or self.dev_comm, xp=xp,
+        self.engine = ZeroEngine(self.model.lazy_layers(), z, self.mesh or self.dev_comm, xp=xp, mesh_config=cfg.mesh,
                                  tp_split=self.model.tp_split() if self.mesh and self.mesh.tp > 1 else None)
         self.engines = [self.engine]
         self.groups = metered_groups(self.mesh)   # TP all-reduces, SP all-to-alls: counted per step, apart

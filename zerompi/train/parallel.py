@@ -13,9 +13,9 @@ def make_mesh(cfg, comm, placement):
     """The Mesh of the job (a collective); its ZeRO group counts into ``comm``'s table."""
     from ..comm.mesh import Mesh
     if placement is not None and placement.xp is not np:
-        flag = f"tp={cfg.zero.tp}" if cfg.zero.tp > 1 else f"sp={cfg.zero.sp}"
+        flag = f"tp={cfg.mesh.tp}" if cfg.mesh.tp > 1 else f"sp={cfg.mesh.sp}"
         raise ConfigError(f"{flag} runs on the CPU only for now; use --device cpu")
-    return Mesh(comm, cfg.zero.tp, sp=cfg.zero.sp, node_size=cfg.zero.node_size)
+    return Mesh(comm, cfg.mesh.tp, sp=cfg.mesh.sp, node_size=cfg.mesh.node_size)
 
 
 def build_model(cfg, mesh, xp=np):

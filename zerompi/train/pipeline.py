@@ -29,7 +29,7 @@ UNSUPPORTED = (("device", "gpu", "--device gpu (the pipeline runs on the CPU for
 
 def check_model(cfg) -> None:
     """ConfigError (one line) unless cfg's pipeline settings fit its model and its other settings."""
-    pp, p = cfg.zero.pp, cfg.pipeline
+    pp, p = cfg.mesh.pp, cfg.pipeline
     if pp == 1:
         check(p == PipelineConfig(), f"pipeline={p.to_dict()} applies with pp > 1 only; set --pp, or drop it")
         return
@@ -57,7 +57,7 @@ def check_blocks(cfg, chunks: int, per_stage: int) -> None:
 def load_schedule(cfg):
     """The validated schedule of the run (made, or read from the file): ScheduleError (a ConfigError) else."""
     from ..pipeline import actions, schedules, validate
-    p, pp = cfg.pipeline, cfg.zero.pp
+    p, pp = cfg.pipeline, cfg.mesh.pp
     if p.schedule_file is None:
         s = schedules.make(p.schedule, pp, cfg.zero.micro_batches, p.chunks)
     else:
@@ -86,13 +86,13 @@ class PipelineJob(Job):
         from ..pipeline.engines import StageEngines
         from ..pipeline.executor import PipelineExecutor
         self.cfg, self.comm = cfg, comm
-        z = cfg.zero
-        self.mesh = mesh = Mesh(comm, z.tp, sp=z.sp, pp=z.pp, node_size=z.node_size)
+        z, m = cfg.zero, cfg.mesh
+        self.mesh = mesh = Mesh(comm, m.tp, sp=m.sp, pp=m.pp, node_size=m.node_size)
         self.schedule = load_schedule(cfg)
         check_consistent(comm, "pipeline schedule", {"schedule": self.schedule.text()})   # a file per rank
         self.where = self.schedule.placement()
         self.local = self.schedule.chunks_of(mesh.pp_rank)
-        self.model, self.data = build(cfg, xp, mesh if z.tp > 1 or z.sp > 1 else None)   # train/run.py's build_model
+        self.model, self.data = build(cfg, xp, mesh if m.tp > 1 or m.sp > 1 else None)   # train/run.py's build_model
         names = [n for _, params in self.model.lazy_layers() for n in params]
         exempt_names(SimpleNamespace(params=dict.fromkeys(names)), z.no_decay)   # over the whole model, as unpipelined
         from .models.activations import MeteredWorkspace
@@ -141,8 +141,8 @@ class PipelineJob(Job):
         zc = replace(z, trace=None, micro_batches=1 if per_step else z.micro_batches,   # the patterns the chunk matches
                      no_decay=tuple(p for p in z.no_decay if any(fnmatchcase(n, p) for n in names)),
                      offload_dir=offload_folder(z, c, self.schedule.chunks))
-        engine = ZeroEngine(runner.lazy_layers(), zc, self.mesh, xp=xp,
-                            tp_split=runner.tp_split() if z.tp > 1 else None)
+        engine = ZeroEngine(runner.lazy_layers(), zc, self.mesh, xp=xp, mesh_config=self.cfg.mesh,
+                            tp_split=runner.tp_split() if self.cfg.mesh.tp > 1 else None)
         runner.attach(engine, GradSink(engine, self.cfg.pipeline.grad_reduce, z.micro_batches))
         return engine
 

@@ -38,11 +38,11 @@ def topology_error(cfg: TrainConfig, mpi_comm) -> Optional[str]:
     $ZEROMPI_NODE_SIZE), the one line saying that the shard groups do not fit the nodes MPI's shared-memory
     split makes (a collective over the world: what the engine would find on every rank), else None."""
     from ..comm.topology import check_sizes, node_size_env, node_size_from
-    z, n = cfg.zero, mpi_comm.Get_size()
-    if n == 1 or z.shard_size is None or z.node_size is not None or node_size_env() is not None:
+    m, n = cfg.mesh, mpi_comm.Get_size()
+    if n == 1 or m.shard_size is None or m.node_size is not None or node_size_env() is not None:
         return None
     try:
-        check_sizes(n, node_size_from(mpi_comm, None), z.shard_size, z.tp)
+        check_sizes(n, node_size_from(mpi_comm, None), m.shard_size, m.tp)
     except ConfigError as e:
         return f"{e} (the node size is MPI's shared-memory split; --node-size sets another)"
     return None
@@ -109,7 +109,7 @@ def stage_estimate(cfg: TrainConfig, world_size: int) -> dict:
     from ..estimate.plan import bucket_numel
     from ..estimate.stages import estimate
     from ..layout import FlatLayout
-    z, tp = cfg.zero, cfg.zero.tp
+    z, tp = cfg.zero, cfg.mesh.tp
     check(world_size % tp == 0, f"tp={tp} does not divide the {world_size} ranks; use a divisor of {world_size}")
     dp = world_size // tp
     common = dict(ranks=dp, dtype=z.dtype, bucket_mb=z.bucket_mb, prefetch=z.prefetch,
@@ -133,8 +133,8 @@ def pipeline_estimate(cfg: TrainConfig, world_size: int, rank: int, schedule=Non
     from ..layout import FlatLayout
     from .models.chunks import chunk_layers
     from .pipeline import load_schedule
-    z, s = cfg.zero, schedule or load_schedule(cfg)
-    group = world_size // (z.tp * z.pp)           # the stage's ZeRO group: its data- x sequence-parallel ranks
+    z, m, s = cfg.zero, cfg.mesh, schedule or load_schedule(cfg)
+    group = world_size // (m.tp * m.pp)           # the stage's ZeRO group: its data- x sequence-parallel ranks
     common = dict(ranks=group, dtype=z.dtype, bucket_mb=z.bucket_mb, prefetch=z.prefetch, overlap=z.overlap,
                   align=z.align, micro_batches=1 if cfg.pipeline.grad_reduce == "step" else z.micro_batches)
     gpt = cfg.model == "gpt"
@@ -142,11 +142,11 @@ def pipeline_estimate(cfg: TrainConfig, world_size: int, rank: int, schedule=Non
     rows = []
     for c in s.chunks_of(pipeline_stage(cfg, world_size, rank)):
         if blocks // s.chunks > EXACT_LAYERS:
-            block = (12 * cfg.d_model ** 2 + 7 * cfg.d_model) // z.tp + 6 * cfg.d_model if gpt else \
-                min(layer_sizes(SimpleNamespace(model="mlp", width=cfg.width, depth=2), z.tp))
+            block = (12 * cfg.d_model ** 2 + 7 * cfg.d_model) // m.tp + 6 * cfg.d_model if gpt else \
+                min(layer_sizes(SimpleNamespace(model="mlp", width=cfg.width, depth=2), m.tp))
             rows.append(estimate(params=blocks // s.chunks * block, largest_layer=block, **common)["stages"][z.stage])
             continue
-        sizes = layer_sizes(cfg, z.tp)
+        sizes = layer_sizes(cfg, m.tp)
         layers = chunk_layers(len(sizes), [0] if gpt else [], [blocks + 1] if gpt else [], blocks, c, s.chunks)
         spec = [(f"layer{g}", [(f"p{g}", (sizes[g],))]) for g in layers]
         layout = FlatLayout(spec, group, bucket_numel(z.dtype, z.bucket_mb), z.align)
@@ -156,7 +156,7 @@ def pipeline_estimate(cfg: TrainConfig, world_size: int, rank: int, schedule=Non
 
 def pipeline_stage(cfg: TrainConfig, world_size: int, rank: int) -> int:
     """The pipeline stage of world rank ``rank`` (the mesh's order: rank = tp_i + TP (sp_i + SP (dp_i + DP pp_i)))."""
-    return rank // (world_size // cfg.zero.pp)
+    return rank // (world_size // cfg.mesh.pp)
 
 
 def _pipeline_activations(cfg: TrainConfig, world_size: int, rank: int, s) -> int:
@@ -164,13 +164,13 @@ def _pipeline_activations(cfg: TrainConfig, world_size: int, rank: int, s) -> in
     in flight x estimate/activations.py's chunk formula; what the run measures."""
     from ..estimate.activations import gpt_chunks_activation_bytes
     from ..pipeline.simulate import in_flight
-    z = cfg.zero
+    m = cfg.mesh
     stage = pipeline_stage(cfg, world_size, rank)
-    rows = max(1, cfg.batch // (world_size // (z.tp * z.sp * z.pp)) // z.micro_batches)
+    rows = max(1, cfg.batch // (world_size // (m.tp * m.sp * m.pp)) // cfg.zero.micro_batches)
     vocab = FILE_VOCAB if cfg.data else GENERATED_VOCAB
     return gpt_chunks_activation_bytes(in_flight(s, stage), s.chunks, rows, cfg.seq_len, cfg.d_model, cfg.n_layer,
-                                       cfg.n_head, vocab, s.split_backward, z.sp, cfg.checkpoint_activations,
-                                       tp=z.tp)
+                                       cfg.n_head, vocab, s.split_backward, m.sp, cfg.checkpoint_activations,
+                                       tp=m.tp)
 
 
 def memory_needed(cfg: TrainConfig, world_size: int, rank: int = 0) -> dict:
@@ -182,19 +182,19 @@ def memory_needed(cfg: TrainConfig, world_size: int, rank: int = 0) -> dict:
     heads over the whole sequence). The
     built-in models are lazy (engine/lazy.py): no rank makes its initial parameters whole, so they add
     nothing beside the model states. With --pp: world rank ``rank``'s, the chunks of its stage (pipeline_estimate)."""
-    z, tp = cfg.zero, cfg.zero.tp
-    if z.pp > 1:
+    z, m, tp = cfg.zero, cfg.mesh, cfg.mesh.tp
+    if m.pp > 1:
         from .pipeline import load_schedule
         schedule = load_schedule(cfg)            # once, for the model states and the activations
-    row = pipeline_estimate(cfg, world_size, rank, schedule) if z.pp > 1 else stage_estimate(cfg, world_size)
+    row = pipeline_estimate(cfg, world_size, rank, schedule) if m.pp > 1 else stage_estimate(cfg, world_size)
     offloaded = (row["optimizer_bytes"] if z.offload_optimizer == "nvme" else 0) + \
         (row["params_bytes"] if z.offload_params == "nvme" else 0)       # in files, not in memory
     parts = {"model states and buffers": row["total_bytes_best_case"] - offloaded}
     if cfg.model == "mlp":        # the teacher is built whole before the engine and kept
         parts["teacher network (float32)"] = 4 * model_size(cfg)[0]
         return parts
-    rows = max(1, cfg.batch // (world_size // (tp * z.sp) * z.micro_batches))   # sequences per data-parallel rank
-    if z.pp > 1:                                 # the micro-batches in flight in each chunk of the stage
+    rows = max(1, cfg.batch // (world_size // (tp * m.sp) * z.micro_batches))   # sequences per data-parallel rank
+    if m.pp > 1:                                 # the micro-batches in flight in each chunk of the stage
         if cfg.device == "cpu":
             parts["activations"] = _pipeline_activations(cfg, world_size, rank, schedule)
         return parts
@@ -202,10 +202,10 @@ def memory_needed(cfg: TrainConfig, world_size: int, rank: int = 0) -> dict:
         from ..estimate.activations import gpt_activation_bytes
         vocab = FILE_VOCAB if cfg.data else GENERATED_VOCAB
         parts["activations"] = gpt_activation_bytes(rows, cfg.seq_len, cfg.d_model, cfg.n_layer, cfg.n_head, vocab,
-                                                    cfg.checkpoint_activations, sp=z.sp, tp=tp)["total"]
+                                                    cfg.checkpoint_activations, sp=m.sp, tp=tp)["total"]
     else:
         kept = 1 if cfg.checkpoint_activations else cfg.n_layer      # blocks whose probabilities are held at once
-        parts["attention probabilities"] = 4 * kept * rows * (cfg.n_head // (tp * z.sp)) * cfg.seq_len ** 2
+        parts["attention probabilities"] = 4 * kept * rows * (cfg.n_head // (tp * m.sp)) * cfg.seq_len ** 2
     return parts
 
 
@@ -224,7 +224,7 @@ def memory_error(cfg: TrainConfig, world_size: int, placement, rank: int = 0) ->
     need = sum(parts.values())
     if have is None or need <= have[0]:
         return None
-    tp, sp, pp = cfg.zero.tp, cfg.zero.sp, cfg.zero.pp
+    tp, sp, pp = cfg.mesh.tp, cfg.mesh.sp, cfg.mesh.pp
     tp_words = "".join(f" x {k} {what}-parallel" for k, what in ((sp, "sequence"), (tp, "tensor")) if k > 1)
     tp_words = f" as {world_size // (tp * sp * pp)} data-parallel{tp_words}" if tp_words or pp > 1 else ""
     if pp > 1:

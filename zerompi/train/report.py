@@ -137,10 +137,10 @@ def activations(cfg, model, world_size: int) -> Tuple[Optional[int], Optional[in
     measured = getattr(model, "activation_bytes", None)
     if measured is None:
         return None, None
-    z = cfg.zero
-    rows = cfg.batch // (world_size // (z.tp * z.sp) * z.micro_batches)    # sequences per data-parallel rank
+    m = cfg.mesh
+    rows = cfg.batch // (world_size // (m.tp * m.sp) * cfg.zero.micro_batches)    # sequences per data-parallel rank
     theory = gpt_activation_bytes(rows, cfg.seq_len, cfg.d_model, cfg.n_layer, cfg.n_head, model.vocab,
-                                  cfg.checkpoint_activations, np.dtype(model.dtype).itemsize, z.sp, z.tp)
+                                  cfg.checkpoint_activations, np.dtype(model.dtype).itemsize, m.sp, m.tp)
     return measured, theory["total"]
 
 
@@ -192,8 +192,8 @@ def final_metrics(cfg, job, comm, log, placement) -> dict:
     steady = log.traffic_figures()             # [a steady step's, intra, inter, unquantized; the first step's]
     activation = job.activations()
     groups = {name: log.steady_median(log.group_series(name)[0]) for name in ("tp", "sp")}
-    theories = (activation[1], job.tp_theory() if cfg.zero.tp > 1 else None,
-                job.sp_theory() if cfg.zero.sp > 1 else None)
+    theories = (activation[1], job.tp_theory() if cfg.mesh.tp > 1 else None,
+                job.sp_theory() if cfg.mesh.sp > 1 else None)
     extra = [-1 if activation[0] is None else activation[0], sum(most_zero_bytes(e) for e in engines)] \
         + [-1 if v is None else v for v in groups.values()] + [-1 if t is None else t for t in theories]
     theory, padded = (_summed(r[key] for r in reports) for key in ("theory", "theory_padded"))   # this rank's
@@ -253,12 +253,12 @@ def final_metrics(cfg, job, comm, log, placement) -> dict:
                      "hpz": first.gatherer.secondary is not None},
         "quantization": {"weights": cfg.zero.quantize_weights, "grads": cfg.zero.quantize_grads,
                          "block": cfg.zero.quant_block},
-        "tensor_parallel": None if cfg.zero.tp == 1 else {
+        "tensor_parallel": None if cfg.mesh.tp == 1 else {
             "tp": mesh.tp, "dp": mesh.dp, "params_total": params,
             "params_local": sum(e.layout.params_numel for e in engines),
             "bytes_per_step": known(tp_bytes), "theory_bytes_per_step": known(tp_theory),
             "seconds_per_step": _steady_seconds(log, "tp")},
-        "sequence_parallel": None if cfg.zero.sp == 1 else {
+        "sequence_parallel": None if cfg.mesh.sp == 1 else {
             "sp": mesh.sp, "dp": mesh.dp, "tp": mesh.tp, "chunk": cfg.seq_len // mesh.sp,
             "heads_per_rank": cfg.n_head // (mesh.tp * mesh.sp), "bytes_per_step": known(sp_bytes),
             "theory_bytes_per_step": known(sp_theory), "seconds_per_step": _steady_seconds(log, "sp")},
@@ -267,8 +267,8 @@ def final_metrics(cfg, job, comm, log, placement) -> dict:
         "steps_applied": first.step_count,
         "optimizer_impl": first.optimizer_impl,
         "loss_scale": first.loss_scale,
-        "config": {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in ("zero", "pipeline")}
-        | {"zero": cfg.zero.to_dict(), "pipeline": cfg.pipeline.to_dict()},
+        "config": {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in ("zero", "mesh", "pipeline")}
+        | {"zero": dict(cfg.zero.to_dict(), **cfg.mesh.to_dict()), "pipeline": cfg.pipeline.to_dict()},
         "first_step": log.first_kept,              # losses[i] is the loss of step first_step + i
         "steps_run": log.steps_run,                # steps this run made; losses keeps the last history_steps
         "history_steps": log.cap,
@@ -315,7 +315,8 @@ def print_summary(metrics: dict, job, comm, base_bytes: Dict[str, int]) -> None:
     act = None
     if metrics["activation_bytes"] is not None:
         act = (metrics["activation_bytes"], metrics["activation_theory_bytes"],
-               formula_text(cfg["checkpoint_activations"], sp=z.sp, tp=z.tp) + " (docs/activations.md)")
+               formula_text(cfg["checkpoint_activations"], sp=first.mesh_config.sp, tp=first.mesh_config.tp)
+               + " (docs/activations.md)")
     print0(comm.mpi, memory_table(metrics["memory_bytes"], metrics["theory_bytes"], metrics["theory_bytes_padded"],
                                   z.stage, first.topology.shard_size, z.itemsize, first.topology.node_size, act))
     peak = peak_buffer_bytes(engines)

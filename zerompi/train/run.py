@@ -51,7 +51,7 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
                            cfg.zero.timeout_s)    # its watchdog times every wait (the engine's too)
     check_consistent(comm, "train", job_fields(cfg))   # ranks given other flags stop here, not in a collective
     cfg.check_world(comm.size)
-    if cfg.zero.pp > 1:                          # pipeline stages: one engine per model chunk
+    if cfg.mesh.pp > 1:                          # pipeline stages: one engine per model chunk
         from .pipeline import PipelineJob
         job = PipelineJob(cfg, comm, build_model)
     else:
@@ -216,7 +216,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         cfg.check_world(world)
         preflight.check_fault(fault_from_env(), world, cfg)   # a bad ZEROMPI_FAULT stops every rank here
         preflight.check_outputs(cfg, comm.Get_rank())                    # before the first step, not after the last
-        if cfg.zero.pp > 1:                               # the schedule made (or read) and validated on every rank
+        if cfg.mesh.pp > 1:                               # the schedule made (or read) and validated on every rank
             from .pipeline import load_schedule
             load_schedule(cfg)
         claim_save_dir(cfg, comm.Get_rank())             # rank 0: the --save-dir lock; no silent overwrite

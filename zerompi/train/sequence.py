@@ -12,8 +12,8 @@ SP_MODELS = ("gpt",)          # the built-in models with a sequence-parallel ver
 
 
 def check_model(cfg) -> None:
-    """ConfigError (one line) unless cfg's model can split its sequences over cfg.zero.sp ranks (after tp)."""
-    k, tp = cfg.zero.sp, cfg.zero.tp
+    """ConfigError (one line) unless cfg's model can split its sequences over cfg.mesh.sp ranks (after tp)."""
+    k, tp = cfg.mesh.sp, cfg.mesh.tp
     check(cfg.model in SP_MODELS, f"sp={k} needs a model with a sequence-parallel version ({', '.join(SP_MODELS)}); "
                                   f"model {cfg.model} has none (it has no sequence), so use --model gpt or --sp 1")
     check(cfg.device != "gpu", f"sp={k} runs on the CPU only for now; use --device cpu (or --sp 1)")
@@ -29,8 +29,8 @@ def theory_bytes_per_step(cfg, model, dp: int) -> int:
     """The SP all-to-all bytes one rank sends per step (estimate/sequence.all_to_all_bytes): per micro-batch
     of batch / dp / micro sequences, this rank's seq_len / sp positions of them."""
     from ..estimate.sequence import all_to_all_bytes
-    k, rows = cfg.zero.sp, cfg.batch // dp // cfg.zero.micro_batches
-    channels = cfg.d_model // cfg.zero.tp
+    k, rows = cfg.mesh.sp, cfg.batch // dp // cfg.zero.micro_batches
+    channels = cfg.d_model // cfg.mesh.tp
     return cfg.zero.micro_batches * all_to_all_bytes(cfg.n_layer, rows, cfg.seq_len // k, channels, k,
                                                      recompute=cfg.checkpoint_activations)
 
