@@ -46,7 +46,7 @@ class Job:
         total = self.comm.sum_scalars([mine, flag])
         if self.pipelined and simulated(self.comm):
             return float(mine), total[1]
-        return float(total[0] / (self.comm.size // self.cfg.zero.pp)), total[1]
+        return float(total[0] / (self.comm.size // self.cfg.mesh.pp)), total[1]
 
 
 class SingleJob(Job):
