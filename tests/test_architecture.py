@@ -13,10 +13,11 @@ from tests.mpirun import ROOT, run_train
 
 PACKAGE = ROOT / "zerompi"
 # Each layer may import from itself and the layers above it (train, bench and plot: not from each other).
+# inputs: the checked reading of a file the user names (a schedule, a run's metrics, the data), on errors only.
 # pipeline: above the engine (its executor drives ZeroEngines), below estimate (which simulates its schedules; its
 # schedule modules import no MPI: test_estimate_runs_without_mpi).
-LAYERS = [{"errors"}, {"layout"}, {"optim"}, {"comm"}, {"checkpoint"}, {"engine"}, {"pipeline"}, {"estimate"},
-          {"train", "bench", "plot"}]
+LAYERS = [{"errors"}, {"inputs"}, {"layout"}, {"optim"}, {"comm"}, {"checkpoint"}, {"engine"}, {"pipeline"},
+          {"estimate"}, {"train", "bench", "plot"}]
 MAX_LINES = 400
 BLOCK_MPI = "import sys; sys.modules['mpi4py'] = None; "   # importing mpi4py now raises ImportError
 
