@@ -39,7 +39,7 @@ _PUBLIC = {
     "BucketState": "zerompi.engine.gatherer",
     "Communicator": "zerompi.comm.communicator",
     "Mesh": "zerompi.comm.mesh",
-    "SimulatedWorld": "zerompi.comm.simulated",
+    "SimulatedWorld": "zerompi.comm.simulated_world",
     "ConfigError": "zerompi.errors",
     "UsageError": "zerompi.errors",
     "JobError": "zerompi.errors",

@@ -11,8 +11,8 @@ checked (every collective checks that the ranks passed the same operation, lengt
 quantized (ZeRO++'s wire format: int8/int4 blocks with a scale each, and the rules of its
 settings), mesh (the tensor-, sequence- and data-parallel groups; the TP all-reduce), alltoall
 (the Ulysses all-to-all of sequence parallelism), group (what a model-parallel group's
-collectives share), split (sub-communicators whose colors are a function of the rank),
-simulated (one process as rank R of N, the other ranks stood in for).
+collectives share), subcomm (sub-communicators whose colors are a function of the rank),
+simulated_world (one process as rank R of N, the other ranks stood in for).
 
 May import: zerompi.errors, zerompi.optim (the local sum). Importing this package imports
 nothing; watchdog, launcher, consistency, signature, device and quantized load without MPI (the estimate

@@ -43,7 +43,7 @@ from .optimizer import ShardedAdamW
 from .phase import Phase, infer_phase
 from .reducer import MAX_PENDING_REDUCES, GradientReducer
 from .step import PendingStep, StepResult
-from .tensor import TensorParallel, group_sizes, mesh_of
+from .tp_groups import TensorParallel, group_sizes, mesh_of
 from .timers import StepTimers
 
 LayersArg = Union[Mapping[str, Mapping[str, np.ndarray]], Sequence[Tuple[str, Mapping[str, np.ndarray]]]]
@@ -71,7 +71,7 @@ class ZeroEngine:
         if self.config.abort_on_exception:
             install_abort_hook()          # an exception on one rank ends the job, as in the CLI (misuse found below too)
         pairs = contract.check_layers(layers)
-        # A Mesh (comm/mesh.py: tp, sp, pp; engine/tensor.py), or config.tp / sp > 1: ZeRO over its dp x sp ranks.
+        # A Mesh (comm/mesh.py: tp, sp, pp; engine/tp_groups.py), or config.tp / sp > 1: ZeRO over its dp x sp ranks.
         self.mesh = mesh_of(comm, self.config)
         self.tp = TensorParallel.of(self.mesh, self.config, tp_split, {n: np.shape(a) for _, p in pairs for n, a in p.items()})
         comm = self.mesh.zero_comm if self.mesh else comm

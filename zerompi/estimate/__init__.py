@@ -11,7 +11,7 @@ bytes and time of one step's communication (alpha-beta time model).
 plan (the engine's bucket layout for a model described by its size: BucketPlan),
 stages (the arithmetic: ``estimate``, ``formula``), levels (nodes and shard groups: the
 topology's checks, bytes and time inside and across nodes), activations (the GPT's activation
-bytes, with and without checkpointing), tensor (the TP split: --tp), pipeline (a pipeline
+bytes, with and without checkpointing), tp_bytes (the TP split: --tp), pipeline (a pipeline
 schedule's bubble and activations: --pp), cli (the options, the table), fromrun
 (``--from-run``: a run's measured bytes beside its estimate).
 
@@ -21,7 +21,7 @@ this package is callable (it calls :func:`zerompi.estimate.stages.estimate`).
 May import: zerompi.errors, the MPI-free parts of zerompi.engine (config, layout, buffers,
 memory, reducer, traffic), zerompi.comm.quantized (the wire format of quantized
 communication) and the MPI-free parts of zerompi.pipeline (actions, schedules, validate,
-simulate). Runs where mpi4py cannot be imported.
+timeline). Runs where mpi4py cannot be imported.
 """
 import sys
 import types

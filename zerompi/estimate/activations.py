@@ -95,7 +95,7 @@ def gpt_chunks_activation_bytes(in_flight: Dict[int, int], chunks: int, batch: i
                                 n_layer: int, n_head: int, vocab: int, split: bool = False, sp: int = 1,
                                 checkpoint: bool = False, itemsize: int = 4, tp: int = 1) -> int:
     """The GPT's activation bytes on one pipeline rank: for each of its chunks (``in_flight``: {chunk: the most
-    micro-batches of it held at once}, pipeline/simulate.in_flight) of ``chunks``, its micro-batches in flight x
+    micro-batches of it held at once}, pipeline/timeline.in_flight) of ``chunks``, its micro-batches in flight x
     per_micro_batch, and per_chunk once (gpt_chunk_activation_elements: the rank's chunks share one set), in the
     compute dtype's ``itemsize``."""
     total, shared = 0, 0

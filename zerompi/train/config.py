@@ -124,10 +124,10 @@ class TrainConfig:
             check(getattr(self, name) != "", f"{name}='' is an empty path; give a path, or leave --{_flag(name)} out")
         self._check_gpt()
         if self.zero.tp > 1:
-            from .tensor import check_model
+            from .tp_run import check_model
             check_model(self)
         if self.zero.sp > 1:
-            from .sequence import check_model as check_sp_model
+            from .sp_run import check_model as check_sp_model
             check_sp_model(self)
         from .pipeline import check_model as check_pipeline
         check_pipeline(self)
@@ -151,7 +151,7 @@ class TrainConfig:
         self._check_simulation()
 
     def _check_simulation(self) -> None:
-        from .simulate import check_config
+        from .simulated_run import check_config
         check_config(self)
 
     def world_size(self, processes: int) -> int:

@@ -92,11 +92,11 @@ class SingleJob:
         return activations(self.cfg, self.model, self.comm.size)
 
     def tp_theory(self) -> int:
-        from .tensor import theory_bytes_per_step
+        from .tp_run import theory_bytes_per_step
         return theory_bytes_per_step(self.cfg, self.model, self.mesh.dp)
 
     def sp_theory(self) -> int:
-        from .sequence import theory_bytes_per_step
+        from .sp_run import theory_bytes_per_step
         return theory_bytes_per_step(self.cfg, self.model, self.mesh.dp)
 
     def close(self) -> None:

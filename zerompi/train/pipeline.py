@@ -21,7 +21,7 @@ import numpy as np
 from ..engine.decay import exempt_names
 from ..errors import check
 from ..pipeline.config import PipelineConfig
-from .simulate import simulated
+from .simulated_run import simulated
 
 UNSUPPORTED = (("device", "gpu", "--device gpu (the pipeline runs on the CPU for now)"),)
 
@@ -235,7 +235,7 @@ class PipelineJob:
         """(measured, formula) activation bytes of this rank: the GPT's on its C kernels (every chunk's pools),
         beside its micro-batches in flight per chunk x what each holds (estimate/activations.py); else Nones."""
         from ..estimate.activations import gpt_chunks_activation_bytes
-        from ..pipeline.simulate import in_flight
+        from ..pipeline.timeline import in_flight
         from .models.chunks import pools_peak_bytes
         cfg, m, s = self.cfg, self.model, self.schedule
         if cfg.model != "gpt" or m.layers.name != "c":
@@ -252,7 +252,7 @@ class PipelineJob:
 
     def sp_theory(self) -> int:
         """The SP all-to-all bytes this rank sends per step: the micro-batches through its chunks' blocks."""
-        from ..estimate.sequence import all_to_all_bytes
+        from ..estimate.sp_bytes import all_to_all_bytes
         cfg, mesh = self.cfg, self.mesh
         rows = cfg.batch // mesh.dp // cfg.zero.micro_batches
         blocks = len(self.runners) * (cfg.n_layer // self.schedule.chunks)
@@ -270,7 +270,7 @@ class PipelineJob:
         """The pipeline's entries of the metrics (pipeline/measure.py; per-stage lists hold None for the stages a
         simulated rank is not, and the bubble, which needs every stage, is None there)."""
         from ..comm.watchdog import watched
-        from ..pipeline import measure, simulate
+        from ..pipeline import measure, timeline as simulate
         cfg, mesh, s, comm = self.cfg, self.mesh, self.schedule, self.comm
         theory = self.message_theory()
         kinds = sorted({k for step in log.pp_bytes for k in step} | set(theory))

@@ -35,7 +35,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ...comm.tpsplit import check_divides
+from ...comm.tp_pieces import check_divides
 from ...engine import lazy
 from ..model_kernels import upcast
 from .activations import Keep, MeteredWorkspace, Recompute, scratch

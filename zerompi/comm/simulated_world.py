@@ -17,7 +17,7 @@ message, arrive at once). So the memory and the traffic are rank R's in the real
 -- the loss, the parameters -- are not a real run's.
 
 Sub-communicators (nodes, shard groups, the tensor- and data-parallel groups) come from
-:func:`comm.split.split`, whose colors are a function of the rank: a simulated world evaluates it
+:func:`comm.subcomm.split`, whose colors are a function of the rank: a simulated world evaluates it
 for the ranks it stands in for. Nodes are blocks of ``node_size`` consecutive ranks (default: one
 node of all N, as N ranks on this machine would be).
 """
@@ -120,7 +120,7 @@ class SimulatedWorld:
         return sum(1 for m in self.members if m // self.node_size == node)
 
     def split_by(self, color_of) -> "SimulatedWorld":
-        """comm.split.split: the ranks whose color (``color_of(rank)``) is this rank's, in rank order."""
+        """comm.subcomm.split: the ranks whose color (``color_of(rank)``) is this rank's, in rank order."""
         mine = color_of(self._rank)
         same = [r for r in range(self.Get_size()) if color_of(r) == mine]
         sub = copy.copy(self)
@@ -129,7 +129,7 @@ class SimulatedWorld:
         return sub
 
     def Split(self, color=0, key=0):
-        raise UsageError("a simulated world cannot split by this rank's color alone; use zerompi.comm.split.split, "
+        raise UsageError("a simulated world cannot split by this rank's color alone; use zerompi.comm.subcomm.split, "
                          "which gives the colors as a function of the rank")
 
     def Split_type(self, *args, **kwargs):
