@@ -12,17 +12,22 @@
 
 Memory is in bytes per rank, sizes in elements. See README.md for the CLI and the tables.
 
-The package, by layer (each may import only those above it):
+The package, by layer (each may import only those above it; train, bench and plot not from
+each other; docs/architecture.md):
 
-    errors       the errors a user can act on; one failing rank ends the job
-    optim/       AdamW and the local sum: NumPy references, fused C and CUDA kernels
-    comm/        collectives: Communicator, device staging, NCCL, placement, watchdog
-    engine/      ZeroEngine and its parts: reducer, gatherer, buffers, layout, config
-    pipeline/    schedules as data (no MPI) and the executor: an engine per pipeline chunk
-    checkpoint/  sharded save / load / reshard; ``python -m zerompi.checkpoint``
-    estimate/    memory and traffic before launch; ``python -m zerompi.estimate``
-    train/       the training job; ``python -m zerompi.train``
-    bench/       the collectives benchmark; ``python -m zerompi.bench``
+Modules:
+- errors: the errors a user can act on; one failing rank ends the job
+- inputs: opening and reading a file the user names (a schedule, a run's metrics, the data), checked
+- layout: FlatLayout, the flat buffer, its buckets and slices
+- optim/: AdamW and the local sum: NumPy references, fused C and CUDA kernels
+- comm/: collectives: Communicator, device staging, NCCL, the Mesh, the simulated world, watchdog
+- checkpoint/: sharded save / load / reshard; ``python -m zerompi.checkpoint``
+- engine/: ZeroEngine and its parts: reducer, gatherer, buffers, optimizer state, offload, config
+- pipeline/: schedules as data (no MPI) and the executor: an engine per pipeline chunk
+- estimate/: memory and traffic before launch; ``python -m zerompi.estimate``
+- train/: the training job; ``python -m zerompi.train``
+- bench/: the collectives benchmark; ``python -m zerompi.bench``
+- plot/: figures of a run's metrics; ``python -m zerompi.plot``
 
 The names below are loaded on first use, so that ``import zerompi`` (and the offline tools,
 estimate and checkpoint) work where mpi4py cannot be imported.

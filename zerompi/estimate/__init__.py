@@ -8,12 +8,17 @@ the engine allocates on top of them (gradient buckets, stage-3 gathered layers, 
 bucket buffers, the micro-batch accumulator, the reduce-scatter receive scratch), and the
 bytes and time of one step's communication (alpha-beta time model).
 
-plan (the engine's bucket layout for a model described by its size: BucketPlan),
-stages (the arithmetic: ``estimate``, ``formula``), levels (nodes and shard groups: the
-topology's checks, bytes and time inside and across nodes), activations (the GPT's activation
-bytes, with and without checkpointing), tp_bytes (the TP split: --tp), pipeline (a pipeline
-schedule's bubble and activations: --pp), cli (the options, the table), fromrun
-(``--from-run``: a run's measured bytes beside its estimate).
+Modules:
+- plan: the engine's bucket layout for a model described by its size (BucketPlan)
+- stages: the arithmetic, ``estimate``, ``formula``
+- levels: nodes and shard groups, the topology's checks, bytes and time inside and across nodes
+- activations: the GPT's activation bytes, with and without checkpointing
+- tp_bytes: --tp, the GPT's parameters per TP rank and its TP all-reduce bytes
+- sp_bytes: --sp, the GPT's activations per rank and its all-to-all bytes
+- pipeline: --pp, a pipeline schedule's bubble and activations
+- machine: the memory a job's ranks can still take
+- cli: the options, the table
+- fromrun: ``--from-run``, a run's measured bytes beside its estimate
 
 In Python, ``zerompi.estimate(params=10e9, ranks=64)`` returns the same table as a dict:
 this package is callable (it calls :func:`zerompi.estimate.stages.estimate`).
