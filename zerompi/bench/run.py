@@ -187,7 +187,7 @@ def group_records(cfg: BenchConfig, world, placement) -> List[dict]:
     from ..comm.device import describe_buffers
     from ..comm.mesh import Mesh
     mesh = Mesh(world, cfg.tp or 1, sp=cfg.sp or 1)
-    part = tensor if cfg.tp is not None else sequence
+    part = tp_allreduce if cfg.tp is not None else sp_alltoall
     if world.Get_rank() == 0:
         print(f"# zerompi.bench: {world.Get_size()} ranks, {mpi_library()}, {describe_buffers(placement, None)}, "
               f"dtype {cfg.dtype}, iters {cfg.iters} (median) after {cfg.warmup} warmup")
