@@ -12,7 +12,7 @@ For each model (the default GPT, the 6 x 256 GPT, the MLP 1024 x 8) and world si
   the same BLAS (NumPy's matmul into preallocated float32 arrays) -- for the rank's share
   of the global batch (the GEMM floor);
 - **fwd_bwd**: the model's forward and backward on those rows without the engine
-  (models.gpt_pp.run_micro_batch / train.loop.run_micro_batch on a stand-in that holds the
+  (models.gpt_chunk.run_micro_batch / train.loop.run_micro_batch on a stand-in that holds the
   parameters and drops the gradients);
 - **data**: building the rank's rows of one step (the MLP's teacher, the GPT's corpus);
 - **stage s**: one training step of an engine of each stage, as the train CLI makes it
@@ -161,7 +161,7 @@ def worker(name: str, repeats: int, stages, device: str = "cpu") -> None:
     mine = range(rank * per, (rank + 1) * per)
     stand_in = StandIn([(n, {k: xp.asarray(v) for k, v in p.items()}) for n, p in model.init_layers()])
     if cfg.model == "gpt":
-        from zerompi.train.models.gpt_pp import run_micro_batch
+        from zerompi.train.models.gpt_chunk import run_micro_batch
         rows = xp.asarray(data.train_rows(0, mine))
         gemms = gpt_gemms(model, per)
         get_data = lambda: data.train_rows(1, mine)

@@ -13,7 +13,7 @@ from zerompi.errors import ConfigError
 from zerompi.estimate.activations import gpt_activation_bytes, gpt_activation_elements
 from zerompi.train.config import TrainConfig, parse_config
 from zerompi.train.models import gpt as G
-from zerompi.train.models.gpt_pp import run_micro_batch
+from zerompi.train.models.gpt_chunk import run_micro_batch
 
 F64 = np.float64
 C_KERNELS = G.GPT(7, 5, 1, 1, 4, kernels="auto").layers.name == "c"

@@ -13,7 +13,8 @@ from tests.mpirun import ROOT, run_train
 
 PACKAGE = ROOT / "zerompi"
 # Each layer may import from itself and the layers above it (train, bench and plot: not from each other).
-# inputs: bounded, regular-file reads of what users hand in (schedule files, metrics, pointers).
+# inputs: the checked reading of a file the user names (a schedule, a run's metrics, the data), on errors only.
+# flags, strict: the configs' command-line flags and typing rule, on errors only.
 # pipeline: above the engine (its executor drives ZeroEngines), below estimate (which simulates its schedules; its
 # schedule modules import no MPI: test_estimate_runs_without_mpi).
 LAYERS = [{"errors"}, {"flags", "strict", "inputs"}, {"layout"}, {"optim"}, {"comm"}, {"checkpoint"}, {"engine"},

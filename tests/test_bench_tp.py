@@ -6,7 +6,7 @@ import json
 import pytest
 
 from tests.mpirun import ROOT, one_line, run_mpi
-from zerompi.bench import config as bench_config, tensor
+from zerompi.bench import config as bench_config, tp_allreduce
 from zerompi.errors import ConfigError
 
 SMALL = ["-b", "999", "-e", "20K", "-f", "5", "--iters", "2", "--warmup", "0", "--check"]
@@ -17,7 +17,7 @@ def test_tp_rows_are_right_and_carry_the_group(tmp_path, n, k, dtype):
     path = tmp_path / "b.json"
     proc = run_mpi(n, ["-m", "zerompi.bench", "--tp", k, "--dtype", dtype, "--json", path, *SMALL], timeout=180)
     records = json.loads(path.read_text())
-    assert [(r["op"], r["impl"]) for r in records] == [("all_reduce", i) for i in (tensor.TP_IMPL, "mpi")] * 2
+    assert [(r["op"], r["impl"]) for r in records] == [("all_reduce", i) for i in (tp_allreduce.TP_IMPL, "mpi")] * 2
     isz = 2 if dtype == "fp16" else 4
     for r in records:
         assert r["wrong"] == 0, r
@@ -29,10 +29,10 @@ def test_tp_rows_are_right_and_carry_the_group(tmp_path, n, k, dtype):
     assert records[0]["overlap_pct"] is None and records[1]["overlap_pct"] is not None   # no non-blocking TP form
     first = [[d * k + t for t in range(k)] for d in range(n // k)][0]
     assert f"tensor-parallel groups: {n // k} of {k} adjacent ranks ({first}, ...; zerompi.Mesh)" in proc.stdout
-    assert f"# Avg bus bandwidth {tensor.TP_IMPL}:" in proc.stdout
+    assert f"# Avg bus bandwidth {tp_allreduce.TP_IMPL}:" in proc.stdout
 
 
-@pytest.mark.parametrize("mode,rows", [("skip", {tensor.TP_IMPL}), ("lastbit", {tensor.TP_IMPL})])
+@pytest.mark.parametrize("mode,rows", [("skip", {tp_allreduce.TP_IMPL}), ("lastbit", {tp_allreduce.TP_IMPL})])
 def test_the_check_sees_a_broken_tp_all_reduce(tmp_path, mode, rows):
     """The oracle counts an all-reduce that did nothing; the bit check one TP rank whose result differs."""
     path = tmp_path / "b.json"
@@ -42,7 +42,7 @@ def test_the_check_sees_a_broken_tp_all_reduce(tmp_path, mode, rows):
     bad = {r["impl"] for r in records if r["wrong"]}
     assert bad == rows, records
     for r in records:
-        if r["impl"] == tensor.TP_IMPL:
+        if r["impl"] == tp_allreduce.TP_IMPL:
             # skip: every element of every rank against the oracle (each keeps its own input), and every element
             # of each group's rank 1 against its rank 0's bits; lastbit: one element on each group's rank 1
             assert r["wrong"] == (4 * r["count"] + 2 * r["count"] if mode == "skip" else 2), r
@@ -50,7 +50,7 @@ def test_the_check_sees_a_broken_tp_all_reduce(tmp_path, mode, rows):
 
 def test_tp_config():
     cfg = bench_config.parse_config(["--tp", "2"])
-    assert cfg.ops == ("all_reduce",) and cfg.row_impls() == (tensor.TP_IMPL, "mpi") and cfg.tp == 2
+    assert cfg.ops == ("all_reduce",) and cfg.row_impls() == (tp_allreduce.TP_IMPL, "mpi") and cfg.tp == 2
     assert bench_config.parse_config(["--tp", "2", "--impl", "mpi"]).row_impls() == ("mpi",)
     assert bench_config.parse_config(["--tp", "2", "--op", "all_reduce"]).ops == ("all_reduce",)
     assert bench_config.parse_config([]).tp is None

@@ -7,7 +7,7 @@ from zerompi import ZeroConfig, ZeroEngine
 from zerompi.train.data import FileData, GeneratedData, MarkovCorpus, check_file, rank_rows
 from zerompi.errors import ConfigError
 from zerompi.train.models import gpt as G
-from zerompi.train.models.gpt_pp import run_micro_batch
+from zerompi.train.models.gpt_chunk import run_micro_batch
 
 F64 = np.float64
 EPS = 1e-6          # central differences in float64: error ~ EPS**2 * f''' + 1e-16 * |f| / EPS

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from zerompi import ZeroConfig, ZeroEngine
-from zerompi.comm.tpsplit import piece
+from zerompi.comm.tp_pieces import piece
 from zerompi.engine import lazy
 from zerompi.errors import UsageError
 from zerompi.train.models.gpt import GPT

@@ -15,7 +15,7 @@ import zerompi
 
 from tests.mpirun import ROOT
 from zerompi.errors import ConfigError
-from zerompi.pipeline import actions, schedules, simulate, validate
+from zerompi.pipeline import actions, schedules, timeline, validate
 from zerompi.pipeline.actions import Action, Schedule, ScheduleError
 
 CASES = [(name, p, m, v) for p in (1, 2, 3, 4) for m in (1, 2, 3, 4, 5, 8) for name, v in
@@ -38,7 +38,7 @@ def test_shipped_schedules_are_valid_and_have_their_bubble(name, p, m, v):
             for kind in ("B", "W"):
                 order = [a.mb for a in acts if a.kind == kind and a.chunk == c]
                 assert order == (list(range(m)) if kind == "B" or name == "zb-h1" else [])
-    sim = simulate.run(s)
+    sim = timeline.run(s)
     assert sim.bubble_fraction == pytest.approx(closed_form(name, p, m, v), abs=1e-12)
 
 
@@ -46,15 +46,15 @@ def test_shipped_schedules_are_valid_and_have_their_bubble(name, p, m, v):
 def test_peak_activations(p, m):
     """GPipe holds every micro-batch; 1F1B P - r on rank r; ZB-H1 P on every rank (its W's wait, no more);
     interleaved on rank 0: 2(P-1) + (v-1)P + 1 chunk micro-batches, when m allows so many."""
-    assert simulate.run(schedules.make("gpipe", p, m)).peak_in_flight == [m] * p
-    assert simulate.run(schedules.make("1f1b", p, m)).peak_in_flight == [min(p - r, m) for r in range(p)]
-    assert simulate.run(schedules.make("zb-h1", p, m)).peak_in_flight == [p] * p
-    assert simulate.in_flight(schedules.make("1f1b", p, m), 0) == {0: p}
+    assert timeline.run(schedules.make("gpipe", p, m)).peak_in_flight == [m] * p
+    assert timeline.run(schedules.make("1f1b", p, m)).peak_in_flight == [min(p - r, m) for r in range(p)]
+    assert timeline.run(schedules.make("zb-h1", p, m)).peak_in_flight == [p] * p
+    assert timeline.in_flight(schedules.make("1f1b", p, m), 0) == {0: p}
     if m % p == 0:
         s = schedules.make("interleaved", p, m, 2)
-        held = simulate.run(s).peak_in_flight
+        held = timeline.run(s).peak_in_flight
         assert held[0] == min(2 * (p - 1) + p + 1, 2 * m) and held == sorted(held, reverse=True)
-        assert sum(simulate.in_flight(s, 0).values()) >= held[0] and simulate.run(s).peak_activations == held[0] / 2
+        assert sum(timeline.in_flight(s, 0).values()) >= held[0] and timeline.run(s).peak_activations == held[0] / 2
 
 
 def test_unequal_costs_and_latency():
@@ -63,7 +63,7 @@ def test_unequal_costs_and_latency():
     F0 0-1, F1 1-2, then B0 when the gradient is there (5.5 + .5) 6-9 and B1 (9.5 + .5) 10-13: the span is 13,
     each rank computed 8 of it."""
     s = schedules.make("1f1b", 2, 2)
-    sim = simulate.run(s, simulate.unit_costs(s, 1.0, 2.0, 1.0), latency=0.5)
+    sim = timeline.run(s, timeline.unit_costs(s, 1.0, 2.0, 1.0), latency=0.5)
     assert sim.makespan == pytest.approx(13.0) and sim.busy == [8.0, 8.0]
     assert sim.bubble_fraction == pytest.approx(1 - 8 / 13)
     spans = {(str(a), r): (t0, t1) for r, ss in enumerate(sim.spans) for a, t0, t1 in ss}
@@ -73,8 +73,8 @@ def test_unequal_costs_and_latency():
 
 def test_the_zero_bubble_schedule_has_less_bubble_than_1f1b():
     for p, m in ((2, 4), (4, 8), (4, 16)):
-        assert simulate.run(schedules.make("zb-h1", p, m)).bubble_fraction < \
-            simulate.run(schedules.make("1f1b", p, m)).bubble_fraction / 2
+        assert timeline.run(schedules.make("zb-h1", p, m)).bubble_fraction < \
+            timeline.run(schedules.make("1f1b", p, m)).bubble_fraction / 2
 
 
 def test_the_file_format_round_trips(tmp_path):
@@ -133,7 +133,7 @@ def test_a_deadlock_names_the_waiting_ranks():
     s = Schedule(((Action("F", 0, 0), Action("RECV_B", 0, 0), Action("B", 0, 0), Action("SEND_F", 0, 0)),
                   (Action("RECV_F", 0, 1), Action("F", 0, 1), Action("B", 0, 1), Action("SEND_B", 0, 1))), "t")
     with pytest.raises(ScheduleError) as e:
-        simulate.run(s)
+        timeline.run(s)
     assert str(e.value) == ("deadlock: rank 0 waits at 0B0 (action 2); rank 1 waits at 1F0 (action 1): each waits "
                             "for data that another waiting rank has not sent")
 

@@ -13,7 +13,7 @@ import pytest
 from tests.mpirun import ROOT, mpi_env, one_line, run_mpi
 from zerompi.estimate import machine
 from zerompi.estimate.activations import gpt_activation_bytes
-from zerompi.estimate.tensor import gpt_tp
+from zerompi.estimate.tp_bytes import gpt_tp
 from zerompi.train import preflight
 from zerompi.train.config import parse_config
 from zerompi.train.models.gpt import GPT as GPTModel

@@ -8,7 +8,7 @@ import pytest
 
 from tests.mpirun import mpiexec, mpi_env, one_line, run_mpi, run_train
 from zerompi.estimate.activations import gpt_activation_bytes
-from zerompi.estimate.sequence import all_to_all_bytes
+from zerompi.estimate.sp_bytes import all_to_all_bytes
 from zerompi.engine.memory import theory_bytes
 from zerompi.errors import ConfigError
 from zerompi.train import preflight

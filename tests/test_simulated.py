@@ -1,4 +1,4 @@
-"""A simulated world (comm/simulated.py, train/simulate.py): one process as rank R of N.
+"""A simulated world (comm/simulated_world.py, train/simulated_run.py): one process as rank R of N.
 
 Its memory and traffic must be rank R's in the real job: checked against a real 4-rank job rank by
 rank (tests/drivers/simulated.py: flat, two levels, shard groups, quantized, hpZ, offload, tensor
@@ -15,7 +15,7 @@ from mpi4py import MPI
 
 import zerompi
 from zerompi import Mesh, SimulatedWorld, ZeroConfig, ZeroEngine
-from zerompi.comm.simulated import RULE
+from zerompi.comm.simulated_world import RULE
 from zerompi.engine import lazy
 from zerompi.errors import ConfigError, UsageError
 from tests.mpirun import ROOT, mpi_env, one_line, run_mpi, zerompi_lines

@@ -1,4 +1,4 @@
-"""A simulated rank of a pipelined or sequence-parallel mesh (comm/simulated.py, train/simulate.py).
+"""A simulated rank of a pipelined or sequence-parallel mesh (comm/simulated_world.py, train/simulated_run.py).
 
 Point-to-point messages from another pipeline stage are stood in for by zeros (the RULE): the rank's
 memory and every byte it sends must still be rank R's in the real job. Checked rank by rank against
@@ -17,7 +17,7 @@ import pytest
 
 from zerompi import SimulatedWorld
 from zerompi.comm.p2p import PointToPoint
-from zerompi.comm.simulated import RULE
+from zerompi.comm.simulated_world import RULE
 from zerompi.errors import UsageError
 from tests.mpirun import ROOT, mpi_env, one_line, run_mpi
 

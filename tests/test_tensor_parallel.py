@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from tests.mpirun import ROOT, no_python_noise, one_line, run_mpi, run_train, zerompi_lines
-from zerompi.comm.tpsplit import merge, piece
+from zerompi.comm.tp_pieces import merge, piece
 from zerompi.engine.memory import theory_bytes, theory_comm_bytes
 from zerompi.estimate.activations import gpt_activation_bytes
-from zerompi.estimate.tensor import gpt_tp
+from zerompi.estimate.tp_bytes import gpt_tp
 
 # The GPT: 2 blocks, d_model 32, 4 heads, 16 tokens; the MLP: width 32, depth 4. 50 steps, fp32.
 GPT = ["--model", "gpt", "--n-layer", "2", "--d-model", "32", "--n-head", "4", "--seq-len", "16", "--batch", "8",

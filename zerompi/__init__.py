@@ -12,18 +12,24 @@
 
 Memory is in bytes per rank, sizes in elements. See README.md for the CLI and the tables.
 
-The package, by layer (each may import only those above it):
+The package, by layer (each may import only those above it; train, bench and plot not from
+each other; docs/architecture.md):
 
-    errors       the errors a user can act on; one failing rank ends the job
-    flags        command-line flags made from the configs' fields; strict: the fields' one typing rule
-    optim/       AdamW and the local sum: NumPy references, fused C and CUDA kernels
-    comm/        collectives: Communicator, device staging, NCCL, placement, watchdog
-    engine/      ZeroEngine and its parts: reducer, gatherer, buffers, layout, config
-    pipeline/    schedules as data (no MPI) and the executor: an engine per pipeline chunk
-    checkpoint/  sharded save / load / reshard; ``python -m zerompi.checkpoint``
-    estimate/    memory and traffic before launch; ``python -m zerompi.estimate``
-    train/       the training job; ``python -m zerompi.train``
-    bench/       the collectives benchmark; ``python -m zerompi.bench``
+Modules:
+- errors: the errors a user can act on; one failing rank ends the job
+- flags: command-line flags made from the configs' fields
+- strict: the configs' fields' one typing rule
+- inputs: opening and reading a file the user names (a schedule, a run's metrics, the data), checked
+- layout: FlatLayout, the flat buffer, its buckets and slices
+- optim/: AdamW and the local sum: NumPy references, fused C and CUDA kernels
+- comm/: collectives: Communicator, device staging, NCCL, the Mesh, the simulated world, watchdog
+- checkpoint/: sharded save / load / reshard; ``python -m zerompi.checkpoint``
+- engine/: ZeroEngine and its parts: reducer, gatherer, buffers, optimizer state, offload, config
+- pipeline/: schedules as data (no MPI) and the executor: an engine per pipeline chunk
+- estimate/: memory and traffic before launch; ``python -m zerompi.estimate``
+- train/: the training job; ``python -m zerompi.train``
+- bench/: the collectives benchmark; ``python -m zerompi.bench``
+- plot/: figures of a run's metrics; ``python -m zerompi.plot``
 
 The names below are loaded on first use, so that ``import zerompi`` (and the offline tools,
 estimate and checkpoint) work where mpi4py cannot be imported.
@@ -41,7 +47,7 @@ _PUBLIC = {
     "Communicator": "zerompi.comm.communicator",
     "Mesh": "zerompi.comm.mesh",
     "MeshConfig": "zerompi.comm.meshconfig",
-    "SimulatedWorld": "zerompi.comm.simulated",
+    "SimulatedWorld": "zerompi.comm.simulated_world",
     "ConfigError": "zerompi.errors",
     "UsageError": "zerompi.errors",
     "JobError": "zerompi.errors",

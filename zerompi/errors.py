@@ -197,7 +197,7 @@ def end_together(comm, error: BaseException, prog: str, timeout_s: Optional[floa
     """
     if getattr(error, "zerompi_together", False) or comm.Get_size() == 1:
         return
-    if getattr(comm, "simulated", False):     # comm/simulated.py: the stand-ins mirror this rank, so raised it too
+    if getattr(comm, "simulated", False):     # comm/simulated_world: the stand-ins mirror this rank, so raised it too
         error.zerompi_together = True
         return
     timeout_s = ERROR_AGREEMENT_S if timeout_s is None else timeout_s

@@ -5,12 +5,12 @@ import time
 
 from mpi4py import MPI
 
-from zerompi.train.models import gpt_pp
+from zerompi.train.models import gpt_chunk
 from zerompi.train.run import main
 
 KIND = sys.argv[1]
 if MPI.COMM_WORLD.Get_rank() == 1:
-    backward = gpt_pp.GPTChunk.backward
+    backward = gpt_chunk.GPTChunk.backward
     calls = [0]
 
     def failing(self, mb, dy, weights):
@@ -20,5 +20,5 @@ if MPI.COMM_WORLD.Get_rank() == 1:
                 raise RuntimeError("injected failure on the last stage")
             time.sleep(600)
         return backward(self, mb, dy, weights)
-    gpt_pp.GPTChunk.backward = failing
+    gpt_chunk.GPTChunk.backward = failing
 sys.exit(main(sys.argv[2:]))

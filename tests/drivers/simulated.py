@@ -1,7 +1,7 @@
 """One rank's memory and traffic, real and simulated, over the same cases (tests/test_simulated.py).
 
 ``mpiexec -n 4 python simulated.py``: a real 4-rank job; rank 0 prints one JSON line, every rank's
-report per case. ``python simulated.py R``: one process as rank R of 4 (comm/simulated.py), the same
+report per case. ``python simulated.py R``: one process as rank R of 4 (comm/simulated_world.py), the same
 cases; it prints one JSON line, its report per case. A report is what the engine measured: model
 states and peak buffers (ledger + receive scratch), calls and bytes of every collective (by level,
 and unquantized), and the tensor-parallel all-reduce bytes. Overlap is off, so the buffers a real

@@ -1,7 +1,7 @@
 """One pipelined rank's memory and traffic, real and simulated, over the same cases (tests/test_simulated_mesh.py).
 
 ``mpiexec -n 4 python simulated_mesh.py``: a real 4-rank job per case; rank 0 prints one JSON line, every
-rank's report per case. ``python simulated_mesh.py R``: one process as rank R of 4 (comm/simulated.py), the
+rank's report per case. ``python simulated_mesh.py R``: one process as rank R of 4 (comm/simulated_world.py), the
 same cases; it prints one JSON line, its report per case. A report is what the rank measured after two
 steps: each of its chunks' model states and peak buffers, the activations its chunk runners held, the
 calls and bytes of every ZeRO collective (by level, and unquantized), of every kind of pipeline message

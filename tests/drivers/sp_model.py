@@ -14,10 +14,10 @@ import numpy as np
 from mpi4py import MPI
 
 from zerompi.comm.mesh import Mesh
-from zerompi.comm.tpsplit import merge
+from zerompi.comm.tp_pieces import merge
 from zerompi.estimate.activations import gpt_activation_bytes
 from zerompi.train.models.gpt import GPT, WTE
-from zerompi.estimate.sequence import all_to_all_bytes
+from zerompi.estimate.sp_bytes import all_to_all_bytes
 
 world = MPI.COMM_WORLD
 TP = int(sys.argv[1])

@@ -14,7 +14,7 @@ import numpy as np
 from mpi4py import MPI
 
 from zerompi.comm.mesh import Mesh
-from zerompi.comm.tpsplit import merge
+from zerompi.comm.tp_pieces import merge
 from zerompi.estimate.activations import gpt_activation_bytes
 from zerompi.train.models.gpt import GPT, WTE
 from zerompi.train.models.mlp import MLP

@@ -17,7 +17,7 @@ from ..errors import ConfigError, RankParser, check
 from ..optim.impl import OPTIMIZER_IMPLS
 
 OPS = ("reduce_scatter", "all_gather", "all_reduce")
-SP_OPS = ("all_to_all",)                                      # --sp: sequence parallelism's exchange (bench/sequence.py)
+SP_OPS = ("all_to_all",)                                      # --sp: sequence parallelism's exchange (sp_alltoall.py)
 # --tp and --sp: (the group, its one collective, what it does, why it is not quantized, the Mesh's call)
 GROUPS = {"tp": ("tensor-parallel", "all_reduce", "all-reduces", "the engine never quantizes an all-reduce",
                  "TP all-reduce"),
@@ -101,10 +101,10 @@ class BenchConfig:
     """Elements per quantization block of the quantized rows (a power of two >= 8), as --quant-block."""
     tp: Optional[int] = None
     """Measure the all-reduce over tensor-parallel groups of this many adjacent ranks instead
-    (zerompi.Mesh's TP all-reduce, impl zerompi-tp, beside MPI's Allreduce on the group; bench/tensor.py)."""
+    (zerompi.Mesh's TP all-reduce, impl zerompi-tp, beside MPI's Allreduce on the group; bench/tp_allreduce.py)."""
     sp: Optional[int] = None
     """Measure the all-to-all over sequence-parallel groups of this many adjacent ranks instead (zerompi.Mesh's
-    SP all-to-all as attention calls it, impl zerompi-sp, beside MPI's Alltoall on the group; bench/sequence.py)."""
+    SP all-to-all as attention calls it, impl zerompi-sp, beside MPI's Alltoall on the group; bench/sp_alltoall.py)."""
 
     def __post_init__(self):
         for op in self.ops:
@@ -164,7 +164,7 @@ class BenchConfig:
     def row_impls(self) -> Tuple[str, ...]:
         """The implementations of the rows. With node_size, the two-level ones: zerompi-2level beside
         zerompi's flat one (first when zerompi is not asked for), zerompi-2level-q8 beside zerompi-q8 ...
-        With tp, zerompi's rows are the Mesh's TP all-reduce (bench/tensor.py): zerompi-tp."""
+        With tp, zerompi's rows are the Mesh's TP all-reduce (bench/tp_allreduce.py): zerompi-tp."""
         if self.tp is not None or self.sp is not None:
             ours = "zerompi-tp" if self.tp is not None else "zerompi-sp"
             return tuple(ours if i == "zerompi" else i for i in self.impls)

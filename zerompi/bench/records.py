@@ -1,5 +1,5 @@
 """One row's record of zerompi.bench: the padded buffer size, the bus factor, the JSON record
-(times, bandwidths, the check) and the overlap fields, shared by run.py's rows and tensor.py's.
+(times, bandwidths, the check) and the overlap fields, shared by run.py's rows and tp_allreduce.py's.
 """
 from typing import Optional
 

@@ -35,7 +35,7 @@ from .records import _ranks, make_record, overlap_record, padded_count
 from .levels import TWO_LEVEL, banner, check_node_size, columns, communicators, level_record
 from .plot import check_plot, save_plot
 from .table import footer, print0, table_header, table_row
-from . import quantized, sequence, tensor
+from . import quantized, sp_alltoall, tp_allreduce
 from ..comm.quantized import Quantization
 from ..checkpoint.outputs import check_file, check_roles, save_json
 from ..errors import EXIT_OUTPUT, ConfigError, HelpRequested, agree_on_errors, agree_on_start, install_abort_hook
@@ -146,8 +146,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         cfg = parse_config(argv)
         check_node_size(cfg.node_size, world.Get_size(), cfg.device)
-        tensor.check_tp_size(cfg.tp, world.Get_size())
-        sequence.check_sp_size(cfg.sp, world.Get_size())
+        tp_allreduce.check_tp_size(cfg.tp, world.Get_size())
+        sp_alltoall.check_sp_size(cfg.sp, world.Get_size())
         if world.Get_rank() == 0:
             check_roles([("json", cfg.json_path), ("plot", cfg.plot_path)])   # never one over the other
             check_file(cfg.json_path, "json")   # rank 0 writes it: checked before any measurement
@@ -181,19 +181,19 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def group_records(cfg: BenchConfig, world, placement) -> List[dict]:
-    """--tp K or --sp K: the banner and the rows over the Mesh's TP groups (the all-reduce, bench/tensor.py)
-    or SP groups (the all-to-all, bench/sequence.py)."""
+    """--tp K or --sp K: the banner and the rows over the Mesh's TP groups (the all-reduce, bench/tp_allreduce.py)
+    or SP groups (the all-to-all, bench/sp_alltoall.py)."""
     from ..comm.communicator import mpi_library
     from ..comm.device import describe_buffers
     from ..comm.mesh import Mesh
     mesh = Mesh(world, cfg.tp or 1, sp=cfg.sp or 1)
-    part = tensor if cfg.tp is not None else sequence
+    part = tp_allreduce if cfg.tp is not None else sp_alltoall
     if world.Get_rank() == 0:
         print(f"# zerompi.bench: {world.Get_size()} ranks, {mpi_library()}, {describe_buffers(placement, None)}, "
               f"dtype {cfg.dtype}, iters {cfg.iters} (median) after {cfg.warmup} warmup")
         print("# time: per-rank median over iterations, then min/avg/max over all ranks; bw from the avg")
         print(part.banner(mesh), flush=True)
-    return tensor.run_tp(cfg, mesh) if cfg.tp is not None else sequence.run_sp(cfg, mesh)
+    return tp_allreduce.run_tp(cfg, mesh) if cfg.tp is not None else sp_alltoall.run_sp(cfg, mesh)
 
 
 def finish(cfg: BenchConfig, records: List[dict]) -> int:

@@ -1,11 +1,14 @@
 """Sharded checkpoints: saved by every rank, loaded at any world size, stage or bucket size.
 
-collective (save / load, the collective protocol and resharding), writer (a rank's shard
-file, written now or by a background thread from a host copy), format (the manifest,
-checksums, the atomic publish, reading and verifying), savedir (the save directory's lock,
-no silent overwrite, retention), cli (``python -m zerompi.checkpoint inspect | consolidate``,
-offline and without MPI), outputs (every tool's output files: checked before the work,
-written atomically).
+Modules:
+- collective: save / load, the collective protocol and resharding
+- writer: a rank's shard file, written now or by a background thread from a host copy
+- format: the manifest, checksums, the atomic publish, reading and verifying
+- pointer: which of a save folder's folders are published checkpoints, and ``latest``
+- orphans: checkpoints whose every shard was written but that no one published, found and published
+- savedir: the save directory's lock, no silent overwrite, retention
+- cli: ``python -m zerompi.checkpoint inspect | consolidate``, offline and without MPI
+- outputs: every tool's output files, checked before the work, written atomically
 
 May import: zerompi.errors, zerompi.layout, zerompi.comm; it works on the engine object it is
 given (ZeroEngine.save / load call it). Importing this package imports nothing; format, writer,

@@ -33,7 +33,7 @@ def consolidate(path: str, out: str) -> Dict[str, np.ndarray]:
     memory is the output plus a read buffer. ``out`` is written under a temporary name and
     renamed, and may not lie inside the checkpoint; it must be a new path or a regular file
     (checked before any shard is read: never a folder or a device such as /dev/full).
-    A tensor-parallel save directory (``tp{r}-of-{K}`` folders, engine/tensor.py) is merged:
+    A tensor-parallel save directory (``tp{r}-of-{K}`` folders, engine/tp_groups.py) is merged:
     every TP rank's pieces put together, the same names and shapes as a run without TP; a
     pipelined one (``pp{c}-of-{C}`` folders, one per model chunk, each possibly with TP folders)
     is the union of its chunks' parameters: the names and shapes of a run without --pp.
@@ -86,7 +86,7 @@ def part_folders(path: str, pattern, what: str) -> List[str]:
 
 def _merge_tp(ckpts, pieces) -> Dict[str, np.ndarray]:
     """The full parameters from every TP rank's (params, manifest), checking that they belong together."""
-    from ..comm.tpsplit import merge
+    from ..comm.tp_pieces import merge
     infos = [m["extra"].get("tensor_parallel") for _, m in pieces]
     steps = {m["step"] for _, m in pieces}
     if any(i is None for i in infos) or [i["rank"] for i in infos] != list(range(len(pieces))) or len(steps) > 1:

@@ -45,8 +45,9 @@ def between_steps(engine, what: str) -> None:
     (and frees stage 3's gathered buckets, which would go stale when a load changes the master)."""
     engine._check_open()
     if getattr(engine.comm.mpi, "simulated", False):
-        raise UsageError(f"{what}() is not available on a simulated world (comm/simulated.py): this process is one "
-                         "rank of the job, the others are stand-ins, so there is no whole checkpoint to write or read")
+        raise UsageError(f"{what}() is not available on a simulated world (comm/simulated_world.py): this process "
+                         "is one rank of the job, the others are stand-ins, so there is no whole checkpoint to write "
+                         "or read")
     if engine.reducer.mid_step or engine.gatherer.held:
         raise UsageError(f"{what}() in the middle of a step (micro-batches handed back or layers "
                          "unsharded); call it after step()")

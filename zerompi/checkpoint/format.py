@@ -225,7 +225,7 @@ def crash_point(point: str, step: int, rank: Optional[int] = None) -> None:
 
 
 # ---- read and verify ----------------------------------------------------------------
-TP_FOLDER = re.compile(r"tp(\d+)-of-(\d+)")   # one TP rank's part of a save directory (engine/tensor.py)
+TP_FOLDER = re.compile(r"tp(\d+)-of-(\d+)")   # one TP rank's part of a save directory (engine/tp_groups.py)
 PP_FOLDER = re.compile(r"pp(\d+)-of-(\d+)")   # one pipeline chunk's part (zerompi/pipeline/engines.py)
 
 

@@ -343,7 +343,7 @@ def as_communicator(comm, timeout_s: Optional[float] = None, abort_on_exception:
 def world_rank(mpi_comm=None) -> int:
     """This process's rank in the job (MPI.COMM_WORLD): what the launcher, the fault injector and
     every rank's own lines number (a sub-communicator's rank is another number). ``mpi_comm`` a
-    simulated world (comm/simulated.py) or one of its groups: the rank it simulates."""
+    simulated world (comm/simulated_world.py) or one of its groups: the rank it simulates."""
     if getattr(mpi_comm, "simulated", False):
         return mpi_comm.world_rank
     return MPI.COMM_WORLD.Get_rank()

@@ -41,7 +41,7 @@ from .communicator import Communicator
 from .consistency import check_consistent
 from .group import GroupComm
 from .p2p import PointToPoint
-from .split import split
+from .subcomm import split
 from .topology import check_tp, node_size_env, nodes_of
 
 AXES = ("tp", "sp", "dp", "pp")      # the mesh's axes, innermost (adjacent ranks) first
@@ -158,7 +158,7 @@ class Mesh:
 
     def _split(self, *vary: str):
         """The sub-communicator of :meth:`members` (a collective), ordered as in the world; its color a
-        function of the rank (comm/split.py: what a simulated world evaluates for every rank)."""
+        function of the rank (comm/subcomm.py: what a simulated world evaluates for every rank)."""
         def color_of(rank: int) -> int:
             at, color = self.coords(rank), 0
             for axis in reversed(AXES):

@@ -25,7 +25,7 @@ from typing import List, Optional, Tuple
 
 from ..errors import AgreedConfigError, ConfigError
 from .communicator import Communicator
-from .split import split
+from .subcomm import split
 
 NODE_SIZE_ENV = "ZEROMPI_NODE_SIZE"
 
@@ -124,7 +124,7 @@ def placement_from(mpi_comm, requested: Optional[int], environ=os.environ) -> Tu
     k = node_size_env(environ)
     if k is not None:
         return k, None
-    if hasattr(mpi_comm, "shared_size"):     # a simulated world (comm/simulated.py): its nodes, as it was given them
+    if hasattr(mpi_comm, "shared_size"):     # a simulated world (simulated_world.py): its nodes, as it was given them
         return mpi_comm.shared_size, None
     nodes = nodes_of(mpi_comm)
     sizes = sorted({len(ranks) for ranks in nodes})

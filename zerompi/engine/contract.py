@@ -48,7 +48,7 @@ def start_guards(engine):
     layers and topology (comm/consistency.py; MismatchError on every rank otherwise), then the
     ranks exchange their reporters' addresses (comm/flight.py: who had not arrived, when it fires)."""
     mpi = engine.comm.mpi
-    simulated = getattr(mpi, "simulated", False)     # comm/simulated.py: rank R of a world of stand-ins
+    simulated = getattr(mpi, "simulated", False)     # comm/simulated_world.py: rank R of a world of stand-ins
     rank = world_rank(mpi)        # what the fault's rankR and every rank's own lines number (not the DP rank under TP)
     guard = GradientGuard(rank, engine.dtype, engine.config.max_skipped_steps, fault_from_env(),
                           stand_ins=engine.comm if simulated else None)
@@ -120,7 +120,7 @@ def _digest(values: np.ndarray) -> bytes:
 
 def agree_initial_values(comm, pairs, mode: str, tp=None) -> List[Tuple[str, Dict[str, np.ndarray]]]:
     """The initial values every rank will use, as fp32 arrays in the callers' shapes; with tensor
-    parallelism (``tp``, engine/tensor.py) also the same config, split and replicated values over the mesh."""
+    parallelism (``tp``, engine/tp_groups.py) also the same config, split and replicated values over the mesh."""
     values = _agree_values(comm, pairs, mode)
     if tp is not None:
         tp.agree(comm, values, mode, _agree_values)

@@ -15,7 +15,7 @@ and KIND says how:
     raise  an exception (the abort hook prints it and ends the job)
     exit   the process exits at once, without cleanup (mpiexec ends the others)
     hang   the rank sleeps forever (the others' collective watchdogs end the job; in a simulated
-           world, comm/simulated.py, it sleeps in a wait of its own, which its watchdog times)
+           world, comm/simulated_world.py, it sleeps in a wait of its own, which its watchdog times)
     nan    every gradient this rank hands back in step S is NaN (backward only)
 
 Detection: :class:`GradientGuard` notes the first bucket where this rank's own gradients

@@ -16,7 +16,7 @@ The rules:
   NumPy's normals come from a rejection sampler (a draw may use more than one 64-bit number), so
   the stream cannot be entered at an offset without making what comes before it: a rank walks
   the stream once, in order (:class:`Draws`), keeping only its own runs of it.
-- :class:`Piece`: one tensor-parallel rank's piece of another rule's parameter (comm/tpsplit.py's
+- :class:`Piece`: one tensor-parallel rank's piece of another rule's parameter (comm/tp_pieces.py's
   ``piece``, made lazily).
 
 ``describe()`` names a rule and its numbers (what every rank must agree on); :func:`materialize`
@@ -113,7 +113,7 @@ class Stream:
 
 class Piece(Lazy):
     """TP rank ``rank`` of ``size``'s piece of ``whole``: cut along ``axis`` into ``groups`` parts, each
-    part into ``size`` (as comm/tpsplit.piece cuts an array)."""
+    part into ``size`` (as comm/tp_pieces.piece cuts an array)."""
 
     def __init__(self, whole: Lazy, axis: int, groups: int, rank: int, size: int):
         length = whole.shape[axis]

@@ -119,7 +119,7 @@ def finish(engine, pending: PendingStep, totals: Optional[Sequence[float]] = Non
 
 
 def _stand_in_overflow(engine, grads) -> float:
-    """A simulated rank (comm/simulated.py) whose gradients are not finite: the values are its stand-ins' mirror
+    """A simulated rank (comm/simulated_world.py) whose gradients are not finite: the values are its stand-ins' mirror
     of it (an all-gather tiles its own shard), no real run's, so the step is not skipped -- the real job applies
     its steps, gathers and updates, and the simulated rank must send and hold what it does. The step is applied
     with zero gradients (the parameters stay finite); the steps so applied are counted. Returns the new sum of

@@ -44,7 +44,7 @@ from .optimizer import ShardedAdamW
 from .phase import Phase, infer_phase
 from .reducer import MAX_PENDING_REDUCES, GradientReducer
 from .step import PendingStep, StepResult
-from .tensor import TensorParallel, group_sizes, mesh_config_of, mesh_of
+from .tp_groups import TensorParallel, group_sizes, mesh_config_of, mesh_of
 from .timers import StepTimers
 
 LayersArg = Union[Mapping[str, Mapping[str, np.ndarray]], Sequence[Tuple[str, Mapping[str, np.ndarray]]]]
@@ -74,7 +74,7 @@ class ZeroEngine:
         if self.config.abort_on_exception:
             install_abort_hook()          # an exception on one rank ends the job, as in the CLI (misuse found below too)
         pairs = contract.check_layers(layers)
-        # A Mesh (comm/mesh.py: tp, sp, pp; engine/tensor.py), or mesh_config tp / sp > 1: ZeRO over its dp x sp ranks.
+        # A Mesh (comm/mesh.py: tp, sp, pp; engine/tp_groups.py), or mesh_config tp / sp > 1: ZeRO over its dp x sp ranks.
         if mesh_config is not None and not isinstance(mesh_config, MeshConfig):
             raise UsageError(f"mesh_config is a {type(mesh_config).__name__}; pass a zerompi.MeshConfig")
         self.mesh_config = mesh_config_of(comm, self.config, mesh_config)

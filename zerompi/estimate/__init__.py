@@ -8,13 +8,18 @@ the engine allocates on top of them (gradient buckets, stage-3 gathered layers, 
 bucket buffers, the micro-batch accumulator, the reduce-scatter receive scratch), and the
 bytes and time of one step's communication (alpha-beta time model).
 
-plan (the engine's bucket layout for a model described by its size: BucketPlan),
-stages (the arithmetic: ``estimate``, ``formula``), levels (nodes and shard groups: the
-topology's checks, bytes and time inside and across nodes), activations (the GPT's activation
-bytes, with and without checkpointing), tensor (the TP split: --tp), pipeline (a pipeline
-schedule's bubble and activations: --pp), cli (the options, the table), fromrun
-(``--from-run``: a run's measured bytes beside its estimate), configs (``zero=`` a ZeroConfig,
-``mesh=`` a MeshConfig: a run's configs in place of the keywords).
+Modules:
+- plan: the engine's bucket layout for a model described by its size (BucketPlan)
+- stages: the arithmetic, ``estimate``, ``formula``
+- levels: nodes and shard groups, the topology's checks, bytes and time inside and across nodes
+- activations: the GPT's activation bytes, with and without checkpointing
+- tp_bytes: --tp, the GPT's parameters per TP rank and its TP all-reduce bytes
+- sp_bytes: --sp, the GPT's activations per rank and its all-to-all bytes
+- pipeline: --pp, a pipeline schedule's bubble and activations
+- machine: the memory a job's ranks can still take
+- cli: the options, the table
+- fromrun: ``--from-run``, a run's measured bytes beside its estimate
+- configs: ``zero=`` a ZeroConfig, ``mesh=`` a MeshConfig: a run's configs in place of the keywords
 
 In Python, ``zerompi.estimate(params=10e9, ranks=64)`` returns the same table as a dict:
 this package is callable (it calls :func:`zerompi.estimate.stages.estimate`).
@@ -22,7 +27,7 @@ this package is callable (it calls :func:`zerompi.estimate.stages.estimate`).
 May import: zerompi.errors, the MPI-free parts of zerompi.engine (config, layout, buffers,
 memory, reducer, traffic), zerompi.comm.quantized (the wire format of quantized
 communication), zerompi.comm.meshconfig (MeshConfig) and the MPI-free parts of zerompi.pipeline
-(actions, schedules, validate, simulate). Runs where mpi4py cannot be imported.
+(actions, schedules, validate, timeline). Runs where mpi4py cannot be imported.
 """
 import sys
 import types

@@ -70,7 +70,7 @@ def gpt_activation_elements(batch: int, seq_len: int, d_model: int, n_layer: int
 def gpt_chunk_activation_elements(batch: int, seq_len: int, d_model: int, blocks: int, n_head: int, vocab: int,
                                   first: bool, last: bool, split: bool = False, sp: int = 1,
                                   checkpoint: bool = False, tp: int = 1) -> Dict[str, int]:
-    """Elements a pipeline chunk of ``blocks`` blocks holds (models/gpt_pp.py), as gpt_activation_elements counts
+    """Elements a pipeline chunk of ``blocks`` blocks holds (models/gpt_chunk.py), as gpt_activation_elements counts
     them, in two parts. ``per_micro_batch``: what each micro-batch in flight holds in its own workspace -- the
     blocks' kept buffers (with ``checkpoint`` each block's output only), their input gradients (2 n C per block;
     checkpointing: two alternating sets; a split backward, ``split``, also keeps each block's d fc and d qkv,
@@ -95,7 +95,7 @@ def gpt_chunks_activation_bytes(in_flight: Dict[int, int], chunks: int, batch: i
                                 n_layer: int, n_head: int, vocab: int, split: bool = False, sp: int = 1,
                                 checkpoint: bool = False, itemsize: int = 4, tp: int = 1) -> int:
     """The GPT's activation bytes on one pipeline rank: for each of its chunks (``in_flight``: {chunk: the most
-    micro-batches of it held at once}, pipeline/simulate.in_flight) of ``chunks``, its micro-batches in flight x
+    micro-batches of it held at once}, pipeline/timeline.in_flight) of ``chunks``, its micro-batches in flight x
     per_micro_batch, and per_chunk once (gpt_chunk_activation_elements: the rank's chunks share one set), in the
     compute dtype's ``itemsize``."""
     total, shared = 0, 0

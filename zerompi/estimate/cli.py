@@ -328,14 +328,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         else:
             tp = sp = None
             if a.tp != 1:                # the TP split of the GPT's dimensions, then ZeRO over N/K
-                from .tensor import gpt_tp
+                from .tp_bytes import gpt_tp
                 tp = gpt_tp(a.tp, a.ranks, a.n_layer, a.d_model, a.vocab, a.seq_len, a.batch, a.micro_batches, a.sp,
                             a.checkpoint_activations)
                 check(a.n_head % a.tp == 0, f"tp={a.tp} does not divide n_head={a.n_head}")
                 act = gpt_activations(dims, tp["dp"], a.micro_batches, a.checkpoint_activations, a.sp, a.tp) \
                     if given else None       # a TP rank's (its heads, its columns of the split layers)
             if a.sp != 1:                # each sequence over K ranks (TP groups); ZeRO over the dp x sp ranks
-                from .sequence import gpt_sp
+                from .sp_bytes import gpt_sp
                 sp = gpt_sp(a.sp, a.tp, a.ranks, a.n_layer, a.d_model, a.n_head, a.vocab, a.seq_len, a.batch,
                             a.micro_batches, a.checkpoint_activations)
             if tp:
@@ -354,10 +354,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         print(format_table(est))
         if est.get("tensor_parallel"):
-            from .tensor import format_tp
+            from .tp_bytes import format_tp
             print(format_tp(est["tensor_parallel"]))
         if est.get("sequence_parallel"):
-            from .sequence import format_sp
+            from .sp_bytes import format_sp
             print(format_sp(est["sequence_parallel"]))
         if cmp is not None:
             print()

@@ -1,7 +1,7 @@
 """The pipeline's bubble and activations before launch: ``--pp P --micro-batches m --schedule NAME``.
 
 The schedule is made (or read from ``--schedule-file``) and validated as the train CLI does, then
-simulated (zerompi/pipeline/simulate.py) on per-chunk costs F, B, W (``--costs``; default 1, 1, 1:
+simulated (zerompi/pipeline/timeline.py) on per-chunk costs F, B, W (``--costs``; default 1, 1, 1:
 a full backward costs twice a forward) divided by the chunks per stage, so that every schedule is
 timed on the same model. Printed beside the closed forms of the shipped schedules (equal costs):
 GPipe and 1F1B (P - 1) / (m + P - 1), interleaved (P - 1) / (v m + P - 1), ZB-H1 with
@@ -10,7 +10,7 @@ F = B = W: (P - 1) / (3 m + P - 1).
 from typing import Optional, Sequence
 
 from ..errors import check
-from ..pipeline import actions, schedules, simulate, validate
+from ..pipeline import actions, schedules, timeline, validate
 
 
 def closed_form(name: str, p: int, m: int, v: int, costs: Sequence[float]) -> Optional[float]:
@@ -48,7 +48,7 @@ def pipeline_estimate(pp: int, micro_batches: int, schedule: str = "1f1b", chunk
     validate.check(s, micro_batches=micro_batches, ranks=pp)
     v = s.chunks // s.ranks
     f, b, w = (c / v for c in costs)
-    sim = simulate.run(s, simulate.unit_costs(s, f, b, w))
+    sim = timeline.run(s, timeline.unit_costs(s, f, b, w))
     formula = None if schedule_file is not None else closed_form(schedule, pp, micro_batches, v, costs)
     return {"schedule": name, "pp": pp, "micro_batches": micro_batches, "chunks": v, "costs": list(costs),
             "split_backward": s.split_backward, "bubble_fraction": sim.bubble_fraction, "bubble_formula": formula,

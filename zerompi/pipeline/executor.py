@@ -9,7 +9,7 @@ actions the posted messages are moved on (``PointToPoint.poll``). The engines le
 the pipeline: each sees the forwards and backwards of its chunk's layers, micro-batch after
 micro-batch.
 
-A runner (a model chunk: train/models/chunks.py, gpt_pp.py) provides::
+A runner (a model chunk: train/models/chunks.py, gpt_chunk.py) provides::
 
     input_spec(mb) -> (shape, dtype)      # the activation it receives (chunk > 0)
     grad_spec(mb) -> (shape, dtype)       # the gradient of its output it receives (not the last chunk)

@@ -3,7 +3,7 @@
 - ``bubble``: per kept step, of each pipeline group (the P ranks sharing a data-parallel, SP and TP coordinate),
   1 - (the ranks' compute seconds in the schedule's actions) / (P x the schedule's span, from the first
   action's start to the last one's end, on a clock aligned over the mesh), averaged over the groups;
-- ``costs``: the median compute seconds of each (kind, chunk) of action, which the simulator (simulate.py)
+- ``costs``: the median compute seconds of each (kind, chunk) of action, which the simulator (timeline.py)
   is given to make the bubble the schedule would have on them;
 - ``message_bytes``: the bytes a rank sends per step by kind of message, from its schedule and the sizes.
 """

@@ -10,14 +10,14 @@
    matches them by order).
 4. Each chunk's B (and W) run in micro-batch order 0, 1, 2, ...: the engine then sums the
    micro-batch gradients in the order of an unpipelined run (the same bits).
-5. No deadlock: the schedule run on unit costs (simulate.run) finishes.
+5. No deadlock: the schedule run on unit costs (timeline.run) finishes.
 """
 import itertools
 from collections import Counter, defaultdict
 from typing import Dict, List, Optional, Tuple
 
 from .actions import COMPUTE, Action, Schedule, ScheduleError
-from . import simulate
+from . import timeline
 
 SHOWN = 20                      # missing chunks named in an error, at most
 PAIRS = {"SEND_F": ("RECV_F", +1), "SEND_B": ("RECV_B", -1)}    # a send of chunk c is received by chunk c +- 1
@@ -37,7 +37,7 @@ def check(schedule: Schedule, micro_batches: Optional[int] = None, chunks: Optio
     _check_compute(schedule, where)
     _check_messages(schedule, where)
     _check_order(schedule, where)
-    simulate.run(schedule)          # Deadlock (a ScheduleError) when the ranks wait on each other forever
+    timeline.run(schedule)          # Deadlock (a ScheduleError) when the ranks wait on each other forever
     return schedule
 
 

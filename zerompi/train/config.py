@@ -119,7 +119,7 @@ class TrainConfig:
         "run this one process as one rank of an N-rank job, the other ranks stood in for (each a "
         "mirror of this one): memory and bytes sent are that rank's, the loss is not a real run's", metavar="N"))
     """Run this one process as one rank of a job of this many ranks, the others stood in for under
-    comm/simulated.py's rule: memory and bytes sent are that rank's in the real job, the loss is not a
+    comm/simulated_world.py's rule: memory and bytes sent are that rank's in the real job, the loss is not a
     real run's. None: a real job of the processes launched."""
     simulate_rank: Optional[int] = field(default=None, metadata=flag(
         "with --simulate-world: the rank this process is (default 0)", metavar="R"))
@@ -147,10 +147,10 @@ class TrainConfig:
             check(getattr(self, name) != "", f"{name}='' is an empty path; give a path, or leave --{_flag(name)} out")
         self._check_gpt()
         if self.mesh.tp > 1:
-            from .tensor import check_model
+            from .tp_run import check_model
             check_model(self)
         if self.mesh.sp > 1:
-            from .sequence import check_model as check_sp_model
+            from .sp_run import check_model as check_sp_model
             check_sp_model(self)
         from .pipeline import check_model as check_pipeline
         check_pipeline(self)
@@ -174,7 +174,7 @@ class TrainConfig:
         self._check_simulation()
 
     def _check_simulation(self) -> None:
-        from .simulate import check_config
+        from .simulated_run import check_config
         check_config(self)
 
     def world_size(self, processes: int) -> int:

@@ -10,7 +10,7 @@ from typing import Callable, List, Optional
 
 import numpy as np
 
-from .simulate import simulated
+from .simulated_run import simulated
 
 
 def step_losses(model: str) -> Callable[..., List[float]]:
@@ -18,7 +18,7 @@ def step_losses(model: str) -> Callable[..., List[float]]:
     backward of this rank's micro-batches of that step (``batch`` over all ranks), gradients handed to the
     engine; returns the micro-batch losses."""
     if model == "gpt":
-        from .models.gpt_pp import train_losses
+        from .models.gpt_chunk import train_losses
     else:
         from .models.mlp import train_losses
     return train_losses
@@ -87,7 +87,7 @@ class SingleJob(Job):
 
     def validation_loss(self):
         """data.HeldOut: the held-out loss and its rows (a collective)."""
-        from .models.gpt_pp import held_out_loss
+        from .models.gpt_chunk import held_out_loss
         return held_out_loss(self.engine, self.model, self.data)
 
     # ---- the facts of the final metrics ------------------------------------------------------------
@@ -117,11 +117,11 @@ class SingleJob(Job):
         return activations(self.cfg, self.model, self.comm.size)
 
     def tp_theory(self) -> int:
-        from .tensor import theory_bytes_per_step
+        from .tp_run import theory_bytes_per_step
         return theory_bytes_per_step(self.cfg, self.model, self.mesh.dp)
 
     def sp_theory(self) -> int:
-        from .sequence import theory_bytes_per_step
+        from .sp_run import theory_bytes_per_step
         return theory_bytes_per_step(self.cfg, self.model, self.mesh.dp)
 
     def close(self) -> None:

@@ -1,8 +1,8 @@
 """The train job's model parallelism (--tp, --sp): the Mesh, the models split over it, the groups metered.
 
-The engine runs ZeRO over the mesh's dp x sp ranks (engine/tensor.py); the TP models split their
+The engine runs ZeRO over the mesh's dp x sp ranks (engine/tp_groups.py); the TP models split their
 blocks over its TP group (models/gpt.py, models/mlp_tp.py), the SP GPT its sequences over its
-SP group (models/gpt_sp.py). train/tensor.py and train/sequence.py check and report each.
+SP group (models/gpt_sp.py). train/tp_run.py and train/sp_run.py check and report each.
 """
 import numpy as np
 

@@ -1,7 +1,7 @@
 """The train job with pipeline stages (--pp P): its checks, the chunks and their engines, the step loop.
 
 The mesh (comm/mesh.py) puts P stages of N/P ranks each (data x tensor parallel inside) in a row;
-the model's layers are cut into C = P x chunks chunks (models/gpt_pp.py, mlp_pp.py), chunk c on stage
+the model's layers are cut into C = P x chunks chunks (models/gpt_chunk.py, mlp_pp.py), chunk c on stage
 c mod P, one ZeroEngine per chunk over that stage's data-parallel group. Each step the schedule's
 actions run (zerompi/pipeline/executor.py), then every chunk's engine takes the step decided over the
 whole mesh (pipeline/step.py). The loss of a step is the last stage's, summed over the mesh with the
@@ -22,7 +22,7 @@ from ..engine.decay import exempt_names
 from ..errors import check
 from ..pipeline.config import PipelineConfig
 from .job import Job
-from .simulate import simulated
+from .simulated_run import simulated
 
 UNSUPPORTED = (("device", "gpu", "--device gpu (the pipeline runs on the CPU for now)"),)
 
@@ -105,7 +105,7 @@ class PipelineJob(Job):
 
     # ---- building ----------------------------------------------------------------------------------
     def _runner(self, c: int):
-        """Chunk c's walk (models/chunks.py, models/gpt_pp.py), fed this data-parallel rank's rows."""
+        """Chunk c's walk (models/chunks.py, models/gpt_chunk.py), fed this data-parallel rank's rows."""
         from .models.chunks import Chunk, WorkspacePool, chunk_layers
         cfg, mesh, m, m_b, chunks = self.cfg, self.mesh, self.model, self.cfg.zero.micro_batches, self.schedule.chunks
         rows = cfg.batch // mesh.dp // m_b
@@ -114,7 +114,7 @@ class PipelineJob(Job):
             feed = lambda step: step_batches(self.data, step, cfg.batch, mesh.dp_rank, mesh.dp, m_b)  # noqa: E731
             return Chunk(m, chunk_layers(m.depth, [], [], m.depth, c, chunks), m.depth, feed, rows)
         from .models.gpt_fast import FRESH
-        from .models.gpt_pp import GPTChunk, step_batches
+        from .models.gpt_chunk import GPTChunk, step_batches
         feed = lambda step: step_batches(m, self.data, step, cfg.batch, mesh.dp_rank, mesh.dp, m_b)  # noqa: E731
         pool = WorkspacePool(self.shared) if m.layers.name == "c" else None   # shared: the rank's one-layer set
         layers = chunk_layers(m.num_layers, [0], [m.n_layer + 1], m.n_layer, c, chunks)
@@ -230,7 +230,7 @@ class PipelineJob(Job):
         """(measured, formula) activation bytes of this rank: the GPT's on its C kernels (every chunk's pools),
         beside its micro-batches in flight per chunk x what each holds (estimate/activations.py); else Nones."""
         from ..estimate.activations import gpt_chunks_activation_bytes
-        from ..pipeline.simulate import in_flight
+        from ..pipeline.timeline import in_flight
         from .models.chunks import pools_peak_bytes
         cfg, m, s = self.cfg, self.model, self.schedule
         if cfg.model != "gpt" or m.layers.name != "c":
@@ -247,7 +247,7 @@ class PipelineJob(Job):
 
     def sp_theory(self) -> int:
         """The SP all-to-all bytes this rank sends per step: the micro-batches through its chunks' blocks."""
-        from ..estimate.sequence import all_to_all_bytes
+        from ..estimate.sp_bytes import all_to_all_bytes
         cfg, mesh = self.cfg, self.mesh
         rows = cfg.batch // mesh.dp // cfg.zero.micro_batches
         blocks = len(self.runners) * (cfg.n_layer // self.schedule.chunks)
@@ -265,7 +265,7 @@ class PipelineJob(Job):
         """The pipeline's entries of the metrics (pipeline/measure.py; per-stage lists hold None for the stages a
         simulated rank is not, and the bubble, which needs every stage, is None there)."""
         from ..comm.watchdog import watched
-        from ..pipeline import measure, simulate
+        from ..pipeline import measure, timeline
         cfg, mesh, s, comm = self.cfg, self.mesh, self.schedule, self.comm
         theory = self.message_theory()
         kinds = sorted({k for step in log.pp_bytes for k in step} | set(theory))
@@ -286,8 +286,8 @@ class PipelineJob(Job):
             sizes = {c: n for table in comm.mpi.allgather(mine) for c, n in table.items()}
         bubbles = [] if alone else measure.bubble(log.pp_times, mesh, comm)
         costs = measure.costs(log.pp_times, comm)
-        sim = simulate.run(s, lambda a: costs.get((a.kind, a.chunk), 0.0)) if costs and not alone else None
-        unit = simulate.run(s)
+        sim = timeline.run(s, lambda a: costs.get((a.kind, a.chunk), 0.0)) if costs and not alone else None
+        unit = timeline.run(s)
         return {
             "pipeline": {"pp": mesh.pp, "dp": mesh.dp, "sp": mesh.sp, "tp": mesh.tp, "schedule": s.name,
                          "chunks": s.chunks, "micro_batches": s.micro_batches, "split_backward": s.split_backward,
@@ -343,7 +343,7 @@ def offload_folder(z, chunk: int, chunks: int):
 def validation_loss(job, chunk: int = 32):
     """data.HeldOut: the GPT's mean held-out token loss through the pipeline and the rows it covers (a
     collective over the whole mesh): each data-parallel rank's share of the rows in passes of ``chunk`` rows
-    as models/gpt_pp.held_out_loss makes them (an empty pass where a share ran out: no loss, no row), every pass
+    as models/gpt_chunk.held_out_loss makes them (an empty pass where a share ran out: no loss, no row), every pass
     through every chunk in model order; the last chunk's sums and tokens summed over the world (the last
     stage's ranks of TP rank 0; zeros elsewhere) as there: the same bits."""
     from .data import HeldOut, held_out_passes, rank_rows

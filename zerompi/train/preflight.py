@@ -56,7 +56,7 @@ def check_fault(fault, world_size: int, cfg: TrainConfig) -> None:
         return
     text = f"ZEROMPI_FAULT='{fault}'"
     check(fault.rank < world_size, f"{text} names rank {fault.rank}; this job has ranks 0-{world_size - 1}")
-    if cfg.simulate_world:        # only rank R runs; the others are stand-ins (comm/simulated.py), where nothing fires
+    if cfg.simulate_world:        # only rank R runs; the others are stand-ins (comm/simulated_world.py): nothing fires
         r = cfg.simulate_rank or 0
         check(fault.rank == r, f"{text} names rank {fault.rank}, a stand-in of the simulated world (--simulate-world "
                                f"{world_size} --simulate-rank {r} runs rank {r} alone); use rank{r}")
@@ -103,7 +103,7 @@ def model_size(cfg: TrainConfig, tp: int = 1) -> Tuple[int, int]:
 
 def stage_estimate(cfg: TrainConfig, world_size: int) -> dict:
     """zerompi.estimate's row of cfg's stage for one rank: with --tp K, for the pieces of its TP rank
-    sharded over the N/K data-parallel ranks (estimate/tensor.py's split). The engine's own layout
+    sharded over the N/K data-parallel ranks (estimate/tp_bytes.py's split). The engine's own layout
     of those layers (one bucket plan, as the engine cuts it), so the model states are exact; a model
     of more than EXACT_LAYERS layers is estimated from its size and largest layer instead."""
     from ..estimate.plan import bucket_numel
@@ -163,7 +163,7 @@ def _pipeline_activations(cfg: TrainConfig, world_size: int, rank: int, s) -> in
     """The GPT's activation bytes on a pipelined rank (C kernels) of schedule ``s``: per chunk, its micro-batches
     in flight x estimate/activations.py's chunk formula; what the run measures."""
     from ..estimate.activations import gpt_chunks_activation_bytes
-    from ..pipeline.simulate import in_flight
+    from ..pipeline.timeline import in_flight
     m = cfg.mesh
     stage = pipeline_stage(cfg, world_size, rank)
     rows = max(1, cfg.batch // (world_size // (m.tp * m.sp * m.pp)) // cfg.zero.micro_batches)

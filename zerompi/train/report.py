@@ -20,7 +20,7 @@ from .console import human_bytes
 
 def leads(comm) -> bool:
     """This process prints and writes the job's outputs: rank 0, or a simulated world's one process
-    (comm/simulated.py; ``comm``: an mpi4py communicator, a stand-in, or a zerompi Communicator)."""
+    (comm/simulated_world.py; ``comm``: an mpi4py communicator, a stand-in, or a zerompi Communicator)."""
     mpi = getattr(comm, "mpi", comm)
     return mpi.Get_rank() == 0 or getattr(mpi, "simulated", False)
 
@@ -283,7 +283,7 @@ def final_metrics(cfg, job, comm, log, placement) -> dict:
         "tokens_per_s": tokens / log.total_time if gpt else None,   # global, rank 0's clock
         "device": placement.describe() if placement is not None else "cpu (NumPy)",
         "cupy_pool_bytes": None,                   # --device gpu: what CuPy's allocator holds (rank 0)
-        "simulated": None,                         # --simulate-world: train/simulate.py's entry
+        "simulated": None,                         # --simulate-world: train/simulated_run.py's entry
     }
     if first.xp is not np:      # printed beside the engine's own accounting
         pool = first.xp.get_default_memory_pool()
@@ -308,7 +308,7 @@ def print_summary(metrics: dict, job, comm, base_bytes: Dict[str, int]) -> None:
     ``base_bytes``: comm.stats bytes per operation that are not the steps' own (the initial
     all-gather, the held-out loss); the rest, over the steps run, is the per-step table.
     """
-    from . import sequence, tensor
+    from . import sp_run, tp_run
     engines = list(job.engines)
     first, cfg = engines[0], metrics["config"]
     z = first.config
@@ -335,7 +335,7 @@ def print_summary(metrics: dict, job, comm, base_bytes: Dict[str, int]) -> None:
                                 metrics["comm_bytes_per_step_by_level"], metrics["comm_theory_bytes_per_step_by_level"],
                                 (metrics["comm_logical_bytes_per_step"], metrics["comm_theory_logical_bytes_per_step"])
                                 if quantized and steady else None, steady))
-    for line in (tensor.summary(metrics, job.cfg), sequence.summary(metrics, job.cfg)):
+    for line in (tp_run.summary(metrics, job.cfg), sp_run.summary(metrics, job.cfg)):
         if line:
             print0(comm.mpi, line)
     show = lambda b: "-" if b is None else human_bytes(b)   # noqa: E731  (None: a stage a simulated rank is not)

@@ -43,12 +43,12 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
     rank stops after the same step (and saves a checkpoint when save_dir is set). ``placement``: a
     device.Placement (main() makes it from cfg.device; None: the host, NumPy).
     """
-    from . import report, simulate
+    from . import report, simulated_run
     from ..comm.communicator import as_communicator
     from ..comm.consistency import check_consistent, job_fields
     from ..checkpoint.collective import CheckpointError
-    comm = as_communicator(mpi_comm if mpi_comm is not None else simulate.world(cfg),   # --simulate-world: a stand-in
-                           cfg.zero.timeout_s)    # its watchdog times every wait (the engine's too)
+    comm = as_communicator(mpi_comm if mpi_comm is not None else simulated_run.world(cfg),   # --simulate-world
+                           cfg.zero.timeout_s)    # (a stand-in); its watchdog times every wait (the engine's too)
     check_consistent(comm, "train", job_fields(cfg))   # ranks given other flags stop here, not in a collective
     cfg.check_world(comm.size)
     if cfg.mesh.pp > 1:                          # pipeline stages: one engine per model chunk
@@ -59,7 +59,7 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
         job = SingleJob(cfg, comm, build_model, placement)
     report.print_banner(cfg, job, comm, placement)
     if cfg.simulate_world:
-        report.print0(comm.mpi, simulate.banner(cfg))
+        report.print0(comm.mpi, simulated_run.banner(cfg))
     if job.mesh is not None and not job.pipelined:
         report.print0(comm.mpi, f"  mesh: {job.mesh.describe()}")
     start = _resume(job, cfg) if cfg.resume else 0    # the step a resumed run starts at
@@ -79,10 +79,10 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
         raise
     metrics = report.final_metrics(cfg, job, comm, log, placement)   # before the job closes: still watched
     if cfg.simulate_world:
-        metrics.update(simulate.metrics(cfg, list(job.engines), comm, log, metrics))
+        metrics.update(simulated_run.metrics(cfg, list(job.engines), comm, log, metrics))
     report.print_summary(metrics, job, comm, log.base_bytes)
     if cfg.simulate_world:
-        report.print0(comm.mpi, simulate.summary(metrics))
+        report.print0(comm.mpi, simulated_run.summary(metrics))
     problem = None
     if cfg.metrics_json and report.leads(comm):      # atomically: a full disk leaves the old file, not an empty one
         from ..checkpoint.outputs import save_json
@@ -101,7 +101,7 @@ def _run_steps(cfg: TrainConfig, job, comm, start: int, stop) -> StepLog:
     from .report import leads, print0
     from ..engine.timers import format_breakdown
     from .saves import Saves
-    from .simulate import loss_note, no_held_out
+    from .simulated_run import loss_note, no_held_out
     saves = Saves(cfg, job.checkpoints, comm.mpi)   # checkpoints: --save-dir, --save-every, --async-save
     gpt = cfg.model == "gpt"
     floor = job.data.entropy_floor if gpt else None   # nats/token; None: a user's file, or the MLP

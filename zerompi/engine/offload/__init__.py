@@ -1,11 +1,12 @@
 """Offload (ZeRO-Offload, ZeRO-Infinity): the optimizer state in host memory or files, stage 3's
 parameter shard in a file (docs/offload.md).
 
-- rows.py: where the rows live (ArrayRows: arrays; ParamFile: stage 3's parameter shard);
-- stream.py: FileRows, the rows in a file, two generations, streamed through a few buffers;
-- files.py: the files themselves, whose every read is checked against what was written;
-- owner.py: each file's owner, and the start-up check that removes the files of ended runs;
-- checksum.py: the records' hash (a small C kernel).
+Modules:
+- rows: where the rows live (ArrayRows: arrays; ParamFile: stage 3's parameter shard)
+- stream: FileRows, the rows in a file, two generations, streamed through a few buffers
+- files: the files themselves, whose every read is checked against what was written
+- owner: each file's owner, and the start-up check that removes the files of ended runs
+- checksum: the records' hash (a small C kernel)
 """
 from .files import OffloadError, OffloadFile
 from .owner import check_dir

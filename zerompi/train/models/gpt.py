@@ -3,13 +3,13 @@
 Engine layers: 0 = ``embed`` (``wte``, ``wpe``), 1..L = ``block{i}`` (pre-LayerNorm causal attention, then a
 GELU MLP), L+1 = ``ln_f``; the output head is tied to ``wte``. The blocks run on the C kernels (gpt_fast.py)
 or plain array code (gpt_numpy.py), kept or recomputed (activations.py), split over TP (``TP_SPLIT``: Megatron-LM's
-cut) or SP (gpt_sp.py); gpt_pp.py walks them through the engine (pipelined or not). docs/gpt.md has the design.
+cut) or SP (gpt_sp.py); gpt_chunk.py walks them through the engine (pipelined or not). docs/gpt.md has the design.
 """
 from typing import Dict, List, Tuple
 
 import numpy as np
 
-from ...comm.tpsplit import check_divides
+from ...comm.tp_pieces import check_divides
 from ...engine import lazy
 from ..model_kernels import upcast
 from .activations import Keep, MeteredWorkspace, Recompute, scratch

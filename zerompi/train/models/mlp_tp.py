@@ -9,7 +9,7 @@ from typing import Dict, Tuple
 
 import numpy as np
 
-from ...comm.tpsplit import check_divides
+from ...comm.tp_pieces import check_divides
 from ...engine import lazy
 from .mlp import MLP, gelu
 

@@ -3,7 +3,7 @@
 MPI_Comm_split takes each rank's own color; every group zerompi builds (nodes, shard groups and
 their replicas, the tensor- and data-parallel groups of a Mesh) has a color computed from the
 rank, so :func:`split` takes that function. MPI is given this rank's color; a simulated world
-(comm/simulated.py), one process standing in for every rank, evaluates it for all of them to
+(comm/simulated_world.py), one process standing in for every rank, evaluates it for all of them to
 know which ranks share this one's group.
 """
 from typing import Callable

@@ -206,7 +206,7 @@ def group_sizes(mesh: Optional[Mesh], sizes: MeshConfig) -> Tuple[Optional[int],
 
 def check_split(split, shapes) -> None:
     """ConfigError naming the parameter unless each tp_split value is (axis, groups): whole numbers, the axis
-    one of the piece's, ``groups`` >= 1 dividing the piece's length along it (as comm/tpsplit.merge cuts it)."""
+    one of the piece's, ``groups`` >= 1 dividing the piece's length along it (as comm/tp_pieces.merge cuts it)."""
     if not isinstance(split, Mapping):
         raise ConfigError(f"tp_split={split!r:.60} is not allowed; use a mapping {{parameter name: (axis, groups)}}")
     unknown = sorted(set(split) - set(shapes))

@@ -1,7 +1,7 @@
 """The train job's sequence parallelism (--sp K, DeepSpeed-Ulysses): its checks, metrics and the SP row.
 
 K adjacent ranks (or TP groups) share each sequence, T/K positions each (models/gpt_sp.py); ZeRO
-shards over the dp x sp ranks (engine/tensor.py). What is reported here: the bytes each rank sends
+shards over the dp x sp ranks (engine/tp_groups.py). What is reported here: the bytes each rank sends
 in the SP all-to-alls per step (measured around the forward and backward of the step, beside the
 formula) and their seconds beside the step's; the activations are in the memory table
 (train/report.py, with the formula in K).
@@ -26,9 +26,9 @@ def check_model(cfg) -> None:
 
 
 def theory_bytes_per_step(cfg, model, dp: int) -> int:
-    """The SP all-to-all bytes one rank sends per step (estimate/sequence.all_to_all_bytes): per micro-batch
+    """The SP all-to-all bytes one rank sends per step (estimate/sp_bytes.all_to_all_bytes): per micro-batch
     of batch / dp / micro sequences, this rank's seq_len / sp positions of them."""
-    from ..estimate.sequence import all_to_all_bytes
+    from ..estimate.sp_bytes import all_to_all_bytes
     k, rows = cfg.mesh.sp, cfg.batch // dp // cfg.zero.micro_batches
     channels = cfg.d_model // cfg.mesh.tp
     return cfg.zero.micro_batches * all_to_all_bytes(cfg.n_layer, rows, cfg.seq_len // k, channels, k,

@@ -22,7 +22,7 @@ from .cases import TYPE_NAMES, Case, copy_seconds, rank_values, time_medians
 from .config import DTYPES, BenchConfig
 from .records import _ranks, make_record
 from .table import footer, print0, table_header, table_row
-from .tensor import _World, check
+from .tp_allreduce import _World, check
 
 SP_IMPL = "zerompi-sp"
 OP = "all_to_all"

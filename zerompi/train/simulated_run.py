@@ -1,7 +1,7 @@
 """The train job as one rank of a job that does not fit here: ``--simulate-world N [--simulate-rank R]``.
 
 This process runs rank R's engine -- its layout, buffers, kernels and step -- over a
-comm/simulated.SimulatedWorld, whose stood-in ranks mirror this one (its RULE). What it prints
+comm/simulated_world.SimulatedWorld, whose stood-in ranks mirror this one (its RULE). What it prints
 and records is therefore rank R's memory and traffic in the real N-rank job, measured: the
 ledger's model states and buffers, the activations, the process's peak resident set, and the
 bytes each collective sent per step, beside zerompi.estimate's numbers for the same flags (the
@@ -22,7 +22,7 @@ def check_config(cfg) -> None:
         check(cfg.simulate_rank is None,
               f"simulate_rank={cfg.simulate_rank!r} needs simulate_world (--simulate-world N)")
         return
-    from ..comm.simulated import check_world_rank
+    from ..comm.simulated_world import check_world_rank
     if cfg.simulate_rank is None:
         object.__setattr__(cfg, "simulate_rank", 0)
     check_world_rank(cfg.simulate_world, cfg.simulate_rank)
@@ -39,7 +39,7 @@ def world(cfg):
     """The SimulatedWorld of cfg (rank simulate_rank of simulate_world), or None for a real job."""
     if cfg.simulate_world is None:
         return None
-    from ..comm.simulated import SimulatedWorld
+    from ..comm.simulated_world import SimulatedWorld
     return SimulatedWorld(cfg.simulate_world, cfg.simulate_rank)
 
 
@@ -70,7 +70,7 @@ def no_held_out(cfg, stage=None) -> str:
 
 
 def banner(cfg) -> str:
-    from ..comm.simulated import RULE
+    from ..comm.simulated_world import RULE
     return (f"  SIMULATED: this one process is rank {cfg.simulate_rank} of {cfg.simulate_world}; the other "
             f"{cfg.simulate_world - 1} ranks are stand-ins: {RULE}")
 
@@ -102,7 +102,7 @@ def metrics(cfg, engines, comm, log, base: dict) -> dict:
     """The "simulated" entry of the metrics: who this process stood for, the rule, the estimate beside (``engines``:
     this rank's, one or a pipeline stage's chunks), and the bytes and calls per step of each collective (``log``:
     the step loop's, whose base_bytes are not steps')."""
-    from ..comm.simulated import RULE
+    from ..comm.simulated_world import RULE
     est = estimate_rows(engines)
     steady, first = log.steady_per_op() or {}, log.first_per_op() or {}
     by_op = {op: {"bytes": steady.get(op), "first_step_bytes": first.get(op), "calls": s.calls}
