@@ -226,7 +226,8 @@ def worker(a) -> int:
         "sync": {"median_stall_s": round(med["sync"], 4), "stalls_s": [round(x, 4) for x in res["sync"]],
                  "vs_ceiling": round(med["sync"] / ceiling, 3),
                  "median_round_vs_ceiling": round(statistics.median(
-                     x / min(p, w) for x, p, w in zip(res["sync"], res["ceiling_plain"], res["ceiling_writeback"])), 3)},
+                     x / min(p, w)
+                     for x, p, w in zip(res["sync"], res["ceiling_plain"], res["ceiling_writeback"])), 3)},
         "async": {"median_stall_s": round(med["async"], 4), "stalls_s": [round(x, 4) for x in res["async"]],
                   "median_copy_s": round(med["async_copy"], 4), "median_polls_s": round(med["async_publish"], 4),
                   "median_polls_skew_s": round(med["async_skew"], 4),

@@ -17,11 +17,12 @@ where communication matters) once per configuration, nodes found from MPI:
 
 For each, one JSON record (``--json`` writes the list; stdout has one line each, then the
 goals): ``step_s`` (median over the steps after ``--warmup`` of every round: ``--rounds R`` runs each
-configuration R times, each round in a fresh random order; ``round_step_s`` each round's), ``tokens_per_s``, ``inter_bytes``
-(the engine's bytes across nodes per step, the node's ranks together: for the flat rows, whose
-engine was told one node, the formula's count of what their flat collectives send across),
-``link_bytes`` (read off node 1's link at each step's line: the bytes it sent per step over
-the steps after the warm-up; ``link_rx_bytes`` received), ``final_loss`` (the last step's) and ``final_val_loss``, and
+configuration R times, each round in a fresh random order; ``round_step_s`` each round's),
+``tokens_per_s``, ``inter_bytes`` (the engine's bytes across nodes per step, the node's ranks
+together: for the flat rows, whose engine was told one node, the formula's count of what their
+flat collectives send across), ``link_bytes`` (read off node 1's link at each step's line: the
+bytes it sent per step over the steps after the warm-up; ``link_rx_bytes`` received),
+``final_loss`` (the last step's) and ``final_val_loss``, and
 ``estimate_step_s``: the estimator's communication time for the configuration (both levels),
 fed the measured rates (across nodes: the link's rate shared by the node's ranks; inside: the
 measured one; the measured latency per message), added to the run's compute (its step time
@@ -216,8 +217,8 @@ def goals(rows: dict) -> list:
         out.append((f"{after} never slower than {before}", t1 <= t0, f"{t1:.3f} vs {t0:.3f} s"))
     for name, r in rows.items():
         err = r["estimate_step_s"] / r["step_s"] - 1
-        out.append((f"{name}: estimate within 25%", abs(err) <= 0.25, f"{r['estimate_step_s']:.3f} vs {r['step_s']:.3f} s"
-                    f" ({err:+.0%})"))
+        out.append((f"{name}: estimate within 25%", abs(err) <= 0.25,
+                    f"{r['estimate_step_s']:.3f} vs {r['step_s']:.3f} s ({err:+.0%})"))
     return out
 
 

@@ -90,7 +90,8 @@ def gpt_gemms(model, rows: int):
     B, T, C, H, V = rows, model.seq_len, model.d_model, model.n_head, model.vocab
     n, hd = B * T, C // H
     out = []
-    for k, m in ((C, 3 * C), (C, C), (C, 4 * C), (4 * C, C)):      # qkv, proj, fc, out: y = x w, dx = dy w^T, dw = x^T dy
+    # qkv, proj, fc, out: y = x w, dx = dy w^T, dw = x^T dy
+    for k, m in ((C, 3 * C), (C, C), (C, 4 * C), (4 * C, C)):
         out += [((n, k), (k, m), False, False, 1), ((n, m), (m, k), False, True, 1), ((k, n), (n, m), True, False, 1)]
     bh = B * H
     out += [((T, hd), (hd, T), False, True, bh), ((T, T), (T, hd), False, False, bh),   # scores, att v

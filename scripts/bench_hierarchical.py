@@ -21,9 +21,9 @@ nodes (a collective's step across nodes starts when it is called), but inside th
 when every collective's second step starts in the step that called it -- the train CLI
 publishes stage 1/2 parameters lazily (their all-gathers finish in the next forward) and stage 3
 prefetches the next forward's first buckets, so a two-level all-gather's step inside the node can
-start in the next step, and those medians vary with timing. So each mode also makes one untimed run with ``--no-overlap`` (every collective
-waited for as it starts: each step's bytes are its own), whose bytes per level must equal its
-formula to the byte on both levels.
+start in the next step, and those medians vary with timing. So each mode also makes one untimed
+run with ``--no-overlap`` (every collective waited for as it starts: each step's bytes are its
+own), whose bytes per level must equal its formula to the byte on both levels.
 """
 import argparse
 import json

@@ -76,7 +76,8 @@ def summarize(row, m) -> dict:
         "peak_buffer_bytes": m["peak_buffer_bytes"], "zero_theory_bytes_per_step": m["comm_theory_bytes_per_step"],
         "zero_most_bytes_per_step": m["comm_most_bytes_per_step"],
         "pp_bytes_per_step": m["pp_bytes_per_step"], "pp_theory_bytes_per_step": m["pp_theory_bytes_per_step"],
-        "zero_bytes_per_step": m["comm_bytes_per_step"], "tp_bytes_per_step": (m["tensor_parallel"] or {}).get("bytes_per_step", 0),
+        "zero_bytes_per_step": m["comm_bytes_per_step"],
+        "tp_bytes_per_step": (m["tensor_parallel"] or {}).get("bytes_per_step", 0),
         "params": m["params"], "costs_s": m["pipeline"]["costs_s"]}
 
 
@@ -88,7 +89,8 @@ def main() -> int:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch-per-mb", type=int, default=4, help="sequences per micro-batch over the data-parallel ranks")
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--bucket-mb", type=float, default=0.25, help="buckets of about one block (stage 3 gathers per layer)")
+    p.add_argument("--bucket-mb", type=float, default=0.25,
+                   help="buckets of about one block (stage 3 gathers per layer)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", default=None, help="also write the result here")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)

@@ -47,9 +47,12 @@ def train(a, flags) -> dict:
     """One zerompi.train job; its metrics, and the peak RSS of its largest rank (getrusage of the children)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "m.json"
-        cmd = [mpiexec(), "-n", str(a.ranks), sys.executable, "-m", "zerompi.train", *flags, "--metrics-json", str(path)]
-        wrapper = ("import resource, subprocess, sys; p = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
-                   "sys.stderr.write(p.stderr[-2000:]); print(p.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+        cmd = [mpiexec(), "-n", str(a.ranks), sys.executable, "-m", "zerompi.train", *flags,
+               "--metrics-json", str(path)]
+        wrapper = ("import resource, subprocess, sys; "
+                   "p = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
+                   "sys.stderr.write(p.stderr[-2000:]); "
+                   "print(p.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
         out = subprocess.run([sys.executable, "-c", wrapper, *cmd], capture_output=True, text=True, cwd=str(ROOT),
                              timeout=3600, env=job_env(ROOT))
         code, rss = out.stdout.split()[-2:]
@@ -108,7 +111,8 @@ def validate(out: dict, cap: int) -> list:
     for r in out["longest"] + out["activations"]:
         what = f"sp={r['sp']} seq_len={r['seq_len']} checkpoint={r['checkpoint']}"
         if r["activation_bytes"] != r["activation_theory_bytes"]:
-            bad.append(f"{what}: activations measured {r['activation_bytes']} != formula {r['activation_theory_bytes']}")
+            bad.append(f"{what}: activations measured {r['activation_bytes']} "
+                       f"!= formula {r['activation_theory_bytes']}")
         if r["all_to_all_bytes_per_step"] != r["all_to_all_theory_bytes_per_step"]:
             bad.append(f"{what}: all-to-all bytes measured {r['all_to_all_bytes_per_step']} != formula "
                        f"{r['all_to_all_theory_bytes_per_step']}")
@@ -128,8 +132,8 @@ def markdown(out: dict) -> str:
              "peak RSS (MiB) | step time | tokens/s |", "|---|---|---|---|---|---|---|"]
     for r in out["longest"]:
         held = r["model_states_bytes"] + r["peak_buffer_bytes"] + r["activation_bytes"]
-        lines.append(f"| {r['sp']} | {r['seq_len']} | {mib(r['need_bytes'])} | {mib(held)} | {mib(r['peak_rss_bytes'])} "
-                     f"| {r['step_time_s']:.2f} s | {r['tokens_per_s']:,.0f} |")
+        lines.append(f"| {r['sp']} | {r['seq_len']} | {mib(r['need_bytes'])} | {mib(held)} "
+                     f"| {mib(r['peak_rss_bytes'])} | {r['step_time_s']:.2f} s | {r['tokens_per_s']:,.0f} |")
     lines += ["", "| sp | checkpointing | activations measured (MiB) | formula (MiB) | step time | tokens/s | "
               "fwd + bwd | all-to-all s/step | all-to-all share of fwd + bwd | all-to-all bytes/step (formula) |",
               "|---|---|---|---|---|---|---|---|---|---|"]
@@ -140,7 +144,8 @@ def markdown(out: dict) -> str:
                      f"{mib(r['activation_theory_bytes'])} | {r['step_time_s']:.2f} s | {r['tokens_per_s']:,.0f} | "
                      f"{compute:.2f} s | {r['all_to_all_seconds_per_step']:.3f} | {share:.1%} | "
                      f"{mib(r['all_to_all_bytes_per_step'])} ({mib(r['all_to_all_theory_bytes_per_step'])}) |")
-    lines += ["", "| sp | size (B) | zerompi-sp busbw (GB/s) | mpi Alltoall busbw (GB/s) | ratio |", "|---|---|---|---|---|"]
+    lines += ["", "| sp | size (B) | zerompi-sp busbw (GB/s) | mpi Alltoall busbw (GB/s) | ratio |",
+              "|---|---|---|---|---|"]
     rows = {(r["sp"], r["bytes"], r["impl"]): r for r in out["bench"]}
     for (sp, size, impl), r in sorted(rows.items()):
         if impl != "zerompi-sp":

@@ -95,7 +95,8 @@ def main() -> int:
                             "ratio": med["checked"] / med["unchecked"],
                             "best_us": {form: v * 1e6 for form, v in best.items()},
                             "best_ratio": best["checked"] / best["unchecked"],
-                            "round_ratios": {"min": min(ratios), "median": statistics.median(ratios), "max": max(ratios)}})
+                            "round_ratios": {"min": min(ratios), "median": statistics.median(ratios),
+                                             "max": max(ratios)}})
     if world.Get_rank() == 0:
         print(json.dumps({"ranks": world.Get_size(), "mpi": mpi_library(), "limit": LIMIT,
                           "under_limit": all(r["ratio"] < 1 + LIMIT for r in results), "cases": results}, indent=1))

@@ -7,11 +7,12 @@ the estimator's 10B example), a short sequence and one micro-batch (one sequence
 each run in a fresh process under an address-space limit (``--limit-gib``, default 8: this machine's
 share). It prints one JSON object: per run the ledger's model states and buffers, the activations, the
 process's peak resident set, the bytes and calls of each collective per step and the step time, beside
-zerompi.estimate's numbers for the same flags (each run also as one JSON line on stderr as it ends); where the preflight refuses a run (exit 2, one line:
-the job cannot fit), that line is the run's answer, with the estimate. ``--n-layer`` / ``--d-model``
-make a smaller model (check the RSS prediction on one before the big run); ``--pp P`` runs rank R of
-the job as P pipeline stages (1F1B, P micro-batches of one sequence each; the estimate is the run's own
-of its stage's chunks); ``--table`` also prints the markdown table of docs/estimate.md.
+zerompi.estimate's numbers for the same flags (each run also as one JSON line on stderr as it ends);
+where the preflight refuses a run (exit 2, one line: the job cannot fit), that line is the run's
+answer, with the estimate. ``--n-layer`` / ``--d-model`` make a smaller model (check the RSS
+prediction on one before the big run); ``--pp P`` runs rank R of the job as P pipeline stages
+(1F1B, P micro-batches of one sequence each; the estimate is the run's own of its stage's chunks);
+``--table`` also prints the markdown table of docs/estimate.md.
 """
 import argparse
 import json
@@ -63,8 +64,10 @@ def run(a, stage: int, dtype: str) -> dict:
             return out
         m = json.loads(path.read_text())
     sim = m["simulated"]
-    if a.pp > 1:                  # no preflight per pipeline stage: the estimate of the rank's chunks, as the run printed
-        out["estimate"] = dict(sim["estimate"], comm_bytes_per_step=sum(sim["estimate"]["comm_bytes_per_step_by_level"].values()))
+    # no preflight per pipeline stage: the estimate of the rank's chunks, as the run printed
+    if a.pp > 1:
+        by_level = sim["estimate"]["comm_bytes_per_step_by_level"]
+        out["estimate"] = dict(sim["estimate"], comm_bytes_per_step=sum(by_level.values()))
         stage = a.rank // (a.world // a.pp)     # world rank = dp rank + DP x stage (no tp, sp)
         out["pp_bytes_per_step"] = {k: v[stage] for k, v in m["pp_bytes_per_step"].items()}
     out.update(measured={"model_state_bytes": m["memory_bytes"]["total"], "memory_bytes": m["memory_bytes"],
@@ -79,7 +82,8 @@ def run(a, stage: int, dtype: str) -> dict:
 def table(report) -> str:
     gb = lambda v: f"{v / 1e9:.3f}"
     lines = ["| stage | dtype | model states, GB: estimate / measured | buffers, GB: estimate best (2 pending) / "
-             "measured | peak RSS, GB | bytes per step, GB: all-gather, reduce-scatter (estimate total) | step | answer |",
+             "measured | peak RSS, GB | bytes per step, GB: all-gather, reduce-scatter (estimate total) "
+             "| step | answer |",
              "|---|---|---|---|---|---|---|---|"]
     for r in report["runs"]:
         e = r["estimate"]
@@ -94,8 +98,8 @@ def table(report) -> str:
         sent = ", ".join(gb(steady(op)) if steady(op) is not None else
                          f"{gb(ops.get(op, {}).get('first_step_bytes') or 0)} (the first step's; no steady step)"
                          for op in ("all_gather", "reduce_scatter"))
-        lines.append(head + f"{gb(m['model_state_bytes'])} | {gb(e['buffer_bytes_best_case'])} ({gb(e['buffer_bytes'])})"
-                            f" / {gb(m['buffer_bytes'])} | {gb(m['peak_rss_bytes'])} | {sent} "
+        lines.append(head + f"{gb(m['model_state_bytes'])} | {gb(e['buffer_bytes_best_case'])} "
+                            f"({gb(e['buffer_bytes'])}) / {gb(m['buffer_bytes'])} | {gb(m['peak_rss_bytes'])} | {sent} "
                             f"({gb(e['comm_bytes_per_step'])}) | {r['step_time_s']:.0f} s | ran |")
     return "\n".join(lines)
 

@@ -175,7 +175,8 @@ def measure(name: str, a, torch, comm) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default="gpt-default", help=f"comma-separated, of {', '.join(m for m in MODELS if m.startswith('gpt'))}")
+    gpts = ", ".join(m for m in MODELS if m.startswith("gpt"))
+    p.add_argument("--models", default="gpt-default", help=f"comma-separated, of {gpts}")
     p.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     p.add_argument("--repeats", type=int, default=10, help="timed steps of each part, interleaved")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps of each part first")

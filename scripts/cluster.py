@@ -349,7 +349,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Run one MPI job across an emulated cluster (network namespaces).")
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--ranks-per-node", type=int, default=1)
-    p.add_argument("--link", default=None, help="rate of every node's link, tc's units (250mbit, 1gbit); default unshaped")
+    p.add_argument("--link", default=None,
+                   help="rate of every node's link, tc's units (250mbit, 1gbit); default unshaped")
     p.add_argument("--placement", choices=("block", "round-robin"), default="block")
     p.add_argument("--timeout", type=float, default=600, help="seconds before the job is killed")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the program and its arguments")

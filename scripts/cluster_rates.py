@@ -6,7 +6,8 @@ Rank 0 prints one JSON line: ``inter_gbps`` (Gbit/s through one node's link in o
 with every local rank of node 2j exchanging MIB MiB with its peer on node 2j+1 at once, as the
 collectives do), ``intra_gbps`` (ranks 0 and 1 of node 0 exchanging the same, when a node holds
 two), ``latency_us`` (half the round trip of 8 bytes between each rank of node 2j and its peer
-on node 2j+1, all at once), medians of three (rank 0's two hundred round trips for the latency). scripts/bench_cluster.py feeds them to the estimator.
+on node 2j+1, all at once), medians of three (rank 0's two hundred round trips for the latency).
+scripts/bench_cluster.py feeds them to the estimator.
 """
 import json
 import statistics

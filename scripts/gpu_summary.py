@@ -69,7 +69,8 @@ def check_stage_set(out: Path, label: str, gpu: str, cpu: Optional[str], dtype: 
     losses follow the CPU run's of the same stage within LOSS_RTOL[dtype]."""
     runs = _stages(out, gpu, stages)
     ref = _stages(out, cpu, stages) if cpu else {}
-    missing = [f"{gpu}_s{s}" for s, m in runs.items() if m is None] + [f"{cpu}_s{s}" for s, m in ref.items() if m is None]
+    missing = ([f"{gpu}_s{s}" for s, m in runs.items() if m is None]
+               + [f"{cpu}_s{s}" for s, m in ref.items() if m is None])
     if missing:
         return {"check": label, "ok": False, "detail": f"missing runs: {missing}"}
     gpu_hashes = {m["final_params_sha256"] for m in runs.values()}
@@ -175,7 +176,8 @@ def check_bench_adam(out: Path) -> dict:
         return {"check": "bench_adam on the GPU", "ok": False, "detail": "no gpu records"}
     big = max(recs, key=lambda r: r["n"])
     ratio = big["fused_gbps"] / big["copy_gbps"]
-    return {"check": f"bench_adam: fused >= {COPY_FRACTION} x device copy at {big['n'] >> 20}M", "ok": ratio >= COPY_FRACTION,
+    return {"check": f"bench_adam: fused >= {COPY_FRACTION} x device copy at {big['n'] >> 20}M",
+            "ok": ratio >= COPY_FRACTION,
             "detail": f"fused {big['fused_gbps']:.0f} GB/s, copy {big['copy_gbps']:.0f} GB/s ({ratio:.2f}x), "
                       f"NumPy-on-CuPy {big['numpy_gbps']:.0f} GB/s"}
 

@@ -8,7 +8,8 @@ from tests.mpirun import ROOT, one_line, run_mpi
 from zerompi.bench import cases as bench_cases, config as bench_config, records as bench_records, run as bench
 from zerompi.errors import ConfigError
 
-SMALL = ["-b", "999", "-e", "20K", "-f", "5", "--iters", "1", "--warmup", "0", "--check"]   # 999 B: no size divides by N
+# 999 B: no size divides by N
+SMALL = ["-b", "999", "-e", "20K", "-f", "5", "--iters", "1", "--warmup", "0", "--check"]
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
@@ -19,7 +20,8 @@ def test_check_finds_no_wrong_element(n, tmp_path):
         run_mpi(n, ["-m", "zerompi.bench", "--op", "all", "--dtype", dtype, "--impl", "both", "--no-overlap",
                     "--json", path, *SMALL], timeout=90)
         records = json.loads(path.read_text())
-        assert {(r["op"], r["impl"]) for r in records} == {(op, impl) for op in bench_config.OPS for impl in bench_config.IMPLS}
+        assert ({(r["op"], r["impl"]) for r in records}
+                == {(op, impl) for op in bench_config.OPS for impl in bench_config.IMPLS})
         assert len(records) == 3 * 2 * 2                       # ops x impls x sizes (999, 4995)
         for r in records:
             assert r["wrong"] == 0, r

@@ -20,7 +20,8 @@ from zerompi.checkpoint.pointer import latest_name
 
 pytestmark = pytest.mark.every_mpi       # CI runs these under Open MPI too (.ci/run)
 
-SMALL = ["--model", "mlp", "--width", "24", "--depth", "3", "--batch", "12", "--bucket-mb", "0.002", "--log-every", "100"]
+SMALL = ["--model", "mlp", "--width", "24", "--depth", "3", "--batch", "12", "--bucket-mb", "0.002",
+         "--log-every", "100"]
 ROWS = ("master", "exp_avg", "exp_avg_sq")
 
 # Loads a checkpoint at this world size and stage, then writes (rank 0) every optimizer array

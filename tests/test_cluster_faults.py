@@ -73,7 +73,7 @@ def test_a_link_that_flaps_changes_nothing_a_cut_one_ends_the_job_and_its_checkp
         job.wait_for("zerompi: rank 0: flight recorder: rank 3", LIMIT, "stderr")
     assert job.wait_gone(TIMEOUT_S + 15) == {}, job.ranks_left()   # no rank left on any node
     err = job.stderr()
-    line = next(l for l in err.splitlines() if l.startswith("zerompi: rank 0: collective timeout"))
+    line = next(err_line for err_line in err.splitlines() if err_line.startswith("zerompi: rank 0: collective timeout"))
     # the line names what rank 0 waited in and the step; where the cut lands decides which of a step's
     # collectives that is: a bucket's, the step's loss and stop-flag sum, or the checkpoint save's agreement
     waited = re.search(r"waited [\d.]+ s in (.+?) at step \d+ ", line)
@@ -81,7 +81,7 @@ def test_a_link_that_flaps_changes_nothing_a_cut_one_ends_the_job_and_its_checkp
     assert "not arrived: no answer from ranks 2-3 on node1 (dead, hung, or cut off" in line, line
     # rank 1, on node 0, answered: in the same collective, or already in the next one (several are in flight)
     assert "waiting in it too: rank 1" in line or "rank 1 (node0) waits in " in line, line
-    recorder = [l for l in err.splitlines() if l.startswith("zerompi: rank 0: flight recorder: ")]
+    recorder = [err_line for err_line in err.splitlines() if err_line.startswith("zerompi: rank 0: flight recorder: ")]
     assert len(recorder) == 4 and "rank 2 (node1): no answer" in recorder[2], recorder
     assert "last collectives: " in recorder[0] and "reduce_scatter of bucket" in recorder[0], recorder
     job.kill()                                      # Open MPI's launcher and daemons (nothing under MPICH)
@@ -114,5 +114,5 @@ def test_a_node_unreachable_at_the_start_is_one_line_not_a_hang(cluster):
     c.cut(1)
     proc = train(c, "--steps", 3).run(timeout=LIMIT)
     assert proc.returncode != 0
-    lines = [l for l in proc.stderr.splitlines() if l.startswith("cluster agent:")]
+    lines = [err_line for err_line in proc.stderr.splitlines() if err_line.startswith("cluster agent:")]
     assert lines == ["cluster agent: cannot reach node1: no answer in 2 s (its link is down)"], proc.stderr

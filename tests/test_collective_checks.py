@@ -29,7 +29,8 @@ def test_a_rank_that_never_joins_a_mesh_all_reduce_is_named_by_the_watchdog():
 
 # ---- ranks that pass different buffers: every rank stops with the same MismatchError --------------------
 MISMATCHES = {   # case: what the one line must say (the driver's rank 0 and rank 1 disagree)
-    "rs_length": "reduce_scatter of 8 float32 on rank 0; reduce_scatter of 16 float32 on rank 1 (they differ in: length)",
+    "rs_length": ("reduce_scatter of 8 float32 on rank 0; reduce_scatter of 16 float32 on rank 1 "
+                  "(they differ in: length)"),
     "ar_dtype": "all_reduce of 8 float32 on rank 0; all_reduce of 8 float16 on rank 1 (they differ in: dtype)",
     "op": "all_gather of 8 float32 on rank 0; reduce_scatter of 8 float32 on rank 1 (they differ in: operation)",
     "scalars": "sum_scalars of 2 float64 on rank 0; sum_scalars of 3 float64 on rank 1 (they differ in: length)",

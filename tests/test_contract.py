@@ -44,7 +44,8 @@ def test_any_hand_back_order_gives_the_same_bits(n, stage):
 # ---- 2. step() while a layer is unsharded --------------------------------------------------
 def small():
     rng = np.random.default_rng(0)
-    return [("a", {"x": rng.standard_normal(8).astype(np.float32)}), ("b", {"y": rng.standard_normal(8).astype(np.float32)})]
+    return [("a", {"x": rng.standard_normal(8).astype(np.float32)}),
+            ("b", {"y": rng.standard_normal(8).astype(np.float32)})]
 
 
 def hand_back(eng):
@@ -128,7 +129,8 @@ def test_communicator_is_public_and_checks_dtypes_and_lengths():
         comm.reduce_scatter(send, np.zeros(8, np.float32))
     with pytest.raises(UsageError, match="reduce_scatter out: 4 elements of float16; use 8"):
         comm.reduce_scatter(send, np.zeros(4, np.float16))
-    with pytest.raises(UsageError, match="an array of int32 is not allowed; use a float16 or float32 or bfloat16 array"):
+    with pytest.raises(UsageError, match="an array of int32 is not allowed; "
+                                         "use a float16 or float32 or bfloat16 array"):
         comm.reduce_scatter(np.ones(8, np.int32), np.zeros(8, np.int32))
     with pytest.raises(UsageError, match="not contiguous"):
         comm.all_gather(np.ones(16, np.float32)[::2])
@@ -179,7 +181,8 @@ class DeviceArray(np.lib.mixins.NDArrayOperatorsMixin):
         raise TypeError("Implicit conversion to a NumPy array is not allowed")
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
-        return DeviceArray(getattr(ufunc, method)(*[x.a if isinstance(x, DeviceArray) else x for x in inputs], **kwargs))
+        arrays = [x.a if isinstance(x, DeviceArray) else x for x in inputs]
+        return DeviceArray(getattr(ufunc, method)(*arrays, **kwargs))
 
     def all(self):
         return DeviceArray(self.a.all())

@@ -94,8 +94,9 @@ def test_eight_nodes_of_eight_by_hand():
     assert hpz[3]["comm_seconds_per_step_by_level"]["inter"] == pytest.approx(2 * 763 * 7 * 5e-6 + 4.375 * 8 / 25)
     calls = calls_3
     intra_bytes = 2 * 7 * (3 * PSI - KEPT) // 8
-    assert hpz[3]["comm_seconds_per_step_by_level"]["intra"] == pytest.approx(calls * 7 * 5e-6 + intra_bytes * 8 / 200e9)
-    assert hpz[3]["comm_seconds_per_step_levels"] == pytest.approx(sum(hpz[3]["comm_seconds_per_step_by_level"].values()))
+    by_level = hpz[3]["comm_seconds_per_step_by_level"]
+    assert by_level["intra"] == pytest.approx(calls * 7 * 5e-6 + intra_bytes * 8 / 200e9)
+    assert hpz[3]["comm_seconds_per_step_levels"] == pytest.approx(sum(by_level.values()))
 
 
 def test_one_node_is_the_flat_table():
@@ -156,8 +157,8 @@ def test_estimate_per_level_equals_the_engines_measured(tmp_path, n):
         serial = SERIAL in flags
         assert zero["overlap"] != serial
         kw = dict(ranks=n, dtype=dtype, bucket_mb=BUCKET_MB, micro_batches=zero["micro_batches"],
-                  prefetch=zero["prefetch"], overlap=not serial, node_size=topo["node_size"], shard_size=topo["shard_size"],
-                  hpz=topo["hpz"], **NET)
+                  prefetch=zero["prefetch"], overlap=not serial, node_size=topo["node_size"],
+                  shard_size=topo["shard_size"], hpz=topo["hpz"], **NET)
         layout = mlp_layout(topo["shard_size"], n // topo["shard_size"], dtype)
         assert layout.numel == m["padded_params"]
         by_layout = zerompi.estimate(layout=layout, **kw)["stages"][stage]

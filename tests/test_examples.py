@@ -92,8 +92,8 @@ def test_custom_model(tmp_path, n, stage):
 
 def test_custom_model_fp16_trains(tmp_path):
     proc = run_mpi(3, ["examples/custom_model.py", "--stage", 3, "--dtype", "fp16", "--steps", 150], timeout=120)
-    losses = [float(re.search(r"loss\(rank 0\) (\S+)", l).group(1)) for l in proc.stdout.splitlines()
-              if l.startswith("step")]
+    losses = [float(re.search(r"loss\(rank 0\) (\S+)", out_line).group(1)) for out_line in proc.stdout.splitlines()
+              if out_line.startswith("step")]
     assert losses[-1] < 0.1 * losses[0] and all(math.isfinite(x) for x in losses)
 
 

@@ -53,7 +53,7 @@ def test_fault_on_one_rank_ends_the_job(kind):
     if kind == "hang":
         # The others' watchdogs end it, naming the operation, bucket, step and timeout.
         assert proc.returncode == EXIT_TIMEOUT, err
-        lines = [l for l in err.splitlines() if "collective timeout" in l]
+        lines = [err_line for err_line in err.splitlines() if "collective timeout" in err_line]
         assert lines, err
         line = lines[0]
         assert ("reduce_scatter of bucket" in line or "all_gather of bucket" in line), line
@@ -67,7 +67,7 @@ FAST_LIMIT = 60      # without the watchdog these jobs hang: the subprocess time
 
 
 def _timeout_line(err: str) -> str:
-    lines = [l for l in err.splitlines() if "collective timeout" in l]
+    lines = [err_line for err_line in err.splitlines() if "collective timeout" in err_line]
     assert lines, err
     waited = float(lines[0].split("waited ")[1].split(" s in ")[0])
     assert FAST_TIMEOUT_S <= waited < FAST_TIMEOUT_S + 1.5, lines[0]   # fired on time, not late

@@ -3,10 +3,11 @@ float64 oracles, tails and odd lengths included; the fast path's buffers; the fa
 
 Tolerances, found while writing these tests: the float64 build (libm's exp and tanh, the
 reference's operations in its order) differs from the float64 reference by summation order
-and by libm's tanh against NumPy's (GELU: 2.6e-15 seen), asserted at 1e-14 of the scale. In float32, exp and tanh are the file's own polynomials:
-softmax and LayerNorm within a few ulp of the NumPy float32 reference; GELU and its gradient
-no further from a float64 oracle than NumPy's float32 GELU is, plus 2 ulp of the values'
-scale (both lose the same digits where tanh is near -1 or 1).
+and by libm's tanh against NumPy's (GELU: 2.6e-15 seen), asserted at 1e-14 of the scale. In
+float32, exp and tanh are the file's own polynomials: softmax and LayerNorm within a few ulp of
+the NumPy float32 reference; GELU and its gradient no further from a float64 oracle than NumPy's
+float32 GELU is, plus 2 ulp of the values' scale (both lose the same digits where tanh is near -1
+or 1).
 """
 import subprocess
 import sys

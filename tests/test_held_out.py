@@ -45,7 +45,8 @@ def test_ranks_without_a_held_out_row_add_nothing(tmp_path, short_file, mesh):
 
 @pytest.mark.parametrize("flags,reason", [
     (["--simulate-rank", "3"], "simulated rank 3's share of the held-out set is empty"),
-    (["--simulate-rank", "1", "--pp", "2", "--micro-batches", "2"], "simulated rank of stage 0, which computes no loss"),
+    (["--simulate-rank", "1", "--pp", "2", "--micro-batches", "2"],
+     "simulated rank of stage 0, which computes no loss"),
 ])
 def test_no_held_out_row_anywhere_is_one_note_not_a_number(tmp_path, short_file, flags, reason):
     out = tmp_path / "m.json"

@@ -25,8 +25,10 @@ needs_cc = pytest.mark.skipif(fused_cpu.find_compiler() is None, reason="no C co
 def runs():
     """(impl, stage, options) -> metrics, from one MPI job on N ranks."""
     plan = [("numpy", 2, "fp16-micro"), ("fused", 0, "fp16-micro"), ("fused", 1, "fp16-micro"),
-            ("fused", 2, "fp16-micro"), ("fused", 3, "fp16-micro"), ("numpy", 3, "fp32-clip"), ("fused", 3, "fp32-clip")]
-    options = {"fp16-micro": ["--dtype", "fp16", "--micro-batches", "2"], "fp32-clip": ["--dtype", "fp32", "--clip", "0.05"]}
+            ("fused", 2, "fp16-micro"), ("fused", 3, "fp16-micro"), ("numpy", 3, "fp32-clip"),
+            ("fused", 3, "fp32-clip")]
+    options = {"fp16-micro": ["--dtype", "fp16", "--micro-batches", "2"],
+               "fp32-clip": ["--dtype", "fp32", "--clip", "0.05"]}
     configs = [BASE + ["--optimizer-impl", impl, "--stage", str(stage)] + options[opt] for impl, stage, opt in plan]
     proc = run_mpi(N, ["tests/drivers/train_many.py", json.dumps(configs)], timeout=240)
     metrics = [json.loads(line[8:]) for line in proc.stdout.splitlines() if line.startswith("METRICS ")]

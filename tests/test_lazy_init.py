@@ -39,8 +39,9 @@ def gpt_whole(vocab, seq_len, n_layer, d_model, seed):
 
 def mlp_whole(width, depth, seed):
     rng = np.random.default_rng(seed)
-    return [(f"block{i}", {f"block{i}.weight": (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32),
-                           f"block{i}.bias": np.zeros(width, np.float32)}) for i in range(depth)]
+    return [(f"block{i}",
+             {f"block{i}.weight": (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32),
+              f"block{i}.bias": np.zeros(width, np.float32)}) for i in range(depth)]
 
 
 def same_bits(got, want):

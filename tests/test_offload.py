@@ -199,7 +199,8 @@ def test_cli_refuses_offload_without_a_folder(tmp_path):
     one_line(proc, 2, "needs offload_dir")
 
 
-@pytest.mark.parametrize("stage,opt,par", [(1, "cpu", "none"), (2, "nvme", "none"), (3, "nvme", "nvme"), (3, "none", "none")])
+@pytest.mark.parametrize("stage,opt,par", [(1, "cpu", "none"), (2, "nvme", "none"), (3, "nvme", "nvme"),
+                                           (3, "none", "none")])
 def test_the_estimate_splits_model_states_by_place_as_the_engine_holds_them(tmp_path, stage, opt, par):
     import numpy as np
     import zerompi

@@ -110,7 +110,8 @@ def test_a_bad_schedule_file_and_ranks_that_disagree(tmp_path):
     common = [sys.executable, "-m", "zerompi.train", *GPT, "--steps", "1", "--pp", "2"]
     proc = subprocess.run([mpiexec(), "-n", "1", *common, "--schedule", "1f1b", ":", "-n", "1", *common, "--schedule",
                            "gpipe"], capture_output=True, text=True, timeout=60, env=mpi_env(), cwd=str(ROOT))
-    one_line(proc, 2, "configuration mismatch between ranks: pipeline.schedule = \"1f1b\" on rank 0, \"gpipe\" on rank 1")
+    one_line(proc, 2, "configuration mismatch between ranks: "
+                      "pipeline.schedule = \"1f1b\" on rank 0, \"gpipe\" on rank 1")
 
 
 @pytest.mark.parametrize("kind", ["raise", "hang"])
@@ -124,7 +125,8 @@ def test_a_failing_stage_ends_the_whole_job(kind):
     if kind == "raise":
         assert "injected failure on the last stage" in proc.stderr
     else:
-        assert "pipeline: activation gradients of micro-batch 0 for chunk 0 from stage 1" in proc.stderr, proc.stderr[-2000:]
+        waited = "pipeline: activation gradients of micro-batch 0 for chunk 0 from stage 1"
+        assert waited in proc.stderr, proc.stderr[-2000:]
 
 
 def test_grad_reduce_per_step_keeps_the_bits_at_dp_1_in_fp32_only(tmp_path):

@@ -167,7 +167,8 @@ def test_the_estimator_prints_the_bubble_and_the_activations(tmp_path):
     out = estimate("--pp", "4", "--micro-batches", "8", "--schedule", "1f1b", "--json", tmp_path / "e.json")
     assert out.returncode == 0, out.stderr
     assert "bubble fraction        0.2727   (formula 0.2727)" in out.stdout
-    assert "peak activations       4 micro-batches of one stage's (chunk micro-batches held per rank: 4, 3, 2, 1)" in out.stdout
+    assert ("peak activations       4 micro-batches of one stage's "
+            "(chunk micro-batches held per rank: 4, 3, 2, 1)") in out.stdout
     est = json.loads((tmp_path / "e.json").read_text())
     assert est["bubble_fraction"] == pytest.approx(3 / 11) and est["peak_in_flight"] == [4, 3, 2, 1]
     # with --params and --ranks (--layers): one stage's memory table too, the estimate of Ψ/P over N/P ranks
@@ -187,7 +188,8 @@ def test_the_estimator_prints_the_bubble_and_the_activations(tmp_path):
     out = estimate("--pp", "2", "--micro-batches", "4", "--schedule-file", schedules_file).stdout
     assert "bubble fraction        0.0769" in out and "(B and W split)" in out
     for args, needle in ((["--pp", "4", "--micro-batches", "2"], "micro_batches=2 is too few for the 1f1b"),
-                         (["--pp", "2", "--params", "1e9", "--micro-batches", "2"], "a stage's memory table needs --params and --ranks"),
+                         (["--pp", "2", "--params", "1e9", "--micro-batches", "2"],
+                          "a stage's memory table needs --params and --ranks"),
                          (["--pp", "3", "--params", "1e9", "--ranks", "8", "--micro-batches", "3"],
                           "pp=3 does not divide ranks=8"),
                          (["--pp", "2", "--params", "1e9", "--ranks", "8", "--layers", "5", "--micro-batches", "2"],

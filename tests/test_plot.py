@@ -111,7 +111,8 @@ def test_plot_command_writes_a_png_without_mpi(runs, tmp_path):
 def test_plot_module_imports_neither_mpi_nor_matplotlib():
     proc = python(code="import zerompi.plot.figure; print(sorted(m for m in sys.modules "
                        "if m.split('.')[0] in ('mpi4py', 'matplotlib')))")
-    assert proc.returncode == 0 and proc.stdout.strip() == "['mpi4py']", proc.stdout + proc.stderr   # the blocker's None
+    # the blocker's None
+    assert proc.returncode == 0 and proc.stdout.strip() == "['mpi4py']", proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize("content, needle", [

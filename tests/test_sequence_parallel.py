@@ -92,7 +92,8 @@ def test_dp_x_sp_equals_pure_dp(runs):
             assert len(m["losses"]) == STEPS and worst(m["losses"], ref["losses"]) <= 1e-5, (mesh, option)
             assert m["losses"][-1] < 0.9 * m["losses"][0]          # it trains
     val, ref = runs[("sp4", "plain")]["val_losses"], runs[("dp", "plain")]["val_losses"]
-    assert [s for s, _ in val] == [s for s, _ in ref] == [25, 50] and worst([v for _, v in val], [v for _, v in ref]) <= 1e-5
+    assert [s for s, _ in val] == [s for s, _ in ref] == [25, 50]
+    assert worst([v for _, v in val], [v for _, v in ref]) <= 1e-5
     for s in range(4):
         assert worst(runs[("sp4-stage", s)]["losses"], runs[("dp", "short")]["losses"]) <= 1e-5
     assert sorted(runs[(mesh, o)]["stage"] for mesh, o in runs if o in OPTIONS and mesh != "dp") == [0, 1, 2, 3, 3]
@@ -185,7 +186,8 @@ def test_mesh_groups_all_to_all_and_disagreeing_sizes():
     for r, tp_rank, sp_rank, dp_rank, tp_ranks, sp_ranks, zero_ranks, zero_size, moved, back, sent, errors in rows:
         # world rank = tp_i + TP (sp_i + SP dp_i): TP groups adjacent, SP groups the TP groups around them.
         assert r == tp_rank + 2 * (sp_rank + 2 * dp_rank)
-        assert tp_ranks == [r - tp_rank, r - tp_rank + 1] and sp_ranks == [tp_rank + 4 * dp_rank + 2 * s for s in (0, 1)]
+        assert tp_ranks == [r - tp_rank, r - tp_rank + 1]
+        assert sp_ranks == [tp_rank + 4 * dp_rank + 2 * s for s in (0, 1)]
         assert zero_ranks == list(range(tp_rank, 8, 2)) and zero_size == 4
         assert moved and back and sent == 2 * (2 * 2 * 2 * 3 * 8 // 2)      # (K-1)/K of x each way
         assert "mesh configuration mismatch between ranks: sp = 2 on rank 0, 4 on ranks 1-7" in errors[0], errors[0]

@@ -93,7 +93,8 @@ def test_cli_simulated_pipeline_rank_reports_its_stage(tmp_path):
     assert sim["memory_bytes"]["total"] <= real["memory_bytes"]["total"]
 
 
-@pytest.mark.parametrize("n,rank,stage,chunks", [(512, 300, 1, 1), (512, 7, 2, 2), (4096, 4095, 3, 1), (4096, 2000, 3, 2)])
+@pytest.mark.parametrize("n,rank,stage,chunks", [(512, 300, 1, 1), (512, 7, 2, 2), (4096, 4095, 3, 1),
+                                                 (4096, 2000, 3, 2)])
 def test_simulated_pipeline_rank_equals_the_estimate_to_the_byte(tmp_path, n, rank, stage, chunks):
     """Four stages of n / 4 data-parallel ranks: the rank's chunks (two per stage: the interleaved schedule, whose
     engines share the stage's communicator) against the estimate of their layouts: the buffers of its cap of pending
@@ -129,7 +130,7 @@ def test_cli_simulated_sequence_parallel_rank_is_the_real_rank(tmp_path, mesh):
 
 
 def test_a_mesh_the_simulated_world_cannot_divide_is_one_line_and_exit_2():
-    proc = subprocess.run([sys.executable, "-m", "zerompi.train", "--simulate-world", "6", "--pp", "4", "--micro-batches", "4",
-                           "--n-layer", "4", "--steps", "1"],
+    proc = subprocess.run([sys.executable, "-m", "zerompi.train", "--simulate-world", "6", "--pp", "4",
+                           "--micro-batches", "4", "--n-layer", "4", "--steps", "1"],
                           capture_output=True, text=True, timeout=120, env=mpi_env(), cwd=str(ROOT))
     one_line(proc, 2, "pp=4 does not divide the 6 ranks")

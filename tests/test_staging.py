@@ -105,8 +105,8 @@ def run_cases(on_gpu: bool = False) -> None:
             host.reduce_scatter(mine, want, 0.25, accumulate=True)
             staged.reduce_scatter(dev(mine), got, 0.25, accumulate=True)
             report(f"{dname} L={length} reduce_scatter accumulate", differ(got, want),
-                   within(host_array(got), x64.sum(0)[lo:hi] * 0.25 + prior, np.abs(x64).sum(0)[lo:hi] * 0.25 + np.abs(prior),
-                          n + 1))
+                   within(host_array(got), x64.sum(0)[lo:hi] * 0.25 + prior,
+                          np.abs(x64).sum(0)[lo:hi] * 0.25 + np.abs(prior), n + 1))
 
             # two in flight, waited in reverse order
             outs = [dev(np.full(k, np.nan, dtype)) for _ in range(2)]

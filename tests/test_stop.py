@@ -67,7 +67,8 @@ class Job:
 def assert_stopped_and_saved(text: str, rc: int, ck: Path, by: str) -> int:
     """Exit 0, one "stopped by" line naming ``by``, the checkpoint of that step, no step after it."""
     assert rc == 0, text
-    line = next((l for l in text.splitlines() if l.startswith("zerompi.train: stopped by")), None)
+    line = next((text_line for text_line in text.splitlines()
+                 if text_line.startswith("zerompi.train: stopped by")), None)
     assert line is not None, text
     assert line.startswith(f"zerompi.train: stopped by {by} after step ") and f"saved in {ck}" in line, line
     stopped_at = int(line.split("after step ")[1].split()[0])
@@ -194,7 +195,7 @@ def test_redirected_log_holds_step_lines_not_bar_frames(tmp_path):
     frames (Open MPI gives the ranks a terminal even then)."""
     log = redirected_log(tmp_path, "--steps", "12", "--log-every", "4")
     assert b"\r" not in log and b"\033[K" not in log, log[:2000]
-    steps = [l.split(b"/")[0] for l in log.splitlines() if l.startswith(b"step ")]
+    steps = [log_line.split(b"/")[0] for log_line in log.splitlines() if log_line.startswith(b"step ")]
     assert steps == [b"step %5d" % s for s in (1, 5, 9, 12)], log
 
 

@@ -211,8 +211,9 @@ def end_together(comm, error: BaseException, prog: str, timeout_s: Optional[floa
             heard.add(comm.recv(source=status.Get_source(), tag=_ERROR_TAG))
         elif time.monotonic() > deadline:
             missing = [r for r in range(size) if r != rank and r not in heard]
+            raised_on = _ranks(sorted(heard | {rank}))
             sys.stderr.write(f"{prog}: error (rank {rank}): {error} ({_ranks(missing)} did not raise it within "
-                             f"{timeout_s:g} s: it was raised on {_ranks(sorted(heard | {rank}))} only; ending the job)\n")
+                             f"{timeout_s:g} s: it was raised on {raised_on} only; ending the job)\n")
             abort_job(comm, 2 if isinstance(error, ConfigError) else 1)
         else:
             time.sleep(0.002)

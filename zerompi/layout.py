@@ -89,7 +89,8 @@ class FlatLayout:
             n = 0
             for pname, shape in specs:
                 shape = tuple(int(d) for d in shape)
-                check(all(d >= 1 for d in shape), f"parameter {pname!r} has shape {shape}; every dimension must be >= 1")
+                check(all(d >= 1 for d in shape),
+                      f"parameter {pname!r} has shape {shape}; every dimension must be >= 1")
                 n += prod(shape)
             check(n >= 1, f"layer {lname!r} has no parameters")
             sizes.append(n)

@@ -62,7 +62,8 @@ pp1, zero1 = sent()
 wire = [b - a for a, b in zip(wire0, counters())]
 node = mesh.node_of(comm.rank)
 first_of_node = all(mesh.node_of(r) != node for r in range(comm.rank))
-row = {"rank": comm.rank, "node": node, "stage": mesh.pp_rank, "pp_inter": {k: v - pp0.get(k, 0) for k, v in pp1.items()},
+row = {"rank": comm.rank, "node": node, "stage": mesh.pp_rank,
+       "pp_inter": {k: v - pp0.get(k, 0) for k, v in pp1.items()},
        "zero_inter": zero1 - zero0, "theory": job.message_theory(), "link": wire if first_of_node else None}
 rows = comm.mpi.gather(row)
 digest = model_digest(job.engines.engines, job.schedule, mesh)

@@ -74,7 +74,8 @@ def case_order(stage):
     equal = all(np.array_equal(mixed[s][k], same[s][k]) for s in range(3) for k in same[s])
     init = dict(p for _, ps in layers() for p in ps.items())
     mean = [np.mean([grads(1, r)[i].astype(np.float64) for r in range(N)], axis=0) for i in range(len(SIZES))]
-    worst = max(float(np.max(np.abs(mixed[0][f"w{i}"] - (init[f"w{i}"] - LR * np.sign(m))))) for i, m in enumerate(mean))
+    worst = max(float(np.max(np.abs(mixed[0][f"w{i}"] - (init[f"w{i}"] - LR * np.sign(m)))))
+                for i, m in enumerate(mean))
     return {"bits_equal": bool(WORLD.allreduce(int(not equal)) == 0), "step1_worst": WORLD.allreduce(worst, MPI.MAX)}
 
 

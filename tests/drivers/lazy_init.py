@@ -9,7 +9,6 @@ parameters. Rank 0 prints one JSON line.
 import json
 import tracemalloc
 
-import numpy as np
 from mpi4py import MPI
 
 from zerompi import MeshConfig, ZeroConfig, ZeroEngine
@@ -80,7 +79,8 @@ def errors(run):
 
 def main():
     out = {"stages": {}}
-    for stage, kw in [(0, {}), (1, {}), (2, {}), (3, {}), (3, {"shard_size": N // 2, "node_size": N // 2} if N % 2 == 0 else {})]:
+    hierarchical = {"shard_size": N // 2, "node_size": N // 2} if N % 2 == 0 else {}
+    for stage, kw in [(0, {}), (1, {}), (2, {}), (3, {}), (3, hierarchical)]:
         whole = make(lazy.materialize(rules()), stage, **kw)
         ref = whole.gather_master()
         whole.close()

@@ -50,7 +50,8 @@ elif case.startswith("tp_"):          # tensor parallelism over Mesh(tp=2)
         engine.grads_ready(0, {"w": np.ones((4, 2), np.float32), "b": np.ones(4, np.float32)})
         engine.step(lr=step_lr)
     engine.close()
-elif case in ("ckpt_tp_save", "ckpt_tp_load", "ckpt_tp_load_split"):   # CASE DIR: saves at steps 2 and 4; loads DIR, one more step
+elif case in ("ckpt_tp_save", "ckpt_tp_load", "ckpt_tp_load_split"):
+    # CASE DIR: saves at steps 2 and 4; loads DIR, one more step
     mesh = zerompi.Mesh(tp=2)
     layers = [("l", {"w": np.full((4, 2), 0.5, np.float32), "b": np.ones(4, np.float32)})]
     split = {"w": (0, 1) if case == "ckpt_tp_load_split" else (1, 1)}

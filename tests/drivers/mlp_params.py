@@ -5,7 +5,6 @@ Usage: mpiexec -n N python tests/drivers/mlp_params.py OUT.npz [train flags...]
 import sys
 
 import numpy as np
-from mpi4py import MPI
 
 from zerompi import ZeroEngine
 from zerompi.comm.communicator import Communicator

@@ -86,8 +86,8 @@ for dname, dtype in (("fp16", np.float16), ("fp32", np.float32)):
             oracle = want * scale + (prior.astype(np.float64) if acc else 0.0)
             bound = mag * scale + (np.abs(prior.astype(np.float64)) if acc else 0.0)
             bits = int(np.count_nonzero(got.view(np.uint8) != ref.view(np.uint8))) if dtype == np.float32 else 0
-            report(f"{dname} L={length} reduce_scatter scale={scale} accumulate={acc}", within(got, oracle, bound, n + 2),
-                   bits)
+            report(f"{dname} L={length} reduce_scatter scale={scale} accumulate={acc}",
+                   within(got, oracle, bound, n + 2), bits)
         g = np.full(bucket.numel, np.nan, dtype)
         g[lo:hi] = mine[lo:hi]
         nc.all_gather(g)

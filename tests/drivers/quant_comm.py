@@ -35,15 +35,17 @@ def rs_level(rows, q, scale, dtype):
     """One level: each row quantized, dequantized and summed in fp32 in row order, cast."""
     out = np.zeros(rows[0].size, dtype)
     parts = [R.quantize_reference(r, q.bits, q.block) for r in rows]
-    R.dequant_sum_reference([a for a, _ in parts], [s for _, s in parts], rows[0].size, q.bits, q.block, out, scale, False)
+    R.dequant_sum_reference([a for a, _ in parts], [s for _, s in parts], rows[0].size, q.bits, q.block,
+                            out, scale, False)
     return out
 
 
 def oracle_rs(bufs, k, q, dtype, rank):
     """The slice ``rank`` ends with: node level over super-slices, then across nodes over slices."""
-    j, l = rank // K, rank % K
+    j, local = rank // K, rank % K
     span = M * k
-    partial = {jj: rs_level([bufs[jj * K + ll][l * span:(l + 1) * span] for ll in range(K)], q, 0.5, dtype)
+    mine = slice(local * span, (local + 1) * span)   # this rank's super-slice of every row
+    partial = {jj: rs_level([bufs[jj * K + ll][mine] for ll in range(K)], q, 0.5, dtype)
                for jj in range(M)}
     if M == 1:
         return partial[0]
@@ -53,8 +55,9 @@ def oracle_rs(bufs, k, q, dtype, rank):
 def step_bound(bufs, k, q, dtype, rank):
     """How far the result may be from the float64 sum: half a quantization step of every row at
     each level (the node's partial sums bounded by the sum of the magnitudes), and the roundings."""
-    j, l = rank // K, rank % K
+    j, local = rank // K, rank % K
     span = M * k
+    mine = slice(local * span, (local + 1) * span)
     x = np.abs(np.array(bufs, np.float64)) * 0.5
     def half_steps(rows):   # per element: sum over rows of half its block's step
         out = np.zeros(rows[0].size)
@@ -64,11 +67,12 @@ def step_bound(bufs, k, q, dtype, rank):
             pad[:b.size] = b
             out += np.repeat(pad.reshape(-1, q.block).max(1), q.block)[:b.size] / R.QMAX[q.bits] / 2
         return out
-    level1 = [half_steps([x[jj * K + ll][l * span:(l + 1) * span] for ll in range(K)])[j * k:(j + 1) * k]
+    level1 = [half_steps([x[jj * K + ll][mine] for ll in range(K)])[j * k:(j + 1) * k]
               for jj in range(M)]
-    sums = [x[jj * K:(jj + 1) * K, l * span:(l + 1) * span].sum(0) for jj in range(M)]
+    sums = [x[jj * K:(jj + 1) * K, mine].sum(0) for jj in range(M)]
     level2 = half_steps([s[j * k:(j + 1) * k] + 1e-30 for s in sums]) * 1.01 if M > 1 else 0
-    rounding = x[:, (l * M + j) * k:(l * M + j + 1) * k].sum(0) * (2.0 ** -10 if dtype == np.float16 else 2.0 ** -20) * 4
+    unit = 2.0 ** -10 if dtype == np.float16 else 2.0 ** -20
+    rounding = x[:, (local * M + j) * k:(local * M + j + 1) * k].sum(0) * unit * 4
     return sum(level1) * 1.01 + level2 + rounding
 
 for dname, dtype in (("fp16", np.float16), ("fp32", np.float32)):
@@ -102,7 +106,8 @@ for dname, dtype in (("fp16", np.float16), ("fp32", np.float32)):
             for r in range(n):
                 s = world.mpi.bcast(group.slot if r == me else None, root=r)
                 part = bufs[r][s * k:(s + 1) * k]
-                want_g[s * k:(s + 1) * k] = R.dequantize_reference(*R.quantize_reference(part, bits, block), k, bits, block)
+                want_g[s * k:(s + 1) * k] = R.dequantize_reference(*R.quantize_reference(part, bits, block),
+                                                                   k, bits, block)
             wrong_g = int(np.count_nonzero(g.view(np.uint8) != want_g.astype(dtype).view(np.uint8)))
             lines.append({"case": f"{dname} int{bits}/{block} k={k} ag", "wrong": world.mpi.allreduce(wrong_g)})
 if me == 0:

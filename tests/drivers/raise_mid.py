@@ -1,8 +1,4 @@
 """Rank 1 raises in the middle of stage-3 training; the whole job must end with its traceback."""
-import sys
-
-from mpi4py import MPI
-
 from zerompi import ZeroEngine
 from zerompi.comm.communicator import Communicator
 from zerompi.errors import install_abort_hook

@@ -25,7 +25,8 @@ GROUPS = {"tp": ("tensor-parallel", "all_reduce", "all-reduces", "the engine nev
                  "SP all-to-all")}
 DTYPES = {"fp16": np.float16, "fp32": np.float32}
 IMPLS = ("zerompi", "mpi")                                   # --impl both
-QUANTIZED = {"zerompi-q8": 8, "zerompi-q4": 4}                # ZeRO++'s quantized collectives: bits (bench/quantized.py)
+# ZeRO++'s quantized collectives: bits (bench/quantized.py)
+QUANTIZED = {"zerompi-q8": 8, "zerompi-q4": 4}
 ALL_IMPLS = ("zerompi", *QUANTIZED, "mpi")
 QUANTIZED_OPS = ("reduce_scatter", "all_gather")              # the engine never quantizes an all-reduce
 IMPL_CHOICES = f"{', '.join(ALL_IMPLS)}, both, or a comma-separated list of them"
@@ -212,7 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-overlap", action="store_true", help="skip the non-blocking overlap measurement")
     p.add_argument("--json", default=None, metavar="PATH", help="write the records as a JSON list")
     p.add_argument("--plot", default=None, metavar="PNG", help="draw busbw against size (needs matplotlib)")
-    p.add_argument("--sum-impl", default=BenchConfig.sum_impl, help=f"zerompi's local sum: {' | '.join(OPTIMIZER_IMPLS)}")
+    p.add_argument("--sum-impl", default=BenchConfig.sum_impl,
+                   help=f"zerompi's local sum: {' | '.join(OPTIMIZER_IMPLS)}")
     p.add_argument("--node-size", type=int, default=None, metavar="K",
                    help="simulate nodes of K consecutive ranks: add the two-level rows (zerompi-2level) and the "
                         "bytes of one call inside and across nodes")

@@ -75,7 +75,8 @@ def reduce_scatter_scales(dtype, n: int, q: Quantization, slot: int, k: int,
     top = slot // m * m * k                         # where the super-slice starts
     per_node = np.zeros((n // kk, k))
     for r in range(n):                              # rank r sits on node r // K
-        per_node[r // kk] += block_scales(rank_input(r, top, top + m * k, dtype), q.bits, q.block)[lo - top:lo - top + k]
+        scales = block_scales(rank_input(r, top, top + m * k, dtype), q.bits, q.block)
+        per_node[r // kk] += scales[lo - top:lo - top + k]
     nb = -(-k // q.block)
     blocks = np.zeros((n // kk, nb * q.block))
     blocks[:, :k] = per_node

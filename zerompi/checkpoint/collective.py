@@ -77,7 +77,8 @@ def save(engine, directory: str, extra_state: Optional[dict] = None, blocking: b
     checkpoints (savedir.retain); None keeps them all. Checkpoints of later steps than the one
     this engine loaded from ``directory`` are never removed (:func:`kept`).
     """
-    if keep_last is not None and not (isinstance(keep_last, int) and not isinstance(keep_last, bool) and keep_last >= 1):
+    whole = isinstance(keep_last, int) and not isinstance(keep_last, bool)
+    if keep_last is not None and not (whole and keep_last >= 1):
         raise ConfigError(f"save(keep_last={keep_last!r}) is not allowed; use a whole number >= 1 of checkpoints "
                          "to keep, or None to keep them all")
     between_steps(engine, "save")

@@ -281,7 +281,8 @@ def resolve(path: str) -> str:
     if name and CHECKPOINT_NAME.fullmatch(name) and os.path.isfile(os.path.join(path, name, MANIFEST)):
         target = os.path.join(path, name)
         if digest is None or manifest_digest(target) == digest or not _intact(target):
-            return target     # a pointer of one line: unverified (pointer.py); a damaged manifest: read_manifest says so
+            # a pointer of one line: unverified (pointer.py); a damaged manifest: read_manifest says so
+            return target
         problem = (f"{latest} names {name!r} but carries the sha256 of another {MANIFEST} (the pointer was "
                    "edited or is damaged)")
     elif not os.path.lexists(latest):

@@ -165,7 +165,8 @@ def saved_checkpoints(directory: str) -> List[str]:
     """The complete checkpoints in ``directory`` and in its tensor-parallel and pipeline folders
     (``tp0-of-2/step_...``, ``pp1-of-2/tp0-of-2/step_...``: format.part_folders_of), as paths relative to it."""
     return complete_checkpoints(directory) + [f"{os.path.relpath(part, directory)}/{name}"
-                                              for part in part_folders_of(directory) for name in complete_checkpoints(part)]
+                                              for part in part_folders_of(directory)
+                                              for name in complete_checkpoints(part)]
 
 
 def own_folder(directory: str, resume: Optional[str]) -> bool:

@@ -178,8 +178,8 @@ class Communicator:
         k = send.size // n
         if getattr(out, "dtype", None) != send.dtype or out.size != k:
             raise UsageError(f"reduce_scatter out: {getattr(out, 'size', '?')} elements of "
-                             f"{getattr(out, 'dtype', type(out).__name__)}; use {k} elements (one slice) of {send.dtype}, "
-                             "the send buffer's dtype")
+                             f"{getattr(out, 'dtype', type(out).__name__)}; "
+                             f"use {k} elements (one slice) of {send.dtype}, the send buffer's dtype")
         sig = signature(op_name, send.dtype, send.size, tag, scale, accumulate) if self.checks else None
         blk, (sc, sd, rc, rd) = self._block(k, send.itemsize)
         recv = self._recv_rows(k, send.dtype)
@@ -216,7 +216,8 @@ class Communicator:
         k = send.size // n
         if getattr(out, "dtype", None) != send.dtype or out.size != k:
             raise UsageError(f"reduce_scatter out: {getattr(out, 'size', '?')} elements of "
-                             f"{getattr(out, 'dtype', type(out).__name__)}; use {k} elements (one slice) of {send.dtype}")
+                             f"{getattr(out, 'dtype', type(out).__name__)}; "
+                             f"use {k} elements (one slice) of {send.dtype}")
         sig = signature(op_name, send.dtype, send.size, tag, scale, accumulate, quant) if self.checks else None
         wb = quant.wire_bytes(k)
         flat = send.reshape(-1)
@@ -272,7 +273,8 @@ class Communicator:
         else:
             others, me = self.checks.others, self.slot
             req = self.checks.exchange(sig or signature("all_gather", buf.dtype, buf.size, tag),
-                                       [(r, [wire, (1, me), blk]) for r in others], [(r, [wire, (1, r), blk]) for r in others])
+                                       [(r, [wire, (1, me), blk]) for r in others],
+                                       [(r, [wire, (1, r), blk]) for r in others])
         st.seconds += time.perf_counter() - t
         return Handle(self, "all_gather", req, (), None, tag)
 

@@ -53,8 +53,8 @@ def _address_of(host: str) -> str:
 class Reporter:
     """This rank's answers: a daemon thread that serves :meth:`report` to callers with the token.
 
-    ``record``: the rank's WaitRecord; ``rank``: its world rank (what every line names); ``step()``: the step a wait without one is named at;
-    ``fired()``: whether this rank's watchdog has fired."""
+    ``record``: the rank's WaitRecord; ``rank``: its world rank (what every line names); ``step()``: the
+    step a wait without one is named at; ``fired()``: whether this rank's watchdog has fired."""
 
     def __init__(self, record, rank: int, step: Callable[[], Optional[int]], fired: Callable[[], bool]):
         self.record, self.rank, self._step, self._fired = record, rank, step, fired
@@ -215,8 +215,8 @@ def explain(me: int, mine: str, reports: List[Optional[dict]], table: List[dict]
             same.append(r)
         else:
             elsewhere.append(r)
-    parts = [f"{_ranks(gone, table)} ended (nothing answers on {', '.join(sorted({table[r]['host'] for r in gone}))})"] \
-        if gone else []
+    gone_hosts = ", ".join(sorted({table[r]["host"] for r in gone}))
+    parts = [f"{_ranks(gone, table)} ended (nothing answers on {gone_hosts})"] if gone else []
     if silent:
         hosts = "; ".join(f"{_ranks(rs, table)} on {host}" for host, rs in silent.items())
         parts.append(f"no answer from {hosts} (dead, hung, or cut off: a node whose link is down)")

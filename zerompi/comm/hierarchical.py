@@ -157,7 +157,8 @@ class HierarchicalCommunicator:
         k = send.size // self.size
         if getattr(out, "dtype", None) != send.dtype or out.size != k:
             raise UsageError(f"reduce_scatter out: {getattr(out, 'size', '?')} elements of "
-                             f"{getattr(out, 'dtype', type(out).__name__)}; use {k} elements (one slice) of {send.dtype}")
+                             f"{getattr(out, 'dtype', type(out).__name__)}; "
+                             f"use {k} elements (one slice) of {send.dtype}")
         partial = self._take(self.m * k, send.dtype)
         first = self.intra.ireduce_scatter(send, partial, scale, False, tag, quant)
         self.inter_second.count("reduce_scatter", k * send.itemsize if quant is None else quant.wire_bytes(k),

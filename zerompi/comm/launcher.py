@@ -20,7 +20,8 @@ import threading
 
 CHECK_INTERVAL_S = 0.5     # seconds between looks at the parent process
 EXIT_LAUNCHER_GONE = 1     # this rank's exit status when its launcher is gone (nobody is left to read it)
-LAUNCHER_ENV = ("PMI_RANK", "PMI_FD", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")   # set by MPICH, Open MPI, Slurm
+# set by MPICH, Open MPI, Slurm
+LAUNCHER_ENV = ("PMI_RANK", "PMI_FD", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
 
 _watching: list = []       # the one thread of this process, once started
 

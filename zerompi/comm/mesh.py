@@ -202,8 +202,9 @@ class Mesh:
         return node, shard
 
     def describe(self) -> str:
-        parts = [f"{self.dp} data-parallel"] + [f"{k} {what}-parallel" for k, what in
-                                                 ((self.sp, "sequence"), (self.tp, "tensor")) if k > 1 or what == "tensor"]
+        parts = [f"{self.dp} data-parallel"] + [f"{k} {what}-parallel"
+                                                 for k, what in ((self.sp, "sequence"), (self.tp, "tensor"))
+                                                 if k > 1 or what == "tensor"]
         adjacent = [f"TP ranks adjacent: {self.ranks[0]}"]
         adjacent += [f"SP ranks {[g[0] for g in self.ranks[:self.sp]]}"] if self.sp > 1 else []
         text = f"{' x '.join(parts)} ({', '.join(adjacent)}, ...)"

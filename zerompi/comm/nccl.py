@@ -133,7 +133,8 @@ class NcclCommunicator:
         k = send.size // n
         if getattr(out, "dtype", None) != send.dtype or out.size != k:
             raise UsageError(f"reduce_scatter out: {getattr(out, 'size', '?')} elements of "
-                             f"{getattr(out, 'dtype', type(out).__name__)}; use {k} elements (one slice) of {send.dtype}")
+                             f"{getattr(out, 'dtype', type(out).__name__)}; "
+                             f"use {k} elements (one slice) of {send.dtype}")
         flat, target = send.reshape(-1), out.reshape(-1)
         if send.dtype == F32 and scale == 1.0 and not accumulate:
             self._count("reduce_scatter", (n - 1) * k * send.itemsize)

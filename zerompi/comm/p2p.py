@@ -49,7 +49,8 @@ class PointToPoint:
         self.node_of: List[int] = list(node_of) if node_of is not None else [0] * self.size
         self.stats: Dict[str, OpStats] = defaultdict(OpStats)
         self.posted: List[Message] = []        # not yet known to be complete
-        self.events: Optional[list] = None     # a list: each message's (kind, send?, peer, bytes, posted, done) goes there
+        # a list: each message's (kind, send?, peer, bytes, posted, done) goes there
+        self.events: Optional[list] = None
 
     def _check(self, array, peer: int, what: str) -> None:
         if not (isinstance(array, np.ndarray) and array.flags.c_contiguous):

@@ -94,7 +94,8 @@ def signature(op: str, dtype, elements: int, tag=None, scale: float = 1.0, accum
     ``quant``: a comm.quantized.Quantization, or None."""
     bucket, step = _label(tag)
     q = 0 if quant is None else quant.bits << 32 | quant.block
-    return HEADER.pack(_code(op), _dtype_code(dtype), elements, q, bucket, step, _scale_bits(scale), 1 if accumulate else 0)
+    return HEADER.pack(_code(op), _dtype_code(dtype), elements, q, bucket, step, _scale_bits(scale),
+                       1 if accumulate else 0)
 
 
 def describe(header: bytes) -> str:
@@ -111,7 +112,8 @@ def describe(header: bytes) -> str:
     if bucket <= -2:
         text += f" ({_NAMES.get(-2 - bucket, 'a label')})"
     elif bucket >= 0 or step >= 0:
-        text += " (" + ", ".join(p for p in (bucket >= 0 and f"bucket {bucket}", step >= 0 and f"step {step}") if p) + ")"
+        parts = (bucket >= 0 and f"bucket {bucket}", step >= 0 and f"step {step}")
+        text += " (" + ", ".join(p for p in parts if p) + ")"
     return text
 
 

@@ -258,4 +258,5 @@ def check_world_rank(size, rank, node_size=None) -> None:
     if not (isinstance(rank, int) and not isinstance(rank, bool) and 0 <= rank < size):
         raise ConfigError(f"simulate_rank={rank!r} is out of range; a world of {size} ranks has ranks 0..{size - 1}")
     if node_size is not None and not (isinstance(node_size, int) and node_size >= 1 and size % node_size == 0):
-        raise ConfigError(f"node_size={node_size!r} does not divide the {size} simulated ranks; use a divisor of {size}")
+        raise ConfigError(f"node_size={node_size!r} does not divide the {size} simulated ranks; "
+                          f"use a divisor of {size}")

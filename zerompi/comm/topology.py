@@ -239,8 +239,8 @@ def arrange(comm, topo: Topology, quantized: bool = False) -> Communicators:
     again through the same transfers (collectives: every rank calls it). ``quantized``: the
     engine will quantize what travels (comm/quantized.py), which NCCL's path does not offer."""
     if quantized and getattr(comm, "host", None) is not None and getattr(comm, "rewrap", None) is None:
-        raise ConfigError(f"quantized communication is not available over {getattr(comm, 'path', type(comm).__name__)}; "
-                          "use --comm mpi")
+        path = getattr(comm, "path", type(comm).__name__)
+        raise ConfigError(f"quantized communication is not available over {path}; use --comm mpi")
     if topo.nodes == 1 and topo.replicas == 1:
         return Communicators(comm, None, comm)
     rewrap = getattr(comm, "rewrap", None)

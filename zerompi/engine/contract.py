@@ -109,7 +109,8 @@ def storage_dtype(name: str, xp):
             xp.zeros(1, dt)
         except Exception as e:   # CuPy before 14 refuses the dtype (TypeError, ValueError)
             raise ConfigError(f"dtype='bf16' on the GPU needs a CuPy with bfloat16 arrays (14 or later; this is "
-                              f"{getattr(xp, '__version__', '?')}: {type(e).__name__}); use fp16 or fp32 on it") from None
+                              f"{getattr(xp, '__version__', '?')}: {type(e).__name__}); "
+                              "use fp16 or fp32 on it") from None
     return dt
 
 

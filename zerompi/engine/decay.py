@@ -23,7 +23,8 @@ def exempt_names(layout, patterns: Sequence[str]) -> List[str]:
     for pat in patterns:
         if not any(fnmatchcase(n, pat) for n in names):
             shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
-            raise AgreedConfigError(f"no_decay pattern {pat!r} (--no-decay) matches no parameter (the parameters are {shown})")
+            raise AgreedConfigError(f"no_decay pattern {pat!r} (--no-decay) matches no parameter "
+                                    f"(the parameters are {shown})")
     return [n for n in names if any(fnmatchcase(n, pat) for pat in patterns)]
 
 

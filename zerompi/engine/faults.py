@@ -181,7 +181,8 @@ class GradientGuard:
         else:
             state = "every parameter is still finite (this step updated nothing)"
         if not self.fp16:
-            raise NonFiniteError(f"non-finite gradients at step {step}: {where}; {self.name} has no loss scale to lower, "
+            raise NonFiniteError(f"non-finite gradients at step {step}: {where}; "
+                                 f"{self.name} has no loss scale to lower, "
                                  f"so the job stops; {state} (lower the learning rate: ZeroConfig.lr, --lr; clip: "
                                  "ZeroConfig.clip, --clip; or check the data)")
         raise NonFiniteError(f"{self.skipped_in_a_row} consecutive steps skipped for non-finite fp16 gradients "

@@ -94,7 +94,8 @@ class ParameterGatherer:
     def set_shard(self, b: int, values) -> None:
         """This rank's slice of bucket b from fp32 ``values`` (host or device), in the stored dtype."""
         if self.param_file is not None:
-            self.param_file.write(self.layout.buckets[b].shard_slice, impl.to_host(values).astype(self.param_file.dtype))
+            self.param_file.write(self.layout.buckets[b].shard_slice,
+                                  impl.to_host(values).astype(self.param_file.dtype))
             return
         dst = self.param_slice(b)
         dst[...] = impl.array_module(dst).asarray(values)

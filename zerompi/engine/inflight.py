@@ -59,7 +59,8 @@ class InFlight:
     def finish(self, handle) -> None:
         """Block until the handle's data has arrived (exposed time), then run its local part."""
         if handle in self._pending:
-            with self.timers.exposed("wait", handle), self.comm.waiting(handle.op, handle.tag):   # the watchdog times this
+            # the watchdog times this
+            with self.timers.exposed("wait", handle), self.comm.waiting(handle.op, handle.tag):
                 while not handle.test():     # test, not wait: the local sum below is compute, not waiting
                     os.sched_yield()         # the core, to a rank that computes on it (more ranks than cores)
             self._seen_complete(handle)

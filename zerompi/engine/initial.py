@@ -100,7 +100,8 @@ def _message(lay, whole, tables) -> str:
                 continue
             lo, hi = (0, bucket.numel) if whole else bucket.slice_bounds(s)
             name = next((n for layer in bucket.layers for n in lay.layer_params[layer]
-                         if lay.params[n].bucket_offset < hi and lo < lay.params[n].bucket_offset + lay.params[n].numel),
+                         if lay.params[n].bucket_offset < hi
+                         and lo < lay.params[n].bucket_offset + lay.params[n].numel),
                         "(padding)")
             where = "the model" if whole else f"slot {s}'s slice"
             made = "; ".join(f"one value by {rank_set(rs)}" for rs in groups.values())

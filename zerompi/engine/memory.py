@@ -62,10 +62,12 @@ def memory_report(ledger, layout, config, group_size: int, itemsize: int, second
     ``scratch``: the communicators' receive buffers, included). ``secondary_parts``: the node
     size when hpZ keeps a copy of 1/node_size of the parameters, else 0."""
     k, stage = secondary_parts, config.stage
-    padded = theory_bytes(stage, layout.numel, group_size, itemsize, layout.shard_numel, secondary=k and layout.numel // k)
+    padded = theory_bytes(stage, layout.numel, group_size, itemsize, layout.shard_numel,
+                          secondary=k and layout.numel // k)
     return {
         "measured": ledger.model_states(),
-        "theory": theory_bytes(stage, layout.params_numel, group_size, itemsize, secondary=k and layout.params_numel / k),
+        "theory": theory_bytes(stage, layout.params_numel, group_size, itemsize,
+                               secondary=k and layout.params_numel / k),
         "theory_padded": padded,
         "theory_by_place": theory_by_place(padded, config),
         "peak_buffers": {"bytes": ledger.peak["buffers"] + scratch},

@@ -57,7 +57,8 @@ class GradientReducer:
         self._next = len(layout.buckets) - 1       # the bucket whose reduction starts next (the fixed order)
         self.held: List[int] = []                  # complete buckets waiting for their turn
         self.micro = 0                             # micro-batches completed since the last step
-        self.on_final = None                       # on_final(b): bucket b's reduced shard is final (engine/in_backward.py)
+        # on_final(b): bucket b's reduced shard is final (engine/in_backward.py)
+        self.on_final = None
         self._final = set()                        # buckets whose reduction in flight is their last of the step
 
     # ---- where the gradients are -------------------------------------------------
@@ -109,7 +110,8 @@ class GradientReducer:
                 raise UsageError(f"gradient {n!r} is a {type(g).__name__}; pass an array (NumPy, or CuPy on the "
                                  f"GPU) of shape {lay.params[n].shape}")
             if tuple(g.shape) != lay.params[n].shape:
-                raise UsageError(f"gradient {n!r} has shape {tuple(g.shape)}; the parameter's shape is {lay.params[n].shape}")
+                raise UsageError(f"gradient {n!r} has shape {tuple(g.shape)}; "
+                                 f"the parameter's shape is {lay.params[n].shape}")
             if not dtypes.is_float(g.dtype):
                 raise UsageError(f"gradient {n!r} has dtype {g.dtype}; a floating dtype is required")
         if self.micro == self.config.micro_batches:

@@ -97,7 +97,8 @@ def finish(engine, pending: PendingStep, totals: Optional[Sequence[float]] = Non
     lay, grads = engine.layout, engine.reducer.reduced_slices()
     scale = engine.scaler.scale
     overflow = nonfinite > 0 or not math.isfinite(sumsq)
-    if overflow and getattr(engine.comm.mpi, "simulated", False) and not engine.guard.injected_nan(engine.steps_taken + 1):
+    if (overflow and getattr(engine.comm.mpi, "simulated", False)
+            and not engine.guard.injected_nan(engine.steps_taken + 1)):
         sumsq, overflow = _stand_in_overflow(engine, grads), False
     engine.steps_taken += 1
     if overflow:   # fp32, or too many fp16 skips in a row: NonFiniteError on every rank, nothing updated

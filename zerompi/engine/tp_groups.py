@@ -139,7 +139,8 @@ class TensorParallel:
                 for r, v in zip(ranks, table[:, col].tolist()):
                     seen.setdefault(v, []).append(r)
                 raise MismatchError(f"{what} (tensor-parallel group {ranks}): " + ", ".join(
-                    f"{show(v)} on rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}" for v, rs in seen.items())
+                    f"{show(v)} on rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}"
+                    for v, rs in seen.items())
                     + "; every rank must call step() alike, with the same lr (and schedule)")
         return sum_table(table[:, :2])
 
@@ -180,8 +181,9 @@ class TensorParallel:
         split = {k: list(v) for k, v in self.split.items()}
         other = [(r, g[2]) for r, g in found if g[2] != split]
         if other:
-            raise CheckpointError(f"{path}: the checkpoint of {rank_set([r for r, _ in other])} was saved with tp_split="
-                                  f"{other[0][1]}, this engine has tp_split={split}; load it with the split it was saved with")
+            raise CheckpointError(f"{path}: the checkpoint of {rank_set([r for r, _ in other])} "
+                                  f"was saved with tp_split={other[0][1]}, this engine has tp_split={split}; "
+                                  "load it with the split it was saved with")
         if len({g[0] for _, g in found}) > 1:
             seen: Dict[tuple, List[int]] = {}
             for r, g in found:

@@ -54,7 +54,8 @@ class ZeroEngine:
     """ZeRO data parallelism over ``comm`` for a model given as named layers of named arrays.
 
     ``layers``: an ordered mapping (or list of pairs) layer name -> {param name -> array, or a lazy
-    rule (engine/lazy.py): each rank then makes only its shard}; every rank must pass the same values. ``config``: a ZeroConfig.
+    rule (engine/lazy.py): each rank then makes only its shard}; every rank must pass the same values.
+    ``config``: a ZeroConfig.
     ``comm``: an mpi4py communicator (default COMM_WORLD), a zerompi Communicator, or a zerompi.Mesh
     (tensor / sequence parallelism: ZeRO over its dp x sp ranks; ``tp_split`` names the TP-split parameters).
     ``mesh_config``: a MeshConfig (nodes, shard groups; tp / sp > 1 without a Mesh: one is made over ``comm``).
@@ -72,9 +73,11 @@ class ZeroEngine:
         if not isinstance(self.config, ZeroConfig):
             raise UsageError(f"config is a {type(self.config).__name__}; pass a zerompi.ZeroConfig")
         if self.config.abort_on_exception:
-            install_abort_hook()          # an exception on one rank ends the job, as in the CLI (misuse found below too)
+            # an exception on one rank ends the job, as in the CLI (misuse found below too)
+            install_abort_hook()
         pairs = contract.check_layers(layers)
-        # A Mesh (comm/mesh.py: tp, sp, pp; engine/tp_groups.py), or mesh_config tp / sp > 1: ZeRO over its dp x sp ranks.
+        # A Mesh (comm/mesh.py: tp, sp, pp; engine/tp_groups.py), or mesh_config tp / sp > 1:
+        # ZeRO over its dp x sp ranks.
         if mesh_config is not None and not isinstance(mesh_config, MeshConfig):
             raise UsageError(f"mesh_config is a {type(mesh_config).__name__}; pass a zerompi.MeshConfig")
         self.mesh_config = mesh_config_of(comm, self.config, mesh_config)
@@ -95,7 +98,8 @@ class ZeroEngine:
         spec = [(lname, [(pname, np.shape(a)) for pname, a in params.items()]) for lname, params in pairs]
         # A bucket is cut into shard_size slices, each a multiple of align * replicas elements
         # (the all-reduce across groups splits it again).
-        self.layout = FlatLayout(spec, topo.shard_size, max(1, self.config.bucket_bytes // np.dtype(self.dtype).itemsize),
+        self.layout = FlatLayout(spec, topo.shard_size,
+                                 max(1, self.config.bucket_bytes // np.dtype(self.dtype).itemsize),
                                  self.config.align * topo.replicas)
         self.guard, self.watchdog = contract.start_guards(self)   # the watchdog (its peers: every rank's host)
         pairs = contract.agree_initial_values(self.comm, pairs, self.config.init_values, self.tp)
@@ -120,7 +124,8 @@ class ZeroEngine:
             with watched(self.comm, "progress thread: duplicating the communicator"):   # a collective
                 progress_thread = ProgressThread(self.comm.mpi)
         self.inflight = InFlight(self.comm, self.timers, progress_thread)
-        self.pool = pool = BucketPool(self.ledger, self.dtype, plan_classes(self.layout, self.config, MAX_PENDING_REDUCES))
+        self.pool = pool = BucketPool(self.ledger, self.dtype,
+                                      plan_classes(self.layout, self.config, MAX_PENDING_REDUCES))
         self.gatherer = ParameterGatherer(self.layout, self.config, self.group, self.inflight, pool, self.ledger,
                                           self.dtype, self.rank)
         self.reducer = GradientReducer(self.layout, self.config, self.group, self.replica, self.world_size,

@@ -1,10 +1,9 @@
 """The command line of ``python -m zerompi.estimate``: its options, its table, and --from-run.
 
-One concern: turning arguments into a call of :func:`~zerompi.estimate.stages.estimate` and
-its dict into text. Parses the options (bad input: one line naming the value, exit status
-2), prints the table (model states first, then buffers, then communication), and with
-``--from-run`` estimates a train run's configuration from its ``--metrics-json`` and puts
-the measured bytes beside it. No arithmetic about memory lives here.
+One concern: turning arguments into a call of :func:`~zerompi.estimate.stages.estimate` and its dict into
+text. Parses the options (bad input: one line naming the value, exit status 2), prints the table (model states
+first, then buffers, then communication), and with ``--from-run`` estimates a train run's configuration from
+its ``--metrics-json`` and puts the measured bytes beside it. No arithmetic about memory lives here.
 """
 import argparse
 import math
@@ -67,7 +66,7 @@ def format_table(est: dict) -> str:
         out.append(line("secondary copy (hpZ)", [dec(r["secondary_bytes"]) if r["secondary_bytes"] else "-"
                                                  for r in rows]))
     out.append(line(f"model states, {unit}", [dec(r["model_state_bytes"]) for r in rows]))
-    if est.get("offload", {}).get("optimizer", "none") != "none" or est.get("offload", {}).get("params", "none") != "none":
+    if any(est.get("offload", {}).get(k, "none") != "none" for k in ("optimizer", "params")):
         for place, label in (("device", "of them on the device"), ("host", "in host memory (offload)"),
                              ("disk", "in files (offload)")):
             out.append(line(label, [dec(r["model_state_bytes_by_place"][place]["total"]) for r in rows]))
@@ -119,8 +118,8 @@ def activation_note(act: dict) -> str:
     return (f"activations: the GPT's (zerompi.train's built-in, C kernels, float32) {how}: L = {act['n_layer']}, "
             f"C = {act['d_model']}, H = {act['n_head']}, T = {act['seq_len']}, V = {act['vocab']}, "
             f"B = {act['rows_per_rank']} sequences per rank per micro-batch (batch {act['batch']}); "
-            f"{'n = BT, A = BHT^2: ' if act.get('sp', 1) == 1 else ''}{act['formula']} = {act['bytes']:,} bytes per rank "
-            "(docs/activations.md)")
+            f"{'n = BT, A = BHT^2: ' if act.get('sp', 1) == 1 else ''}"
+            f"{act['formula']} = {act['bytes']:,} bytes per rank (docs/activations.md)")
 
 
 def level_rows(est: dict, line, dec, unit: str) -> List[str]:
@@ -194,7 +193,8 @@ def _pending_note(est: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="python -m zerompi.estimate", description="Memory and communication per rank for ZeRO stages 0-3.")
+    p = OneLineParser(prog="python -m zerompi.estimate",
+                      description="Memory and communication per rank for ZeRO stages 0-3.")
     p.add_argument("--params", type=parse_count, help="Ψ, parameters of the model (10e9, 10B, 350M)")
     p.add_argument("--ranks", type=int, help="N, data-parallel ranks")
     p.add_argument("--dtype", default="fp16", help="fp16, bf16 or fp32 storage of parameters and gradients")
@@ -227,8 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the master and Adam moments live (stages 1-3): the table splits the states by place")
     p.add_argument("--offload-params", default="none", metavar="none|nvme", help="stage 3: parameters in files")
     gpt = p.add_argument_group("the GPT's activations (all six together; Ψ and its layers follow from them)")
-    for name, what in (("n_layer", "transformer blocks"), ("d_model", "embedding width"), ("n_head", "attention heads"),
-                       ("seq_len", "tokens per sequence"), ("batch", "sequences per step over all ranks (train's --batch)"),
+    for name, what in (("n_layer", "transformer blocks"), ("d_model", "embedding width"),
+                       ("n_head", "attention heads"), ("seq_len", "tokens per sequence"),
+                       ("batch", "sequences per step over all ranks (train's --batch)"),
                        ("vocab", "vocabulary (zerompi.train: 32 for the generated corpus, 256 for --data)")):
         gpt.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=what)
     gpt.add_argument("--checkpoint-activations", action="store_true", help="as zerompi.train --checkpoint-activations")
@@ -269,8 +270,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         except SystemExit as e:              # --help: the usage is printed
             sys.stdout.flush()
             return e.code or 0
-        check_roles([("json", a.json)], [("from_run", a.from_run), ("schedule_file", a.schedule_file)])   # before any work
-        check_file(a.json, "json")           # a path that cannot take the file is bad input
+        check_roles([("json", a.json)], [("from_run", a.from_run), ("schedule_file", a.schedule_file)])
+        check_file(a.json, "json")           # both before any work: a path that cannot take the file is bad input
         largest = None if a.largest_layer is None else int(a.largest_layer)
         opts = dict(bucket_mb=a.bucket_mb, prefetch=a.prefetch, micro_batches=a.micro_batches,
                     in_flight=a.in_flight, bandwidth_gbps=a.bandwidth_gbps, latency_us=a.latency_us,
@@ -380,8 +381,8 @@ def _pipeline(a, opts) -> int:
     """``--pp P``: the schedule's bubble and activations; with --params, --ranks: one stage's table (pipeline.py)."""
     from .pipeline import format_pipeline, parse_costs, pipeline_estimate, stage_estimate
     check(a.pp is not None, "--schedule, --schedule-file, --chunks and --costs need --pp P (the pipeline stages)")
-    on = (("--tp", a.tp != 1), ("--sp", a.sp != 1), ("--hpz", a.hpz), ("--checkpoint-activations", a.checkpoint_activations))
-    other = [f"--{k.replace('_', '-')}" for k in PIPELINE_ALONE if getattr(a, k) is not None] + [f for f, o in on if o]
+    on = {"--tp": a.tp != 1, "--sp": a.sp != 1, "--hpz": a.hpz, "--checkpoint-activations": a.checkpoint_activations}
+    other = [f"--{k.replace('_', '-')}" for k in PIPELINE_ALONE if getattr(a, k) is not None] + [f for f in on if on[f]]
     check(not other, f"--pp estimates the schedule, and one stage's table from --params, --ranks and --layers; drop "
                      f"{' '.join(other)} (not estimated per stage)")
     check(not (a.schedule and a.schedule_file), "--schedule and --schedule-file contradict each other; give one")

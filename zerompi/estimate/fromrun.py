@@ -91,8 +91,9 @@ def compare_run(est: dict, metrics: dict) -> dict:
             measured[f"comm_{lvl}_bytes_per_step"] = levels[lvl]
             estimated[f"comm_{lvl}_bytes_per_step"] = row["comm_bytes_per_step_by_level"][lvl]
     best = {"buffer_bytes": row["buffer_bytes_best_case"], "total_bytes": row["total_bytes_best_case"]}
-    return {"stage": metrics["stage"], "pipeline_stage": est.get("pipeline_stage"), "measured": measured, "estimate": estimated,
-            "estimate_best_case": best, "estimate_one_in_flight": best}   # the latter: its name before the cap
+    # estimate_one_in_flight: estimate_best_case's name before the cap
+    return {"stage": metrics["stage"], "pipeline_stage": est.get("pipeline_stage"), "measured": measured,
+            "estimate": estimated, "estimate_best_case": best, "estimate_one_in_flight": best}
 
 
 def format_compare(cmp: dict, est: dict) -> str:

@@ -38,7 +38,8 @@ def parse_costs(text: str):
 
 def pipeline_estimate(pp: int, micro_batches: int, schedule: str = "1f1b", chunks: int = 1,
                       schedule_file: Optional[str] = None, costs: Sequence[float] = (1.0, 1.0, 1.0)) -> dict:
-    """{schedule, P, m, v, bubble_fraction, formula, peak_activations, ...} of one schedule (ConfigError on bad input)."""
+    """{schedule, P, m, v, bubble_fraction, formula, peak_activations, ...} of one schedule
+    (ConfigError on bad input)."""
     check(isinstance(pp, int) and pp >= 1, f"pp={pp!r} must be a whole number of stages >= 1")
     if schedule_file is not None:
         s = actions.read(schedule_file)

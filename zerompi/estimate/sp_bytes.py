@@ -43,7 +43,8 @@ def gpt_sp(sp: int, tp: int, ranks: int, n_layer: int, d_model: int, n_head: int
     check(batch % (dp * micro_batches) == 0, f"batch={batch} does not split over {dp} data-parallel ranks x "
                                              f"{micro_batches} micro-batches; use a multiple of {dp * micro_batches}")
     rows, chunk, c = batch // dp // micro_batches, seq_len // sp, d_model // tp
-    a2a = {ckpt: micro_batches * all_to_all_bytes(n_layer, rows, chunk, c, sp, recompute=ckpt) for ckpt in (False, True)}
+    a2a = {ckpt: micro_batches * all_to_all_bytes(n_layer, rows, chunk, c, sp, recompute=ckpt)
+           for ckpt in (False, True)}
     act = {ckpt: gpt_activation_bytes(rows, seq_len, d_model, n_layer, n_head, vocab, ckpt, sp=sp, tp=tp)["total"]
            for ckpt in (False, True)}
     return {"sp": sp, "tp": tp, "dp": dp, "rows": rows, "chunk": chunk, "heads_per_rank": n_head // (tp * sp),

@@ -193,7 +193,8 @@ def estimate(params: Optional[float] = None, ranks: Optional[int] = None, dtype:
     check_quantization(quantize_weights, quantize_grads, quant_block)
     quant = (quantization(quantize_weights, quant_block), quantization(quantize_grads, quant_block))
     itemsize = ZeroConfig(dtype=dtype).itemsize
-    check(isinstance(micro_batches, int) and micro_batches >= 1, f"micro_batches={micro_batches!r} must be an integer >= 1")
+    check(isinstance(micro_batches, int) and micro_batches >= 1,
+          f"micro_batches={micro_batches!r} must be an integer >= 1")
     check(isinstance(prefetch, int) and prefetch >= 0, f"prefetch={prefetch!r} must be an integer >= 0 (0 = off)")
     check(bandwidth_gbps > 0, f"bandwidth_gbps={bandwidth_gbps!r} must be > 0 (gigabits per second)")
     check(latency_us >= 0, f"latency_us={latency_us!r} must be >= 0 (microseconds)")

@@ -294,4 +294,5 @@ def dequant_sum_fused_cpu(q_rows, scale_rows, n: int, bits: int, block: int, out
     qs = (ctypes.c_void_p * len(q_rows))(*[_ptr(q) for q in q_rows])
     ss = (ctypes.c_void_p * len(scale_rows))(*[_ptr(s) for s in scale_rows])
     fn = getattr(lib, "zmp_dequant_sum_" + sfx)
-    fn(qs, ss, len(q_rows), n, bits, block, _ptr(out), float(np.float32(scale)), int(scale != 1.0), int(bool(accumulate)))
+    fn(qs, ss, len(q_rows), n, bits, block, _ptr(out), float(np.float32(scale)), int(scale != 1.0),
+       int(bool(accumulate)))

@@ -38,7 +38,8 @@ def use_impl(name: str, xp=None, verbose: bool = True) -> str:
             # The reduce-scatter's sum runs on the host (comm/staging.py stages device buffers through
             # pinned host memory): the C sum when it builds, else the reference; same bits either way.
             from . import cuda as kernels
-            host_sum = fused_cpu.sum_rows_fused_cpu if not fused_cpu.unavailable_reason() else reference.sum_rows_reference
+            host_sum = (fused_cpu.sum_rows_fused_cpu if not fused_cpu.unavailable_reason()
+                        else reference.sum_rows_reference)
             fused = (kernels.adamw_fused_gpu, kernels.grad_stats_fused_gpu, host_sum)
         else:
             kernels = fused_cpu

@@ -53,7 +53,8 @@ class PipelineExecutor:
     chunk's first action of the step to its last (gathered once per step instead of per micro-batch).
     """
 
-    def __init__(self, schedule: Schedule, comm, runners: Dict[int, object], keep_gathered=None, clock=time.perf_counter):
+    def __init__(self, schedule: Schedule, comm, runners: Dict[int, object], keep_gathered=None,
+                 clock=time.perf_counter):
         self.schedule, self.comm, self.runners, self.clock = schedule, comm, runners, clock
         self.rank = comm.rank
         self.actions = schedule.actions[self.rank]

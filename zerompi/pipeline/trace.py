@@ -23,7 +23,8 @@ TRACKS = {SCHEDULE: "schedule", IDLE: "idle (bubble)", MESSAGES: "messages"}
 
 def rank_events(steps, messages) -> dict:
     """This rank's kept steps: [[(action text, chunk, mb, start, ready, end), ...] per step] and its messages."""
-    return {"steps": [[(f"{a.kind}{a.mb} c{a.chunk}", a.kind, a.chunk, a.mb, t0, ready, t1) for a, t0, ready, t1 in step]
+    return {"steps": [[(f"{a.kind}{a.mb} c{a.chunk}", a.kind, a.chunk, a.mb, t0, ready, t1)
+                       for a, t0, ready, t1 in step]
                       for step in steps],
             "messages": [list(step) for step in messages]}
 
@@ -80,6 +81,7 @@ def write_trace(path: str, job, steps, messages) -> Optional[str]:
         events += events_of(r, f"rank {r} (stage {c['pp']}, dp {c['dp']}, tp {c['tp']})", mine, bounds, zero)
     other = {"zerompi": {"pipeline": {"schedule": job.schedule.name, "pp": mesh.pp, "dp": mesh.dp, "tp": mesh.tp,
                                       "chunks": job.schedule.chunks, "micro_batches": job.schedule.micro_batches},
-                         "ranks": comm.size, "timestamps": "microseconds of an aligned clock since the first kept step"}}
+                         "ranks": comm.size,
+                         "timestamps": "microseconds of an aligned clock since the first kept step"}}
     text = json.dumps({"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}, separators=(",", ":"))
     return save_bytes(path, (text + "\n").encode(), "trace")

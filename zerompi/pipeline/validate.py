@@ -55,8 +55,9 @@ def _placement(s: Schedule) -> Dict[int, int]:
     used = set(where.values())
     idle = [r for r in range(s.ranks) if r not in used]
     if idle:
-        raise ScheduleError(f"schedule {s.name}: rank{'s' if len(idle) > 1 else ''} {idle} compute{'s' if len(idle) == 1 else ''} "
-                            "no chunk; every rank (pipeline stage) holds at least one")
+        raise ScheduleError(f"schedule {s.name}: rank{'s' if len(idle) > 1 else ''} {idle} "
+                            f"compute{'s' if len(idle) == 1 else ''} no chunk; "
+                            "every rank (pipeline stage) holds at least one")
     return where
 
 

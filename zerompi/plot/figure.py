@@ -168,7 +168,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         check_roles([("out", out)], [("run", run) for run in a.runs])   # never over a file it draws
         check_file(out, "out")
         runs = [load_run(path) for path in a.runs]
-        check(importlib.util.find_spec("matplotlib") is not None, "drawing needs matplotlib; pip install 'zerompi[plot]'")
+        check(importlib.util.find_spec("matplotlib") is not None,
+              "drawing needs matplotlib; pip install 'zerompi[plot]'")
         check_image(out, "out")
     except ConfigError as e:
         sys.stderr.write(f"{PROG}: error: {e}\n")

@@ -56,7 +56,8 @@ class OffloadFile:
             os.posix_fallocate(self.fd, 0, self.size)
         except OSError as e:
             self.close()
-            raise ConfigError(f"cannot make the offload file {self.path} of {self.size:,} bytes: {e.strerror}") from None
+            raise ConfigError(f"cannot make the offload file {self.path} of {self.size:,} bytes: "
+                              f"{e.strerror}") from None
         if direct and hasattr(os, "O_DIRECT"):
             try:
                 self.direct_fd = os.open(self.path, os.O_RDWR | os.O_DIRECT)
