@@ -48,6 +48,16 @@ class Job:
             return float(mine), total[1]
         return float(total[0] / (self.comm.size // self.cfg.mesh.pp)), total[1]
 
+    def _tp_joined(self, digest: str) -> str:
+        """The sha256 of every TP rank's ``digest`` in TP rank order (a collective over the TP group)."""
+        return hashlib.sha256("".join(self.mesh.tp_mpi.allgather(digest)).encode()).hexdigest()
+
+    @staticmethod
+    def _params(engines, tp: int) -> int:
+        """Ψ of the engines' layouts, a TP-split parameter at its full size (``tp`` pieces)."""
+        return sum(pr.numel * (tp if e.tp and name in e.tp.split else 1)
+                   for e in engines for name, pr in e.layout.params.items())
+
 
 class SingleJob(Job):
     """This rank's part of a run without --pp; ``build(cfg, xp, mesh)``: train/run.py's build_model."""
@@ -93,9 +103,7 @@ class SingleJob(Job):
     # ---- the facts of the final metrics ------------------------------------------------------------
     def params_total(self) -> int:
         """Ψ of the whole model (a TP-split parameter at its full size)."""
-        split = self.engine.tp.split if self.engine.tp else {}
-        k = self.mesh.tp if self.mesh else 1
-        return sum(pr.numel * (k if name in split else 1) for name, pr in self.engine.layout.params.items())
+        return self._params(self.engines, self.mesh.tp if self.mesh else 1)
 
     def digest(self) -> Optional[str]:
         """sha256 of the parameters in layout order (no padding), a bucket at a time; with TP, of every TP
@@ -106,15 +114,22 @@ class SingleJob(Job):
         digest = hashlib.sha256()
         for data in bucket_bytes(self.engine):
             digest.update(data.data)
-        digest = digest.hexdigest()
-        if self.mesh is not None and self.mesh.tp > 1:
-            digest = hashlib.sha256("".join(self.mesh.tp_mpi.allgather(digest)).encode()).hexdigest()
-        return digest
+        tp = self.mesh is not None and self.mesh.tp > 1
+        return self._tp_joined(digest.hexdigest()) if tp else digest.hexdigest()
 
     def activations(self):
-        """(measured, formula) activation bytes of this rank (report.activations)."""
-        from .report import activations
-        return activations(self.cfg, self.model, self.comm.size)
+        """(measured, formula) activation bytes per rank: the GPT's on its C kernels (models/activations.py,
+        estimate/activations.py; with --sp, of this rank's chunk; with --tp, of its heads and MLP columns), else
+        (None, None) (the MLP, the GPT's plain array path)."""
+        from ..estimate.activations import gpt_activation_bytes
+        cfg, model, m = self.cfg, self.model, self.cfg.mesh
+        measured = getattr(model, "activation_bytes", None)
+        if measured is None:
+            return None, None
+        rows = cfg.batch // (self.comm.size // (m.tp * m.sp) * cfg.zero.micro_batches)   # sequences per dp rank
+        return measured, gpt_activation_bytes(
+            rows, cfg.seq_len, cfg.d_model, cfg.n_layer, cfg.n_head, model.vocab, cfg.checkpoint_activations,
+            np.dtype(model.dtype).itemsize, m.sp, m.tp)["total"]
 
     def tp_theory(self) -> int:
         from .tp_run import theory_bytes_per_step

@@ -8,7 +8,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 from mpi4py import MPI
 
-from ..estimate.activations import formula_text, gpt_activation_bytes
+from ..estimate.activations import formula_text
 from ..optim import impl
 from ..comm.communicator import mpi_library
 from ..comm.device import describe_buffers
@@ -128,20 +128,6 @@ def _engine_banner(cfg, engine, comm, placement) -> None:
     peers = engine.watchdog.peers
     hosts = hosts_line(peers.table) if peers is not None else ""    # where the ranks run (MPI's hosts)
     print0(comm.mpi, f"  topology: {engine.topology.describe()}{f' ({hosts})' if hosts else ''}{two}{hpz}")
-
-
-def activations(cfg, model, world_size: int) -> Tuple[Optional[int], Optional[int]]:
-    """(measured, formula) activation bytes per rank: the GPT's on its C kernels (models/activations.py,
-    estimate/activations.py; with --sp K, of this rank's chunk; with --tp, of its heads and MLP columns), else
-    (None, None) (the MLP, the GPT's plain array path)."""
-    measured = getattr(model, "activation_bytes", None)
-    if measured is None:
-        return None, None
-    m = cfg.mesh
-    rows = cfg.batch // (world_size // (m.tp * m.sp) * cfg.zero.micro_batches)    # sequences per data-parallel rank
-    theory = gpt_activation_bytes(rows, cfg.seq_len, cfg.d_model, cfg.n_layer, cfg.n_head, model.vocab,
-                                  cfg.checkpoint_activations, np.dtype(model.dtype).itemsize, m.sp, m.tp)
-    return measured, theory["total"]
 
 
 def _summed(dicts):

@@ -84,8 +84,9 @@ def estimate_row(engine) -> dict:
     """zerompi.estimate's stage row for an engine's own settings and layout (exact model states)."""
     from ..estimate.stages import estimate
     z, t = engine.config, engine.topology
-    return estimate(layout=engine.layout, ranks=t.size, dtype=z.dtype, prefetch=z.prefetch, micro_batches=z.micro_batches,
-                    overlap=z.overlap, align=z.align, node_size=t.node_size, shard_size=t.shard_size, hpz=z.hpz,
+    return estimate(layout=engine.layout, ranks=t.size, dtype=z.dtype, prefetch=z.prefetch,
+                    micro_batches=z.micro_batches, overlap=z.overlap, align=z.align, node_size=t.node_size,
+                    shard_size=t.shard_size, hpz=z.hpz,
                     offload_optimizer=z.offload_optimizer, offload_params=z.offload_params,
                     quantize_weights=z.quantize_weights, quantize_grads=z.quantize_grads,
                     quant_block=z.quant_block)["stages"][z.stage]
