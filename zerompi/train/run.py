@@ -19,19 +19,19 @@ from ..comm import watchdog
 from ..comm.watchdog import StopSignal
 
 def build_model(cfg: TrainConfig, xp=np, mesh=None):
-    """(model, data) for cfg.model; the GPT computes on ``xp`` (the MLP's NumPy calls dispatch to CuPy);
-    with a Mesh (tp or sp > 1), the versions split over it (train/parallel.py)."""
-    if mesh is not None:
-        from .parallel import build_model as build_split
-        return build_split(cfg, mesh, xp)
+    """(model, data) for cfg.model; the GPT computes on ``xp`` (the MLP's NumPy calls dispatch to CuPy); with a
+    Mesh (tp or sp > 1), split over its TP group (models/gpt.py, models/mlp_tp.py) and SP group (the GPT)."""
     if cfg.model == "gpt":
         from .data import make_data
         from .models.gpt import GPT
         data = make_data(cfg.data, cfg.seq_len, cfg.seed)
         return GPT(data.vocab, cfg.seq_len, cfg.n_layer, cfg.n_head, cfg.d_model, cfg.seed, xp=xp,
-                   checkpoint_activations=cfg.checkpoint_activations), data
+                   checkpoint_activations=cfg.checkpoint_activations, sp=mesh.sp_comm if mesh else None,
+                   tp=mesh.tp_comm if mesh else None), data
     from .models.mlp import MLP, TeacherData
-    return MLP(cfg.width, cfg.depth, cfg.seed), TeacherData(cfg.width, cfg.depth, cfg.seed)
+    from .models.mlp_tp import TPMLP
+    model = MLP(cfg.width, cfg.depth, cfg.seed) if mesh is None else TPMLP(cfg.width, cfg.depth, cfg.seed, mesh.tp_comm)
+    return model, TeacherData(cfg.width, cfg.depth, cfg.seed)
 
 
 def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
