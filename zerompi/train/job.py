@@ -14,9 +14,8 @@ from .simulated_run import simulated
 
 
 def step_losses(model: str) -> Callable[..., List[float]]:
-    """The built-in model's ``train_losses(engine, model, data, step, batch, micro_batches)``: forward and
-    backward of this rank's micro-batches of that step (``batch`` over all ranks), gradients handed to the
-    engine; returns the micro-batch losses."""
+    """The built-in model's ``train_losses(engine, model, data, step, batch, micro_batches)``: this rank's
+    micro-batches of the step forward and backward, gradients to the engine; returns their losses."""
     if model == "gpt":
         from .models.gpt_chunk import train_losses
     else:
@@ -38,14 +37,12 @@ class Job:
         return out
 
     def reduce_loss(self, losses: Optional[List[float]], flag: float = 0.0):
-        """(the step's loss, the summed stop flag): the mean micro-batch loss of the ranks that compute it (the
-        last stage's) summed over the world in rank order (zeros elsewhere), divided by the ranks of one stage:
-        the same bits with --pp as without. A simulated pipelined rank: its own (the stand-ins' sum is N copies
-        of it)."""
+        """(the step's loss, the summed stop flag): the last stage's mean micro-batch losses summed over the world
+        in rank order (zeros elsewhere) over one stage's ranks: the same bits with --pp as without."""
         mine = sum(losses) / len(losses) if losses else 0.0
         total = self.comm.sum_scalars([mine, flag])
         if self.pipelined and simulated(self.comm):
-            return float(mine), total[1]
+            return float(mine), total[1]          # the stand-ins' sum is N copies of it
         return float(total[0] / (self.comm.size // self.cfg.mesh.pp)), total[1]
 
     def _tp_joined(self, digest: str) -> str:
@@ -106,8 +103,7 @@ class SingleJob(Job):
         return self._params(self.engines, self.mesh.tp if self.mesh else 1)
 
     def digest(self) -> Optional[str]:
-        """sha256 of the parameters in layout order (no padding), a bucket at a time; with TP, of every TP
-        rank's digest in TP rank order; None for a simulated world (its stand-ins' slices mirror this rank's)."""
+        """sha256 of the parameters in layout order (no padding); with TP, of every TP rank's; None when simulated."""
         from ..pipeline.digest import bucket_bytes
         if simulated(self.comm):
             return None
@@ -118,9 +114,7 @@ class SingleJob(Job):
         return self._tp_joined(digest.hexdigest()) if tp else digest.hexdigest()
 
     def activations(self):
-        """(measured, formula) activation bytes per rank: the GPT's on its C kernels (models/activations.py,
-        estimate/activations.py; with --sp, of this rank's chunk; with --tp, of its heads and MLP columns), else
-        (None, None) (the MLP, the GPT's plain array path)."""
+        """(measured, formula) activation bytes per rank: the GPT's on its C kernels, else (None, None)."""
         from ..estimate.activations import gpt_activation_bytes
         cfg, model, m = self.cfg, self.model, self.cfg.mesh
         measured = getattr(model, "activation_bytes", None)

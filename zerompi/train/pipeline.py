@@ -1,12 +1,9 @@
-"""The train job with pipeline stages (--pp P): its checks, the chunks and their engines, the step loop.
+"""The train job with pipeline stages (--pp P): its checks, the chunks and their engines, the step.
 
-The mesh (comm/mesh.py) puts P stages of N/P ranks each (data x tensor parallel inside) in a row;
-the model's layers are cut into C = P x chunks chunks (models/gpt_chunk.py, mlp_pp.py), chunk c on stage
-c mod P, one ZeroEngine per chunk over that stage's data-parallel group. Each step the schedule's
-actions run (zerompi/pipeline/executor.py), then every chunk's engine takes the step decided over the
-whole mesh (pipeline/step.py). The loss of a step is the last stage's, summed over the mesh with the
-other stages' zeros, in world rank order: the same sum, the same bits as without --pp. What is printed
-and measured at the end is train/report.py's, as for every run; the pipeline's own facts are pipeline_metrics'.
+P stages of N/P ranks (comm/mesh.py); the model's layers cut into C chunks (models/chunks.py), placed by the
+schedule, one ZeroEngine per chunk over its stage's data-parallel group. Each step the schedule's actions run
+(pipeline/executor.py), then every engine takes the step decided over the whole mesh (pipeline/step.py). The
+loss is the last stage's, summed over the mesh in world rank order: the same bits as without --pp.
 """
 import os
 import statistics
@@ -74,9 +71,8 @@ def load_schedule(cfg):
 
 
 class PipelineJob(Job):
-    """This rank's part of a pipelined run: mesh, schedule, chunk runners, engines, executor. ``build(cfg, xp,
-    mesh)``: the model and data (train/run.py's build_model; the mesh when the blocks are split over TP).
-    One of the two strategies of train/run.py's step loop (the other: train/job.py's SingleJob)."""
+    """This rank's part of a pipelined run: mesh, schedule, chunk runners, engines, executor; ``build``: train/run.py's
+    build_model."""
 
     pipelined = True
 
@@ -177,9 +173,8 @@ class PipelineJob(Job):
             self.offset = align_clocks(self.comm, time.perf_counter)[0]
 
     def train_step(self, step: int, log):
-        """The schedule's actions, then the step over the mesh, measured into ``log`` (the bytes of each kind of
-        message, the TP and SP groups', the actions' times); returns (StepResult, this rank's micro-batch
-        losses or None where it holds no last chunk)."""
+        """step_once measured into ``log`` (the bytes of each kind of message, the TP and SP groups', the actions'
+        times); returns (StepResult, this rank's micro-batch losses or None)."""
         pc, offset = self.mesh.pp_comm, self.offset
         p0 = {k: s.bytes for k, s in pc.stats.items()}
         pc.events = [] if self.cfg.zero.trace else None
@@ -269,8 +264,7 @@ class PipelineJob(Job):
             return self.comm.mpi.bcast(digest, root=0)
 
     def activations(self):
-        """(measured, formula) activation bytes of this rank: the GPT's on its C kernels (every chunk's pools),
-        beside its micro-batches in flight per chunk x what each holds (estimate/activations.py); else Nones."""
+        """(measured, formula) activation bytes of this rank: the GPT's on its C kernels, else Nones."""
         from ..estimate.activations import gpt_chunks_activation_bytes
         from ..pipeline.timeline import in_flight
         from .models.chunks import pools_peak_bytes
@@ -303,8 +297,7 @@ class PipelineJob(Job):
                              self.model.vocab * self.model.d_model if gpt else 0)
 
     def pipeline_metrics(self, log) -> dict:
-        """The pipeline's entries of the metrics (pipeline/measure.py; per-stage lists hold None for the stages a
-        simulated rank is not, and the bubble, which needs every stage, is None there)."""
+        """The pipeline's entries of the metrics (pipeline/measure.py; None where a simulated rank cannot know)."""
         from ..comm.watchdog import watched
         from ..pipeline import measure, timeline
         cfg, mesh, s, comm = self.cfg, self.mesh, self.schedule, self.comm
@@ -365,9 +358,8 @@ class PipelineJob(Job):
 
 
 def offload_folder(z, chunk: int, chunks: int):
-    """Where chunk ``chunk``'s engine keeps its offload files (--offload-* nvme): a folder of its own under
-    offload_dir (pp{c}-of-{C}, as its checkpoints), made here, so that two chunks of one rank (the
-    interleaved schedule) never name the same file; offload_dir itself otherwise."""
+    """Where chunk ``chunk``'s engine keeps its offload files (nvme): a folder pp{c}-of-{C} of its own under
+    offload_dir, made here, so two chunks of one rank never name the same file; else offload_dir."""
     if z.offload_dir is None or "nvme" not in (z.offload_optimizer, z.offload_params):
         return z.offload_dir
     from ..pipeline.engines import chunk_folder

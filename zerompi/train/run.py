@@ -35,14 +35,9 @@ def build_model(cfg: TrainConfig, xp=np, mesh=None):
 
 
 def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
-    """Run the job; returns the metrics dict (identical on every rank).
-
-    One job in every mode: a run without --pp is the pipeline's one stage holding one chunk, on its own
-    strategy (train/job.py's SingleJob; train/pipeline.py's PipelineJob for --pp P > 1); one step loop,
-    one report, one metrics schema. ``stop``: a watchdog.StopSignal; once any rank has received one, every
-    rank stops after the same step (and saves a checkpoint when save_dir is set). ``placement``: a
-    device.Placement (main() makes it from cfg.device; None: the host, NumPy).
-    """
+    """Run the job (a SingleJob, or a PipelineJob with --pp); returns the metrics dict (identical on every rank).
+    ``stop``: a watchdog.StopSignal (once a rank has one, every rank stops after the same step, and saves with
+    save_dir); ``placement``: a device.Placement (None: the host, NumPy)."""
     from . import report, simulated_run
     from ..comm.communicator import as_communicator
     from ..comm.consistency import check_consistent, job_fields
@@ -146,8 +141,7 @@ def _run_steps(cfg: TrainConfig, job, comm, start: int, stop) -> StepLog:
 
 
 def _validate(job, comm, base_bytes: Dict[str, int]):
-    """The held-out loss and its rows (data.HeldOut; a collective); its traffic (stage 3 gathers) goes to
-    base_bytes, out of the per-step table."""
+    """The held-out loss and its rows (data.HeldOut; a collective); its traffic goes to base_bytes."""
     before = {op: s.bytes for op, s in comm.stats.items()}
     loss = job.validation_loss()
     for op, s in comm.stats.items():
@@ -182,9 +176,8 @@ def _resume(job, cfg: TrainConfig) -> int:
 
 
 def _one_blas_thread() -> None:
-    """One OpenBLAS thread per rank, unless the user set OPENBLAS_NUM_THREADS or OMP_NUM_THREADS: OpenBLAS
-    otherwise starts a spinning thread per core in every rank (docs/gpt.md has the cost); parallelism here
-    comes from ranks, the per-rank matrices are small."""
+    """One OpenBLAS thread per rank unless OPENBLAS_NUM_THREADS or OMP_NUM_THREADS is set: else it spins a thread
+    per core in every rank (docs/gpt.md); parallelism comes from the ranks."""
     import ctypes
     import os
     if any(k in os.environ for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")):
