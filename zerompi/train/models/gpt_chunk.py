@@ -146,9 +146,8 @@ def whole(engine, model):
 
 
 def run_micro_batch(engine, model, idx, targets) -> float:
-    """Forward, loss and backward of one micro-batch through the public engine API (GPTChunk's walk):
-    gradients handed back are those of this rank's mean loss times ``engine.loss_scale``, layer 0's (the
-    lookup's ``wte`` plus the head's) last. Returns the loss."""
+    """Forward, loss and backward of one micro-batch through the engine (gradients of the loss times
+    ``engine.loss_scale``, layer 0's last); returns the loss."""
     chunk = whole(engine, model)
     chunk.batches = [(idx, targets)]
     return chunk.run()[0]
@@ -177,9 +176,8 @@ def train_losses(engine, model, data, step: int, batch: int, micro_batches: int)
 
 
 def held_out_loss(engine, model, data, chunk: int = 32):
-    """data.HeldOut: the mean token loss (nats) over the held-out set and its rows; a collective (every rank
-    calls it): each rank's share of the rows in passes (data.held_out_passes; an empty one adds no loss, no row).
-    """
+    """data.HeldOut: the mean token loss (nats) over the held-out set and its rows; a collective over each rank's
+    share of the rows in passes (data.held_out_passes)."""
     from ..data import HeldOut, held_out_passes
     total, tokens = 0.0, 0
     for rows in held_out_passes(data.val_size, *model.data_share(engine), chunk):
