@@ -76,8 +76,14 @@ def layer_sizes(cfg: TrainConfig, tp: int = 1) -> List[int]:
         if tp == 1:
             return [w * w + w] * cfg.depth
         return [(w * w + w) // tp if i % 2 == 0 else w * w // tp + w for i in range(cfg.depth)]
+    embed, block, ln_f = _gpt_sizes(cfg, tp)
+    return [embed] + [block] * cfg.n_layer + [ln_f]
+
+
+def _gpt_sizes(cfg: TrainConfig, tp: int) -> Tuple[int, int, int]:
+    """Parameters of the GPT's embeddings, of a block (6·d_model of it replicated) and of ln_f on one TP rank."""
     c, vocab = cfg.d_model, FILE_VOCAB if cfg.data else GENERATED_VOCAB
-    return [vocab * c + cfg.seq_len * c] + [(12 * c * c + 7 * c) // tp + 6 * c] * cfg.n_layer + [2 * c]
+    return vocab * c + cfg.seq_len * c, (12 * c * c + 7 * c) // tp + 6 * c, 2 * c
 
 
 def model_size(cfg: TrainConfig, tp: int = 1) -> Tuple[int, int]:
@@ -86,9 +92,8 @@ def model_size(cfg: TrainConfig, tp: int = 1) -> Tuple[int, int]:
         w, d = cfg.width, cfg.depth
         even, odd = (w * w + w) // tp, (w * w // tp + w if tp > 1 else w * w + w)
         return even * ((d + 1) // 2) + odd * (d // 2), max(even, odd if d > 1 else even)
-    c, vocab = cfg.d_model, FILE_VOCAB if cfg.data else GENERATED_VOCAB
-    sizes = (vocab * c + cfg.seq_len * c, (12 * c * c + 7 * c) // tp + 6 * c, 2 * c)   # embeddings, a block, ln_f
-    return sizes[0] + cfg.n_layer * sizes[1] + sizes[2], max(sizes)
+    embed, block, ln_f = _gpt_sizes(cfg, tp)
+    return embed + cfg.n_layer * block + ln_f, max(embed, block, ln_f)
 
 
 def stage_estimate(cfg: TrainConfig, world_size: int) -> dict:
@@ -127,7 +132,7 @@ def pipeline_estimate(cfg: TrainConfig, world_size: int, rank: int, schedule=Non
     rows = []
     for c in s.chunks_of(pipeline_stage(cfg, world_size, rank)):
         if blocks // s.chunks > EXACT_LAYERS:
-            block = (12 * cfg.d_model ** 2 + 7 * cfg.d_model) // m.tp + 6 * cfg.d_model if gpt else \
+            block = _gpt_sizes(cfg, m.tp)[1] if gpt else \
                 min(layer_sizes(SimpleNamespace(model="mlp", width=cfg.width, depth=2), m.tp))
             rows.append(estimate(params=blocks // s.chunks * block, largest_layer=block, **common)["stages"][z.stage])
             continue
