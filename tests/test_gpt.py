@@ -99,9 +99,9 @@ def test_block_backward(rng, kernels):
     short = {k: params[v] for k, v in model.block_names(0).items()}
     x = rng.standard_normal((2, 5, 8))
     r = rng.standard_normal((2, 5, 8))
-    f = lambda: float((model.block_forward(short, x)[0] * r).sum())
-    _, cache = model.block_forward(short, x)
-    dx, grads = model.block_backward(short, cache, r)
+    f = lambda: float((model.layers.block_forward(short, x)[0] * r).sum())
+    _, cache = model.layers.block_forward(short, x)
+    dx, grads = model.layers.block_backward(short, cache, r)
     assert_grad(dx, numeric_grad(f, x), "block dx")
     assert sorted(grads) == sorted(short)
     for k in short:

@@ -38,99 +38,73 @@ class TrainConfig:
     """The training job: model, data and schedule. Engine knobs live in ``zero``."""
 
     model: str = field(default="gpt", metadata=flag(f"one of {', '.join(MODELS)}"))
-    """Built-in model: one of MODELS ("gpt": docs/gpt.md; "mlp": a regression toy)."""
+    """Built-in model ("gpt": docs/gpt.md; "mlp": a regression toy)."""
     steps: Optional[int] = field(default=None, metadata=flag())
-    """Last step of the run (>= 1), counted from step 0: a resumed run stops where a straight run would.
-    None = the model's default (MODEL_DEFAULTS)."""
+    """Last step (>= 1), counted from step 0: a resumed run stops where a straight run would. None: MODEL_DEFAULTS."""
     batch: Optional[int] = field(default=None, metadata=flag(
         "global batch: MLP rows, GPT sequences (default: gpt 48, mlp 64)"))
-    """Global batch per step over all ranks (MLP: rows; GPT: sequences of seq_len tokens); must divide
-    by ranks x micro-batches. None = the model's default."""
+    """Global batch per step over all ranks; must divide by data-parallel ranks x micro-batches."""
     width: int = field(default=256, metadata=flag("MLP: features per layer (default {default})"))
-    """MLP: features per layer."""
     depth: int = field(default=4, metadata=flag("MLP: Linear+GELU blocks (default {default})"))
-    """MLP: number of Linear+GELU blocks."""
     n_layer: int = field(default=2, metadata=flag("GPT: transformer blocks (default {default})"))
-    """GPT: transformer blocks (>= 1)."""
     n_head: int = field(default=4, metadata=flag("GPT: attention heads (default {default})"))
-    """GPT: attention heads per block; must divide d_model."""
     d_model: int = field(default=64, metadata=flag("GPT: embedding width (default {default})"))
-    """GPT: channels of the residual stream, i.e. the embedding width (>= 1)."""
     seq_len: int = field(default=64, metadata=flag("GPT: tokens per sequence (default {default})"))
-    """GPT: tokens per sequence, the context length (>= 1)."""
     data: Optional[str] = field(default=None, metadata=flag(
         "GPT: train on this file's bytes (default: a generated corpus with a known entropy)", metavar="FILE"))
     """GPT: train on this file's bytes (vocab 256, the last 10% held out); None = the generated corpus."""
     eval_every: int = field(default=50, metadata=flag(
         "GPT: held-out loss every K steps (0 = never; default {default})", metavar="K"))
-    """GPT: held-out loss every this many steps and after the last one (>= 0; 0 = never)."""
+    """GPT: also after the last step."""
     checkpoint_activations: bool = field(default=False, metadata=flag(
         "GPT: keep only each block's input, recompute the block's forward in its backward",
         const=True))
-    """GPT: keep only each block's input through the forward, run the block's forward again in its
-    backward (the same bits, less activation memory; docs/activations.md)."""
+    """The same bits, less activation memory (docs/activations.md)."""
     seed: int = field(default=0, metadata=flag())
     """Seeds the initial parameters and the generated data."""
     log_every: Optional[int] = field(default=None, metadata=flag())
-    """Print a progress line every this many steps. None = the model's default."""
+    """Steps between progress lines. None: the model's default."""
     metrics_json: Optional[str] = field(default=None, metadata=flag(metavar="PATH"))
     """Write the run's metrics as one JSON object to this path (rank 0)."""
     save_dir: Optional[str] = field(default=None, metadata=flag(
         "write checkpoints here (after the last step)", metavar="DIR"))
     """Write checkpoints under this directory (step_NNNNNN/ and a ``latest`` pointer; docs/checkpoint.md)."""
     save_every: int = field(default=0, metadata=flag("also save every K steps (needs --save-dir)", metavar="K"))
-    """Save every this many steps (>= 0) and after the last step; 0 = after the last step only. Needs save_dir."""
     resume: Optional[str] = field(default=None, metadata=flag(
         "resume from a checkpoint (any world size/stage)", metavar="DIR"))
-    """Resume from this checkpoint (a save_dir, whose ``latest`` is used, or one step_NNNNNN/ directory);
-    the world size, stage and bucket size may differ from the saving run's."""
+    """A save_dir (its ``latest``) or one step_NNNNNN/ directory, of any world size, stage and bucket size."""
     async_save: bool = field(default=False, metadata=flag(
         "write the --save-every checkpoints in the background while training goes on", const=True))
-    """Save the checkpoints of save_every in the background: each rank copies its shard to host memory and
-    training goes on while a thread writes it (the last step's save still waits). Needs save_dir."""
+    """Each rank copies its shard to host memory, a thread writes it (the last step's save still waits)."""
     keep_last: Optional[int] = field(default=None, metadata=flag(
         "keep only the newest K checkpoints in --save-dir (default: all)", metavar="K"))
-    """Keep only the newest this many checkpoints in save_dir (>= 1); None keeps every one. Needs save_dir."""
     overwrite: bool = field(default=False, metadata=flag(
         "replace another run's checkpoints in --save-dir (else refused); resumed into its own folder: "
         "the checkpoints of later steps there (else kept)", const=True))
-    """Allow a run to save into a save_dir that holds another run's checkpoints (a run without resume, or
-    resumed from another folder); they are removed once this run's first checkpoint is saved. Resumed into
-    its own folder: remove the checkpoints of later steps than the one resumed from, which are otherwise
-    kept. Needs save_dir."""
+    """The other run's checkpoints (or, resumed into its own folder, the later steps') are removed once this
+    run's first checkpoint is saved."""
     device: str = field(default="cpu", metadata=flag(
         "cpu (NumPy), gpu (CuPy, GPU local-rank mod GPUs) or auto (gpu when CuPy sees one)"))
-    """Where the engine's buffers and the model's compute live: cpu (NumPy), gpu (CuPy; rank r binds GPU
-    local rank mod GPUs) or auto (gpu when CuPy sees one). cpu is the default until the GPU path has
-    passed scripts/gpu_check.sh on a GPU."""
+    """Where the buffers and the compute live; cpu is the default until the GPU path passes scripts/gpu_check.sh."""
     comm: str = field(default="mpi", metadata=flag(
         "with --device gpu: mpi (staged through pinned host buffers) or nccl (one GPU per rank)"))
-    """How device buffers are reduced and gathered: mpi (staged through pinned host buffers on a GPU) or
-    nccl (device to device; needs device gpu and one GPU per rank)."""
     progress: str = field(default="auto", metadata=flag(
         "auto (a bar for a person at a terminal, else step lines), bar or lines"))
-    """How rank 0 shows the steps: bar (redrawn in place), lines (one per logged step) or auto (a bar
-    only for a person at a terminal; console.py)."""
+    """How rank 0 shows the steps (console.py)."""
     stop_file: Optional[str] = field(default=None, metadata=flag(
         "stop after the step at which PATH appears, save (with --save-dir) and exit 0", metavar="PATH"))
-    """Stop after the step at which this file appears (as rank 0 sees it), saving a checkpoint when
-    save_dir is set, and exit 0: a graceful stop under any launcher. Must not exist at the start."""
+    """A graceful stop under any launcher (as rank 0 sees the file); it must not exist at the start."""
     simulate_world: Optional[int] = field(default=None, metadata=flag(
         "run this one process as one rank of an N-rank job, the other ranks stood in for (each a "
         "mirror of this one): memory and bytes sent are that rank's, the loss is not a real run's", metavar="N"))
-    """Run this one process as one rank of a job of this many ranks, the others stood in for under
-    comm/simulated_world.py's rule: memory and bytes sent are that rank's in the real job, the loss is not a
-    real run's. None: a real job of the processes launched."""
+    """The stand-ins follow comm/simulated_world.py's rule. None: a real job of the processes launched."""
     simulate_rank: Optional[int] = field(default=None, metadata=flag(
         "with --simulate-world: the rank this process is (default 0)", metavar="R"))
-    """With simulate_world: the rank this process is, 0 .. simulate_world - 1 (None: 0)."""
     zero: ZeroConfig = ZeroConfig()
     """Engine configuration."""
     mesh: MeshConfig = MeshConfig()
-    """The ranks' arrangement: tensor, sequence and pipeline parallelism, nodes, shard groups (comm/meshconfig.py).
-    Left at its default, a deprecated ZeroConfig(tp=...)'s mesh is taken."""
+    """Tensor, sequence and pipeline parallelism, nodes, shard groups; at its default, ZeroConfig(tp=...)'s."""
     pipeline: PipelineConfig = PipelineConfig()
-    """With mesh.pp > 1: the pipeline's schedule and options (zerompi/pipeline/config.py)."""
 
     def __post_init__(self):
         if self.mesh == MeshConfig():
@@ -169,11 +143,12 @@ class TrainConfig:
         for name in ("async_save", "keep_last", "overwrite"):
             check(getattr(self, name) in (None, False) or self.save_dir,
                   f"{name}={getattr(self, name)!r} needs save_dir (--save-dir DIR)")
-        self._check_progress()
-        self._check_stop_file()
-        self._check_simulation()
-
-    def _check_simulation(self) -> None:
+        moved = f" (how collectives advance is --comm-progress {self.progress})" if self.progress in PROGRESS else ""
+        check(self.progress in PROGRESS_MODES,
+              f"progress={self.progress!r} is not allowed; use one of {', '.join(PROGRESS_MODES)}{moved}")
+        check(self.stop_file is None or not os.path.lexists(self.stop_file),
+              f"stop_file={self.stop_file!r} already exists; remove it before starting "
+              f"(the job stops after the step at which it appears)")
         from .simulated_run import check_config
         check_config(self)
 
@@ -185,16 +160,6 @@ class TrainConfig:
                               f"{self.simulate_world}, and {processes} were launched; start it as one process (no "
                               "mpiexec, or mpiexec -n 1)")
         return self.simulate_world
-
-    def _check_progress(self) -> None:
-        moved = f" (how collectives advance is --comm-progress {self.progress})" if self.progress in PROGRESS else ""
-        check(self.progress in PROGRESS_MODES,
-              f"progress={self.progress!r} is not allowed; use one of {', '.join(PROGRESS_MODES)}{moved}")
-
-    def _check_stop_file(self) -> None:
-        check(self.stop_file is None or not os.path.lexists(self.stop_file),
-              f"stop_file={self.stop_file!r} already exists; remove it before starting "
-              f"(the job stops after the step at which it appears)")
 
     def _check_gpt(self) -> None:
         check(self.n_layer >= 1, f"n_layer={self.n_layer} must be >= 1")
@@ -212,10 +177,8 @@ class TrainConfig:
             check_file(self.data, self.seq_len)
 
     def check_world(self, world_size: int) -> None:
-        """Raises ConfigError unless the ranks fit: --tp, --sp, --pp, --node-size (or $ZEROMPI_NODE_SIZE, named
-        when it is the culprit) and --shard-size in the user's units (a node size MPI's split gives is checked
-        once the ranks have met: preflight.topology_error), and batch splits evenly over the data-parallel
-        ranks x micro-batches."""
+        """ConfigError unless --tp, --sp, --pp, --node-size (or $ZEROMPI_NODE_SIZE, named when it is the culprit)
+        and --shard-size fit the ranks (MPI's node split: preflight.topology_error) and batch splits evenly."""
         from ..comm.topology import check_sizes, node_size_env
         m, t, micro = self.mesh, self.mesh.tp, self.zero.micro_batches
         env = node_size_env() if m.node_size is None else None
@@ -269,11 +232,8 @@ def made(cls, values: dict):
 
 
 def parse_config(argv: Optional[List[str]] = None, environ=None) -> TrainConfig:
-    """CLI flags -> TrainConfig (raises ConfigError on bad input, HelpRequested on --help).
-
-    Reads ZEROMPI_TIMEOUT_S (from ``environ``, default os.environ) when --timeout-s is not given:
-    the job's settings are read when it starts, so a bad value is one line and exit status 2.
-    """
+    """CLI flags -> TrainConfig (ConfigError, HelpRequested on --help); ZEROMPI_TIMEOUT_S is read from ``environ``
+    (default os.environ) without --timeout-s: now, so a bad value is one line and exit status 2."""
     a = build_parser().parse_args(argv)
     job, zero, pipe = given(a, TrainConfig), given(a, ZeroConfig), given(a, PipelineConfig)
     model = job.get("model", TrainConfig.model)

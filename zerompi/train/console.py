@@ -33,8 +33,7 @@ def choose_progress(mode: str, stream: Optional[TextIO] = None, environ: Mapping
 
 
 def step_line(step: int, steps: int, loss: float, extra: str, result, seconds: float, parts: str, bar: bool) -> str:
-    """The logged line of step ``step`` (0-based) of ``steps``: loss, the extra fields, loss scale, norm, time
-    (``parts``: its breakdown, or ""); over the progress bar when there is one."""
+    """The logged line of step ``step`` (0-based) of ``steps`` (``parts``: the time's breakdown, or "")."""
     skipped = " (skipped: overflow)" if result.skipped else ""
     lead = "\r\033[K" if bar else ""
     return (f"{lead}step {step + 1:5d}/{steps}  loss {loss:.6f}{extra}  scale {result.loss_scale:g}  norm "
@@ -61,8 +60,7 @@ def evaluates(cfg, step: int, stopping: bool) -> bool:
 
 def show_step(show, cfg, step: int, loss: float, extra: str, result, seconds: float, parts: str, bar: bool,
               evaluated: bool) -> None:
-    """The step's line (every --log-every steps, the last one, one with a held-out loss), else the bar redrawn;
-    ``show``: print on the job's printing rank (report.print0 on its communicator)."""
+    """The step's line (every --log-every steps, the last one, one with a held-out loss), else the bar redrawn."""
     if step % cfg.log_every == 0 or step == cfg.steps - 1 or evaluated:
         show(step_line(step, cfg.steps, loss, extra, result, seconds, parts, bar))
     elif bar:
@@ -78,9 +76,8 @@ def after_step(show, cfg, saves, stop, step: int, stopping: bool) -> bool:
 
 
 def held_out(log, step: int, result, none: str) -> Tuple[str, str]:
-    """(the step line's held-out part, a note or "") for ``result`` (data.HeldOut) after step ``step`` (0-based):
-    '  val 5.4321 (256 rows)', its loss kept in log.val_losses and its rows in log.val_rows. No row on any rank:
-    no loss and no field, and the first time a line saying so, ``none`` its reason (to print after the step's)."""
+    """(the step line's held-out part, a note or "") for ``result`` (data.HeldOut), kept in ``log``; no row on any
+    rank: no field, and the first time a note saying so (``none``: why)."""
     first = log.val_rows is None
     log.val_rows = result.rows
     if result.loss is None:

@@ -1,9 +1,8 @@
 """Offline token data for the GPT: a generated Markov corpus with a known entropy, or a user's file.
 
-Both sources hand out rows of ``seq_len + 1`` tokens (inputs are the first ``seq_len``,
-targets the last ``seq_len``). Row ``j`` of the global batch of step ``s`` depends only on
-(seed, s, j), so every rank builds just its own rows and runs at different world sizes
-see the same global batch. Entropies and losses are in nats per token.
+Rows of ``seq_len + 1`` tokens (inputs the first ``seq_len``, targets the last); row ``j`` of step ``s``
+depends only on (seed, s, j), so each rank builds its own rows and any world size sees the same global batch.
+Entropies and losses are in nats per token.
 """
 import os
 from typing import NamedTuple, Optional
@@ -21,9 +20,8 @@ VAL_FRACTION = 0.1                # share of a --data file kept for validation (
 
 
 class HeldOut(NamedTuple):
-    """One evaluation of the held-out set: the mean token loss (nats) over the rows the ranks evaluated,
-    and how many rows those were, over every rank (a rank whose share is empty adds none). ``loss``
-    None: no rank had a held-out row."""
+    """One evaluation of the held-out set: the mean token loss (nats) and the rows it covers, over every rank
+    (``loss`` None: no rank had a row)."""
     loss: Optional[float]
     rows: int
 
@@ -61,18 +59,11 @@ def _entropy(p: np.ndarray, axis: int = -1) -> np.ndarray:
 
 
 class MarkovCorpus:
-    """Sequences from a fixed random order-``order`` Markov chain over ``vocab`` tokens.
-
-    The rows are a random back-off n-gram, like a toy language: the next-token
-    distribution after the last token is drawn from Dirichlet(``concentration``) (small
-    values give peaked rows), and after each longer context from a Dirichlet centred on
-    the row of its one-shorter suffix, with total concentration ``backoff`` (small values
-    let the older tokens change the prediction more). So a model that reads only the last
-    token gets part of the way; reading the context gets the rest. Every row mixes in
-    ``smoothing`` of the uniform distribution, so the chain is ergodic. Each sequence starts
-    from the stationary distribution, so the best expected loss of a model that sees the
-    whole prefix is known exactly (``floor``).
-    """
+    """Sequences from a fixed random order-``order`` Markov chain over ``vocab`` tokens: a random back-off
+    n-gram. The row after the last token is drawn from Dirichlet(``concentration``), after each longer context
+    from a Dirichlet centred on its one-shorter suffix's row (total concentration ``backoff``), so reading the
+    context beats reading the last token; ``smoothing`` of the uniform mixed in keeps it ergodic. Sequences
+    start stationary, so the best expected loss of a model seeing the whole prefix is known (``floor``)."""
 
     def __init__(self, vocab: int = 32, order: int = 2, concentration: float = 0.2, backoff: float = 1.0,
                  seed: int = 0, smoothing: float = 0.01, transitions: Optional[np.ndarray] = None):
@@ -116,8 +107,7 @@ class MarkovCorpus:
         return float(self.stationary @ _entropy(self.transitions))
 
     def conditional_entropy(self, context: int) -> float:
-        """H(X_c | X_0..X_{c-1}) for a row that starts stationary: the best loss at a target
-        that sees ``context`` >= 1 tokens (nats)."""
+        """H(X_c | X_0..X_{c-1}) from a stationary start: the best loss at a target seeing ``context`` tokens."""
         if context >= self.order:
             return self.entropy_rate
         joint = self.stationary.reshape((self.vocab,) * self.order)
@@ -129,11 +119,8 @@ class MarkovCorpus:
         return float(np.mean([self.conditional_entropy(c) for c in range(1, seq_len + 1)]))
 
     def sample(self, uniforms: np.ndarray) -> np.ndarray:
-        """Rows of tokens from uniforms in [0, 1) of shape (rows, length): inverse-CDF sampling.
-
-        Column 0 picks the starting context (its ``order`` tokens); each later column
-        picks the next token given the current context.
-        """
+        """Rows of tokens by inverse-CDF sampling of uniforms (rows, length) in [0, 1): column 0 picks the starting
+        context (its ``order`` tokens), each later one the next token."""
         rows, length = uniforms.shape
         v, k = self.vocab, self.order
         out = np.empty((rows, max(length, k)), np.int64)
@@ -190,12 +177,8 @@ def _val_bytes(size: int, seq_len: int) -> int:
 
 
 class FileData:
-    """Byte-level tokens (vocab 256) of any file; the last VAL_FRACTION is held out.
-
-    A rank reads only the windows of its own rows, with positioned reads (os.pread) of the
-    open file: a file truncated while the run reads it is then a one-line error naming it,
-    where a memory map would die of SIGBUS with no message.
-    """
+    """Byte-level tokens (vocab 256) of any file, the last VAL_FRACTION held out. A rank reads its own rows'
+    windows with os.pread: a file truncated meanwhile is a one-line error, where a memory map dies of SIGBUS."""
 
     def __init__(self, path: str, seq_len: int, seed: int):
         check_file(path, seq_len)

@@ -42,8 +42,7 @@ class StepLog:
         self.groups = {}
 
     def record_group(self, name: str, sent: int, seconds: float) -> None:
-        """The bytes and seconds of a model-parallel group's collectives (TP all-reduce, SP all-to-all) in
-        one step's forward and backward."""
+        """The bytes and seconds of a model-parallel group's collectives (TP, SP) in one step."""
         self.groups.setdefault(name, deque(maxlen=self.cap)).append((sent, seconds))
 
     def group_series(self, name: str):
@@ -85,8 +84,7 @@ class StepLog:
         return int(values[0]) if values and self.first_kept == self.first_step else None
 
     def steady_per_op(self, exclude=()) -> Optional[Dict[str, float]]:
-        """Bytes per op of a steady step (``stats`` given): the mean over the steps after the first, the
-        checkpoints' and held-out loss's traffic (base_bytes) aside; None when only the first step ran."""
+        """Bytes per op of a steady step: the mean over the steps after the first, base_bytes aside; None: one ran."""
         if self.stats is None or self.first_ops is None or self.steps_run < 2:
             return None
         return {op: (st.bytes - self.base_bytes.get(op, 0) - self.first_ops.get(op, 0)) / (self.steps_run - 1)

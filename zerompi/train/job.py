@@ -14,9 +14,8 @@ from .simulated_run import simulated
 
 
 def step_losses(model: str) -> Callable[..., List[float]]:
-    """The built-in model's ``train_losses(engine, model, data, step, batch, micro_batches)``: forward and
-    backward of this rank's micro-batches of that step (``batch`` over all ranks), gradients handed to the
-    engine; returns the micro-batch losses."""
+    """The built-in model's ``train_losses(engine, model, data, step, batch, micro_batches)``: this rank's
+    micro-batches of the step forward and backward, gradients to the engine; returns their losses."""
     if model == "gpt":
         from .models.gpt_chunk import train_losses
     else:
@@ -38,15 +37,23 @@ class Job:
         return out
 
     def reduce_loss(self, losses: Optional[List[float]], flag: float = 0.0):
-        """(the step's loss, the summed stop flag): the mean micro-batch loss of the ranks that compute it (the
-        last stage's) summed over the world in rank order (zeros elsewhere), divided by the ranks of one stage:
-        the same bits with --pp as without. A simulated pipelined rank: its own (the stand-ins' sum is N copies
-        of it)."""
+        """(the step's loss, the summed stop flag): the last stage's mean micro-batch losses summed over the world
+        in rank order (zeros elsewhere) over one stage's ranks: the same bits with --pp as without."""
         mine = sum(losses) / len(losses) if losses else 0.0
         total = self.comm.sum_scalars([mine, flag])
         if self.pipelined and simulated(self.comm):
-            return float(mine), total[1]
+            return float(mine), total[1]          # the stand-ins' sum is N copies of it
         return float(total[0] / (self.comm.size // self.cfg.mesh.pp)), total[1]
+
+    def _tp_joined(self, digest: str) -> str:
+        """The sha256 of every TP rank's ``digest`` in TP rank order (a collective over the TP group)."""
+        return hashlib.sha256("".join(self.mesh.tp_mpi.allgather(digest)).encode()).hexdigest()
+
+    @staticmethod
+    def _params(engines, tp: int) -> int:
+        """Ψ of the engines' layouts, a TP-split parameter at its full size (``tp`` pieces)."""
+        return sum(pr.numel * (tp if e.tp and name in e.tp.split else 1)
+                   for e in engines for name, pr in e.layout.params.items())
 
 
 class SingleJob(Job):
@@ -93,28 +100,30 @@ class SingleJob(Job):
     # ---- the facts of the final metrics ------------------------------------------------------------
     def params_total(self) -> int:
         """Ψ of the whole model (a TP-split parameter at its full size)."""
-        split = self.engine.tp.split if self.engine.tp else {}
-        k = self.mesh.tp if self.mesh else 1
-        return sum(pr.numel * (k if name in split else 1) for name, pr in self.engine.layout.params.items())
+        return self._params(self.engines, self.mesh.tp if self.mesh else 1)
 
     def digest(self) -> Optional[str]:
-        """sha256 of the parameters in layout order (no padding), a bucket at a time; with TP, of every TP
-        rank's digest in TP rank order; None for a simulated world (its stand-ins' slices mirror this rank's)."""
+        """sha256 of the parameters in layout order (no padding); with TP, of every TP rank's; None when simulated."""
         from ..pipeline.digest import bucket_bytes
         if simulated(self.comm):
             return None
         digest = hashlib.sha256()
         for data in bucket_bytes(self.engine):
             digest.update(data.data)
-        digest = digest.hexdigest()
-        if self.mesh is not None and self.mesh.tp > 1:
-            digest = hashlib.sha256("".join(self.mesh.tp_mpi.allgather(digest)).encode()).hexdigest()
-        return digest
+        tp = self.mesh is not None and self.mesh.tp > 1
+        return self._tp_joined(digest.hexdigest()) if tp else digest.hexdigest()
 
     def activations(self):
-        """(measured, formula) activation bytes of this rank (report.activations)."""
-        from .report import activations
-        return activations(self.cfg, self.model, self.comm.size)
+        """(measured, formula) activation bytes per rank: the GPT's on its C kernels, else (None, None)."""
+        from ..estimate.activations import gpt_activation_bytes
+        cfg, model, m = self.cfg, self.model, self.cfg.mesh
+        measured = getattr(model, "activation_bytes", None)
+        if measured is None:
+            return None, None
+        rows = cfg.batch // (self.comm.size // (m.tp * m.sp) * cfg.zero.micro_batches)   # sequences per dp rank
+        return measured, gpt_activation_bytes(
+            rows, cfg.seq_len, cfg.d_model, cfg.n_layer, cfg.n_head, model.vocab, cfg.checkpoint_activations,
+            np.dtype(model.dtype).itemsize, m.sp, m.tp)["total"]
 
     def tp_theory(self) -> int:
         from .tp_run import theory_bytes_per_step

@@ -1,4 +1,4 @@
-"""The train job's model parallelism (--tp, --sp): the Mesh, the models split over it, the groups metered.
+"""The train job's model parallelism (--tp, --sp): the Mesh and the groups metered.
 
 The engine runs ZeRO over the mesh's dp x sp ranks (engine/tp_groups.py); the TP models split their
 blocks over its TP group (models/gpt.py, models/mlp_tp.py), the SP GPT its sequences over its
@@ -16,19 +16,6 @@ def make_mesh(cfg, comm, placement):
         flag = f"tp={cfg.mesh.tp}" if cfg.mesh.tp > 1 else f"sp={cfg.mesh.sp}"
         raise ConfigError(f"{flag} runs on the CPU only for now; use --device cpu")
     return Mesh(comm, cfg.mesh.tp, sp=cfg.mesh.sp, node_size=cfg.mesh.node_size)
-
-
-def build_model(cfg, mesh, xp=np):
-    """(model, data) of cfg.model, split over mesh.tp_comm (tp > 1) and mesh.sp_comm (sp > 1, the GPT)."""
-    if cfg.model == "gpt":
-        from .data import make_data
-        data = make_data(cfg.data, cfg.seq_len, cfg.seed)
-        from .models.gpt import GPT
-        return GPT(data.vocab, cfg.seq_len, cfg.n_layer, cfg.n_head, cfg.d_model, cfg.seed, xp=xp,
-                   checkpoint_activations=cfg.checkpoint_activations, sp=mesh.sp_comm, tp=mesh.tp_comm), data
-    from .models.mlp import TeacherData
-    from .models.mlp_tp import TPMLP
-    return TPMLP(cfg.width, cfg.depth, cfg.seed, tp=mesh.tp_comm), TeacherData(cfg.width, cfg.depth, cfg.seed)
 
 
 def metered_groups(mesh) -> dict:

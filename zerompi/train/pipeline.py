@@ -1,12 +1,9 @@
-"""The train job with pipeline stages (--pp P): its checks, the chunks and their engines, the step loop.
+"""The train job with pipeline stages (--pp P): its checks, the chunks and their engines, the step.
 
-The mesh (comm/mesh.py) puts P stages of N/P ranks each (data x tensor parallel inside) in a row;
-the model's layers are cut into C = P x chunks chunks (models/gpt_chunk.py, mlp_pp.py), chunk c on stage
-c mod P, one ZeroEngine per chunk over that stage's data-parallel group. Each step the schedule's
-actions run (zerompi/pipeline/executor.py), then every chunk's engine takes the step decided over the
-whole mesh (pipeline/step.py). The loss of a step is the last stage's, summed over the mesh with the
-other stages' zeros, in world rank order: the same sum, the same bits as without --pp. What is printed
-and measured at the end is train/report.py's, as for every run; the pipeline's own facts are pipeline_metrics'.
+P stages of N/P ranks (comm/mesh.py); the model's layers cut into C chunks (models/chunks.py), placed by the
+schedule, one ZeroEngine per chunk over its stage's data-parallel group. Each step the schedule's actions run
+(pipeline/executor.py), then every engine takes the step decided over the whole mesh (pipeline/step.py). The
+loss is the last stage's, summed over the mesh in world rank order: the same bits as without --pp.
 """
 import os
 import statistics
@@ -74,9 +71,8 @@ def load_schedule(cfg):
 
 
 class PipelineJob(Job):
-    """This rank's part of a pipelined run: mesh, schedule, chunk runners, engines, executor. ``build(cfg, xp,
-    mesh)``: the model and data (train/run.py's build_model; the mesh when the blocks are split over TP).
-    One of the two strategies of train/run.py's step loop (the other: train/job.py's SingleJob)."""
+    """This rank's part of a pipelined run: mesh, schedule, chunk runners, engines, executor; ``build``: train/run.py's
+    build_model."""
 
     pipelined = True
 
@@ -103,12 +99,21 @@ class PipelineJob(Job):
         keep = {c: e for c, e in engines.items()} if z.stage == 3 and cfg.pipeline.gather == "step" else None
         self.executor = PipelineExecutor(self.schedule, mesh.pp_comm, self.runners, keep)
 
-    # ---- building ----------------------------------------------------------------------------------
+    @property
+    def rows(self) -> int:
+        """Sequences (MLP: rows) of one micro-batch on this data-parallel rank."""
+        return self.cfg.batch // self.mesh.dp // self.cfg.zero.micro_batches
+
+    @property
+    def leads_stage(self) -> bool:
+        """This rank is its stage's first (data-, sequence- and tensor-parallel rank 0)."""
+        return self.mesh.dp_rank == self.mesh.sp_rank == self.mesh.tp_rank == 0
+
     def _runner(self, c: int):
         """Chunk c's walk (models/chunks.py, models/gpt_chunk.py), fed this data-parallel rank's rows."""
         from .models.chunks import Chunk, WorkspacePool, chunk_layers
-        cfg, mesh, m, m_b, chunks = self.cfg, self.mesh, self.model, self.cfg.zero.micro_batches, self.schedule.chunks
-        rows = cfg.batch // mesh.dp // m_b
+        cfg, mesh, m, m_b, chunks, rows = self.cfg, self.mesh, self.model, self.cfg.zero.micro_batches, \
+            self.schedule.chunks, self.rows
         if cfg.model == "mlp":
             from .models.mlp import step_batches
             feed = lambda step: step_batches(self.data, step, cfg.batch, mesh.dp_rank, mesh.dp, m_b)  # noqa: E731
@@ -168,9 +173,8 @@ class PipelineJob(Job):
             self.offset = align_clocks(self.comm, time.perf_counter)[0]
 
     def train_step(self, step: int, log):
-        """The schedule's actions, then the step over the mesh, measured into ``log`` (the bytes of each kind of
-        message, the TP and SP groups', the actions' times); returns (StepResult, this rank's micro-batch
-        losses or None where it holds no last chunk)."""
+        """step_once measured into ``log`` (the bytes of each kind of message, the TP and SP groups', the actions'
+        times); returns (StepResult, this rank's micro-batch losses or None)."""
         pc, offset = self.mesh.pp_comm, self.offset
         p0 = {k: s.bytes for k, s in pc.stats.items()}
         pc.events = [] if self.cfg.zero.trace else None
@@ -191,9 +195,47 @@ class PipelineJob(Job):
         losses = [last.losses[mb] for mb in range(self.cfg.zero.micro_batches)] if last is not None else None
         return result, losses, times
 
-    def validation_loss(self):
-        """data.HeldOut: the held-out loss through the pipeline and its rows (a collective over the mesh)."""
-        return validation_loss(self)
+    def validation_loss(self, chunk: int = 32):
+        """data.HeldOut: the GPT's mean held-out token loss through the pipeline and its rows (a collective over
+        the mesh): this data-parallel rank's rows in passes of ``chunk`` as models/gpt_chunk.held_out_loss makes
+        them, each through every chunk in model order; the last chunk's sums summed over the world (the last
+        stage's ranks of TP rank 0; zeros elsewhere) as there: the same bits."""
+        from .data import HeldOut, held_out_passes, rank_rows
+        from ..pipeline.executor import KINDS, TAGS
+        mesh, data, comm = self.mesh, self.data, self.mesh.pp_comm
+        mine = rank_rows(data.val_size, mesh.dp_rank, mesh.dp)
+        rows = [data.val_rows(r) for r in held_out_passes(data.val_size, mesh.dp_rank, mesh.dp, chunk)]
+        C, me, total = self.schedule.chunks, mesh.pp_rank, 0.0
+        last = self.runners.get(C - 1)
+        if last is not None:
+            last.tie.expect_value()
+        outputs: Dict[tuple, np.ndarray] = {}
+        for c in self.local:
+            runner = self.runners[c]
+            runner.sent_value = False
+            for k, r in enumerate(rows):
+                x = None
+                if c > 0:
+                    src = self.where[c - 1]
+                    if src == me:
+                        x = outputs.pop((k, c - 1))
+                    else:
+                        buf = np.empty((len(r), data.seq_len // mesh.sp, self.model.d_model), self.model.dtype)
+                        x = comm.wait(comm.irecv(buf, src, TAGS["F"], KINDS["F"]), "pipeline: held-out activations")
+                out = runner.evaluate(r, x)
+                if c == C - 1:
+                    total += out
+                elif self.where[c + 1] == me:
+                    outputs[(k, c)] = np.array(out)
+                else:
+                    comm.isend(np.ascontiguousarray(out).copy(), self.where[c + 1], TAGS["F"], KINDS["F"])
+        comm.wait_all()
+        keep = last is not None and mesh.tp_rank == 0
+        tokens = len(mine) * (data.seq_len // mesh.sp)
+        summed = self.comm.sum_scalars([total if keep else 0.0, tokens if keep else 0])
+        if simulated(self.comm):                      # N copies of this rank's sum: its own tokens' mean instead
+            return HeldOut.of(total, tokens if last is not None else 0, data.seq_len // mesh.sp)
+        return HeldOut.of(float(summed[0]), float(summed[1]), data.seq_len)
 
     # ---- the facts of the final metrics (collectives over the mesh) ----------------------------------
     def params_total(self) -> int:
@@ -204,17 +246,12 @@ class PipelineJob(Job):
         if simulated(self.comm):                  # a simulated rank knows its own stage only: from the rules
             return sum((a.whole if isinstance(a, Piece) else a).size for _, params in self.model.lazy_layers()
                        for a in params.values())
-        mine = 0
-        if mesh.dp_rank == mesh.sp_rank == mesh.tp_rank == 0:
-            for e in self.engines:
-                split = e.tp.split if e.tp else {}
-                mine += sum(pr.numel * (mesh.tp if name in split else 1) for name, pr in e.layout.params.items())
+        mine = self._params(self.engines, mesh.tp) if self.leads_stage else 0
         with watched(self.comm, "final metrics: the model's size"):
             return int(sum(self.comm.mpi.allgather(mine)))
 
     def digest(self):
         """The whole model's sha256 in model order (pipeline/digest.py), on every rank; None when simulated."""
-        import hashlib
         from ..comm.watchdog import watched
         from ..pipeline.digest import model_digest
         mesh = self.mesh
@@ -222,13 +259,12 @@ class PipelineJob(Job):
             return None
         digest = model_digest(self.engines.engines, self.schedule, mesh)
         if mesh.tp > 1 and mesh.pp_rank == 0 and mesh.dp_rank == 0:
-            digest = hashlib.sha256("".join(mesh.tp_mpi.allgather(digest)).encode()).hexdigest()
+            digest = self._tp_joined(digest)
         with watched(self.comm, "final metrics: the model's digest"):
             return self.comm.mpi.bcast(digest, root=0)
 
     def activations(self):
-        """(measured, formula) activation bytes of this rank: the GPT's on its C kernels (every chunk's pools),
-        beside its micro-batches in flight per chunk x what each holds (estimate/activations.py); else Nones."""
+        """(measured, formula) activation bytes of this rank: the GPT's on its C kernels, else Nones."""
         from ..estimate.activations import gpt_chunks_activation_bytes
         from ..pipeline.timeline import in_flight
         from .models.chunks import pools_peak_bytes
@@ -236,8 +272,7 @@ class PipelineJob(Job):
         if cfg.model != "gpt" or m.layers.name != "c":
             return None, None
         act = pools_peak_bytes([r.pool for r in self.runners.values() if getattr(r, "pool", None) is not None])
-        rows = cfg.batch // self.mesh.dp // cfg.zero.micro_batches
-        return act, gpt_chunks_activation_bytes(in_flight(s, self.mesh.pp_rank), s.chunks, rows, cfg.seq_len,
+        return act, gpt_chunks_activation_bytes(in_flight(s, self.mesh.pp_rank), s.chunks, self.rows, cfg.seq_len,
                                                 cfg.d_model, cfg.n_layer, cfg.n_head, m.vocab, s.split_backward,
                                                 self.mesh.sp, cfg.checkpoint_activations, np.dtype(m.dtype).itemsize,
                                                 self.mesh.tp)
@@ -249,10 +284,10 @@ class PipelineJob(Job):
         """The SP all-to-all bytes this rank sends per step: the micro-batches through its chunks' blocks."""
         from ..estimate.sp_bytes import all_to_all_bytes
         cfg, mesh = self.cfg, self.mesh
-        rows = cfg.batch // mesh.dp // cfg.zero.micro_batches
         blocks = len(self.runners) * (cfg.n_layer // self.schedule.chunks)
-        return cfg.zero.micro_batches * all_to_all_bytes(blocks, rows, cfg.seq_len // mesh.sp, cfg.d_model // mesh.tp,
-                                                         mesh.sp, recompute=cfg.checkpoint_activations)
+        return cfg.zero.micro_batches * all_to_all_bytes(blocks, self.rows, cfg.seq_len // mesh.sp,
+                                                         cfg.d_model // mesh.tp, mesh.sp,
+                                                         recompute=cfg.checkpoint_activations)
 
     def message_theory(self) -> Dict[str, int]:
         """Bytes this rank sends per step by kind of message, from its schedule and the messages' sizes."""
@@ -262,8 +297,7 @@ class PipelineJob(Job):
                              self.model.vocab * self.model.d_model if gpt else 0)
 
     def pipeline_metrics(self, log) -> dict:
-        """The pipeline's entries of the metrics (pipeline/measure.py; per-stage lists hold None for the stages a
-        simulated rank is not, and the bubble, which needs every stage, is None there)."""
+        """The pipeline's entries of the metrics (pipeline/measure.py; None where a simulated rank cannot know)."""
         from ..comm.watchdog import watched
         from ..pipeline import measure, timeline
         cfg, mesh, s, comm = self.cfg, self.mesh, self.schedule, self.comm
@@ -273,15 +307,11 @@ class PipelineJob(Job):
                 [theory.get(k, 0) for k in kinds])
         with watched(comm, "final metrics: the messages of each stage"):
             everyone = comm.mpi.allgather(mine)
-        coords = [mesh.coords(r) for r in range(comm.size)]
-        firsts = [r for r in range(comm.size) if coords[r]["dp"] == coords[r]["sp"] == coords[r]["tp"] == 0]
+        firsts = [r for r in range(comm.size) if all(mesh.coords(r)[a] == 0 for a in ("dp", "sp", "tp"))]
         alone = simulated(comm)
-        known = (lambda i: i == mesh.pp_rank) if alone else (lambda i: True)   # noqa: E731
-        per_stage = lambda j: {k: [everyone[r][j][i] if known(st) else None  # noqa: E731
-                                   for st, r in enumerate(firsts)]
-                               for i, k in enumerate(kinds)}
-        mine = {c: e.layout.params_numel for c, e in self.engines.engines.items()} \
-            if mesh.dp_rank == mesh.sp_rank == mesh.tp_rank == 0 else {}
+        per_stage = lambda j: {k: [everyone[r][j][i] if not alone or st == mesh.pp_rank else None  # noqa: E731
+                                   for st, r in enumerate(firsts)] for i, k in enumerate(kinds)}
+        mine = {c: e.layout.params_numel for c, e in self.engines.engines.items()} if self.leads_stage else {}
         with watched(comm, "final metrics: each chunk's size"):
             sizes = {c: n for table in comm.mpi.allgather(mine) for c, n in table.items()}
         bubbles = [] if alone else measure.bubble(log.pp_times, mesh, comm)
@@ -292,9 +322,8 @@ class PipelineJob(Job):
             "pipeline": {"pp": mesh.pp, "dp": mesh.dp, "sp": mesh.sp, "tp": mesh.tp, "schedule": s.name,
                          "chunks": s.chunks, "micro_batches": s.micro_batches, "split_backward": s.split_backward,
                          "grad_reduce": cfg.pipeline.grad_reduce, "gather": cfg.pipeline.gather,
-                         "stage_of_chunk": [self.where[c] for c in range(s.chunks)],   # Ψ of each chunk on its
-                         "chunk_params": [sizes.get(c) for c in range(s.chunks)],     # ranks (a TP piece; None:
-                                                                                      # a simulated rank's other)
+                         "stage_of_chunk": [self.where[c] for c in range(s.chunks)],
+                         "chunk_params": [sizes.get(c) for c in range(s.chunks)],   # on its ranks (None: not known)
                          "costs_s": {f"{k}{c}": v for (k, c), v in sorted(costs.items())},
                          "bubble_fraction_per_step": bubbles},
             "bubble_fraction": statistics.median(bubbles) if bubbles else None,
@@ -329,56 +358,11 @@ class PipelineJob(Job):
 
 
 def offload_folder(z, chunk: int, chunks: int):
-    """Where chunk ``chunk``'s engine keeps its offload files (--offload-* nvme): a folder of its own under
-    offload_dir (pp{c}-of-{C}, as its checkpoints), made here, so that two chunks of one rank (the
-    interleaved schedule) never name the same file; offload_dir itself otherwise."""
+    """Where chunk ``chunk``'s engine keeps its offload files (nvme): a folder pp{c}-of-{C} of its own under
+    offload_dir, made here, so two chunks of one rank never name the same file; else offload_dir."""
     if z.offload_dir is None or "nvme" not in (z.offload_optimizer, z.offload_params):
         return z.offload_dir
     from ..pipeline.engines import chunk_folder
     path = os.path.join(z.offload_dir, chunk_folder(chunk, chunks))
     os.makedirs(path, exist_ok=True)
     return path
-
-
-def validation_loss(job, chunk: int = 32):
-    """data.HeldOut: the GPT's mean held-out token loss through the pipeline and the rows it covers (a
-    collective over the whole mesh): each data-parallel rank's share of the rows in passes of ``chunk`` rows
-    as models/gpt_chunk.held_out_loss makes them (an empty pass where a share ran out: no loss, no row), every pass
-    through every chunk in model order; the last chunk's sums and tokens summed over the world (the last
-    stage's ranks of TP rank 0; zeros elsewhere) as there: the same bits."""
-    from .data import HeldOut, held_out_passes, rank_rows
-    from ..pipeline.executor import KINDS, TAGS
-    mesh, data, comm = job.mesh, job.data, job.mesh.pp_comm
-    mine = rank_rows(data.val_size, mesh.dp_rank, mesh.dp)
-    rows = [data.val_rows(r) for r in held_out_passes(data.val_size, mesh.dp_rank, mesh.dp, chunk)]
-    C, me, total = job.schedule.chunks, mesh.pp_rank, 0.0
-    last = job.runners.get(C - 1)
-    if last is not None:
-        last.tie.expect_value()
-    outputs: Dict[tuple, np.ndarray] = {}
-    for c in job.local:
-        runner = job.runners[c]
-        runner.sent_value = False
-        for k, r in enumerate(rows):
-            x = None
-            if c > 0:
-                src = job.where[c - 1]
-                if src == me:
-                    x = outputs.pop((k, c - 1))
-                else:
-                    buf = np.empty((len(r), data.seq_len // mesh.sp, job.model.d_model), job.model.dtype)
-                    x = comm.wait(comm.irecv(buf, src, TAGS["F"], KINDS["F"]), "pipeline: held-out activations")
-            out = runner.evaluate(r, x)
-            if c == C - 1:
-                total += out
-            elif job.where[c + 1] == me:
-                outputs[(k, c)] = np.array(out)
-            else:
-                comm.isend(np.ascontiguousarray(out).copy(), job.where[c + 1], TAGS["F"], KINDS["F"])
-    comm.wait_all()
-    keep = last is not None and mesh.tp_rank == 0
-    tokens = len(mine) * (data.seq_len // mesh.sp)
-    summed = job.comm.sum_scalars([total if keep else 0.0, tokens if keep else 0])
-    if simulated(job.comm):                      # N copies of this rank's sum: its own tokens' mean instead
-        return HeldOut.of(total, tokens if last is not None else 0, data.seq_len // mesh.sp)
-    return HeldOut.of(float(summed[0]), float(summed[1]), data.seq_len)

@@ -1,7 +1,5 @@
-"""What the train CLI checks when the job starts, before the first step: that its outputs can be
-written, that an injected fault names a rank and a step of this job, and that the job fits in
-memory. Each returns or raises one line (ConfigError); main() makes the ranks agree on them.
-"""
+"""What the train CLI checks before the first step: its outputs can be written, an injected fault fits the job,
+the job fits in memory. Each returns or raises one line (ConfigError); main() makes the ranks agree on them."""
 from types import SimpleNamespace
 from typing import List, Optional, Tuple
 
@@ -12,9 +10,8 @@ from .data import FILE_VOCAB, GENERATED_VOCAB
 
 
 def check_outputs(cfg: TrainConfig, rank: int) -> None:
-    """Every rank: no output where an input, another output, the stop file or a folder of the run is
-    (outputs.check_roles; this rank's own trace of an abort included). --metrics-json and --trace on rank 0
-    (which writes them); --save-dir and --offload-dir on every rank (each writes its shard, its offload files)."""
+    """No output where an input, another output or a folder of the run is (this rank's abort trace included);
+    --metrics-json and --trace writable on rank 0, --save-dir and --offload-dir on every rank (its files)."""
     from ..checkpoint.savedir import folders_read
     from ..engine.trace import crash_path
     nvme = "nvme" in (cfg.zero.offload_optimizer, cfg.zero.offload_params)
@@ -34,9 +31,8 @@ def check_outputs(cfg: TrainConfig, rank: int) -> None:
 
 
 def topology_error(cfg: TrainConfig, mpi_comm) -> Optional[str]:
-    """Every rank, after the start-up agreement: with --shard-size but no node size given (--node-size,
-    $ZEROMPI_NODE_SIZE), the one line saying that the shard groups do not fit the nodes MPI's shared-memory
-    split makes (a collective over the world: what the engine would find on every rank), else None."""
+    """With --shard-size and no node size given: the line saying the shard groups do not fit the nodes of MPI's
+    shared-memory split (a collective: what the engine would find), else None."""
     from ..comm.topology import check_sizes, node_size_env, node_size_from
     m, n = cfg.mesh, mpi_comm.Get_size()
     if n == 1 or m.shard_size is None or m.node_size is not None or node_size_env() is not None:
@@ -49,9 +45,8 @@ def topology_error(cfg: TrainConfig, mpi_comm) -> Optional[str]:
 
 
 def check_fault(fault, world_size: int, cfg: TrainConfig) -> None:
-    """ConfigError unless ``fault`` (engine.faults.Fault, or None) can fire in this job: its rank
-    exists (in a simulated world: is the one that runs), its step is run, and its point (save, metrics)
-    comes after that step."""
+    """ConfigError unless ``fault`` (engine.faults.Fault, or None) can fire: its rank runs, its step is run, and
+    its point (save, metrics) comes after that step."""
     if fault is None:
         return
     text = f"ZEROMPI_FAULT='{fault}'"
@@ -74,38 +69,36 @@ EXACT_LAYERS = 100_000   # up to this many layers the check lays the model out a
 
 
 def layer_sizes(cfg: TrainConfig, tp: int = 1) -> List[int]:
-    """Parameters of each engine layer of the built-in model on one TP rank (``tp`` ranks per TP
-    group; 1: the whole model), without building it. The GPT's blocks keep 6·d_model replicated
-    (the LayerNorms, the row-parallel biases) and split the rest, 12·d_model² + 7·d_model, K ways
-    (models/gpt.py, TP_SPLIT); the MLP's even blocks split weight and bias, its odd ones the weight only
-    (models/mlp_tp.py). Embeddings and the final LayerNorm are replicated. A list of every layer:
-    only for up to EXACT_LAYERS of them (model_size is the closed form)."""
+    """Parameters of each engine layer of the built-in model on one of ``tp`` TP ranks, without building it
+    (models/gpt.py's TP_SPLIT, models/mlp_tp.py). Up to EXACT_LAYERS layers only (else model_size)."""
     if cfg.model == "mlp":
         w = cfg.width
         if tp == 1:
             return [w * w + w] * cfg.depth
         return [(w * w + w) // tp if i % 2 == 0 else w * w // tp + w for i in range(cfg.depth)]
+    embed, block, ln_f = _gpt_sizes(cfg, tp)
+    return [embed] + [block] * cfg.n_layer + [ln_f]
+
+
+def _gpt_sizes(cfg: TrainConfig, tp: int) -> Tuple[int, int, int]:
+    """Parameters of the GPT's embeddings, of a block (6·d_model of it replicated) and of ln_f on one TP rank."""
     c, vocab = cfg.d_model, FILE_VOCAB if cfg.data else GENERATED_VOCAB
-    return [vocab * c + cfg.seq_len * c] + [(12 * c * c + 7 * c) // tp + 6 * c] * cfg.n_layer + [2 * c]
+    return vocab * c + cfg.seq_len * c, (12 * c * c + 7 * c) // tp + 6 * c, 2 * c
 
 
 def model_size(cfg: TrainConfig, tp: int = 1) -> Tuple[int, int]:
-    """(Ψ, the largest engine layer's parameters) on one TP rank, in closed form: no list of the layers
-    (--n-layer 10**9 must be refused at once, not fill the memory)."""
+    """(Ψ, the largest engine layer's parameters) on one TP rank, in closed form (--n-layer 10**9: no list)."""
     if cfg.model == "mlp":
         w, d = cfg.width, cfg.depth
         even, odd = (w * w + w) // tp, (w * w // tp + w if tp > 1 else w * w + w)
         return even * ((d + 1) // 2) + odd * (d // 2), max(even, odd if d > 1 else even)
-    c, vocab = cfg.d_model, FILE_VOCAB if cfg.data else GENERATED_VOCAB
-    sizes = (vocab * c + cfg.seq_len * c, (12 * c * c + 7 * c) // tp + 6 * c, 2 * c)   # embeddings, a block, ln_f
-    return sizes[0] + cfg.n_layer * sizes[1] + sizes[2], max(sizes)
+    embed, block, ln_f = _gpt_sizes(cfg, tp)
+    return embed + cfg.n_layer * block + ln_f, max(embed, block, ln_f)
 
 
 def stage_estimate(cfg: TrainConfig, world_size: int) -> dict:
-    """zerompi.estimate's row of cfg's stage for one rank: with --tp K, for the pieces of its TP rank
-    sharded over the N/K data-parallel ranks (estimate/tp_bytes.py's split). The engine's own layout
-    of those layers (one bucket plan, as the engine cuts it), so the model states are exact; a model
-    of more than EXACT_LAYERS layers is estimated from its size and largest layer instead."""
+    """zerompi.estimate's row of cfg's stage for one rank (its TP rank's pieces over the N/K data-parallel ranks),
+    on the engine's own layout (exact), or from Ψ and the largest layer beyond EXACT_LAYERS layers."""
     from ..estimate.plan import bucket_numel
     from ..estimate.stages import estimate
     from ..layout import FlatLayout
@@ -123,11 +116,8 @@ def stage_estimate(cfg: TrainConfig, world_size: int) -> dict:
 
 
 def pipeline_estimate(cfg: TrainConfig, world_size: int, rank: int, schedule=None) -> dict:
-    """zerompi.estimate's row for world rank ``rank`` of a pipelined job (--pp): the rows of the model chunks its
-    stage holds (the schedule's placement, models/chunks.py's cut of the layers), each laid out as its engine
-    lays it over the stage's data-parallel ranks, summed (estimate.stages.sum_rows). A chunk of more than
-    EXACT_LAYERS layers is estimated from its blocks alone, in closed form (a lower bound). ``schedule``: the
-    run's (pipeline.load_schedule; loaded here when not given)."""
+    """zerompi.estimate's row for world rank ``rank`` of a pipelined job: the sum of the rows of its stage's chunks,
+    each laid out as its engine does (beyond EXACT_LAYERS layers: its blocks alone, a lower bound)."""
     from ..estimate.plan import bucket_numel
     from ..estimate.stages import estimate, sum_rows
     from ..layout import FlatLayout
@@ -142,7 +132,7 @@ def pipeline_estimate(cfg: TrainConfig, world_size: int, rank: int, schedule=Non
     rows = []
     for c in s.chunks_of(pipeline_stage(cfg, world_size, rank)):
         if blocks // s.chunks > EXACT_LAYERS:
-            block = (12 * cfg.d_model ** 2 + 7 * cfg.d_model) // m.tp + 6 * cfg.d_model if gpt else \
+            block = _gpt_sizes(cfg, m.tp)[1] if gpt else \
                 min(layer_sizes(SimpleNamespace(model="mlp", width=cfg.width, depth=2), m.tp))
             rows.append(estimate(params=blocks // s.chunks * block, largest_layer=block, **common)["stages"][z.stage])
             continue
@@ -160,8 +150,7 @@ def pipeline_stage(cfg: TrainConfig, world_size: int, rank: int) -> int:
 
 
 def _pipeline_activations(cfg: TrainConfig, world_size: int, rank: int, s) -> int:
-    """The GPT's activation bytes on a pipelined rank (C kernels) of schedule ``s``: per chunk, its micro-batches
-    in flight x estimate/activations.py's chunk formula; what the run measures."""
+    """The GPT's activation bytes on a pipelined rank of schedule ``s`` (C kernels), as the run measures them."""
     from ..estimate.activations import gpt_chunks_activation_bytes
     from ..pipeline.timeline import in_flight
     m = cfg.mesh
@@ -174,14 +163,9 @@ def _pipeline_activations(cfg: TrainConfig, world_size: int, rank: int, s) -> in
 
 
 def memory_needed(cfg: TrainConfig, world_size: int, rank: int = 0) -> dict:
-    """Bytes one rank holds at once at least, by part: the model states and engine buffers (zerompi.estimate,
-    best case; with --tp for this TP rank's pieces), and the MLP's teacher (float32, built whole and kept) or
-    the GPT's activations: on the CPU all of one micro-batch's (estimate/activations.py, what the run
-    measures; with --sp K of this rank's chunk, with --tp of its heads and MLP columns), else the attention
-    probabilities one micro-batch keeps for the backward (one block's with checkpointing; n_head/(tp x sp)
-    heads over the whole sequence). The
-    built-in models are lazy (engine/lazy.py): no rank makes its initial parameters whole, so they add
-    nothing beside the model states. With --pp: world rank ``rank``'s, the chunks of its stage (pipeline_estimate)."""
+    """Bytes world rank ``rank`` holds at once at least, by part: model states and buffers (zerompi.estimate, best
+    case), and the MLP's teacher or the GPT's activations (on the CPU, as the run measures them; else the
+    attention probabilities kept). Lazy initial parameters (engine/lazy.py) add nothing."""
     z, m, tp = cfg.zero, cfg.mesh, cfg.mesh.tp
     if m.pp > 1:
         from .pipeline import load_schedule
@@ -210,9 +194,8 @@ def memory_needed(cfg: TrainConfig, world_size: int, rank: int = 0) -> dict:
 
 
 def memory_error(cfg: TrainConfig, world_size: int, placement, rank: int = 0) -> Optional[str]:
-    """One line when the job cannot fit in this rank's share of the machine (before anything is
-    allocated), else None. A lower bound is compared, so a job refused here cannot run. With --pp each
-    rank checks its own stage's chunks (world rank ``rank``)."""
+    """One line when the job cannot fit in world rank ``rank``'s share of the machine, else None: a lower bound
+    is compared, so a job refused here cannot run."""
     from ..estimate.machine import available_per_rank, human_bytes
     have = available_per_rank(placement)
     try:

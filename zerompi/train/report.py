@@ -8,7 +8,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 from mpi4py import MPI
 
-from ..estimate.activations import formula_text, gpt_activation_bytes
+from ..estimate.activations import formula_text
 from ..optim import impl
 from ..comm.communicator import mpi_library
 from ..comm.device import describe_buffers
@@ -19,8 +19,7 @@ from .console import human_bytes
 
 
 def leads(comm) -> bool:
-    """This process prints and writes the job's outputs: rank 0, or a simulated world's one process
-    (comm/simulated_world.py; ``comm``: an mpi4py communicator, a stand-in, or a zerompi Communicator)."""
+    """This process prints and writes the job's outputs: rank 0, or a simulated world's one process."""
     mpi = getattr(comm, "mpi", comm)
     return mpi.Get_rank() == 0 or getattr(mpi, "simulated", False)
 
@@ -35,10 +34,8 @@ def print0(comm, *args, **kwargs) -> None:
 def memory_table(measured: Dict[str, int], theory: Dict[str, int], padded: Dict[str, int],
                  stage: int, world_size: int, itemsize: int, node_size: int = 1,
                  activations: Optional[Tuple[int, int, str]] = None) -> str:
-    """Measured model-state bytes per rank beside DESIGN.md's formula (N: the ranks one copy of
-    the model states is sharded over; hpZ's node-local copy, when there is one, on its own row).
-    ``activations``: (measured, formula, the formula in words) of the GPT's activations, a row
-    after the model states' and the total of both below it."""
+    """Measured model-state bytes per rank beside DESIGN.md's formula (N: the ranks one copy is sharded over; hpZ's
+    copy on its own row); ``activations``: (measured, formula, in words), a row, and the total of both below."""
     p = itemsize
     formulas = {
         0: (f"{p}Ψ", f"{p}Ψ", "12Ψ"),
@@ -73,9 +70,8 @@ def memory_table(measured: Dict[str, int], theory: Dict[str, int], padded: Dict[
 
 def comm_table(measured: Dict[str, float], theory: float, stage: int, levels=None, level_theory=None,
                logical=None, steady: bool = True) -> str:
-    """Measured bytes sent per rank per step beside the formula: a steady step's (the mean of the steps after
-    the first), or with ``steady`` False the first step's, the only one run; ``levels``: the bytes of a steady
-    step inside the node and across nodes (None: not measured), beside ``level_theory`` (engine/traffic.py)."""
+    """Measured bytes sent per rank per step (a steady step's, else the first's) beside the formula; ``levels``:
+    a steady step's inside the node and across nodes (None: not measured), beside ``level_theory``."""
     lines = ["communication per rank per step: measured (a steady step: the mean of the steps after the first) "
              "vs formula" if steady else
              "communication per rank: one step ran, so no steady step was measured; the first step's bytes (it can "
@@ -97,7 +93,7 @@ def comm_table(measured: Dict[str, float], theory: float, stage: int, levels=Non
 
 
 def print_banner(cfg, job, comm, placement) -> None:
-    """The train run's start-up lines (rank 0): the job (its pipeline), MPI and buffers, layout; the GPT's shape."""
+    """The train run's start-up lines (rank 0): the job, MPI and buffers, layout; the GPT's shape."""
     engine, data = next(iter(job.engines)), job.data
     if job.pipelined:
         for line in job.banner():
@@ -130,20 +126,6 @@ def _engine_banner(cfg, engine, comm, placement) -> None:
     print0(comm.mpi, f"  topology: {engine.topology.describe()}{f' ({hosts})' if hosts else ''}{two}{hpz}")
 
 
-def activations(cfg, model, world_size: int) -> Tuple[Optional[int], Optional[int]]:
-    """(measured, formula) activation bytes per rank: the GPT's on its C kernels (models/activations.py,
-    estimate/activations.py; with --sp K, of this rank's chunk; with --tp, of its heads and MLP columns), else
-    (None, None) (the MLP, the GPT's plain array path)."""
-    measured = getattr(model, "activation_bytes", None)
-    if measured is None:
-        return None, None
-    m = cfg.mesh
-    rows = cfg.batch // (world_size // (m.tp * m.sp) * cfg.zero.micro_batches)    # sequences per data-parallel rank
-    theory = gpt_activation_bytes(rows, cfg.seq_len, cfg.d_model, cfg.n_layer, cfg.n_head, model.vocab,
-                                  cfg.checkpoint_activations, np.dtype(model.dtype).itemsize, m.sp, m.tp)
-    return measured, theory["total"]
-
-
 def _summed(dicts):
     """Per key, the sum of the dicts' numbers (nested dicts summed alike): a rank's facts over its engines."""
     out = {}
@@ -154,15 +136,14 @@ def _summed(dicts):
 
 
 def peak_buffer_bytes(engines) -> int:
-    """The transient bytes this rank's engines hold at most: each one's buffers at their peak, and the receive
-    scratch of the communicators they share counted once (a pipeline stage's chunks share its ZeRO group)."""
+    """The transient bytes this rank's engines hold at most: their buffers at peak, and their communicators'
+    receive scratch once each (a pipeline stage's chunks share one)."""
     comms = {id(c): c for e in engines for c in e.communicators()}
     return sum(e.ledger.peak["buffers"] for e in engines) + sum(c.peak_scratch_bytes for c in comms.values())
 
 
 def most_zero_bytes(engine) -> int:
-    """The engine's data-parallel bytes per step when no stage-3 bucket is kept across a forward/backward turn
-    (a schedule that interleaves the chunk's forwards and backwards keeps fewer than an unpipelined run)."""
+    """The engine's data-parallel bytes per step with no stage-3 bucket kept across a forward/backward turn."""
     from ..engine import traffic
     c, t = engine.config, engine.topology
     return sum(traffic.step_bytes(c.stage, [b.numel for b in engine.layout.buckets], np.dtype(engine.dtype).itemsize,
@@ -171,14 +152,9 @@ def most_zero_bytes(engine) -> int:
 
 
 def final_metrics(cfg, job, comm, log, placement) -> dict:
-    """The train run's metrics, one schema for every run (keys in the order the JSON has them; rank 0's dict is
-    the one written): ``job`` is train/job.py's SingleJob or train/pipeline.py's PipelineJob (its engines: the
-    one engine, or this rank's chunks' engines, whose facts are summed). Facts of a mode a run does not use
-    (tensor_parallel, sequence_parallel, the pipeline's, simulated, cupy_pool_bytes) are null, never renamed.
-
-    A collective (all-reduces, timed by the engines' watchdog): call it before the job closes. Memory and
-    traffic bytes are maxima over ranks; times are this rank's clock. ``log`` is the step loop's record.
-    """
+    """The train run's metrics, one schema for every run (rank 0's dict is written); ``job``: a SingleJob or
+    PipelineJob, its engines' facts summed; a mode's facts are null where a run does not use it. A collective:
+    call it before the job closes. Memory and traffic bytes are maxima over ranks, times this rank's clock."""
     engines = list(job.engines)
     first = engines[0]
     step = first.steps_taken
@@ -186,9 +162,6 @@ def final_metrics(cfg, job, comm, log, placement) -> dict:
     reports = [e.memory_report() for e in engines]
     measured = _summed(r["measured"] for r in reports)
     names = list(measured)
-    # A steady step's traffic: the median over the kept steps after the run's first (history.py; -1: one step
-    # ran, none measured: stage 3 gathers the next forward's first buckets at the end of a step, which the first
-    # step did not find), and the first step's bytes; then the maximum over ranks.
     steady = log.traffic_figures()             # [a steady step's, intra, inter, unquantized; the first step's]
     activation = job.activations()
     groups = {name: log.steady_median(log.group_series(name)[0]) for name in ("tp", "sp")}
@@ -199,8 +172,7 @@ def final_metrics(cfg, job, comm, log, placement) -> dict:
     theory, padded = (_summed(r[key] for r in reports) for key in ("theory", "theory_padded"))   # this rank's
     formulas = [theory[k] for k in theory] + [padded[k] for k in padded] + [sum(e.comm_theory_bytes() for e in engines)]
     top = np.array([measured[k] for k in names] + [peak_buffer_bytes(engines)] + steady + extra + formulas, np.int64)
-    # The buffer form, not mpi4py's pickled allreduce: that one holds the GIL while it waits
-    # (measured, mpi4py 4.1), so the watchdog thread could never run and a hang here would be forever.
+    # The buffer form: mpi4py's pickled allreduce holds the GIL while it waits (4.1), so no watchdog could fire.
     with watched(comm, "final metrics: all-reduce (max) of memory and traffic bytes", step):
         comm.mpi.Allreduce(MPI.IN_PLACE, top, op=MPI.MAX)
     n = len(names)
@@ -302,12 +274,8 @@ def _steady_seconds(log, group: str) -> float:
 
 
 def print_summary(metrics: dict, job, comm, base_bytes: Dict[str, int]) -> None:
-    """The end-of-run tables (rank 0): memory and traffic per rank beside the formulas, the model-parallel
-    groups' and the pipeline's rows, then the step time.
-
-    ``base_bytes``: comm.stats bytes per operation that are not the steps' own (the initial
-    all-gather, the held-out loss); the rest, over the steps run, is the per-step table.
-    """
+    """The end-of-run tables (rank 0): memory and traffic beside the formulas, the model-parallel and pipeline rows,
+    the step time. ``base_bytes``: comm.stats bytes per op not the steps' own (initial gather, held-out loss)."""
     from . import sp_run, tp_run
     engines = list(job.engines)
     first, cfg = engines[0], metrics["config"]

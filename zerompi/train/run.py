@@ -19,30 +19,25 @@ from ..comm import watchdog
 from ..comm.watchdog import StopSignal
 
 def build_model(cfg: TrainConfig, xp=np, mesh=None):
-    """(model, data) for cfg.model; the GPT computes on ``xp`` (the MLP's NumPy calls dispatch to CuPy);
-    with a Mesh (tp or sp > 1), the versions split over it (train/parallel.py)."""
-    if mesh is not None:
-        from .parallel import build_model as build_split
-        return build_split(cfg, mesh, xp)
+    """(model, data) for cfg.model; the GPT computes on ``xp`` (the MLP's NumPy calls dispatch to CuPy); with a
+    Mesh (tp or sp > 1), split over its TP group (models/gpt.py, models/mlp_tp.py) and SP group (the GPT)."""
     if cfg.model == "gpt":
         from .data import make_data
         from .models.gpt import GPT
         data = make_data(cfg.data, cfg.seq_len, cfg.seed)
         return GPT(data.vocab, cfg.seq_len, cfg.n_layer, cfg.n_head, cfg.d_model, cfg.seed, xp=xp,
-                   checkpoint_activations=cfg.checkpoint_activations), data
+                   checkpoint_activations=cfg.checkpoint_activations, sp=mesh.sp_comm if mesh else None,
+                   tp=mesh.tp_comm if mesh else None), data
     from .models.mlp import MLP, TeacherData
-    return MLP(cfg.width, cfg.depth, cfg.seed), TeacherData(cfg.width, cfg.depth, cfg.seed)
+    from .models.mlp_tp import TPMLP
+    model = MLP(cfg.width, cfg.depth, cfg.seed) if mesh is None else TPMLP(cfg.width, cfg.depth, cfg.seed, mesh.tp_comm)
+    return model, TeacherData(cfg.width, cfg.depth, cfg.seed)
 
 
 def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
-    """Run the job; returns the metrics dict (identical on every rank).
-
-    One job in every mode: a run without --pp is the pipeline's one stage holding one chunk, on its own
-    strategy (train/job.py's SingleJob; train/pipeline.py's PipelineJob for --pp P > 1); one step loop,
-    one report, one metrics schema. ``stop``: a watchdog.StopSignal; once any rank has received one, every
-    rank stops after the same step (and saves a checkpoint when save_dir is set). ``placement``: a
-    device.Placement (main() makes it from cfg.device; None: the host, NumPy).
-    """
+    """Run the job (a SingleJob, or a PipelineJob with --pp); returns the metrics dict (identical on every rank).
+    ``stop``: a watchdog.StopSignal (once a rank has one, every rank stops after the same step, and saves with
+    save_dir); ``placement``: a device.Placement (None: the host, NumPy)."""
     from . import report, simulated_run
     from ..comm.communicator import as_communicator
     from ..comm.consistency import check_consistent, job_fields
@@ -146,8 +141,7 @@ def _run_steps(cfg: TrainConfig, job, comm, start: int, stop) -> StepLog:
 
 
 def _validate(job, comm, base_bytes: Dict[str, int]):
-    """The held-out loss and its rows (data.HeldOut; a collective); its traffic (stage 3 gathers) goes to
-    base_bytes, out of the per-step table."""
+    """The held-out loss and its rows (data.HeldOut; a collective); its traffic goes to base_bytes."""
     before = {op: s.bytes for op, s in comm.stats.items()}
     loss = job.validation_loss()
     for op, s in comm.stats.items():
@@ -182,9 +176,8 @@ def _resume(job, cfg: TrainConfig) -> int:
 
 
 def _one_blas_thread() -> None:
-    """One OpenBLAS thread per rank, unless the user set OPENBLAS_NUM_THREADS or OMP_NUM_THREADS: OpenBLAS
-    otherwise starts a spinning thread per core in every rank (docs/gpt.md has the cost); parallelism here
-    comes from ranks, the per-rank matrices are small."""
+    """One OpenBLAS thread per rank unless OPENBLAS_NUM_THREADS or OMP_NUM_THREADS is set: else it spins a thread
+    per core in every rank (docs/gpt.md); parallelism comes from the ranks."""
     import ctypes
     import os
     if any(k in os.environ for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")):

@@ -1,12 +1,8 @@
 """The train job as one rank of a job that does not fit here: ``--simulate-world N [--simulate-rank R]``.
 
-This process runs rank R's engine -- its layout, buffers, kernels and step -- over a
-comm/simulated_world.SimulatedWorld, whose stood-in ranks mirror this one (its RULE). What it prints
-and records is therefore rank R's memory and traffic in the real N-rank job, measured: the
-ledger's model states and buffers, the activations, the process's peak resident set, and the
-bytes each collective sent per step, beside zerompi.estimate's numbers for the same flags (the
-engine's own layout). The loss it prints is not a real run's: every step line says so, and the
-rule is in the banner and in the metrics ("simulated").
+This process runs rank R's engine over a comm/simulated_world.SimulatedWorld whose stand-ins mirror it (its
+RULE), so what it measures is rank R's memory and traffic in the real job, beside zerompi.estimate's numbers.
+The loss is not a real run's: every step line says so.
 """
 import resource
 from typing import Optional
@@ -59,8 +55,7 @@ def loss_note(cfg, stage=None) -> str:
 
 
 def no_held_out(cfg, stage=None) -> str:
-    """Why an evaluation found no held-out row anywhere (console.held_out's note): a simulated rank whose share
-    is empty (its stand-ins mirror it), or (``stage``) a pipeline stage without the last chunk."""
+    """Why an evaluation found no held-out row anywhere (console.held_out's note)."""
     if not cfg.simulate_world:
         return "no rank has a row of the held-out set"
     if stage is not None:
@@ -84,24 +79,23 @@ def estimate_row(engine) -> dict:
     """zerompi.estimate's stage row for an engine's own settings and layout (exact model states)."""
     from ..estimate.stages import estimate
     z, t = engine.config, engine.topology
-    return estimate(layout=engine.layout, ranks=t.size, dtype=z.dtype, prefetch=z.prefetch, micro_batches=z.micro_batches,
-                    overlap=z.overlap, align=z.align, node_size=t.node_size, shard_size=t.shard_size, hpz=z.hpz,
+    return estimate(layout=engine.layout, ranks=t.size, dtype=z.dtype, prefetch=z.prefetch,
+                    micro_batches=z.micro_batches, overlap=z.overlap, align=z.align, node_size=t.node_size,
+                    shard_size=t.shard_size, hpz=z.hpz,
                     offload_optimizer=z.offload_optimizer, offload_params=z.offload_params,
                     quantize_weights=z.quantize_weights, quantize_grads=z.quantize_grads,
                     quant_block=z.quant_block)["stages"][z.stage]
 
 
 def estimate_rows(engines) -> dict:
-    """The estimate beside this rank: one engine's row, or the sum of the rows of its engines (a pipeline
-    stage's model chunks, each an ordinary ZeRO engine over the stage's data-parallel group)."""
+    """The estimate beside this rank: the sum of its engines' rows (a pipeline stage's chunks)."""
     from ..estimate.stages import sum_rows
     return sum_rows([estimate_row(e) for e in engines], "chunks")
 
 
 def metrics(cfg, engines, comm, log, base: dict) -> dict:
-    """The "simulated" entry of the metrics: who this process stood for, the rule, the estimate beside (``engines``:
-    this rank's, one or a pipeline stage's chunks), and the bytes and calls per step of each collective (``log``:
-    the step loop's, whose base_bytes are not steps')."""
+    """The "simulated" entry of the metrics: who this process stood for, the rule, the estimate beside, and the
+    bytes and calls per step of each collective."""
     from ..comm.simulated_world import RULE
     est = estimate_rows(engines)
     steady, first = log.steady_per_op() or {}, log.first_per_op() or {}

@@ -1,10 +1,7 @@
-"""The train job's sequence parallelism (--sp K, DeepSpeed-Ulysses): its checks, metrics and the SP row.
+"""The train job's sequence parallelism (--sp K, DeepSpeed-Ulysses): its checks, the formula and the SP row.
 
-K adjacent ranks (or TP groups) share each sequence, T/K positions each (models/gpt_sp.py); ZeRO
-shards over the dp x sp ranks (engine/tp_groups.py). What is reported here: the bytes each rank sends
-in the SP all-to-alls per step (measured around the forward and backward of the step, beside the
-formula) and their seconds beside the step's; the activations are in the memory table
-(train/report.py, with the formula in K).
+K adjacent ranks (or TP groups) share each sequence, T/K positions each (models/gpt_sp.py); ZeRO shards over
+the dp x sp ranks (engine/tp_groups.py).
 """
 from ..errors import check
 

@@ -1,8 +1,4 @@
-"""The train job's tensor parallelism (--tp K): its checks, metrics and the TP row (train/parallel.py
-builds the mesh and the models). The bytes each rank
-sends in TP all-reduces per step (measured around the forward and backward of the step) are in the
-metrics' tensor_parallel entry (train/report.py), beside the model's formula here.
-"""
+"""The train job's tensor parallelism (--tp K): its checks, the formula of its all-reduce bytes, the TP row."""
 from ..errors import check
 
 

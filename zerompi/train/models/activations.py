@@ -14,9 +14,8 @@ RECOMPUTE = "recompute"     # the workspace key of the shared buffers a checkpoi
 
 
 def parameter_buffer(key) -> bool:
-    """True for the workspace's parameter-sized buffers (models/gpt.py's ("param", name) copies,
-    gpt_fast.py's ("block", "g.<name>") gradients, and a split backward's (layer, "g.<name>") ones kept to its
-    W); every other buffer is an activation."""
+    """True for the parameter-sized buffers (("param", name) copies, (layer or "block", "g.<name>") gradients);
+    every other buffer is an activation."""
     return isinstance(key, tuple) and len(key) == 2 and (key[0] == "param" or str(key[1]).startswith("g."))
 
 
@@ -30,9 +29,8 @@ def one_layer_buffer(key) -> bool:
 
 
 class MeteredWorkspace(Workspace):
-    """A persistent Workspace that counts its activation bytes: ``current`` and ``peak``. ``shared``: a Workspace
-    that holds its one-layer buffers instead (the workspaces of micro-batches in flight share one set: a
-    pipeline stage with m micro-batches in flight keeps one fp32 copy of a block, not m)."""
+    """A persistent Workspace that counts its activation bytes, ``current`` and ``peak``; ``shared``: where its
+    one-layer buffers live (one set for the micro-batches in flight, not m)."""
 
     def __init__(self, shared: Workspace = None):
         super().__init__(persistent=True)

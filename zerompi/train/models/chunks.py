@@ -1,9 +1,7 @@
 """A chunk of a model: a run of its layers, walked forward and backward through the chunk's engine.
 
-The one layer walk of every built-in model: a pipeline chunk is a run of the model's layers, an unpipelined
-run the one chunk of all of them, its micro-batches one at a time; each sees the engine's layers in the
-order stage 3 schedules by, and hands each layer's gradients back as its backward ends (a split backward:
-B, then W). ``WorkspacePool``: the GPT's buffers, one set per micro-batch in flight.
+The one layer walk of every built-in model (an unpipelined run: the one chunk of all layers), in the order
+stage 3 schedules by, each layer's gradients handed back as its backward ends (a split backward: B, then W).
 """
 from typing import Dict, List, Optional
 
@@ -34,10 +32,8 @@ class MicroBatch:
 
 
 class Chunk:
-    """Layers ``layers`` (the model's numbering) of ``model``, which gives forward_layer(i, params, x) -> (y, cache),
-    backward_layer(i, params, cache, dy) -> (dx, grads), backward_layer_parts (a split backward) and
-    loss(y, target) -> (loss, dy). ``feed(step)``: the step's micro-batches [(input, target)] (chunks with the
-    first or the last layer; ``batches`` may be set instead); ``rows``: a micro-batch's (input_spec, grad_spec)."""
+    """Layers ``layers`` of ``model`` (forward_layer, backward_layer, backward_layer_parts, loss). ``feed(step)``:
+    the step's micro-batches [(input, target)] (or set ``batches``); ``rows``: a micro-batch's."""
 
     def __init__(self, model, layers, num_layers: int, feed=None, rows: int = 0):
         self.model, self.layers, self.feed, self.rows = model, list(layers), feed, rows
@@ -48,8 +44,7 @@ class Chunk:
         self.batches = None
 
     def lazy_layers(self):
-        """The chunk's layers of the whole model's lazy rules (engine/lazy.py: each knows its place in the
-        model's draws, so the engine makes this chunk's shard of the same initial values)."""
+        """The chunk's layers of the whole model's lazy rules (the same initial values as unpipelined)."""
         full = self.model.lazy_layers()
         return [full[g] for g in self.layers]
 
@@ -157,7 +152,6 @@ class WorkspacePool:
 
 
 def pools_peak_bytes(pools) -> int:
-    """The activation bytes of several chunks' pools on one rank: their workspaces', and each shared one-layer set
-    once (the chunks of a rank share one: they never run at the same time)."""
+    """The activation bytes of a rank's chunks' pools: their workspaces', and each shared one-layer set once."""
     shared = {id(p.shared): p.shared for p in pools}
     return sum(ws.peak for p in pools for ws in p.made) + sum(getattr(s, "peak", 0) for s in shared.values())

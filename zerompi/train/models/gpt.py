@@ -56,8 +56,7 @@ class GPT:
 
     @property
     def activation_bytes(self):
-        """The most bytes of activations held at once so far (the workspace's count; None on the plain
-        array path, whose arrays the workspace does not hold)."""
+        """The most bytes of activations held at once so far (None on the plain array path: not in the workspace)."""
         return self.workspace.peak if self.layers.name == "c" else None
 
     def chunk(self, tokens: int) -> int:
@@ -65,15 +64,13 @@ class GPT:
         return self.sp.rank * tokens if self.sp else 0
 
     def local_sequence(self, rows):
-        """(inputs, targets) of this rank's chunk of ``rows`` (sequences of seq_len + 1 tokens): all of
-        each sequence, or with sequence parallelism positions seq_len/K x rank .. of it."""
+        """(inputs, targets) of this rank's chunk of ``rows`` (sequences of seq_len + 1 tokens; with SP, its part)."""
         t = self.seq_len // (self.sp.size if self.sp else 1)
         lo = self.chunk(t)
         return rows[:, lo:lo + t], rows[:, lo + 1:lo + t + 1]
 
     def data_share(self, engine) -> Tuple[int, int]:
-        """(this rank's share, shares) of the global batch's rows: the engine's ranks, whose SP ranks
-        (adjacent, comm/mesh.py) take one share together."""
+        """(this rank's share, shares) of the global batch's rows: the engine's ranks, SP ranks sharing one."""
         k = self.sp.size if self.sp else 1
         return engine.rank // k, engine.world_size // k
 
@@ -93,9 +90,8 @@ class GPT:
         return {k: f"block{i}.{k}" for k in keys}
 
     def lazy_layers(self) -> List[Tuple[str, Dict[str, lazy.Lazy]]]:
-        """[(layer name, {param name: lazy rule})] (engine/lazy.py), GPT-2 style: N(0, 0.02), residual
-        projections N(0, 0.02 / sqrt(2 L)), LayerNorm gain 1, biases 0; the normals drawn in turn from
-        one generator, in layer order. The engine makes each rank's shard of them, never the whole model."""
+        """[(layer name, {param name: lazy rule})] (engine/lazy.py), GPT-2 style: N(0, 0.02), residual projections
+        N(0, 0.02 / sqrt(2 L)), LayerNorm gain 1, biases 0; the normals drawn in turn from one generator."""
         stream = lazy.Stream([self.seed, 0x6E7])
         C, L = self.d_model, self.n_layer
         normal = lambda shape, std=0.02: stream.normal(shape, scale=std)
@@ -124,9 +120,8 @@ class GPT:
         return {f"block{i}.{k}": s for i in range(self.n_layer) for k, s in TP_SPLIT.items()}
 
     def tp_bytes_per_micro_batch(self, rows: int, itemsize: int = 4) -> int:
-        """Bytes one rank sends in the TP all-reduces of one micro-batch of ``rows`` sequences: per block 2 in
-        the forward (again in the backward's recomputation, with checkpointing) and 2 in the backward, of
-        rows·t·d_model values each (t: the positions this rank holds, seq_len / sp), 2(K-1)/K of each."""
+        """Bytes one rank sends in the TP all-reduces of a micro-batch of ``rows`` sequences: per block 2 forward (again
+        when recomputed) and 2 backward, of rows·t·d_model values (t = seq_len / sp), 2(K-1)/K of each."""
         k, t = (self.tp.size if self.tp else 1), self.seq_len // (self.sp.size if self.sp else 1)
         calls = 6 if self.checkpoint_activations else 4
         return self.n_layer * calls * 2 * (k - 1) * (rows * t * self.d_model // k) * itemsize
@@ -136,9 +131,8 @@ class GPT:
         return lazy.materialize(self.lazy_layers())
 
     def _cast(self, params, names, ws: Workspace = FRESH) -> Dict[str, object]:
-        """{short name: parameter in the compute dtype}. Stored fp16 ones are converted (F16C where it
-        can, model_kernels.upcast), with a persistent workspace into one set of buffers that every
-        block shares (a block's are converted again for its backward: no fp32 copy of the model kept)."""
+        """{short name: parameter in the compute dtype}: stored fp16 ones converted (model_kernels.upcast), with a
+        persistent workspace into one set of buffers every block shares (no fp32 copy of the model kept)."""
         out = {}
         for k, v in names.items():
             a = params[v]
@@ -148,11 +142,8 @@ class GPT:
 
     # -- per engine layer -----------------------------------------------------------------
     def forward_layer(self, i: int, params, x, ws: Workspace = FRESH):
-        """Layer i's forward: token ids (B, T) -> h for i = 0, h -> h after. Returns (out, cache).
-
-        ``ws``: where the buffers come from (the default: new arrays). With a persistent
-        workspace the output and the cache are this layer's buffers, valid until its next
-        forward; the engine driver passes ``self.workspace``."""
+        """(out, cache) of layer i: token ids (B, T) -> h for i = 0, h -> h after. With a persistent ``ws``, out and
+        cache are this layer's buffers, valid until its next forward (default: new arrays)."""
         if i == 0:
             return self.embed_forward(params, x, ws)
         if i <= self.n_layer:
@@ -161,10 +152,8 @@ class GPT:
         return self.layers.ln_forward(x, p["g"], p["b"], ws, i)
 
     def backward_layer(self, i: int, params, cache, dy, ws: Workspace = FRESH):
-        """(dx, {param name: grad}) of layer i; layer 0 reads no parameters (params may be None).
-
-        With a persistent ``ws`` dx is the layer's buffer and a block's gradients are buffers
-        shared by every block: read (or copy) them before the next backward_layer call."""
+        """(dx, {param name: grad}) of layer i (layer 0 reads no parameters). With a persistent ``ws``, a block's
+        gradients are buffers every block shares: read them before the next call."""
         if i == 0:
             return None, self.embed_backward(cache, dy, ws)
         if i <= self.n_layer:
@@ -176,9 +165,8 @@ class GPT:
         return dx, {"ln_f.g": dg, "ln_f.b": db}
 
     def backward_layer_parts(self, i: int, params, cache, dy, ws: Workspace = FRESH):
-        """(dx, weights) of block or final LayerNorm i (1 <= i): the input gradient now, ``weights()`` ->
-        {param name: grad} when called, from the layer's own buffers (a zero-bubble schedule's B, then W;
-        the same bits as backward_layer). The final LayerNorm's gradients are computed here already."""
+        """(dx, weights) of block or final LayerNorm i >= 1: ``weights()`` -> {param name: grad} later, from the
+        layer's own buffers (a zero-bubble schedule's B, then W; the same bits as backward_layer)."""
         if i <= self.n_layer:
             names = self.block_names(i - 1)
             dx, weights = self.layers.block_backward_parts(self._cast(params, names, ws), cache, dy, ws, i, keep=True)
@@ -212,11 +200,7 @@ class GPT:
         return {WTE: dwte, WPE: dwpe}
 
     def head(self, wte_stored, hf, targets, scale: float = 1.0, ws: Workspace = FRESH):
-        """Tied output head and mean cross-entropy over every target of the micro-batch.
-
-        Returns (loss in nats as a float, d hf, d wte), the gradients of ``scale * loss``;
-        d hf is ws's buffer with a persistent ``ws``.
-        """
+        """Tied output head and mean cross-entropy: (loss in nats, d hf, d wte), the gradients of ``scale * loss``."""
         xp = self.xp
         wte = upcast(wte_stored, self.dtype)
         B, T, C = hf.shape
@@ -244,19 +228,9 @@ class GPT:
         lse = xp.log(xp.exp(logits).sum(axis=-1))
         return lse - xp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
 
-    # -- a transformer block (short parameter names; new arrays) ----------------------------
-    def block_forward(self, p, x):
-        return self.layers.block_forward(p, x)
-
-    def block_backward(self, p, cache, dout):
-        """(dx, {short name: grad}) of one block."""
-        return self.layers.block_backward(p, cache, dout)
-
     # -- the whole model in one process (tests, references) --------------------------------
     def loss_and_grads(self, layers, idx, targets, scale: float = 1.0, ws: Workspace = FRESH):
-        """(loss, {param name: grad of scale * loss}) without an engine; ``layers`` as init_layers().
-
-        With a persistent ``ws`` (buffers reused, as in training) the gradients are copied out."""
+        """(loss, {param name: grad of scale * loss}) without an engine; ``layers`` as init_layers()."""
         params = [p for _, p in layers]
         h, caches = idx, []
         for i, p in enumerate(params):

@@ -48,55 +48,53 @@ class GPTChunk(Chunk):
             self.tie.expect_grad(mb)
         return None
 
-    def forward(self, mb: int, x):
-        e, m = self.engine, self.model
-        ws = self.pool.take(mb) if self.pool is not None else self.ws
-        st = self.state[mb] = MicroBatch(ws)
-        idx, targets = self.batches[mb] if self.first or self.last else (None, None)
-        run = self.run_layers(ws)
+    def _walk(self, mb, h, layer, head):
+        """The chunk's layers forward from ``h``, ``layer(g, params, x) -> y`` on each; the last chunk returns
+        ``head(wte, y)`` while layer 0 is still held (wte: a callable, the value the head reads)."""
+        e = self.engine
         e.begin_forward()
-        h, wte = x, None
+        wte = None
         with ExitStack() as held:          # the embedding and the head in this chunk: layer 0 held until the head
             for li, g in enumerate(self.layers):
                 with ExitStack() as visit:
                     p = (held if g == 0 and self.last else visit).enter_context(e.unsharded(li))
                     if g == 0:
                         wte = self._embed(mb, p, self.last)
-                    h, cache = run.forward(g, p, idx if g == 0 else h)
-                st.caches.append(cache)
-            if not self.last:
-                return h
-            loss, dh, dwte_head = m.head(wte if self.first else self.tie.value(), h, targets, e.loss_scale, ws)
-        self.losses[mb] = loss
+                    h = layer(g, p, h)
+            return head(lambda: self.tie.value() if wte is None else wte, h) if self.last else h
+
+    def forward(self, mb: int, x):
+        e, m = self.engine, self.model
+        ws = self.pool.take(mb) if self.pool is not None else self.ws
+        st = self.state[mb] = MicroBatch(ws)
+        idx, targets = self.batches[mb] if self.first or self.last else (None, None)
+        run = self.run_layers(ws)
+
+        def layer(g, p, h):
+            h, cache = run.forward(g, p, h)
+            st.caches.append(cache)
+            return h
+        out = self._walk(mb, idx if self.first else x, layer,
+                         lambda wte, h: m.head(wte(), h, targets, e.loss_scale, ws))
+        if not self.last:
+            return out
+        self.losses[mb], st.extra, dwte_head = out
         if self.first:
             st.head_grad = dwte_head
         else:
             self.tie.send_grad(mb, dwte_head)
-        st.extra = dh
         return None
 
     def evaluate(self, rows, x):
         """Forward only: the next chunk's input, or (the last chunk) the sum of the token cross-entropies of
         ``rows`` (nats). No rows (a share of the held-out set that ran out): the layers visited, nothing run."""
-        e, m = self.engine, self.model
+        m, n = self.model, len(rows)
         inputs, targets = m.local_sequence(m.xp.asarray(rows))
-        e.begin_forward()
-        h, wte = x, None
-        with ExitStack() as held:
-            for li, g in enumerate(self.layers):
-                with ExitStack() as visit:
-                    p = (held if g == 0 and self.last else visit).enter_context(e.unsharded(li))
-                    if g == 0:
-                        wte = self._embed(None, p, self.last)
-                    if len(rows):
-                        h, _ = m.forward_layer(g, p, inputs if g == 0 else h)
-            if not len(rows):
-                sp = m.sp.size if m.sp else 1
-                return 0.0 if self.last else m.xp.empty((0, m.seq_len // sp, m.d_model), m.dtype)
-            if not self.last:
-                return h
-            return float(m.token_losses(wte if self.first else self.tie.value(), h, targets)
-                         .astype(np.float64).sum())
+        out = self._walk(None, inputs if self.first else x, lambda g, p, h: m.forward_layer(g, p, h)[0] if n else h,
+                         lambda wte, h: float(m.token_losses(wte(), h, targets).astype(np.float64).sum()) if n else 0.0)
+        if n or self.last:
+            return out
+        return m.xp.empty((0, m.seq_len // (m.sp.size if m.sp else 1), m.d_model), m.dtype)
 
     def backward(self, mb: int, dy, weights: bool):
         e, m = self.engine, self.model
@@ -148,9 +146,8 @@ def whole(engine, model):
 
 
 def run_micro_batch(engine, model, idx, targets) -> float:
-    """Forward, loss and backward of one micro-batch through the public engine API (GPTChunk's walk):
-    gradients handed back are those of this rank's mean loss times ``engine.loss_scale``, layer 0's (the
-    lookup's ``wte`` plus the head's) last. Returns the loss."""
+    """Forward, loss and backward of one micro-batch through the engine (gradients of the loss times
+    ``engine.loss_scale``, layer 0's last); returns the loss."""
     chunk = whole(engine, model)
     chunk.batches = [(idx, targets)]
     return chunk.run()[0]
@@ -179,9 +176,8 @@ def train_losses(engine, model, data, step: int, batch: int, micro_batches: int)
 
 
 def held_out_loss(engine, model, data, chunk: int = 32):
-    """data.HeldOut: the mean token loss (nats) over the held-out set and its rows; a collective (every rank
-    calls it): each rank's share of the rows in passes (data.held_out_passes; an empty one adds no loss, no row).
-    """
+    """data.HeldOut: the mean token loss (nats) over the held-out set and its rows; a collective over each rank's
+    share of the rows in passes (data.held_out_passes)."""
     from ..data import HeldOut, held_out_passes
     total, tokens = 0.0, 0
     for rows in held_out_passes(data.val_size, *model.data_share(engine), chunk):

@@ -1,9 +1,6 @@
-"""The GPT's blocks on the CPU at the speed of their matrix multiplies.
-
-The mathematics of gpt_numpy.NumpyLayers arranged so that the time goes to BLAS: one matrix multiply per
-linear layer over all rows into its buffer, the elementwise passes in the C kernels (model_kernels.py),
-attention on views of qkv with no copies, every buffer from a Workspace; float32 or float64 NumPy arrays
-only. docs/gpt.md ("Speed") has what each arrangement saves.
+"""The GPT's blocks on the CPU at the speed of their matrix multiplies: gpt_numpy.NumpyLayers' mathematics with
+one matrix multiply per linear layer into its buffer, the elementwise passes in the C kernels (model_kernels.py),
+attention on views of qkv, every buffer from a Workspace; float32/float64 NumPy only. docs/gpt.md ("Speed").
 """
 from typing import Dict, Optional, Tuple
 
@@ -16,8 +13,7 @@ KEPT_GRADS = ("fc.b", "ln2.g", "ln2.b", "ln1.g", "ln1.b")
 
 
 class Workspace:
-    """Arrays by key: ``persistent`` keeps each and hands the same one back while its shape
-    and dtype match (buffers reused across steps); otherwise every request is a new array."""
+    """Arrays by key: ``persistent`` hands the same one back while shape and dtype match, else a new one each time."""
 
     def __init__(self, persistent: bool = True):
         self.persistent = persistent
@@ -50,9 +46,8 @@ def _heads(qkv, B: int, T: int, H: int):
 
 
 class FusedAttention:
-    """The causal attention core of one block on this rank's ``n_head`` heads, with the C kernels: it reads
-    q, k and v where the qkv projection wrote them and writes its output and d qkv in place (gpt_sp.py's
-    SPFusedAttention: the same over the whole sequence of a sequence-parallel rank's chunk)."""
+    """The causal attention core of one block on this rank's ``n_head`` heads with the C kernels, reading q, k, v
+    where the qkv projection wrote them (gpt_sp.py's SPFusedAttention: over a sequence-parallel rank's chunk)."""
 
     def __init__(self, kernels, n_head: int):
         self.k, self.n_head, self.dtype = kernels, n_head, kernels.dtype
@@ -76,8 +71,7 @@ class FusedAttention:
         return dqkv
 
     def core(self, qkv, B: int, T: int, H: int, att, y) -> float:
-        """softmax(q k^T * scale, causal) v of H heads of qkv (B*T, 3 H hd) into y (B*T, H hd); the
-        probabilities into att (B, H, T, T). Returns the scale."""
+        """softmax(q k^T * scale, causal) v of qkv (B*T, 3 H hd) into y, probabilities into att; returns the scale."""
         q, kk, v = _heads(qkv, B, T, H)
         scale = 1.0 / float(np.sqrt(qkv.shape[1] // (3 * H)))
         np.matmul(q, kk.transpose(0, 1, 3, 2), out=att)
@@ -99,12 +93,8 @@ class FusedAttention:
 
 
 class FusedLayers:
-    """A transformer block and the final LayerNorm with the C kernels on NumPy.
-
-    ``ws`` (a Workspace) gives the buffers, ``key`` tells one layer's from another's.
-    What a layer keeps for its backward, its output and its input gradient are the
-    layer's own buffers; the scratch of a backward and the parameter gradients are
-    shared by all blocks (handed back and copied before the next block runs).
+    """A transformer block and the final LayerNorm with the C kernels on NumPy, buffers from ``ws`` under the layer's
+    ``key``: its cache, output and input gradient its own; a backward's scratch and gradients shared by all blocks.
     """
 
     name = "c"
@@ -114,8 +104,7 @@ class FusedLayers:
         self.attention = FusedAttention(kernels, n_head)
 
     def reduce(self, x) -> None:
-        """The TP all-reduce, in place, of a row-parallel layer's partial sums (before its bias and residual)
-        or a column-parallel layer's input gradient; nothing without tensor parallelism."""
+        """The TP all-reduce, in place, of a row-parallel layer's partial sums or a column-parallel layer's dx."""
         if self.tp is not None:
             self.tp.all_reduce(x)
 
@@ -177,13 +166,9 @@ class FusedLayers:
         return dx, weights()
 
     def block_backward_parts(self, p, cache, dout, ws: Workspace = FRESH, key=None, keep: bool = False):
-        """(dx, weights) of one block: the input gradient now, and ``weights()`` -> {short name: grad}, the
-        four weight-gradient matrix multiplies and the bias sums they go with (a zero-bubble schedule's W).
-
-        The gradient buffers are shared by every block; what ``weights`` reads (the fc and qkv input
-        gradients, the LayerNorm and fc-bias gradients computed here) is too, unless ``keep``: then each
-        lives in the layer's own buffers, valid after other blocks' backwards ran, until the layer's next
-        backward. The same matrix multiplies on the same values either way: the same bits."""
+        """(dx, weights) of one block: ``weights()`` -> {short name: grad} runs the four weight-gradient matrix
+        multiplies and their bias sums (a zero-bubble schedule's W). What it reads lives in buffers every block
+        shares, unless ``keep``: then in the layer's own, valid until its next backward. The same bits."""
         k, dt = self.k, self.dtype
         x2, mu1, rs1, a, attn, y, x1, mu2, rs2, m, f, gf = cache
         n, C = x2.shape
@@ -222,9 +207,8 @@ class FusedLayers:
 
 
 def fused_layers(xp, dtype, n_head: int, kernels: str, tp=None) -> Optional[FusedLayers]:
-    """FusedLayers of ``n_head`` heads (this TP rank's, with ``tp``) when ``kernels`` allows them and they can
-    run here (NumPy, float32/float64, the C library loads), else None. ``kernels="c"`` raises RuntimeError
-    when they cannot."""
+    """FusedLayers of ``n_head`` heads when ``kernels`` allows them and they run here (NumPy, float32/64, the C
+    library loads), else None; RuntimeError when ``kernels="c"`` and they cannot."""
     if kernels == "numpy":
         return None
     from ..model_kernels import kernels_for, unavailable_reason

@@ -113,9 +113,8 @@ class Attention:
 
 
 class NumpyLayers:
-    """A transformer block and the final LayerNorm in array code (``ws`` and ``key`` unused:
-    every array is new). ``tp``: the TP group (a TPComm) whose all-reduces ``reduce`` runs, None
-    without tensor parallelism (models/gpt.py: this rank's heads and MLP columns)."""
+    """A transformer block and the final LayerNorm in array code, every array new (``ws``, ``key`` unused);
+    ``tp``: the TP group (a TPComm) whose all-reduces ``reduce`` runs, or None."""
 
     name = "numpy"
 
@@ -124,8 +123,7 @@ class NumpyLayers:
         self.attention = Attention(xp, n_head)
 
     def reduce(self, x):
-        """The TP all-reduce of a row-parallel layer's partial sums or a column-parallel layer's input
-        gradient (x itself without tensor parallelism)."""
+        """The TP all-reduce of a row-parallel layer's partial sums or a column-parallel layer's dx (else x)."""
         return x if self.tp is None else self.tp.all_reduce(self.xp.ascontiguousarray(x))
 
     def ln_forward(self, x, g, b, ws=None, key=None):
@@ -151,9 +149,7 @@ class NumpyLayers:
         return dx, weights()
 
     def block_backward_parts(self, p, cache, dout, ws=None, key=None, keep=False):
-        """(dx, weights): the input gradient now, ``weights()`` -> {short name: grad} (the linear layers'
-        weight and bias gradients) when called; the column-parallel layers' input gradients all-reduced
-        over TP. Every array is new (``keep`` unused)."""
+        """(dx, weights): ``weights()`` -> the linear layers' {short name: grad} later (``keep`` unused)."""
         reduce = self.reduce
         ln1, a, att, y, ln2, m, f, t, gf = cache
         g = {}

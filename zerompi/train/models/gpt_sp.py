@@ -23,8 +23,7 @@ def check_sp_model(sp_size: int, n_head: int, seq_len: int, tp: int = 1) -> None
 
 
 def sequence_parallel(layers, sp):
-    """``layers`` (FusedLayers, NumpyLayers or a subclass) with its attention sequence-parallel over ``sp``
-    (None or a group of one: unchanged; check_sp_model first). Returns layers."""
+    """``layers`` with its attention sequence-parallel over ``sp`` (None or a group of one: unchanged)."""
     if sp is None or sp.size == 1:
         return layers
     if isinstance(layers, FusedLayers):

@@ -53,8 +53,7 @@ class MLP:
         return init_mlp(self.width, self.depth, self.seed)
 
     def _weight(self, params, i):
-        """Layer i's weight in float32; a stored fp16 one is converted into one buffer that every
-        layer shares (model_kernels.upcast: F16C where it can)."""
+        """Layer i's weight in float32; a stored fp16 one converted into one buffer every layer shares."""
         w = params[f"block{i}.weight"]
         if w.dtype != F32 and isinstance(w, np.ndarray):
             self._w32 = upcast(w, F32, getattr(self, "_w32", None))
@@ -71,14 +70,12 @@ class MLP:
         return gelu(z), (x, z)
 
     def backward_layer(self, i, params, cache, dy):
-        """Returns (dx, {param name: grad}) for upstream gradient dy; dx is None for layer 0
-        (the data's gradient: nothing reads it, so that matrix multiply is not made)."""
+        """(dx, {param name: grad}) for upstream dy; dx None for layer 0 (nothing reads the data's gradient)."""
         dx, weights = self.backward_layer_parts(i, params, cache, dy)
         return dx, weights()
 
     def backward_layer_parts(self, i, params, cache, dy):
-        """(dx, weights): the input gradient now (None for layer 0), ``weights()`` -> {param name: grad}
-        when called (a zero-bubble schedule's B, then W; the same bits as backward_layer)."""
+        """(dx, weights): ``weights()`` -> {param name: grad} later (a zero-bubble schedule's B, then W)."""
         x, z = cache
         dz = dy if z is None else dy * gelu_grad(z)
         w = self._weight(params, i)
@@ -99,17 +96,9 @@ TEACHER_BLOCK = 16    # rows per teacher matrix multiply
 
 
 class TeacherData:
-    """Inputs x ~ N(0, 1) and targets from a fixed random teacher MLP, float32.
-
-    The inputs of step ``s`` are one generator's draws (seed, s), row after row, as
-    float32: row ``j`` is the same in every global batch that has it. The targets are the
-    teacher's outputs for the float32 inputs, computed in float32 a block of
-    TEACHER_BLOCK rows at a time (block ``j // TEACHER_BLOCK`` holds row ``j``). A BLAS
-    may round a row differently in a matrix multiply of another height, so the height is
-    always one block: a target depends on (seed, s, j) only, never on the batch size, the
-    world size or which rank computes it. Each rank computes the targets of the blocks
-    that hold its own rows, and draws the inputs up to its last row.
-    """
+    """Inputs x ~ N(0, 1) (step s: one generator's draws (seed, s), row after row) and float32 targets from a fixed
+    random teacher MLP, TEACHER_BLOCK rows per matrix multiply: a BLAS may round a row differently at another
+    height, so a target depends on (seed, s, j) only, not on the batch, the world size or the rank."""
 
     def __init__(self, width: int, depth: int, seed: int):
         self.width, self.seed = width, seed
@@ -118,8 +107,7 @@ class TeacherData:
                         for i, (_, p) in enumerate(init_mlp(width, depth, seed + 1_000_003))]
 
     def _targets(self, x):
-        """The teacher's outputs for x, one block of rows per matrix multiply (layer by layer,
-        so each weight matrix is read from memory once for all the blocks)."""
+        """The teacher's outputs for x, one block of rows per matrix multiply, layer by layer (a weight read once)."""
         hs = [x[k:k + TEACHER_BLOCK] for k in range(0, len(x), TEACHER_BLOCK)]
         for i, (w, b) in enumerate(self.teacher):
             for k, h in enumerate(hs):
@@ -145,17 +133,15 @@ class TeacherData:
 
 
 def step_batches(data: TeacherData, step: int, batch: int, share: int, shares: int, micro_batches: int, xp=np):
-    """[(x, y)] of the micro-batches of share ``share`` of ``shares`` of step ``step``'s global batch of ``batch``
-    rows: computed on the host (TeacherData.rows, the share's rows only), each moved to ``xp`` (CuPy for
-    --device gpu, on which the model's NumPy calls then dispatch)."""
+    """[(x, y)] of the micro-batches of share ``share`` of ``shares`` of step ``step``'s ``batch`` rows, made on the
+    host and moved to ``xp`` (CuPy for --device gpu, to which the model's NumPy calls dispatch)."""
     rows = loop.local_rows(batch, share, shares)
     x, y = data.rows(step, range(rows.start, rows.stop))
     return [(xp.asarray(xm), xp.asarray(ym)) for xm, ym in loop.micro_batches(x, y, micro_batches)]
 
 
 def train_losses(engine, model: MLP, data: TeacherData, step: int, batch: int, micro_batches: int) -> List[float]:
-    """This rank's micro-batch losses of training step ``step`` (``batch`` rows over all ranks), through the one
-    chunk of all layers (models/chunks.py)."""
+    """This rank's micro-batch losses of step ``step`` (``batch`` rows over all ranks) through one chunk of all."""
     chunk = Chunk(model, range(model.depth), model.depth).attach(engine)
     chunk.batches = step_batches(data, step, batch, engine.rank, engine.world_size, micro_batches, engine.xp)
     return chunk.run()

@@ -1,9 +1,7 @@
-"""The MLP, tensor-parallel: blocks alternate column-parallel (even blocks: W's columns and b split, the
-output stays split, GELU applies to it as it is) and row-parallel (odd blocks: W's rows split, the
-partial products all-reduced, then the replicated bias). One all-reduce in the forward per odd block,
-one in the backward on each even block's input gradient but block 0's (nothing reads the data's
-gradient): depth/2 + depth/2 - 1 per micro-batch, of rows x width values each. The depth must be
-even, so that the output is whole on every TP rank. Names as the MLP's, shapes the pieces'.
+"""The MLP, tensor-parallel: blocks alternate column-parallel (even: W's columns and b split, GELU on the split
+output) and row-parallel (odd: W's rows split, partial products all-reduced, then the replicated bias); one
+all-reduce per odd block forward, one per even block but block 0 backward. The depth is even, so the output is
+whole on every TP rank. Names as the MLP's, shapes the pieces'.
 """
 from typing import Dict, Tuple
 
