@@ -4,12 +4,16 @@
 Cluster); every cluster a test made is taken down when the test ends, passed, failed or
 interrupted. Where namespaces cannot be made (not root, no CAP_NET_ADMIN, no iproute2) the
 test is skipped with the reason. Tests that use it are marked ``cluster``.
+
+At the end of the session, the MPI shared-memory segments that the session's killed jobs left in
+/dev/shm are removed (tests/shm.py).
 """
 import functools
 import sys
 
 import pytest
 
+from tests import shm
 from tests.mpirun import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -39,3 +43,10 @@ def cluster():
     finally:
         for c in made:
             c.down()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _mpi_segments_swept():
+    before = shm.present()
+    yield
+    shm.sweep(before)
