@@ -13,10 +13,11 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
+from gpt_pass import one_pass   # tests/drivers/gpt_pass.py
 from zerompi.comm.mesh import Mesh
 from zerompi.comm.tp_pieces import merge
 from zerompi.estimate.activations import gpt_activation_bytes
-from zerompi.train.models.gpt import GPT, WTE
+from zerompi.train.models.gpt import GPT
 from zerompi.estimate.sp_bytes import all_to_all_bytes
 
 world = MPI.COMM_WORLD
@@ -25,21 +26,6 @@ mesh = Mesh(world, tp=TP, sp=world.Get_size() // TP)
 sp, K = mesh.sp_comm, mesh.sp
 V, T, L, H, C, B = 11, 8, 2, 4, 16, 3
 
-
-def one_pass(model, layers, idx, tgt):
-    """Loss and gradients of one micro-batch, run as the engine driver runs it (model.activations)."""
-    params, run = [p for _, p in layers], model.activations
-    h, caches = idx, []
-    for i, p in enumerate(params):
-        h, c = run.forward(i, p, h)
-        caches.append(c)
-    loss, dh, dwte = model.head(params[0][WTE], h, tgt, 1.0, model.workspace)
-    grads = {}
-    for i in reversed(range(len(params))):
-        dh, g = run.backward(i, params[i], caches[i], dh)
-        grads.update({k: np.array(v, copy=True) for k, v in g.items()})
-    grads[WTE] = grads[WTE] + dwte
-    return loss, grads
 
 
 rng = np.random.default_rng(5)

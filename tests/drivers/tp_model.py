@@ -13,10 +13,11 @@ import json
 import numpy as np
 from mpi4py import MPI
 
+from gpt_pass import one_pass   # tests/drivers/gpt_pass.py
 from zerompi.comm.mesh import Mesh
 from zerompi.comm.tp_pieces import merge
 from zerompi.estimate.activations import gpt_activation_bytes
-from zerompi.train.models.gpt import GPT, WTE
+from zerompi.train.models.gpt import GPT
 from zerompi.train.models.mlp import MLP
 from zerompi.train.models.mlp_tp import TPMLP
 
@@ -43,21 +44,6 @@ def compare(loss, grads, split, full_loss, full_grads):
     return out
 
 
-def driven(model, layers, idx, tgt):
-    """Loss and gradients (copies) of one micro-batch run as the engine driver runs it (model.activations)."""
-    params, run = [p for _, p in layers], model.activations
-    h, caches = idx, []
-    for i, p in enumerate(params):
-        h, c = run.forward(i, p, h)
-        caches.append(c)
-    loss, dh, dwte = model.head(params[0][WTE], h, tgt, 1.0, model.workspace)
-    grads = {}
-    for i in reversed(range(len(params))):
-        dh, g = run.backward(i, params[i], caches[i], dh)
-        grads.update({k: np.array(v, copy=True) for k, v in g.items()})
-    grads[WTE] = grads[WTE] + dwte
-    return loss, grads
-
 
 rng = np.random.default_rng(5)
 idx = rng.integers(0, V, (B, T))
@@ -79,7 +65,7 @@ for dtype in (np.float64, np.float32):
     for ckpt in (False, True):
         model = GPT(V, T, L, H, C, seed=3, dtype=dtype, tp=tp, checkpoint_activations=ckpt)
         before = tp.stats["tp_all_reduce"].calls
-        loss, grads = driven(model, cast(model.init_layers()), idx, tgt)
+        loss, grads = one_pass(model, cast(model.init_layers()), idx, tgt)
         runs[ckpt] = (loss, grads)
         r[f"activations{'-ckpt' if ckpt else ''}"] = [model.activation_bytes, gpt_activation_bytes(
             B, T, C, L, H, V, ckpt, np.dtype(dtype).itemsize, tp=tp.size)["total"]]
