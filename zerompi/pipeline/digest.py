@@ -1,8 +1,8 @@
 """The sha256 of the whole model's parameters, in model order, when its chunks live on several stages.
 
 An unpipelined run hashes its fp32 master parameters in layout order (layer after layer) as one
-stream (train/report.py). Here the chunks are on other ranks, and a hash's state cannot be sent, so
-the stream comes to one rank: the rank of stage 0 with data-parallel rank 0 of each TP coordinate
+stream (train/job.py, with bucket_bytes below). Here the chunks are on other ranks, and a hash's state
+cannot be sent, so the stream comes to one rank: the rank of stage 0 with data-parallel rank 0 of each TP coordinate
 hashes chunk after chunk; each chunk's bytes arrive from its stage's data-parallel rank 0 one bucket at
 a time (never the whole model at once), gathered there from the chunk's shards (a collective over the
 chunk's data-parallel group). Equal to the unpipelined run's digest when the parameters are equal.
