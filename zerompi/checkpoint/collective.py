@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ..comm.consistency import rank_set
+from ..comm.simulated_world import simulated
 from ..comm.watchdog import watched
 from ..errors import ConfigError, MismatchError, UsageError, at_abort
 from .format import (F32, ROWS, CheckpointError, SavedLayout, build_manifest, check_model, crash_point,
@@ -44,7 +45,7 @@ def between_steps(engine, what: str) -> None:
     """UsageError unless ``engine`` is open and between steps; then completes its in-flight collectives
     (and frees stage 3's gathered buckets, which would go stale when a load changes the master)."""
     engine._check_open()
-    if getattr(engine.comm.mpi, "simulated", False):
+    if simulated(engine.comm):
         raise UsageError(f"{what}() is not available on a simulated world (comm/simulated_world.py): this process "
                          "is one rank of the job, the others are stand-ins, so there is no whole checkpoint to write "
                          "or read")

@@ -25,6 +25,7 @@ from ..optim import impl
 from .blocks import WORD, MOVED, OpStats, RecvRows, block_layout, check_flat, sum_table
 from .checked import Checks, allgather_rows
 from .signature import signature
+from .simulated_world import simulated
 from .watchdog import WaitRecord, guard_job
 
 class Handle:
@@ -109,7 +110,7 @@ class Communicator:
             self.mpi.waits_in(self.waiting)
         self.watchdog = share.watchdog if share is not None else guard_job(self, timeout_s, abort_on_exception)
         self.check_stats = share.check_stats if share is not None else OpStats()   # the checks' headers, counted apart
-        default = not getattr(self.mpi, "simulated", False)      # a simulated world's stand-ins agree by construction
+        default = not simulated(self.mpi)      # a simulated world's stand-ins agree by construction
         self.checked = (share.checked if share is not None else default) if check is None else bool(check)
         self.checks = Checks(self.mpi, self.check_stats, self.peers, self.waiting) if self.checked and self.size > 1 \
             else None
@@ -346,7 +347,7 @@ def world_rank(mpi_comm=None) -> int:
     """This process's rank in the job (MPI.COMM_WORLD): what the launcher, the fault injector and
     every rank's own lines number (a sub-communicator's rank is another number). ``mpi_comm`` a
     simulated world (comm/simulated_world.py) or one of its groups: the rank it simulates."""
-    if getattr(mpi_comm, "simulated", False):
+    if simulated(mpi_comm):
         return mpi_comm.world_rank
     return MPI.COMM_WORLD.Get_rank()
 

@@ -36,6 +36,11 @@ RULE = ("every other rank mirrors this one: a peer sends this rank a copy of wha
         "bytes sent are this rank's in the real job, the loss and the parameters are not a real run's")
 
 
+
+def simulated(comm) -> bool:
+    """True for a Communicator (or mpi4py communicator) over a SimulatedWorld."""
+    return bool(getattr(getattr(comm, "mpi", comm), "simulated", False))
+
 class Arrived:
     """The request of a stood-in message that has arrived when it starts (a pipeline neighbour's)."""
 

@@ -31,6 +31,7 @@ import numpy as np
 from ..comm.communicator import world_rank
 from ..comm.consistency import check_consistent, rank_set
 from ..comm.flight import Peers
+from ..comm.simulated_world import simulated
 from ..comm.watchdog import Watchdog, watched
 from ..errors import ConfigError, MismatchError, UsageError
 from ..optim import dtypes
@@ -48,23 +49,23 @@ def start_guards(engine):
     layers and topology (comm/consistency.py; MismatchError on every rank otherwise), then the
     ranks exchange their reporters' addresses (comm/flight.py: who had not arrived, when it fires)."""
     mpi = engine.comm.mpi
-    simulated = getattr(mpi, "simulated", False)     # comm/simulated_world.py: rank R of a world of stand-ins
+    stand_ins = simulated(mpi)     # comm/simulated_world.py: rank R of a world of stand-ins
     rank = world_rank(mpi)        # what the fault's rankR and every rank's own lines number (not the DP rank under TP)
     guard = GradientGuard(rank, engine.dtype, engine.config.max_skipped_steps, fault_from_env(),
-                          stand_ins=engine.comm if simulated else None)
+                          stand_ins=engine.comm if stand_ins else None)
     if engine.tp is not None:     # the step's non-finite count is summed over the TP group too: its report as well
         guard.tp_rank = engine.mesh.tp_rank
         guard.groups.append(("the tensor-parallel group", engine.mesh.tp_comm))
     me = weakref.ref(engine)      # the thread must not keep a forgotten engine alive
     step = lambda: me().steps_taken + 1      # noqa: E731
     dog = Watchdog(engine.comm.waiting, engine.config.timeout_s, rank, mpi, step=step)
-    if simulated:                 # what its watchdog can time: this rank's injected hang, the stand-ins waiting
+    if stand_ins:                 # what its watchdog can time: this rank's injected hang, the stand-ins waiting
         dog.stand_ins = mpi.world_size - 1
     weakref.finalize(engine, dog.close)
     try:
         agreed = setup_fields(engine.recorded_config(), engine.layout, engine.topology)
         check_consistent(engine.comm, "engine", agreed)
-        if engine.comm.size > 1 and not simulated:    # a fired watchdog names who had not arrived (comm/flight.py)
+        if engine.comm.size > 1 and not stand_ins:    # a fired watchdog names who had not arrived (comm/flight.py)
             dog.peers = Peers.start(engine.comm, engine.comm.waiting, rank, step, lambda: dog.fired is not None)
     except BaseException:
         dog.close()

@@ -24,6 +24,7 @@ import numpy as np
 
 from ..checkpoint import collective as checkpoint
 from ..comm.blocks import sum_table
+from ..comm.simulated_world import simulated
 from ..errors import ConfigError, UsageError
 from . import contract
 from .phase import Phase
@@ -97,7 +98,7 @@ def finish(engine, pending: PendingStep, totals: Optional[Sequence[float]] = Non
     lay, grads = engine.layout, engine.reducer.reduced_slices()
     scale = engine.scaler.scale
     overflow = nonfinite > 0 or not math.isfinite(sumsq)
-    if (overflow and getattr(engine.comm.mpi, "simulated", False)
+    if (overflow and simulated(engine.comm)
             and not engine.guard.injected_nan(engine.steps_taken + 1)):
         sumsq, overflow = _stand_in_overflow(engine, grads), False
     engine.steps_taken += 1

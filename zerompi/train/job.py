@@ -10,7 +10,7 @@ from typing import Callable, List, Optional
 
 import numpy as np
 
-from .simulated_run import simulated
+from ..comm.simulated_world import simulated
 
 
 def step_losses(model: str) -> Callable[..., List[float]]:

@@ -19,7 +19,7 @@ from ..engine.decay import exempt_names
 from ..errors import check
 from ..pipeline.config import PipelineConfig
 from .job import Job
-from .simulated_run import simulated
+from ..comm.simulated_world import simulated
 
 UNSUPPORTED = (("device", "gpu", "--device gpu (the pipeline runs on the CPU for now)"),)
 

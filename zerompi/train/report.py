@@ -14,6 +14,7 @@ from ..comm.communicator import mpi_library
 from ..comm.device import describe_buffers
 from ..comm.flight import hosts_line
 from ..engine.timers import format_breakdown, per_step, summarize
+from ..comm.simulated_world import simulated
 from ..comm.watchdog import watched
 from .console import human_bytes
 
@@ -21,7 +22,7 @@ from .console import human_bytes
 def leads(comm) -> bool:
     """This process prints and writes the job's outputs: rank 0, or a simulated world's one process."""
     mpi = getattr(comm, "mpi", comm)
-    return mpi.Get_rank() == 0 or getattr(mpi, "simulated", False)
+    return mpi.Get_rank() == 0 or simulated(mpi)
 
 
 def print0(comm, *args, **kwargs) -> None:

@@ -39,11 +39,6 @@ def world(cfg):
     return SimulatedWorld(cfg.simulate_world, cfg.simulate_rank)
 
 
-def simulated(comm) -> bool:
-    """True for a Communicator (or mpi4py communicator) over a SimulatedWorld."""
-    return bool(getattr(getattr(comm, "mpi", comm), "simulated", False))
-
-
 def loss_note(cfg, stage=None) -> str:
     """What follows the loss on every step line: nothing for a real run; for a simulated rank, that the loss is
     not a real run's, or (``stage``: a pipeline stage without the last chunk) that none is computed there."""

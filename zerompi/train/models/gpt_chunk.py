@@ -178,6 +178,7 @@ def train_losses(engine, model, data, step: int, batch: int, micro_batches: int)
 def held_out_loss(engine, model, data, chunk: int = 32):
     """data.HeldOut: the mean token loss (nats) over the held-out set and its rows; a collective over each rank's
     share of the rows in passes (data.held_out_passes)."""
+    from ...comm.simulated_world import simulated
     from ..data import HeldOut, held_out_passes
     total, tokens = 0.0, 0
     for rows in held_out_passes(data.val_size, *model.data_share(engine), chunk):
@@ -185,6 +186,6 @@ def held_out_loss(engine, model, data, chunk: int = 32):
         total += evaluate(engine, model, r)
         tokens += model.local_sequence(r)[1].size
     summed = engine.comm.sum_scalars([total, tokens])
-    if getattr(engine.comm.mpi, "simulated", False):    # N copies of this rank's sums: its own rows' mean instead
+    if simulated(engine.comm):    # N copies of this rank's sums: its own rows' mean instead
         return HeldOut.of(total, tokens, data.seq_len // (model.sp.size if model.sp else 1))
     return HeldOut.of(float(summed[0]), float(summed[1]), data.seq_len)
