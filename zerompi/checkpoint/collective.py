@@ -160,13 +160,14 @@ def finish(engine, release: bool = False) -> Optional[str]:
 
 def salvage(engine) -> List[str]:
     """After a failure, with a background save under way: wait for this rank's write, then publish the save
-    if every shard file of it is complete (orphans.recover; no collective: any rank, alone, so also where the
-    ranks no longer meet). Returns what was published, one line each (on the rank that did it)."""
+    once every shard file of it is complete (PendingSave.recovered: the other ranks' writes may end later;
+    no collective: any rank, alone, so also where the ranks no longer meet). Returns what was published,
+    one line each (on the rank that did it)."""
     pending = getattr(engine, PENDING, None)
     if pending is None:
         return []
     pending.join()
-    return recover(pending.directory)
+    return pending.recovered()
 
 
 def _settled(engine, pending: PendingSave) -> None:

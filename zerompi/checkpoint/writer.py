@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterable, Iterator, Optional, Tuple
+from typing import Callable, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -158,19 +158,23 @@ class PendingSave:
 
     def salvage(self) -> None:
         """At an abort (errors.at_abort) before this save was published: publish it once every shard is
-        complete (orphans.recover), waiting at most SALVAGE_WAIT_S for the writes still under way (the
-        other ranks live until this one's abort ends them); says so on stdout. What is not complete by
-        then stays in its temporary folder, and the next train run into that folder publishes it if
-        it is complete after all."""
+        complete (:meth:`recovered`); says so on stdout. What is not complete by then stays in its
+        temporary folder, and the next train run into that folder publishes it if it is complete after all."""
+        for line in self.recovered():
+            sys.stdout.write(f"zerompi: rank {self.engine.rank}: {line}\n")
+        sys.stdout.flush()
+
+    def recovered(self) -> List[str]:
+        """Publish this save once every rank's shard file is complete (orphans.recover), waiting at most
+        SALVAGE_WAIT_S for the other ranks' writes still under way (they may finish after this rank's);
+        returns what was published here, one line each ([] where another rank published it or the wait
+        ran out)."""
         deadline = time.monotonic() + SALVAGE_WAIT_S
         while True:
             lines = recover(self.directory)
             if lines or not os.path.isdir(self.tmp) or time.monotonic() > deadline:
-                break
+                return lines
             time.sleep(0.02)
-        for line in lines:
-            sys.stdout.write(f"zerompi: rank {self.engine.rank}: {line}\n")
-        sys.stdout.flush()
 
     def wait(self) -> Optional[str]:
         """Finish this save (a collective: every rank calls it) and return the published path.
