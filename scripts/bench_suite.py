@@ -20,6 +20,7 @@ import argparse
 import datetime
 import importlib.util
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -47,7 +48,7 @@ def pick(mode: str, full, quick, check):
 
 # ---- the paths: (argv for a mode, how its output becomes rows, why it is skipped here) -------------
 def floor_argv(mode, tmp):
-    reps = pick(mode, ["--repeats", "5", "--rounds", "3"], ["--repeats", "3", "--rounds", "1"],
+    reps = pick(mode, ["--repeats", "5", "--rounds", "3"], ["--repeats", "5", "--rounds", "2"],
                 ["--repeats", "1", "--rounds", "1"])
     return script("bench_floor.py") + ["--models", "gpt-6x256", "--ranks", "1", "--no-cli",
                                        "--stages", "0,3" if mode == "check" else "0"] + reps
@@ -65,46 +66,46 @@ def collectives_parse(outs, tmp):
 
 
 def signature_argv(mode, tmp):
-    args = pick(mode, ["--sizes", "1M,64M", "--rounds", "9"], ["--sizes", "1M,64M", "--rounds", "5"],
+    args = pick(mode, ["--sizes", "1M,64M", "--rounds", "15"], ["--sizes", "1M,64M", "--rounds", "9"],
                 ["--sizes", "1M", "--rounds", "1", "--seconds", "0.005"])
     return [mpiexec(), "-n", "2"] + script("bench_signature.py") + args
 
 
 def adam_argv(mode, tmp):
-    args = pick(mode, ["--sizes", "64"], ["--sizes", "16", "--repeats", "5", "--numpy-repeats", "1"],
+    args = pick(mode, ["--sizes", "64"], ["--sizes", "16", "--repeats", "9", "--numpy-repeats", "1"],
                 ["--sizes", "0.25", "--repeats", "1", "--numpy-repeats", "1"])
     return script("bench_adam.py") + ["--backend", "cpu"] + args
 
 
 def stages_argv(mode, tmp):
     args = pick(mode, ["--stages", "2,3", "--width", "2048", "--rounds", "2"],
-                ["--stages", "2,3", "--width", "1024", "--steps", "4", "--rounds", "1"],
+                ["--stages", "2,3", "--width", "2048", "--steps", "4", "--rounds", "2"],
                 ["--stages", "0,1,2,3", "--width", "128", "--depth", "2", "--steps", "2", "--rounds", "1"])
     return script("bench_stages.py") + ["--ranks", "2", "--dtypes", "fp16"] + args
 
 
 def tp_argv(mode, tmp):
-    args = pick(mode, ["--rounds", "3", "--steps", "12"], ["--rounds", "1", "--steps", "4"],
+    args = pick(mode, ["--rounds", "3", "--steps", "12"], ["--rounds", "2", "--steps", "8"],
                 ["--rounds", "1", "--steps", "2"])
     return script("bench_tp_step.py") + ["--ranks", "2"] + args
 
 
 def offload_argv(mode, tmp):
-    args = pick(mode, ["--rounds", "3", "--steps", "8"], ["--rounds", "1", "--steps", "4", "--passes", "2"],
+    args = pick(mode, ["--rounds", "3", "--steps", "8"], ["--rounds", "2", "--steps", "6"],
                 ["--rounds", "1", "--steps", "2", "--passes", "1"])
     return script("bench_offload.py") + ["--dir", str(OFFLOAD_DIR or tmp), "--cases", "gpt-8x512", "--stages", "2",
                                          "--modes", "cpu,nvme"] + args
 
 
 def checkpoint_argv(mode, tmp):
-    args = pick(mode, [], ["--params", "20e6", "--rounds", "3", "--settle-s", "0.2"],
+    args = pick(mode, [], ["--params", "50e6", "--rounds", "3", "--settle-s", "0.5"],
                 ["--params", "1e6", "--layers", "2", "--rounds", "1", "--settle-s", "0"])
     return script("bench_checkpoint.py") + ["--dir", str(tmp)] + args
 
 
 def pipeline_argv(ranks, mesh, schedule):
     def argv(mode, tmp):
-        steps = pick(mode, "10", "6", "3")
+        steps = pick(mode, "30", "20", "3")
         return script("bench_pipeline.py") + ["--ranks", str(ranks), "--meshes", mesh, "--schedules", schedule,
                                               "--ms", "8", "--no-stage-rows", "--steps", steps]
     return argv
@@ -122,7 +123,7 @@ def torch_missing():
 
 def cluster_argv(mode, tmp):
     import cluster_mpi
-    steps = pick(mode, ["--steps", "30", "--warmup", "5"], ["--steps", "8", "--warmup", "3"],
+    steps = pick(mode, ["--steps", "30", "--warmup", "5"], ["--steps", "20", "--warmup", "5"],
                  ["--steps", "3", "--warmup", "1"])
     return script("bench_cluster.py") + ["--nodes", "4", "--ranks-per-node", "1", "--link", "250mbit", "--mpi",
                                          cluster_mpi.flavour(), "--only", "flat3,zeropp",
@@ -244,6 +245,12 @@ def run_suite(names, mode: str, timeout: float, log=lambda s: None) -> dict:
             "load_average_1min": load, "commands": commands, "rows": rows, "checks": checks, "errors": errors}
 
 
+def ran(rows) -> list:
+    """--check: every row not skipped has a finite measurement and floor (its path ran and reported)."""
+    return [sr.check(f"ran {r['name']}", r["ratio"] is not None and math.isfinite(r["ratio"]),
+                     "measured and floor reported, finite") for r in rows if not r.get("skipped")]
+
+
 def main(argv=None) -> int:
     global OFFLOAD_DIR
     names = [p["name"] for p in PATHS]
@@ -273,7 +280,10 @@ def main(argv=None) -> int:
     if a.doc:
         suite_doc.write(result, Path(a.doc), " ".join(filter(None, [a.note, suite_doc.NOTE_UNDER_LOAD
                                                                      if a.under_load else ""])))
-    print(suite_doc.table(result["rows"]))
+    if mode == "check":
+        result["checks"] += ran(result["rows"])
+    else:
+        print(suite_doc.table(result["rows"]))
     for c in result["checks"]:
         print(f"{'ok    ' if c['ok'] else 'BROKEN'}  {c['name']}: {c['what']}")
     for name, err in result["errors"].items():

@@ -28,7 +28,7 @@ def machine() -> dict:
     import numpy
     try:
         from mpi4py import MPI
-        mpi = MPI.Get_library_version().strip().splitlines()[0].strip()
+        mpi = " ".join(MPI.Get_library_version().split("\n")[0].split())
     except Exception as e:          # noqa: BLE001  (the table still says the rest)
         mpi = f"unknown ({type(e).__name__})"
     return {"cpu": cpu_model(), "cores": os.cpu_count(), "mpi": mpi, "numpy": numpy.__version__,
@@ -93,13 +93,15 @@ def markdown(result: dict, image: str, note: str = "") -> str:
     checks = "\n".join(f"- `{c['name']}`: {'holds' if c['ok'] else '**broken**'} ({c['what']})"
                        for c in result["checks"]) or "- none in this run"
     errors = "\n".join(f"- `{k}` failed: {v.splitlines()[0]}" for k, v in result["errors"].items())
+    flag = {"quick": " --quick", "check": " --check"}.get(result["mode"], "")
+    commands = "\n".join(result.get("commands", []))
     return f"""# Every path against its floor
 
-One table from one command, `python scripts/bench_suite.py{' --quick' if result['mode'] == 'quick' else ''} \
---json OUT --doc docs/performance.md`: each path measured against what this machine allows for it
-(its floor), both in the same run of the path's own benchmark script (interleaved rounds,
-medians). `ratio` = measured / floor; `goal` is the bound the ratio must stay under (— where none is
-set); {sum(r['met'] for r in goals)} of {len(goals)} rows with a goal meet it.
+One table from one command, `python scripts/bench_suite.py{flag} --json OUT --doc docs/performance.md`:
+each path measured against what this machine allows for it (its floor), both in the same run of the
+path's own benchmark script (interleaved rounds, medians). `ratio` = measured / floor; `goal` is the
+bound the ratio must stay under (— where none is set); {sum(r['met'] for r in goals)} of {len(goals)} rows \
+with a goal meet it.
 
 {note}
 
@@ -141,6 +143,13 @@ sizes, steps and rounds, `--check` runs every path at its smallest size for its 
 - `zeropp_4x1`, `estimate_error_*`: scripts/bench_cluster.py on the emulated cluster (4 nodes × 1 rank,
   250 Mbit/s links; needs root and network namespaces): all of ZeRO++ against flat stage 3, and the
   estimator's step against the measured one (ratio = |estimate − measured| / measured).
+
+The commands of this run (`--quick` runs the same scripts with fewer steps, rounds and repeats and a
+smaller AdamW and checkpoint; see `PATHS` in scripts/bench_suite.py for the full run's):
+
+```
+{commands}
+```
 """
 
 
