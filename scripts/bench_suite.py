@@ -201,6 +201,14 @@ def run_path(p, mode: str, timeout: float) -> dict:
         return {"rows": [sr.skipped(n, why, goal[n]) for n in p["skip_rows"]], "checks": [], "seconds": 0.0}
     tmp = Path(tempfile.mkdtemp(prefix="bench_suite-"))
     try:
+        return run_commands(p, mode, timeout, tmp, t0)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run_commands(p, mode: str, timeout: float, tmp: Path, t0: float) -> dict:
+    argv, fail = [], lambda what: {"error": what, "rows": [], "checks": [], "seconds": time.perf_counter() - t0}
+    try:
         argvs = p["argv"](mode, tmp)
         argvs = argvs if isinstance(argvs[0], list) else [argvs]
         outs = []
@@ -208,17 +216,17 @@ def run_path(p, mode: str, timeout: float) -> dict:
             proc = subprocess.run(argv, capture_output=True, text=True, cwd=str(ROOT), env=job_env(ROOT),
                                   timeout=timeout)
             if proc.returncode not in p["ok_rc"]:
-                return {"error": f"exit {proc.returncode}: {' '.join(argv[1:])}\n{proc.stderr[-1500:]}",
-                        "rows": [], "checks": [], "seconds": time.perf_counter() - t0}
+                return fail(f"exit {proc.returncode}: {shown(argv, tmp)}\n{proc.stderr[-1500:]}")
             outs.append(proc.stdout)
+    except (subprocess.TimeoutExpired, OSError) as e:
+        what = f"timed out after {timeout:.0f} s" if isinstance(e, subprocess.TimeoutExpired) else str(e)
+        return fail(f"{what}: {shown(argv, tmp)}")
+    try:
         rows, checks = p["parse"](outs, tmp)
-        return {"rows": rows, "checks": checks, "seconds": time.perf_counter() - t0,
-                "commands": [shown(argv, tmp) for argv in argvs]}
-    except subprocess.TimeoutExpired as e:
-        return {"error": f"timed out after {timeout:.0f} s: {e.cmd}", "rows": [], "checks": [],
-                "seconds": time.perf_counter() - t0}
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except (ValueError, KeyError, IndexError, TypeError, StopIteration, OSError) as e:
+        return fail(f"its output could not be read ({type(e).__name__}: {e}): {shown(argv, tmp)}")
+    return {"rows": rows, "checks": checks, "seconds": time.perf_counter() - t0,
+            "commands": [shown(argv, tmp) for argv in argvs]}
 
 
 def run_suite(names, mode: str, timeout: float, log=lambda s: None) -> dict:

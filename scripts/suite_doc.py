@@ -48,7 +48,8 @@ def number(x, unit: str = "") -> str:
 def met(r: dict) -> str:
     if r.get("skipped"):
         return "skipped: " + r["skipped"]
-    return {True: "met", False: "**missed**", None: "—"}[r["met"]]
+    mark = {True: "met", False: "**missed**", None: "—"}[r["met"]]
+    return f"{mark} ({r['note']})" if r.get("note") else mark
 
 
 def table(rows: list) -> str:
@@ -133,8 +134,10 @@ sizes, steps and rounds, `--check` runs every path at its smallest size for its 
 - `adamw_vs_copy`: scripts/bench_adam.py, the fused AdamW against a copy of the same 28 bytes per parameter.
 - `stage3_vs_stage2`: scripts/bench_stages.py, N = 2, fp16, the MLP through the train CLI.
 - `tp_step_vs_dp_step_n2`: scripts/bench_tp_step.py, the GPT 4 × 256 with `--tp 2` against `--tp 1`.
-- `offload_cpu_vs_memory`, `nvme_vs_io`: scripts/bench_offload.py, the GPT 8 × 512 (the state's I/O longer
-  than the backward) at N = 2, stage 2; `nvme_vs_io` is the step against the state's I/O alone.
+- `offload_cpu_vs_memory`, `nvme_vs_io`, `nvme_vs_memory`: scripts/bench_offload.py, the GPT 8 × 512 (chosen
+  for its state's I/O longer than the backward) at N = 2, stage 2; the nvme step against the state's I/O
+  alone (the bound where that I/O is longer than the in-memory backward) and against the in-memory step
+  (the bound where it is shorter); the row whose bound does not apply in this run says so (met: —).
 - `checkpoint_async_stall`, `checkpoint_sync_vs_disk`: scripts/bench_checkpoint.py, the async save's stall
   against the sync save's, and the sync save against the disk's own write of the same bytes.
 - `bubble_1f1b_pp2_dp2`, `bubble_zbh1`: scripts/bench_pipeline.py, m = 8, the bubble measured from the

@@ -73,10 +73,13 @@ def test_each_scripts_json_becomes_its_rows():
                           "goals": {"io_alone_vs_backward": io / 0.1, "bit_identical": h}}
     rows, checks = sr.offload_rows({"cases": [case(2.0, True)]})
     assert [(r["name"], r["ratio"], r["met"]) for r in rows] == [("offload_cpu_vs_memory", 1.04, True),
-                                                                   ("nvme_vs_io", 1.2, False)]
-    assert checks[0]["ok"]
+                                                                   ("nvme_vs_io", 1.2, False),
+                                                                   ("nvme_vs_memory", 2.4, None)]
+    assert checks[0]["ok"] and "longer" in rows[2]["note"]
     rows, checks = sr.offload_rows({"cases": [case(0.05, False)]})   # the I/O shorter than the backward
-    assert rows[1]["name"] == "nvme_vs_memory" and rows[1]["ratio"] == 2.4 and checks[0]["ok"] is False
+    named = [(r["name"], round(r["ratio"], 9), r["met"]) for r in rows[1:]]
+    assert named == [("nvme_vs_io", 48.0, None), ("nvme_vs_memory", 2.4, False)]
+    assert checks[0]["ok"] is False and "shorter" in rows[1]["note"]
 
     rows, _ = sr.checkpoint_rows({"params": 1, "async": {"median_stall_s": 0.05}, "sync": {"median_stall_s": 1.0},
                                   "ceiling": {"median_s": 0.8}})
@@ -157,3 +160,15 @@ def test_check_mode_every_path_runs_and_its_bits_hold(tmp_path):
     assert set(DEBTS) <= names, set(DEBTS) - names
     held = {c["name"].split(" ")[0] for c in result["checks"]}
     assert {"stages_bit_identical", "offload_bit_identical", "gpt_stages_bit_identical", "collectives_oracle"} <= held
+
+
+def test_a_failing_path_is_an_error_not_a_row():
+    """A command that exits badly, or whose output cannot be read, is the path's error (the suite exits 1)."""
+    bad = bench_suite.path("bad", lambda mode, tmp: [sys.executable, "-c", "import sys; sys.exit(3)"],
+                           lambda outs, tmp: ([], []))
+    r = bench_suite.run_path(bad, "check", 60)
+    assert r["error"].startswith("exit 3: python -c") and r["rows"] == []
+    garbled = bench_suite.path("garbled", lambda mode, tmp: [sys.executable, "-c", "print('no json')"],
+                               lambda outs, tmp: sr.signature_rows(bench_suite.document(outs[0])))
+    r = bench_suite.run_path(garbled, "check", 60)
+    assert "could not be read" in r["error"] and r["rows"] == []
