@@ -1,11 +1,15 @@
 """docs/performance.md from a result of scripts/bench_suite.py: the table, the machine, the date, a plot.
 
+``python scripts/suite_doc.py RESULT.json DOC.md [--under-load]`` writes it again from a saved result.
 The table has one line per row (measured, floor, ratio, goal, met); the machine is what the numbers
 depend on (CPU model and cores, the MPI library and its version, NumPy, Python); the plot (beside the
 Markdown, same name, .png) draws each row's ratio against its goal. Nothing here measures.
 """
+import argparse
+import json
 import os
 import platform
+import sys
 from pathlib import Path
 
 HEAD = "| path | measured | floor | ratio | goal | met |"
@@ -80,7 +84,7 @@ def plot(rows: list, path: Path) -> None:
     ax.set_yticks(list(y))
     ax.set_yticklabels([r["name"] for r in shown], fontsize=7)
     ax.invert_yaxis()
-    ax.set_xlabel("measured / floor (green: goal met, red: missed, gray: no goal)")
+    ax.set_xlabel("measured / floor (green: goal met, red: missed, gray: no goal, or its bound not this run's)")
     ax.legend(loc="lower right", fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -90,7 +94,7 @@ def plot(rows: list, path: Path) -> None:
 def markdown(result: dict, image: str, note: str = "") -> str:
     m = result["machine"]
     rows = result["rows"]
-    goals = [r for r in rows if r["goal"] is not None and r["ratio"] is not None]
+    goals = [r for r in rows if r["met"] is not None]
     checks = "\n".join(f"- `{c['name']}`: {'holds' if c['ok'] else '**broken**'} ({c['what']})"
                        for c in result["checks"]) or "- none in this run"
     errors = "\n".join(f"- `{k}` failed: {v.splitlines()[0]}" for k, v in result["errors"].items())
@@ -162,3 +166,17 @@ def write(result: dict, path: Path, note: str = "") -> None:
     image = path.with_suffix(".png")
     plot(result["rows"], image)
     path.write_text(markdown(result, image.name, note))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="docs/performance.md again from a saved bench_suite.py --json result")
+    ap.add_argument("result")
+    ap.add_argument("doc")
+    ap.add_argument("--under-load", action="store_true", help="say that other jobs shared the machine")
+    a = ap.parse_args(argv)
+    write(json.loads(Path(a.result).read_text()), Path(a.doc), NOTE_UNDER_LOAD if a.under_load else "")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -99,7 +99,8 @@ def test_each_scripts_json_becomes_its_rows():
 
 def test_the_doc_has_every_row_the_machine_the_date_and_a_plot(tmp_path):
     rows = [sr.row("gpt_vs_gemm", 0.6, 0.5, 1.15), sr.row("check_1mib_all_gather", 51.0, 50.0, 1.02, "µs"),
-            sr.row("tp_step_vs_dp_step_n2", 0.4, 0.2), sr.skipped("zeropp_4x1", "no namespaces here", 0.35)]
+            sr.row("tp_step_vs_dp_step_n2", 0.4, 0.2), sr.skipped("zeropp_4x1", "no namespaces here", 0.35),
+            dict(sr.row("nvme_vs_memory", 2.0, 1.0, 1.15), met=None, note="the bound is nvme_vs_io's")]
     result = {"mode": "quick", "date": "2026-01-02T03:04:05+00:00", "seconds": 12.0, "load_average_1min": [1.5, 2.5],
               "rows": rows, "checks": [sr.check("stages_bit_identical", True, "parity")], "errors": {},
               "machine": {"cpu": "Some CPU 3000", "cores": 2, "mpi": "MPICH Version: 9", "numpy": "1.0",
@@ -111,6 +112,7 @@ def test_the_doc_has_every_row_the_machine_the_date_and_a_plot(tmp_path):
                  "| `check_1mib_all_gather` | 51 µs | 50 µs | 1.020 | ≤ 1.02 | met |",
                  "| `tp_step_vs_dp_step_n2` | 400 ms | 200 ms | 2.000 | — | — |",
                  "| `zeropp_4x1` | — | — | — | ≤ 0.35 | skipped: no namespaces here |",
+                 "| `nvme_vs_memory` | 2 s | 1 s | 2.000 | ≤ 1.15 | — (the bound is nvme_vs_io's) |",
                  "Some CPU 3000, 2 cores", "MPICH Version: 9", "NumPy 1.0", "2026-01-02T03:04:05+00:00",
                  "Measured under load.", "1 of 2 rows with a goal meet it", "`stages_bit_identical`: holds"):
         assert text in md, text
