@@ -174,3 +174,19 @@ def test_a_failing_path_is_an_error_not_a_row():
                                lambda outs, tmp: sr.signature_rows(bench_suite.document(outs[0])))
     r = bench_suite.run_path(garbled, "check", 60)
     assert "could not be read" in r["error"] and r["rows"] == []
+
+
+def test_bench_pipeline_asks_for_one_row():
+    """The options the suite added to bench_pipeline.py pick one mesh, schedule and m; without them, every row."""
+    from types import SimpleNamespace
+    import bench_pipeline as bp
+    base = dict(ranks=4, n_layer=8, d_model=128, seq_len=64, steps=10, bucket_mb=0.25, batch_per_mb=4,
+                meshes=list(bp.MESH_KEYS), schedules=None, ms=None, stage_rows=True)
+    assert len(bp.configs(SimpleNamespace(**base, quick=False))) == 3 * 4 * 2 + 3
+    assert len(bp.configs(SimpleNamespace(**base, quick=True))) == 3 * 2 * 1 + 3
+    one = bp.configs(SimpleNamespace(**dict(base, meshes=["dp"], schedules=["1f1b"], ms=[8], stage_rows=False),
+                                     quick=False))
+    assert [(r["mesh"], r["schedule"], r["m"], r["stage"]) for r in one] == [("pp 2 x dp 2", "1f1b", 8, 1)]
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_pipeline.py"), "--meshes", "dp,xx"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "unknown meshes or schedules ['xx']" in proc.stderr
