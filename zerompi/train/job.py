@@ -75,6 +75,8 @@ class SingleJob(Job):
         self.engines = [self.engine]
         self.groups = metered_groups(self.mesh)   # TP all-reduces, SP all-to-alls: counted per step, apart
         self._losses = step_losses(cfg.model)
+        from .moe_run import MoELog
+        self.moe_log = MoELog(cfg, self.model, comm) if cfg.moe.on else None   # the MoE blocks' routing per step
 
     @property
     def checkpoints(self):
@@ -88,8 +90,12 @@ class SingleJob(Job):
     def train_step(self, step: int, log):
         """This rank's micro-batches through the engine, then its step; (StepResult, micro-batch losses)."""
         z = self.cfg.zero
+        if self.moe_log is not None:
+            self.moe_log.begin()
         local = self.metered(log, lambda: self._losses(self.engine, self.model, self.data, step, self.cfg.batch,
                                                        z.micro_batches))
+        if self.moe_log is not None:
+            self.moe_log.record()
         return self.engine.step(), local
 
     def validation_loss(self):

@@ -1,0 +1,172 @@
+"""The mixture-of-experts MLP: a router, top-k routing, E expert MLPs, forward and backward by hand.
+
+Rows (tokens) m (n, C) -> sum over the k slots of w_j · expert_{e_j}(m): the router's logits m·W_r are put
+through a softmax over the experts in at least float32, the top k taken (ties to the lower expert index), their
+probabilities renormalised to sum to 1. Each expert is the GPT's MLP (C -> H GELU -> C), its parameters stacked
+over the experts (``experts.fc.w`` is (E, C, H)). Assignments are ordered slot-major (every token's first choice,
+then every token's second); with a capacity an expert keeps its first ``capacity`` assignments in that order,
+the rest dropped (their rows pass by the residual only). The load-balancing loss (Switch, GShard) is
+E · Σ_e f_e · p_e, f_e the share of the assignments routed to e, p_e the mean router probability; its
+gradient (times ``aux_coef``) flows into the router through p_e. Everything is combined in a fixed order (by
+slot, by expert), so the bits depend on nothing but the rows. docs/moe.md.
+"""
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from .gpt_numpy import gelu, gelu_grad
+
+# Short names of an MoE block's MLP parameters (beside the router's ``router.w``), stacked over the experts.
+EXPERT_KEYS = ("experts.fc.w", "experts.fc.b", "experts.out.w", "experts.out.b")
+ROUTER = "router.w"
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The MoE MLP's sizes and rules (train/moe_config.py's MoEConfig, with the hidden width resolved)."""
+
+    experts: int
+    top_k: int
+    hidden: int
+    every: int = 1
+    capacity_factor: Optional[float] = None
+    aux_coef: float = 0.01
+
+    def is_moe(self, block: int) -> bool:
+        """Whether block ``block`` (0-based) has the MoE MLP: every ``every``-th, the last of each run of them."""
+        return (block + 1) % self.every == 0
+
+    def capacity(self, n: int) -> Optional[int]:
+        """Assignments one expert keeps of ``n`` tokens (None: dropless)."""
+        if self.capacity_factor is None:
+            return None
+        return max(1, math.ceil(self.capacity_factor * n * self.top_k / self.experts))
+
+
+def softmax(xp, logits):
+    """Row softmax in at least float32 (float64 stays float64)."""
+    z = logits.astype(np.promote_types(logits.dtype, np.float32))
+    z = z - z.max(axis=1, keepdims=True)
+    e = xp.exp(z)
+    return e / e.sum(axis=1, keepdims=True)
+
+
+class Routing:
+    """One micro-batch's routing of ``n`` rows: ``top`` (n, k) experts, renormalised weights ``weights`` (n, k),
+    and per expert the slot-major assignment positions it keeps (``kept[e]``: positions q = slot·n + token)."""
+
+    def __init__(self, xp, spec: MoESpec, probs):
+        n, k, E = probs.shape[0], spec.top_k, spec.experts
+        self.n, self.probs = n, probs
+        self.top = xp.argsort(-probs, axis=1, kind="stable")[:, :k]
+        chosen = xp.take_along_axis(probs, self.top, axis=1)
+        self.total = chosen.sum(axis=1, keepdims=True)
+        self.weights = chosen / self.total
+        flat = self.top.T.reshape(-1)                        # slot-major: q = j * n + t
+        self.routed = xp.bincount(flat, minlength=E)         # assignments each expert was chosen for
+        cap = spec.capacity(n)
+        order = xp.argsort(flat, kind="stable")              # by expert, slot-major inside each
+        bounds = np.concatenate([[0], np.cumsum(np.asarray(self.routed))])
+        self.kept = [order[bounds[e]:bounds[e + 1]][:cap] for e in range(E)]
+        self.tokens = np.array([len(q) for q in self.kept], np.int64)    # kept per expert
+        self.dropped = int(n * k - self.tokens.sum())
+
+    def aux(self, E: int) -> float:
+        """E · Σ_e f_e · p_e (1 when balanced), f_e over the routed assignments, p_e the mean probability."""
+        f = self.routed / float(self.n * self.top.shape[1])
+        return float(E * (f * self.probs.mean(axis=0)).sum())
+
+
+class MoEStats:
+    """What the MoE blocks routed since the last ``take()``: kept tokens per (MoE block, expert), drops, and the
+    aux loss summed over the forward passes."""
+
+    def __init__(self):
+        self.take()
+
+    def add(self, block: int, routing: Routing, aux: float) -> None:
+        t = self.tokens.setdefault(block, np.zeros(len(routing.tokens), np.int64))
+        t += routing.tokens
+        self.dropped += routing.dropped
+        self.aux_sum += aux
+        self.passes += 1
+
+    def take(self):
+        """(tokens {block: per expert}, dropped, aux_sum, passes) so far; starts again from nothing."""
+        out = (getattr(self, "tokens", {}), getattr(self, "dropped", 0), getattr(self, "aux_sum", 0.0),
+               getattr(self, "passes", 0))
+        self.tokens, self.dropped, self.aux_sum, self.passes = {}, 0, 0.0, 0
+        return out
+
+
+class MoEMLP:
+    """The MoE MLP on ``xp`` in ``dtype``; ``scale``: the loss scale of the pass in flight (the GPT's head sets
+    it: the aux loss's gradient is of ``scale · aux_coef · aux``)."""
+
+    def __init__(self, spec: MoESpec, xp=np, dtype=np.float32):
+        self.spec, self.xp, self.dtype = spec, xp, dtype
+        self.scale = 1.0
+        self.stats = MoEStats()
+
+    def forward(self, p, m, block: int = 0):
+        """(out (n, C), cache) of rows m (n, C); ``p``: {short name: parameter in dtype}."""
+        xp, s = self.xp, self.spec
+        n, C = m.shape
+        r = Routing(xp, s, softmax(xp, m @ p[ROUTER]))
+        self.stats.add(block, r, r.aux(s.experts))
+        Y = xp.zeros((s.top_k * n, C), self.dtype)          # each assignment's expert output (0: dropped)
+        acts = []
+        for e in range(s.experts):
+            q = r.kept[e]
+            tok = q % n
+            h = m[tok] @ p["experts.fc.w"][e] + p["experts.fc.b"][e]
+            g, t = gelu(xp, h)
+            Y[q] = g @ p["experts.out.w"][e] + p["experts.out.b"][e]
+            acts.append((h, t, g))
+        w = r.weights.astype(self.dtype)
+        out = xp.zeros((n, C), self.dtype)
+        for j in range(s.top_k):                             # combined in slot order
+            out += w[:, j:j + 1] * Y[j * n:(j + 1) * n]
+        return out, (m, r, acts, Y)
+
+    def backward(self, p, cache, dout):
+        """(dm (n, C), {short name: grad}) for upstream dout (n, C), the aux loss's gradient included."""
+        xp, s, dt = self.xp, self.spec, self.dtype
+        m, r, acts, Y = cache
+        n, C = m.shape
+        k, E = s.top_k, s.experts
+        w = r.weights.astype(dt)
+        dY = xp.empty_like(Y)
+        dw = xp.empty((n, k), dt)
+        for j in range(k):
+            part = Y[j * n:(j + 1) * n]
+            dw[:, j] = (dout * part).sum(axis=1)
+            dY[j * n:(j + 1) * n] = w[:, j:j + 1] * dout
+        g = {name: xp.zeros(p[name].shape, dt) for name in EXPERT_KEYS}
+        dm = xp.zeros((n, C), dt)
+        for e in range(E):                                   # the experts' input gradients summed in expert order
+            q = r.kept[e]
+            tok = q % n
+            h, t, ge = acts[e]
+            dy = dY[q]
+            g["experts.out.w"][e] = ge.T @ dy
+            g["experts.out.b"][e] = dy.sum(axis=0)
+            dh = (dy @ p["experts.out.w"][e].T) * gelu_grad(h, t)
+            g["experts.fc.w"][e] = m[tok].T @ dh
+            g["experts.fc.b"][e] = dh.sum(axis=0)
+            dm[tok] += dh @ p["experts.fc.w"][e].T
+        # the renormalisation w = c / Σc, then the softmax, in the probabilities' precision
+        pd = r.probs.dtype
+        dwn = dw.astype(pd)
+        dc = (dwn - (dwn * r.weights).sum(axis=1, keepdims=True)) / r.total
+        dprobs = xp.zeros((n, E), pd)
+        xp.put_along_axis(dprobs, r.top, dc, axis=1)
+        if s.aux_coef:
+            f = r.routed / float(n * k)
+            dprobs += (self.scale * s.aux_coef * E / n) * f.astype(pd)
+        dlogits = (r.probs * (dprobs - (dprobs * r.probs).sum(axis=1, keepdims=True))).astype(dt)
+        g[ROUTER] = m.T @ dlogits
+        dm += dlogits @ p[ROUTER].T
+        return dm, g
