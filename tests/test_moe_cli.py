@@ -22,7 +22,10 @@ REFUSED = [
     (["--experts", "4", "--sp", "2"], "--sp with --experts is not supported yet"),
     (["--experts", "4", "--simulate-world", "4"], "--simulate-world with --experts is not supported yet"),
     (["--experts", "4", "--checkpoint-activations"], "--checkpoint-activations with --experts is not supported"),
-    (["--experts", "4", "--ep", "2"], "ep=2: expert parallelism (--ep > 1) is not built yet"),
+    (["--experts", "4", "--ep", "2", "--save-dir", "x"], "--save-dir with --ep 2 is not supported yet"),
+    (["--experts", "4", "--ep", "2", "--offload-optimizer", "cpu"],
+     "--offload-optimizer with --ep 2 is not supported yet"),
+    (["--experts", "4", "--ep", "2", "--stage", "3", "--hpz"], "--hpz with --ep 2 is not supported yet"),
 ]
 
 
@@ -44,6 +47,7 @@ def test_accepted():
 @pytest.mark.parametrize("flags,needle", [
     (["--experts", "4", "--top-k", "5"], "top_k=5 is more than experts=4"),
     (["--model", "mlp", "--experts", "4"], "experts=4 applies to model gpt only"),
+    (["--experts", "4", "--ep", "4"], "ep=4 does not divide the 2 ranks"),
 ])
 def test_every_rank_exits_2_with_one_line(flags, needle):
     proc = run_mpi(2, ["-m", "zerompi.train"] + flags, timeout=60, check=False)

@@ -78,15 +78,16 @@ def check_job(cfg) -> None:
                ("--device gpu", cfg.device != "cpu"))
     for name, given in refused:
         check(not given, f"{name} with --experts is not supported yet (docs/moe.md); drop one of the two")
-    check(moe.ep == 1, f"ep={moe.ep}: expert parallelism (--ep > 1) is not built yet (docs/moe.md); use --ep 1, "
-                       "the experts then sharded by ZeRO with the rest of the model")
     if moe.ep > 1:
         z = cfg.zero
         for name, given in (("--offload-optimizer", z.offload_optimizer != "none"),
                             ("--offload-params", z.offload_params != "none"),
                             ("--quantize-weights", bool(z.quantize_weights)),
                             ("--quantize-grads", bool(z.quantize_grads)), ("--hpz", bool(z.hpz)),
-                            ("--resume", cfg.resume is not None)):
+                            ("--resume", cfg.resume is not None), ("--save-dir", cfg.save_dir is not None),
+                            ("--node-size", cfg.mesh.node_size is not None),
+                            ("--shard-size", cfg.mesh.shard_size is not None),
+                            ("--trace", z.trace is not None), ("--comm-progress thread", z.progress == "thread")):
             check(not given, f"{name} with --ep {moe.ep} is not supported yet (docs/moe.md); drop one of the two")
 
 

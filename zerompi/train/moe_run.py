@@ -18,6 +18,8 @@ class MoELog:
         self.cfg, self.stats, self.comm = cfg, model.moe_blocks.mlp.stats, comm
         self.blocks = [i for i in range(model.n_layer) if model.is_moe(i)]
         self.steps: List[dict] = []
+        self.norms: List[float] = []     # the step's gradient norm over the whole model (nan: skipped)
+        self.ep = None                   # train/moe_ep_run.py's ExpertParallel with --ep > 1
 
     def begin(self) -> None:
         """Forget what ran since the last step (the held-out passes)."""
@@ -41,7 +43,8 @@ class MoELog:
                   ("tokens_min", "tokens_mean", "tokens_max", "dropped", "aux_loss")}
         return {"experts": m.experts, "top_k": m.top_k, "moe_every": m.moe_every, "moe_blocks": self.blocks,
                 "capacity_factor": m.capacity_factor, "aux_coef": m.aux_coef,
-                "expert_hidden": m.expert_hidden or 4 * self.cfg.d_model, "ep": m.ep, **series}
+                "expert_hidden": m.expert_hidden or 4 * self.cfg.d_model, "ep": m.ep, **series,
+                "grad_norms": list(self.norms)}
 
 
 def metrics(job) -> Optional[dict]:

@@ -54,6 +54,7 @@ class GPT:
         self.checkpoint_activations = bool(checkpoint_activations)
         self.activations = (Recompute if checkpoint_activations else Keep)(self)   # how the driver runs layers
         self.moe = moe                         # models/moe.py's MoESpec: the MoE blocks (None: all dense)
+        self.experts_apart = False             # --ep > 1: the experts live in an engine of their own (moe_ep.py)
         if moe is not None:
             from .moe_block import MoEBlocks
             self.moe_blocks = MoEBlocks(moe, xp, dtype, heads)
@@ -92,11 +93,25 @@ class GPT:
         """Whether block i (0-based) has the MoE MLP (models/moe_block.py)."""
         return self.moe is not None and self.moe.is_moe(i)
 
+    def use_expert_parallel(self, ep, store) -> None:
+        """--ep > 1: the MoE blocks' experts spread over ``ep`` (an EPComm), kept in ``store`` (an ExpertStore);
+        the blocks' own layers then hold the rest (block_names without the experts)."""
+        from .moe_ep import EPMoEMLP
+        self.experts_apart = True
+        self.moe_blocks.mlp = EPMoEMLP(self.moe, self.xp, self.dtype, ep, store)
+
+    def idle_layer(self, i: int, x):
+        """Layer i visited with no rows to run (held-out evaluation): ``x``; an expert-parallel MoE block still
+        joins its exchanges (every rank makes every collective)."""
+        if self.experts_apart and 1 <= i <= self.n_layer and self.is_moe(i - 1):
+            self.moe_blocks.mlp.idle(i - 1, self.d_model)
+        return x
+
     def block_names(self, i: int) -> Dict[str, str]:
         """Short name -> parameter name of block i (0-based)."""
         if self.is_moe(i):
             from .moe_block import moe_keys
-            return {k: f"block{i}.{k}" for k in moe_keys()}
+            return {k: f"block{i}.{k}" for k in moe_keys(self.experts_apart)}
         keys = ["ln1.g", "ln1.b", "qkv.w", "qkv.b", "proj.w", "proj.b",
                 "ln2.g", "ln2.b", "fc.w", "fc.b", "out.w", "out.b"]
         return {k: f"block{i}.{k}" for k in keys}
@@ -113,7 +128,8 @@ class GPT:
         for i in range(L):
             n = self.block_names(i)
             if self.is_moe(i):
-                from .moe_block import moe_params
+                from .moe_block import moe_keys, moe_params
+                n = {k: f"block{i}.{k}" for k in moe_keys()}          # every parameter, the experts too
                 layers.append((f"block{i}", moe_params(n, self.moe, C, normal, zeros, ones, resid)))
                 continue
             layers.append((f"block{i}", {

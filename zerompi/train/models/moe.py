@@ -116,25 +116,29 @@ class MoEMLP:
         n, C = m.shape
         r = Routing(xp, s, softmax(xp, m @ p[ROUTER]))
         self.stats.add(block, r, r.aux(s.experts))
-        Y = xp.zeros((s.top_k * n, C), self.dtype)          # each assignment's expert output (0: dropped)
-        acts = []
-        for e in range(s.experts):
-            q = r.kept[e]
-            tok = q % n
-            h = m[tok] @ p["experts.fc.w"][e] + p["experts.fc.b"][e]
-            g, t = gelu(xp, h)
-            Y[q] = g @ p["experts.out.w"][e] + p["experts.out.b"][e]
-            acts.append((h, t, g))
+        Y, acts = self.experts_forward(p, m, r, block)
         w = r.weights.astype(self.dtype)
         out = xp.zeros((n, C), self.dtype)
         for j in range(s.top_k):                             # combined in slot order
             out += w[:, j:j + 1] * Y[j * n:(j + 1) * n]
-        return out, (m, r, acts, Y)
+        return out, (m, r, acts, Y, block)
+
+    def experts_forward(self, p, m, r: Routing, block: int):
+        """(Y (k·n, C): each assignment's expert output, 0 where dropped; what the backward reads)."""
+        s, n = self.spec, m.shape[0]
+        Y = self.xp.zeros((s.top_k * n, m.shape[1]), self.dtype)
+        acts = []
+        for e in range(s.experts):
+            q = r.kept[e]
+            h, t, g, y = expert_forward(self.xp, p, e, m[q % n])
+            Y[q] = y
+            acts.append((h, t, g))
+        return Y, acts
 
     def backward(self, p, cache, dout):
         """(dm (n, C), {short name: grad}) for upstream dout (n, C), the aux loss's gradient included."""
         xp, s, dt = self.xp, self.spec, self.dtype
-        m, r, acts, Y = cache
+        m, r, acts, Y, block = cache
         n, C = m.shape
         k, E = s.top_k, s.experts
         w = r.weights.astype(dt)
@@ -144,19 +148,7 @@ class MoEMLP:
             part = Y[j * n:(j + 1) * n]
             dw[:, j] = (dout * part).sum(axis=1)
             dY[j * n:(j + 1) * n] = w[:, j:j + 1] * dout
-        g = {name: xp.zeros(p[name].shape, dt) for name in EXPERT_KEYS}
-        dm = xp.zeros((n, C), dt)
-        for e in range(E):                                   # the experts' input gradients summed in expert order
-            q = r.kept[e]
-            tok = q % n
-            h, t, ge = acts[e]
-            dy = dY[q]
-            g["experts.out.w"][e] = ge.T @ dy
-            g["experts.out.b"][e] = dy.sum(axis=0)
-            dh = (dy @ p["experts.out.w"][e].T) * gelu_grad(h, t)
-            g["experts.fc.w"][e] = m[tok].T @ dh
-            g["experts.fc.b"][e] = dh.sum(axis=0)
-            dm[tok] += dh @ p["experts.fc.w"][e].T
+        dm, g = self.experts_backward(p, m, r, acts, dY, block)
         # the renormalisation w = c / Σc, then the softmax, in the probabilities' precision
         pd = r.probs.dtype
         dwn = dw.astype(pd)
@@ -170,3 +162,34 @@ class MoEMLP:
         g[ROUTER] = m.T @ dlogits
         dm += dlogits @ p[ROUTER].T
         return dm, g
+
+    def experts_backward(self, p, m, r: Routing, acts, dY, block: int):
+        """(dm (n, C) of the experts, {expert short name: grad}): the input gradients summed in expert order."""
+        n = m.shape[0]
+        g = {name: self.xp.zeros(p[name].shape, self.dtype) for name in EXPERT_KEYS}
+        dm = self.xp.zeros(m.shape, self.dtype)
+        for e in range(self.spec.experts):
+            q = r.kept[e]
+            tok = q % n
+            dx = expert_backward(p, e, m[tok], acts[e], dY[q], g, e)
+            dm[tok] += dx
+        return dm, g
+
+
+def expert_forward(xp, p, e: int, x):
+    """(h, t, g, y) of expert e of ``p`` on rows x: h = x·W1 + b1, g = gelu(h) (t its tanh), y = g·W2 + b2."""
+    h = x @ p["experts.fc.w"][e] + p["experts.fc.b"][e]
+    g, t = gelu(xp, h)
+    return h, t, g, g @ p["experts.out.w"][e] + p["experts.out.b"][e]
+
+
+def expert_backward(p, e: int, x, act, dy, grads, slot):
+    """dx of expert e of ``p`` for rows x (its forward's ``act`` = (h, t, g)) and upstream dy; its weight
+    gradients written into ``grads[name][slot]``."""
+    h, t, ge = act
+    grads["experts.out.w"][slot] = ge.T @ dy
+    grads["experts.out.b"][slot] = dy.sum(axis=0)
+    dh = (dy @ p["experts.out.w"][e].T) * gelu_grad(h, t)
+    grads["experts.fc.w"][slot] = x.T @ dh
+    grads["experts.fc.b"][slot] = dh.sum(axis=0)
+    return dh @ p["experts.fc.w"][e].T

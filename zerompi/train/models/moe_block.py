@@ -10,9 +10,10 @@ from .moe import EXPERT_KEYS, ROUTER, MoEMLP, MoESpec
 ATTENTION_KEYS = ("ln1.g", "ln1.b", "qkv.w", "qkv.b", "proj.w", "proj.b", "ln2.g", "ln2.b")
 
 
-def moe_keys():
-    """The short names of an MoE block's parameters, in the engine's order."""
-    return ATTENTION_KEYS + (ROUTER,) + EXPERT_KEYS
+def moe_keys(experts_apart: bool = False):
+    """The short names of an MoE block's parameters, in the engine's order (``experts_apart``: without the
+    experts', which then live in an engine of their own: moe_ep.py)."""
+    return ATTENTION_KEYS + (ROUTER,) + (() if experts_apart else EXPERT_KEYS)
 
 
 def moe_params(names, spec: MoESpec, C: int, normal, zeros, ones, resid: float) -> dict:
