@@ -51,6 +51,14 @@ def test_ep_sizes_and_stages_bit_identical(n4, dtype):
     assert runs[0]["losses"][-1] < runs[0]["losses"][0]
 
 
+
+def test_expert_traffic_in_the_run_table(n4):
+    """The expert engine's collectives (over its expert-data-parallel group, K partials per reduce-scatter) are
+    counted in the run's one traffic table, and equal its formula (engine/traffic.py, sources x reduce-scatter)."""
+    for m in n4:
+        assert m["comm_bytes_per_step"] == m["comm_theory_bytes_per_step"], (m["stage"], m["moe"]["ep"])
+
+
 def test_grad_norm_counts_every_expert_once(n4):
     """The first step's gradient norm at EP 1, 2, 4 against the float64 norm of the same averaged gradient
     (every rank's share routed on its own); an expert counted twice or left out moves it by far more."""
@@ -90,3 +98,14 @@ def test_forced_routing_ends_at_every_stage(mode):
         moe = runs[0]["moe"]
         # one: expert 0 takes all 96 tokens, the others none; per-rank: rank r's 24 tokens go to expert r
         assert (moe["tokens_min"][-1], moe["tokens_max"][-1]) == ((0, 96) if mode == "one" else (24, 24))
+
+
+def test_all_to_all_bytes_equal_the_formula():
+    """Exactly balanced routing (token i to expert i mod E, top-1): every rank sends the formula's bytes."""
+    flags = FLAGS + ["--dtype", "fp32", "--stage", "3", "--ep", "2", "--top-k", "1", "--micro-batches", "3"]
+    runs = metrics_of(run_mpi(4, ["tests/drivers/moe_routing.py", "cycle", json.dumps(flags)], timeout=180))
+    moe = runs[0]["moe"]
+    assert moe["tokens_min"] == moe["tokens_max"] == [24] * 3
+    # 2 blocks x 3 micro-batches x ((2-1)·2·8 + 4 x 8·1·(1/2) x 16 x 4 B), 8 tokens per rank's micro-batch
+    assert moe["all_to_all_theory_bytes"] == 2 * 3 * (16 + 4 * 4 * 16 * 4)
+    assert moe["all_to_all_bytes"] == [moe["all_to_all_theory_bytes"]] * 3

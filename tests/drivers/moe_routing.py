@@ -1,5 +1,7 @@
-"""Train the MoE GPT with the router forced (a no-hang check): ``one`` sends every token to expert 0 (top-1 of a
-one-hot), ``per-rank`` to expert (world rank mod E) -- each rank routes differently. Rank 0 prints the metrics.
+"""Train the MoE GPT with the router forced: ``one`` sends every token to expert 0 (top-1 of a one-hot),
+``per-rank`` to expert (world rank mod E) -- each rank routes differently (no-hang checks); ``cycle`` token i of a
+micro-batch to expert i mod E (exactly balanced: the all-to-all's bytes are its formula's). Rank 0 prints the
+metrics.
 
 Usage: mpiexec -n N python tests/drivers/moe_routing.py MODE '["--stage", "3", ...]'
 """
@@ -22,9 +24,11 @@ real = moe.softmax
 
 def forced(xp, logits):
     p = real(xp, logits)
-    target = 0 if mode == "one" else rank % logits.shape[1]
     out = np.full_like(p, 1e-3)
-    out[:, target] = 1.0
+    if mode == "cycle":
+        out[np.arange(len(p)), np.arange(len(p)) % p.shape[1]] = 1.0
+    else:
+        out[:, 0 if mode == "one" else rank % logits.shape[1]] = 1.0
     return out / out.sum(axis=1, keepdims=True) + 0 * p
 
 

@@ -330,9 +330,16 @@ class ZeroEngine:
         """{"intra": bytes inside the node, "inter": across} (engine/traffic.py; ``logical``: unquantized)."""
         c, t = self.config, self.topology
         q = {} if logical else {"weights": self.gatherer.wire_quant, "grads": self.reducer.quant}
-        return traffic.step_bytes(c.stage, [b.numel for b in self.layout.buckets], np.dtype(self.dtype).itemsize,
-                                  t.size, t.node_size, t.shard_size, c.micro_batches, c.prefetch if c.overlap else 0,
-                                  self.gatherer.secondary is not None, **q)
+        size = np.dtype(self.dtype).itemsize
+        out = traffic.step_bytes(c.stage, [b.numel for b in self.layout.buckets], size,
+                                 t.size, t.node_size, t.shard_size, c.micro_batches, c.prefetch if c.overlap else 0,
+                                 self.gatherer.secondary is not None, **q)
+        extra = self.reducer.sources - 1           # sources > 1: each reduce-scatter sends that many partials
+        for b in self.layout.buckets if extra else ():
+            intra, inter = traffic.call_bytes("reduce_scatter", b.numel, size, t.size, t.node_size, t.shard_size)
+            out = {"intra": out["intra"] + extra * c.micro_batches * intra,
+                   "inter": out["inter"] + extra * c.micro_batches * inter}
+        return out
 
     def close(self) -> None:
         """Free every buffer. The engine cannot be used afterwards (a collective: every rank calls it)."""

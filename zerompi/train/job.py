@@ -82,7 +82,7 @@ class SingleJob(Job):
         self.groups = metered_groups(self.mesh)   # TP all-reduces, SP all-to-alls: counted per step, apart
         self._losses = step_losses(cfg.model)
         from .moe_run import MoELog
-        self.moe_log = MoELog(cfg, self.model, comm) if cfg.moe.on else None   # the MoE blocks' routing per step
+        self.moe_log = MoELog(cfg, self.model, comm, self.ep) if cfg.moe.on else None   # routing per step
 
     @property
     def checkpoints(self):

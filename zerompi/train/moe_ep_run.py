@@ -29,14 +29,15 @@ class ExpertParallel:
     ``dense_layers``: the model's lazy layers without the experts, for the dense engine."""
 
     def __init__(self, cfg, comm, model, layers):
-        from ..comm.communicator import as_communicator
+        from ..comm.communicator import Communicator
         from ..comm.ep_alltoall import EPComm
         from ..engine.zero_engine import ZeroEngine
         from .models.moe_ep import ExpertStore
         K = cfg.moe.ep
         self.k = K
         self.ep = EPComm(split(comm.mpi, lambda r: r // K), comm.waiting)
-        self.edp = as_communicator(split(comm.mpi, lambda r: r % K), cfg.zero.timeout_s)
+        # the expert engine's group, its bytes counted with the world's (the run's one traffic table)
+        self.edp = Communicator(split(comm.mpi, lambda r: r % K), share=comm)
         self.order = [n for _, params in layers for n in params]           # the whole model's, in model order
         self.dense_layers, experts, blocks = [], [], []
         for lname, params in layers:

@@ -14,37 +14,57 @@ import numpy as np
 class MoELog:
     """The per-step routing record of ``model`` (a GPT with MoE blocks) over ``comm``'s ranks."""
 
-    def __init__(self, cfg, model, comm):
-        self.cfg, self.stats, self.comm = cfg, model.moe_blocks.mlp.stats, comm
+    def __init__(self, cfg, model, comm, ep=None):
+        self.cfg, self.stats, self.comm, self.ep = cfg, model.moe_blocks.mlp.stats, comm, ep
         self.blocks = [i for i in range(model.n_layer) if model.is_moe(i)]
         self.steps: List[dict] = []
         self.norms: List[float] = []     # the step's gradient norm over the whole model (nan: skipped)
-        self.ep = None                   # train/moe_ep_run.py's ExpertParallel with --ep > 1
+        self.sent0 = 0                   # --ep: the EP group's all-to-all bytes before this step
 
     def begin(self) -> None:
         """Forget what ran since the last step (the held-out passes)."""
         self.stats.take()
+        self.sent0 = self.ep.ep.bytes_sent() if self.ep else 0
 
     def record(self) -> None:
         """The step's routing summed over the ranks (a collective: every rank calls it)."""
         tokens, dropped, aux_sum, passes = self.stats.take()
         E = self.cfg.moe.experts
         per = [tokens.get(b, np.zeros(E, np.int64)) for b in self.blocks]
-        local = np.concatenate(per + [np.array([dropped, aux_sum, passes], np.float64)])
+        sent = self.ep.ep.bytes_sent() - self.sent0 if self.ep else 0
+        local = np.concatenate(per + [np.array([sent, dropped, aux_sum, passes], np.float64)])
         total = self.comm.sum_scalars([float(v) for v in local])
         t = total[:E * len(self.blocks)]
         self.steps.append({"tokens_min": int(t.min()), "tokens_mean": float(t.mean()), "tokens_max": int(t.max()),
-                           "dropped": int(total[-3]), "aux_loss": float(total[-2] / max(total[-1], 1.0))})
+                           "dropped": int(total[-3]), "aux_loss": float(total[-2] / max(total[-1], 1.0)),
+                           "all_to_all_bytes": float(total[-4] / self.comm.size)})
 
     def metrics(self) -> dict:
         """The run's ``moe`` section: the settings, and the per-step series of this run's steps."""
         m = self.cfg.moe
         series = {key: [s[key] for s in self.steps] for key in
-                  ("tokens_min", "tokens_mean", "tokens_max", "dropped", "aux_loss")}
+                  ("tokens_min", "tokens_mean", "tokens_max", "dropped", "aux_loss", "all_to_all_bytes")}
         return {"experts": m.experts, "top_k": m.top_k, "moe_every": m.moe_every, "moe_blocks": self.blocks,
                 "capacity_factor": m.capacity_factor, "aux_coef": m.aux_coef,
                 "expert_hidden": m.expert_hidden or 4 * self.cfg.d_model, "ep": m.ep, **series,
-                "grad_norms": list(self.norms)}
+                "grad_norms": list(self.norms), **all_to_all_theory(self.cfg, len(self.blocks), self.comm.size)}
+
+
+def all_to_all_theory(cfg, blocks: int, world: int) -> dict:
+    """The EP all-to-all's bytes one rank sends per step, balanced and dropless: per MoE block and micro-batch,
+    the counts (E/K integers of 8 bytes to each of the K-1 others) once, and four passes of rows -- the tokens'
+    rows out and the outputs back in the forward, their gradients out and back in the backward -- each the
+    (K-1)/K of its n·k assignment rows (n tokens of this rank's micro-batch) that leave it, C values of 4 bytes."""
+    m, z = cfg.moe, cfg.zero
+    K = m.ep
+    if K == 1:
+        return {"all_to_all_theory_bytes": 0, "all_to_all_formula": "none (--ep 1)"}
+    n = cfg.batch // (world * z.micro_batches) * cfg.seq_len
+    rows = n * m.top_k * (K - 1) // K
+    per = (K - 1) * (m.experts // K) * 8 + 4 * rows * cfg.d_model * 4
+    return {"all_to_all_theory_bytes": blocks * z.micro_batches * per,
+            "all_to_all_formula": f"{blocks} MoE blocks x {z.micro_batches} micro-batches x ((K-1)·E/K·8 + "
+                                  f"4 x n·k·(K-1)/K x C x 4 B), n = {n} tokens, K = {K}"}
 
 
 def metrics(job) -> Optional[dict]:
@@ -55,13 +75,17 @@ def metrics(job) -> Optional[dict]:
 
 def summary(metrics: dict) -> Optional[str]:
     """The MoE row under the communication table (None without --experts)."""
+    from .console import human_bytes
     m = metrics.get("moe")
     if not m or not m["aux_loss"]:
         return None
     tokens = f"{m['tokens_min'][-1]}/{m['tokens_mean'][-1]:.1f}/{m['tokens_max'][-1]}"
     return (f"  {'moe':16} {m['experts']} experts, top-{m['top_k']}, blocks {m['moe_blocks']}: last step's tokens "
             f"per expert min/mean/max {tokens}, dropped {m['dropped'][-1]} (over the run {sum(m['dropped'])}); "
-            f"aux loss E·Σf·p {m['aux_loss'][0]:.4f} -> {m['aux_loss'][-1]:.4f} (1 = balanced)")
+            f"aux loss E·Σf·p {m['aux_loss'][0]:.4f} -> {m['aux_loss'][-1]:.4f} (1 = balanced)"
+            + (f"\n  {'ep all-to-all':16} {human_bytes(int(m['all_to_all_bytes'][-1])):>14}   formula "
+               f"{human_bytes(m['all_to_all_theory_bytes'])} = {m['all_to_all_formula']} (balanced, dropless; the "
+               f"last step's mean per rank)" if m["ep"] > 1 else ""))
 
 
 def banner(cfg) -> Optional[str]:
