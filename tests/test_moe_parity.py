@@ -98,3 +98,14 @@ def test_matches_float64_reference(tmp_path, n, extra):
     want = reference_training(n, 4, 12, 3e-3, micro=micro, capacity=1.0 if extra else None)
     np.testing.assert_allclose(got["losses"], want, rtol=1e-6)
     assert got["losses"][-1] < got["losses"][0] - 0.05
+
+
+def test_resume_at_ep_1_is_the_straight_run(tmp_path):
+    """--ep 1: the experts are parameters of the one engine: saved at step 2 (stage 1), resumed at stage 3 to step 4,
+    the straight run's bits."""
+    flags = FLAGS + ["--steps", "4", "--eval-every", "0", "--dtype", "fp32", "--capacity-factor", "1.0"]
+    straight = run_train(2, tmp_path, *flags, "--stage", "1", "--save-dir", tmp_path / "ck", "--save-every", "2",
+                         tag="a")
+    resumed = run_train(2, tmp_path, *flags, "--stage", "3", "--resume", tmp_path / "ck" / "step_000002", tag="b")
+    assert resumed["final_params_sha256"] == straight["final_params_sha256"]
+    assert resumed["losses"] == straight["losses"][2:]

@@ -87,11 +87,15 @@ class ExpertParallel:
                 digest.update(values[name].data)
         return digest.hexdigest()
 
-    def metrics(self) -> dict:
-        """The EP section of the moe metrics: the groups and the all-to-all's bytes and seconds (this rank's)."""
-        return {"ep_groups": self.edp.size, "edp": self.edp.size, "experts_per_rank": None,
-                "all_to_all_bytes": int(self.ep.bytes_sent()), "all_to_all_seconds": self.ep.seconds(),
-                "expert_reduce_bytes": int(sum(s.bytes for s in self.edp.stats.values()))}
+    def memory(self, dense) -> dict:
+        """This rank's model states of the dense and the expert engine, measured and by formula (the dense over
+        its N ranks, the experts over their N/K expert-data-parallel ranks), and the all-to-all's seconds."""
+        rows = {}
+        for name, engine in (("dense", dense), ("experts", self.engine)):
+            r = engine.memory_report()
+            rows[name] = {"measured": r["measured"]["total"], "theory": r["theory"]["total"],
+                          "params": engine.layout.params_numel, "ranks": engine.world_size}
+        return {"memory_bytes_by_engine": rows, "all_to_all_seconds": self.ep.seconds()}
 
     def close(self) -> None:
         self.engine.close()

@@ -47,7 +47,8 @@ class MoELog:
         return {"experts": m.experts, "top_k": m.top_k, "moe_every": m.moe_every, "moe_blocks": self.blocks,
                 "capacity_factor": m.capacity_factor, "aux_coef": m.aux_coef,
                 "expert_hidden": m.expert_hidden or 4 * self.cfg.d_model, "ep": m.ep, **series,
-                "grad_norms": list(self.norms), **all_to_all_theory(self.cfg, len(self.blocks), self.comm.size)}
+                "grad_norms": list(self.norms), **all_to_all_theory(self.cfg, len(self.blocks), self.comm.size),
+                "memory_bytes_by_engine": None, "all_to_all_seconds": None}
 
 
 def all_to_all_theory(cfg, blocks: int, world: int) -> dict:
@@ -70,7 +71,12 @@ def all_to_all_theory(cfg, blocks: int, world: int) -> dict:
 def metrics(job) -> Optional[dict]:
     """The ``moe`` section of a job's metrics (null without --experts)."""
     log = getattr(job, "moe_log", None)
-    return log.metrics() if log is not None else None
+    if log is None:
+        return None
+    out = log.metrics()
+    if log.ep is not None:               # rank 0's: the dense and the expert engine apart
+        out.update(log.ep.memory(job.engine))
+    return out
 
 
 def summary(metrics: dict) -> Optional[str]:
@@ -85,7 +91,10 @@ def summary(metrics: dict) -> Optional[str]:
             f"aux loss E·Σf·p {m['aux_loss'][0]:.4f} -> {m['aux_loss'][-1]:.4f} (1 = balanced)"
             + (f"\n  {'ep all-to-all':16} {human_bytes(int(m['all_to_all_bytes'][-1])):>14}   formula "
                f"{human_bytes(m['all_to_all_theory_bytes'])} = {m['all_to_all_formula']} (balanced, dropless; the "
-               f"last step's mean per rank)" if m["ep"] > 1 else ""))
+               f"last step's mean per rank)" if m["ep"] > 1 else "")
+            + "".join(f"\n  {'moe ' + name + ' states':16} {human_bytes(r['measured']):>14}   formula "
+                      f"{human_bytes(r['theory'])} ({r['params']:,} parameters over {r['ranks']} ranks; rank 0's)"
+                      for name, r in (m["memory_bytes_by_engine"] or {}).items()))
 
 
 def banner(cfg) -> Optional[str]:
