@@ -72,12 +72,13 @@ def check_job(cfg) -> None:
         return
     check(cfg.model == "gpt", f"experts={moe.experts} applies to model gpt only (the MoE replaces the GPT's MLP); "
                               "drop --experts or use --model gpt")
-    refused = (("--pp", cfg.mesh.pp > 1), ("--tp", cfg.mesh.tp > 1), ("--sp", cfg.mesh.sp > 1),
+    refused = (("--pp", cfg.mesh.pp > 1 and moe.ep > 1), ("--tp", cfg.mesh.tp > 1), ("--sp", cfg.mesh.sp > 1),
                ("--simulate-world", cfg.simulate_world is not None),
                ("--checkpoint-activations", cfg.checkpoint_activations),
                ("--device gpu", cfg.device != "cpu"))
     for name, given in refused:
-        check(not given, f"{name} with --experts is not supported yet (docs/moe.md); drop one of the two")
+        check(not given, f"{name} with --experts {moe.experts}{' --ep ' + str(moe.ep) if name == '--pp' else ''} "
+                         "is not supported yet (docs/moe.md); drop one of the two")
     if moe.ep > 1:
         z = cfg.zero
         for name, given in (("--offload-optimizer", z.offload_optimizer != "none"),

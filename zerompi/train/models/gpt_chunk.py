@@ -99,6 +99,8 @@ class GPTChunk(Chunk):
 
     def backward(self, mb: int, dy, weights: bool):
         e, m = self.engine, self.model
+        if m.moe is not None:         # the aux loss's gradient is of the loss scale times it (any stage's blocks)
+            m.moe_blocks.mlp.scale = e.loss_scale
         st = self.state[mb]
         dh = st.extra if self.last else dy
         run = self.run_layers(st.ws)
