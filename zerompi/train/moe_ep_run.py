@@ -89,13 +89,13 @@ class ExpertParallel:
 
     def memory(self, dense) -> dict:
         """This rank's model states of the dense and the expert engine, measured and by formula (the dense over
-        its N ranks, the experts over their N/K expert-data-parallel ranks), and the all-to-all's seconds."""
+        its N ranks, the experts over their N/K expert-data-parallel ranks)."""
         rows = {}
         for name, engine in (("dense", dense), ("experts", self.engine)):
             r = engine.memory_report()
             rows[name] = {"measured": r["measured"]["total"], "theory": r["theory"]["total"],
                           "params": engine.layout.params_numel, "ranks": engine.world_size}
-        return {"memory_bytes_by_engine": rows, "all_to_all_seconds": self.ep.seconds()}
+        return {"memory_bytes_by_engine": rows}
 
     def close(self) -> None:
         self.engine.close()

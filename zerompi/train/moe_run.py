@@ -25,6 +25,7 @@ class MoELog:
         """Forget what ran since the last step (the held-out passes)."""
         self.stats.take()
         self.sent0 = self.ep.ep.bytes_sent() if self.ep else 0
+        self.seconds0 = self.ep.ep.seconds() if self.ep else 0.0
 
     def record(self) -> None:
         """The step's routing summed over the ranks (a collective: every rank calls it)."""
@@ -32,23 +33,26 @@ class MoELog:
         E = self.cfg.moe.experts
         per = [tokens.get(b, np.zeros(E, np.int64)) for b in self.blocks]
         sent = self.ep.ep.bytes_sent() - self.sent0 if self.ep else 0
-        local = np.concatenate(per + [np.array([sent, dropped, aux_sum, passes], np.float64)])
+        seconds = self.ep.ep.seconds() - self.seconds0 if self.ep else 0.0
+        local = np.concatenate(per + [np.array([seconds, sent, dropped, aux_sum, passes], np.float64)])
         total = self.comm.sum_scalars([float(v) for v in local])
         t = total[:E * len(self.blocks)]
         self.steps.append({"tokens_min": int(t.min()), "tokens_mean": float(t.mean()), "tokens_max": int(t.max()),
                            "dropped": int(total[-3]), "aux_loss": float(total[-2] / max(total[-1], 1.0)),
-                           "all_to_all_bytes": float(total[-4] / self.comm.size)})
+                           "all_to_all_bytes": float(total[-4] / self.comm.size),
+                           "all_to_all_seconds": float(total[-5] / self.comm.size)})
 
     def metrics(self) -> dict:
         """The run's ``moe`` section: the settings, and the per-step series of this run's steps."""
         m = self.cfg.moe
         series = {key: [s[key] for s in self.steps] for key in
-                  ("tokens_min", "tokens_mean", "tokens_max", "dropped", "aux_loss", "all_to_all_bytes")}
+                  ("tokens_min", "tokens_mean", "tokens_max", "dropped", "aux_loss", "all_to_all_bytes",
+                   "all_to_all_seconds")}
         return {"experts": m.experts, "top_k": m.top_k, "moe_every": m.moe_every, "moe_blocks": self.blocks,
                 "capacity_factor": m.capacity_factor, "aux_coef": m.aux_coef,
                 "expert_hidden": m.expert_hidden or 4 * self.cfg.d_model, "ep": m.ep, **series,
                 "grad_norms": list(self.norms), **all_to_all_theory(self.cfg, len(self.blocks), self.comm.size),
-                "memory_bytes_by_engine": None, "all_to_all_seconds": None}
+                "memory_bytes_by_engine": None}
 
 
 def all_to_all_theory(cfg, blocks: int, world: int) -> dict:
