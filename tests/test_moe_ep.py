@@ -109,3 +109,18 @@ def test_all_to_all_bytes_equal_the_formula():
     # 2 blocks x 3 micro-batches x ((2-1)·2·8 + 4 x 8·1·(1/2) x 16 x 4 B), 8 tokens per rank's micro-batch
     assert moe["all_to_all_theory_bytes"] == 2 * 3 * (16 + 4 * 4 * 16 * 4)
     assert moe["all_to_all_bytes"] == [moe["all_to_all_theory_bytes"]] * 3
+
+
+def test_odd_world_n3_ep3():
+    """N=3, 6 experts: --ep 3 (two experts per rank, every rank its own EP rank) equals --ep 1 at stages 1 and 3,
+    fp32 and fp16."""
+    flags = list(FLAGS)
+    flags[flags.index("--experts") + 1] = "6"
+    configs = [flags + ["--dtype", dtype, "--stage", str(stage), "--ep", str(ep)]
+               for dtype in ("fp32", "fp16") for stage in (1, 3) for ep in (1, 3)]
+    runs = run_many(3, configs)
+    assert len(runs) == 8
+    for dtype in ("fp32", "fp16"):
+        mine = [m for m in runs if m["dtype"] == dtype]
+        for m in mine:
+            same_run(m, mine[0])
