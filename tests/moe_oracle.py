@@ -37,14 +37,16 @@ def causal_attention(x, wqkv, bqkv, n_head):
     return out
 
 
-def moe_mlp(x, p, pre, experts, top_k, capacity_factor=None):
-    """(out (n, C), aux) of rows x (n, C): each token's top-k experts by probability (ties: lower index),
-    weights renormalised; with a capacity, assignments kept first-come in (slot, token) order."""
+def moe_mlp(x, p, pre, experts, top_k, capacity_factor=None, bias=None):
+    """(out (n, C), aux) of rows x (n, C): each token's top-k experts by probability (plus ``bias``, for the choice
+    only; ties: lower index), weights renormalised; with a capacity, assignments kept first-come in (slot, token)
+    order."""
     n = x.shape[0]
     logits = x @ p[pre + "router.w"]
     probs = np.exp(logits - logits.max(1, keepdims=True))
     probs /= probs.sum(1, keepdims=True)
-    choice = [sorted(range(experts), key=lambda e: (-probs[t, e], e))[:top_k] for t in range(n)]
+    b = np.zeros(experts) if bias is None else bias
+    choice = [sorted(range(experts), key=lambda e: (-(probs[t, e] + b[e]), e))[:top_k] for t in range(n)]
     cap = None if capacity_factor is None else max(1, math.ceil(capacity_factor * n * top_k / experts))
     used = [0] * experts
     keep = {}
@@ -64,7 +66,8 @@ def moe_mlp(x, p, pre, experts, top_k, capacity_factor=None):
     return out, experts * float((f * probs.mean(0)).sum())
 
 
-def loss(p, idx, targets, n_layer, n_head, moe_blocks, experts, top_k, capacity_factor=None, aux_coef=0.01):
+def loss(p, idx, targets, n_layer, n_head, moe_blocks, experts, top_k, capacity_factor=None, aux_coef=0.01,
+         bias=None):
     """(cross-entropy, aux sum, total) of the batch idx (B, T) -> targets (B, T)."""
     B, T = idx.shape
     xs = [p["wte"][idx[b]] + p["wpe"][:T] for b in range(B)]
@@ -75,7 +78,7 @@ def loss(p, idx, targets, n_layer, n_head, moe_blocks, experts, top_k, capacity_
                                    p[pre + "qkv.b"], n_head) @ p[pre + "proj.w"] + p[pre + "proj.b"] for x in xs]
         ms = [layer_norm(x, p[pre + "ln2.g"], p[pre + "ln2.b"]) for x in xs]
         if i in moe_blocks:          # the router sees the whole micro-batch's tokens at once (capacity, aux)
-            out, aux = moe_mlp(np.concatenate(ms), p, pre, experts, top_k, capacity_factor)
+            out, aux = moe_mlp(np.concatenate(ms), p, pre, experts, top_k, capacity_factor, (bias or {}).get(i))
             aux_total += aux
             xs = [x + out[b * T:(b + 1) * T] for b, x in enumerate(xs)]
         else:

@@ -89,6 +89,23 @@ def test_n2_capacity_and_micro_batches():
         same_run(m, runs[0])
 
 
+def test_n2_selection_bias():
+    """--bias-update (aux-loss-free balancing): the biases move with the step's global counts, the same at
+    --ep 1 and 2, and the routing with them."""
+    configs = [FLAGS + ["--dtype", "fp16", "--stage", str(stage), "--ep", str(ep), "--bias-update", bias]
+               for stage in (1, 3) for ep in (1, 2) for bias in ("0", "0.003")]
+    runs = run_many(2, configs)
+    assert len(runs) == 8
+    plain = [m for m in runs if m["moe"]["bias_update"] == 0]
+    biased = [m for m in runs if m["moe"]["bias_update"] > 0]
+    for group in (plain, biased):
+        for m in group:
+            same_run(m, group[0])
+            assert m["moe"]["bias"] == group[0]["moe"]["bias"]
+    assert any(v != 0 for b in biased[0]["moe"]["bias"].values() for v in b)
+    assert plain[0]["moe"]["bias"] == {} and biased[0]["losses"] != plain[0]["losses"]
+
+
 @pytest.mark.parametrize("mode", ["one", "per-rank"])
 def test_forced_routing_ends_at_every_stage(mode):
     for stage in range(4):

@@ -24,11 +24,11 @@ def setup(experts=4, top_k=2, every=1, capacity=None, coef=0.01, hidden=12, dtyp
     return spec, model, layers, idx, tgt
 
 
-def oracle(spec, layers, idx, tgt, flat=None):
+def oracle(spec, layers, idx, tgt, flat=None, bias=None):
     flat = flat or {k: v for _, p in layers for k, v in p.items()}
     blocks = [i for i in range(L) if spec.is_moe(i)]
     return moe_oracle.loss(flat, idx, tgt, L, H, blocks, spec.experts, spec.top_k, spec.capacity_factor,
-                           spec.aux_coef)
+                           spec.aux_coef, bias)
 
 
 CASES = {"dropless": {}, "capacity": {"capacity": 0.75}, "every-2": {"every": 2}, "top-1": {"top_k": 1},
@@ -105,3 +105,37 @@ def test_fp32_with_kernels_near_float64():
     assert loss32 == pytest.approx(loss64, rel=1e-6)
     for k, v in g64.items():
         np.testing.assert_allclose(g32[k], v, rtol=1e-3, atol=1e-6 * np.abs(v).max())
+
+
+def test_selection_bias_equals_the_oracle():
+    """Aux-loss-free balancing: a bias that changes the choices (not the weights): loss and aux equal the
+    oracle's; the gradients still its differences (the bias is a constant of the step)."""
+    spec, model, layers, idx, tgt = setup()
+    bias = {0: np.array([0.3, -0.2, 0.0, 0.1]), 1: np.array([-0.1, 0.0, 0.25, 0.0])}
+    plain = model.loss_and_grads(layers, idx, tgt)[0]
+    model.moe_blocks.mlp.bias = {b: v.copy() for b, v in bias.items()}
+    model.moe_blocks.mlp.stats.take()
+    ce, _ = model.loss_and_grads(layers, idx, tgt)
+    aux = model.moe_blocks.mlp.stats.take()[2]
+    want_ce, want_aux, _ = oracle(spec, layers, idx, tgt, bias=bias)
+    assert ce != plain and ce == pytest.approx(want_ce, rel=1e-12) and aux == pytest.approx(want_aux, rel=1e-12)
+    _, grads = model.loss_and_grads(layers, idx, tgt)
+    flat = {k: v for _, p in layers for k, v in p.items()}
+    for name, at in (("block0.router.w", (1, 2)), ("block1.experts.fc.w", (2, 3, 4)), ("block0.qkv.w", (0, 5))):
+        p, eps = flat[name], 1e-6
+        old = p[at]
+        p[at] = old + eps
+        up = oracle(spec, layers, idx, tgt, flat, bias)[2]
+        p[at] = old - eps
+        down = oracle(spec, layers, idx, tgt, flat, bias)[2]
+        p[at] = old
+        assert grads[name][at] == pytest.approx((up - down) / (2 * eps), rel=2e-6, abs=1e-9), name
+
+
+def test_bias_update_rule():
+    """bias_e += γ · sign(mean load - load_e): the underloaded experts up, the overloaded down, the mean kept."""
+    from zerompi.train.models.moe import MoEMLP
+    mlp = MoEMLP(MoESpec(4, 2, 8, bias_rate=0.01))
+    mlp.update_bias(3, [10, 20, 30, 40])
+    mlp.update_bias(3, [25, 25, 10, 40])
+    np.testing.assert_array_equal(mlp.bias[3], [0.01, 0.01, 0.0, -0.02])

@@ -31,6 +31,10 @@ class MoEConfig:
         "with --experts: hidden width of each expert's MLP (default 4 x d_model)", metavar="H"))
     ep: int = field(default=1, metadata=flag("with --experts: expert-parallel ranks (default {default})",
                                              metavar="K"))
+    bias_update: float = field(default=0.0, metadata=flag(
+        "with --experts: aux-loss-free balancing (DeepSeek-V3): a per-expert bias on the router's probabilities "
+        "for the top-k choice only, moved by this much towards balance after each step (default {default}: off)",
+        metavar="G"))
 
     def __post_init__(self):
         check(isinstance(self.experts, int) and self.experts >= 0,
@@ -46,6 +50,7 @@ class MoEConfig:
         check(self.expert_hidden is None or (isinstance(self.expert_hidden, int) and self.expert_hidden >= 1),
               f"expert_hidden={self.expert_hidden!r} must be an integer >= 1")
         check(isinstance(self.ep, int) and self.ep >= 1, f"ep={self.ep!r} must be an integer >= 1")
+        check(self.bias_update >= 0, f"bias_update={self.bias_update} must be >= 0 (0 = off)")
         check(self.experts == 0 or self.experts % self.ep == 0,
               f"experts={self.experts} is not divisible by ep={self.ep}; each expert-parallel rank holds "
               f"experts / ep of them, so use a divisor of {self.experts}")
@@ -79,6 +84,10 @@ def check_job(cfg) -> None:
     for name, given in refused:
         check(not given, f"{name} with --experts {moe.experts}{' --ep ' + str(moe.ep) if name == '--pp' else ''} "
                          "is not supported yet (docs/moe.md); drop one of the two")
+    for name in ("save_dir", "resume"):
+        check(getattr(cfg, name) is None or moe.bias_update == 0,
+              f"--{name.replace('_', '-')} with --bias-update {moe.bias_update}: the experts' selection biases are "
+              "not in checkpoints yet (docs/moe.md); drop one of the two")
     if moe.ep > 1:
         z = cfg.zero
         for name, given in (("--offload-optimizer", z.offload_optimizer != "none"),
@@ -107,4 +116,4 @@ def moe_spec(cfg):
         return None
     from .models.moe import MoESpec
     return MoESpec(m.experts, m.top_k, m.expert_hidden or 4 * cfg.d_model, m.moe_every, m.capacity_factor,
-                   m.aux_coef)
+                   m.aux_coef, m.bias_update)

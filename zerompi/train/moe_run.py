@@ -15,7 +15,8 @@ class MoELog:
     """The per-step routing record of ``model`` (a GPT with MoE blocks) over ``comm``'s ranks."""
 
     def __init__(self, cfg, model, comm, ep=None):
-        self.cfg, self.stats, self.comm, self.ep = cfg, model.moe_blocks.mlp.stats, comm, ep
+        self.cfg, self.mlp, self.comm, self.ep = cfg, model.moe_blocks.mlp, comm, ep
+        self.stats = self.mlp.stats
         self.blocks = [i for i in range(model.n_layer) if model.is_moe(i)]
         self.steps: List[dict] = []
         self.norms: List[float] = []     # the step's gradient norm over the whole model (nan: skipped)
@@ -28,15 +29,21 @@ class MoELog:
         self.seconds0 = self.ep.ep.seconds() if self.ep else 0.0
 
     def record(self) -> None:
-        """The step's routing summed over the ranks (a collective: every rank calls it)."""
+        """The step's routing summed over the ranks (a collective: every rank calls it); with --bias-update,
+        each block's selection bias moved by the step's global counts."""
+        routed = self.stats.routed
         tokens, dropped, aux_sum, passes = self.stats.take()
-        E = self.cfg.moe.experts
-        per = [tokens.get(b, np.zeros(E, np.int64)) for b in self.blocks]
+        E, L = self.cfg.moe.experts, len(self.blocks)
+        per = [tokens.get(b, np.zeros(E, np.int64)) for b in self.blocks] \
+            + [routed.get(b, np.zeros(E, np.int64)) for b in self.blocks]
         sent = self.ep.ep.bytes_sent() - self.sent0 if self.ep else 0
         seconds = self.ep.ep.seconds() - self.seconds0 if self.ep else 0.0
         local = np.concatenate(per + [np.array([seconds, sent, dropped, aux_sum, passes], np.float64)])
         total = self.comm.sum_scalars([float(v) for v in local])
-        t = total[:E * len(self.blocks)]
+        t = total[:E * L]
+        if self.cfg.moe.bias_update > 0:
+            for i, b in enumerate(self.blocks):
+                self.mlp.update_bias(b, total[E * (L + i):E * (L + i + 1)])
         self.steps.append({"tokens_min": int(t.min()), "tokens_mean": float(t.mean()), "tokens_max": int(t.max()),
                            "dropped": int(total[-3]), "aux_loss": float(total[-2] / max(total[-1], 1.0)),
                            "all_to_all_bytes": float(total[-4] / self.comm.size),
@@ -51,7 +58,9 @@ class MoELog:
         return {"experts": m.experts, "top_k": m.top_k, "moe_every": m.moe_every, "moe_blocks": self.blocks,
                 "capacity_factor": m.capacity_factor, "aux_coef": m.aux_coef,
                 "expert_hidden": m.expert_hidden or 4 * self.cfg.d_model, "ep": m.ep, **series,
-                "grad_norms": list(self.norms), **all_to_all_theory(self.cfg, len(self.blocks), self.comm.size),
+                "grad_norms": list(self.norms), "bias_update": m.bias_update,
+                "bias": {str(b): v.tolist() for b, v in sorted(self.mlp.bias.items())},
+                **all_to_all_theory(self.cfg, len(self.blocks), self.comm.size),
                 "memory_bytes_by_engine": None}
 
 

@@ -8,7 +8,10 @@ then every token's second); with a capacity an expert keeps its first ``capacity
 the rest dropped (their rows pass by the residual only). The load-balancing loss (Switch, GShard) is
 E · Σ_e f_e · p_e, f_e the share of the assignments routed to e, p_e the mean router probability; its
 gradient (times ``aux_coef``) flows into the router through p_e. Everything is combined in a fixed order (by
-slot, by expert), so the bits depend on nothing but the rows. docs/moe.md.
+slot, by expert), so the bits depend on nothing but the rows. With ``bias_rate`` γ > 0 (DeepSeek-V3's
+aux-loss-free balancing) a per-expert bias is added to the probabilities for the top-k choice only (the
+weights stay the probabilities'), moved by γ · sign(mean load - load) after each step on the step's global
+counts (train/moe_run.py). docs/moe.md.
 """
 import math
 from dataclasses import dataclass
@@ -33,6 +36,7 @@ class MoESpec:
     every: int = 1
     capacity_factor: Optional[float] = None
     aux_coef: float = 0.01
+    bias_rate: float = 0.0
 
     def is_moe(self, block: int) -> bool:
         """Whether block ``block`` (0-based) has the MoE MLP: every ``every``-th, the last of each run of them."""
@@ -57,10 +61,11 @@ class Routing:
     """One micro-batch's routing of ``n`` rows: ``top`` (n, k) experts, renormalised weights ``weights`` (n, k),
     and per expert the slot-major assignment positions it keeps (``kept[e]``: positions q = slot·n + token)."""
 
-    def __init__(self, xp, spec: MoESpec, probs):
+    def __init__(self, xp, spec: MoESpec, probs, bias=None):
         n, k, E = probs.shape[0], spec.top_k, spec.experts
         self.n, self.probs = n, probs
-        self.top = xp.argsort(-probs, axis=1, kind="stable")[:, :k]
+        score = probs if bias is None else probs + bias.astype(probs.dtype)    # the choice's; weights: probs'
+        self.top = xp.argsort(-score, axis=1, kind="stable")[:, :k]
         chosen = xp.take_along_axis(probs, self.top, axis=1)
         self.total = chosen.sum(axis=1, keepdims=True)
         self.weights = chosen / self.total
@@ -89,15 +94,18 @@ class MoEStats:
     def add(self, block: int, routing: Routing, aux: float) -> None:
         t = self.tokens.setdefault(block, np.zeros(len(routing.tokens), np.int64))
         t += routing.tokens
+        r = self.routed.setdefault(block, np.zeros(len(routing.tokens), np.int64))
+        r += np.asarray(routing.routed)
         self.dropped += routing.dropped
         self.aux_sum += aux
         self.passes += 1
 
     def take(self):
-        """(tokens {block: per expert}, dropped, aux_sum, passes) so far; starts again from nothing."""
+        """(tokens {block: per expert}, dropped, aux_sum, passes) so far; starts again from nothing (``routed``
+        {block: per expert}, the assignments chosen before drops, is read before)."""
         out = (getattr(self, "tokens", {}), getattr(self, "dropped", 0), getattr(self, "aux_sum", 0.0),
                getattr(self, "passes", 0))
-        self.tokens, self.dropped, self.aux_sum, self.passes = {}, 0, 0.0, 0
+        self.tokens, self.routed, self.dropped, self.aux_sum, self.passes = {}, {}, 0, 0.0, 0
         return out
 
 
@@ -109,12 +117,20 @@ class MoEMLP:
         self.spec, self.xp, self.dtype = spec, xp, dtype
         self.scale = 1.0
         self.stats = MoEStats()
+        self.bias = {}          # block -> per-expert selection bias (bias_rate > 0), float64
+
+    def update_bias(self, block: int, routed) -> None:
+        """One step of aux-loss-free balancing: bias_e += γ · sign(mean load - load_e) from the step's global
+        ``routed`` counts of block ``block`` (the same on every rank)."""
+        routed = np.asarray(routed, np.float64)
+        b = self.bias.setdefault(block, np.zeros(self.spec.experts, np.float64))
+        b += self.spec.bias_rate * np.sign(routed.mean() - routed)
 
     def forward(self, p, m, block: int = 0):
         """(out (n, C), cache) of rows m (n, C); ``p``: {short name: parameter in dtype}."""
         xp, s = self.xp, self.spec
         n, C = m.shape
-        r = Routing(xp, s, softmax(xp, m @ p[ROUTER]))
+        r = Routing(xp, s, softmax(xp, m @ p[ROUTER]), self.bias.get(block))
         self.stats.add(block, r, r.aux(s.experts))
         Y, acts = self.experts_forward(p, m, r, block)
         w = r.weights.astype(self.dtype)
