@@ -29,3 +29,19 @@ def test_pipelined_equals_unpipelined():
         for key in ("tokens_min", "tokens_max", "dropped", "grad_norms"):
             assert a["moe"][key] == pytest.approx(b["moe"][key], rel=1e-15), key
         assert a["moe"]["aux_loss"] == pytest.approx(b["moe"]["aux_loss"], rel=1e-12)
+
+
+def test_split_backward_and_interleaved_schedules():
+    """zb-h1 (the MoE blocks' weight gradients deferred with their input gradients') and interleaved chunks, with
+    dense blocks between the MoE ones (--moe-every 2): the unpipelined run's bits."""
+    flags = [f for f in FLAGS]
+    flags[flags.index("--n-layer") + 1] = "4"
+    flags += ["--moe-every", "2", "--stage", "2", "--dtype", "fp16"]
+    flat = run_many(2, [flags])
+    piped = run_many(4, [flags + ["--pp", "2", "--schedule", "zb-h1"],
+                         flags + ["--pp", "2", "--schedule", "interleaved", "--chunks", "2"]])
+    assert len(flat) == 1 and len(piped) == 2
+    assert flat[0]["moe"]["moe_blocks"] == [1, 3]
+    for b in piped:
+        for key in ("final_params_sha256", "losses", "val_losses"):
+            assert b[key] == flat[0][key], (key, b["pipeline"]["schedule"])
