@@ -141,3 +141,21 @@ def test_odd_world_n3_ep3():
         mine = [m for m in runs if m["dtype"] == dtype]
         for m in mine:
             same_run(m, mine[0])
+
+
+def test_estimate_gives_the_runs_model_states(n4):
+    """zerompi.estimate.moe_bytes: the dense and expert parameters and model states each run reports (dense over
+    N, experts over N/K), at every stage, dtype and EP size; the default job's size."""
+    from zerompi.estimate.moe_bytes import gpt_moe_params, moe_states
+    dense, experts = gpt_moe_params(GeneratedData(8, 0).vocab, 8, 16, 2, 4, 24)
+    for m in n4:
+        assert m["params"] == dense + experts
+        mem, ep = m["moe"]["memory_bytes_by_engine"], m["moe"]["ep"]
+        if ep == 1:
+            assert mem is None
+            continue
+        want = moe_states(m["stage"], 4 if m["dtype"] == "fp32" else 2, 4, ep, dense, experts)
+        assert (mem["dense"]["params"], mem["experts"]["params"]) == (dense, experts // ep)
+        assert (mem["dense"]["ranks"], mem["experts"]["ranks"]) == (4, 4 // ep)
+        assert mem["dense"]["theory"] == want["dense"]["total"] and mem["experts"]["theory"] == want["experts"]["total"]
+    assert sum(gpt_moe_params(32, 64, 64, 2, 8, 256)) == 570496        # the done-when job (docs/moe.md)

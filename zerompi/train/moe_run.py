@@ -73,10 +73,9 @@ def all_to_all_theory(cfg, blocks: int, world: int) -> dict:
     K = m.ep
     if K == 1:
         return {"all_to_all_theory_bytes": 0, "all_to_all_formula": "none (--ep 1)"}
+    from ..estimate.moe_bytes import all_to_all_bytes
     n = cfg.batch // (world * z.micro_batches) * cfg.seq_len
-    rows = n * m.top_k * (K - 1) // K
-    per = (K - 1) * (m.experts // K) * 8 + 4 * rows * cfg.d_model * 4
-    return {"all_to_all_theory_bytes": blocks * z.micro_batches * per,
+    return {"all_to_all_theory_bytes": all_to_all_bytes(K, m.experts, m.top_k, cfg.d_model, n, blocks, z.micro_batches),
             "all_to_all_formula": f"{blocks} MoE blocks x {z.micro_batches} micro-batches x ((K-1)·E/K·8 + "
                                   f"4 x n·k·(K-1)/K x C x 4 B), n = {n} tokens, K = {K}"}
 
