@@ -16,6 +16,7 @@ from ..errors import ConfigError, RankParser, check
 from ..flags import add_flags, flag, flag_name, given
 from ..pipeline.config import PipelineConfig
 from .console import PROGRESS_MODES
+from .moe_config import MoEConfig, check_given, check_job, check_world
 
 # --help's description: the train module's docstring, where the parser used to live.
 DESCRIPTION = "``mpiexec -n N python -m zerompi.train``: train a built-in model with ZeRO stage 0-3."
@@ -105,6 +106,8 @@ class TrainConfig:
     mesh: MeshConfig = MeshConfig()
     """Tensor, sequence and pipeline parallelism, nodes, shard groups; at its default, ZeroConfig(tp=...)'s."""
     pipeline: PipelineConfig = PipelineConfig()
+    moe: MoEConfig = MoEConfig()
+    """The GPT's mixture-of-experts blocks (train/moe_config.py); experts=0: none."""
 
     def __post_init__(self):
         if self.mesh == MeshConfig():
@@ -120,6 +123,7 @@ class TrainConfig:
         for name in PATHS:
             check(getattr(self, name) != "", f"{name}='' is an empty path; give a path, or leave --{_flag(name)} out")
         self._check_gpt()
+        check_job(self)                # the MoE's refusals before the parallelisms' own checks
         if self.mesh.tp > 1:
             from .tp_run import check_model
             check_model(self)
@@ -186,6 +190,7 @@ class TrainConfig:
         if m.sp > 1 or m.pp > 1:
             from ..comm.mesh import check_mesh         # sp and pp (tp again: checked above)
             check_mesh(world_size, t, m.pp, m.node_size or env, m.shard_size, sp=m.sp)
+        check_world(self, world_size)
         dp = world_size // (t * m.sp * m.pp)
         parts = dp * micro
         check(self.batch % parts == 0,
@@ -218,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decay-all", action="store_true", help="decay every parameter (no exemptions)")
     add_flags(p, MeshConfig)
     add_flags(p, PipelineConfig)
+    add_flags(p, MoEConfig)
     return p
 
 
@@ -255,4 +261,6 @@ def parse_config(argv: Optional[List[str]] = None, environ=None) -> TrainConfig:
         for name in (n for n in names if n in job):
             check(model not in MODELS or model == owner, f"{name}={job[name]!r} applies to model {owner} only; "
                                                          f"drop --{_flag(name)} or use --model {owner}")
-    return TrainConfig(**job, zero=z, mesh=mesh, pipeline=pipeline)
+    moe = given(a, MoEConfig)
+    check_given(moe)
+    return TrainConfig(**job, zero=z, mesh=mesh, pipeline=pipeline, moe=made(MoEConfig, moe))

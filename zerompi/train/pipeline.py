@@ -98,6 +98,8 @@ class PipelineJob(Job):
         self.engines = StageEngines(engines, self.schedule.chunks, mesh)
         keep = {c: e for c, e in engines.items()} if z.stage == 3 and cfg.pipeline.gather == "step" else None
         self.executor = PipelineExecutor(self.schedule, mesh.pp_comm, self.runners, keep)
+        from .moe_run import MoELog
+        self.moe_log = MoELog(cfg, self.model, comm) if cfg.moe.on else None   # routing per step, over the mesh
 
     @property
     def rows(self) -> int:
@@ -189,8 +191,14 @@ class PipelineJob(Job):
     def step_once(self, step: int):
         """The schedule's actions, then the step over the mesh, unmeasured: (StepResult, this rank's micro-batch
         losses or None, the executor's action times)."""
+        if self.moe_log is not None:
+            self.moe_log.begin()
         times = self.executor.run(step)
+        if self.moe_log is not None:
+            self.moe_log.record()
         result = self.engines.step()
+        if self.moe_log is not None:
+            self.moe_log.norms.append(result.grad_norm)
         last = self.runners.get(self.schedule.chunks - 1)
         losses = [last.losses[mb] for mb in range(self.cfg.zero.micro_batches)] if last is not None else None
         return result, losses, times
