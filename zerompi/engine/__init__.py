@@ -5,7 +5,8 @@ Modules:
 - step: the optimizer step in two halves, StepResult
 - reducer: GradientReducer, gradient buffers, bucketed reduce-scatters
 - gatherer: ParameterGatherer, stored parameters, unshard / reshard, all-gathers, prefetch
-- optimizer: ShardedAdamW, the fp32 master and Adam moments
+- optimizer: ShardedAdamW, the fp32 master and Adam moments; the optimizer interface
+- optimizers: the optimizers by name, their state rows, the one the config names
 - in_backward: the optimizer in the backward, a bucket's update as soon as its gradient shard is final
 - decay: the weight-decay groups
 - lazy: parameters given as rules, made a slice at a time
