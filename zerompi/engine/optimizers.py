@@ -6,6 +6,7 @@ name and the memory formula is ``4 (1 + rows)`` bytes per parameter. MPI-free (t
 """
 STATE = {
     "adamw": ("exp_avg", "exp_avg_sq"),                  # Adam's moments
+    "muon": ("momentum", "exp_avg", "exp_avg_sq"),       # Muon's momentum; AdamW's moments for the non-matrices
 }
 OPTIMIZERS = tuple(STATE)
 
@@ -17,5 +18,8 @@ def bytes_per_param(name: str) -> int:
 
 def sharded_optimizer(layout, config, ledger, slot: int, rank: int, transfers, group):
     """The engine's optimizer for ``config.optimizer`` over its rows (the shard; stage 0: the model)."""
+    if config.optimizer == "muon":
+        from .muon import ShardedMuon
+        return ShardedMuon(layout, config, ledger, slot, rank, transfers, group)
     from .optimizer import ShardedAdamW
     return ShardedAdamW(layout, config, ledger, slot, rank, transfers)

@@ -1,0 +1,97 @@
+"""Muon through the train CLI: pipelined = unpipelined, checkpoints that carry its state by name
+(saved at N = 4 stage 3, resumed at N = 4 stage 1 to the same bits and at N = 2 stage 1 within the
+reduction-order tolerance of AdamW's own resume, tests/test_checkpoint.py), consolidate writing the
+state by name, and bad input in one line (exit 2)."""
+import json
+
+import numpy as np
+import pytest
+
+from tests.mpirun import ROOT, one_line, run_mpi, run_train
+from tests.test_checkpoint import checkpoint_cli
+
+GPT = ["--model", "gpt", "--n-layer", "4", "--d-model", "32", "--n-head", "4", "--seq-len", "16", "--batch", "8",
+       "--eval-every", "2", "--bucket-mb", "0.01", "--log-every", "1000", "--optimizer", "muon"]
+FP32 = ["--dtype", "fp32", "--clip", "0.5", "--steps", "3", "--micro-batches", "4"]
+
+
+def launch(n, configs):
+    out = run_mpi(n, [ROOT / "tests" / "drivers" / "train_many.py", json.dumps(configs)], timeout=600).stdout
+    runs = [json.loads(line[8:]) for line in out.splitlines() if line.startswith("METRICS ")]
+    assert len(runs) == len(configs)
+    return runs
+
+
+def facts(m):
+    return m["final_params_sha256"], m["losses"], m.get("val_losses")
+
+
+def test_pipelined_is_unpipelined():
+    """--pp 2 (an engine per chunk, each with the matrices of its chunk) on 4 ranks = 2 data-parallel ranks."""
+    ref = launch(2, [GPT + FP32 + ["--stage", s] for s in ("1", "3")])
+    pp = launch(4, [GPT + FP32 + ["--stage", s, "--pp", "2", "--schedule", "1f1b"] for s in ("1", "3")])
+    assert facts(ref[0]) == facts(ref[1])        # stages bit-identical
+    for a, b in zip(ref, pp):
+        assert facts(a) == facts(b)
+
+
+def test_checkpoint_resumes_at_another_stage_and_world_size(tmp_path):
+    base = [*GPT, "--dtype", "fp32", "--batch", "8", "--steps", "6", "--eval-every", "0"]
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    whole = run_train(4, tmp_path, *base, "--stage", "3", "--save-dir", a, "--save-every", "3", tag="whole")
+    same_n = run_train(4, tmp_path, *base, "--stage", "1", "--resume", a / "step_000003", "--save-dir", b,
+                       tag="same")
+    assert same_n["final_params_sha256"] == whole["final_params_sha256"]   # the bits of the run that never stopped
+    assert same_n["losses"] == whole["losses"][3:]
+    run_train(2, tmp_path, *base, "--stage", "1", "--resume", a / "step_000003", "--save-dir", c, tag="other")
+    ref, got, start = (_state(tmp_path, d / f"step_00000{s}", tag) for d, s, tag in
+                       ((a, 6, "ref"), (c, 6, "got"), (a, 3, "start")))
+    worst = max(float(np.max(np.abs(got[k] - ref[k]))) for k in ref)
+    moved = max(float(np.max(np.abs(ref[k] - start[k]))) for k in ref if "/" not in k)
+    assert worst <= 5e-6 and moved > 100 * 5e-6, (worst, moved)   # only the sums' order differs across N
+
+
+def _state(tmp_path, ckpt, tag):
+    proc = checkpoint_cli("consolidate", ckpt, tmp_path / f"{tag}.npz", "--state")
+    assert proc.returncode == 0, proc.stderr
+    got = np.load(tmp_path / f"{tag}.npz")
+    return {k: got[k] for k in got.files}
+
+
+def test_consolidate_writes_the_state_by_name(tmp_path):
+    run_train(2, tmp_path, *GPT, "--dtype", "fp32", "--steps", "2", "--stage", "2", "--save-dir", tmp_path / "a",
+              "--save-every", "2")
+    s = _state(tmp_path, tmp_path / "a" / "step_000002", "s")
+    assert {"block0.qkv.w", "momentum/block0.qkv.w", "exp_avg/wte", "exp_avg_sq/block0.qkv.b"} <= set(s)
+    assert np.any(s["momentum/block0.qkv.w"]) and not np.any(s["exp_avg/block0.qkv.w"])   # Muon's matrices
+    assert np.any(s["exp_avg/wte"]) and not np.any(s["momentum/wte"])                     # AdamW's embedding
+    manifest = json.loads((tmp_path / "a" / "step_000002" / "manifest.json").read_text())
+    assert manifest["optimizer"]["name"] == "muon"
+    assert manifest["optimizer"]["state"] == ["master", "momentum", "exp_avg", "exp_avg_sq"]
+
+
+@pytest.fixture(scope="module")
+def muon_checkpoint(tmp_path_factory):
+    d = tmp_path_factory.mktemp("muon")
+    run_train(2, d, *GPT, "--dtype", "fp32", "--steps", "2", "--stage", "1", "--save-dir", d / "a", "--save-every", "2")
+    return d / "a" / "step_000002"
+
+
+def test_resuming_with_another_optimizer_is_refused_or_fresh(tmp_path, muon_checkpoint):
+    plain = [f for f in GPT if f not in ("--optimizer", "muon")]
+    args = ["-m", "zerompi.train", *plain, "--dtype", "fp32", "--steps", "3", "--resume", muon_checkpoint]
+    one_line(run_mpi(2, args, check=False), 2, "saved by optimizer 'muon'", "--fresh-optimizer-state")
+    m = run_train(2, tmp_path, *args[2:], "--fresh-optimizer-state")
+    assert len(m["losses"]) == 1 and np.isfinite(m["losses"][0])
+
+
+@pytest.mark.parametrize("flags,needles", [
+    (["--optimizer", "sgd"], ["optimizer='sgd'", "adamw, muon"]),
+    (["--optimizer", "muon", "--muon-params", "nothing*"], ["'nothing*'", "matches no parameter"]),
+    (["--optimizer", "muon", "--muon-params", "*.b"], ["match no 2-D parameter"]),
+    (["--muon-params", "*.w"], ["--muon-params", "applies with --optimizer muon only"]),
+    (["--optimizer", "muon", "--stage", "2", "--offload-optimizer", "cpu"], ["offload_optimizer='cpu'", "muon"]),
+])
+def test_bad_input_is_one_line(flags, needles):
+    plain = [f for f in GPT if f not in ("--optimizer", "muon")]
+    one_line(run_mpi(2, ["-m", "zerompi.train", *plain, "--steps", "1", *flags], check=False), 2, *needles)
