@@ -58,14 +58,22 @@ def _state(tmp_path, ckpt, tag):
     return {k: got[k] for k in got.files}
 
 
+def test_tensor_parallel_pieces_are_matrices_of_their_own():
+    """--tp 2: each TP rank's piece of a split weight is orthogonalised alone; stages 1 and 3 the same bits."""
+    runs = launch(4, [GPT + FP32 + ["--stage", s, "--tp", "2"] for s in ("1", "3")])
+    assert facts(runs[0]) == facts(runs[1])
+
+
 def test_consolidate_writes_the_state_by_name(tmp_path):
-    run_train(2, tmp_path, *GPT, "--dtype", "fp32", "--steps", "2", "--stage", "2", "--save-dir", tmp_path / "a",
+    m = run_train(2, tmp_path, *GPT, "--dtype", "fp32", "--steps", "2", "--stage", "2", "--save-dir", tmp_path / "a",
               "--save-every", "2")
     s = _state(tmp_path, tmp_path / "a" / "step_000002", "s")
     assert {"block0.qkv.w", "momentum/block0.qkv.w", "exp_avg/wte", "exp_avg_sq/block0.qkv.b"} <= set(s)
     assert np.any(s["momentum/block0.qkv.w"]) and not np.any(s["exp_avg/block0.qkv.w"])   # Muon's matrices
     assert np.any(s["exp_avg/wte"]) and not np.any(s["momentum/wte"])                     # AdamW's embedding
     manifest = json.loads((tmp_path / "a" / "step_000002" / "manifest.json").read_text())
+    # the memory table's optimizer row: the ledger's bytes = the formula's, 4 (1 + 3 rows) per element of the shard
+    assert m["memory_bytes"]["optimizer"] == m["theory_bytes_padded"]["optimizer"] == 16 * manifest["shard_numel"]
     assert manifest["optimizer"]["name"] == "muon"
     assert manifest["optimizer"]["state"] == ["master", "momentum", "exp_avg", "exp_avg_sq"]
 
