@@ -103,3 +103,19 @@ def test_resuming_with_another_optimizer_is_refused_or_fresh(tmp_path, muon_chec
 def test_bad_input_is_one_line(flags, needles):
     plain = [f for f in GPT if f not in ("--optimizer", "muon")]
     one_line(run_mpi(2, ["-m", "zerompi.train", *plain, "--steps", "1", *flags], check=False), 2, *needles)
+
+
+def test_fp16_skips_and_clipping_keep_stages_bit_identical():
+    """fp16 with a loss scale that overflows (steps skipped on every rank) and clipping: stages 0, 2, 3 alike."""
+    fp16 = ["--dtype", "fp16", "--loss-scale", "262144", "--loss-scale-window", "2", "--clip", "0.5", "--steps", "5",
+            "--micro-batches", "2"]
+    runs = launch(2, [GPT + fp16 + ["--stage", s] for s in ("0", "2", "3")])
+    assert runs[0]["steps_applied"] < 5                   # some steps were skipped
+    assert facts(runs[0]) == facts(runs[1]) == facts(runs[2])
+
+
+def test_simulated_world_is_refused_in_one_line():
+    plain = [f for f in GPT if f not in ("--optimizer", "muon")]
+    proc = run_mpi(1, ["-m", "zerompi.train", *plain, "--steps", "1", "--optimizer", "muon", "--stage", "3",
+                       "--simulate-world", "8", "--simulate-rank", "1"], check=False)
+    one_line(proc, 2, "optimizer='muon'", "simulated world")
