@@ -119,3 +119,18 @@ def test_simulated_world_is_refused_in_one_line():
     proc = run_mpi(1, ["-m", "zerompi.train", *plain, "--steps", "1", "--optimizer", "muon", "--stage", "3",
                        "--simulate-world", "8", "--simulate-rank", "1"], check=False)
     one_line(proc, 2, "optimizer='muon'", "simulated world")
+
+
+def test_the_estimate_prices_the_optimizer_rows(tmp_path):
+    """estimate(optimizer=...) and a run's --from-run: Muon's 16 bytes per parameter against AdamW's 12."""
+    import zerompi
+    from zerompi.engine.config import ZeroConfig
+    from zerompi.estimate.fromrun import run_estimate
+    adamw = zerompi.estimate(10 ** 6, 4, layers=8)["stages"]
+    muon = zerompi.estimate(10 ** 6, 4, layers=8, zero=ZeroConfig(optimizer="muon"))["stages"]
+    assert [12 * m["optimizer_bytes"] for m in muon] == [16 * a["optimizer_bytes"] for a in adamw]
+    assert muon[1]["formula"] == "4Ψ + 16Ψ/N"
+    m = run_train(2, tmp_path, *GPT, "--dtype", "fp32", "--steps", "1", "--stage", "1")
+    est = run_estimate(m)
+    assert est["optimizer"] == "muon"
+    assert est["stages"][1]["optimizer_bytes"] == pytest.approx(m["memory_bytes"]["optimizer"], rel=0.02)
