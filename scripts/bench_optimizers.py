@@ -8,7 +8,7 @@
   its GEMM floor: NS's multiply-adds over the float32 GEMM rate measured here (a 1024^3 matmul), one BLAS
   thread, as each rank has.
 - ``--quality``: the default job (GPT 2 x 64) for 300 steps, AdamW and Muon each at 3 learning rates: the
-  held-out loss at step 300, and each optimizer's best.
+  held-out loss at step 300, and each optimizer's best; ``--data FILE``: on a text file instead.
 
 One JSON object with ``--json``, else a markdown table. The numbers are as noisy as the machine is shared.
 """
@@ -105,12 +105,12 @@ def _time(fn) -> float:
     return time.perf_counter() - t0
 
 
-def quality(ranks: int, steps: int) -> dict:
+def quality(ranks: int, steps: int, data=None) -> dict:
     out = {}
     for opt in ("adamw", "muon"):
         for lr in LRS:
             m = train(ranks, ["--steps", steps, "--eval-every", steps, "--log-every", "1000", "--optimizer", opt,
-                              "--lr", lr])
+                              "--lr", lr] + (["--data", data] if data else []))
             out[f"{opt}@{lr:g}"] = m["val_losses"][-1][1]
         best = min(LRS, key=lambda lr: out[f"{opt}@{lr:g}"])
         out[f"{opt}-best"] = {"lr": best, "val_loss": out[f"{opt}@{best:g}"]}
@@ -125,13 +125,14 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--quality", action="store_true", help="also the held-out loss after 300 steps")
     p.add_argument("--no-timing", action="store_true", help="skip the step times")
+    p.add_argument("--data", help="with --quality: train on this text file (byte-level tokens) instead")
     a = p.parse_args()
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")    # as each rank has (launch.job_env)
     result = {"ranks": a.ranks, "ns": newton_schulz_share(a.ranks)}
     if not a.no_timing:
         result["step"] = step_times(a.ranks, a.steps, a.rounds)
     if a.quality:
-        result["quality"] = quality(a.ranks, 300)
+        result["quality"] = quality(a.ranks, 300, a.data and os.path.abspath(a.data))
     if a.json:
         print(json.dumps(result))
         return
