@@ -33,6 +33,10 @@ def test_pipelined_is_unpipelined():
     assert facts(ref[0]) == facts(ref[1])        # stages bit-identical
     for a, b in zip(ref, pp):
         assert facts(a) == facts(b)
+    # interleaved (2 chunks per stage, 4 engines) on 2 ranks = 1 rank unpipelined
+    one = launch(1, [GPT + FP32 + ["--stage", "0"]])
+    two = launch(2, [GPT + FP32 + ["--stage", "3", "--pp", "2", "--schedule", "interleaved", "--chunks", "2"]])
+    assert facts(one[0]) == facts(two[0])
 
 
 def test_checkpoint_resumes_at_another_stage_and_world_size(tmp_path):
