@@ -102,3 +102,27 @@ def test_stages_and_world_sizes_give_the_same_bits(tmp_path):
                     assert np.allclose(got[k], v, rtol=0, atol=1e-5), (optimizer, n, stage, bucket, k)
                     continue
                 assert np.array_equal(got[k], v), (optimizer, n, stage, bucket, k)
+
+
+def test_owner_plan_covers_each_matrix_once_and_balances_the_work():
+    """engine/matrix_owners.plan: every matrix's pieces cover it exactly once, in the slots that hold its
+    elements; each matrix has one owner; with equal matrices each slot owns as many (N-S cost)."""
+    from zerompi.engine.matrix_owners import ns_cost, plan
+    from zerompi.layout import FlatLayout
+    shapes = {f"l{i}.w": (16, 48) if i % 2 else (48, 16) for i in range(8)}
+    spec = [(f"l{i}", [(f"l{i}.w", shapes[f"l{i}.w"]), (f"l{i}.b", (16,))]) for i in range(8)]
+    for slots in (1, 2, 3, 4):
+        layout = FlatLayout(spec, slots, 1500, 16)
+        mats = plan(layout, list(shapes), 1, slots)
+        for m in mats:
+            pr = layout.params[m.name]
+            b = layout.buckets[pr.bucket]
+            covered = np.zeros(pr.numel, int)
+            for p in m.pieces:
+                covered[p.offset:p.offset + p.numel] += 1
+                lo, _ = b.slice_bounds(p.slot)     # the piece lies in its slot's rows of its bucket
+                assert b.shard_start <= p.row and p.row + p.numel <= b.shard_start + b.slice_numel
+                assert p.row - b.shard_start + lo == pr.bucket_offset + p.offset
+            assert np.all(covered == 1), (slots, m.name)
+        load = [sum(ns_cost(m.shape) for m in mats if m.owner == s) for s in range(slots)]
+        assert max(load) - min(load) <= ns_cost((16, 48)), (slots, load)

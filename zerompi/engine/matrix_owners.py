@@ -65,7 +65,8 @@ def plan(layout, names: Sequence[str], stage: int, slots: int) -> List[Matrix]:
     """The matrices ``names`` (layout order), each with its owner and its pieces over ``slots`` slots."""
     shapes = {n: tuple(layout.params[n].shape) for n in names}
     load, owner = [0] * slots, {}
-    for n in sorted(names, key=lambda n: (-ns_cost(shapes[n]), names.index(n))):
+    order = {n: i for i, n in enumerate(names)}
+    for n in sorted(names, key=lambda n: (-ns_cost(shapes[n]), order[n])):
         s = min(range(slots), key=lambda k: (load[k], k))
         owner[n] = s
         load[s] += ns_cost(shapes[n])
@@ -106,7 +107,8 @@ def to_owners(group, matrices: Sequence[Matrix], rows: np.ndarray, step: int) ->
         for m, p in r:
             mine[m.name][p.offset:p.offset + p.numel] = got[at:at + p.numel]
             at += p.numel
-    return {n: v.reshape(next(m.shape for m in matrices if m.name == n)) for n, v in mine.items()}
+    shapes = {m.name: m.shape for m in matrices}
+    return {n: v.reshape(shapes[n]) for n, v in mine.items()}
 
 
 def from_owners(group, matrices: Sequence[Matrix], results: dict, out: np.ndarray, step: int) -> None:

@@ -49,6 +49,11 @@ class ShardedMuon(ShardedAdamW):
         self.scales = [shape_scale(m.shape) for m in self.matrices]
         self._u = ledger.alloc("buffers", self.n, F32)     # the momentum's Nesterov update, then NS's result
         self.seconds = {"newton_schulz": 0.0, "exchange": 0.0}   # this rank's, summed over the steps
+        self._step = 0
+
+    def scalars(self, lr, step: int, grad_scale: float):
+        self._step = step                # the watchdog names the step an exchange waits in
+        return super().scalars(lr, step, grad_scale)
 
     def update(self, sl, grad, param_out, s, background: bool = False) -> None:
         """Stage 0 (the whole model): :meth:`step` on the one part."""
@@ -100,12 +105,12 @@ class ShardedMuon(ShardedAdamW):
             self.seconds["newton_schulz"] += time.perf_counter() - t0
             return
         host = impl.to_host(self._u)
-        mine = to_owners(self.group, self.matrices, host, 0)
+        mine = to_owners(self.group, self.matrices, host, self._step)
         t1 = time.perf_counter()
         xp = impl.array_module(self._u)
         results = {n: impl.to_host(newton_schulz(xp.asarray(u))) for n, u in mine.items()}
         t2 = time.perf_counter()
-        from_owners(self.group, self.matrices, results, host, 0)
+        from_owners(self.group, self.matrices, results, host, self._step)
         if host is not self._u:
             self._u[...] = xp.asarray(host)
         self.seconds["newton_schulz"] += t2 - t1
