@@ -138,3 +138,28 @@ def test_the_estimate_prices_the_optimizer_rows(tmp_path):
     est = run_estimate(m)
     assert est["optimizer"] == "muon"
     assert est["stages"][1]["optimizer_bytes"] == pytest.approx(m["memory_bytes"]["optimizer"], rel=0.02)
+
+
+def test_an_older_adamw_checkpoint_loads_by_its_rows_and_muon_starts_fresh_from_it(tmp_path):
+    """A manifest without the optimizer's name and row names (format 1, as older zerompi wrote it) is AdamW's:
+    the resume gives the bits of the run that never stopped; Muon refuses it, or starts its state fresh."""
+    import hashlib
+    plain = [f for f in GPT if f not in ("--optimizer", "muon")] + ["--dtype", "fp32", "--eval-every", "0"]
+    a = tmp_path / "a"
+    whole = run_train(2, tmp_path, *plain, "--steps", "4", "--stage", "1", "--save-dir", a, "--save-every", "2",
+                      tag="whole")
+    ck = a / "step_000002"
+    m = json.loads((ck / "manifest.json").read_text())
+    del m["manifest_sha256"], m["optimizer"]["name"], m["optimizer"]["state"]
+    m["format_version"] = 1
+    for s in m["shards"]:
+        s["sha256"] = hashlib.sha256((ck / s["file"]).read_bytes()).hexdigest()
+        del s["crc32"]
+    (ck / "manifest.json").write_text(json.dumps(m, indent=1))
+    resumed = run_train(2, tmp_path, *plain, "--steps", "4", "--stage", "3", "--resume", ck, tag="resumed")
+    assert resumed["final_params_sha256"] == whole["final_params_sha256"]
+    args = ["-m", "zerompi.train", *plain, "--steps", "4", "--optimizer", "muon", "--resume", ck]
+    one_line(run_mpi(2, args, check=False), 2, "saved by optimizer 'adamw'", "this run's is 'muon'")
+    fresh = run_train(2, tmp_path, *args[2:], "--fresh-optimizer-state", tag="fresh")
+    assert len(fresh["losses"]) == 2 and fresh["final_params_sha256"] != whole["final_params_sha256"]
+    assert fresh["losses"][0] == whole["losses"][2]      # the loaded parameters: step 3's loss, before its update
