@@ -40,7 +40,7 @@ from .in_backward import UpdateInBackward
 from .inflight import InFlight
 from .loss_scale import DynamicLossScaler
 from .memory import MemoryLedger, memory_report
-from .optimizer import ShardedAdamW
+from .optimizers import sharded_optimizer
 from .phase import Phase, infer_phase
 from .reducer import MAX_PENDING_REDUCES, GradientReducer
 from .step import PendingStep, StepResult
@@ -133,7 +133,8 @@ class ZeroEngine:
                                           self.dtype, self.rank)
         self.reducer = GradientReducer(self.layout, self.config, self.group, self.replica, self.world_size,
                                        self.inflight, pool, self.ledger, self.guard, self.dtype, sources)
-        self.optimizer = ShardedAdamW(self.layout, self.config, self.ledger, self.slot, self.rank, transfers)
+        self.optimizer = sharded_optimizer(self.layout, self.config, self.ledger, self.slot, self.rank, transfers,
+                                           self.group)
         initial.load(self, pairs)        # each rank makes its own part (lazy: checked, engine/initial.py)
         self.in_backward = UpdateInBackward(self)       # nvme: a bucket's update starts when its shard is final
         self.trace = trace.attach(self) if self.config.trace else None   # the timeline (engine/trace.py)

@@ -32,6 +32,7 @@ PATHS = ("data", "metrics_json", "save_dir", "resume", "stop_file")   # path fie
 # The parameters each model exempts from weight decay by default (--no-decay replaces them, --decay-all
 # drops them): the GPT's biases (".b"), LayerNorm gains (".g") and embeddings, as GPT-2 recipes do.
 NO_DECAY = {"gpt": ("wte", "wpe", "*.b", "*.g"), "mlp": ()}
+MUON_PARAMS = {"gpt": ("*.w",), "mlp": ("*.weight",)}   # --optimizer muon: the hidden matrices (not wte, wpe)
 
 
 @dataclass(frozen=True)
@@ -211,7 +212,8 @@ APPLIES_WITH = (
     ("trace_steps", "--trace FILE", lambda z: z.trace is not None),
     ("max_skipped_steps", "--dtype fp16 (only fp16 skips steps)", lambda z: z.dtype == "fp16"),
     ("offload_dir", "--offload-optimizer nvme or --offload-params nvme (the files it holds)",
-     lambda z: "nvme" in (z.offload_optimizer, z.offload_params)))
+     lambda z: "nvme" in (z.offload_optimizer, z.offload_params)),
+    ("muon_params", "--optimizer muon", lambda z: z.optimizer == "muon"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -247,6 +249,8 @@ def parse_config(argv: Optional[List[str]] = None, environ=None) -> TrainConfig:
         zero["timeout_s"] = default_timeout_s() if environ is None else default_timeout_s(environ)
     check(not (a.decay_all and "no_decay" in zero), "--decay-all and --no-decay contradict each other; give one")
     zero["no_decay"] = () if a.decay_all else zero.get("no_decay") or NO_DECAY.get(model, ())
+    if zero.get("optimizer") == "muon" and "muon_params" not in zero:
+        zero["muon_params"] = MUON_PARAMS.get(model, ("*",))
     z = made(ZeroConfig, dict(zero, lazy_publish=True))   # the built-in models read parameters through unshard()
     for name, needs, ok in APPLIES_WITH:                  # every step
         opt = flag_name(ZeroConfig, name)
