@@ -80,6 +80,7 @@ def check_job(cfg) -> None:
     refused = (("--pp", cfg.mesh.pp > 1 and moe.ep > 1), ("--tp", cfg.mesh.tp > 1), ("--sp", cfg.mesh.sp > 1),
                ("--simulate-world", cfg.simulate_world is not None),
                ("--checkpoint-activations", cfg.checkpoint_activations),
+               ("--optimizer muon", cfg.zero.optimizer == "muon"),
                ("--device gpu", cfg.device != "cpu"))
     for name, given in refused:
         check(not given, f"{name} with --experts {moe.experts}{' --ep ' + str(moe.ep) if name == '--pp' else ''} "
