@@ -25,9 +25,11 @@ COMMS = ("mpi", "nccl")   # how device buffers are reduced and gathered (--comm)
 MODEL_DEFAULTS = {"gpt": {"steps": 300, "batch": 48, "log_every": 10},
                   "mlp": {"steps": 30, "batch": 64, "log_every": 1}}
 # The fields (and flags) that only one model reads: given with the other model, they are an error.
-MODEL_ONLY = {"gpt": ("n_layer", "n_head", "d_model", "seq_len", "data", "eval_every", "checkpoint_activations"),
+MODEL_ONLY = {"gpt": ("n_layer", "n_head", "d_model", "seq_len", "data", "eval_every", "checkpoint_activations",
+                     "init_from"),
               "mlp": ("width", "depth")}
-PATHS = ("data", "metrics_json", "save_dir", "resume", "stop_file")   # path fields: None = not given, never ""
+PATHS = ("data", "metrics_json", "save_dir", "resume", "stop_file",   # path fields: None = not given, never ""
+         "init_from")
 # The parameters each model exempts from weight decay by default (--no-decay replaces them, --decay-all
 # drops them): the GPT's biases (".b"), LayerNorm gains (".g") and embeddings, as GPT-2 recipes do.
 NO_DECAY = {"gpt": ("wte", "wpe", "*.b", "*.g"), "mlp": ()}
@@ -100,6 +102,10 @@ class TrainConfig:
     """The stand-ins follow comm/simulated_world.py's rule. None: a real job of the processes launched."""
     simulate_rank: Optional[int] = field(default=None, metadata=flag(
         "with --simulate-world: the rank this process is (default 0)", metavar="R"))
+    init_from: Optional[str] = field(default=None, metadata=flag(
+        "GPT: start from this Hugging Face GPT-2 folder (config.json and safetensors; its config sets the model's "
+        "sizes), each rank reading only its own shard", metavar="DIR"))
+    """train/hf_init.py; docs/interop.md. export-hf (python -m zerompi.checkpoint) writes such a folder."""
     zero: ZeroConfig = ZeroConfig()
     """Engine configuration."""
     mesh: MeshConfig = MeshConfig()
@@ -175,6 +181,11 @@ class TrainConfig:
             from .data import check_file
             check(self.model == "gpt", f"data={self.data!r} applies to model gpt only; drop --data or use --model gpt")
             check_file(self.data, self.seq_len)
+        if self.init_from is not None:
+            from .data import FILE_VOCAB, GENERATED_VOCAB
+            from .hf_init import check_init
+            check(self.model == "gpt", f"init_from={self.init_from!r} applies to model gpt only")
+            check_init(self, FILE_VOCAB if self.data else GENERATED_VOCAB)
 
     def check_world(self, world_size: int) -> None:
         """ConfigError unless --tp, --sp, --pp, --node-size (or $ZEROMPI_NODE_SIZE, named when it is the culprit)
@@ -255,4 +266,7 @@ def parse_config(argv: Optional[List[str]] = None, environ=None) -> TrainConfig:
         for name in (n for n in names if n in job):
             check(model not in MODELS or model == owner, f"{name}={job[name]!r} applies to model {owner} only; "
                                                          f"drop --{_flag(name)} or use --model {owner}")
+    if job.get("init_from") and model == "gpt":     # the model's sizes from the folder's config.json
+        from .hf_init import apply_sizes
+        apply_sizes(job, job["init_from"])
     return TrainConfig(**job, zero=z, mesh=mesh, pipeline=pipeline)
