@@ -26,7 +26,7 @@ MODEL_DEFAULTS = {"gpt": {"steps": 300, "batch": 48, "log_every": 10},
                   "mlp": {"steps": 30, "batch": 64, "log_every": 1}}
 # The fields (and flags) that only one model reads: given with the other model, they are an error.
 MODEL_ONLY = {"gpt": ("n_layer", "n_head", "d_model", "seq_len", "data", "eval_every", "checkpoint_activations",
-                     "init_from"),
+                     "init_from", "data_format", "token_dtype", "vocab"),
               "mlp": ("width", "depth")}
 PATHS = ("data", "metrics_json", "save_dir", "resume", "stop_file",   # path fields: None = not given, never ""
          "init_from")
@@ -106,6 +106,14 @@ class TrainConfig:
         "GPT: start from this Hugging Face GPT-2 folder (config.json and safetensors; its config sets the model's "
         "sizes), each rank reading only its own shard", metavar="DIR"))
     """train/hf_init.py; docs/interop.md. export-hf (python -m zerompi.checkpoint) writes such a folder."""
+    data_format: str = field(default="bytes", metadata=flag(
+        "GPT: what --data holds: bytes (each byte a token) or tokens (a flat file of token ids, "
+        "python -m zerompi.data prepare's)"))
+    token_dtype: Optional[str] = field(default=None, metadata=flag(
+        "GPT, --data-format tokens: uint16 (default) or uint32 ids"))
+    vocab: Optional[int] = field(default=None, metadata=flag(
+        "GPT, --data-format tokens: the vocabulary (default: --init-from's, else the file's largest id + 1)",
+        metavar="V"))
     zero: ZeroConfig = ZeroConfig()
     """Engine configuration."""
     mesh: MeshConfig = MeshConfig()
@@ -181,11 +189,12 @@ class TrainConfig:
             from .data import check_file
             check(self.model == "gpt", f"data={self.data!r} applies to model gpt only; drop --data or use --model gpt")
             check_file(self.data, self.seq_len)
+        from .tokens import check_config as check_tokens, data_vocab
+        check_tokens(self)
         if self.init_from is not None:
-            from .data import FILE_VOCAB, GENERATED_VOCAB
             from .hf_init import check_init
             check(self.model == "gpt", f"init_from={self.init_from!r} applies to model gpt only")
-            check_init(self, FILE_VOCAB if self.data else GENERATED_VOCAB)
+            check_init(self, data_vocab(self))
 
     def check_world(self, world_size: int) -> None:
         """ConfigError unless --tp, --sp, --pp, --node-size (or $ZEROMPI_NODE_SIZE, named when it is the culprit)

@@ -22,14 +22,15 @@ def build_model(cfg: TrainConfig, xp=np, mesh=None):
     """(model, data) for cfg.model; the GPT computes on ``xp`` (the MLP's NumPy calls dispatch to CuPy); with a
     Mesh (tp or sp > 1), split over its TP group (models/gpt.py, models/mlp_tp.py) and SP group (the GPT)."""
     if cfg.model == "gpt":
-        from .data import make_data
         from .models.gpt import GPT
-        data = make_data(cfg.data, cfg.seq_len, cfg.seed)
-        vocab, initial = data.vocab, None
+        from .tokens import make_gpt_data
+        vocab, initial = None, None
         if cfg.init_from:                           # a Hugging Face GPT-2 folder's values and vocabulary
             from .hf_init import HFInit
             init = HFInit(cfg.init_from)
             vocab, initial = init.vocab, init.rule
+        data = make_gpt_data(cfg, vocab)            # generated, a file's bytes, or a token file
+        vocab = vocab or data.vocab
         return GPT(vocab, cfg.seq_len, cfg.n_layer, cfg.n_head, cfg.d_model, cfg.seed, xp=xp,
                    checkpoint_activations=cfg.checkpoint_activations, sp=mesh.sp_comm if mesh else None,
                    tp=mesh.tp_comm if mesh else None, initial=initial), data
