@@ -29,7 +29,7 @@ MODEL_ONLY = {"gpt": ("n_layer", "n_head", "d_model", "seq_len", "data", "eval_e
                      "init_from", "data_format", "token_dtype", "vocab"),
               "mlp": ("width", "depth")}
 PATHS = ("data", "metrics_json", "save_dir", "resume", "stop_file",   # path fields: None = not given, never ""
-         "init_from")
+         "init_from", "tensorboard")
 # The parameters each model exempts from weight decay by default (--no-decay replaces them, --decay-all
 # drops them): the GPT's biases (".b"), LayerNorm gains (".g") and embeddings, as GPT-2 recipes do.
 NO_DECAY = {"gpt": ("wte", "wpe", "*.b", "*.g"), "mlp": ()}
@@ -114,6 +114,9 @@ class TrainConfig:
     vocab: Optional[int] = field(default=None, metadata=flag(
         "GPT, --data-format tokens: the vocabulary (default: --init-from's, else the file's largest id + 1)",
         metavar="V"))
+    tensorboard: Optional[str] = field(default=None, metadata=flag(
+        "write the run's scalars (losses, lr, grad norm, loss scale, throughput, step times, memory) for "
+        "TensorBoard into DIR (rank 0; needs tensorboardX: the hf extra)", metavar="DIR"))
     zero: ZeroConfig = ZeroConfig()
     """Engine configuration."""
     mesh: MeshConfig = MeshConfig()
@@ -165,6 +168,8 @@ class TrainConfig:
               f"(the job stops after the step at which it appears)")
         from .simulated_run import check_config
         check_config(self)
+        from .tensorboard import check_config as check_tensorboard
+        check_tensorboard(self)
 
     def world_size(self, processes: int) -> int:
         """The ranks of the job: the ``processes`` launched, or simulate_world (ConfigError unless one was)."""

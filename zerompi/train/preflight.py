@@ -20,7 +20,8 @@ def check_outputs(cfg: TrainConfig, rank: int) -> None:
         outputs.append((f"the trace of rank {rank} if it aborts the job", crash_path(cfg.zero.trace, rank)))
     inputs = [("data", cfg.data), ("schedule_file", cfg.pipeline.schedule_file)]
     check_roles(outputs, inputs + folders_read("resume", cfg.resume),
-                [("save_dir", cfg.save_dir), ("offload_dir", cfg.zero.offload_dir if nvme else None)])
+                [("save_dir", cfg.save_dir), ("offload_dir", cfg.zero.offload_dir if nvme else None),
+                 ("tensorboard", cfg.tensorboard)])
     if rank == 0:
         check_file(cfg.metrics_json, "metrics_json")
         check_file(cfg.zero.trace, "trace")

@@ -104,6 +104,8 @@ def _run_steps(cfg: TrainConfig, job, comm, start: int, stop) -> StepLog:
     from .saves import Saves
     from .simulated_run import loss_note, no_held_out
     saves = Saves(cfg, job.checkpoints, comm.mpi)   # checkpoints: --save-dir, --save-every, --async-save
+    from .tensorboard import Board
+    board = Board(cfg, leads(comm))                 # --tensorboard: rank 0's event files
     gpt = cfg.model == "gpt"
     floor = job.data.entropy_floor if gpt else None   # nats/token; None: a user's file, or the MLP
     stand_in = loss_note(cfg, None if job.computes_loss else job.mesh.pp_rank)
@@ -128,11 +130,14 @@ def _run_steps(cfg: TrainConfig, job, comm, start: int, stop) -> StepLog:
                 parts[k] = parts.get(k, 0.0) + v
         log.record(loss, time.perf_counter() - t0, sent() - b0, parts,   # bounded (history.py)
                    (l1["intra"] - l0["intra"], l1["inter"] - l0["inter"], comm.logical_bytes() - q0))
+        board.step(step, loss, log.times[-1], parts, result, job.engines)
         extra, evaluated, note = "", False, ""  # GPT: held-out loss, floor, throughput
         if gpt:
             if evaluates(cfg, step, stopping):
                 why = no_held_out(cfg, None if job.computes_loss else job.mesh.pp_rank)
-                val, note = held_out(log, step, _validate(job, comm, log.base_bytes), why)
+                evaluation = _validate(job, comm, log.base_bytes)
+                val, note = held_out(log, step, evaluation, why)
+                board.held_out(step, evaluation.loss)
                 extra, evaluated = extra + val, True
             extra += f"  floor {floor:.4f}" if floor is not None else ""
             extra += f"  {cfg.batch * cfg.seq_len / log.times[-1]:,.0f} tok/s"
@@ -143,6 +148,7 @@ def _run_steps(cfg: TrainConfig, job, comm, start: int, stop) -> StepLog:
         if after_step(show, cfg, saves, stop, step, stopping):
             break
     saves.finish()                              # a background save is published before the run ends
+    board.close()
     return log
 
 
