@@ -115,6 +115,7 @@ def test_export_refusals(tmp_path):
     cases = [((tmp_path / "ck",), "is also the input"),
              ((tmp_path / "ck" / "sub",), "lies inside the input"),
              ((tmp_path / "full",), "holds 1 entries"),
+             ((tmp_path / "mlp",), "holds a zerompi checkpoint"),
              ((tmp_path / "hf", "--max-shard-size", "lots"), "is not a size"),
              ((tmp_path / "hf", "--n-head", "5"), "n_head=5 contradicts the checkpoint's n_head 4")]
     for args, needle in cases:

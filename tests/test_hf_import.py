@@ -133,6 +133,11 @@ def _drop_one(folder):
     index_path.write_text(json.dumps(index))
 
 
+def _truncate_one(folder):
+    path = folder / "model-00001-of-00005.safetensors"
+    os.truncate(path, path.stat().st_size - 4)
+
+
 @pytest.mark.parametrize("change,needle", [
     (lambda f: os.unlink(f / "config.json"), "has no config.json"),
     (lambda f: _config(f, model_type="llama"), "model_type 'llama' is not GPT-2's"),
@@ -140,6 +145,7 @@ def _drop_one(folder):
     (lambda f: _config(f, layer_norm_epsilon=1e-6), "layer_norm_epsilon 1e-06"),
     (_drop_one, "lack tensor 'block0.ln2.b'"),
     (_shrink_one, "tensor 'transformer.h.1.mlp.c_fc.weight' has shape [31, 128]"),
+    (_truncate_one, "that do not fit it or the file"),
 ])
 def test_import_refusals(exported, tmp_path, change, needle):
     """A folder that is not a GPT-2 zerompi can start from: one line on every rank's behalf, exit 2."""
