@@ -104,17 +104,21 @@ def prepare(text: str, out: str, tokenizer: Optional[str] = None, vocab_size: in
     return {"tokens": count, "vocab": vocab, "dtype": dtype, "tokenizer": saved or tokenizer}
 
 
-def bar(done: int, total: int, start=[None]) -> None:   # noqa: B006 (the start time, kept between calls)
-    """A progress bar on stderr (a terminal only)."""
-    if not sys.stderr.isatty():
-        return
-    start[0] = start[0] or time.monotonic()
-    frac = done / total if total else 1.0
-    rate = done / max(time.monotonic() - start[0], 1e-9) / 2**20
-    sys.stderr.write(f"\rprepare [{'#' * int(30 * frac):<30}] {100 * frac:5.1f}%  {rate:.1f} MiB/s")
-    if done >= total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
+class Bar:
+    """A progress bar on stderr, drawn only for a person at a terminal: ``bar(done, total)`` after each block."""
+
+    def __init__(self):
+        self.start = time.monotonic()
+
+    def __call__(self, done: int, total: int) -> None:
+        if not sys.stderr.isatty():
+            return
+        frac = done / total if total else 1.0
+        rate = done / max(time.monotonic() - self.start, 1e-9) / 2**20
+        sys.stderr.write(f"\rprepare [{'#' * int(30 * frac):<30}] {100 * frac:5.1f}%  {rate:.1f} MiB/s")
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -137,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     try:
         a = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-        done = prepare(a.text, a.out, a.tokenizer, a.vocab_size, a.token_dtype, bar)
+        done = prepare(a.text, a.out, a.tokenizer, a.vocab_size, a.token_dtype, Bar())
     except SystemExit as e:          # --help
         return e.code or 0
     except (ConfigError, OSError) as e:
