@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from tests.mpirun import one_line, run_mpi, run_train
+from tests.mpirun import ROOT, one_line, run_mpi, run_train
 from tests.test_hf_export import GPT, cli
 from zerompi.checkpoint.cli import consolidate
 from zerompi.checkpoint.hf_names import hf_name
@@ -165,3 +165,15 @@ def test_import_refuses_contradicting_flags(exported, tmp_path):
     proc = run_mpi(2, ["-m", "zerompi.train", "--init-from", folder, "--data", __file__, "--steps", "1"],
                    check=False)
     one_line(proc, 2, "has vocab_size 32, and the data's tokens go up to 255")
+
+
+def test_each_rank_reads_its_own_shard(exported, tmp_path):
+    """At N=4 stage 3 a rank reads its own slice of every bucket and the slice it checks (engine/initial.py): half
+    the model's elements, not all of them; every element is read by some rank."""
+    folder, params = exported
+    total = sum(v.size for v in params.values())
+    run_mpi(4, [ROOT / "tests" / "drivers" / "hf_reads.py", tmp_path / "reads", "--init-from", folder, "--batch", "8",
+                "--stage", "3", "--eval-every", "0", *STILL])
+    counts = {r: int((tmp_path / f"reads.{r}").read_text()) for r in range(4)}
+    assert all(n <= 0.55 * total for n in counts.values()), (counts, total)
+    assert sum(counts.values()) >= 2 * total * 0.95
