@@ -19,6 +19,12 @@ setup(
         "test": ["pytest>=7", "pytest-mpi", "pytest-timeout", "matplotlib"],   # matplotlib: the plot tests draw
         "gpu": ["cupy-cuda12x>=13"],   # ndarray.get(blocking=False), used by comm/staging.py, is new in CuPy 13
         "plot": ["matplotlib"],
+        # Hugging Face interop (docs/interop.md): tokenizers for `python -m zerompi.data prepare`, tensorboardX for
+        # --tensorboard and tensorboard to view (and read back) its files; safetensors, the format's own reader,
+        # checks what export-hf writes (which needs nothing).
+        "hf": ["safetensors>=0.4", "tokenizers>=0.15", "tensorboardX>=2.6", "tensorboard>=2.14"],
+        # The interop's tests against transformers' GPT-2 itself (skipped without).
+        "hf-test": ["torch>=2.1", "transformers>=4.40"],
     },
     entry_points={"console_scripts": ["zerompi-train=zerompi.train.run:main"]},
 )

@@ -40,6 +40,16 @@ def test_refused_in_one_line(argv, needle):
     assert str(e.value).startswith(needle), e.value
 
 
+def test_init_from_is_refused_in_one_line(tmp_path):
+    """A GPT-2 folder has dense MLPs: --init-from with --experts is refused at parse, naming both."""
+    import json
+    from zerompi.checkpoint.hf_names import gpt2_config
+    (tmp_path / "config.json").write_text(json.dumps(gpt2_config(256, 64, 2, 4, 64)))
+    with pytest.raises(ConfigError) as e:
+        parse_config(["--experts", "4", "--init-from", str(tmp_path)], environ={})
+    assert str(e.value).startswith("--init-from with --experts 4 is not supported"), e.value
+
+
 def test_accepted():
     cfg = parse_config(["--experts", "8", "--top-k", "1", "--capacity-factor", "1.25", "--moe-every", "2"],
                        environ={})

@@ -8,8 +8,12 @@ Modules:
 - pointer: which of a save folder's folders are published checkpoints, and ``latest``
 - orphans: checkpoints whose every shard was written but that no one published, found and published
 - savedir: the save directory's lock, no silent overwrite, retention
-- cli: ``python -m zerompi.checkpoint inspect | consolidate``, offline and without MPI
+- cli: ``python -m zerompi.checkpoint inspect | consolidate | export-hf``, offline and without MPI
 - outputs: every tool's output files, checked before the work, written atomically
+- parts: a save folder's pipeline and tensor-parallel part folders, each a whole set, in order
+- hf_names: the GPT's parameters by GPT-2's names, and GPT-2's config.json, written and checked
+- safetensors_files: safetensors files read and written a piece at a time, the shard index
+- hf_export: ``export-hf``, a GPT checkpoint as a Hugging Face GPT-2 folder, streamed
 
 May import: zerompi.errors, zerompi.layout, zerompi.comm; it works on the engine object it is
 given (ZeroEngine.save / load call it). Importing this package imports nothing; format, writer,

@@ -6,6 +6,7 @@ and no watchdog). Run through ``python -m zerompi.checkpoint`` (checkpoint/colle
 
     python -m zerompi.checkpoint consolidate DIR OUT.npz   # full fp32 parameters by name
     python -m zerompi.checkpoint inspect DIR               # the manifest as a table, every checksum verified
+    python -m zerompi.checkpoint export-hf DIR OUT_DIR     # a GPT as Hugging Face GPT-2 (hf_export.py)
 
 Exit status 0 (``--help`` too), or 2 with one line ``zerompi.checkpoint: error: ...`` on bad
 input (``inspect`` of a damaged checkpoint: the table, then that line naming every damaged
@@ -20,8 +21,9 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ..errors import ConfigError, OneLineParser, quiet_exit_on_closed_stdout
-from .format import F32, MANIFEST_SHA, PP_FOLDER, TP_FOLDER, CheckpointError, read_manifest, resolve, verify_shard
+from .format import F32, MANIFEST_SHA, PP_FOLDER, CheckpointError, read_manifest, resolve, verify_shard
 from .outputs import check_file, check_roles, write_atomic
+from .parts import part_folders, tp_parts
 from .state_rows import saved_rows
 from .pointer import complete_checkpoints
 from .savedir import folders_read, pointer_notes
@@ -64,29 +66,6 @@ def consolidate(path: str, out: str, state: bool = False) -> Dict[str, np.ndarra
                               + "); consolidate checkpoints of one step")
     write_atomic(out, lambda f: np.savez(f, **params))
     return params
-
-
-def tp_parts(path: str) -> List[str]:
-    """The ``tp{r}-of-{K}`` folders of a tensor-parallel save directory, in TP rank order ([] if none)."""
-    return part_folders(path, TP_FOLDER, "tensor-parallel")
-
-
-def part_folders(path: str, pattern, what: str) -> List[str]:
-    """The folders of ``path`` named by ``pattern`` (``tp{r}-of-{K}``, ``pp{c}-of-{C}``), in order ([] if none);
-    CheckpointError unless they are one whole set of K."""
-    if not os.path.isdir(path):
-        return []
-    found = {n: m for n in os.listdir(path) for m in [pattern.fullmatch(n)] if m}
-    if not found:
-        return []
-    names = sorted(found)
-    k = int(found[names[0]].group(2))
-    ranks = sorted(int(m.group(1)) for m in found.values() if int(m.group(2)) == k)   # no list of k names
-    if k < 1 or len(found) != k or ranks != list(range(k)):
-        raise CheckpointError(f"{path}: {what} folders {names[:4] + ['...'] * (len(names) > 4)} "
-                              f"are not one whole set of {k}")
-    prefix = pattern.pattern.split("(")[0]
-    return [os.path.join(path, f"{prefix}{r}-of-{k}") for r in range(k)]
 
 
 def _merge_tp(ckpts, pieces) -> Dict[str, np.ndarray]:
@@ -176,13 +155,15 @@ def inspect_text(path: str) -> str:
 
 class _Parser(OneLineParser):
     def error(self, message):   # the one line names the two commands
-        super().error(f"{message}; use 'consolidate DIR OUT.npz' or 'inspect DIR' (--help for more)")
+        super().error(f"{message}; use 'consolidate DIR OUT.npz', 'inspect DIR' or 'export-hf DIR OUT_DIR' "
+                      "(--help for more)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m zerompi.checkpoint",
                 description="Offline checkpoint tools: one process, no MPI (docs/checkpoint.md).")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{consolidate,inspect}", parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", required=True, metavar="{consolidate,inspect,export-hf}",
+                           parser_class=_Parser)
     c = sub.add_parser("consolidate", help="write the full fp32 parameters by name to OUT.npz",
                        description="Write the full fp32 parameters by name to OUT.npz (a new path or a regular file).")
     c.add_argument("dir", metavar="DIR", help="a checkpoint directory, or a run's --save-dir (its latest)")
@@ -192,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Print the manifest as a table and verify every checksum (the manifest's own "
                                    "and every shard's): exit 2 naming the damaged files.")
     i.add_argument("dir", metavar="DIR", help="a checkpoint directory, or a run's --save-dir (its latest)")
+    from .hf_export import add_parser
+    add_parser(sub)
     return p
 
 
@@ -208,7 +191,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 def _run(args: List[str]) -> int:
     try:
         a = build_parser().parse_args(args)
-        if a.command == "consolidate":
+        if a.command == "export-hf":
+            from .hf_export import run
+            run(a)
+        elif a.command == "consolidate":
             params = consolidate(a.dir, a.out, a.state)
             print(f"wrote {a.out}: {len(params)} parameters, "
                   f"{sum(p.size for p in params.values()):,} fp32 values")

@@ -19,6 +19,9 @@ Modules:
 - report: banner, tables, final metrics
 - console: the progress bar or one line per logged step
 - data: the generated Markov corpus and byte-level files
+- tokens: --data-format tokens, a flat file of token ids, checked at start, each rank reading its rows
+- tensorboard: --tensorboard, the run's scalars for TensorBoard, written by rank 0 through tensorboardX
+- hf_init: --init-from, the GPT's initial parameters from a Hugging Face GPT-2 folder, each rank its own
 - model_kernels: the GPT's fused elementwise kernels (C)
 - models/: the GPT and the MLP, forward and backward by hand
 

@@ -26,9 +26,11 @@ COMMS = ("mpi", "nccl")   # how device buffers are reduced and gathered (--comm)
 MODEL_DEFAULTS = {"gpt": {"steps": 300, "batch": 48, "log_every": 10},
                   "mlp": {"steps": 30, "batch": 64, "log_every": 1}}
 # The fields (and flags) that only one model reads: given with the other model, they are an error.
-MODEL_ONLY = {"gpt": ("n_layer", "n_head", "d_model", "seq_len", "data", "eval_every", "checkpoint_activations"),
+MODEL_ONLY = {"gpt": ("n_layer", "n_head", "d_model", "seq_len", "data", "eval_every", "checkpoint_activations",
+                     "init_from", "data_format", "token_dtype", "vocab"),
               "mlp": ("width", "depth")}
-PATHS = ("data", "metrics_json", "save_dir", "resume", "stop_file")   # path fields: None = not given, never ""
+PATHS = ("data", "metrics_json", "save_dir", "resume", "stop_file",   # path fields: None = not given, never ""
+         "init_from", "tensorboard")
 # The parameters each model exempts from weight decay by default (--no-decay replaces them, --decay-all
 # drops them): the GPT's biases (".b"), LayerNorm gains (".g") and embeddings, as GPT-2 recipes do.
 NO_DECAY = {"gpt": ("wte", "wpe", "*.b", "*.g"), "mlp": ()}
@@ -102,6 +104,21 @@ class TrainConfig:
     """The stand-ins follow comm/simulated_world.py's rule. None: a real job of the processes launched."""
     simulate_rank: Optional[int] = field(default=None, metadata=flag(
         "with --simulate-world: the rank this process is (default 0)", metavar="R"))
+    init_from: Optional[str] = field(default=None, metadata=flag(
+        "GPT: start from this Hugging Face GPT-2 folder (config.json and safetensors; its config sets the model's "
+        "sizes), each rank reading only its own shard", metavar="DIR"))
+    """train/hf_init.py; docs/interop.md. export-hf (python -m zerompi.checkpoint) writes such a folder."""
+    data_format: str = field(default="bytes", metadata=flag(
+        "GPT: what --data holds: bytes (each byte a token) or tokens (a flat file of token ids, "
+        "python -m zerompi.data prepare's)"))
+    token_dtype: Optional[str] = field(default=None, metadata=flag(
+        "GPT, --data-format tokens: uint16 (default) or uint32 ids"))
+    vocab: Optional[int] = field(default=None, metadata=flag(
+        "GPT, --data-format tokens: the vocabulary (default: --init-from's, else the file's largest id + 1)",
+        metavar="V"))
+    tensorboard: Optional[str] = field(default=None, metadata=flag(
+        "write the run's scalars (losses, lr, grad norm, loss scale, throughput, step times, memory) for "
+        "TensorBoard into DIR (rank 0; needs tensorboardX: the hf extra)", metavar="DIR"))
     zero: ZeroConfig = ZeroConfig()
     """Engine configuration."""
     mesh: MeshConfig = MeshConfig()
@@ -123,8 +140,8 @@ class TrainConfig:
                 object.__setattr__(self, name, value)
         for name in PATHS:
             check(getattr(self, name) != "", f"{name}='' is an empty path; give a path, or leave --{_flag(name)} out")
+        check_job(self)                # the MoE's refusals before the GPT's files are read and the parallelisms' checks
         self._check_gpt()
-        check_job(self)                # the MoE's refusals before the parallelisms' own checks
         if self.mesh.tp > 1:
             from .tp_run import check_model
             check_model(self)
@@ -156,6 +173,8 @@ class TrainConfig:
               f"(the job stops after the step at which it appears)")
         from .simulated_run import check_config
         check_config(self)
+        from .tensorboard import check_config as check_tensorboard
+        check_tensorboard(self)
 
     def world_size(self, processes: int) -> int:
         """The ranks of the job: the ``processes`` launched, or simulate_world (ConfigError unless one was)."""
@@ -180,6 +199,12 @@ class TrainConfig:
             from .data import check_file
             check(self.model == "gpt", f"data={self.data!r} applies to model gpt only; drop --data or use --model gpt")
             check_file(self.data, self.seq_len)
+        from .tokens import check_config as check_tokens, data_vocab
+        check_tokens(self)
+        if self.init_from is not None:
+            from .hf_init import check_init
+            check(self.model == "gpt", f"init_from={self.init_from!r} applies to model gpt only")
+            check_init(self, data_vocab(self))
 
     def check_world(self, world_size: int) -> None:
         """ConfigError unless --tp, --sp, --pp, --node-size (or $ZEROMPI_NODE_SIZE, named when it is the culprit)
@@ -267,4 +292,7 @@ def parse_config(argv: Optional[List[str]] = None, environ=None) -> TrainConfig:
                                                          f"drop --{_flag(name)} or use --model {owner}")
     moe = given(a, MoEConfig)
     check_given(moe)
+    if job.get("init_from") and model == "gpt":     # the model's sizes from the folder's config.json
+        from .hf_init import apply_sizes
+        apply_sizes(job, job["init_from"])
     return TrainConfig(**job, zero=z, mesh=mesh, pipeline=pipeline, moe=made(MoEConfig, moe))

@@ -81,6 +81,7 @@ def check_job(cfg) -> None:
                ("--simulate-world", cfg.simulate_world is not None),
                ("--checkpoint-activations", cfg.checkpoint_activations),
                ("--optimizer muon", cfg.zero.optimizer == "muon"),
+               ("--init-from", cfg.init_from is not None),
                ("--device gpu", cfg.device != "cpu"))
     for name, given in refused:
         check(not given, f"{name} with --experts {moe.experts}{' --ep ' + str(moe.ep) if name == '--pp' else ''} "

@@ -6,7 +6,7 @@ from typing import List, Optional, Tuple
 from ..checkpoint.outputs import check_file, check_folder, check_roles
 from ..errors import ConfigError, check
 from .config import TrainConfig
-from .data import FILE_VOCAB, GENERATED_VOCAB
+from .tokens import model_vocab
 
 
 def check_outputs(cfg: TrainConfig, rank: int) -> None:
@@ -20,7 +20,8 @@ def check_outputs(cfg: TrainConfig, rank: int) -> None:
         outputs.append((f"the trace of rank {rank} if it aborts the job", crash_path(cfg.zero.trace, rank)))
     inputs = [("data", cfg.data), ("schedule_file", cfg.pipeline.schedule_file)]
     check_roles(outputs, inputs + folders_read("resume", cfg.resume),
-                [("save_dir", cfg.save_dir), ("offload_dir", cfg.zero.offload_dir if nvme else None)])
+                [("save_dir", cfg.save_dir), ("offload_dir", cfg.zero.offload_dir if nvme else None),
+                 ("tensorboard", cfg.tensorboard)])
     if rank == 0:
         check_file(cfg.metrics_json, "metrics_json")
         check_file(cfg.zero.trace, "trace")
@@ -82,7 +83,7 @@ def layer_sizes(cfg: TrainConfig, tp: int = 1) -> List[int]:
 
 def _gpt_sizes(cfg: TrainConfig, tp: int) -> Tuple[int, int, int]:
     """Parameters of the GPT's embeddings, of a block (6·d_model of it replicated) and of ln_f on one TP rank."""
-    c, vocab = cfg.d_model, FILE_VOCAB if cfg.data else GENERATED_VOCAB
+    c, vocab = cfg.d_model, model_vocab(cfg)
     return vocab * c + cfg.seq_len * c, (12 * c * c + 7 * c) // tp + 6 * c, 2 * c
 
 
@@ -156,7 +157,7 @@ def _pipeline_activations(cfg: TrainConfig, world_size: int, rank: int, s) -> in
     m = cfg.mesh
     stage = pipeline_stage(cfg, world_size, rank)
     rows = max(1, cfg.batch // (world_size // (m.tp * m.sp * m.pp)) // cfg.zero.micro_batches)
-    vocab = FILE_VOCAB if cfg.data else GENERATED_VOCAB
+    vocab = model_vocab(cfg)
     return gpt_chunks_activation_bytes(in_flight(s, stage), s.chunks, rows, cfg.seq_len, cfg.d_model, cfg.n_layer,
                                        cfg.n_head, vocab, s.split_backward, m.sp, cfg.checkpoint_activations,
                                        tp=m.tp)
@@ -184,7 +185,7 @@ def memory_needed(cfg: TrainConfig, world_size: int, rank: int = 0) -> dict:
         return parts
     if cfg.device == "cpu":                     # the C kernels' workspace: every activation, by its formula
         from ..estimate.activations import gpt_activation_bytes
-        vocab = FILE_VOCAB if cfg.data else GENERATED_VOCAB
+        vocab = model_vocab(cfg)
         parts["activations"] = gpt_activation_bytes(rows, cfg.seq_len, cfg.d_model, cfg.n_layer, cfg.n_head, vocab,
                                                     cfg.checkpoint_activations, sp=m.sp, tp=tp)["total"]
     else:

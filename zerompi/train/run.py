@@ -22,13 +22,19 @@ def build_model(cfg: TrainConfig, xp=np, mesh=None):
     """(model, data) for cfg.model; the GPT computes on ``xp`` (the MLP's NumPy calls dispatch to CuPy); with a
     Mesh (tp or sp > 1), split over its TP group (models/gpt.py, models/mlp_tp.py) and SP group (the GPT)."""
     if cfg.model == "gpt":
-        from .data import make_data
         from .models.gpt import GPT
         from .moe_config import moe_spec
-        data = make_data(cfg.data, cfg.seq_len, cfg.seed)
-        return GPT(data.vocab, cfg.seq_len, cfg.n_layer, cfg.n_head, cfg.d_model, cfg.seed, xp=xp,
+        from .tokens import make_gpt_data
+        vocab, initial = None, None
+        if cfg.init_from:                           # a Hugging Face GPT-2 folder's values and vocabulary
+            from .hf_init import HFInit
+            init = HFInit(cfg.init_from)
+            vocab, initial = init.vocab, init.rule
+        data = make_gpt_data(cfg, vocab)            # generated, a file's bytes, or a token file
+        vocab = vocab or data.vocab
+        return GPT(vocab, cfg.seq_len, cfg.n_layer, cfg.n_head, cfg.d_model, cfg.seed, xp=xp,
                    checkpoint_activations=cfg.checkpoint_activations, sp=mesh.sp_comm if mesh else None,
-                   tp=mesh.tp_comm if mesh else None, moe=moe_spec(cfg)), data
+                   tp=mesh.tp_comm if mesh else None, moe=moe_spec(cfg), initial=initial), data
     from .models.mlp import MLP, TeacherData
     from .models.mlp_tp import TPMLP
     model = MLP(cfg.width, cfg.depth, cfg.seed) if mesh is None else TPMLP(cfg.width, cfg.depth, cfg.seed, mesh.tp_comm)
@@ -99,6 +105,8 @@ def _run_steps(cfg: TrainConfig, job, comm, start: int, stop) -> StepLog:
     from .saves import Saves
     from .simulated_run import loss_note, no_held_out
     saves = Saves(cfg, job.checkpoints, comm.mpi)   # checkpoints: --save-dir, --save-every, --async-save
+    from .tensorboard import Board
+    board = Board(cfg, leads(comm))                 # --tensorboard: rank 0's event files
     gpt = cfg.model == "gpt"
     floor = job.data.entropy_floor if gpt else None   # nats/token; None: a user's file, or the MLP
     stand_in = loss_note(cfg, None if job.computes_loss else job.mesh.pp_rank)
@@ -123,11 +131,14 @@ def _run_steps(cfg: TrainConfig, job, comm, start: int, stop) -> StepLog:
                 parts[k] = parts.get(k, 0.0) + v
         log.record(loss, time.perf_counter() - t0, sent() - b0, parts,   # bounded (history.py)
                    (l1["intra"] - l0["intra"], l1["inter"] - l0["inter"], comm.logical_bytes() - q0))
+        board.step(step, loss, log.times[-1], parts, result, job.engines)
         extra, evaluated, note = "", False, ""  # GPT: held-out loss, floor, throughput
         if gpt:
             if evaluates(cfg, step, stopping):
                 why = no_held_out(cfg, None if job.computes_loss else job.mesh.pp_rank)
-                val, note = held_out(log, step, _validate(job, comm, log.base_bytes), why)
+                evaluation = _validate(job, comm, log.base_bytes)
+                val, note = held_out(log, step, evaluation, why)
+                board.held_out(step, evaluation.loss)
                 extra, evaluated = extra + val, True
             extra += f"  floor {floor:.4f}" if floor is not None else ""
             extra += f"  {cfg.batch * cfg.seq_len / log.times[-1]:,.0f} tok/s"
@@ -138,6 +149,7 @@ def _run_steps(cfg: TrainConfig, job, comm, start: int, stop) -> StepLog:
         if after_step(show, cfg, saves, stop, step, stopping):
             break
     saves.finish()                              # a background save is published before the run ends
+    board.close()
     return log
 
 

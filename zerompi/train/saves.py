@@ -95,6 +95,8 @@ class Saves:
             return
         # The data is a function of (seed, step): the next step is the whole data position.
         extra = {"data_step": done, "seed": cfg.seed}
+        if cfg.model == "gpt":                 # what its shapes do not tell, for export-hf (checkpoint/hf_export.py)
+            extra["gpt"] = {"n_head": cfg.n_head}
         if cfg.async_save and not last:        # a save first waits for the previous one, published then
             pending = self.engine.save(cfg.save_dir, extra, blocking=False, keep_last=cfg.keep_last)
             self._announce()

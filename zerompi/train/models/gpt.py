@@ -32,7 +32,7 @@ class GPT:
 
     def __init__(self, vocab: int, seq_len: int, n_layer: int, n_head: int, d_model: int, seed: int = 0,
                  xp=np, dtype=np.float32, kernels: str = "auto", checkpoint_activations: bool = False, sp=None,
-                 tp=None, moe=None):
+                 tp=None, moe=None, initial=None):
         if d_model % n_head:
             raise ValueError(f"d_model={d_model} must be divisible by n_head={n_head}")
         if kernels not in KERNELS:
@@ -40,6 +40,7 @@ class GPT:
         self.vocab, self.seq_len, self.n_layer = vocab, seq_len, n_layer
         self.n_head, self.d_model, self.seed = n_head, d_model, seed
         self.xp, self.dtype = xp, dtype
+        self.initial = initial     # None, or (name, fresh rule) -> the rule to use instead (train/hf_init.py)
         self.sp = sp if sp is not None and sp.size > 1 else None   # SPComm: this rank's chunk of each sequence
         self.tp = tp if tp is not None and tp.size > 1 else None   # TPComm: this rank's heads and MLP columns
         k = self.tp.size if self.tp else 1
@@ -141,6 +142,8 @@ class GPT:
                 n["out.w"]: normal((4 * C, C), resid), n["out.b"]: zeros(C),
             }))
         layers.append(("ln_f", {"ln_f.g": ones(C), "ln_f.b": zeros(C)}))
+        if self.initial is not None:   # --init-from: values read from a file instead of drawn
+            layers = [(name, {n: self.initial(n, a) for n, a in params.items()}) for name, params in layers]
         if self.tp:                    # each split parameter cut to this TP rank's piece (the same draws)
             split, r, k = self.tp_split(), self.tp.rank, self.tp.size
             layers = [(name, {n: lazy.Piece(a, *split[n], r, k) if n in split else a for n, a in params.items()})

@@ -1,0 +1,30 @@
+"""The parts of a save folder: its pipeline chunks' folders (``pp{c}-of-{C}``) and tensor-parallel ranks'
+(``tp{r}-of-{K}``), each a whole set, in order; what the offline tools (consolidate, export-hf) read.
+"""
+import os
+from typing import List
+
+from .format import TP_FOLDER, CheckpointError
+
+
+def tp_parts(path: str) -> List[str]:
+    """The ``tp{r}-of-{K}`` folders of a tensor-parallel save directory, in TP rank order ([] if none)."""
+    return part_folders(path, TP_FOLDER, "tensor-parallel")
+
+
+def part_folders(path: str, pattern, what: str) -> List[str]:
+    """The folders of ``path`` named by ``pattern`` (``tp{r}-of-{K}``, ``pp{c}-of-{C}``), in order ([] if none);
+    CheckpointError unless they are one whole set of K."""
+    if not os.path.isdir(path):
+        return []
+    found = {n: m for n in os.listdir(path) for m in [pattern.fullmatch(n)] if m}
+    if not found:
+        return []
+    names = sorted(found)
+    k = int(found[names[0]].group(2))
+    ranks = sorted(int(m.group(1)) for m in found.values() if int(m.group(2)) == k)   # no list of k names
+    if k < 1 or len(found) != k or ranks != list(range(k)):
+        raise CheckpointError(f"{path}: {what} folders {names[:4] + ['...'] * (len(names) > 4)} "
+                              f"are not one whole set of {k}")
+    prefix = pattern.pattern.split("(")[0]
+    return [os.path.join(path, f"{prefix}{r}-of-{k}") for r in range(k)]
