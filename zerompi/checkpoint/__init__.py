@@ -9,6 +9,8 @@ Modules:
 - savedir: the save directory's lock, no silent overwrite, retention
 - cli: ``python -m zerompi.checkpoint inspect | consolidate``, offline and without MPI
 - outputs: every tool's output files, checked before the work, written atomically
+- replicas: every step's shard in memory on this rank's node and a buddy's, committed by an agreement
+- replica_files: the replicas' folders in node-local shared memory, and the checkpoint assembled from them
 
 May import: zerompi.errors, zerompi.layout, zerompi.comm; it works on the engine object it is
 given (ZeroEngine.save / load call it). Importing this package imports nothing; format, writer,

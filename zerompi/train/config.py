@@ -100,6 +100,10 @@ class TrainConfig:
     """The stand-ins follow comm/simulated_world.py's rule. None: a real job of the processes launched."""
     simulate_rank: Optional[int] = field(default=None, metadata=flag(
         "with --simulate-world: the rank this process is (default 0)", metavar="R"))
+    replicas: Optional[str] = field(default=None, metadata=flag(
+        "after every step, copy each rank's state to shared memory on its node and on a buddy's node, under this "
+        "job name (python -m zerompi.run restores from them after a failure)", metavar="JOB"))
+    """train/replicas.py; the name of the job's folder in /dev/shm (letters, digits, '_', '-', '.')."""
     zero: ZeroConfig = ZeroConfig()
     """Engine configuration."""
     mesh: MeshConfig = MeshConfig()
@@ -151,6 +155,9 @@ class TrainConfig:
               f"(the job stops after the step at which it appears)")
         from .simulated_run import check_config
         check_config(self)
+        if self.replicas is not None:
+            from .replicas import check_config as check_replicas
+            check_replicas(self)
 
     def world_size(self, processes: int) -> int:
         """The ranks of the job: the ``processes`` launched, or simulate_world (ConfigError unless one was)."""
@@ -186,6 +193,9 @@ class TrainConfig:
         if m.sp > 1 or m.pp > 1:
             from ..comm.mesh import check_mesh         # sp and pp (tp again: checked above)
             check_mesh(world_size, t, m.pp, m.node_size or env, m.shard_size, sp=m.sp)
+        if self.replicas is not None and (m.node_size or env):
+            from .replicas import check_nodes
+            check_nodes(self, world_size, m.node_size or env)
         dp = world_size // (t * m.sp * m.pp)
         parts = dp * micro
         check(self.batch % parts == 0,

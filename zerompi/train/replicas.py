@@ -1,0 +1,115 @@
+"""The train CLI's ``--replicas JOB``: every step's state in memory on two nodes, and the records of a recovery.
+
+:class:`ReplicaRun` (every rank): at the start, rank 0 removes what an earlier run of the same job left in its
+folder (never the restore folder being resumed from); each rank registers its pid, host and node
+(``JOB/ranks/``, which the supervisor watches); after every step the state is committed twice
+(checkpoint/replicas.py) and the rank's step recorded; at the end the rank folders go. After a relaunch
+(``JOB/failures.json``, written by ``python -m zerompi.run``) rank 0 completes the failure's record once the
+first step after the restore is done: relaunch (failure detected -> ranks up) and restore (ranks up -> that
+step done) seconds. The records are the metrics' ``failures`` (one schema: train/report.py).
+"""
+import json
+import os
+import socket
+import time
+from typing import List, Optional
+
+from ..checkpoint.replica_files import JOB_NAME, RANKS, clean, job_dir
+from ..errors import check
+
+FAILURES = "failures.json"     # the supervisor's records of this job's failures, completed by the job
+RECORD_KEYS = ("rank", "host", "failed_step", "restored_step", "steps_lost", "detect_s", "relaunch_s", "restore_s",
+               "recovery_s")   # one failure, as the metrics' ``failures`` list holds it
+UP = time.time()               # when this process started: after a relaunch, the end of the relaunch
+
+
+def check_config(cfg) -> None:
+    """ConfigError (one line) unless the job name is a folder name and the run is one --replicas supports."""
+    check(isinstance(cfg.replicas, str) and JOB_NAME.fullmatch(cfg.replicas) is not None,
+          f"replicas={cfg.replicas!r} is not a job name; use 1 to 64 letters, digits, '_', '-' or '.'")
+    m = cfg.mesh
+    for name, value in (("tp", m.tp), ("sp", m.sp), ("pp", m.pp)):
+        check(value == 1, f"replicas={cfg.replicas!r} does not support --{name} {value} yet; drop --replicas or "
+                          f"--{name}")
+    check(cfg.simulate_world is None, f"replicas={cfg.replicas!r} needs a real job; drop --simulate-world")
+
+
+def check_nodes(cfg, world: int, node_size: int) -> None:
+    nodes = world // node_size
+    check(nodes >= 2, f"replicas={cfg.replicas!r} keeps each shard's second copy on another node, and {world} ranks "
+                      f"in nodes of {node_size} make {nodes} node: use 2 nodes or more (--node-size K makes nodes "
+                      f"of K ranks on one host)")
+
+
+def read_failures(job: str) -> List[dict]:
+    try:
+        with open(os.path.join(job_dir(job), FAILURES)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return []
+
+
+def write_failures(job: str, records: List[dict]) -> None:
+    """Atomically (a reader never sees half a file)."""
+    path = os.path.join(job_dir(job), FAILURES)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(records, f)
+    os.replace(path + ".tmp", path)
+
+
+def public(records: List[dict]) -> List[dict]:
+    """The records as the metrics hold them (RECORD_KEYS; the supervisor's clock readings left out)."""
+    return [{k: r.get(k) for k in RECORD_KEYS} for r in records]
+
+
+class ReplicaRun:
+    """``--replicas JOB`` of a SingleJob (every rank); ``after_step`` after each step, ``close`` at the end."""
+
+    def __init__(self, cfg, job, comm):
+        from ..checkpoint.replicas import Replicas
+        self.name, self.engine, self.mpi = cfg.replicas, job.engine, comm.mpi
+        if self.mpi.Get_rank() == 0:                 # a stale run of this job: its folders, not the restore
+            clean(self.name, keep=cfg.resume, whole=False)
+        self.mpi.Barrier()
+        self.replicas = Replicas(self.engine, self.name)
+        self.pending: Optional[dict] = None          # the failure this run recovers from (rank 0)
+        if self.mpi.Get_rank() == 0:
+            records = read_failures(self.name)
+            if records and records[-1].get("restore_s") is None:
+                self.pending = records[-1]
+        self._note(None)
+
+    @property
+    def nbytes(self) -> int:
+        return self.replicas.nbytes
+
+    def after_step(self, done: int, seed: int) -> None:
+        self.replicas.commit_step(done, {"data_step": done, "seed": seed})
+        self._note(done)
+        if self.pending is not None:                 # the first step after a restore: the recovery is over
+            now, r = time.time(), self.pending
+            r["relaunch_s"] = round(UP - r["detected_at"], 3)
+            r["restore_s"] = round(now - UP, 3)
+            r["recovery_s"] = round(r["detect_s"] + r["relaunch_s"] + r["restore_s"], 3)
+            records = read_failures(self.name)
+            write_failures(self.name, records[:-1] + [r])
+            self.pending = None
+
+    def failures(self) -> List[dict]:
+        return public(read_failures(self.name))
+
+    def close(self) -> None:
+        self.mpi.Barrier()
+        if self.mpi.Get_rank() == 0:
+            clean(self.name, whole=False)
+
+    def _note(self, step: Optional[int]) -> None:
+        """This rank's pid, host, node and last committed step, for the supervisor (written whole, renamed)."""
+        e = self.engine
+        path = os.path.join(job_dir(self.name), RANKS, f"rank{e.rank:05d}.json")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump({"rank": e.rank, "pid": os.getpid(), "host": socket.gethostname(),
+                       "node": e.topology.node_of(e.rank), "step": step, "t": time.time()}, f)
+        os.replace(path + ".tmp", path)
