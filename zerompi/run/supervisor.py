@@ -168,7 +168,7 @@ def _failed_at(job: str, out) -> float:
         with open(path) as f:
             record = json.load(f)
         os.unlink(path)
-        killed = [d for d in out.dead if d["rank"] in record["ranks"]]
+        killed = [out.ranks[r] for r in record["ranks"] if r in out.ranks]
         out.dead = killed or out.dead
         return float(record["t"])
     except (OSError, ValueError, KeyError, TypeError):

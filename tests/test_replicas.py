@@ -1,0 +1,159 @@
+"""A job that carries on: ``python -m zerompi.run`` over ``--replicas`` (train/replicas.py, run/).
+
+A rank killed (kill -9) or a whole emulated node lost (its ranks killed and its shared-memory folder wiped) in
+the middle of a run: the supervisor relaunches, the job finishes with exit 0, at most one step is lost, and the
+final parameters equal bit for bit those of an independent oracle: a run that saved a disk checkpoint at the
+restored step, resumed from it at the new world size (checkpoint/collective.py's resume). Give-ups and bad
+input are one line. Nothing is left in /dev/shm.
+"""
+import json
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from tests.mpirun import mpi_env, one_line, run_mpi, run_tree
+from zerompi.checkpoint.format import build_manifest, read_manifest
+from zerompi.checkpoint.replica_files import assemble, commit, job_dir, rank_dir, step_dir
+from zerompi.checkpoint.writer import write_shard
+from zerompi.run import segments
+
+GPT = ["--steps", "8", "--batch", "24", "--progress", "lines", "--eval-every", "0"]
+
+
+def supervise(tmp_path, job, n, flags, kill_at=None, ranks=(), wipe=False, extra=(), timeout=240):
+    """``python -m zerompi.run`` with ``flags``; with ``kill_at``, a thread kills ``ranks`` once every rank has
+    committed step ``kill_at`` (and wipes their nodes' folders with ``wipe``). (process, metrics or None)."""
+    from zerompi.run.supervisor import kill
+    from zerompi.run.watch import ranks_of
+    metrics = tmp_path / f"{job}.json"
+    cmd = [sys.executable, "-m", "zerompi.run", "-n", str(n), *extra, "--", *flags, "--replicas", job,
+           "--metrics-json", str(metrics)]
+    done = threading.Event()
+
+    def killer():
+        while not done.is_set():
+            seen = ranks_of(job)
+            if len(seen) == n and all((r.get("step") or 0) >= kill_at for r in seen.values()):
+                kill(job, list(ranks), wipe)
+                return
+            time.sleep(0.005)
+
+    before = segments.present()
+    thread = threading.Thread(target=killer, daemon=True) if kill_at else None
+    if thread:
+        thread.start()
+    try:
+        proc = run_tree(cmd, timeout, mpi_env())
+    finally:
+        done.set()
+    assert not os.path.exists(job_dir(job)), os.listdir(job_dir(job))
+    busy = segments.held()      # the killed attempts' MPI segments: removed by the supervisor, not left to pile up
+    left = [n for n in segments.present() - before if segments.SEGMENT.match(n) and f"{segments.SHM}/{n}" not in busy]
+    assert not left, left
+    return proc, json.loads(metrics.read_text()) if metrics.exists() else None
+
+
+def oracle(tmp_path, n_before, n_after, flags, step):
+    """The digest of a run saved to disk at ``step`` on ``n_before`` ranks and resumed on ``n_after``."""
+    ck = tmp_path / "ck"
+    run_mpi(n_before, ["-m", "zerompi.train", *flags, "--steps", str(step), "--save-dir", ck], timeout=180)
+    out = tmp_path / "oracle.json"
+    run_mpi(n_after, ["-m", "zerompi.train", *flags, "--resume", ck, "--metrics-json", out], timeout=180)
+    return json.loads(out.read_text())["final_params_sha256"]
+
+
+def job_name(tag):
+    return f"test-{os.getpid()}-{tag}"
+
+
+@pytest.mark.parametrize("stage", [3, 1])
+def test_a_killed_rank_costs_at_most_one_step_and_no_bits(tmp_path, stage):
+    flags = GPT + ["--stage", str(stage), "--node-size", "2"]
+    proc, m = supervise(tmp_path, job_name(f"rank{stage}"), 4, flags, kill_at=3, ranks=[1])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [f] = m["failures"]
+    assert f["rank"] == 1 and f["steps_lost"] <= 1 and f["restored_step"] >= 3, f
+    assert all(f[k] is not None and f[k] >= 0 for k in ("detect_s", "relaunch_s", "restore_s", "recovery_s")), f
+    assert "zerompi.run: rank 1 (" in proc.stderr and "recovered from failure 1" in proc.stderr
+    assert m["final_params_sha256"] == oracle(tmp_path, 4, 4, flags, f["restored_step"])
+
+
+def test_a_lost_node_is_restored_from_its_buddies(tmp_path):
+    """Both ranks of node 1 killed and its shared memory wiped: its shards come from node 0's buddy copies."""
+    flags = GPT + ["--stage", "3", "--node-size", "2"]
+    proc, m = supervise(tmp_path, job_name("node"), 4, flags, kill_at=4, ranks=[2, 3], wipe=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [f] = m["failures"]
+    assert f["steps_lost"] <= 1 and f["rank"] == 2, f
+    assert m["final_params_sha256"] == oracle(tmp_path, 4, 4, flags, f["restored_step"])
+
+
+def test_shrink_reshards_to_the_ranks_left(tmp_path):
+    """4 nodes of 1, rank 3 lost, --shrink: the job goes on at N=3 (resharded by the checkpoint's load)."""
+    flags = GPT + ["--stage", "3", "--node-size", "1"]
+    proc, m = supervise(tmp_path, job_name("shrink"), 4, flags, kill_at=3, ranks=[3], wipe=True, extra=["--shrink"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [f] = m["failures"]
+    assert m["world_size"] == 3 and f["steps_lost"] <= 1, (m["world_size"], f)
+    assert m["final_params_sha256"] == oracle(tmp_path, 4, 3, flags, f["restored_step"])
+
+
+def test_no_surviving_copy_gives_up_in_one_line(tmp_path):
+    """4 nodes of 1: node 1 and its buddy node 2 lost (rank 1's copy lives on rank 2): shard 1 has no copy."""
+    flags = GPT + ["--stage", "3", "--node-size", "1"]
+    proc, _ = supervise(tmp_path, job_name("gone"), 4, flags, kill_at=2, ranks=[1, 2], wipe=True)
+    line = one_line(proc, 1, "zerompi.run: giving up: rank 1 (", "no surviving copy of shard 1 of committed step")
+    assert "a node and its buddy both lost" in line
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--max-restarts", "-1", "--", "--node-size", "2"], "--max-restarts -1 is not allowed"),
+    (["--", "--node-size", "4"], "make 1 node: use 2 nodes or more"),
+    (["--", "--stage", "3"], "no node size is given"),
+    (["--", "--replicas", "a/b", "--node-size", "2"], "replicas='a/b' is not a job name"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, needle):
+    proc = run_tree([sys.executable, "-m", "zerompi.run", "-n", "4", *args], 60, mpi_env())
+    one_line(proc, 2, "zerompi.run: error:", needle)
+
+
+def test_assemble_links_each_shard_from_a_surviving_copy(tmp_path, monkeypatch):
+    """No MPI: two nodes of one rank, each folder holding its own shard of step 5 and the other's copy. Node 0
+    wiped: step 5 is assembled from node 1's folder alone (hard links, the manifest beside them), the shards'
+    bytes those written; node 1's copy of shard 0 lost too: one line names the shard with no copy."""
+    from zerompi.engine.config import ZeroConfig
+    from zerompi.layout import FlatLayout
+    monkeypatch.setenv("ZEROMPI_REPLICAS_ROOT", str(tmp_path))
+
+    class Engine:      # what build_manifest reads
+        layout = FlatLayout([("l0", [("w", (6,))])], 2, 64, 1)
+        steps_taken, step_count, config = 5, 5, ZeroConfig(stage=3)
+        scaler = type("Scaler", (), {"state_dict": lambda self: {"scale": 1.0, "good_steps": 0}})()
+
+        def recorded_config(self):
+            return {}
+    e, numel = Engine(), Engine.layout.shard_numel
+    rows = [np.full((3, numel), 1.5 + r, np.float32) for r in (0, 1)]
+    entries = []
+    for r in (0, 1):
+        here = step_dir(rank_dir("j", r, r), 5)
+        os.makedirs(here)
+        entries.append(write_shard(here, r, numel, iter(rows[r])))
+        write_shard(here, 1 - r, numel, iter(rows[1 - r]))          # the copy of the rank whose buddy it is
+    for r in (0, 1):
+        commit(rank_dir("j", r, r), 5, build_manifest(e, entries, {"data_step": 5}))
+    import shutil
+    shutil.rmtree(os.path.join(job_dir("j"), "node000"))
+    step, folder = assemble("j")
+    manifest, saved = read_manifest(folder)
+    assert step == 5 and manifest["extra"] == {"data_step": 5}
+    for r in (0, 1):
+        assert np.array_equal(np.load(os.path.join(folder, f"shard_{r:05d}.npy")), rows[r])
+    shutil.rmtree(os.path.join(job_dir("j"), "restore"))
+    os.unlink(os.path.join(step_dir(rank_dir("j", 1, 1), 5), "shard_00000.npy"))
+    with pytest.raises(Exception, match="no surviving copy of shard 0 of committed step 5"):
+        assemble("j")
