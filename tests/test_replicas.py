@@ -157,3 +157,24 @@ def test_assemble_links_each_shard_from_a_surviving_copy(tmp_path, monkeypatch):
     os.unlink(os.path.join(step_dir(rank_dir("j", 1, 1), 5), "shard_00000.npy"))
     with pytest.raises(Exception, match="no surviving copy of shard 0 of committed step 5"):
         assemble("j")
+
+
+def test_a_run_cleans_its_own_jobs_stale_folder_only(tmp_path):
+    """What a killed run of job A left (a rank folder, a restore folder) is removed by the next run of A, which
+    leaves nothing behind; job B's folder is not touched. The run's bits are those of a run without --replicas."""
+    a, b = job_name("stale-a"), job_name("stale-b")
+    for job in (a, b):
+        os.makedirs(os.path.join(rank_dir(job, 0, 0), "step_000003"))
+        os.makedirs(os.path.join(job_dir(job), "restore", "step_000003"))
+    try:
+        flags = ["-m", "zerompi.train", *GPT, "--steps", "3", "--node-size", "1"]
+        run_mpi(2, [*flags, "--replicas", a, "--metrics-json", tmp_path / "a.json"], timeout=120)
+        run_mpi(2, [*flags, "--metrics-json", tmp_path / "plain.json"], timeout=120)
+        assert not os.path.exists(job_dir(a))
+        assert os.path.isdir(os.path.join(rank_dir(b, 0, 0), "step_000003"))
+        got, want = (json.loads((tmp_path / f"{t}.json").read_text()) for t in ("a", "plain"))
+        assert got["final_params_sha256"] == want["final_params_sha256"] and got["losses"] == want["losses"]
+        assert got["failures"] == [] and want["replicas"] is None and got["replicas"]["commit_s"] > 0
+    finally:
+        import shutil
+        shutil.rmtree(job_dir(b), ignore_errors=True)

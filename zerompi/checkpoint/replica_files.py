@@ -22,6 +22,7 @@ JOB_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 RESTORE = "restore"                    # the assembled checkpoint the relaunched job resumes from
 RANKS = "ranks"                        # each rank's pid, host and step (the supervisor watches them)
 STEP_DIR = re.compile(r"step_(\d{6})")
+SPARE = ".spare"                       # a rank's step before the committed one: its files reused by the next step
 
 
 def root() -> str:
@@ -54,7 +55,21 @@ def commit(folder: str, step: int, manifest: dict) -> None:
     for name in os.listdir(folder):
         m = STEP_DIR.fullmatch(name)
         if m and int(m.group(1)) != step:
-            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+            old = os.path.join(folder, name)
+            if os.path.exists(os.path.join(folder, SPARE)):
+                shutil.rmtree(old, ignore_errors=True)
+            else:                      # its files are the next step's, overwritten in place (no new pages)
+                os.unlink(os.path.join(old, MANIFEST)) if os.path.exists(os.path.join(old, MANIFEST)) else None
+                os.rename(old, os.path.join(folder, SPARE))
+
+
+def prepare(folder: str, step: int) -> str:
+    """The folder of ``step`` in a rank's folder: the previous step's, once committed past (SPARE), renamed."""
+    here, spare = step_dir(folder, step), os.path.join(folder, SPARE)
+    if os.path.isdir(spare) and not os.path.exists(here):
+        os.rename(spare, here)
+    os.makedirs(here, exist_ok=True)
+    return here
 
 
 def _steps(job: str) -> Dict[int, List[str]]:

@@ -1,13 +1,15 @@
 """Every step's state in memory twice: this rank's shard in its node's shared memory, and a copy on a buddy's node.
 
 After each step (:meth:`Replicas.commit_step`, a collective between steps) each rank copies its shard -- the fp32
-master, exp_avg and exp_avg_sq of its slices, the rows of a checkpoint's shard file, whatever the stage -- to the
-host, sends it to its buddy (the rank ``node_size`` places on: the same place on the next node), and writes its
-own and the received copy as shard files into its folder (replica_files.py). One all-gather agrees that every
-rank's two copies are complete and equal (their CRC-32s); then every rank writes the step's manifest, which
-commits it, and drops its previous step. The manifest is the checkpoint's (loss scale, update count, the data
-position in ``extra``), so a restore is the checkpoint's own load, at any world size.
+master, exp_avg and exp_avg_sq of its slices, the rows of a checkpoint's shard file, whatever the stage -- into
+its shard file in shared memory (mapped: the copy is the write), sends it to its buddy (the rank ``node_size``
+places on: the same place on the next node), and receives its source's copy into another mapped shard file of
+its folder (replica_files.py). One all-gather agrees that every rank's two copies are complete and equal (their
+CRC-32s); then every rank writes the step's manifest, which commits it. The manifest is the checkpoint's (loss
+scale, update count, the data position in ``extra``), so a restore is the checkpoint's own load, at any world
+size.
 """
+import mmap
 import os
 from typing import Optional
 
@@ -15,9 +17,9 @@ import numpy as np
 
 from ..comm.watchdog import watched
 from ..errors import ConfigError
-from .format import F32, ROWS, CheckpointError, build_manifest
-from .replica_files import commit, rank_dir, step_dir
-from .writer import snapshot, write_shard
+from .format import F32, ROWS, CheckpointError, Crc32, build_manifest, shard_file
+from .replica_files import commit, prepare, rank_dir, step_dir
+from .writer import snapshot
 
 TAG = 4343          # the point-to-point tag of the buddy copy
 
@@ -42,33 +44,54 @@ class Replicas:
         self.step: Optional[int] = None          # the last step committed
 
     def commit_step(self, step: int, extra: dict) -> None:
-        """Copy, send, write and agree on ``step`` (``engine.steps_taken``); CheckpointError on every rank when a
+        """Copy, send, checksum and agree on ``step`` (``engine.steps_taken``); CheckpointError on every rank when a
         rank could not write its copies (the previous committed step stays)."""
         e = self.engine
-        snapshot(e, self.host)
-        with watched(e.comm, "replicas: the shard to the buddy on another node", step):
-            e.comm.mpi.Sendrecv(self.host, dest=self.buddy, sendtag=TAG, recvbuf=self.received,
-                                source=self.source, recvtag=TAG)
         here, err, own, copy = step_dir(self.folder, step), None, None, None
         try:
-            os.makedirs(here, exist_ok=True)
-            own = write_shard(here, e.slot, e.layout.shard_numel, iter(self.host))
-            copy = write_shard(here, self.slots[self.source], e.layout.shard_numel, iter(self.received))
+            prepare(self.folder, step)
+            mine = self._file(here, e.slot)          # the shard's host copy is the file itself: one copy
+            snapshot(e, mine)
         except OSError as exc:
-            err = f"rank {e.rank} could not write its replicas of step {step} in {here}: {exc.strerror or exc}"
+            err, mine = f"rank {e.rank} could not write its replica of step {step} in {here}: {exc.strerror or exc}", \
+                self.host
+            snapshot(e, mine)                        # still sent: the buddy is waiting for it
+        theirs = self._file(here, self.slots[self.source]) if err is None else self.received
+        with watched(e.comm, "replicas: the shard to the buddy on another node", step):
+            e.comm.mpi.Sendrecv(mine, dest=self.buddy, sendtag=TAG, recvbuf=theirs, source=self.source, recvtag=TAG)
+        if err is None:
+            own, copy = self._entry(here, e.slot, mine), self._entry(here, self.slots[self.source], theirs)
         with watched(e.comm, "replicas: agreement on every rank's two copies", step):
             states = e.comm.mpi.allgather((err, own, copy))
         failed = next((s[0] for s in states if s[0]), None)
         entries = {}
-        for r, (_, mine, _) in enumerate(states):
-            if mine is not None:
-                entries.setdefault(self.slots[r], mine)
-        for r, (_, _, theirs) in enumerate(states):
+        for r, (_, mine_entry, _) in enumerate(states):
+            if mine_entry is not None:
+                entries.setdefault(self.slots[r], mine_entry)
+        for r, (_, _, their_entry) in enumerate(states):
             src = (r - e.topology.node_size) % e.world_size
-            if not failed and theirs["crc32"] != states[src][1]["crc32"]:
+            if not failed and their_entry["crc32"] != states[src][1]["crc32"]:
                 failed = f"rank {r}'s copy of rank {src}'s shard of step {step} differs from it (CRC-32)"
         if failed:
             raise CheckpointError(f"{failed}; the replicas stay at step {self.step}")
         shards = [entries[s] for s in range(e.layout.world_size)]
         commit(self.folder, step, build_manifest(e, shards, extra))
         self.step = step
+
+    def _file(self, here: str, slot: int) -> np.ndarray:
+        """A shard file of ``slot`` in ``here``, mapped for writing (shared memory: no write of its own)."""
+        path = os.path.join(here, shard_file(slot))
+        if os.path.isfile(path):       # the spare step's: overwritten in place
+            arr = np.load(path, mmap_mode="r+")
+            if arr.shape == self.host.shape and arr.dtype == F32:
+                return arr
+        return np.lib.format.open_memmap(path, mode="w+", dtype=F32, shape=self.host.shape)
+
+    @staticmethod
+    def _entry(here: str, slot: int, arr: np.ndarray) -> dict:
+        """The manifest entry of the shard file ``arr`` maps: bytes and CRC-32 of the whole file."""
+        path = os.path.join(here, shard_file(slot))
+        crc = Crc32()
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
+            crc.update(view)           # the pages themselves, no copy
+        return {"file": shard_file(slot), "bytes": os.path.getsize(path), "crc32": crc.hexdigest()}

@@ -11,16 +11,33 @@ step done) seconds. The records are the metrics' ``failures`` (one schema: train
 import json
 import os
 import socket
+import statistics
 import time
 from typing import List, Optional
 
 from ..checkpoint.replica_files import JOB_NAME, RANKS, clean, job_dir
 from ..errors import check
+from .saves import HEADER_BYTES
 
 FAILURES = "failures.json"     # the supervisor's records of this job's failures, completed by the job
 RECORD_KEYS = ("rank", "host", "failed_step", "restored_step", "steps_lost", "detect_s", "relaunch_s", "restore_s",
                "recovery_s")   # one failure, as the metrics' ``failures`` list holds it
+HISTORY = 1000                 # commit times kept
 UP = time.time()               # when this process started: after a relaunch, the end of the relaunch
+
+
+def replica_bytes(shard_numel: int) -> dict:
+    """The formula of one rank's replica memory, a slice of S = shard_numel elements (S = Ψ/N padded): two host
+    buffers of the shard's ROWS (own, received: 2 x 12 S) and, in shared memory, two shard files (own and the
+    buddy's: 2 x (12 S + header)); during a commit the previous step's two files too."""
+    row_bytes = 4 * 3 * shard_numel
+    files = 2 * (row_bytes + HEADER_BYTES)
+    return {"host_buffers": 2 * row_bytes, "shm": files, "shm_at_commit": 2 * files,
+            "total": 2 * row_bytes + files}
+
+
+def _folder_bytes(folder: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, names in os.walk(folder) for f in names)
 
 
 def check_config(cfg) -> None:
@@ -78,14 +95,23 @@ class ReplicaRun:
             records = read_failures(self.name)
             if records and records[-1].get("restore_s") is None:
                 self.pending = records[-1]
+        self.seconds: List[float] = []                # each commit's, the last HISTORY
+        self.shm_bytes = 0                            # the most this rank's folder held after a commit
         self._note(None)
 
-    @property
-    def nbytes(self) -> int:
-        return self.replicas.nbytes
+    def metrics(self) -> dict:
+        """This rank's: the commits' median seconds (after the step, before the next), the host buffers, the
+        folder's bytes, and their formula (replica_bytes)."""
+        return {"job": self.name, "commit_s": statistics.median(self.seconds) if self.seconds else None,
+                "commit_times_s": list(self.seconds), "host_buffer_bytes": self.replicas.nbytes,
+                "shm_bytes": self.shm_bytes, "theory_bytes": replica_bytes(self.engine.layout.shard_numel)}
 
     def after_step(self, done: int, seed: int) -> None:
+        t0 = time.perf_counter()
         self.replicas.commit_step(done, {"data_step": done, "seed": seed})
+        self.seconds.append(time.perf_counter() - t0)
+        del self.seconds[:-HISTORY]
+        self.shm_bytes = max(self.shm_bytes, _folder_bytes(self.replicas.folder))
         self._note(done)
         if self.pending is not None:                 # the first step after a restore: the recovery is over
             now, r = time.time(), self.pending

@@ -258,6 +258,7 @@ def final_metrics(cfg, job, comm, log, placement) -> dict:
         "cupy_pool_bytes": None,                   # --device gpu: what CuPy's allocator holds (rank 0)
         "simulated": None,                         # --simulate-world: train/simulated_run.py's entry
         "failures": job.replicas.failures() if getattr(job, "replicas", None) else [],   # recovered (zerompi.run)
+        "replicas": job.replicas.metrics() if getattr(job, "replicas", None) else None,   # --replicas, rank 0's
     }
     if first.xp is not np:      # printed beside the engine's own accounting
         pool = first.xp.get_default_memory_pool()
