@@ -38,9 +38,7 @@ class Replicas:
         self.folder = rank_dir(job, topo.node_of(rank), rank)
         with watched(engine.comm, "replicas: the ranks' slots"):
             self.slots = engine.comm.mpi.allgather(engine.slot)
-        shape = (len(ROWS), engine.layout.shard_numel)
-        self.host, self.received = np.empty(shape, F32), np.empty(shape, F32)
-        self.nbytes = 2 * self.host.nbytes       # host buffers; the folder: two shard files a step (x2 at a commit)
+        self.shape = (len(ROWS), engine.layout.shard_numel)   # the shard files' arrays: no host buffer of its own
         self.step: Optional[int] = None          # the last step committed
 
     def commit_step(self, step: int, extra: dict) -> None:
@@ -54,9 +52,9 @@ class Replicas:
             snapshot(e, mine)
         except OSError as exc:
             err, mine = f"rank {e.rank} could not write its replica of step {step} in {here}: {exc.strerror or exc}", \
-                self.host
+                np.empty(self.shape, F32)
             snapshot(e, mine)                        # still sent: the buddy is waiting for it
-        theirs = self._file(here, self.slots[self.source]) if err is None else self.received
+        theirs = self._file(here, self.slots[self.source]) if err is None else np.empty(self.shape, F32)
         with watched(e.comm, "replicas: the shard to the buddy on another node", step):
             e.comm.mpi.Sendrecv(mine, dest=self.buddy, sendtag=TAG, recvbuf=theirs, source=self.source, recvtag=TAG)
         if err is None:
@@ -83,9 +81,9 @@ class Replicas:
         path = os.path.join(here, shard_file(slot))
         if os.path.isfile(path):       # the spare step's: overwritten in place
             arr = np.load(path, mmap_mode="r+")
-            if arr.shape == self.host.shape and arr.dtype == F32:
+            if arr.shape == self.shape and arr.dtype == F32:
                 return arr
-        return np.lib.format.open_memmap(path, mode="w+", dtype=F32, shape=self.host.shape)
+        return np.lib.format.open_memmap(path, mode="w+", dtype=F32, shape=self.shape)
 
     @staticmethod
     def _entry(here: str, slot: int, arr: np.ndarray) -> dict:

@@ -27,13 +27,11 @@ UP = time.time()               # when this process started: after a relaunch, th
 
 
 def replica_bytes(shard_numel: int) -> dict:
-    """The formula of one rank's replica memory, a slice of S = shard_numel elements (S = Ψ/N padded): two host
-    buffers of the shard's ROWS (own, received: 2 x 12 S) and, in shared memory, two shard files (own and the
-    buddy's: 2 x (12 S + header)); during a commit the previous step's two files too."""
-    row_bytes = 4 * 3 * shard_numel
-    files = 2 * (row_bytes + HEADER_BYTES)
-    return {"host_buffers": 2 * row_bytes, "shm": files, "shm_at_commit": 2 * files,
-            "total": 2 * row_bytes + files}
+    """The formula of one rank's replica memory (shared memory, host), a slice of S = shard_numel elements
+    (S = Ψ/N padded): per step two shard files (its own and its source's copy), 12 S bytes and a header each;
+    two steps held (the committed one and the spare the next overwrites). No host buffer besides."""
+    files = 2 * (4 * 3 * shard_numel + HEADER_BYTES)
+    return {"per_step": files, "total": 2 * files}
 
 
 def _folder_bytes(folder: str) -> int:
@@ -100,10 +98,10 @@ class ReplicaRun:
         self._note(None)
 
     def metrics(self) -> dict:
-        """This rank's: the commits' median seconds (after the step, before the next), the host buffers, the
-        folder's bytes, and their formula (replica_bytes)."""
+        """This rank's: the commits' median seconds (after the step, before the next), the most its folder held
+        (host memory: /dev/shm), and the formula of it (replica_bytes)."""
         return {"job": self.name, "commit_s": statistics.median(self.seconds) if self.seconds else None,
-                "commit_times_s": list(self.seconds), "host_buffer_bytes": self.replicas.nbytes,
+                "commit_times_s": list(self.seconds),
                 "shm_bytes": self.shm_bytes, "theory_bytes": replica_bytes(self.engine.layout.shard_numel)}
 
     def after_step(self, done: int, seed: int) -> None:
