@@ -178,3 +178,18 @@ def test_a_run_cleans_its_own_jobs_stale_folder_only(tmp_path):
     finally:
         import shutil
         shutil.rmtree(job_dir(b), ignore_errors=True)
+
+
+def test_a_relaunch_goes_on_saving_into_the_runs_save_dir(tmp_path):
+    """With --save-dir: the relaunch (resumed from the replicas) continues the run whose checkpoints the folder
+    holds (not refused as another run's), saves its later steps there, and ends with the bits of a run that
+    never failed (same N: the resume is exact)."""
+    flags = GPT + ["--stage", "1", "--node-size", "2"]
+    ck = tmp_path / "ck"
+    proc, m = supervise(tmp_path, job_name("saves"), 4, flags + ["--save-dir", str(ck), "--save-every", "2"],
+                        kill_at=3, ranks=[2])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert m["failures"][0]["steps_lost"] <= 1
+    assert (ck / "latest").read_text().startswith("step_000008")
+    run_mpi(4, ["-m", "zerompi.train", *flags, "--metrics-json", tmp_path / "straight.json"], timeout=180)
+    assert m["final_params_sha256"] == json.loads((tmp_path / "straight.json").read_text())["final_params_sha256"]

@@ -56,6 +56,14 @@ def check_nodes(cfg, world: int, node_size: int) -> None:
                       f"of K ranks on one host)")
 
 
+def continues_job(cfg) -> bool:
+    """The run resumes from its own job's replicas (a relaunch by zerompi.run): it continues the run whose
+    checkpoints its --save-dir holds."""
+    if not (cfg.replicas and cfg.resume):
+        return False
+    return os.path.realpath(cfg.resume).startswith(os.path.realpath(job_dir(cfg.replicas)) + os.sep)
+
+
 def read_failures(job: str) -> List[dict]:
     try:
         with open(os.path.join(job_dir(job), FAILURES)) as f:
