@@ -193,3 +193,17 @@ def test_a_relaunch_goes_on_saving_into_the_runs_save_dir(tmp_path):
     assert (ck / "latest").read_text().startswith("step_000008")
     run_mpi(4, ["-m", "zerompi.train", *flags, "--metrics-json", tmp_path / "straight.json"], timeout=180)
     assert m["final_params_sha256"] == json.loads((tmp_path / "straight.json").read_text())["final_params_sha256"]
+
+
+@pytest.mark.parametrize("extra", [["--stage", "0"], ["--stage", "3", "--hpz"], ["--stage", "3", "--shard-size", "2"],
+                                   ["--stage", "1", "--offload-optimizer", "cpu", "--dtype", "fp32"]])
+def test_replicas_change_no_bits(tmp_path, extra):
+    """--replicas copies the state and changes nothing of the run: losses and final parameters as without."""
+    flags = ["-m", "zerompi.train", *GPT, "--steps", "3", "--node-size", "2", *extra]
+    job = job_name("bits")
+    run_mpi(4, [*flags, "--replicas", job, "--metrics-json", tmp_path / "r.json"], timeout=120)
+    run_mpi(4, [*flags, "--metrics-json", tmp_path / "p.json"], timeout=120)
+    got, want = (json.loads((tmp_path / f"{t}.json").read_text()) for t in ("r", "p"))
+    assert got["final_params_sha256"] == want["final_params_sha256"] and got["losses"] == want["losses"]
+    assert got["replicas"]["shm_bytes"] >= got["replicas"]["theory_bytes"]["total"] // 2 > 0
+    assert not os.path.exists(job_dir(job))

@@ -38,6 +38,8 @@ class Replicas:
         self.folder = rank_dir(job, topo.node_of(rank), rank)
         with watched(engine.comm, "replicas: the ranks' slots"):
             self.slots = engine.comm.mpi.allgather(engine.slot)
+        # Shard groups of whole nodes (--shard-size): the buddy holds this very slot, its own copy is the second.
+        self.mirrored = all(self.slots[(r + topo.node_size) % n] == self.slots[r] for r in range(n))
         self.shape = (len(ROWS), engine.layout.shard_numel)   # the shard files' arrays: no host buffer of its own
         self.step: Optional[int] = None          # the last step committed
 
@@ -54,11 +56,15 @@ class Replicas:
             err, mine = f"rank {e.rank} could not write its replica of step {step} in {here}: {exc.strerror or exc}", \
                 np.empty(self.shape, F32)
             snapshot(e, mine)                        # still sent: the buddy is waiting for it
-        theirs = self._file(here, self.slots[self.source]) if err is None else np.empty(self.shape, F32)
-        with watched(e.comm, "replicas: the shard to the buddy on another node", step):
-            e.comm.mpi.Sendrecv(mine, dest=self.buddy, sendtag=TAG, recvbuf=theirs, source=self.source, recvtag=TAG)
+        theirs = mine if self.mirrored else self._file(here, self.slots[self.source]) if err is None \
+            else np.empty(self.shape, F32)
+        if not self.mirrored:
+            with watched(e.comm, "replicas: the shard to the buddy on another node", step):
+                e.comm.mpi.Sendrecv(mine, dest=self.buddy, sendtag=TAG, recvbuf=theirs, source=self.source,
+                                    recvtag=TAG)
         if err is None:
-            own, copy = self._entry(here, e.slot, mine), self._entry(here, self.slots[self.source], theirs)
+            own = self._entry(here, e.slot, mine)
+            copy = own if self.mirrored else self._entry(here, self.slots[self.source], theirs)
         with watched(e.comm, "replicas: agreement on every rank's two copies", step):
             states = e.comm.mpi.allgather((err, own, copy))
         failed = next((s[0] for s in states if s[0]), None)
