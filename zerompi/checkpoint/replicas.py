@@ -16,7 +16,6 @@ from typing import Optional
 import numpy as np
 
 from ..comm.watchdog import watched
-from ..errors import ConfigError
 from .format import F32, ROWS, CheckpointError, Crc32, build_manifest, shard_file
 from .replica_files import commit, prepare, rank_dir, step_dir
 from .writer import snapshot
@@ -30,7 +29,7 @@ class Replicas:
     def __init__(self, engine, job: str):
         topo, n, rank = engine.topology, engine.world_size, engine.rank
         if topo.nodes < 2:
-            raise ConfigError(f"replicas={job!r} keeps each shard's second copy on another node, and the {n} "
+            raise CheckpointError(f"replicas={job!r} keeps each shard's second copy on another node, and the {n} "
                               f"rank{'s' if n > 1 else ''} make one node of {topo.node_size}: run on 2 nodes or more "
                               "(--node-size K makes nodes of K ranks on one host)")
         self.engine, self.job = engine, job

@@ -13,6 +13,7 @@ import argparse
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import sys
@@ -46,7 +47,12 @@ def parse(argv: List[str]):
     p.add_argument("-n", type=int, required=True, help="ranks to launch")
     p.add_argument("--max-restarts", type=int, default=3, help="relaunches before giving up (default 3)")
     p.add_argument("--shrink", action="store_true", help="relaunch on the ranks left (default: the same N)")
+    p.add_argument("--launcher", default=None, metavar="CMD",
+                   help="the launcher's command line, {n} for the ranks (default: mpiexec -n {n}); e.g. with "
+                        "-hosts or a hostfile: the nodes are then MPI's")
     opts = p.parse_args(argv[:at])
+    check(opts.launcher is None or "{n}" in opts.launcher,
+          f"--launcher {opts.launcher!r} has no {{n}}; write where the number of ranks goes (mpiexec -n {{n}} ...)")
     check(opts.n >= 1, f"-n {opts.n} is not allowed; use a number of ranks >= 1")
     check(opts.max_restarts >= 0, f"--max-restarts {opts.max_restarts} is not allowed; use a whole number >= 0 "
                                   "of relaunches")
@@ -61,8 +67,9 @@ def configure(opts, flags: List[str]):
         flags = flags + ["--replicas", job]
         cfg = parse_config(flags)
     node = cfg.mesh.node_size or node_size_env()
-    check(node is not None, f"replicas={job!r} keeps each shard's second copy on another node, and no node size is "
-                            "given: on one host (one node), give --node-size K to the train flags to make nodes")
+    check(node is not None or opts.launcher is not None,
+          f"replicas={job!r} keeps each shard's second copy on another node, and no node size is given: on one "
+          "host (one node), give --node-size K to the train flags to make nodes, or --launcher with the hosts")
     cfg.check_world(opts.n)                 # and the nodes: 2 or more (train/replicas.check_nodes)
     return cfg, flags, job, node
 
@@ -85,7 +92,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         opts, flags = parse(argv)
         cfg, flags, job, node = configure(opts, flags)
-        launcher = mpiexec()
+        launcher = mpiexec() if opts.launcher is None else None
     except ConfigError as e:
         say(f"error: {e}")
         return 2
@@ -111,7 +118,8 @@ def _supervise(opts, cfg, flags, job, node, launcher) -> int:
                     f"step {r['restored_step'] + 1} done)")
 
     while True:
-        cmd = [launcher, "-n", str(n), sys.executable, "-m", "zerompi.train", *flags, *resume]
+        start = shlex.split(opts.launcher.replace("{n}", str(n))) if opts.launcher else [launcher, "-n", str(n)]
+        cmd = [*start, sys.executable, "-m", "zerompi.train", *flags, *resume]
         out = watch.attempt(cmd, env, job, show_recoveries)
         show_recoveries()
         if out.status == 0:
