@@ -31,8 +31,9 @@ GPT = ["python", "-m", "zerompi.train", "--steps", "8", "--batch", "24", "--stag
 LIMIT = 240
 
 
-def supervised(c, tmp_path, job, nodes=2, kill_at=None, ranks=(), wipe=False):
-    """(process, metrics or None) of the supervisor over ``nodes`` nodes of ``c``, 2 ranks each."""
+def supervised(c, tmp_path, job, nodes=2, kill_at=None, ranks=(), wipe=False, cut=False, flags=()):
+    """(process, metrics or None) of the supervisor over ``nodes`` nodes of ``c``, 2 ranks each; ``cut``: instead
+    of a kill, node 1's link is cut, and restored once the supervisor recorded the failure."""
     probe = cluster_mpi.Job(c, 2, GPT, nodes=nodes)
     start = probe.launch_command()
     at = start.index("-n")
@@ -40,14 +41,20 @@ def supervised(c, tmp_path, job, nodes=2, kill_at=None, ranks=(), wipe=False):
     launcher = shlex.join(c.command(0, start[:start.index(sys.executable)]))
     out = tmp_path / f"{job}.json"
     cmd = [sys.executable, "-m", "zerompi.run", "-n", str(2 * nodes), "--launcher", launcher, "--",
-           *GPT[3:], "--replicas", job, "--metrics-json", str(out)]
+           *GPT[3:], *flags, "--replicas", job, "--metrics-json", str(out)]
     done = threading.Event()
 
     def killer():
         while not done.is_set():
             seen = ranks_of(job)
             if len(seen) == 2 * nodes and all((r.get("step") or 0) >= kill_at for r in seen.values()):
-                kill(job, list(ranks), wipe)
+                if not cut:
+                    kill(job, list(ranks), wipe)
+                    return
+                c.cut(1)
+                while not done.is_set() and not os.path.exists(os.path.join(job_dir(job), "failures.json")):
+                    time.sleep(0.01)
+                c.restore(1)
                 return
             time.sleep(0.005)
     if kill_at:
@@ -85,3 +92,16 @@ def test_one_node_is_one_line(cluster, tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.startswith("zerompi")]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert "keeps each shard's second copy on another node" in lines[0], lines
+
+
+def test_a_cut_link_ends_in_the_watchdog_and_the_job_goes_on(cluster, tmp_path):
+    """Node 1's link cut mid-run: MPI hangs silently, the watchdog (--timeout-s 3) ends every rank (the first to
+    exit is what the supervisor names), it relaunches once the link is back (a relaunch while it is still down
+    fails at the launch and counts as one more failure), and the run ends with the bits of one that never failed."""
+    c = cluster(2)
+    want = straight(c, tmp_path)
+    proc, m = supervised(c, tmp_path, f"cl-{os.getpid()}-cut", kill_at=3, cut=True, flags=["--timeout-s", "3"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "failed at step" in proc.stderr and "recovered from failure 1" in proc.stderr, proc.stderr[-3000:]
+    assert m["failures"] and all(f["steps_lost"] <= 1 for f in m["failures"]), m["failures"]
+    assert m["final_params_sha256"] == want
