@@ -207,3 +207,32 @@ def test_replicas_change_no_bits(tmp_path, extra):
     assert got["final_params_sha256"] == want["final_params_sha256"] and got["losses"] == want["losses"]
     assert got["replicas"]["shm_bytes"] >= got["replicas"]["theory_bytes"]["total"] // 2 > 0
     assert not os.path.exists(job_dir(job))
+
+
+def test_a_supervisor_ended_by_sigterm_ends_its_job_and_leaves_nothing(tmp_path):
+    """SIGTERM to the supervisor mid-run: its job's processes are ended, the job's folder removed, no unheld MPI
+    segment of it left."""
+    import signal
+    import subprocess
+    from tests.mpirun import alive
+    from zerompi.run.watch import ranks_of
+    job = job_name("term")
+    before = segments.present()
+    cmd = [sys.executable, "-m", "zerompi.run", "-n", "4", "--", *GPT, "--steps", "400", "--node-size", "2",
+           "--replicas", job]
+    proc = subprocess.Popen(cmd, env=mpi_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        end = time.monotonic() + 120
+        while not (len(ranks_of(job)) == 4 and all(r.get("step") for r in ranks_of(job).values())):
+            assert time.monotonic() < end and proc.poll() is None, proc.stderr.read() if proc.poll() else "slow"
+            time.sleep(0.01)
+        pids = [r["pid"] for r in ranks_of(job).values()]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 143
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not alive(pids) and not os.path.exists(job_dir(job))
+    busy = segments.held()
+    assert not [n for n in segments.present() - before if segments.SEGMENT.match(n) and f"{segments.SHM}/{n}"
+                not in busy]
