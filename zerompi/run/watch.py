@@ -71,14 +71,17 @@ def descendants(root: int) -> List[int]:
     return found
 
 
-def end_tree(proc: subprocess.Popen, pids=()) -> None:
-    """Kill the launcher, its descendants and ``pids`` (the ranks, which may have left its tree), then reap it."""
-    for pid in [proc.pid, *descendants(proc.pid), *pids]:
+def end_tree(proc: subprocess.Popen, pids=()) -> List[int]:
+    """Kill the launcher, its descendants and ``pids`` (the ranks, which may have left its tree), then reap it;
+    returns the processes signalled."""
+    every = [proc.pid, *descendants(proc.pid), *pids]
+    for pid in every:
         try:
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
     proc.wait()
+    return every
 
 
 def attempt(cmd: List[str], env: dict, job: str, poll: Callable[[], None]) -> Outcome:
@@ -101,9 +104,8 @@ def attempt(cmd: List[str], env: dict, job: str, poll: Callable[[], None]) -> Ou
         else:
             out.status, out.detected_at = proc.returncode, time.time()
     finally:
-        pids = [info["pid"] for info in ranks_of(job).values()]
-        end_tree(proc, pids)
-        until = time.monotonic() + GONE_S        # a killed process unmaps its segments as it goes
+        pids = end_tree(proc, [info["pid"] for info in ranks_of(job).values()])
+        until = time.monotonic() + GONE_S        # a killed process (a rank, a proxy) unmaps its segments as it goes
         while any(alive(p) for p in pids) and time.monotonic() < until:
             time.sleep(POLL_S)
         segments.sweep(before)
