@@ -32,13 +32,19 @@ def supervise(tmp_path, job, n, flags, kill_at=None, ranks=(), wipe=False, extra
     metrics = tmp_path / f"{job}.json"
     cmd = [sys.executable, "-m", "zerompi.run", "-n", str(n), *extra, "--", *flags, "--replicas", job,
            "--metrics-json", str(metrics)]
-    done = threading.Event()
+    done, restore_left = threading.Event(), []
 
     def killer():
         while not done.is_set():
             seen = ranks_of(job)
             if len(seen) == n and all((r.get("step") or 0) >= kill_at for r in seen.values()):
                 kill(job, list(ranks), wipe)
+                break
+            time.sleep(0.005)
+        while not done.is_set():           # once a step after the restore is committed, its folder is freed
+            seen = ranks_of(job)
+            if seen and min(r.get("step") or 0 for r in seen.values()) > kill_at + 1:
+                restore_left.append(os.path.exists(os.path.join(job_dir(job), "restore")))
                 return
             time.sleep(0.005)
 
@@ -51,6 +57,7 @@ def supervise(tmp_path, job, n, flags, kill_at=None, ranks=(), wipe=False, extra
     finally:
         done.set()
     assert not os.path.exists(job_dir(job)), os.listdir(job_dir(job))
+    assert not any(restore_left), "the restore folder outlived the first commit after the restore"
     busy = segments.held()      # the killed attempts' MPI segments: removed by the supervisor, not left to pile up
     left = [n for n in segments.present() - before if segments.SEGMENT.match(n) and f"{segments.SHM}/{n}" not in busy]
     assert not left, left

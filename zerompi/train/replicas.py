@@ -10,12 +10,13 @@ step done) seconds. The records are the metrics' ``failures`` (one schema: train
 """
 import json
 import os
+import shutil
 import socket
 import statistics
 import time
 from typing import List, Optional
 
-from ..checkpoint.replica_files import JOB_NAME, RANKS, clean, job_dir
+from ..checkpoint.replica_files import JOB_NAME, RANKS, RESTORE, clean, job_dir
 from ..errors import check
 from .saves import HEADER_BYTES
 
@@ -101,6 +102,7 @@ class ReplicaRun:
             records = read_failures(self.name)
             if records and records[-1].get("restore_s") is None:
                 self.pending = records[-1]
+        self.restored = continues_job(cfg)          # resumed from JOB/restore, a copy of a whole step
         self.seconds: List[float] = []                # each commit's, the last HISTORY
         self.shm_bytes = 0                            # the most this rank's folder held after a commit
         self._note(None)
@@ -115,6 +117,9 @@ class ReplicaRun:
     def after_step(self, done: int, seed: int) -> None:
         t0 = time.perf_counter()
         self.replicas.commit_step(done, {"data_step": done, "seed": seed})
+        if self.restored and self.mpi.Get_rank() == 0:   # committed past it: the copies it linked are freed
+            shutil.rmtree(os.path.join(job_dir(self.name), RESTORE), ignore_errors=True)
+        self.restored = False
         self.seconds.append(time.perf_counter() - t0)
         del self.seconds[:-HISTORY]
         self.shm_bytes = max(self.shm_bytes, _folder_bytes(self.replicas.folder))
