@@ -20,6 +20,7 @@ ROOT_ENV = "ZEROMPI_REPLICAS_ROOT"     # where the job folders live (default /de
 PREFIX = "zerompi-replicas-"
 JOB_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 RESTORE = "restore"                    # the assembled checkpoint the relaunched job resumes from
+HEADER_BYTES = 128                     # a shard file's .npy header (version 1.0: padded to 64-byte lines)
 RANKS = "ranks"                        # each rank's pid, host and step (the supervisor watches them)
 STEP_DIR = re.compile(r"step_(\d{6})")
 SPARE = ".spare"                       # a rank's step before the committed one: its files reused by the next step

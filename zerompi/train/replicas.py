@@ -16,9 +16,8 @@ import statistics
 import time
 from typing import List, Optional
 
-from ..checkpoint.replica_files import JOB_NAME, RANKS, RESTORE, clean, job_dir
+from ..checkpoint.replica_files import HEADER_BYTES, JOB_NAME, RANKS, RESTORE, clean, job_dir
 from ..errors import check
-from .saves import HEADER_BYTES
 
 FAILURES = "failures.json"     # the supervisor's records of this job's failures, completed by the job
 RECORD_KEYS = ("rank", "host", "failed_step", "restored_step", "steps_lost", "detect_s", "relaunch_s", "restore_s",
