@@ -175,7 +175,8 @@ def test_a_run_cleans_its_own_jobs_stale_folder_only(tmp_path):
         os.makedirs(os.path.join(job_dir(job), "restore", "step_000003"))
     try:
         flags = ["-m", "zerompi.train", *GPT, "--steps", "3", "--node-size", "1"]
-        run_mpi(2, [*flags, "--replicas", a, "--metrics-json", tmp_path / "a.json"], timeout=120)
+        out = run_mpi(2, [*flags, "--replicas", a, "--metrics-json", tmp_path / "a.json"], timeout=120).stdout
+        assert f"replicas (shared memory, {a}):" in out and "2 steps x 2 files x (12 S + 128)" in out
         run_mpi(2, [*flags, "--metrics-json", tmp_path / "plain.json"], timeout=120)
         assert not os.path.exists(job_dir(a))
         assert os.path.isdir(os.path.join(rank_dir(b, 0, 0), "step_000003"))

@@ -34,6 +34,14 @@ def replica_bytes(shard_numel: int) -> dict:
     return {"per_step": files, "total": 2 * files}
 
 
+def summary_line(entry: dict) -> str:
+    """The memory table's row of the replicas (rank 0's metrics ``replicas`` entry)."""
+    t = entry["theory_bytes"]
+    commit = "" if entry["commit_s"] is None else f"; a commit takes {entry['commit_s'] * 1e3:.1f} ms (median)"
+    return (f"  replicas (shared memory, {entry['job']}): {entry['shm_bytes']:,} bytes per rank, formula "
+            f"{t['total']:,} = 2 steps x 2 files x (12 S + {HEADER_BYTES}) plus the manifest{commit}")
+
+
 def _folder_bytes(folder: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, names in os.walk(folder) for f in names)
 

@@ -290,6 +290,9 @@ def print_summary(metrics: dict, job, comm, base_bytes: Dict[str, int]) -> None:
                + " (docs/activations.md)")
     print0(comm.mpi, memory_table(metrics["memory_bytes"], metrics["theory_bytes"], metrics["theory_bytes_padded"],
                                   z.stage, first.topology.shard_size, z.itemsize, first.topology.node_size, act))
+    if metrics["replicas"] is not None:          # --replicas (train/replicas.py)
+        from .replicas import summary_line
+        print0(comm.mpi, summary_line(metrics["replicas"]))
     peak = peak_buffer_bytes(engines)
     if metrics["cupy_pool_bytes"] is not None:
         pool = metrics["cupy_pool_bytes"]
