@@ -122,6 +122,8 @@ def test_no_surviving_copy_gives_up_in_one_line(tmp_path):
     (["--", "--node-size", "4"], "make 1 node: use 2 nodes or more"),
     (["--", "--stage", "3"], "no node size is given"),
     (["--", "--replicas", "a/b", "--node-size", "2"], "replicas='a/b' is not a job name"),
+    (["--max-restarts", "2"], "no train flags: use python -m zerompi.run -n N"),
+    (["--launcher", "mpiexec -n 4", "--", "--node-size", "2"], "has no {n}"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, needle):
     proc = run_tree([sys.executable, "-m", "zerompi.run", "-n", "4", *args], 60, mpi_env())
@@ -244,3 +246,8 @@ def test_a_supervisor_ended_by_sigterm_ends_its_job_and_leaves_nothing(tmp_path)
     busy = segments.held()
     assert not [n for n in segments.present() - before if segments.SEGMENT.match(n) and f"{segments.SHM}/{n}"
                 not in busy]
+
+
+def test_help_is_printed_and_exits_0():
+    proc = run_tree([sys.executable, "-m", "zerompi.run", "--help"], 60, mpi_env())
+    assert proc.returncode == 0 and "--max-restarts" in proc.stdout and "--launcher" in proc.stdout, proc.stderr

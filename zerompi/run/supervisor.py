@@ -39,18 +39,18 @@ class _Parser(argparse.ArgumentParser):
 
 def parse(argv: List[str]):
     """(options, the train flags); ConfigError (one line) on bad input."""
-    if "--" not in argv:
-        raise ConfigError("no train flags: use python -m zerompi.run -n N [--max-restarts K] [--shrink] -- "
-                          "<python -m zerompi.train flags>")
-    at = argv.index("--")
-    p = _Parser(prog=f"python -m {PROG}", description=__doc__.splitlines()[0])
+    p = _Parser(prog=f"python -m {PROG}", description=__doc__.splitlines()[0],
+                epilog="after --: the flags of python -m zerompi.train (docs/failures.md)")
     p.add_argument("-n", type=int, required=True, help="ranks to launch")
     p.add_argument("--max-restarts", type=int, default=3, help="relaunches before giving up (default 3)")
     p.add_argument("--shrink", action="store_true", help="relaunch on the ranks left (default: the same N)")
     p.add_argument("--launcher", default=None, metavar="CMD",
                    help="the launcher's command line, {n} for the ranks (default: mpiexec -n {n}); e.g. with "
                         "-hosts or a hostfile: the nodes are then MPI's")
-    opts = p.parse_args(argv[:at])
+    at = argv.index("--") if "--" in argv else len(argv)
+    opts = p.parse_args(argv[:at])      # --help: printed, SystemExit(0)
+    check(at < len(argv), "no train flags: use python -m zerompi.run -n N [--max-restarts K] [--shrink] -- "
+                          "<python -m zerompi.train flags>")
     check(opts.launcher is None or "{n}" in opts.launcher,
           f"--launcher {opts.launcher!r} has no {{n}}; write where the number of ranks goes (mpiexec -n {{n}} ...)")
     check(opts.n >= 1, f"-n {opts.n} is not allowed; use a number of ranks >= 1")
@@ -96,6 +96,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ConfigError as e:
         say(f"error: {e}")
         return 2
+    except SystemExit as e:             # --help
+        return e.code or 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # the finally below cleans up
     clean(job)                              # what a supervisor of this job that was killed left
     try:
