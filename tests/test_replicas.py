@@ -251,3 +251,20 @@ def test_a_supervisor_ended_by_sigterm_ends_its_job_and_leaves_nothing(tmp_path)
 def test_help_is_printed_and_exits_0():
     proc = run_tree([sys.executable, "-m", "zerompi.run", "--help"], 60, mpi_env())
     assert proc.returncode == 0 and "--max-restarts" in proc.stdout and "--launcher" in proc.stdout, proc.stderr
+
+
+def test_a_received_copy_that_differs_is_found_at_the_next_commit(tmp_path):
+    """No MPI: the check of a received copy (a thread behind the next step) compares its CRC-32 with its owner's
+    entry; a difference is what the next commit raises on every rank, an equal copy nothing."""
+    from zerompi.checkpoint.replicas import Replicas
+    import threading as th
+    numel = 8
+    write_shard(str(tmp_path), 1, numel, iter(np.ones((3, numel), np.float32)))
+    entry = json.loads((tmp_path / "shard_00001.npy.entry").read_text())
+    r = Replicas.__new__(Replicas)
+    r.engine, r.source, r.slots, r._check, r._found = type("E", (), {"rank": 0})(), 1, [0, 1], None, None
+    for owner, want in ((entry, None), (dict(entry, crc32="00000000"), "rank 0's copy of rank 1's shard of step 5")):
+        r._check = th.Thread(target=r._check_copy, args=(str(tmp_path), 5, owner))
+        r._check.start()
+        found = r._late()
+        assert (found is None) if want is None else want in found, found

@@ -4,13 +4,15 @@ After each step (:meth:`Replicas.commit_step`, a collective between steps) each 
 master, exp_avg and exp_avg_sq of its slices, the rows of a checkpoint's shard file, whatever the stage -- into
 its shard file in shared memory (mapped: the copy is the write), sends it to its buddy (the rank ``node_size``
 places on: the same place on the next node), and receives its source's copy into another mapped shard file of
-its folder (replica_files.py). One all-gather agrees that every rank's two copies are complete and equal (their
-CRC-32s); then every rank writes the step's manifest, which commits it. The manifest is the checkpoint's (loss
-scale, update count, the data position in ``extra``), so a restore is the checkpoint's own load, at any world
-size.
+its folder (replica_files.py). One all-gather agrees that every rank's two copies are complete; then every rank
+writes the step's manifest (its own shard's CRC-32 in it), which commits it. The received copy's CRC-32 is
+compared with its owner's on a thread, behind the next step, and a difference raised at the next commit. The
+manifest is the checkpoint's (loss scale, update count, the data position in ``extra``), so a restore is the
+checkpoint's own load, at any world size.
 """
 import mmap
 import os
+import threading
 from typing import Optional
 
 import numpy as np
@@ -41,12 +43,15 @@ class Replicas:
         self.mirrored = all(self.slots[(r + topo.node_size) % n] == self.slots[r] for r in range(n))
         self.shape = (len(ROWS), engine.layout.shard_numel)   # the shard files' arrays: no host buffer of its own
         self.step: Optional[int] = None          # the last step committed
+        self._check: Optional[threading.Thread] = None   # the CRC-32 of the last step's received copy
+        self._found: Optional[str] = None        # what it found wrong
 
     def commit_step(self, step: int, extra: dict) -> None:
         """Copy, send, checksum and agree on ``step`` (``engine.steps_taken``); CheckpointError on every rank when a
         rank could not write its copies (the previous committed step stays)."""
         e = self.engine
-        here, err, own, copy = step_dir(self.folder, step), None, None, None
+        late = self._late()                  # the last step's copy checked: before its files are reused
+        here, err, own = step_dir(self.folder, step), None, None
         try:
             prepare(self.folder, step)
             mine = self._file(here, e.slot)          # the shard's host copy is the file itself: one copy
@@ -62,24 +67,36 @@ class Replicas:
                 e.comm.mpi.Sendrecv(mine, dest=self.buddy, sendtag=TAG, recvbuf=theirs, source=self.source,
                                     recvtag=TAG)
         if err is None:
-            own = self._entry(here, e.slot, mine)
-            copy = own if self.mirrored else self._entry(here, self.slots[self.source], theirs)
+            own = self._entry(here, e.slot)
         with watched(e.comm, "replicas: agreement on every rank's two copies", step):
-            states = e.comm.mpi.allgather((err, own, copy))
+            states = e.comm.mpi.allgather((err or late, own))
         failed = next((s[0] for s in states if s[0]), None)
-        entries = {}
-        for r, (_, mine_entry, _) in enumerate(states):
-            if mine_entry is not None:
-                entries.setdefault(self.slots[r], mine_entry)
-        for r, (_, _, their_entry) in enumerate(states):
-            src = (r - e.topology.node_size) % e.world_size
-            if not failed and their_entry["crc32"] != states[src][1]["crc32"]:
-                failed = f"rank {r}'s copy of rank {src}'s shard of step {step} differs from it (CRC-32)"
         if failed:
             raise CheckpointError(f"{failed}; the replicas stay at step {self.step}")
+        entries = {}
+        for r, (_, mine_entry) in enumerate(states):
+            entries.setdefault(self.slots[r], mine_entry)
         shards = [entries[s] for s in range(e.layout.world_size)]
         commit(self.folder, step, build_manifest(e, shards, extra))
         self.step = step
+        if not self.mirrored:                # the copy's checksum, behind the next step (checked at the next commit)
+            self._check = threading.Thread(target=self._check_copy, name="zerompi-replica-check", daemon=True,
+                                           args=(here, step, states[self.source][1]))
+            self._check.start()
+
+    def _late(self) -> Optional[str]:
+        """What the check of the last step's received copy found (None: equal, or nothing to check)."""
+        if self._check is not None:
+            self._check.join()
+            self._check = None
+        found, self._found = self._found, None
+        return found
+
+    def _check_copy(self, here: str, step: int, entry: dict) -> None:
+        got = self._entry(here, self.slots[self.source])
+        if got["crc32"] != entry["crc32"] or got["bytes"] != entry["bytes"]:
+            self._found = (f"rank {self.engine.rank}'s copy of rank {self.source}'s shard of step {step} differs from "
+                           "it (CRC-32)")
 
     def _file(self, here: str, slot: int) -> np.ndarray:
         """A shard file of ``slot`` in ``here``, mapped for writing (shared memory: no write of its own)."""
@@ -91,8 +108,8 @@ class Replicas:
         return np.lib.format.open_memmap(path, mode="w+", dtype=F32, shape=self.shape)
 
     @staticmethod
-    def _entry(here: str, slot: int, arr: np.ndarray) -> dict:
-        """The manifest entry of the shard file ``arr`` maps: bytes and CRC-32 of the whole file."""
+    def _entry(here: str, slot: int) -> dict:
+        """The manifest entry of ``slot``'s shard file in ``here``: bytes and CRC-32 of the whole file."""
         path = os.path.join(here, shard_file(slot))
         crc = Crc32()
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
