@@ -23,7 +23,7 @@ FAILURES = "failures.json"     # the supervisor's records of this job's failures
 RECORD_KEYS = ("rank", "host", "failed_step", "restored_step", "steps_lost", "detect_s", "relaunch_s", "restore_s",
                "recovery_s")   # one failure, as the metrics' ``failures`` list holds it
 HISTORY = 1000                 # commit times kept
-UP = time.time()               # when this process started: after a relaunch, the end of the relaunch
+UP = time.time()               # first imported at the flags' parse, MPI started: after a relaunch, its end
 
 
 def replica_bytes(shard_numel: int) -> dict:
