@@ -2,6 +2,7 @@
 
     python scripts/bench_pipeline.py                 # N = 4, GPT of 8 blocks: (pp 4), (pp 2 x dp 2), (pp 2 x tp 2)
     python scripts/bench_pipeline.py --quick         # fewer steps and rows (a check that it runs)
+    python scripts/bench_pipeline.py --ranks 2 --meshes pp --schedules zb-h1 --ms 8 --no-stage-rows   # one row
 
 For each mesh, each schedule (gpipe, 1f1b, interleaved with 2 chunks per stage, zb-h1) and m = 4 and 8
 micro-batches, one zerompi.train run (fp32, stage 1; every run of a mesh in one mpiexec launch): the
@@ -30,20 +31,27 @@ def meshes(n: int):
             f"pp 2 x tp {n // 2}": ["--pp", "2", "--tp", str(n // 2)]}
 
 
+MESH_KEYS = ("pp", "dp", "tp")      # --meshes: the three meshes of meshes(n), in their order
+
+
 def configs(a):
     gpt = ["--model", "gpt", "--n-layer", str(a.n_layer), "--d-model", str(a.d_model), "--n-head", "4", "--seq-len",
            str(a.seq_len), "--eval-every", "0", "--dtype", "fp32", "--log-every", "1000", "--steps", str(a.steps),
            "--bucket-mb", str(a.bucket_mb)]
-    ms = (4,) if a.quick else (4, 8)
+    ms = a.ms or ((4,) if a.quick else (4, 8))
     rows = []
-    for mesh, flags in meshes(a.ranks).items():
+    for key, (mesh, flags) in zip(MESH_KEYS, meshes(a.ranks).items()):
+        if key not in a.meshes:
+            continue
         for name, extra in SCHEDULES.items():
-            if a.quick and name in ("gpipe", "interleaved"):
+            if (a.quick and name in ("gpipe", "interleaved")) or (a.schedules and name not in a.schedules):
                 continue
             for m in ms:
                 rows.append({"mesh": mesh, "schedule": name, "m": m, "stage": 1,
                              "flags": gpt + flags + ["--schedule", name, *extra, "--micro-batches", str(m),
                                                      "--batch", str(a.batch_per_mb * m), "--stage", "1"]})
+    if not a.stage_rows:
+        return rows
     mesh, flags = list(meshes(a.ranks).items())[1]          # pp 2 x dp N/2: stage 3 shards over dp ranks
     for stage, gather in ((1, None), (3, None), (3, "step")):
         rows.append({"mesh": mesh, "schedule": "1f1b", "m": 8, "stage": stage, "gather": gather or "micro-batch",
@@ -92,12 +100,25 @@ def main() -> int:
     p.add_argument("--bucket-mb", type=float, default=0.25,
                    help="buckets of about one block (stage 3 gathers per layer)")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--meshes", default=",".join(MESH_KEYS),
+                   help="comma-separated, of pp (pp N), dp (pp 2 x dp N/2), tp (pp 2 x tp N/2)")
+    p.add_argument("--schedules", default=None, help=f"comma-separated, of {', '.join(SCHEDULES)} (default: all)")
+    p.add_argument("--ms", default=None, help="comma-separated micro-batch counts (default 4,8; --quick 4)")
+    p.add_argument("--no-stage-rows", dest="stage_rows", action="store_false",
+                   help="leave out the stage 1 / stage 3 rows on pp 2 x dp N/2")
     p.add_argument("--json", default=None, help="also write the result here")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
         worker(json.loads(a.worker))
         return 0
+    a.meshes = a.meshes.split(",")
+    a.schedules = a.schedules.split(",") if a.schedules else None
+    a.ms = [int(m) for m in a.ms.split(",")] if a.ms else None
+    bad = [k for k in a.meshes if k not in MESH_KEYS] + [s for s in a.schedules or () if s not in SCHEDULES]
+    if bad:
+        p.error(f"unknown meshes or schedules {bad}; meshes of {', '.join(MESH_KEYS)}, schedules of "
+                f"{', '.join(SCHEDULES)}")
     if a.quick:
         a.steps = 4
     rows = configs(a)

@@ -3,6 +3,7 @@
 Modules:
 - collective: save / load, the collective protocol and resharding
 - writer: a rank's shard file, written now or by a background thread from a host copy
+- state_rows: the optimizer's rows in a shard file, by name
 - format: the manifest, checksums, the atomic publish, reading and verifying
 - pointer: which of a save folder's folders are published checkpoints, and ``latest``
 - orphans: checkpoints whose every shard was written but that no one published, found and published

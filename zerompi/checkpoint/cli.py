@@ -22,12 +22,14 @@ import numpy as np
 from ..errors import ConfigError, OneLineParser, quiet_exit_on_closed_stdout
 from .format import F32, MANIFEST_SHA, PP_FOLDER, TP_FOLDER, CheckpointError, read_manifest, resolve, verify_shard
 from .outputs import check_file, check_roles, write_atomic
+from .state_rows import saved_rows
 from .pointer import complete_checkpoints
 from .savedir import folders_read, pointer_notes
 
 
-def consolidate(path: str, out: str) -> Dict[str, np.ndarray]:
-    """Write the full fp32 parameters by name to ``out`` (.npz) and return them.
+def consolidate(path: str, out: str, state: bool = False) -> Dict[str, np.ndarray]:
+    """Write the full fp32 parameters by name to ``out`` (.npz) and return them; ``state``: also the
+    optimizer's state rows, by the manifest's names, as ``ROW/NAME`` (``exp_avg/wte``, ``momentum/...``).
 
     Shards are checksummed, then read one at a time (memory-mapped, master row only): peak
     memory is the output plus a read buffer. ``out`` is written under a temporary name and
@@ -49,6 +51,9 @@ def consolidate(path: str, out: str) -> Dict[str, np.ndarray]:
         pieces = [_params(ckpt) for ckpt in found]
         steps[where] = pieces[0][1]["step"]
         got = _merge_tp(found, pieces) if parts else pieces[0][0]
+        for k, row in enumerate(saved_rows(pieces[0][1])[1:] if state else (), 1):
+            rows = [_params(ckpt, k) for ckpt in found]
+            got.update({f"{row}/{n}": v for n, v in (_merge_tp(found, rows) if parts else rows[0][0]).items()})
         twice = sorted(set(got) & set(params))
         if twice:
             raise CheckpointError(f"{where}: parameters {twice[:3]} are in two pipeline chunks' checkpoints")
@@ -98,13 +103,14 @@ def _merge_tp(ckpts, pieces) -> Dict[str, np.ndarray]:
             for name in first}
 
 
-def _params(ckpt: str):
-    """(the fp32 parameters by name, the manifest) of one ordinary checkpoint."""
+def _params(ckpt: str, row: int = 0):
+    """(the fp32 parameters by name, the manifest) of one ordinary checkpoint; ``row``: another of its rows
+    (state_rows.py), by parameter name."""
     manifest, saved = read_manifest(ckpt)
     paths = [verify_shard(ckpt, manifest, r) for r in range(saved.world_size)]
     params = {name: np.empty(pr.shape, F32) for name, pr in saved.params.items()}
     for r, shard_path in enumerate(paths):
-        master = np.load(shard_path, mmap_mode="r")[0]
+        master = np.load(shard_path, mmap_mode="r")[row]
         for bucket, members in zip(saved.buckets, saved.bucket_params):
             lo, hi = bucket.slice_bounds(r)
             for pr in members:
@@ -181,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Write the full fp32 parameters by name to OUT.npz (a new path or a regular file).")
     c.add_argument("dir", metavar="DIR", help="a checkpoint directory, or a run's --save-dir (its latest)")
     c.add_argument("out", metavar="OUT.npz", help="the output file (written under a temporary name, then renamed)")
+    c.add_argument("--state", action="store_true", help="also the optimizer's state rows, by name, as ROW/NAME")
     i = sub.add_parser("inspect", help="print the manifest as a table and verify every checksum",
                        description="Print the manifest as a table and verify every checksum (the manifest's own "
                                    "and every shard's): exit 2 naming the damaged files.")
@@ -202,7 +209,7 @@ def _run(args: List[str]) -> int:
     try:
         a = build_parser().parse_args(args)
         if a.command == "consolidate":
-            params = consolidate(a.dir, a.out)
+            params = consolidate(a.dir, a.out, a.state)
             print(f"wrote {a.out}: {len(params)} parameters, "
                   f"{sum(p.size for p in params.values()):,} fp32 values")
         else:

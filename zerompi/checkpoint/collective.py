@@ -22,9 +22,10 @@ from ..comm.consistency import rank_set
 from ..comm.simulated_world import simulated
 from ..comm.watchdog import watched
 from ..errors import ConfigError, MismatchError, UsageError, at_abort
-from .format import (F32, ROWS, CheckpointError, SavedLayout, build_manifest, check_model, crash_point,
+from .format import (F32, CheckpointError, SavedLayout, build_manifest, check_model, crash_point,
                      make_temp_dir, read_manifest, remove_dir, resolve, shard_file, verify_shard, wait_removals)
 from .orphans import recover
+from .state_rows import engine_rows, optimizer_name, saved_rows
 from .pointer import complete_checkpoints, step_of
 from .writer import PendingSave, free_snapshot
 
@@ -242,6 +243,7 @@ def load(engine, path: str) -> LoadInfo:
         ckpt = resolve(path)
         manifest, saved = read_manifest(ckpt)
         check_model(ckpt, saved, engine.layout)
+        check_optimizer(ckpt, manifest, engine)
         for r in range(engine.rank, saved.world_size, engine.world_size):
             verify_shard(ckpt, manifest, r)
         err = None
@@ -249,7 +251,7 @@ def load(engine, path: str) -> LoadInfo:
         err = str(e) if isinstance(e, CheckpointError) else f"{path}: {type(e).__name__}: {e}"
     _agree(comm, err, "checkpoint load: agreement on the manifest and checksums")
     try:
-        nbytes, err = _restore(engine, ckpt, saved), None
+        nbytes, err = _restore(engine, ckpt, saved, manifest), None
     except Exception as e:
         nbytes, err = 0, f"{ckpt}: reading the shards failed on rank {engine.rank}: {type(e).__name__}: {e}"
     _agree(comm, err, "checkpoint load: agreement on the shard reads")
@@ -322,13 +324,28 @@ def _locate(saved: SavedLayout, name: str, offset: int, numel: int, dst: int, ru
         x, dst = x + n, dst + n
 
 
-def _restore(engine, ckpt: str, saved: SavedLayout) -> int:
+def check_optimizer(ckpt: str, manifest: dict, engine) -> None:
+    """CheckpointError when the checkpoint's optimizer is not the engine's, unless the config's
+    ``fresh_optimizer_state`` starts the state fresh."""
+    theirs, ours = manifest["optimizer"].get("name", "adamw"), optimizer_name(engine)
+    if theirs != ours and not engine.config.fresh_optimizer_state:
+        raise CheckpointError(f"{ckpt}: saved by optimizer {theirs!r}, this run's is {ours!r}; use --optimizer "
+                              f"{theirs}, or add --fresh-optimizer-state to load its parameters and start "
+                              f"{ours}'s state at zero")
+
+
+def _restore(engine, ckpt: str, saved: SavedLayout, manifest: dict) -> int:
+    """The engine's rows from the checkpoint's, by name: every row of the same optimizer, only the
+    master of another (its state then zero)."""
     runs = copy_plan(saved, engine.layout, engine.slot, engine.config.stage)
     shards: Dict[int, np.ndarray] = {}
     nbytes = 0
-    for k, row in enumerate(ROWS):
+    same = manifest["optimizer"].get("name", "adamw") == optimizer_name(engine)
+    there = saved_rows(manifest)
+    for row in engine_rows(engine):
         host = np.zeros(engine.optimizer.n, F32)   # the row, wherever it lives (device, host, file)
-        for dst, r, src, n in runs:
+        k = there.index(row) if row in there and (same or row == "master") else None
+        for dst, r, src, n in runs if k is not None else ():
             if r not in shards:   # memory-mapped: only the pages of the pieces copied are read
                 shards[r] = np.load(os.path.join(ckpt, shard_file(r)), mmap_mode="r")
             host[dst:dst + n] = shards[r][k, src:src + n]

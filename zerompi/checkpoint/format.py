@@ -8,8 +8,8 @@ that decides which rank writes or reads what is in checkpoint/collective.py. For
                                       sha256 of its manifest.json (pointer.py)
     DIR/step_000010/manifest.json     model, layout, step, optimizer, loss scale, config, each shard's
                                       size and CRC-32, and last the sha256 of the manifest itself
-    DIR/step_000010/shard_00000.npy   rank 0's slices, float32 (3, shard_numel):
-                                      rows master, exp_avg, exp_avg_sq, padding included
+    DIR/step_000010/shard_00000.npy   rank 0's slices, float32 (rows, shard_numel):
+                                      rows master + the optimizer's (state_rows.py), padding included
 
 A checkpoint is written into a hidden temporary directory, fsynced, renamed into place,
 and only then named by ``latest`` (itself replaced by an atomic rename), so a crash at
@@ -34,13 +34,13 @@ import numpy as np
 from ..errors import ConfigError
 from ..inputs import JSON_BYTES, read_bytes
 from ..layout import Bucket, ParamRange
+from .state_rows import ROWS, engine_rows, optimizer_name, saved_rows  # noqa: F401 (ROWS: AdamW's, re-exported)
 from .pointer import (CHECKPOINT_NAME, DRAFT, ENTRY, LATEST, MANIFEST, TEMP_PREFIX, complete_checkpoints, fsync_dir,
                       latest_name, manifest_digest, point_latest, read_latest, write_durable)
 
 FORMAT = "zerompi-checkpoint"
 FORMAT_VERSION = 2                           # written; READ_VERSIONS are read
 READ_VERSIONS = (1, 2)                       # 1: shards checked by sha256, no checksum of the manifest
-ROWS = ("master", "exp_avg", "exp_avg_sq")   # engine.optimizer's arrays, one row each in a shard file
 MANIFEST_SHA = "manifest_sha256"             # the manifest's last key: sha256 of its text with this value zeroed
 CHUNK_BYTES = 4 << 20                        # read size when checksumming a shard
 WRITE_CHUNK_BYTES = 64 << 20                 # a shard is written, checksummed and handed to the disk in such chunks
@@ -129,8 +129,8 @@ def build_manifest(engine, shards: List[dict], extra_state) -> dict:
         "layer_names": list(lay.layer_names),
         "params": [asdict(p) for p in lay.params.values()],
         "buckets": [asdict(b) for b in lay.buckets],
-        "optimizer": {"name": "adamw", "step": engine.step_count, "state": list(ROWS), "lr": c.lr,
-                      "beta1": c.beta1, "beta2": c.beta2, "eps": c.eps, "weight_decay": c.weight_decay},
+        "optimizer": {"name": optimizer_name(engine), "step": engine.step_count, "state": list(engine_rows(engine)),
+                      "lr": c.lr, "beta1": c.beta1, "beta2": c.beta2, "eps": c.eps, "weight_decay": c.weight_decay},
         "loss_scaler": engine.scaler.state_dict(),
         "config": engine.recorded_config(),
         "extra": extra_state or {},
@@ -394,7 +394,7 @@ def verify_shard(ckpt: str, manifest: dict, r: int) -> str:
     if check.hexdigest() != entry[kind]:
         raise CheckpointError(f"{path}: {kind} checksum mismatch: the file is corrupted")
     arr = np.load(path, mmap_mode="r")
-    want = (len(ROWS), manifest["shard_numel"])
+    want = (len(saved_rows(manifest)), manifest["shard_numel"])
     if arr.shape != want or arr.dtype != np.dtype("<f4"):
         raise CheckpointError(f"{path}: holds {arr.dtype} {arr.shape}, expected float32 {want}")
     return path

@@ -21,7 +21,7 @@ from typing import Callable, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from .format import (F32, ROWS, WRITE_CHUNK_BYTES, CheckpointError, Crc32, crash_point, remove_dir,
+from .format import (F32, ROWS, WRITE_CHUNK_BYTES, CheckpointError, Crc32, crash_point, engine_rows, remove_dir,
                      shard_file)
 from .format import publish as publish_files
 from .orphans import recover
@@ -103,7 +103,8 @@ class PendingSave:
         try:
             if self.draft is not None:         # rank 0, on the writer's thread: what orphans.py publishes from
                 write_durable(os.path.join(self.tmp, DRAFT), self.draft)
-            self.entry = write_shard(self.tmp, e.slot, e.layout.shard_numel, rows, crash=(self.step, e.rank))
+            self.entry = write_shard(self.tmp, e.slot, e.layout.shard_numel, rows, crash=(self.step, e.rank),
+                                     nrows=len(engine_rows(e)))
         except Exception as exc:    # handed to the agreement: every rank raises it, none hangs
             why = exc.strerror if isinstance(exc, OSError) and exc.strerror else f"{type(exc).__name__}: {exc}"
             self.failure = f"rank {e.rank} could not write {os.path.join(self.tmp, shard_file(e.slot))}: {why}"
@@ -221,18 +222,18 @@ class _ShardWriter:
 
 
 def write_shard(tmp: str, rank: int, shard_numel: int, chunks: Iterable[np.ndarray],
-                crash: Optional[Tuple[int, int]] = None) -> dict:
+                crash: Optional[Tuple[int, int]] = None, nrows: int = len(ROWS)) -> dict:
     """Write and fsync ``rank``'s shard file in ``tmp``; returns its manifest entry (file, bytes, crc32),
     also written beside it (``shard_NNNNN.npy.entry``) once the file is on disk.
 
-    ``chunks``: host arrays, row by row (ROWS order) and in shard order within a row, that
-    add up to ``len(ROWS) * shard_numel`` elements; consumed one at a time, so a caller's
+    ``chunks``: host arrays, row by row (the optimizer's rows, ``nrows`` of them) and in shard order
+    within a row, that add up to ``nrows * shard_numel`` elements; consumed one at a time, so a caller's
     generator keeps at most one piece on the host. ``crash``: (step, rank) of the test hook
     ``mid_shard``, which fires after the first piece is written.
     """
     name = shard_file(rank)
     path = os.path.join(tmp, name)
-    header = {"descr": "<f4", "fortran_order": False, "shape": (len(ROWS), shard_numel)}
+    header = {"descr": "<f4", "fortran_order": False, "shape": (nrows, shard_numel)}
     with open(path, "wb", buffering=0) as f, ThreadPoolExecutor(1, "zerompi-crc32") as hasher:
         out = _ShardWriter(f, hasher)
         np.lib.format.write_array_header_1_0(out, header)
@@ -255,17 +256,17 @@ def own_pieces(engine, arr) -> list:
 
 
 def own_rows(engine) -> Iterator[np.ndarray]:
-    """This rank's shard-file contents, one host piece at a time: ROWS in order, each in shard order."""
-    for row in ROWS:
+    """This rank's shard-file contents, one host piece at a time: the rows in order, each in shard order."""
+    for row in engine_rows(engine):
         for piece in own_pieces(engine, engine.optimizer.read_row(row)):   # wherever it lives: a host array
             yield np.asarray(piece)
 
 
 def host_buffer(engine) -> np.ndarray:
-    """The host buffer of asynchronous saves (ROWS x shard_numel, float32): allocated at the first
+    """The host buffer of asynchronous saves (rows x shard_numel, float32): allocated at the first
     and reused by the next ones (pinned memory on a GPU, so the device copies at full speed);
     ``free_snapshot`` drops it."""
-    shape = (len(ROWS), engine.layout.shard_numel)
+    shape = (len(engine_rows(engine)), engine.layout.shard_numel)
     host = getattr(engine, HOST_BUFFER, None)
     if host is None or host.shape != shape:
         host = _empty_host(shape, engine.xp)
@@ -276,7 +277,7 @@ def host_buffer(engine) -> np.ndarray:
 def snapshot(engine, host: Optional[np.ndarray] = None) -> np.ndarray:
     """Copy this rank's shard into ``host`` (default: :func:`host_buffer`) and return it."""
     host = host_buffer(engine) if host is None else host
-    for k, row in enumerate(ROWS):
+    for k, row in enumerate(engine_rows(engine)):
         at = 0
         for piece in own_pieces(engine, _live_row(engine, row)):
             if hasattr(piece, "get"):

@@ -22,6 +22,8 @@ Modules:
 - meshconfig: MeshConfig, the mesh's sizes (tp, sp, pp, node size, shard size) apart from the engine's config
 - group: what a model-parallel group's collectives share
 - alltoall: the Ulysses all-to-all of sequence parallelism
+- ep_alltoall: the expert-parallel all-to-all(v) of token rows: counts, then rows
+- sources_reduce: a reduce-scatter of several sources' partials per rank, summed in the world's rank order
 - p2p: the pipeline's point-to-point messages between stages
 - tp_pieces: how a tensor-parallel parameter is cut into pieces and put back (NumPy)
 - simulated_world: SimulatedWorld, one process as rank R of N, the other ranks stood in for

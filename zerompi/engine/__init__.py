@@ -5,7 +5,10 @@ Modules:
 - step: the optimizer step in two halves, StepResult
 - reducer: GradientReducer, gradient buffers, bucketed reduce-scatters
 - gatherer: ParameterGatherer, stored parameters, unshard / reshard, all-gathers, prefetch
-- optimizer: ShardedAdamW, the fp32 master and Adam moments
+- optimizer: ShardedAdamW, the fp32 master and Adam moments; the optimizer interface
+- optimizers: the optimizers by name, their state rows, the one the config names
+- muon: ShardedMuon, Muon on the 2-D matrices and AdamW on the rest
+- matrix_owners: whole-matrix ownership, a matrix's pieces to its owner and back
 - in_backward: the optimizer in the backward, a bucket's update as soon as its gradient shard is final
 - decay: the weight-decay groups
 - lazy: parameters given as rules, made a slice at a time

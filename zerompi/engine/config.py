@@ -14,6 +14,7 @@ from ..comm.quantized import DEFAULT_BLOCK, check_quantization
 from ..errors import ConfigError, check
 from ..flags import flag
 from ..optim.impl import OPTIMIZER_IMPLS
+from .optimizers import OPTIMIZERS
 from ..strict import strict_fields
 
 STAGES = (0, 1, 2, 3)
@@ -50,6 +51,23 @@ def check_float(name: str, value, rule: str, ok: Callable[[float], bool], float3
         check(math.isfinite(stored) and ok(stored),
               f"{name}={value!r} is {stored!r} in float32, the precision of the optimizer's arithmetic; "
               f"use a number {rule} that float32 holds (magnitude at most {F32_MAX:.8g})")
+
+
+def check_optimizer(c) -> None:
+    """The optimizer's fields, and what Muon cannot be combined with yet (one line each)."""
+    check(c.optimizer in OPTIMIZERS, f"optimizer={c.optimizer!r} is not allowed; use one of {', '.join(OPTIMIZERS)}")
+    if isinstance(c.muon_params, list):
+        object.__setattr__(c, "muon_params", tuple(c.muon_params))
+    check(isinstance(c.muon_params, tuple) and all(isinstance(p, str) and p for p in c.muon_params),
+          f"muon_params={c.muon_params!r} must be a tuple of parameter-name patterns (non-empty strings)")
+    check_float("muon_momentum", c.muon_momentum, "in [0, 1)", lambda v: 0 <= v < 1, True)
+    check(isinstance(c.fresh_optimizer_state, bool), f"fresh_optimizer_state={c.fresh_optimizer_state!r} must "
+                                                      "be True or False")
+    if c.optimizer == "muon":
+        for name, value, none in (("offload_optimizer", c.offload_optimizer, "none"),
+                                  ("offload_params", c.offload_params, "none")):
+            check(value == none, f"{name}={value!r} is not available with optimizer='muon' yet (Newton-Schulz "
+                                 f"needs every bucket's matrices before any is updated); use {none}")
 
 
 class UnknownFieldError(ConfigError, TypeError):
@@ -194,6 +212,26 @@ class ZeroConfig:
         "with --trace: keep the last K steps (default {default})", metavar="K"))
     """With trace: the timeline keeps the last this many steps (>= 1) and the step in progress."""
 
+    optimizer: str = field(default="adamw", metadata=flag(
+        "the optimizer: adamw, or muon (Muon on the 2-D matrices --muon-params names, AdamW on the rest)",
+        metavar="adamw|muon"))
+    """The optimizer on the shard (engine/optimizers.py): "adamw", or "muon" (Nesterov momentum and
+    Newton-Schulz on the 2-D parameters ``muon_params`` names, each matrix on one owner rank; AdamW with
+    the same lr and decay on every other parameter; docs/optimizers.md)."""
+    muon_params: Tuple[str, ...] = field(default=("*",), metadata=flag(
+        "with --optimizer muon: the parameters Muon updates, by name pattern, of which the 2-D ones (repeat "
+        "for more; default: gpt: *.w (attention and MLP weights); mlp: *.weight)", metavar="PATTERN",
+        append=True))
+    """With optimizer="muon": shell-style patterns naming the parameters Muon updates (its 2-D ones; the
+    rest take AdamW). A pattern that matches no parameter, or patterns that match no 2-D one, are an error."""
+    muon_momentum: float = 0.95
+    """Muon's (Nesterov) momentum, in [0, 1)."""
+    fresh_optimizer_state: bool = field(default=False, metadata=flag(
+        "--resume from a checkpoint of another optimizer: keep its parameters, start the optimizer state "
+        "fresh (zeros)", const=True))
+    """Loading a checkpoint saved by another optimizer (its name in the manifest) is an error unless this
+    is True: then its master is loaded and the state rows start at zero."""
+
     def __post_init__(self):
         strict_fields(self)
         check(self.stage in STAGES, f"stage={self.stage!r} is not allowed; use one of 0, 1, 2, 3")
@@ -263,6 +301,7 @@ class ZeroConfig:
                                                f"use one of {', '.join(INIT_VALUES)}")
         check(isinstance(self.abort_on_exception, bool), f"abort_on_exception={self.abort_on_exception!r} "
                                                          "must be True or False")
+        check_optimizer(self)
         check(self.trace is None or (isinstance(self.trace, str) and self.trace != ""),
               f"trace={self.trace!r} is not allowed; use a file path, or None for no trace")
         check(isinstance(self.trace_steps, int) and not isinstance(self.trace_steps, bool) and self.trace_steps >= 1,

@@ -1,6 +1,6 @@
 """Per-rank memory: a ledger of what the engine allocated, and the ZeRO formulas beside it.
 
-Categories: "params", "grads", "optimizer" (fp32 master + m + v) are the model states of
+Categories: "params", "grads", "optimizer" (fp32 master + the optimizer's rows: AdamW m + v) are the model states of
 DESIGN.md's table; "secondary" is hpZ's node-local copy of the parameters (stage 3, counted
 with the model states when it is on); "buffers" are transient (gradient staging buckets, stage-3 gathered
 buckets, the micro-batch gradient accumulator of stages 0/1, communication scratch).
@@ -9,29 +9,32 @@ from typing import Dict
 
 import numpy as np
 
+from .optimizers import bytes_per_param
+
 CATEGORIES = ("params", "grads", "optimizer", "secondary", "buffers")
 OPTIMIZER_BYTES = 12  # fp32 master + Adam m + Adam v, bytes per parameter
 
 
 def theory_bytes(stage: int, numel: int, world_size: int, itemsize: int, shard_numel: int = None,
-                 secondary: float = 0) -> Dict[str, int]:
+                 secondary: float = 0, optimizer_bytes: int = OPTIMIZER_BYTES) -> Dict[str, int]:
     """Model-state bytes per rank by DESIGN.md's table.
 
     ``numel`` is Psi (pass the padded world length to get the exact figure the engine
     allocates); ``world_size`` the ranks one copy is sharded over (the shard group's size);
     ``shard_numel`` is the per-rank shard length (default numel / world_size, which is exact
     only when numel divides). ``secondary``: elements of hpZ's node-local copy (numel /
-    node_size; 0 without hpZ, and then the row is left out).
+    node_size; 0 without hpZ, and then the row is left out). ``optimizer_bytes``: per parameter, the
+    master and the optimizer's state rows (engine/optimizers.py; AdamW's 12 by default).
     """
     n = world_size
     shard = shard_numel if shard_numel is not None else numel / n
     full_p = itemsize * numel
     shard_p = itemsize * shard
     rows = {
-        0: (full_p, full_p, OPTIMIZER_BYTES * numel),
-        1: (full_p, full_p, OPTIMIZER_BYTES * shard),
-        2: (full_p, shard_p, OPTIMIZER_BYTES * shard),
-        3: (shard_p, shard_p, OPTIMIZER_BYTES * shard),
+        0: (full_p, full_p, optimizer_bytes * numel),
+        1: (full_p, full_p, optimizer_bytes * shard),
+        2: (full_p, shard_p, optimizer_bytes * shard),
+        3: (shard_p, shard_p, optimizer_bytes * shard),
     }[stage]
     out = {k: int(round(v)) for k, v in zip(("params", "grads", "optimizer"), rows)}
     if secondary:
@@ -62,12 +65,13 @@ def memory_report(ledger, layout, config, group_size: int, itemsize: int, second
     ``scratch``: the communicators' receive buffers, included). ``secondary_parts``: the node
     size when hpZ keeps a copy of 1/node_size of the parameters, else 0."""
     k, stage = secondary_parts, config.stage
+    opt = bytes_per_param(getattr(config, "optimizer", "adamw"))
     padded = theory_bytes(stage, layout.numel, group_size, itemsize, layout.shard_numel,
-                          secondary=k and layout.numel // k)
+                          secondary=k and layout.numel // k, optimizer_bytes=opt)
     return {
         "measured": ledger.model_states(),
         "theory": theory_bytes(stage, layout.params_numel, group_size, itemsize,
-                               secondary=k and layout.params_numel / k),
+                               secondary=k and layout.params_numel / k, optimizer_bytes=opt),
         "theory_padded": padded,
         "theory_by_place": theory_by_place(padded, config),
         "peak_buffers": {"bytes": ledger.peak["buffers"] + scratch},

@@ -30,7 +30,19 @@ F32 = np.float32
 
 class ShardedAdamW:
     """The rows (``rows``: offload.ArrayRows or FileRows) of the shard (stage 0: the whole model),
-    counted under "optimizer" in the ledger, on their place."""
+    counted under "optimizer" in the ledger, on their place.
+
+    The optimizer interface the engine's step calls (engine/step.py): ``name`` and ``state`` (the rows
+    beside the master, which checkpoints save and load by name), ``scalars``, ``step`` over the
+    buckets' slices, ``update`` (one slice; stage 0: the whole model). engine/muon.py is another."""
+
+    name = "adamw"
+    state = ("exp_avg", "exp_avg_sq")
+
+    @property
+    def row_names(self):
+        """Every row of the optimizer, the master first (a checkpoint's shard file, in this order)."""
+        return ("master",) + self.state
 
     def __init__(self, layout, config, ledger, slot: int, rank: int, transfers=None):
         self.layout, self.config, self.slot = layout, config, slot     # the slice of every bucket this rank holds
@@ -50,7 +62,8 @@ class ShardedAdamW:
             ledger.count("buffers", 12 * n * (generations - 1), "disk")     # the spare generation
         else:
             place = "host" if mode == "cpu" else "device"
-            self.rows = ArrayRows(lambda k: ledger.alloc("optimizer", k, F32, place=place), n, place)
+            self.rows = ArrayRows(lambda k: ledger.alloc("optimizer", k, F32, place=place), n, place,
+                                  self.row_names)
         self.offloaded = mode != "none"
         self._host = {}                  # staging buffers for offloaded updates on a device (grad, param out)
         self.delayed = config.offload_delayed_update

@@ -37,8 +37,11 @@ class GradientReducer:
     buffers are counted) and ``guard`` (faults.GradientGuard).
     """
 
-    def __init__(self, layout, config, comm, replica, ranks, inflight, pool, ledger, guard, dtype):
+    def __init__(self, layout, config, comm, replica, ranks, inflight, pool, ledger, guard, dtype, sources=1):
         self.layout, self.config, self.comm, self.replica = layout, config, comm, replica
+        # sources > 1 (expert parallelism): each gradient comes as that many partials, a source's each, reduced
+        # in (rank, source) order (comm/sources_reduce.py) from buffers of their own, blocking
+        self.sources, self.sourced = sources, {}
         self.inflight, self.pool, self.guard = inflight, pool, guard
         st = config.stage
         self.slot, self.world_size = comm.slot, ranks
@@ -109,9 +112,11 @@ class GradientReducer:
             if not (hasattr(g, "shape") and hasattr(g, "dtype")):
                 raise UsageError(f"gradient {n!r} is a {type(g).__name__}; pass an array (NumPy, or CuPy on the "
                                  f"GPU) of shape {lay.params[n].shape}")
-            if tuple(g.shape) != lay.params[n].shape:
+            want = lay.params[n].shape if self.sources == 1 else (self.sources,) + lay.params[n].shape
+            if tuple(g.shape) != want:
                 raise UsageError(f"gradient {n!r} has shape {tuple(g.shape)}; "
-                                 f"the parameter's shape is {lay.params[n].shape}")
+                                 f"the parameter's shape is {lay.params[n].shape}"
+                                 + (f", with {self.sources} sources {want}" if self.sources > 1 else ""))
             if not dtypes.is_float(g.dtype):
                 raise UsageError(f"gradient {n!r} has dtype {g.dtype}; a floating dtype is required")
         if self.micro == self.config.micro_batches:
@@ -126,11 +131,12 @@ class GradientReducer:
         grads = self.guard.on_grads(step, b, grads)   # notes non-finite values; ZEROMPI_FAULT
         if b in self.handles:              # the previous micro-batch still reads this bucket
             self.finish(b)
-        staging = self._local_bucket(b)
+        staging = self._local_bucket(b) if self.sources == 1 else self._sourced_bucket(b)
         with np.errstate(over="ignore", invalid="ignore"):   # fp16 overflow is detected in step()
             for n in lay.layer_params[layer]:
                 pr = lay.params[n]
-                staging[pr.bucket_offset:pr.bucket_offset + pr.numel] = grads[n].reshape(-1)
+                staging[..., pr.bucket_offset:pr.bucket_offset + pr.numel] = grads[n].reshape(self.sources, -1) \
+                    if self.sources > 1 else grads[n].reshape(-1)
         self.ready[layer] = True
         self._bucket_pending[b] -= 1
         if self._bucket_pending[b] == 0:
@@ -159,12 +165,22 @@ class GradientReducer:
             self.staging[b] = buf
         return self.staging[b]
 
+    def _sourced_bucket(self, b: int) -> np.ndarray:
+        """sources > 1: the (sources, bucket) buffer of bucket b's partials, zeros where nothing is written."""
+        if b not in self.sourced:
+            self.sourced[b] = np.zeros((self.sources, self.layout.buckets[b].numel), self.grads.dtype)
+        return self.sourced[b]
+
     # ---- reductions ------------------------------------------------------------
     def _start(self, b: int, step: int) -> None:
         bucket = self.layout.buckets[b]
         first = self.micro == 0
         out = self.accum[bucket.shard_slice] if self.accum is not None else self.grad_slice(b)
-        scale = 1.0 / (self.world_size * self.config.micro_batches)
+        scale = 1.0 / (self.world_size * self.sources * self.config.micro_batches)   # every rank's every micro-batch
+        if self.sources > 1:
+            from ..comm.sources_reduce import reduce_scatter_sources
+            reduce_scatter_sources(self.comm, self.sourced.pop(b), out, scale, not first, self.sources)
+            return
         send = self._local_bucket(b)
         if self.config.stage < 2:          # the whole local gradient, reduced in place: the padding joins the
             send[bucket.used:] = 0         # sum and must be zero (qgZ's sum of a block with an inf wrote NaN there)

@@ -40,7 +40,7 @@ from .in_backward import UpdateInBackward
 from .inflight import InFlight
 from .loss_scale import DynamicLossScaler
 from .memory import MemoryLedger, memory_report
-from .optimizer import ShardedAdamW
+from .optimizers import sharded_optimizer
 from .phase import Phase, infer_phase
 from .reducer import MAX_PENDING_REDUCES, GradientReducer
 from .step import PendingStep, StepResult
@@ -59,6 +59,9 @@ class ZeroEngine:
     ``comm``: an mpi4py communicator (default COMM_WORLD), a zerompi Communicator, or a zerompi.Mesh
     (tensor / sequence parallelism: ZeRO over its dp x sp ranks; ``tp_split`` names the TP-split parameters).
     ``mesh_config``: a MeshConfig (nodes, shard groups; tp / sp > 1 without a Mesh: one is made over ``comm``).
+    ``sources``: each rank hands back every gradient as that many partials (an array of that many gradients),
+    reduced in (rank, source) order as if the ranks were that many times more (expert parallelism: each partial
+    a source rank's; comm/sources_reduce.py).
 
     Composed of its parts, each owning its state: ``reducer`` (GradientReducer: the gradient
     buffers and reduce-scatters), ``gatherer`` (ParameterGatherer: the stored parameters,
@@ -68,7 +71,7 @@ class ZeroEngine:
     """
 
     def __init__(self, layers: LayersArg, config: Optional[ZeroConfig] = None, comm=None, xp=np, tp_split=None,
-                 mesh_config: Optional[MeshConfig] = None):
+                 mesh_config: Optional[MeshConfig] = None, sources: int = 1):
         self.config = config or ZeroConfig()
         if not isinstance(self.config, ZeroConfig):
             raise UsageError(f"config is a {type(self.config).__name__}; pass a zerompi.ZeroConfig")
@@ -129,8 +132,9 @@ class ZeroEngine:
         self.gatherer = ParameterGatherer(self.layout, self.config, self.group, self.inflight, pool, self.ledger,
                                           self.dtype, self.rank)
         self.reducer = GradientReducer(self.layout, self.config, self.group, self.replica, self.world_size,
-                                       self.inflight, pool, self.ledger, self.guard, self.dtype)
-        self.optimizer = ShardedAdamW(self.layout, self.config, self.ledger, self.slot, self.rank, transfers)
+                                       self.inflight, pool, self.ledger, self.guard, self.dtype, sources)
+        self.optimizer = sharded_optimizer(self.layout, self.config, self.ledger, self.slot, self.rank, transfers,
+                                           self.group)
         initial.load(self, pairs)        # each rank makes its own part (lazy: checked, engine/initial.py)
         self.in_backward = UpdateInBackward(self)       # nvme: a bucket's update starts when its shard is final
         self.trace = trace.attach(self) if self.config.trace else None   # the timeline (engine/trace.py)
@@ -327,9 +331,16 @@ class ZeroEngine:
         """{"intra": bytes inside the node, "inter": across} (engine/traffic.py; ``logical``: unquantized)."""
         c, t = self.config, self.topology
         q = {} if logical else {"weights": self.gatherer.wire_quant, "grads": self.reducer.quant}
-        return traffic.step_bytes(c.stage, [b.numel for b in self.layout.buckets], np.dtype(self.dtype).itemsize,
-                                  t.size, t.node_size, t.shard_size, c.micro_batches, c.prefetch if c.overlap else 0,
-                                  self.gatherer.secondary is not None, **q)
+        size = np.dtype(self.dtype).itemsize
+        out = traffic.step_bytes(c.stage, [b.numel for b in self.layout.buckets], size,
+                                 t.size, t.node_size, t.shard_size, c.micro_batches, c.prefetch if c.overlap else 0,
+                                 self.gatherer.secondary is not None, **q)
+        extra = self.reducer.sources - 1           # sources > 1: each reduce-scatter sends that many partials
+        for b in self.layout.buckets if extra else ():
+            intra, inter = traffic.call_bytes("reduce_scatter", b.numel, size, t.size, t.node_size, t.shard_size)
+            out = {"intra": out["intra"] + extra * c.micro_batches * intra,
+                   "inter": out["inter"] + extra * c.micro_batches * inter}
+        return out
 
     def close(self) -> None:
         """Free every buffer. The engine cannot be used afterwards (a collective: every rank calls it)."""

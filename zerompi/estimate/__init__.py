@@ -16,6 +16,7 @@ Modules:
 - tp_bytes: --tp, the GPT's parameters per TP rank and its TP all-reduce bytes
 - sp_bytes: --sp, the GPT's activations per rank and its all-to-all bytes
 - pipeline: --pp, a pipeline schedule's bubble and activations
+- moe_bytes: --experts/--ep, the GPT's dense and expert parameters and model states, the EP all-to-all's bytes
 - machine: the memory a job's ranks can still take
 - cli: the options, the table
 - fromrun: ``--from-run``, a run's measured bytes beside its estimate

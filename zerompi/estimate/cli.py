@@ -17,7 +17,7 @@ from ..engine.config import ZeroConfig
 from ..errors import EXIT_OUTPUT, ConfigError, OneLineParser, check, quiet_exit_on_closed_stdout
 from .activations import GPT_FLAGS, gpt_activations, gpt_layer_sizes, with_activations
 from .fromrun import compare_run, format_compare, read_run, run_estimate
-from .stages import BUFFER_ROWS, DEFAULT_PREFETCH, estimate
+from .stages import BUFFER_ROWS, DEFAULT_PREFETCH, OPTIMIZER_LABELS, estimate
 
 UNITS = ((1e9, "GB", 2 ** 30, "GiB"), (1e6, "MB", 2 ** 20, "MiB"), (1e3, "kB", 2 ** 10, "KiB"), (1, "B", 1, "B"))
 
@@ -57,10 +57,10 @@ def format_table(est: dict) -> str:
     binary = lambda b: f"{b / bin_:12.4f}"
     line = lambda label, cells: f"  {label:<28}" + "".join(f"{c:>14}" for c in cells)
     out = [f"zerompi.estimate: Ψ = {est['params']:,} parameters, N = {est['ranks']} ranks, {est['dtype']} storage, "
-           f"AdamW with an fp32 master ({unit} = {big:,.0f} bytes)",
+           f"{OPTIMIZER_LABELS[est.get('optimizer', 'adamw')][0]} with an fp32 master ({unit} = {big:,.0f} bytes)",
            line(f"bytes per rank, {unit}", [f"stage {r['stage']}" for r in rows])]
     for key, label in (("params_bytes", "params"), ("grads_bytes", "grads"),
-                       ("optimizer_bytes", "optimizer (master, m, v)")):
+                       ("optimizer_bytes", OPTIMIZER_LABELS[est.get("optimizer", "adamw")][1])):
         out.append(line(label, [dec(r[key]) for r in rows]))
     if est.get("hpz_applies"):
         out.append(line("secondary copy (hpZ)", [dec(r["secondary_bytes"]) if r["secondary_bytes"] else "-"

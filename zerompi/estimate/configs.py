@@ -7,7 +7,7 @@ from ..errors import ConfigError, check
 
 # estimate()'s keywords that are ZeroConfig's fields (the same names, the same meaning)
 ZERO_FIELDS = ("dtype", "bucket_mb", "prefetch", "micro_batches", "overlap", "align", "hpz", "offload_optimizer",
-               "offload_params", "quantize_weights", "quantize_grads", "quant_block")
+               "offload_params", "quantize_weights", "quantize_grads", "quant_block", "optimizer")
 MESH_FIELDS = ("node_size", "shard_size")
 
 

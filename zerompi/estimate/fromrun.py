@@ -41,7 +41,8 @@ def _one_estimate(metrics: dict, params: int, ranks: int, layers, overrides: dic
     kwargs = dict(params=params, ranks=ranks, dtype=metrics["dtype"],
                   bucket_mb=zero.get("bucket_mb", ZeroConfig.bucket_mb), layers=layers,
                   micro_batches=zero.get("micro_batches", 1), prefetch=zero.get("prefetch", DEFAULT_PREFETCH),
-                  overlap=zero.get("overlap", True), align=zero.get("align", ZeroConfig.align))
+                  overlap=zero.get("overlap", True), align=zero.get("align", ZeroConfig.align),
+                  optimizer=zero.get("optimizer", "adamw"))
     quant = metrics.get("quantization") or {}
     kwargs.update(quantize_weights=quant.get("weights", zero.get("quantize_weights")),
                   quantize_grads=quant.get("grads", zero.get("quantize_grads")),

@@ -22,7 +22,8 @@ from typing import Optional
 from ..engine.buffers import buffer_counts
 from ..engine.config import DTYPES, STAGES, ZeroConfig
 from ..layout import FlatLayout
-from ..engine.memory import theory_by_place, theory_bytes, theory_comm_bytes
+from ..engine.memory import OPTIMIZER_BYTES, theory_by_place, theory_bytes, theory_comm_bytes
+from ..engine.optimizers import OPTIMIZERS, bytes_per_param
 from ..engine import reducer
 from ..comm.quantized import DEFAULT_BLOCK, check_quantization, quantization
 from ..errors import check
@@ -30,16 +31,19 @@ from .levels import Levels, check_levels, flat_traffic, level_traffic, scratch_e
 from .plan import BucketPlan, bucket_numel, plan_buckets
 
 DEFAULT_PREFETCH = getattr(ZeroConfig, "prefetch", 0)   # the engine's default stage-3 prefetch depth
+# the table's names of the optimizer (estimate(optimizer=...) prices its rows: engine/optimizers.py)
+OPTIMIZER_LABELS = {"adamw": ("AdamW", "optimizer (master, m, v)"), "muon": ("Muon", "optimizer (master, mom, m, v)")}
 # The keys of a stage row's "buffers" dict (bytes per rank), in the order the table prints them.
 BUFFER_ROWS = ("grad_buckets", "gathered_params", "spare_buffers", "grad_accumulator", "comm_scratch")
 
 
-def formula(stage: int, itemsize: int, group: str = "N", node: Optional[str] = None) -> str:
+def formula(stage: int, itemsize: int, group: str = "N", node: Optional[str] = None,
+            optimizer_bytes: int = OPTIMIZER_BYTES) -> str:
     """The model-state formula of a stage, e.g. '4Ψ + 12Ψ/N', read off theory_bytes itself.
     ``group``: the letter of the ranks one copy is sharded over (S for shard groups); ``node``: the
     letter of the node size when hpZ keeps its copy (1/node of the parameters), else None."""
-    whole = theory_bytes(stage, 1, 1, itemsize, shard_numel=0)["total"]   # bytes per element kept whole
-    shard = theory_bytes(stage, 0, 1, itemsize, shard_numel=1)["total"]   # bytes per element sharded
+    whole = theory_bytes(stage, 1, 1, itemsize, shard_numel=0, optimizer_bytes=optimizer_bytes)["total"]  # kept whole
+    shard = theory_bytes(stage, 0, 1, itemsize, shard_numel=1, optimizer_bytes=optimizer_bytes)["total"]  # sharded
     extra = theory_bytes(stage, 0, 1, itemsize, shard_numel=0, secondary=1).get("secondary", 0) if node else 0
     parts = ([f"{whole}Ψ"] if whole else []) + ([f"{shard}Ψ/{group}"] if shard else []) + \
         ([f"{extra}Ψ/{node}"] if extra else [])
@@ -71,7 +75,7 @@ def ring_bytes(stage: int, plan: BucketPlan, itemsize: int, micro_batches: int, 
 
 def _stage_row(stage: int, plan: BucketPlan, itemsize: int, micro_batches: int, prefetch: int, overlap: bool,
                pending: int, bandwidth_gbps: float, latency_us: float, cap: int, lv: Levels, gbps: tuple,
-               quant: tuple = (None, None)) -> dict:
+               quant: tuple = (None, None), optimizer_bytes: int = OPTIMIZER_BYTES) -> dict:
     """One stage's bytes per rank (model states, buffers) and communication per step.
 
     ``pending``: reductions pending when a bucket fills (the timing this row is for);
@@ -82,7 +86,8 @@ def _stage_row(stage: int, plan: BucketPlan, itemsize: int, micro_batches: int, 
     n, isz, m = plan.world_size, itemsize, micro_batches
     ahead = prefetch if overlap else 0
     secondary = lv.secondary_numel(stage, plan.numel)
-    states = theory_bytes(stage, plan.numel, n, isz, plan.shard_numel, secondary=secondary)
+    states = theory_bytes(stage, plan.numel, n, isz, plan.shard_numel, secondary=secondary,
+                          optimizer_bytes=optimizer_bytes)
     staged, gathered = buffer_counts(stage, plan.num_buckets, pending, ahead)
     classes = plan.classes(*buffer_counts(stage, plan.num_buckets, cap, ahead))
     buffers = {
@@ -117,7 +122,8 @@ def _stage_row(stage: int, plan: BucketPlan, itemsize: int, micro_batches: int, 
         "optimizer_bytes": states["optimizer"],
         "secondary_bytes": states.get("secondary", 0),
         "model_state_bytes": states["total"],
-        "formula": formula(stage, isz, "N" if lv.replicas == 1 else "S", "K" if secondary else None),
+        "formula": formula(stage, isz, "N" if lv.replicas == 1 else "S", "K" if secondary else None,
+                           optimizer_bytes),
         "buffers": buffers,
         "buffer_bytes": buffer_bytes,
         "total_bytes": states["total"] + buffer_bytes,
@@ -146,7 +152,8 @@ def estimate(params: Optional[float] = None, ranks: Optional[int] = None, dtype:
              node_size: Optional[int] = None, shard_size: Optional[int] = None, hpz: bool = False,
              intra_gbps: Optional[float] = None, inter_gbps: Optional[float] = None,
              offload_optimizer: str = "none", offload_params: str = "none", quantize_weights: Optional[str] = None,
-             quantize_grads: Optional[str] = None, quant_block: int = DEFAULT_BLOCK, zero=None, mesh=None) -> dict:
+             quantize_grads: Optional[str] = None, quant_block: int = DEFAULT_BLOCK, zero=None, mesh=None,
+             optimizer: str = "adamw") -> dict:
     """Bytes per rank and communication per step for ZeRO stages 0-3.
 
     ``params``: Psi, parameters of the model; ``ranks``: N. Or ``layout``: the engine's
@@ -191,6 +198,7 @@ def estimate(params: Optional[float] = None, ranks: Optional[int] = None, dtype:
                                                         "use none, cpu or nvme")
     check(offload_params in ("none", "nvme"), f"offload_params={offload_params!r} is not allowed; use none or nvme")
     check_quantization(quantize_weights, quantize_grads, quant_block)
+    check(optimizer in OPTIMIZERS, f"optimizer={optimizer!r} is not allowed; use one of {', '.join(OPTIMIZERS)}")
     quant = (quantization(quantize_weights, quant_block), quantization(quantize_grads, quant_block))
     itemsize = ZeroConfig(dtype=dtype).itemsize
     check(isinstance(micro_batches, int) and micro_batches >= 1,
@@ -240,7 +248,7 @@ def estimate(params: Optional[float] = None, ranks: Optional[int] = None, dtype:
                  for n in plan.lengths()}
     stages = []
     for s in STAGES:
-        common = (bandwidth_gbps, latency_us, cap, lv, gbps, quant)
+        common = (bandwidth_gbps, latency_us, cap, lv, gbps, quant, bytes_per_param(optimizer))
         row = _stage_row(s, plan, itemsize, micro_batches, prefetch, overlap, pending, *common)
         best = _stage_row(s, plan, itemsize, micro_batches, prefetch, overlap, 0, *common)
         row["buffer_bytes_best_case"] = best["buffer_bytes"]
@@ -260,6 +268,7 @@ def estimate(params: Optional[float] = None, ranks: Optional[int] = None, dtype:
         "padded_params": plan.numel,
         "ranks": lv.ranks,
         "dtype": dtype,
+        "optimizer": optimizer,
         "bucket_mb": bucket_mb,
         "bucket_numel": target,
         "buckets": plan.num_buckets,

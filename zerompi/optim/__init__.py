@@ -1,7 +1,8 @@
-"""AdamW and the reduce-scatter's local sum: the references and the fused kernels.
+"""AdamW, Muon and the reduce-scatter's local sum: the references and the fused kernels.
 
 Modules:
 - reference: the NumPy float32 references every kernel is checked against
+- muon: Muon's momentum, Newton-Schulz and shape scale
 - impl: which implementation the engine calls
 - fused_cpu: the C kernels, compiled on first use
 - cuda: the CUDA kernels through CuPy

@@ -18,21 +18,24 @@ from ..comm.watchdog import watched
 from ..errors import MismatchError
 
 
-def step_together(engines: List, group, lr: Optional[float] = None) -> List:
+def step_together(engines: List, group, lr: Optional[float] = None, once: int = 0) -> List:
     """begin_step on each engine (in chunk order), one all-gather over ``group`` (an object with ``mpi``,
     the pipeline group's mpi4py communicator, and ``waiting``, the watchdog's record; ``ranks``: the world
     rank of each member, for messages), then finish_step on each with the mesh's totals. Returns the
-    StepResults (the same decision in each)."""
+    StepResults (the same decision in each). ``once``: the first that many engines are one engine over the
+    whole group (expert parallelism's dense engine, train/moe_ep_run.py): their totals counted from the
+    group's first member only."""
     pendings = [e.begin_step(lr) for e in engines]
     mine = np.array([[p.sumsq, p.nonfinite, p.lr, p.number] for p in pendings], np.float64).reshape(-1, 4)
     with watched(group, "pipeline: the step's gradient totals over the stages"):
         rows = group.mpi.allgather(mine)
     _check_agree(rows, getattr(group, "ranks", list(range(len(rows)))))
     sumsq = nonfinite = 0.0
-    for table in rows:                  # stage order, then chunk order: the same sums on every rank
-        for s, bad, _, _ in table:
-            sumsq += float(s)
-            nonfinite += float(bad)
+    for r, table in enumerate(rows):    # stage order, then chunk order: the same sums on every rank
+        for c, (s, bad, _, _) in enumerate(table):
+            if c >= once or r == 0:
+                sumsq += float(s)
+                nonfinite += float(bad)
     return [e.finish_step(p, (sumsq, nonfinite)) for e, p in zip(engines, pendings)]
 
 

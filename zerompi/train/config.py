@@ -16,6 +16,7 @@ from ..errors import ConfigError, RankParser, check
 from ..flags import add_flags, flag, flag_name, given
 from ..pipeline.config import PipelineConfig
 from .console import PROGRESS_MODES
+from .moe_config import MoEConfig, check_given, check_job, check_world
 
 # --help's description: the train module's docstring, where the parser used to live.
 DESCRIPTION = "``mpiexec -n N python -m zerompi.train``: train a built-in model with ZeRO stage 0-3."
@@ -31,6 +32,7 @@ PATHS = ("data", "metrics_json", "save_dir", "resume", "stop_file")   # path fie
 # The parameters each model exempts from weight decay by default (--no-decay replaces them, --decay-all
 # drops them): the GPT's biases (".b"), LayerNorm gains (".g") and embeddings, as GPT-2 recipes do.
 NO_DECAY = {"gpt": ("wte", "wpe", "*.b", "*.g"), "mlp": ()}
+MUON_PARAMS = {"gpt": ("*.w",), "mlp": ("*.weight",)}   # --optimizer muon: the hidden matrices (not wte, wpe)
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,8 @@ class TrainConfig:
     mesh: MeshConfig = MeshConfig()
     """Tensor, sequence and pipeline parallelism, nodes, shard groups; at its default, ZeroConfig(tp=...)'s."""
     pipeline: PipelineConfig = PipelineConfig()
+    moe: MoEConfig = MoEConfig()
+    """The GPT's mixture-of-experts blocks (train/moe_config.py); experts=0: none."""
 
     def __post_init__(self):
         if self.mesh == MeshConfig():
@@ -124,6 +128,7 @@ class TrainConfig:
         for name in PATHS:
             check(getattr(self, name) != "", f"{name}='' is an empty path; give a path, or leave --{_flag(name)} out")
         self._check_gpt()
+        check_job(self)                # the MoE's refusals before the parallelisms' own checks
         if self.mesh.tp > 1:
             from .tp_run import check_model
             check_model(self)
@@ -193,6 +198,7 @@ class TrainConfig:
         if m.sp > 1 or m.pp > 1:
             from ..comm.mesh import check_mesh         # sp and pp (tp again: checked above)
             check_mesh(world_size, t, m.pp, m.node_size or env, m.shard_size, sp=m.sp)
+        check_world(self, world_size)
         if self.replicas is not None and (m.node_size or env):
             from .replicas import check_nodes
             check_nodes(self, world_size, m.node_size or env)
@@ -216,7 +222,8 @@ APPLIES_WITH = (
     ("trace_steps", "--trace FILE", lambda z: z.trace is not None),
     ("max_skipped_steps", "--dtype fp16 (only fp16 skips steps)", lambda z: z.dtype == "fp16"),
     ("offload_dir", "--offload-optimizer nvme or --offload-params nvme (the files it holds)",
-     lambda z: "nvme" in (z.offload_optimizer, z.offload_params)))
+     lambda z: "nvme" in (z.offload_optimizer, z.offload_params)),
+    ("muon_params", "--optimizer muon", lambda z: z.optimizer == "muon"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -228,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decay-all", action="store_true", help="decay every parameter (no exemptions)")
     add_flags(p, MeshConfig)
     add_flags(p, PipelineConfig)
+    add_flags(p, MoEConfig)
     return p
 
 
@@ -251,6 +259,8 @@ def parse_config(argv: Optional[List[str]] = None, environ=None) -> TrainConfig:
         zero["timeout_s"] = default_timeout_s() if environ is None else default_timeout_s(environ)
     check(not (a.decay_all and "no_decay" in zero), "--decay-all and --no-decay contradict each other; give one")
     zero["no_decay"] = () if a.decay_all else zero.get("no_decay") or NO_DECAY.get(model, ())
+    if zero.get("optimizer") == "muon" and "muon_params" not in zero:
+        zero["muon_params"] = MUON_PARAMS.get(model, ("*",))
     z = made(ZeroConfig, dict(zero, lazy_publish=True))   # the built-in models read parameters through unshard()
     for name, needs, ok in APPLIES_WITH:                  # every step
         opt = flag_name(ZeroConfig, name)
@@ -265,4 +275,6 @@ def parse_config(argv: Optional[List[str]] = None, environ=None) -> TrainConfig:
         for name in (n for n in names if n in job):
             check(model not in MODELS or model == owner, f"{name}={job[name]!r} applies to model {owner} only; "
                                                          f"drop --{_flag(name)} or use --model {owner}")
-    return TrainConfig(**job, zero=z, mesh=mesh, pipeline=pipeline)
+    moe = given(a, MoEConfig)
+    check_given(moe)
+    return TrainConfig(**job, zero=z, mesh=mesh, pipeline=pipeline, moe=made(MoEConfig, moe))

@@ -70,11 +70,19 @@ class SingleJob(Job):
         self.mesh = make_mesh(cfg, comm, placement) if m.tp > 1 or m.sp > 1 else None   # ZeRO over dp x sp
         self.model, self.data = build(cfg, xp, self.mesh)
         self.dev_comm = comm if self.mesh else device_communicator(comm, xp, cfg.comm, z.timeout_s)
-        self.engine = ZeroEngine(self.model.lazy_layers(), z, self.mesh or self.dev_comm, xp=xp, mesh_config=cfg.mesh,
+        layers, self.ep = self.model.lazy_layers(), None
+        if cfg.moe.ep > 1:                        # the experts in an engine of their own (train/moe_ep_run.py)
+            from .moe_ep_run import ExpertParallel
+            self.ep = ExpertParallel(cfg, comm, self.model, layers)
+            layers = self.ep.dense_layers
+        self.engine = ZeroEngine(layers, self.ep.dense_config if self.ep else z, self.mesh or self.dev_comm, xp=xp,
+                                 mesh_config=cfg.mesh,
                                  tp_split=self.model.tp_split() if self.mesh and self.mesh.tp > 1 else None)
-        self.engines = [self.engine]
+        self.engines = [self.engine] + ([self.ep.engine] if self.ep else [])
         self.groups = metered_groups(self.mesh)   # TP all-reduces, SP all-to-alls: counted per step, apart
         self._losses = step_losses(cfg.model)
+        from .moe_run import MoELog
+        self.moe_log = MoELog(cfg, self.model, comm, self.ep) if cfg.moe.on else None   # routing per step
 
     @property
     def checkpoints(self):
@@ -88,9 +96,16 @@ class SingleJob(Job):
     def train_step(self, step: int, log):
         """This rank's micro-batches through the engine, then its step; (StepResult, micro-batch losses)."""
         z = self.cfg.zero
+        if self.moe_log is not None:
+            self.moe_log.begin()
         local = self.metered(log, lambda: self._losses(self.engine, self.model, self.data, step, self.cfg.batch,
                                                        z.micro_batches))
-        return self.engine.step(), local
+        if self.moe_log is not None:
+            self.moe_log.record()
+        result = self.ep.step(self.engine) if self.ep else self.engine.step()
+        if self.moe_log is not None:
+            self.moe_log.norms.append(result.grad_norm)   # every expert counted once (tests/test_moe_ep.py)
+        return result, local
 
     def validation_loss(self):
         """data.HeldOut: the held-out loss and its rows (a collective)."""
@@ -99,7 +114,9 @@ class SingleJob(Job):
 
     # ---- the facts of the final metrics ------------------------------------------------------------
     def params_total(self) -> int:
-        """Ψ of the whole model (a TP-split parameter at its full size)."""
+        """Ψ of the whole model (a TP-split parameter at its full size; with --ep, every expert)."""
+        if self.ep:
+            return self.ep.params_total(self.engine)
         return self._params(self.engines, self.mesh.tp if self.mesh else 1)
 
     def digest(self) -> Optional[str]:
@@ -107,6 +124,8 @@ class SingleJob(Job):
         from ..pipeline.digest import bucket_bytes
         if simulated(self.comm):
             return None
+        if self.ep:
+            return self.ep.digest(self.engine)
         digest = hashlib.sha256()
         for data in bucket_bytes(self.engine):
             digest.update(data.data)
@@ -135,5 +154,7 @@ class SingleJob(Job):
 
     def close(self) -> None:
         self.engine.close()
+        if self.ep:
+            self.ep.close()
         if self.dev_comm is not self.comm:
             getattr(self.dev_comm, "close", lambda: None)()   # NCCL's communicator is destroyed here

@@ -16,6 +16,7 @@ from typing import Dict
 import numpy as np
 
 from ..engine.decay import exempt_names
+from ..engine.matrix_owners import muon_names
 from ..errors import check
 from ..pipeline.config import PipelineConfig
 from .job import Job
@@ -91,6 +92,9 @@ class PipelineJob(Job):
         self.model, self.data = build(cfg, xp, mesh if m.tp > 1 or m.sp > 1 else None)   # train/run.py's build_model
         names = [n for _, params in self.model.lazy_layers() for n in params]
         exempt_names(SimpleNamespace(params=dict.fromkeys(names)), z.no_decay)   # over the whole model, as unpipelined
+        if z.optimizer == "muon":                # ... and Muon's patterns (each chunk takes those of its matrices)
+            muon_names({n: np.shape(a) for _, params in self.model.lazy_layers() for n, a in params.items()},
+                       z.muon_params)
         from .models.activations import MeteredWorkspace
         self.shared = MeteredWorkspace()          # the GPT's one-layer buffers: one set for all of this rank's chunks
         self.runners = {c: self._runner(c) for c in self.local}
@@ -98,6 +102,8 @@ class PipelineJob(Job):
         self.engines = StageEngines(engines, self.schedule.chunks, mesh)
         keep = {c: e for c, e in engines.items()} if z.stage == 3 and cfg.pipeline.gather == "step" else None
         self.executor = PipelineExecutor(self.schedule, mesh.pp_comm, self.runners, keep)
+        from .moe_run import MoELog
+        self.moe_log = MoELog(cfg, self.model, comm) if cfg.moe.on else None   # routing per step, over the mesh
 
     @property
     def rows(self) -> int:
@@ -143,8 +149,10 @@ class PipelineJob(Job):
         per_step = self.cfg.pipeline.grad_reduce == "step"
         runner = self.runners[c]
         names = [n for _, params in runner.lazy_layers() for n in params]
+        matrices = [n for _, params in runner.lazy_layers() for n, a in params.items() if len(np.shape(a)) == 2]
         zc = replace(z, trace=None, micro_batches=1 if per_step else z.micro_batches,   # the patterns the chunk matches
                      no_decay=tuple(p for p in z.no_decay if any(fnmatchcase(n, p) for n in names)),
+                     muon_params=tuple(p for p in z.muon_params if any(fnmatchcase(n, p) for n in matrices)),
                      offload_dir=offload_folder(z, c, self.schedule.chunks))
         engine = ZeroEngine(runner.lazy_layers(), zc, self.mesh, xp=xp, mesh_config=self.cfg.mesh,
                             tp_split=runner.tp_split() if self.cfg.mesh.tp > 1 else None)
@@ -189,8 +197,14 @@ class PipelineJob(Job):
     def step_once(self, step: int):
         """The schedule's actions, then the step over the mesh, unmeasured: (StepResult, this rank's micro-batch
         losses or None, the executor's action times)."""
+        if self.moe_log is not None:
+            self.moe_log.begin()
         times = self.executor.run(step)
+        if self.moe_log is not None:
+            self.moe_log.record()
         result = self.engines.step()
+        if self.moe_log is not None:
+            self.moe_log.norms.append(result.grad_norm)
         last = self.runners.get(self.schedule.chunks - 1)
         losses = [last.losses[mb] for mb in range(self.cfg.zero.micro_batches)] if last is not None else None
         return result, losses, times

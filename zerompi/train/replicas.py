@@ -55,6 +55,8 @@ def check_config(cfg) -> None:
         check(value == 1, f"replicas={cfg.replicas!r} does not support --{name} {value} yet; drop --replicas or "
                           f"--{name}")
     check(cfg.simulate_world is None, f"replicas={cfg.replicas!r} needs a real job; drop --simulate-world")
+    ep = getattr(getattr(cfg, "moe", None), "ep", 1)
+    check(ep == 1, f"replicas={cfg.replicas!r} does not support --ep {ep} yet; drop --replicas or --ep")
 
 
 def check_nodes(cfg, world: int, node_size: int) -> None:

@@ -17,6 +17,7 @@ from ..engine.timers import format_breakdown, per_step, summarize
 from ..comm.simulated_world import simulated
 from ..comm.watchdog import watched
 from .console import human_bytes
+from . import moe_run
 
 
 def leads(comm) -> bool:
@@ -106,6 +107,8 @@ def print_banner(cfg, job, comm, placement) -> None:
     print0(comm.mpi, f"  GPT: n_layer {cfg.n_layer}, n_head {cfg.n_head}, d_model {cfg.d_model}, vocab "
                      f"{data.vocab}, {cfg.batch} sequences x {cfg.seq_len} tokens = {cfg.batch * cfg.seq_len:,} "
                      f"tokens/step; data: {data.source}")
+    if moe_run.banner(cfg):
+        print0(comm.mpi, moe_run.banner(cfg))
     if data.entropy_floor is not None:
         print0(comm.mpi, f"  entropy floor {data.entropy_floor:.4f} nats/token: the lowest expected loss any model "
                          f"can reach on this corpus (uniform guessing: {np.log(data.vocab):.4f})")
@@ -240,7 +243,8 @@ def final_metrics(cfg, job, comm, log, placement) -> dict:
         "steps_applied": first.step_count,
         "optimizer_impl": first.optimizer_impl,
         "loss_scale": first.loss_scale,
-        "config": {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in ("zero", "mesh", "pipeline")}
+        "config": {f.name: getattr(cfg, f.name) for f in fields(cfg)
+                   if f.name not in ("zero", "mesh", "pipeline", "moe")}
         | {"zero": dict(cfg.zero.to_dict(), **cfg.mesh.to_dict()), "pipeline": cfg.pipeline.to_dict()},
         "first_step": log.first_kept,              # losses[i] is the loss of step first_step + i
         "steps_run": log.steps_run,                # steps this run made; losses keeps the last history_steps
@@ -257,6 +261,7 @@ def final_metrics(cfg, job, comm, log, placement) -> dict:
         "device": placement.describe() if placement is not None else "cpu (NumPy)",
         "cupy_pool_bytes": None,                   # --device gpu: what CuPy's allocator holds (rank 0)
         "simulated": None,                         # --simulate-world: train/simulated_run.py's entry
+        "moe": moe_run.metrics(job),               # --experts: train/moe_run.py's section; null without
         "failures": job.replicas.failures() if getattr(job, "replicas", None) else [],   # recovered (zerompi.run)
         "replicas": job.replicas.metrics() if getattr(job, "replicas", None) else None,   # --replicas, rank 0's
     }
@@ -279,7 +284,7 @@ def _steady_seconds(log, group: str) -> float:
 def print_summary(metrics: dict, job, comm, base_bytes: Dict[str, int]) -> None:
     """The end-of-run tables (rank 0): memory and traffic beside the formulas, the model-parallel and pipeline rows,
     the step time. ``base_bytes``: comm.stats bytes per op not the steps' own (initial gather, held-out loss)."""
-    from . import sp_run, tp_run
+    from . import moe_run, sp_run, tp_run
     engines = list(job.engines)
     first, cfg = engines[0], metrics["config"]
     z = first.config
@@ -309,7 +314,7 @@ def print_summary(metrics: dict, job, comm, base_bytes: Dict[str, int]) -> None:
                                 metrics["comm_bytes_per_step_by_level"], metrics["comm_theory_bytes_per_step_by_level"],
                                 (metrics["comm_logical_bytes_per_step"], metrics["comm_theory_logical_bytes_per_step"])
                                 if quantized and steady else None, steady))
-    for line in (tp_run.summary(metrics, job.cfg), sp_run.summary(metrics, job.cfg)):
+    for line in (tp_run.summary(metrics, job.cfg), sp_run.summary(metrics, job.cfg), moe_run.summary(metrics)):
         if line:
             print0(comm.mpi, line)
     show = lambda b: "-" if b is None else human_bytes(b)   # noqa: E731  (None: a stage a simulated rank is not)

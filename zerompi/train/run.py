@@ -24,10 +24,11 @@ def build_model(cfg: TrainConfig, xp=np, mesh=None):
     if cfg.model == "gpt":
         from .data import make_data
         from .models.gpt import GPT
+        from .moe_config import moe_spec
         data = make_data(cfg.data, cfg.seq_len, cfg.seed)
         return GPT(data.vocab, cfg.seq_len, cfg.n_layer, cfg.n_head, cfg.d_model, cfg.seed, xp=xp,
                    checkpoint_activations=cfg.checkpoint_activations, sp=mesh.sp_comm if mesh else None,
-                   tp=mesh.tp_comm if mesh else None), data
+                   tp=mesh.tp_comm if mesh else None, moe=moe_spec(cfg)), data
     from .models.mlp import MLP, TeacherData
     from .models.mlp_tp import TPMLP
     model = MLP(cfg.width, cfg.depth, cfg.seed) if mesh is None else TPMLP(cfg.width, cfg.depth, cfg.seed, mesh.tp_comm)

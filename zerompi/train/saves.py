@@ -9,7 +9,7 @@ import os
 import sys
 from typing import List, Optional
 
-from ..checkpoint.format import ROWS
+from ..checkpoint.state_rows import engine_rows
 from ..checkpoint.orphans import recover
 from ..checkpoint.savedir import SaveDirLock, check_fresh, newer_checkpoints, own_folder, replace, saved_checkpoints
 from ..errors import at_abort
@@ -42,11 +42,11 @@ def claim_save_dir(cfg: TrainConfig, rank: int) -> Optional[SaveDirLock]:
 
 
 def checkpoint_bytes(engine) -> int:
-    """Bytes of one checkpoint's shard files: one per slice, ROWS x shard_numel float32 each (the manifest,
+    """Bytes of one checkpoint's shard files: one per slice, rows x shard_numel float32 each (the manifest,
     a few KB per parameter tensor, comes on top). Equal to the optimizer bytes per rank of stages 1-3 times
     the shard-group size, whatever the stage."""
     lay = engine.layout
-    return lay.world_size * (HEADER_BYTES + 4 * len(ROWS) * lay.shard_numel)
+    return lay.world_size * (HEADER_BYTES + 4 * len(engine_rows(engine)) * lay.shard_numel)
 
 
 def disk_line(cfg: TrainConfig, engine, start: int) -> str:

@@ -35,13 +35,14 @@ def records(slices: Sequence[slice], sl: slice, n: int):
 
 
 class ArrayRows:
-    """The three rows as whole arrays, made by ``alloc(n)`` (the ledger's, on ``place``)."""
+    """The rows (``names``: AdamW's three by default) as whole arrays, made by ``alloc(n)`` (the ledger's,
+    on ``place``)."""
 
     streamed = False
 
-    def __init__(self, alloc, n: int, place: str):
-        self.place = place
-        self.rows = {name: alloc(n) for name in ROW_NAMES}
+    def __init__(self, alloc, n: int, place: str, names: Sequence[str] = ROW_NAMES):
+        self.place, self.names = place, tuple(names)
+        self.rows = {name: alloc(n) for name in self.names}
 
     def at_step(self, step: int) -> None:
         pass
@@ -51,7 +52,7 @@ class ArrayRows:
 
     def fetch(self, sl: slice) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The rows of ``sl``: the arrays' own slices, updated in place."""
-        return tuple(self.rows[name][sl] for name in ROW_NAMES)
+        return tuple(self.rows[name][sl] for name in self.names)
 
     def put(self, sl: slice) -> None:
         pass

@@ -32,7 +32,7 @@ class GPT:
 
     def __init__(self, vocab: int, seq_len: int, n_layer: int, n_head: int, d_model: int, seed: int = 0,
                  xp=np, dtype=np.float32, kernels: str = "auto", checkpoint_activations: bool = False, sp=None,
-                 tp=None):
+                 tp=None, moe=None):
         if d_model % n_head:
             raise ValueError(f"d_model={d_model} must be divisible by n_head={n_head}")
         if kernels not in KERNELS:
@@ -53,11 +53,17 @@ class GPT:
         self.workspace = MeteredWorkspace()    # the engine driver's buffers, kept across steps
         self.checkpoint_activations = bool(checkpoint_activations)
         self.activations = (Recompute if checkpoint_activations else Keep)(self)   # how the driver runs layers
+        self.moe = moe                         # models/moe.py's MoESpec: the MoE blocks (None: all dense)
+        self.experts_apart = False             # --ep > 1: the experts live in an engine of their own (moe_ep.py)
+        if moe is not None:
+            from .moe_block import MoEBlocks
+            self.moe_blocks = MoEBlocks(moe, xp, dtype, heads)
 
     @property
     def activation_bytes(self):
-        """The most bytes of activations held at once so far (None on the plain array path: not in the workspace)."""
-        return self.workspace.peak if self.layers.name == "c" else None
+        """The most bytes of activations held at once so far (None on the plain array path and with MoE blocks:
+        not all in the workspace)."""
+        return self.workspace.peak if self.layers.name == "c" and self.moe is None else None
 
     def chunk(self, tokens: int) -> int:
         """The first position of this rank's chunk of ``tokens`` positions (0 without sequence parallelism)."""
@@ -83,8 +89,29 @@ class GPT:
         """Engine layers: embeddings, n_layer blocks, final LayerNorm."""
         return self.n_layer + 2
 
+    def is_moe(self, i: int) -> bool:
+        """Whether block i (0-based) has the MoE MLP (models/moe_block.py)."""
+        return self.moe is not None and self.moe.is_moe(i)
+
+    def use_expert_parallel(self, ep, store) -> None:
+        """--ep > 1: the MoE blocks' experts spread over ``ep`` (an EPComm), kept in ``store`` (an ExpertStore);
+        the blocks' own layers then hold the rest (block_names without the experts)."""
+        from .moe_ep import EPMoEMLP
+        self.experts_apart = True
+        self.moe_blocks.mlp = EPMoEMLP(self.moe, self.xp, self.dtype, ep, store)
+
+    def idle_layer(self, i: int, x):
+        """Layer i visited with no rows to run (held-out evaluation): ``x``; an expert-parallel MoE block still
+        joins its exchanges (every rank makes every collective)."""
+        if self.experts_apart and 1 <= i <= self.n_layer and self.is_moe(i - 1):
+            self.moe_blocks.mlp.idle(i - 1, self.d_model)
+        return x
+
     def block_names(self, i: int) -> Dict[str, str]:
         """Short name -> parameter name of block i (0-based)."""
+        if self.is_moe(i):
+            from .moe_block import moe_keys
+            return {k: f"block{i}.{k}" for k in moe_keys(self.experts_apart)}
         keys = ["ln1.g", "ln1.b", "qkv.w", "qkv.b", "proj.w", "proj.b",
                 "ln2.g", "ln2.b", "fc.w", "fc.b", "out.w", "out.b"]
         return {k: f"block{i}.{k}" for k in keys}
@@ -100,6 +127,11 @@ class GPT:
         resid = 0.02 / np.sqrt(2 * L)
         for i in range(L):
             n = self.block_names(i)
+            if self.is_moe(i):
+                from .moe_block import moe_keys, moe_params
+                n = {k: f"block{i}.{k}" for k in moe_keys()}          # every parameter, the experts too
+                layers.append((f"block{i}", moe_params(n, self.moe, C, normal, zeros, ones, resid)))
+                continue
             layers.append((f"block{i}", {
                 n["ln1.g"]: ones(C), n["ln1.b"]: zeros(C),
                 n["qkv.w"]: normal((C, 3 * C)), n["qkv.b"]: zeros(3 * C),
@@ -146,6 +178,8 @@ class GPT:
         cache are this layer's buffers, valid until its next forward (default: new arrays)."""
         if i == 0:
             return self.embed_forward(params, x, ws)
+        if i <= self.n_layer and self.is_moe(i - 1):
+            return self.moe_blocks.block_forward(self._cast(params, self.block_names(i - 1)), x, i - 1)
         if i <= self.n_layer:
             return self.layers.block_forward(self._cast(params, self.block_names(i - 1), ws), x, ws, i)
         p = self._cast(params, {"g": "ln_f.g", "b": "ln_f.b"})
@@ -158,7 +192,10 @@ class GPT:
             return None, self.embed_backward(cache, dy, ws)
         if i <= self.n_layer:
             names = self.block_names(i - 1)
-            dx, g = self.layers.block_backward(self._cast(params, names, ws), cache, dy, ws, i)
+            if self.is_moe(i - 1):
+                dx, g = self.moe_blocks.block_backward(self._cast(params, names), cache, dy)
+            else:
+                dx, g = self.layers.block_backward(self._cast(params, names, ws), cache, dy, ws, i)
             return dx, {names[k]: v for k, v in g.items()}
         p = self._cast(params, {"g": "ln_f.g"})
         dx, dg, db = self.layers.ln_backward(dy, cache, p["g"], ws, i)
@@ -167,6 +204,9 @@ class GPT:
     def backward_layer_parts(self, i: int, params, cache, dy, ws: Workspace = FRESH):
         """(dx, weights) of block or final LayerNorm i >= 1: ``weights()`` -> {param name: grad} later, from the
         layer's own buffers (a zero-bubble schedule's B, then W; the same bits as backward_layer)."""
+        if i <= self.n_layer and self.is_moe(i - 1):
+            dx, grads = self.backward_layer(i, params, cache, dy, ws)     # W with B (no pipeline with MoE yet)
+            return dx, lambda: grads
         if i <= self.n_layer:
             names = self.block_names(i - 1)
             dx, weights = self.layers.block_backward_parts(self._cast(params, names, ws), cache, dy, ws, i, keep=True)
@@ -202,6 +242,8 @@ class GPT:
     def head(self, wte_stored, hf, targets, scale: float = 1.0, ws: Workspace = FRESH):
         """Tied output head and mean cross-entropy: (loss in nats, d hf, d wte), the gradients of ``scale * loss``."""
         xp = self.xp
+        if self.moe is not None:
+            self.moe_blocks.mlp.scale = scale     # the aux loss's gradient is of scale times it too
         wte = upcast(wte_stored, self.dtype)
         B, T, C = hf.shape
         h2 = hf.reshape(-1, C)

@@ -90,7 +90,8 @@ class GPTChunk(Chunk):
         ``rows`` (nats). No rows (a share of the held-out set that ran out): the layers visited, nothing run."""
         m, n = self.model, len(rows)
         inputs, targets = m.local_sequence(m.xp.asarray(rows))
-        out = self._walk(None, inputs if self.first else x, lambda g, p, h: m.forward_layer(g, p, h)[0] if n else h,
+        out = self._walk(None, inputs if self.first else x,
+                         lambda g, p, h: m.forward_layer(g, p, h)[0] if n else m.idle_layer(g, h),
                          lambda wte, h: float(m.token_losses(wte(), h, targets).astype(np.float64).sum()) if n else 0.0)
         if n or self.last:
             return out
@@ -98,6 +99,8 @@ class GPTChunk(Chunk):
 
     def backward(self, mb: int, dy, weights: bool):
         e, m = self.engine, self.model
+        if m.moe is not None:         # the aux loss's gradient is of the loss scale times it (any stage's blocks)
+            m.moe_blocks.mlp.scale = e.loss_scale
         st = self.state[mb]
         dh = st.extra if self.last else dy
         run = self.run_layers(st.ws)

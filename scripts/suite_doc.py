@@ -1,0 +1,182 @@
+"""docs/performance.md from a result of scripts/bench_suite.py: the table, the machine, the date, a plot.
+
+``python scripts/suite_doc.py RESULT.json DOC.md [--under-load]`` writes it again from a saved result.
+The table has one line per row (measured, floor, ratio, goal, met); the machine is what the numbers
+depend on (CPU model and cores, the MPI library and its version, NumPy, Python); the plot (beside the
+Markdown, same name, .png) draws each row's ratio against its goal. Nothing here measures.
+"""
+import argparse
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+HEAD = "| path | measured | floor | ratio | goal | met |"
+NOTE_UNDER_LOAD = ("Measured with `--quick` while other jobs shared this machine's cores: the ratios are "
+                   "noisy; the final table is to be measured on a quiet machine.")
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> dict:
+    import numpy
+    try:
+        from mpi4py import MPI
+        mpi = " ".join(MPI.Get_library_version().split("\n")[0].split())
+    except Exception as e:          # noqa: BLE001  (the table still says the rest)
+        mpi = f"unknown ({type(e).__name__})"
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "mpi": mpi, "numpy": numpy.__version__,
+            "python": platform.python_version(), "system": f"{platform.system()} {platform.release()}"}
+
+
+def number(x, unit: str = "") -> str:
+    if x is None:
+        return "—"
+    if unit == "µs":
+        x, unit = x * 1e-6, "s"
+    if unit == "s":
+        return f"{x * 1e6:.3g} µs" if x < 1e-3 else f"{x * 1e3:.3g} ms" if x < 1 else f"{x:.3g} s"
+    return f"{x:.3g}" + (f" {unit}" if unit and unit != "fraction" else "")
+
+
+def met(r: dict) -> str:
+    if r.get("skipped"):
+        return "skipped: " + r["skipped"]
+    mark = {True: "met", False: "**missed**", None: "—"}[r["met"]]
+    return f"{mark} ({r['note']})" if r.get("note") else mark
+
+
+def table(rows: list) -> str:
+    lines = [HEAD, "|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        ratio = "—" if r["ratio"] is None else f"{r['ratio']:.3f}"
+        goal = "—" if r["goal"] is None else f"≤ {r['goal']:g}"
+        lines.append(f"| `{r['name']}` | {number(r['measured'], r['unit'])} | {number(r['floor'], r['unit'])} | "
+                     f"{ratio} | {goal} | {met(r)} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list, path: Path) -> None:
+    """Each row's ratio (a bar) and its goal (a tick), on a log scale; skipped rows left out."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    shown = [r for r in rows if r["ratio"] is not None and r["ratio"] > 0]
+    fig, ax = plt.subplots(figsize=(8, 0.3 * len(shown) + 1.2))
+    y = range(len(shown))
+    colors = ["tab:gray" if r["met"] is None else "tab:green" if r["met"] else "tab:red" for r in shown]
+    ax.barh(list(y), [r["ratio"] for r in shown], color=colors)
+    goals = [(i, r["goal"]) for i, r in enumerate(shown) if r["goal"] is not None]
+    ax.scatter([g for _, g in goals], [i for i, _ in goals], marker="|", s=200, color="black", label="goal",
+               zorder=3)
+    ax.axvline(1.0, color="gray", lw=0.5)
+    ax.set_xscale("log")
+    ax.set_yticks(list(y))
+    ax.set_yticklabels([r["name"] for r in shown], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("measured / floor (green: goal met, red: missed, gray: no goal, or its bound not this run's)")
+    ax.legend(loc="lower right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def markdown(result: dict, image: str, note: str = "") -> str:
+    m = result["machine"]
+    rows = result["rows"]
+    goals = [r for r in rows if r["met"] is not None]
+    checks = "\n".join(f"- `{c['name']}`: {'holds' if c['ok'] else '**broken**'} ({c['what']})"
+                       for c in result["checks"]) or "- none in this run"
+    errors = "\n".join(f"- `{k}` failed: {v.splitlines()[0]}" for k, v in result["errors"].items())
+    flag = {"quick": " --quick", "check": " --check"}.get(result["mode"], "")
+    commands = "\n".join(result.get("commands", []))
+    return f"""# Every path against its floor
+
+One table from one command, `python scripts/bench_suite.py{flag} --json OUT --doc docs/performance.md`:
+each path measured against what this machine allows for it (its floor), both in the same run of the
+path's own benchmark script (interleaved rounds, medians). `ratio` = measured / floor; `goal` is the
+bound the ratio must stay under (— where none is set); {sum(r['met'] for r in goals)} of {len(goals)} rows \
+with a goal meet it.
+
+{note}
+
+- date: {result['date']} ({result['mode']} run, {result['seconds']:.0f} s; 1-minute load average
+  {result['load_average_1min'][0]:.2f} at the start, {result['load_average_1min'][-1]:.2f} at the end)
+- CPU: {m['cpu']}, {m['cores']} cores; {m['system']}
+- MPI: {m['mpi']}; NumPy {m['numpy']}; Python {m['python']}
+
+{table(rows)}
+
+![ratio per row against its goal]({image})
+
+Bit checks of the same run (never timings):
+
+{checks}
+{errors}
+
+## What each row measures
+
+Each row comes from one script (its docstring says how it measures); the suite's `--quick` shrinks
+sizes, steps and rounds, `--check` runs every path at its smallest size for its bits only.
+
+- `gpt_vs_gemm`: scripts/bench_floor.py, the GPT 6 × 256 (seq 128, batch 16) training step at N = 1,
+  stage 0, against the same step's matrix multiplies alone on the same BLAS; the JSON keeps the step's
+  shares (forward, backward, optimizer, other) and the ratio paired within each repeat.
+- `*_vs_mpi`: `python -m zerompi.bench` at N = 2, the engine's collective (checked, its default) against the
+  MPI library's own on the same memory (all-to-all: `--sp 2`, the pack and unpack copies included).
+- `check_*`: scripts/bench_signature.py, each collective with the in-band check against the same without it.
+- `adamw_vs_copy`: scripts/bench_adam.py, the fused AdamW against a copy of the same 28 bytes per parameter.
+- `stage3_vs_stage2`: scripts/bench_stages.py, N = 2, fp16, the MLP through the train CLI.
+- `tp_step_vs_dp_step_n2`: scripts/bench_tp_step.py, the GPT 4 × 256 with `--tp 2` against `--tp 1`.
+- `offload_cpu_vs_memory`, `nvme_vs_io`, `nvme_vs_memory`: scripts/bench_offload.py, the GPT 8 × 512 (chosen
+  for its state's I/O longer than the backward) at N = 2, stage 2; the nvme step against the state's I/O
+  alone (the bound where that I/O is longer than the in-memory backward) and against the in-memory step
+  (the bound where it is shorter); the row whose bound does not apply in this run says so (met: —).
+- `checkpoint_async_stall`, `checkpoint_sync_vs_disk`: scripts/bench_checkpoint.py, the async save's stall
+  against the sync save's, and the sync save against the disk's own write of the same bytes.
+- `bubble_1f1b_pp2_dp2`, `bubble_zbh1`: scripts/bench_pipeline.py, m = 8, the bubble measured from the
+  actions' timers against the simulator's on the measured costs (pp 2 × dp 2 at N = 4; pp 2 at N = 2).
+- `gpt_vs_torch_*`: scripts/bench_torch_gpt.py, where PyTorch is installed.
+- `zeropp_4x1`, `estimate_error_*`: scripts/bench_cluster.py on the emulated cluster (4 nodes × 1 rank,
+  250 Mbit/s links; needs root and network namespaces): all of ZeRO++ against flat stage 3, and the
+  estimator's step against the measured one (ratio = |estimate − measured| / measured).
+
+The commands of this run (`--quick` runs the same scripts with fewer steps, rounds and repeats and a
+smaller AdamW and checkpoint; see `PATHS` in scripts/bench_suite.py for the full run's):
+
+```
+{commands}
+```
+"""
+
+
+def write(result: dict, path: Path, note: str = "") -> None:
+    """The Markdown at ``path`` and its plot beside it (same name, .png)."""
+    path = Path(path)
+    image = path.with_suffix(".png")
+    plot(result["rows"], image)
+    path.write_text(markdown(result, image.name, note))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="docs/performance.md again from a saved bench_suite.py --json result")
+    ap.add_argument("result")
+    ap.add_argument("doc")
+    ap.add_argument("--under-load", action="store_true", help="say that other jobs shared the machine")
+    a = ap.parse_args(argv)
+    write(json.loads(Path(a.result).read_text()), Path(a.doc), NOTE_UNDER_LOAD if a.under_load else "")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""Train the MoE GPT with the router forced: ``one`` sends every token to expert 0 (top-1 of a one-hot),
+``per-rank`` to expert (world rank mod E) -- each rank routes differently (no-hang checks); ``cycle`` token i of a
+micro-batch to expert i mod E (exactly balanced: the all-to-all's bytes are its formula's). Rank 0 prints the
+metrics.
+
+Usage: mpiexec -n N python tests/drivers/moe_routing.py MODE '["--stage", "3", ...]'
+"""
+import json
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+from zerompi.errors import install_abort_hook
+from zerompi.train.config import parse_config
+from zerompi.train.models import moe
+from zerompi.train.run import train
+
+install_abort_hook()
+mode, flags = sys.argv[1], json.loads(sys.argv[2])
+rank = MPI.COMM_WORLD.Get_rank()
+real = moe.softmax
+
+
+def forced(xp, logits):
+    p = real(xp, logits)
+    out = np.full_like(p, 1e-3)
+    if mode == "cycle":
+        out[np.arange(len(p)), np.arange(len(p)) % p.shape[1]] = 1.0
+    else:
+        out[:, 0 if mode == "one" else rank % logits.shape[1]] = 1.0
+    return out / out.sum(axis=1, keepdims=True) + 0 * p
+
+
+moe.softmax = forced
+metrics = train(parse_config(flags))
+if rank == 0:
+    print("METRICS " + json.dumps(metrics), flush=True)

@@ -1,0 +1,57 @@
+"""Bad MoE input: one line naming the value and what is allowed, exit 2, on every rank."""
+import pytest
+
+from tests.mpirun import one_line, run_mpi
+from zerompi.errors import ConfigError
+from zerompi.train.config import parse_config
+
+REFUSED = [
+    (["--experts", "4", "--top-k", "5"], "top_k=5 is more than experts=4"),
+    (["--experts", "6", "--ep", "4"], "experts=6 is not divisible by ep=4"),
+    (["--experts", "4", "--capacity-factor", "0"], "capacity_factor=0.0 must be > 0"),
+    (["--experts", "4", "--capacity-factor", "-1"], "capacity_factor=-1.0 must be > 0"),
+    (["--experts", "-1"], "experts=-1 must be an integer >= 0"),
+    (["--experts", "4", "--moe-every", "0"], "moe_every=0 must be an integer >= 1"),
+    (["--experts", "4", "--aux-coef", "-0.1"], "aux_coef=-0.1 must be >= 0"),
+    (["--experts", "4", "--ep", "0"], "ep=0 must be an integer >= 1"),
+    (["--top-k", "2"], "top_k=2 (--top-k) applies with --experts > 0 only"),
+    (["--ep", "2"], "ep=2 (--ep) applies with --experts > 0 only"),
+    (["--experts", "4", "--bias-update", "-1"], "bias_update=-1.0 must be >= 0"),
+    (["--experts", "4", "--bias-update", "0.01", "--save-dir", "x"],
+     "--save-dir with --bias-update 0.01: the experts' selection biases are not in checkpoints yet"),
+    (["--model", "mlp", "--experts", "4"], "experts=4 applies to model gpt only"),
+    (["--experts", "4", "--pp", "2", "--ep", "2"], "--pp with --experts 4 --ep 2 is not supported yet"),
+    (["--experts", "4", "--tp", "2"], "--tp with --experts 4 is not supported yet"),
+    (["--experts", "4", "--sp", "2"], "--sp with --experts 4 is not supported yet"),
+    (["--experts", "4", "--simulate-world", "4"], "--simulate-world with --experts 4 is not supported yet"),
+    (["--experts", "4", "--checkpoint-activations"], "--checkpoint-activations with --experts 4 is not supported"),
+    (["--experts", "4", "--ep", "2", "--save-dir", "x"], "--save-dir with --ep 2 is not supported yet"),
+    (["--experts", "4", "--ep", "2", "--offload-optimizer", "cpu"],
+     "--offload-optimizer with --ep 2 is not supported yet"),
+    (["--experts", "4", "--ep", "2", "--stage", "3", "--hpz"], "--hpz with --ep 2 is not supported yet"),
+]
+
+
+@pytest.mark.parametrize("argv,needle", REFUSED)
+def test_refused_in_one_line(argv, needle):
+    with pytest.raises(ConfigError) as e:
+        parse_config(argv, environ={})
+    assert str(e.value).startswith(needle), e.value
+
+
+def test_accepted():
+    cfg = parse_config(["--experts", "8", "--top-k", "1", "--capacity-factor", "1.25", "--moe-every", "2"],
+                       environ={})
+    assert (cfg.moe.experts, cfg.moe.top_k, cfg.moe.capacity_factor, cfg.moe.moe_every) == (8, 1, 1.25, 2)
+    assert not parse_config([], environ={}).moe.on
+
+
+@pytest.mark.every_mpi
+@pytest.mark.parametrize("flags,needle", [
+    (["--experts", "4", "--top-k", "5"], "top_k=5 is more than experts=4"),
+    (["--model", "mlp", "--experts", "4"], "experts=4 applies to model gpt only"),
+    (["--experts", "4", "--ep", "4"], "ep=4 does not divide the 2 ranks"),
+])
+def test_every_rank_exits_2_with_one_line(flags, needle):
+    proc = run_mpi(2, ["-m", "zerompi.train"] + flags, timeout=60, check=False)
+    one_line(proc, 2, needle)

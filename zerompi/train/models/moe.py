@@ -1,0 +1,211 @@
+"""The mixture-of-experts MLP: a router, top-k routing, E expert MLPs, forward and backward by hand.
+
+Rows (tokens) m (n, C) -> sum over the k slots of w_j · expert_{e_j}(m): the router's logits m·W_r are put
+through a softmax over the experts in at least float32, the top k taken (ties to the lower expert index), their
+probabilities renormalised to sum to 1. Each expert is the GPT's MLP (C -> H GELU -> C), its parameters stacked
+over the experts (``experts.fc.w`` is (E, C, H)). Assignments are ordered slot-major (every token's first choice,
+then every token's second); with a capacity an expert keeps its first ``capacity`` assignments in that order,
+the rest dropped (their rows pass by the residual only). The load-balancing loss (Switch, GShard) is
+E · Σ_e f_e · p_e, f_e the share of the assignments routed to e, p_e the mean router probability; its
+gradient (times ``aux_coef``) flows into the router through p_e. Everything is combined in a fixed order (by
+slot, by expert), so the bits depend on nothing but the rows. With ``bias_rate`` γ > 0 (DeepSeek-V3's
+aux-loss-free balancing) a per-expert bias is added to the probabilities for the top-k choice only (the
+weights stay the probabilities'), moved by γ · sign(mean load - load) after each step on the step's global
+counts (train/moe_run.py). docs/moe.md.
+"""
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from .gpt_numpy import gelu, gelu_grad
+
+# Short names of an MoE block's MLP parameters (beside the router's ``router.w``), stacked over the experts.
+EXPERT_KEYS = ("experts.fc.w", "experts.fc.b", "experts.out.w", "experts.out.b")
+ROUTER = "router.w"
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The MoE MLP's sizes and rules (train/moe_config.py's MoEConfig, with the hidden width resolved)."""
+
+    experts: int
+    top_k: int
+    hidden: int
+    every: int = 1
+    capacity_factor: Optional[float] = None
+    aux_coef: float = 0.01
+    bias_rate: float = 0.0
+
+    def is_moe(self, block: int) -> bool:
+        """Whether block ``block`` (0-based) has the MoE MLP: every ``every``-th, the last of each run of them."""
+        return (block + 1) % self.every == 0
+
+    def capacity(self, n: int) -> Optional[int]:
+        """Assignments one expert keeps of ``n`` tokens (None: dropless)."""
+        if self.capacity_factor is None:
+            return None
+        return max(1, math.ceil(self.capacity_factor * n * self.top_k / self.experts))
+
+
+def softmax(xp, logits):
+    """Row softmax in at least float32 (float64 stays float64)."""
+    z = logits.astype(np.promote_types(logits.dtype, np.float32))
+    z = z - z.max(axis=1, keepdims=True)
+    e = xp.exp(z)
+    return e / e.sum(axis=1, keepdims=True)
+
+
+class Routing:
+    """One micro-batch's routing of ``n`` rows: ``top`` (n, k) experts, renormalised weights ``weights`` (n, k),
+    and per expert the slot-major assignment positions it keeps (``kept[e]``: positions q = slot·n + token)."""
+
+    def __init__(self, xp, spec: MoESpec, probs, bias=None):
+        n, k, E = probs.shape[0], spec.top_k, spec.experts
+        self.n, self.probs = n, probs
+        score = probs if bias is None else probs + bias.astype(probs.dtype)    # the choice's; weights: probs'
+        self.top = xp.argsort(-score, axis=1, kind="stable")[:, :k]
+        chosen = xp.take_along_axis(probs, self.top, axis=1)
+        self.total = chosen.sum(axis=1, keepdims=True)
+        self.weights = chosen / self.total
+        flat = self.top.T.reshape(-1)                        # slot-major: q = j * n + t
+        self.routed = xp.bincount(flat, minlength=E)         # assignments each expert was chosen for
+        cap = spec.capacity(n)
+        order = xp.argsort(flat, kind="stable")              # by expert, slot-major inside each
+        bounds = np.concatenate([[0], np.cumsum(np.asarray(self.routed))])
+        self.kept = [order[bounds[e]:bounds[e + 1]][:cap] for e in range(E)]
+        self.tokens = np.array([len(q) for q in self.kept], np.int64)    # kept per expert
+        self.dropped = int(n * k - self.tokens.sum())
+
+    def aux(self, E: int) -> float:
+        """E · Σ_e f_e · p_e (1 when balanced), f_e over the routed assignments, p_e the mean probability."""
+        f = self.routed / float(self.n * self.top.shape[1])
+        return float(E * (f * self.probs.mean(axis=0)).sum())
+
+
+class MoEStats:
+    """What the MoE blocks routed since the last ``take()``: kept tokens per (MoE block, expert), drops, and the
+    aux loss summed over the forward passes."""
+
+    def __init__(self):
+        self.take()
+
+    def add(self, block: int, routing: Routing, aux: float) -> None:
+        t = self.tokens.setdefault(block, np.zeros(len(routing.tokens), np.int64))
+        t += routing.tokens
+        r = self.routed.setdefault(block, np.zeros(len(routing.tokens), np.int64))
+        r += np.asarray(routing.routed)
+        self.dropped += routing.dropped
+        self.aux_sum += aux
+        self.passes += 1
+
+    def take(self):
+        """(tokens {block: per expert}, dropped, aux_sum, passes) so far; starts again from nothing (``routed``
+        {block: per expert}, the assignments chosen before drops, is read before)."""
+        out = (getattr(self, "tokens", {}), getattr(self, "dropped", 0), getattr(self, "aux_sum", 0.0),
+               getattr(self, "passes", 0))
+        self.tokens, self.routed, self.dropped, self.aux_sum, self.passes = {}, {}, 0, 0.0, 0
+        return out
+
+
+class MoEMLP:
+    """The MoE MLP on ``xp`` in ``dtype``; ``scale``: the loss scale of the pass in flight (the GPT's head sets
+    it: the aux loss's gradient is of ``scale · aux_coef · aux``)."""
+
+    def __init__(self, spec: MoESpec, xp=np, dtype=np.float32):
+        self.spec, self.xp, self.dtype = spec, xp, dtype
+        self.scale = 1.0
+        self.stats = MoEStats()
+        self.bias = {}          # block -> per-expert selection bias (bias_rate > 0), float64
+
+    def update_bias(self, block: int, routed) -> None:
+        """One step of aux-loss-free balancing: bias_e += γ · sign(mean load - load_e) from the step's global
+        ``routed`` counts of block ``block`` (the same on every rank)."""
+        routed = np.asarray(routed, np.float64)
+        b = self.bias.setdefault(block, np.zeros(self.spec.experts, np.float64))
+        b += self.spec.bias_rate * np.sign(routed.mean() - routed)
+
+    def forward(self, p, m, block: int = 0):
+        """(out (n, C), cache) of rows m (n, C); ``p``: {short name: parameter in dtype}."""
+        xp, s = self.xp, self.spec
+        n, C = m.shape
+        r = Routing(xp, s, softmax(xp, m @ p[ROUTER]), self.bias.get(block))
+        self.stats.add(block, r, r.aux(s.experts))
+        Y, acts = self.experts_forward(p, m, r, block)
+        w = r.weights.astype(self.dtype)
+        out = xp.zeros((n, C), self.dtype)
+        for j in range(s.top_k):                             # combined in slot order
+            out += w[:, j:j + 1] * Y[j * n:(j + 1) * n]
+        return out, (m, r, acts, Y, block)
+
+    def experts_forward(self, p, m, r: Routing, block: int):
+        """(Y (k·n, C): each assignment's expert output, 0 where dropped; what the backward reads)."""
+        s, n = self.spec, m.shape[0]
+        Y = self.xp.zeros((s.top_k * n, m.shape[1]), self.dtype)
+        acts = []
+        for e in range(s.experts):
+            q = r.kept[e]
+            h, t, g, y = expert_forward(self.xp, p, e, m[q % n])
+            Y[q] = y
+            acts.append((h, t, g))
+        return Y, acts
+
+    def backward(self, p, cache, dout):
+        """(dm (n, C), {short name: grad}) for upstream dout (n, C), the aux loss's gradient included."""
+        xp, s, dt = self.xp, self.spec, self.dtype
+        m, r, acts, Y, block = cache
+        n, C = m.shape
+        k, E = s.top_k, s.experts
+        w = r.weights.astype(dt)
+        dY = xp.empty_like(Y)
+        dw = xp.empty((n, k), dt)
+        for j in range(k):
+            part = Y[j * n:(j + 1) * n]
+            dw[:, j] = (dout * part).sum(axis=1)
+            dY[j * n:(j + 1) * n] = w[:, j:j + 1] * dout
+        dm, g = self.experts_backward(p, m, r, acts, dY, block)
+        # the renormalisation w = c / Σc, then the softmax, in the probabilities' precision
+        pd = r.probs.dtype
+        dwn = dw.astype(pd)
+        dc = (dwn - (dwn * r.weights).sum(axis=1, keepdims=True)) / r.total
+        dprobs = xp.zeros((n, E), pd)
+        xp.put_along_axis(dprobs, r.top, dc, axis=1)
+        if s.aux_coef:
+            f = r.routed / float(n * k)
+            dprobs += (self.scale * s.aux_coef * E / n) * f.astype(pd)
+        dlogits = (r.probs * (dprobs - (dprobs * r.probs).sum(axis=1, keepdims=True))).astype(dt)
+        g[ROUTER] = m.T @ dlogits
+        dm += dlogits @ p[ROUTER].T
+        return dm, g
+
+    def experts_backward(self, p, m, r: Routing, acts, dY, block: int):
+        """(dm (n, C) of the experts, {expert short name: grad}): the input gradients summed in expert order."""
+        n = m.shape[0]
+        g = {name: self.xp.zeros(p[name].shape, self.dtype) for name in EXPERT_KEYS}
+        dm = self.xp.zeros(m.shape, self.dtype)
+        for e in range(self.spec.experts):
+            q = r.kept[e]
+            tok = q % n
+            dx = expert_backward(p, e, m[tok], acts[e], dY[q], g, e)
+            dm[tok] += dx
+        return dm, g
+
+
+def expert_forward(xp, p, e: int, x):
+    """(h, t, g, y) of expert e of ``p`` on rows x: h = x·W1 + b1, g = gelu(h) (t its tanh), y = g·W2 + b2."""
+    h = x @ p["experts.fc.w"][e] + p["experts.fc.b"][e]
+    g, t = gelu(xp, h)
+    return h, t, g, g @ p["experts.out.w"][e] + p["experts.out.b"][e]
+
+
+def expert_backward(p, e: int, x, act, dy, grads, slot):
+    """dx of expert e of ``p`` for rows x (its forward's ``act`` = (h, t, g)) and upstream dy; its weight
+    gradients written into ``grads[name][slot]``."""
+    h, t, ge = act
+    grads["experts.out.w"][slot] = ge.T @ dy
+    grads["experts.out.b"][slot] = dy.sum(axis=0)
+    dh = (dy @ p["experts.out.w"][e].T) * gelu_grad(h, t)
+    grads["experts.fc.w"][slot] = x.T @ dh
+    grads["experts.fc.b"][slot] = dh.sum(axis=0)
+    return dh @ p["experts.fc.w"][e].T

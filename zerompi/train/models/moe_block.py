@@ -1,0 +1,61 @@
+"""The GPT's MoE block: pre-LayerNorm causal attention as the dense block's, then the MoE MLP (moe.py).
+
+``MoEBlocks`` runs the blocks that ``MoESpec.is_moe`` picks, in plain array code (gpt_numpy.py's pieces and
+moe.py's experts, in the model's dtype); ``moe_params`` gives the engine their lazy rules in the GPT's one
+stream of draws. The dense blocks of the same model keep their kernels.
+"""
+from .gpt_numpy import attention, attention_backward, layernorm, layernorm_backward, linear, linear_backward
+from .moe import EXPERT_KEYS, ROUTER, MoEMLP, MoESpec
+
+ATTENTION_KEYS = ("ln1.g", "ln1.b", "qkv.w", "qkv.b", "proj.w", "proj.b", "ln2.g", "ln2.b")
+
+
+def moe_keys(experts_apart: bool = False):
+    """The short names of an MoE block's parameters, in the engine's order (``experts_apart``: without the
+    experts', which then live in an engine of their own: moe_ep.py)."""
+    return ATTENTION_KEYS + (ROUTER,) + (() if experts_apart else EXPERT_KEYS)
+
+
+def moe_params(names, spec: MoESpec, C: int, normal, zeros, ones, resid: float) -> dict:
+    """{param name: lazy rule} of one MoE block (``names``: short -> full), drawn in the order of moe_keys()."""
+    E, H = spec.experts, spec.hidden
+    return {
+        names["ln1.g"]: ones(C), names["ln1.b"]: zeros(C),
+        names["qkv.w"]: normal((C, 3 * C)), names["qkv.b"]: zeros(3 * C),
+        names["proj.w"]: normal((C, C), resid), names["proj.b"]: zeros(C),
+        names["ln2.g"]: ones(C), names["ln2.b"]: zeros(C),
+        names[ROUTER]: normal((C, E)),
+        names["experts.fc.w"]: normal((E, C, H)), names["experts.fc.b"]: zeros((E, H)),
+        names["experts.out.w"]: normal((E, H, C), resid), names["experts.out.b"]: zeros((E, C)),
+    }
+
+
+class MoEBlocks:
+    """A transformer block whose MLP is the MoE, on ``xp`` in ``dtype`` with ``n_head`` heads."""
+
+    def __init__(self, spec: MoESpec, xp, dtype, n_head: int):
+        self.xp, self.n_head = xp, n_head
+        self.mlp = MoEMLP(spec, xp, dtype)
+
+    def block_forward(self, p, x, block: int):
+        xp = self.xp
+        B, T, C = x.shape
+        a, ln1 = layernorm(xp, x, p["ln1.g"], p["ln1.b"])
+        y, att = attention(xp, linear(a, p["qkv.w"], p["qkv.b"]), self.n_head)
+        x1 = x + linear(y, p["proj.w"], p["proj.b"])
+        m, ln2 = layernorm(xp, x1, p["ln2.g"], p["ln2.b"])
+        mo, moe = self.mlp.forward(p, m.reshape(B * T, C), block)
+        return x1 + mo.reshape(B, T, C), (ln1, a, att, y, ln2, moe)
+
+    def block_backward(self, p, cache, dout):
+        """(dx, {short name: grad}) of one MoE block."""
+        xp = self.xp
+        ln1, a, att, y, ln2, moe = cache
+        B, T, C = dout.shape
+        dm, g = self.mlp.backward(p, moe, dout.reshape(B * T, C))
+        dx1, g["ln2.g"], g["ln2.b"] = layernorm_backward(dm.reshape(B, T, C), ln2, p["ln2.g"])
+        dx1 = dx1 + dout
+        dy, g["proj.w"], g["proj.b"] = linear_backward(dx1, y, p["proj.w"])
+        da, g["qkv.w"], g["qkv.b"] = linear_backward(attention_backward(xp, dy, att), a, p["qkv.w"])
+        dx, g["ln1.g"], g["ln1.b"] = layernorm_backward(da, ln1, p["ln1.g"])
+        return dx + dx1, g

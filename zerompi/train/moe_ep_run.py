@@ -1,0 +1,101 @@
+"""The train job's expert parallelism (--ep K): the EP and expert-data-parallel groups, the expert engine, the
+step over both engines, the model's digest and size.
+
+The ranks form N/K EP groups of K consecutive ranks; EP rank j holds experts j·E/K .. (j+1)·E/K - 1 of every MoE
+block. Two engines per rank: the dense one (every parameter but the experts', ZeRO over all N ranks) and the
+expert one (this rank's experts, ZeRO over the expert-data-parallel group: the N/K ranks holding the same
+experts, its gradients handed in per source rank: engine/reducer.py's ``sources``). They step together as a
+pipeline's engines do (pipeline/step.py): one gradient norm over the whole model, every expert counted once,
+one non-finite flag, one loss scale. docs/moe.md.
+"""
+import hashlib
+from dataclasses import replace
+from fnmatch import fnmatchcase
+
+import numpy as np
+
+from ..comm.subcomm import split
+from ..engine import lazy
+from .models.moe import EXPERT_KEYS
+
+
+def short_name(name: str) -> str:
+    """``block3.experts.fc.w`` -> ``experts.fc.w``."""
+    return name.split(".", 1)[1] if name.startswith("block") else name
+
+
+class ExpertParallel:
+    """This rank's part of --ep: ``ep`` (EPComm), ``edp`` (Communicator), ``engine`` (the expert engine);
+    ``dense_layers``: the model's lazy layers without the experts, for the dense engine."""
+
+    def __init__(self, cfg, comm, model, layers):
+        from ..comm.communicator import Communicator
+        from ..comm.ep_alltoall import EPComm
+        from ..engine.zero_engine import ZeroEngine
+        from .models.moe_ep import ExpertStore
+        K = cfg.moe.ep
+        self.k = K
+        self.ep = EPComm(split(comm.mpi, lambda r: r // K), comm.waiting)
+        # the expert engine's group, its bytes counted with the world's (the run's one traffic table)
+        self.edp = Communicator(split(comm.mpi, lambda r: r % K), share=comm)
+        self.order = [n for _, params in layers for n in params]           # the whole model's, in model order
+        self.dense_layers, experts, blocks = [], [], []
+        for lname, params in layers:
+            mine = {n: lazy.Piece(a, 0, 1, self.ep.rank, K) for n, a in params.items()
+                    if short_name(n) in EXPERT_KEYS}
+            self.dense_layers.append((lname, {n: a for n, a in params.items() if n not in mine}))
+            if mine:
+                experts.append((lname + ".experts", mine))
+                blocks.append(int(lname[len("block"):]))
+        dense_names = [n for _, p in self.dense_layers for n in p]
+        expert_names = [n for _, p in experts for n in p]
+        matches = lambda pat, names: any(fnmatchcase(n, pat) for n in names)   # noqa: E731
+        no_decay = cfg.zero.no_decay      # each engine its patterns (one matching neither: the dense's error)
+        self.dense_config = replace(cfg.zero, no_decay=tuple(
+            p for p in no_decay if matches(p, dense_names) or not matches(p, expert_names)))
+        self.engine = ZeroEngine(experts, replace(cfg.zero, no_decay=tuple(
+            p for p in no_decay if matches(p, expert_names))), self.edp, sources=K)
+        model.use_expert_parallel(self.ep, ExpertStore(self.engine, blocks, model.dtype))
+
+    def step(self, dense):
+        """Both engines' step, decided together (a collective over the EP group); the dense engine's result."""
+        from ..pipeline.step import step_together
+        return step_together([dense, self.engine], self.ep, once=1)[0]
+
+    def params_total(self, dense) -> int:
+        """Ψ of the whole model: the dense engine's and every EP rank's experts."""
+        return dense.layout.params_numel + self.k * self.engine.layout.params_numel
+
+    def digest(self, dense) -> str:
+        """sha256 of the whole model's fp32 master parameters in model order, every expert whole (the bytes an
+        --ep 1 run hashes); collectives over both engines' groups and the EP group. Holds the model at once."""
+        values = {}
+        for engine in (dense, self.engine):
+            lay = engine.layout
+            engine.synchronize()
+            for bucket, data in engine.optimizer.gather_buckets(engine.group, engine.steps_taken):
+                for layer in bucket.layers:
+                    for name in lay.layer_params[layer]:
+                        pr = lay.params[name]
+                        values[name] = np.ascontiguousarray(data[pr.bucket_offset:pr.bucket_offset + pr.numel], "<f4")
+        digest = hashlib.sha256()
+        for name in self.order:
+            if short_name(name) in EXPERT_KEYS:       # every EP rank's experts, in EP rank order
+                for part in self.ep.mpi.allgather(values[name].tobytes()):
+                    digest.update(part)
+            else:
+                digest.update(values[name].data)
+        return digest.hexdigest()
+
+    def memory(self, dense) -> dict:
+        """This rank's model states of the dense and the expert engine, measured and by formula (the dense over
+        its N ranks, the experts over their N/K expert-data-parallel ranks)."""
+        rows = {}
+        for name, engine in (("dense", dense), ("experts", self.engine)):
+            r = engine.memory_report()
+            rows[name] = {"measured": r["measured"]["total"], "theory": r["theory"]["total"],
+                          "params": engine.layout.params_numel, "ranks": engine.world_size}
+        return {"memory_bytes_by_engine": rows}
+
+    def close(self) -> None:
+        self.engine.close()
