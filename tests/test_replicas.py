@@ -140,7 +140,7 @@ def test_assemble_links_each_shard_from_a_surviving_copy(tmp_path, monkeypatch):
 
     class Engine:      # what build_manifest reads
         layout = FlatLayout([("l0", [("w", (6,))])], 2, 64, 1)
-        steps_taken, step_count, config = 5, 5, ZeroConfig(stage=3)
+        steps_taken, step_count, config, optimizer = 5, 5, ZeroConfig(stage=3), None   # AdamW's rows
         scaler = type("Scaler", (), {"state_dict": lambda self: {"scale": 1.0, "good_steps": 0}})()
 
         def recorded_config(self):
@@ -206,7 +206,8 @@ def test_a_relaunch_goes_on_saving_into_the_runs_save_dir(tmp_path):
 
 
 @pytest.mark.parametrize("extra", [["--stage", "0"], ["--stage", "3", "--hpz"], ["--stage", "3", "--shard-size", "2"],
-                                   ["--stage", "1", "--offload-optimizer", "cpu", "--dtype", "fp32"]])
+                                   ["--stage", "1", "--offload-optimizer", "cpu", "--dtype", "fp32"],
+                                   ["--stage", "3", "--optimizer", "muon"]])
 def test_replicas_change_no_bits(tmp_path, extra):
     """--replicas copies the state and changes nothing of the run: losses and final parameters as without."""
     flags = ["-m", "zerompi.train", *GPT, "--steps", "3", "--node-size", "2", *extra]
@@ -216,6 +217,7 @@ def test_replicas_change_no_bits(tmp_path, extra):
     got, want = (json.loads((tmp_path / f"{t}.json").read_text()) for t in ("r", "p"))
     assert got["final_params_sha256"] == want["final_params_sha256"] and got["losses"] == want["losses"]
     assert got["replicas"]["shm_bytes"] >= got["replicas"]["theory_bytes"]["total"] // 2 > 0
+    assert got["replicas"]["theory_bytes"]["rows"] == (4 if "muon" in extra else 3)   # the optimizer's rows
     assert not os.path.exists(job_dir(job))
 
 

@@ -1,14 +1,14 @@
 """Every step's state in memory twice: this rank's shard in its node's shared memory, and a copy on a buddy's node.
 
-After each step (:meth:`Replicas.commit_step`, a collective between steps) each rank copies its shard -- the fp32
-master, exp_avg and exp_avg_sq of its slices, the rows of a checkpoint's shard file, whatever the stage -- into
-its shard file in shared memory (mapped: the copy is the write), sends it to its buddy (the rank ``node_size``
-places on: the same place on the next node), and receives its source's copy into another mapped shard file of
-its folder (replica_files.py). One all-gather agrees that every rank's two copies are complete; then every rank
-writes the step's manifest (its own shard's CRC-32 in it), which commits it. The received copy's CRC-32 is
-compared with its owner's on a thread, behind the next step, and a difference raised at the next commit. The
-manifest is the checkpoint's (loss scale, update count, the data position in ``extra``), so a restore is the
-checkpoint's own load, at any world size.
+After each step (:meth:`Replicas.commit_step`, a collective between steps) each rank copies its shard -- the
+fp32 master and the optimizer's rows of its slices (AdamW: exp_avg, exp_avg_sq), a checkpoint's shard file, at
+any stage -- into its shard file in shared memory (mapped: the copy is the write), sends it to its buddy (the
+rank ``node_size`` places on: the same place on the next node), and receives its source's copy into another
+mapped shard file of its folder (replica_files.py). One all-gather agrees that every rank's two copies are
+complete; then every rank writes the step's manifest (its own shard's CRC-32 in it), which commits it. The
+received copy's CRC-32 is compared with its owner's on a thread, behind the next step, and a difference raised
+at the next commit. The manifest is the checkpoint's (loss scale, update count, the data position in
+``extra``), so a restore is the checkpoint's own load, at any world size.
 """
 import mmap
 import os
@@ -18,7 +18,8 @@ from typing import Optional
 import numpy as np
 
 from ..comm.watchdog import watched
-from .format import F32, ROWS, CheckpointError, Crc32, build_manifest, shard_file
+from .format import F32, CheckpointError, Crc32, build_manifest, shard_file
+from .state_rows import engine_rows
 from .replica_files import commit, prepare, rank_dir, step_dir
 from .writer import snapshot
 
@@ -41,7 +42,7 @@ class Replicas:
             self.slots = engine.comm.mpi.allgather(engine.slot)
         # Shard groups of whole nodes (--shard-size): the buddy holds this very slot, its own copy is the second.
         self.mirrored = all(self.slots[(r + topo.node_size) % n] == self.slots[r] for r in range(n))
-        self.shape = (len(ROWS), engine.layout.shard_numel)   # the shard files' arrays: no host buffer of its own
+        self.shape = (len(engine_rows(engine)), engine.layout.shard_numel)   # the shard files' arrays, no other
         self.step: Optional[int] = None          # the last step committed
         self._check: Optional[threading.Thread] = None   # the CRC-32 of the last step's received copy
         self._found: Optional[str] = None        # what it found wrong

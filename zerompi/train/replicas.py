@@ -26,12 +26,13 @@ HISTORY = 1000                 # commit times kept
 UP = time.time()               # first imported at the flags' parse, MPI started: after a relaunch, its end
 
 
-def replica_bytes(shard_numel: int) -> dict:
+def replica_bytes(shard_numel: int, rows: int = 3) -> dict:
     """The formula of one rank's replica memory (shared memory, host), a slice of S = shard_numel elements
-    (S = Ψ/N padded): per step two shard files (its own and its source's copy), 12 S bytes and a header each;
-    two steps held (the committed one and the spare the next overwrites). No host buffer besides."""
-    files = 2 * (4 * 3 * shard_numel + HEADER_BYTES)
-    return {"per_step": files, "total": 2 * files}
+    (S = Ψ/N padded) and ``rows`` float32 rows (the master and the optimizer's state: AdamW 3): per step two
+    shard files (its own and its source's copy), 4 rows S bytes and a header each; two steps held (the
+    committed one and the spare the next overwrites). No host buffer besides."""
+    files = 2 * (4 * rows * shard_numel + HEADER_BYTES)
+    return {"per_step": files, "total": 2 * files, "rows": rows}
 
 
 def summary_line(entry: dict) -> str:
@@ -39,7 +40,7 @@ def summary_line(entry: dict) -> str:
     t = entry["theory_bytes"]
     commit = "" if entry["commit_s"] is None else f"; a commit takes {entry['commit_s'] * 1e3:.1f} ms (median)"
     return (f"  replicas (shared memory, {entry['job']}): {entry['shm_bytes']:,} bytes per rank, formula "
-            f"{t['total']:,} = 2 steps x 2 files x (12 S + {HEADER_BYTES}) plus the manifest{commit}")
+            f"{t['total']:,} = 2 steps x 2 files x ({4 * t['rows']} S + {HEADER_BYTES}) plus the manifest{commit}")
 
 
 def _folder_bytes(folder: str) -> int:
@@ -121,7 +122,8 @@ class ReplicaRun:
         (host memory: /dev/shm), and the formula of it (replica_bytes)."""
         return {"job": self.name, "commit_s": statistics.median(self.seconds) if self.seconds else None,
                 "commit_times_s": list(self.seconds),
-                "shm_bytes": self.shm_bytes, "theory_bytes": replica_bytes(self.engine.layout.shard_numel)}
+                "shm_bytes": self.shm_bytes,
+                "theory_bytes": replica_bytes(self.engine.layout.shard_numel, self.replicas.shape[0])}
 
     def after_step(self, done: int, seed: int) -> None:
         t0 = time.perf_counter()
