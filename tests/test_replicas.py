@@ -294,3 +294,20 @@ def test_soak_every_kill_recovered_and_the_bits_kept():
                     900, mpi_env())
     out = json.loads(proc.stdout)
     assert proc.returncode == 0 and out["ok"] and len(out["kills"]) >= 2, out
+
+
+@pytest.mark.parametrize("done", [True, False])
+def test_a_rank_that_finished_is_no_failure(tmp_path, monkeypatch, done):
+    """No MPI: a fake launcher registers a rank whose process has ended, then exits 0 half a second later (ranks
+    leave before their launcher does). Marked done (its run closed), the attempt ends with status 0; not done,
+    it is a failure, detected."""
+    from zerompi.run.watch import attempt
+    monkeypatch.setenv("ZEROMPI_REPLICAS_ROOT", str(tmp_path))
+    script = ("import json, os, subprocess, time, sys\n"
+              "p = subprocess.Popen(['true']); p.wait()\n"
+              "d = os.path.join(sys.argv[1], 'ranks'); os.makedirs(d)\n"
+              "json.dump({'rank': 0, 'pid': p.pid, 'host': 'h', 'node': 0, 'step': 5, 't': time.time(), "
+              f"'done': {done}}}, open(os.path.join(d, 'rank00000.json'), 'w'))\n"
+              "time.sleep(0.5)\n")
+    out = attempt([sys.executable, "-c", script, job_dir("j")], dict(os.environ), "j", lambda: None)
+    assert (out.status, [d["rank"] for d in out.dead]) == ((0, []) if done else (None, [0])), out

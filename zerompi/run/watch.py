@@ -96,9 +96,13 @@ def attempt(cmd: List[str], env: dict, job: str, poll: Callable[[], None]) -> Ou
                 out.ranks, looked = ranks_of(job), time.monotonic()
                 poll()
             dead = [info for info in out.ranks.values() if not alive(info["pid"])]
+            if dead:                             # a rank that finished (marked done, or its file gone) is no failure
+                now, fresh = time.time(), ranks_of(job)
+                dead = [d for d in dead if d["rank"] in fresh and fresh[d["rank"]]["pid"] == d["pid"]
+                        and not fresh[d["rank"]].get("done")]
+                out.ranks, looked = fresh, time.monotonic()
             if dead:
-                out.dead, out.detected_at = dead, time.time()
-                out.ranks.update({r: info for r, info in ranks_of(job).items() if r not in out.ranks})
+                out.dead, out.detected_at = dead, now
                 break
             time.sleep(POLL_S)
         else:

@@ -148,16 +148,19 @@ class ReplicaRun:
         return public(read_failures(self.name))
 
     def close(self) -> None:
+        """At the end: every rank marks itself done (its exit is then no failure to the supervisor), then rank 0
+        removes the rank folders."""
+        self._note(self.replicas.step, done=True)
         self.mpi.Barrier()
         if self.mpi.Get_rank() == 0:
             clean(self.name, whole=False)
 
-    def _note(self, step: Optional[int]) -> None:
+    def _note(self, step: Optional[int], done: bool = False) -> None:
         """This rank's pid, host, node and last committed step, for the supervisor (written whole, renamed)."""
         e = self.engine
         path = os.path.join(job_dir(self.name), RANKS, f"rank{e.rank:05d}.json")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path + ".tmp", "w") as f:
             json.dump({"rank": e.rank, "pid": os.getpid(), "host": socket.gethostname(),
-                       "node": e.topology.node_of(e.rank), "step": step, "t": time.time()}, f)
+                       "node": e.topology.node_of(e.rank), "step": step, "t": time.time(), "done": done}, f)
         os.replace(path + ".tmp", path)
