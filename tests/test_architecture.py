@@ -18,7 +18,7 @@ PACKAGE = ROOT / "zerompi"
 # pipeline: above the engine (its executor drives ZeroEngines), below estimate (which simulates its schedules; its
 # schedule modules import no MPI: test_estimate_runs_without_mpi).
 LAYERS = [{"errors"}, {"flags", "strict", "inputs"}, {"layout"}, {"optim"}, {"comm"}, {"checkpoint"}, {"engine"},
-          {"pipeline"}, {"estimate"}, {"train", "bench", "plot", "data"}]
+          {"pipeline"}, {"estimate"}, {"train", "bench", "plot", "data"}, {"run"}]
 MAX_LINES = 400
 BLOCK_MPI = "import sys; sys.modules['mpi4py'] = None; "   # importing mpi4py now raises ImportError
 

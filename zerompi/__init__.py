@@ -31,6 +31,7 @@ Modules:
 - bench/: the collectives benchmark; ``python -m zerompi.bench``
 - plot/: figures of a run's metrics; ``python -m zerompi.plot``
 - data/: training data made offline, a text tokenized; ``python -m zerompi.data``
+- run/: the supervisor: a job that carries on after a lost rank or node; ``python -m zerompi.run``
 
 The names below are loaded on first use, so that ``import zerompi`` (and the offline tools,
 estimate and checkpoint) work where mpi4py cannot be imported.

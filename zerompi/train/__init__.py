@@ -15,6 +15,7 @@ Modules:
 - config: TrainConfig and the flags
 - preflight: the checks at start, before the first step
 - saves: the save directory claimed at start, and the saves of the step loop
+- replicas: --replicas, every step's state in memory on two nodes; the records of a recovery
 - history: the step loop's record, in bounded memory
 - report: banner, tables, final metrics
 - console: the progress bar or one line per logged step

@@ -119,6 +119,10 @@ class TrainConfig:
     tensorboard: Optional[str] = field(default=None, metadata=flag(
         "write the run's scalars (losses, lr, grad norm, loss scale, throughput, step times, memory) for "
         "TensorBoard into DIR (rank 0; needs tensorboardX: the hf extra)", metavar="DIR"))
+    replicas: Optional[str] = field(default=None, metadata=flag(
+        "after every step, copy each rank's state to shared memory on its node and on a buddy's node, under this "
+        "job name (python -m zerompi.run restores from them after a failure)", metavar="JOB"))
+    """train/replicas.py; the name of the job's folder in /dev/shm (letters, digits, '_', '-', '.')."""
     zero: ZeroConfig = ZeroConfig()
     """Engine configuration."""
     mesh: MeshConfig = MeshConfig()
@@ -175,6 +179,9 @@ class TrainConfig:
         check_config(self)
         from .tensorboard import check_config as check_tensorboard
         check_tensorboard(self)
+        if self.replicas is not None:
+            from .replicas import check_config as check_replicas
+            check_replicas(self)
 
     def world_size(self, processes: int) -> int:
         """The ranks of the job: the ``processes`` launched, or simulate_world (ConfigError unless one was)."""
@@ -217,6 +224,9 @@ class TrainConfig:
             from ..comm.mesh import check_mesh         # sp and pp (tp again: checked above)
             check_mesh(world_size, t, m.pp, m.node_size or env, m.shard_size, sp=m.sp)
         check_world(self, world_size)
+        if self.replicas is not None and (m.node_size or env):
+            from .replicas import check_nodes
+            check_nodes(self, world_size, m.node_size or env)
         dp = world_size // (t * m.sp * m.pp)
         parts = dp * micro
         check(self.batch % parts == 0,

@@ -262,6 +262,8 @@ def final_metrics(cfg, job, comm, log, placement) -> dict:
         "cupy_pool_bytes": None,                   # --device gpu: what CuPy's allocator holds (rank 0)
         "simulated": None,                         # --simulate-world: train/simulated_run.py's entry
         "moe": moe_run.metrics(job),               # --experts: train/moe_run.py's section; null without
+        "failures": job.replicas.failures() if getattr(job, "replicas", None) else [],   # recovered (zerompi.run)
+        "replicas": job.replicas.metrics() if getattr(job, "replicas", None) else None,   # --replicas, rank 0's
     }
     if first.xp is not np:      # printed beside the engine's own accounting
         pool = first.xp.get_default_memory_pool()
@@ -293,6 +295,9 @@ def print_summary(metrics: dict, job, comm, base_bytes: Dict[str, int]) -> None:
                + " (docs/activations.md)")
     print0(comm.mpi, memory_table(metrics["memory_bytes"], metrics["theory_bytes"], metrics["theory_bytes_padded"],
                                   z.stage, first.topology.shard_size, z.itemsize, first.topology.node_size, act))
+    if metrics["replicas"] is not None:          # --replicas (train/replicas.py)
+        from .replicas import summary_line
+        print0(comm.mpi, summary_line(metrics["replicas"]))
     peak = peak_buffer_bytes(engines)
     if metrics["cupy_pool_bytes"] is not None:
         pool = metrics["cupy_pool_bytes"]

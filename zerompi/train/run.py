@@ -65,6 +65,9 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
     if job.mesh is not None and not job.pipelined:
         report.print0(comm.mpi, f"  mesh: {job.mesh.describe()}")
     start = _resume(job, cfg) if cfg.resume else 0    # the step a resumed run starts at
+    if cfg.replicas:                             # every step's state in memory twice (train/replicas.py)
+        from .replicas import ReplicaRun
+        job.replicas = ReplicaRun(cfg, job, comm)
     if cfg.save_dir and not job.pipelined:
         from .saves import disk_line
         report.print0(comm.mpi, disk_line(cfg, job.engine, start))
@@ -91,6 +94,8 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
         problem = save_json(cfg.metrics_json, metrics, "metrics_json")
     if cfg.zero.trace:                           # --trace: a collective; rank 0 writes the ranks' timeline
         problem = (job.write_trace(log) if job.pipelined else job.engine.trace.write()) or problem
+    if getattr(job, "replicas", None):
+        job.replicas.close()
     job.close()
     if problem:                                  # rank 0 only, after the last collective
         raise OutputError(problem)
@@ -146,6 +151,8 @@ def _run_steps(cfg: TrainConfig, job, comm, start: int, stop) -> StepLog:
                   bar, evaluated)
         if note:
             show(note)
+        if getattr(job, "replicas", None):      # committed in memory twice before the next step (--replicas)
+            job.replicas.after_step(step + 1, cfg.seed)
         if after_step(show, cfg, saves, stop, step, stopping):
             break
     saves.finish()                              # a background save is published before the run ends

@@ -32,7 +32,8 @@ def claim_save_dir(cfg: TrainConfig, rank: int) -> Optional[SaveDirLock]:
     try:
         for line in recover(cfg.save_dir):     # a job that ended left a complete checkpoint unpublished
             sys.stderr.write(f"zerompi.train: note: {line}\n")
-        check_fresh(cfg.save_dir, cfg.resume, cfg.overwrite)
+        from .replicas import continues_job     # a relaunch from the replicas continues the run saved there
+        check_fresh(cfg.save_dir, cfg.save_dir if continues_job(cfg) else cfg.resume, cfg.overwrite)
     except BaseException:
         lock.release()
         at_abort(lock.release, add=False)

@@ -1,0 +1,107 @@
+"""The supervisor across emulated nodes (scripts/cluster.py: network and host-name namespaces), nodes found by MPI.
+
+2 nodes x 2 ranks, GPT at stage 3: a rank killed with kill -9, and a node lost (both its ranks killed, its
+shared-memory folder wiped): ``python -m zerompi.run --launcher ...`` relaunches over the same nodes, the job
+ends with exit 0, at most one step lost, and its final parameters equal those of a run that never failed (the
+same N: the checkpoint's resume is exact). A cluster of one node: one line, exit 2.
+"""
+import json
+import os
+import shlex
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from tests.mpirun import ROOT
+
+pytestmark = pytest.mark.cluster
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import cluster_mpi  # noqa: E402
+
+from zerompi.checkpoint.replica_files import job_dir  # noqa: E402
+from zerompi.run.supervisor import kill  # noqa: E402
+from zerompi.run.watch import ranks_of  # noqa: E402
+
+GPT = ["python", "-m", "zerompi.train", "--steps", "8", "--batch", "24", "--stage", "3", "--progress", "lines",
+       "--eval-every", "0"]
+LIMIT = 240
+
+
+def supervised(c, tmp_path, job, nodes=2, kill_at=None, ranks=(), wipe=False, cut=False, flags=()):
+    """(process, metrics or None) of the supervisor over ``nodes`` nodes of ``c``, 2 ranks each; ``cut``: instead
+    of a kill, node 1's link is cut, and restored once the supervisor recorded the failure."""
+    probe = cluster_mpi.Job(c, 2, GPT, nodes=nodes)
+    start = probe.launch_command()
+    at = start.index("-n")
+    start[at + 1] = "{n}"
+    launcher = shlex.join(c.command(0, start[:start.index(sys.executable)]))
+    out = tmp_path / f"{job}.json"
+    cmd = [sys.executable, "-m", "zerompi.run", "-n", str(2 * nodes), "--launcher", launcher, "--",
+           *GPT[3:], *flags, "--replicas", job, "--metrics-json", str(out)]
+    done = threading.Event()
+
+    def killer():
+        while not done.is_set():
+            seen = ranks_of(job)
+            if len(seen) == 2 * nodes and all((r.get("step") or 0) >= kill_at for r in seen.values()):
+                if not cut:
+                    kill(job, list(ranks), wipe)
+                    return
+                c.cut(1)
+                while not done.is_set() and not os.path.exists(os.path.join(job_dir(job), "failures.json")):
+                    time.sleep(0.01)
+                c.restore(1)
+                return
+            time.sleep(0.005)
+    if kill_at:
+        threading.Thread(target=killer, daemon=True).start()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=probe.process_env(), cwd=str(ROOT),
+                              timeout=LIMIT)
+    finally:
+        done.set()
+    assert not os.path.exists(job_dir(job))
+    return proc, json.loads(out.read_text()) if out.exists() else None
+
+
+def straight(c, tmp_path) -> str:
+    path = tmp_path / "straight.json"
+    proc = cluster_mpi.Job(c, 2, GPT + ["--metrics-json", path]).run(timeout=LIMIT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(path.read_text())["final_params_sha256"]
+
+
+def test_a_killed_rank_and_a_lost_node_on_real_nodes(cluster, tmp_path):
+    c = cluster(2)
+    want = straight(c, tmp_path)
+    for tag, ranks, wipe in (("rank", [1], False), ("node", [2, 3], True)):
+        proc, m = supervised(c, tmp_path, f"cl-{os.getpid()}-{tag}", kill_at=3, ranks=ranks, wipe=wipe)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        [f] = m["failures"]
+        assert f["steps_lost"] <= 1 and f["host"] == f"node{ranks[0] // 2}", f
+        assert m["final_params_sha256"] == want, tag
+
+
+def test_one_node_is_one_line(cluster, tmp_path):
+    c = cluster(1)
+    proc, _ = supervised(c, tmp_path, f"cl-{os.getpid()}-one", nodes=1)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("zerompi")]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "keeps each shard's second copy on another node" in lines[0], lines
+
+
+def test_a_cut_link_ends_in_the_watchdog_and_the_job_goes_on(cluster, tmp_path):
+    """Node 1's link cut mid-run: MPI hangs silently, the watchdog (--timeout-s 3) ends every rank (the first to
+    exit is what the supervisor names), it relaunches once the link is back (a relaunch while it is still down
+    fails at the launch and counts as one more failure), and the run ends with the bits of one that never failed."""
+    c = cluster(2)
+    want = straight(c, tmp_path)
+    proc, m = supervised(c, tmp_path, f"cl-{os.getpid()}-cut", kill_at=3, cut=True, flags=["--timeout-s", "3"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "failed at step" in proc.stderr and "recovered from failure 1" in proc.stderr, proc.stderr[-3000:]
+    assert m["failures"] and all(f["steps_lost"] <= 1 for f in m["failures"]), m["failures"]
+    assert m["final_params_sha256"] == want

@@ -1,0 +1,166 @@
+"""The train CLI's ``--replicas JOB``: every step's state in memory on two nodes, and the records of a recovery.
+
+:class:`ReplicaRun` (every rank): at the start, rank 0 removes what an earlier run of the same job left in its
+folder (never the restore folder being resumed from); each rank registers its pid, host and node
+(``JOB/ranks/``, which the supervisor watches); after every step the state is committed twice
+(checkpoint/replicas.py) and the rank's step recorded; at the end the rank folders go. After a relaunch
+(``JOB/failures.json``, written by ``python -m zerompi.run``) rank 0 completes the failure's record once the
+first step after the restore is done: relaunch (failure detected -> ranks up) and restore (ranks up -> that
+step done) seconds. The records are the metrics' ``failures`` (one schema: train/report.py).
+"""
+import json
+import os
+import shutil
+import socket
+import statistics
+import time
+from typing import List, Optional
+
+from ..checkpoint.replica_files import HEADER_BYTES, JOB_NAME, RANKS, RESTORE, clean, job_dir
+from ..errors import check
+
+FAILURES = "failures.json"     # the supervisor's records of this job's failures, completed by the job
+RECORD_KEYS = ("rank", "host", "failed_step", "restored_step", "steps_lost", "detect_s", "relaunch_s", "restore_s",
+               "recovery_s")   # one failure, as the metrics' ``failures`` list holds it
+HISTORY = 1000                 # commit times kept
+UP = time.time()               # first imported at the flags' parse, MPI started: after a relaunch, its end
+
+
+def replica_bytes(shard_numel: int, rows: int = 3) -> dict:
+    """The formula of one rank's replica memory (shared memory, host), a slice of S = shard_numel elements
+    (S = Ψ/N padded) and ``rows`` float32 rows (the master and the optimizer's state: AdamW 3): per step two
+    shard files (its own and its source's copy), 4 rows S bytes and a header each; two steps held (the
+    committed one and the spare the next overwrites). No host buffer besides."""
+    files = 2 * (4 * rows * shard_numel + HEADER_BYTES)
+    return {"per_step": files, "total": 2 * files, "rows": rows}
+
+
+def summary_line(entry: dict) -> str:
+    """The memory table's row of the replicas (rank 0's metrics ``replicas`` entry)."""
+    t = entry["theory_bytes"]
+    commit = "" if entry["commit_s"] is None else f"; a commit takes {entry['commit_s'] * 1e3:.1f} ms (median)"
+    return (f"  replicas (shared memory, {entry['job']}): {entry['shm_bytes']:,} bytes per rank, formula "
+            f"{t['total']:,} = 2 steps x 2 files x ({4 * t['rows']} S + {HEADER_BYTES}) plus the manifest{commit}")
+
+
+def _folder_bytes(folder: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, names in os.walk(folder) for f in names)
+
+
+def check_config(cfg) -> None:
+    """ConfigError (one line) unless the job name is a folder name and the run is one --replicas supports."""
+    check(isinstance(cfg.replicas, str) and JOB_NAME.fullmatch(cfg.replicas) is not None,
+          f"replicas={cfg.replicas!r} is not a job name; use 1 to 64 letters, digits, '_', '-' or '.'")
+    m = cfg.mesh
+    for name, value in (("tp", m.tp), ("sp", m.sp), ("pp", m.pp)):
+        check(value == 1, f"replicas={cfg.replicas!r} does not support --{name} {value} yet; drop --replicas or "
+                          f"--{name}")
+    check(cfg.simulate_world is None, f"replicas={cfg.replicas!r} needs a real job; drop --simulate-world")
+    ep = getattr(getattr(cfg, "moe", None), "ep", 1)
+    check(ep == 1, f"replicas={cfg.replicas!r} does not support --ep {ep} yet; drop --replicas or --ep")
+
+
+def check_nodes(cfg, world: int, node_size: int) -> None:
+    nodes = world // node_size
+    check(nodes >= 2, f"replicas={cfg.replicas!r} keeps each shard's second copy on another node, and {world} ranks "
+                      f"in nodes of {node_size} make {nodes} node: use 2 nodes or more (--node-size K makes nodes "
+                      f"of K ranks on one host)")
+
+
+def continues_job(cfg) -> bool:
+    """The run resumes from its own job's replicas (a relaunch by zerompi.run): it continues the run whose
+    checkpoints its --save-dir holds."""
+    if not (cfg.replicas and cfg.resume):
+        return False
+    return os.path.realpath(cfg.resume).startswith(os.path.realpath(job_dir(cfg.replicas)) + os.sep)
+
+
+def read_failures(job: str) -> List[dict]:
+    try:
+        with open(os.path.join(job_dir(job), FAILURES)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return []
+
+
+def write_failures(job: str, records: List[dict]) -> None:
+    """Atomically (a reader never sees half a file)."""
+    path = os.path.join(job_dir(job), FAILURES)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(records, f)
+    os.replace(path + ".tmp", path)
+
+
+def public(records: List[dict]) -> List[dict]:
+    """The records as the metrics hold them (RECORD_KEYS; the supervisor's clock readings left out)."""
+    return [{k: r.get(k) for k in RECORD_KEYS} for r in records]
+
+
+class ReplicaRun:
+    """``--replicas JOB`` of a SingleJob (every rank); ``after_step`` after each step, ``close`` at the end."""
+
+    def __init__(self, cfg, job, comm):
+        from ..checkpoint.replicas import Replicas
+        self.name, self.engine, self.mpi = cfg.replicas, job.engine, comm.mpi
+        if self.mpi.Get_rank() == 0:                 # a stale run of this job: its folders, not the restore
+            clean(self.name, keep=cfg.resume, whole=False)
+        self.mpi.Barrier()
+        self.replicas = Replicas(self.engine, self.name)
+        self.pending: Optional[dict] = None          # the failure this run recovers from (rank 0)
+        if self.mpi.Get_rank() == 0:
+            records = read_failures(self.name)
+            if records and records[-1].get("restore_s") is None:
+                self.pending = records[-1]
+        self.restored = continues_job(cfg)          # resumed from JOB/restore, a copy of a whole step
+        self.seconds: List[float] = []                # each commit's, the last HISTORY
+        self.shm_bytes = 0                            # the most this rank's folder held after a commit
+        self._note(None)
+
+    def metrics(self) -> dict:
+        """This rank's: the commits' median seconds (after the step, before the next), the most its folder held
+        (host memory: /dev/shm), and the formula of it (replica_bytes)."""
+        return {"job": self.name, "commit_s": statistics.median(self.seconds) if self.seconds else None,
+                "commit_times_s": list(self.seconds),
+                "shm_bytes": self.shm_bytes,
+                "theory_bytes": replica_bytes(self.engine.layout.shard_numel, self.replicas.shape[0])}
+
+    def after_step(self, done: int, seed: int) -> None:
+        t0 = time.perf_counter()
+        self.replicas.commit_step(done, {"data_step": done, "seed": seed})
+        if self.restored and self.mpi.Get_rank() == 0:   # committed past it: the copies it linked are freed
+            shutil.rmtree(os.path.join(job_dir(self.name), RESTORE), ignore_errors=True)
+        self.restored = False
+        self.seconds.append(time.perf_counter() - t0)
+        del self.seconds[:-HISTORY]
+        self.shm_bytes = max(self.shm_bytes, _folder_bytes(self.replicas.folder))
+        self._note(done)
+        if self.pending is not None:                 # the first step after a restore: the recovery is over
+            now, r = time.time(), self.pending
+            r["relaunch_s"] = round(UP - r["detected_at"], 3)
+            r["restore_s"] = round(now - UP, 3)
+            r["recovery_s"] = round(r["detect_s"] + r["relaunch_s"] + r["restore_s"], 3)
+            records = read_failures(self.name)
+            write_failures(self.name, records[:-1] + [r])
+            self.pending = None
+
+    def failures(self) -> List[dict]:
+        return public(read_failures(self.name))
+
+    def close(self) -> None:
+        """At the end: every rank marks itself done (its exit is then no failure to the supervisor), then rank 0
+        removes the rank folders."""
+        self._note(self.replicas.step, done=True)
+        self.mpi.Barrier()
+        if self.mpi.Get_rank() == 0:
+            clean(self.name, whole=False)
+
+    def _note(self, step: Optional[int], done: bool = False) -> None:
+        """This rank's pid, host, node and last committed step, for the supervisor (written whole, renamed)."""
+        e = self.engine
+        path = os.path.join(job_dir(self.name), RANKS, f"rank{e.rank:05d}.json")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump({"rank": e.rank, "pid": os.getpid(), "host": socket.gethostname(),
+                       "node": e.topology.node_of(e.rank), "step": step, "t": time.time(), "done": done}, f)
+        os.replace(path + ".tmp", path)
