@@ -163,3 +163,23 @@ def test_an_older_adamw_checkpoint_loads_by_its_rows_and_muon_starts_fresh_from_
     fresh = run_train(2, tmp_path, *args[2:], "--fresh-optimizer-state", tag="fresh")
     assert len(fresh["losses"]) == 2 and fresh["final_params_sha256"] != whole["final_params_sha256"]
     assert fresh["losses"][0] == whole["losses"][2]      # the loaded parameters: step 3's loss, before its update
+
+
+def test_the_owners_exchange_is_measured_beside_its_formula():
+    """The bytes that bring each matrix to its owner and back, counted from what is handed to MPI, equal the plan's
+    count; stage 0 sends none; at most every matrix element out and back (4 bytes each); the memory row's formula
+    is Muon's 16 bytes per parameter; an AdamW run has no muon section."""
+    three = ["--batch", "9"]
+    runs = launch(3, [GPT + three + ["--steps", "3", "--stage", s] for s in ("0", "1", "3")] + [GPT[:-2] + three])
+    d, layers = 32, 4
+    matrix_numel = layers * (d * 3 * d + d * d + d * 4 * d + 4 * d * d)    # qkv, projection, fc, out
+    for m in runs[1:3]:
+        mu = m["muon"]
+        assert mu["matrices"] == 4 * layers and 0 < mu["owned"] < mu["matrices"]
+        assert mu["exchange_bytes_per_step"] == mu["exchange_bytes_formula"] > 0
+        assert mu["exchange_bytes_formula"] <= 2 * 4 * matrix_numel
+    assert runs[0]["muon"]["exchange_bytes_per_step"] == runs[0]["muon"]["exchange_bytes_formula"] == 0
+    assert runs[3]["muon"] is None
+    proc = run_mpi(2, ["-m", "zerompi.train", *GPT, "--steps", "1", "--stage", "3"], timeout=300)
+    assert "optimizer" in proc.stdout and "16Ψ/N" in proc.stdout and "muon on the 2-D parameters named *.w" \
+        in proc.stdout, proc.stdout

@@ -92,15 +92,24 @@ def own_runs(matrices: Sequence[Matrix], slot: int) -> List[Tuple[int, int, int]
     return sorted((p.row, p.row + p.numel, i) for i, m in enumerate(matrices) for p in m.pieces if p.slot == slot)
 
 
-def to_owners(group, matrices: Sequence[Matrix], rows: np.ndarray, step: int) -> dict:
+def exchange_bytes(matrices: Sequence[Matrix], slot: int) -> int:
+    """Bytes ``slot`` sends per step in :func:`to_owners` and :func:`from_owners` together: its pieces of the
+    matrices others own, and the others' pieces of the matrices it owns (float32)."""
+    out = sum(p.numel for m in matrices if m.owner != slot for p in m.pieces if p.slot == slot)
+    back = sum(p.numel for m in matrices if m.owner == slot for p in m.pieces if p.slot != slot)
+    return 4 * (out + back)
+
+
+def to_owners(group, matrices: Sequence[Matrix], rows: np.ndarray, step: int, tally=None) -> dict:
     """Every matrix this slot owns, whole (float32, its shape), from the slices of ``rows`` (this slot's
-    float32 rows, host) of every slot: one all-to-all(v) over the shard ``group``."""
+    float32 rows, host) of every slot: one all-to-all(v) over the shard ``group``; ``tally``: a list the
+    bytes sent to the other slots are appended to."""
     me, order = group.slot, group.slots
     send = [[rows[p.row:p.row + p.numel] for m in matrices if m.owner == order[g] for p in m.pieces if p.slot == me]
             for g in range(len(order))]
     recv_at = [[(m, p) for m in matrices if m.owner == me for p in m.pieces if p.slot == order[g]]
                for g in range(len(order))]
-    got = _alltoallv(group, send, [sum(p.numel for _, p in r) for r in recv_at], "to their owners", step)
+    got = _alltoallv(group, send, [sum(p.numel for _, p in r) for r in recv_at], "to their owners", step, tally)
     mine = {m.name: np.empty(m.shape[0] * m.shape[1], F32) for m in matrices if m.owner == me}
     at = 0
     for r in recv_at:
@@ -111,7 +120,7 @@ def to_owners(group, matrices: Sequence[Matrix], rows: np.ndarray, step: int) ->
     return {n: v.reshape(shapes[n]) for n, v in mine.items()}
 
 
-def from_owners(group, matrices: Sequence[Matrix], results: dict, out: np.ndarray, step: int) -> None:
+def from_owners(group, matrices: Sequence[Matrix], results: dict, out: np.ndarray, step: int, tally=None) -> None:
     """The inverse of :func:`to_owners`: each slot's pieces of the owners' ``results`` (name -> matrix)
     written into ``out`` (this slot's float32 rows, host) at its rows."""
     me, order = group.slot, group.slots
@@ -119,7 +128,7 @@ def from_owners(group, matrices: Sequence[Matrix], results: dict, out: np.ndarra
              for p in m.pieces if p.slot == order[g]] for g in range(len(order))]
     recv_at = [[p for m in matrices if m.owner == order[g] for p in m.pieces if p.slot == me]
                for g in range(len(order))]
-    got = _alltoallv(group, send, [sum(p.numel for p in r) for r in recv_at], "back to the slices", step)
+    got = _alltoallv(group, send, [sum(p.numel for p in r) for r in recv_at], "back to the slices", step, tally)
     at = 0
     for r in recv_at:
         for p in r:
@@ -127,8 +136,10 @@ def from_owners(group, matrices: Sequence[Matrix], results: dict, out: np.ndarra
             at += p.numel
 
 
-def _alltoallv(group, send: list, recv_counts: list, what: str, step: int) -> np.ndarray:
+def _alltoallv(group, send: list, recv_counts: list, what: str, step: int, tally=None) -> np.ndarray:
     counts = [sum(a.size for a in pieces) for pieces in send]
+    if tally is not None:             # what goes on the wire: every piece but those to this slot itself
+        tally.append(4 * sum(c for g, c in zip(group.slots, counts) if g != group.slot))
     flat = np.concatenate([np.asarray(a, F32) for pieces in send for a in pieces]) if sum(counts) else \
         np.zeros(0, F32)
     recv = np.empty(sum(recv_counts), F32)

@@ -24,7 +24,7 @@ from ..errors import ConfigError
 from ..optim import impl
 from ..optim.muon import apply_update, momentum_update, newton_schulz, shape_scale
 from .decay import pieces
-from .matrix_owners import from_owners, muon_names, own_runs, plan, to_owners
+from .matrix_owners import exchange_bytes, from_owners, muon_names, own_runs, plan, to_owners
 from .optimizer import ShardedAdamW
 
 F32 = np.float32
@@ -49,11 +49,22 @@ class ShardedMuon(ShardedAdamW):
         self.scales = [shape_scale(m.shape) for m in self.matrices]
         self._u = ledger.alloc("buffers", self.n, F32)     # the momentum's Nesterov update, then NS's result
         self.seconds = {"newton_schulz": 0.0, "exchange": 0.0}   # this rank's, summed over the steps
+        self.steps, self.sent = 0, 0     # orthogonalisations done, and the bytes their exchanges sent
+        self.me = 0 if config.stage == 0 else slot    # the owner slot this rank is
         self._step = 0
 
     def scalars(self, lr, step: int, grad_scale: float):
         self._step = step                # the watchdog names the step an exchange waits in
         return super().scalars(lr, step, grad_scale)
+
+    def figures(self) -> dict:
+        """This rank's Muon figures: its matrices, the exchange's bytes per step measured beside the plan's."""
+        per = lambda v: None if not self.steps else v / self.steps     # noqa: E731
+        return {"matrices": len(self.matrices), "owned": sum(m.owner == self.me for m in self.matrices),
+                "exchange_bytes_per_step": per(self.sent),
+                "exchange_bytes_formula": 0 if self.config.stage == 0 else exchange_bytes(self.matrices, self.me),
+                "newton_schulz_s_per_step": per(self.seconds["newton_schulz"]),
+                "exchange_s_per_step": per(self.seconds["exchange"])}
 
     def update(self, sl, grad, param_out, s, background: bool = False) -> None:
         """Stage 0 (the whole model): :meth:`step` on the one part."""
@@ -97,6 +108,7 @@ class ShardedMuon(ShardedAdamW):
 
     def _orthogonalise(self) -> None:
         t0 = time.perf_counter()
+        self.steps += 1
         if self.config.stage == 0:
             for m in self.matrices:
                 p = m.pieces[0]
@@ -105,12 +117,14 @@ class ShardedMuon(ShardedAdamW):
             self.seconds["newton_schulz"] += time.perf_counter() - t0
             return
         host = impl.to_host(self._u)
-        mine = to_owners(self.group, self.matrices, host, self._step)
+        tally = []
+        mine = to_owners(self.group, self.matrices, host, self._step, tally)
         t1 = time.perf_counter()
         xp = impl.array_module(self._u)
         results = {n: impl.to_host(newton_schulz(xp.asarray(u))) for n, u in mine.items()}
         t2 = time.perf_counter()
-        from_owners(self.group, self.matrices, results, host, self._step)
+        from_owners(self.group, self.matrices, results, host, self._step, tally)
+        self.sent += sum(tally)
         if host is not self._u:
             self._u[...] = xp.asarray(host)
         self.seconds["newton_schulz"] += t2 - t1

@@ -17,7 +17,7 @@ from ..engine.timers import format_breakdown, per_step, summarize
 from ..comm.simulated_world import simulated
 from ..comm.watchdog import watched
 from .console import human_bytes
-from . import moe_run
+from . import moe_run, muon_run
 
 
 def leads(comm) -> bool:
@@ -35,17 +35,18 @@ def print0(comm, *args, **kwargs) -> None:
 
 def memory_table(measured: Dict[str, int], theory: Dict[str, int], padded: Dict[str, int],
                  stage: int, world_size: int, itemsize: int, node_size: int = 1,
-                 activations: Optional[Tuple[int, int, str]] = None) -> str:
+                 activations: Optional[Tuple[int, int, str]] = None, opt: int = 12) -> str:
     """Measured model-state bytes per rank beside DESIGN.md's formula (N: the ranks one copy is sharded over; hpZ's
-    copy on its own row); ``activations``: (measured, formula, in words), a row, and the total of both below."""
-    p = itemsize
+    copy on its own row); ``activations``: (measured, formula, in words), a row, and the total of both below;
+    ``opt``: the optimizer's bytes per parameter (engine/optimizers.py: AdamW 12, Muon 16)."""
+    p, k = itemsize, opt
     formulas = {
-        0: (f"{p}Ψ", f"{p}Ψ", "12Ψ"),
-        1: (f"{p}Ψ", f"{p}Ψ", "12Ψ/N"),
-        2: (f"{p}Ψ", f"{p}Ψ/N", "12Ψ/N"),
-        3: (f"{p}Ψ/N", f"{p}Ψ/N", "12Ψ/N"),
+        0: (f"{p}Ψ", f"{p}Ψ", f"{k}Ψ"),
+        1: (f"{p}Ψ", f"{p}Ψ", f"{k}Ψ/N"),
+        2: (f"{p}Ψ", f"{p}Ψ/N", f"{k}Ψ/N"),
+        3: (f"{p}Ψ/N", f"{p}Ψ/N", f"{k}Ψ/N"),
     }[stage]
-    totals = {0: f"{2 * p + 12}Ψ", 1: f"{2 * p}Ψ + 12Ψ/N", 2: f"{p}Ψ + {p + 12}Ψ/N", 3: f"{2 * p + 12}Ψ/N"}[stage]
+    totals = {0: f"{2 * p + k}Ψ", 1: f"{2 * p}Ψ + {k}Ψ/N", 2: f"{p}Ψ + {p + k}Ψ/N", 3: f"{2 * p + k}Ψ/N"}[stage]
     rows = [("params", formulas[0]), ("grads", formulas[1]), ("optimizer", formulas[2])]
     if "secondary" in measured:
         rows.append(("secondary", f"{p}Ψ/K (hpZ, K={node_size} per node)"))
@@ -114,6 +115,13 @@ def print_banner(cfg, job, comm, placement) -> None:
                          f"can reach on this corpus (uniform guessing: {np.log(data.vocab):.4f})")
 
 
+def _optimizer_words(z) -> str:
+    """The banner's optimizer: AdamW's kernel, or Muon's matrices beside it."""
+    if z.optimizer == "muon":
+        return f"muon on the 2-D parameters named {', '.join(z.muon_params)}, {impl.adamw_update.__name__} on the rest"
+    return impl.adamw_update.__name__
+
+
 def _engine_banner(cfg, engine, comm, placement) -> None:
     z, lay = cfg.zero, engine.layout
     print0(comm.mpi, f"zerompi: {comm.size} ranks, stage {z.stage}, Ψ={lay.params_numel:,} parameters, "
@@ -121,7 +129,7 @@ def _engine_banner(cfg, engine, comm, placement) -> None:
     print0(comm.mpi, f"  MPI: {mpi_library()}; reduce-scatter = Alltoallv + fp32 sum in rank order; "
                      f"all-gather = Allgather in place; {describe_buffers(placement, engine.comm)}")
     print0(comm.mpi, f"  layout: {len(lay.buckets)} buckets (target {z.bucket_mb} MiB), "
-                     f"{lay.numel - lay.params_numel:,} padding elements; optimizer: {impl.adamw_update.__name__}")
+                     f"{lay.numel - lay.params_numel:,} padding elements; optimizer: {_optimizer_words(z)}")
     hpz = "; hpZ: a node-local copy of 1/node_size of the parameters" if engine.gatherer.secondary is not None else \
         ("; hpZ: nothing to keep (each shard group is one node)" if z.hpz else "")
     two = "; collectives in two levels (inside the node, then across)" if engine.group.hierarchical else ""
@@ -262,6 +270,7 @@ def final_metrics(cfg, job, comm, log, placement) -> dict:
         "cupy_pool_bytes": None,                   # --device gpu: what CuPy's allocator holds (rank 0)
         "simulated": None,                         # --simulate-world: train/simulated_run.py's entry
         "moe": moe_run.metrics(job),               # --experts: train/moe_run.py's section; null without
+        "muon": muon_run.metrics(job),             # --optimizer muon: train/muon_run.py's section; null without
         "failures": job.replicas.failures() if getattr(job, "replicas", None) else [],   # recovered (zerompi.run)
         "replicas": job.replicas.metrics() if getattr(job, "replicas", None) else None,   # --replicas, rank 0's
     }
@@ -285,6 +294,7 @@ def print_summary(metrics: dict, job, comm, base_bytes: Dict[str, int]) -> None:
     """The end-of-run tables (rank 0): memory and traffic beside the formulas, the model-parallel and pipeline rows,
     the step time. ``base_bytes``: comm.stats bytes per op not the steps' own (initial gather, held-out loss)."""
     from . import moe_run, sp_run, tp_run
+    from ..engine.optimizers import bytes_per_param
     engines = list(job.engines)
     first, cfg = engines[0], metrics["config"]
     z = first.config
@@ -294,7 +304,8 @@ def print_summary(metrics: dict, job, comm, base_bytes: Dict[str, int]) -> None:
                formula_text(cfg["checkpoint_activations"], sp=first.mesh_config.sp, tp=first.mesh_config.tp)
                + " (docs/activations.md)")
     print0(comm.mpi, memory_table(metrics["memory_bytes"], metrics["theory_bytes"], metrics["theory_bytes_padded"],
-                                  z.stage, first.topology.shard_size, z.itemsize, first.topology.node_size, act))
+                                  z.stage, first.topology.shard_size, z.itemsize, first.topology.node_size, act,
+                                  bytes_per_param(z.optimizer)))
     if metrics["replicas"] is not None:          # --replicas (train/replicas.py)
         from .replicas import summary_line
         print0(comm.mpi, summary_line(metrics["replicas"]))
@@ -314,7 +325,8 @@ def print_summary(metrics: dict, job, comm, base_bytes: Dict[str, int]) -> None:
                                 metrics["comm_bytes_per_step_by_level"], metrics["comm_theory_bytes_per_step_by_level"],
                                 (metrics["comm_logical_bytes_per_step"], metrics["comm_theory_logical_bytes_per_step"])
                                 if quantized and steady else None, steady))
-    for line in (tp_run.summary(metrics, job.cfg), sp_run.summary(metrics, job.cfg), moe_run.summary(metrics)):
+    for line in (tp_run.summary(metrics, job.cfg), sp_run.summary(metrics, job.cfg), moe_run.summary(metrics),
+                 muon_run.summary(metrics)):
         if line:
             print0(comm.mpi, line)
     show = lambda b: "-" if b is None else human_bytes(b)   # noqa: E731  (None: a stage a simulated rank is not)
