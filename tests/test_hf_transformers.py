@@ -83,3 +83,18 @@ def test_transformers_model_imports_with_the_same_logits(tmp_path, mesh):
         _same_bits(state[hf_name(name)], value, name)
     tokens = np.random.default_rng(2).integers(0, 32, (4, 16))
     np.testing.assert_allclose(zerompi_logits(params, tokens, 4), hf_logits(model, tokens), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,torch_dtype,atol", [("fp16", "float16", 2e-2), ("bf16", "bfloat16", 1e-1)])
+def test_a_half_precision_export_loads_in_transformers_in_its_dtype(tmp_path, dtype, torch_dtype, atol):
+    """--dtype fp16 / bf16: from_pretrained(dtype="auto") loads the weights in that dtype (config.json says it),
+    and their logits, computed in fp32, are the fp32 model's within the dtype's rounding."""
+    run_train(2, tmp_path, *GPT, "--stage", "3", "--steps", "2", "--dtype", "fp32", "--save-dir", tmp_path / "ck")
+    proc = cli("export-hf", tmp_path / "ck", tmp_path / "hf", "--dtype", dtype)
+    assert proc.returncode == 0, proc.stderr
+    half = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf"), dtype="auto").eval()
+    assert {p.dtype for p in half.parameters()} == {getattr(torch, torch_dtype)}
+    params = consolidate(str(tmp_path / "ck"), str(tmp_path / "p.npz"))
+    tokens = np.random.default_rng(2).integers(0, 32, (2, 16))
+    theirs = hf_logits(half.float(), tokens)
+    np.testing.assert_allclose(zerompi_logits(params, tokens, 4), theirs, rtol=0, atol=atol)
