@@ -11,7 +11,7 @@ from tests.mpirun import run_mpi
 from tests.test_moe_parity import MOE, SIZES
 from zerompi.train.data import GeneratedData, rank_rows
 from zerompi.train.models.gpt import GPT
-from zerompi.train.models.moe import MoESpec
+from zerompi.train.moe.mlp import MoESpec
 
 FLAGS = ["--model", "gpt", "--n-layer", "2", "--n-head", "2", "--d-model", "16", "--seq-len", "8",
          "--batch", "12", "--lr", "3e-3", "--bucket-mb", "0.004", "--log-every", "100",

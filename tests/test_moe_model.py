@@ -6,7 +6,7 @@ import pytest
 
 from tests import moe_oracle
 from zerompi.train.models.gpt import GPT
-from zerompi.train.models.moe import MoESpec
+from zerompi.train.moe.mlp import MoESpec
 
 V, T, L, H, C = 11, 6, 2, 2, 8
 
@@ -134,7 +134,7 @@ def test_selection_bias_equals_the_oracle():
 
 def test_bias_update_rule():
     """bias_e += γ · sign(mean load - load_e): the underloaded experts up, the overloaded down, the mean kept."""
-    from zerompi.train.models.moe import MoEMLP
+    from zerompi.train.moe.mlp import MoEMLP
     mlp = MoEMLP(MoESpec(4, 2, 8, bias_rate=0.01))
     mlp.update_bias(3, [10, 20, 30, 40])
     mlp.update_bias(3, [25, 25, 10, 40])

@@ -9,7 +9,7 @@ import pytest
 from tests.mpirun import run_mpi, run_train
 from zerompi.train.data import GeneratedData, rank_rows
 from zerompi.train.models.gpt import GPT
-from zerompi.train.models.moe import MoESpec
+from zerompi.train.moe.mlp import MoESpec
 
 SIZES = dict(n_layer=2, n_head=2, d_model=16, seq_len=8)
 MOE = dict(experts=4, top_k=2, hidden=24)

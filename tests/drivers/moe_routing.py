@@ -13,7 +13,7 @@ from mpi4py import MPI
 
 from zerompi.errors import install_abort_hook
 from zerompi.train.config import parse_config
-from zerompi.train.models import moe
+from zerompi.train.moe import mlp as moe
 from zerompi.train.run import train
 
 install_abort_hook()

@@ -5,7 +5,7 @@ rank holds, a different number to each: first the counts (one all-to-all of inte
 the rows themselves (one all-to-allv, as bytes: MPI has no float16 type and nothing is summed). The reverse
 (the experts' outputs back; the backward's row gradients there and back) reuses the counts, swapped. Every rank
 makes every call, with zero rows where it has none: no rank skips a collective. Bytes sent to the other ranks
-are counted per operation, apart from ZeRO's traffic (train/moe_run.py reports them beside their formula).
+are counted per operation, apart from ZeRO's traffic (train/moe/routing.py reports them beside their formula).
 """
 import time
 

@@ -1,6 +1,6 @@
 """A reduce-scatter whose ranks each hand in several sources' partial sums: the expert gradients of EP.
 
-Under expert parallelism (train/moe_config.py's --ep K) a rank holding an expert computes its weight gradient
+Under expert parallelism (train/moe/config.py's --ep K) a rank holding an expert computes its weight gradient
 once per source rank of its EP group (the tokens each sent), as that source would have computed it without
 EP. Each rank of the expert-data-parallel group hands in those K partials; the owner of a slice sums all
 N = D·K rows in (rank, source) order -- the order of the world's ranks -- with the reduce-scatter's own fp32 row

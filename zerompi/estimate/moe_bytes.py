@@ -4,7 +4,7 @@ the expert-parallel all-to-all's bytes per step (the formulas a run prints besid
 An MoE block keeps the dense block's attention and LayerNorms (4C² + 8C) and adds the router (C·E); its E
 experts hold E(2CH + H + C). Under --ep K the dense parameters are sharded over the N ranks, each EP rank's
 E/K experts over the N/K ranks holding the same experts (engine/memory.py's theory_bytes for each). The
-all-to-all (train/moe_run.py's row): per MoE block and micro-batch, the counts once and four passes of the rows
+all-to-all (train/moe/routing.py's row): per MoE block and micro-batch, the counts once and four passes of the rows
 that leave the rank, balanced and dropless. docs/moe.md.
 """
 from typing import Dict, Tuple

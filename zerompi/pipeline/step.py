@@ -23,7 +23,7 @@ def step_together(engines: List, group, lr: Optional[float] = None, once: int = 
     the pipeline group's mpi4py communicator, and ``waiting``, the watchdog's record; ``ranks``: the world
     rank of each member, for messages), then finish_step on each with the mesh's totals. Returns the
     StepResults (the same decision in each). ``once``: the first that many engines are one engine over the
-    whole group (expert parallelism's dense engine, train/moe_ep_run.py): their totals counted from the
+    whole group (expert parallelism's dense engine, train/moe/expert_parallel.py): their totals counted from the
     group's first member only."""
     pendings = [e.begin_step(lr) for e in engines]
     mine = np.array([[p.sumsq, p.nonfinite, p.lr, p.number] for p in pendings], np.float64).reshape(-1, 4)

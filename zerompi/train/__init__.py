@@ -8,9 +8,7 @@ Modules:
 - parallel: --tp and --sp, the Mesh, the models split over it, the groups metered
 - tp_run: --tp, the job's checks, the TP bytes formula and the TP row
 - sp_run: --sp, the job's checks, the SP bytes formula and the SP row
-- moe_config: MoEConfig (--experts, --top-k, --ep, ...), its checks and the compositions it refuses
-- moe_ep_run: --ep, the EP and expert-data-parallel groups, the expert engine, the step over both engines
-- moe_run: --experts, the routing per step over the world, the metrics' moe section and the MoE row
+- moe/: the mixture of experts (--experts, --ep): the MoE MLP and block, expert parallelism, its settings and row
 - muon_run: --optimizer muon, the metrics' muon section: matrices, Newton-Schulz time, the owners' exchange bytes
 - simulated_run: --simulate-world, the job as one rank of a bigger one: checks, banner, metrics
 - config: TrainConfig and the flags

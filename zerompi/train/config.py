@@ -16,7 +16,7 @@ from ..errors import ConfigError, RankParser, check
 from ..flags import add_flags, flag, flag_name, given
 from ..pipeline.config import PipelineConfig
 from .console import PROGRESS_MODES
-from .moe_config import MoEConfig, check_given, check_job, check_world
+from .moe.config import MoEConfig, check_given, check_job, check_world
 
 # --help's description: the train module's docstring, where the parser used to live.
 DESCRIPTION = "``mpiexec -n N python -m zerompi.train``: train a built-in model with ZeRO stage 0-3."
@@ -129,7 +129,7 @@ class TrainConfig:
     """Tensor, sequence and pipeline parallelism, nodes, shard groups; at its default, ZeroConfig(tp=...)'s."""
     pipeline: PipelineConfig = PipelineConfig()
     moe: MoEConfig = MoEConfig()
-    """The GPT's mixture-of-experts blocks (train/moe_config.py); experts=0: none."""
+    """The GPT's mixture-of-experts blocks (train/moe/config.py); experts=0: none."""
 
     def __post_init__(self):
         if self.mesh == MeshConfig():

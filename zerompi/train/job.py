@@ -71,8 +71,8 @@ class SingleJob(Job):
         self.model, self.data = build(cfg, xp, self.mesh)
         self.dev_comm = comm if self.mesh else device_communicator(comm, xp, cfg.comm, z.timeout_s)
         layers, self.ep = self.model.lazy_layers(), None
-        if cfg.moe.ep > 1:                        # the experts in an engine of their own (train/moe_ep_run.py)
-            from .moe_ep_run import ExpertParallel
+        if cfg.moe.ep > 1:                        # the experts in an engine of their own (train/moe/expert_parallel.py)
+            from .moe.expert_parallel import ExpertParallel
             self.ep = ExpertParallel(cfg, comm, self.model, layers)
             layers = self.ep.dense_layers
         self.engine = ZeroEngine(layers, self.ep.dense_config if self.ep else z, self.mesh or self.dev_comm, xp=xp,
@@ -81,7 +81,7 @@ class SingleJob(Job):
         self.engines = [self.engine] + ([self.ep.engine] if self.ep else [])
         self.groups = metered_groups(self.mesh)   # TP all-reduces, SP all-to-alls: counted per step, apart
         self._losses = step_losses(cfg.model)
-        from .moe_run import MoELog
+        from .moe.routing import MoELog
         self.moe_log = MoELog(cfg, self.model, comm, self.ep) if cfg.moe.on else None   # routing per step
 
     @property
@@ -104,7 +104,7 @@ class SingleJob(Job):
             self.moe_log.record()
         result = self.ep.step(self.engine) if self.ep else self.engine.step()
         if self.moe_log is not None:
-            self.moe_log.norms.append(result.grad_norm)   # every expert counted once (tests/test_moe_ep.py)
+            self.moe_log.norms.append(result.grad_norm)   # every expert counted once (tests/test_moe/ep_mlp.py)
         return result, local
 
     def validation_loss(self):

@@ -102,7 +102,7 @@ class PipelineJob(Job):
         self.engines = StageEngines(engines, self.schedule.chunks, mesh)
         keep = {c: e for c, e in engines.items()} if z.stage == 3 and cfg.pipeline.gather == "step" else None
         self.executor = PipelineExecutor(self.schedule, mesh.pp_comm, self.runners, keep)
-        from .moe_run import MoELog
+        from .moe.routing import MoELog
         self.moe_log = MoELog(cfg, self.model, comm) if cfg.moe.on else None   # routing per step, over the mesh
 
     @property

@@ -17,7 +17,8 @@ from ..engine.timers import format_breakdown, per_step, summarize
 from ..comm.simulated_world import simulated
 from ..comm.watchdog import watched
 from .console import human_bytes
-from . import moe_run, muon_run
+from . import muon_run
+from .moe import routing as moe_run
 
 
 def leads(comm) -> bool:
@@ -269,7 +270,7 @@ def final_metrics(cfg, job, comm, log, placement) -> dict:
         "device": placement.describe() if placement is not None else "cpu (NumPy)",
         "cupy_pool_bytes": None,                   # --device gpu: what CuPy's allocator holds (rank 0)
         "simulated": None,                         # --simulate-world: train/simulated_run.py's entry
-        "moe": moe_run.metrics(job),               # --experts: train/moe_run.py's section; null without
+        "moe": moe_run.metrics(job),               # --experts: train/moe/routing.py's section; null without
         "muon": muon_run.metrics(job),             # --optimizer muon: train/muon_run.py's section; null without
         "failures": job.replicas.failures() if getattr(job, "replicas", None) else [],   # recovered (zerompi.run)
         "replicas": job.replicas.metrics() if getattr(job, "replicas", None) else None,   # --replicas, rank 0's
@@ -293,7 +294,7 @@ def _steady_seconds(log, group: str) -> float:
 def print_summary(metrics: dict, job, comm, base_bytes: Dict[str, int]) -> None:
     """The end-of-run tables (rank 0): memory and traffic beside the formulas, the model-parallel and pipeline rows,
     the step time. ``base_bytes``: comm.stats bytes per op not the steps' own (initial gather, held-out loss)."""
-    from . import moe_run, sp_run, tp_run
+    from . import sp_run, tp_run
     from ..engine.optimizers import bytes_per_param
     engines = list(job.engines)
     first, cfg = engines[0], metrics["config"]

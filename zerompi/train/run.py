@@ -23,7 +23,7 @@ def build_model(cfg: TrainConfig, xp=np, mesh=None):
     Mesh (tp or sp > 1), split over its TP group (models/gpt.py, models/mlp_tp.py) and SP group (the GPT)."""
     if cfg.model == "gpt":
         from .models.gpt import GPT
-        from .moe_config import moe_spec
+        from .moe.config import moe_spec
         from .tokens import make_gpt_data
         vocab, initial = None, None
         if cfg.init_from:                           # a Hugging Face GPT-2 folder's values and vocabulary

@@ -8,9 +8,6 @@ Modules:
 - gpt_sp: the GPT's attention, sequence-parallel (Ulysses)
 - activations: the metered workspace and activation checkpointing
 - chunks: Chunk, the one layer walk of a layered model, cut by layer range
-- moe: the mixture-of-experts MLP: router, top-k, experts, load-balancing loss, forward and backward
-- moe_ep: the MoE MLP under expert parallelism: rows to the experts and back, per-source gradients
-- moe_block: the GPT's MoE block: attention, then the MoE MLP; its parameters' lazy rules
 - mlp: the teacher-student MLP
 - mlp_tp: the MLP, tensor-parallel
 """

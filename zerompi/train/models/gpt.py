@@ -54,10 +54,10 @@ class GPT:
         self.workspace = MeteredWorkspace()    # the engine driver's buffers, kept across steps
         self.checkpoint_activations = bool(checkpoint_activations)
         self.activations = (Recompute if checkpoint_activations else Keep)(self)   # how the driver runs layers
-        self.moe = moe                         # models/moe.py's MoESpec: the MoE blocks (None: all dense)
-        self.experts_apart = False             # --ep > 1: the experts live in an engine of their own (moe_ep.py)
+        self.moe = moe                         # moe/mlp.py's MoESpec: the MoE blocks (None: all dense)
+        self.experts_apart = False             # --ep > 1: the experts live in an engine of their own (moe/ep_mlp.py)
         if moe is not None:
-            from .moe_block import MoEBlocks
+            from ..moe.block import MoEBlocks
             self.moe_blocks = MoEBlocks(moe, xp, dtype, heads)
 
     @property
@@ -91,13 +91,13 @@ class GPT:
         return self.n_layer + 2
 
     def is_moe(self, i: int) -> bool:
-        """Whether block i (0-based) has the MoE MLP (models/moe_block.py)."""
+        """Whether block i (0-based) has the MoE MLP (moe/block.py)."""
         return self.moe is not None and self.moe.is_moe(i)
 
     def use_expert_parallel(self, ep, store) -> None:
         """--ep > 1: the MoE blocks' experts spread over ``ep`` (an EPComm), kept in ``store`` (an ExpertStore);
         the blocks' own layers then hold the rest (block_names without the experts)."""
-        from .moe_ep import EPMoEMLP
+        from ..moe.ep_mlp import EPMoEMLP
         self.experts_apart = True
         self.moe_blocks.mlp = EPMoEMLP(self.moe, self.xp, self.dtype, ep, store)
 
@@ -111,7 +111,7 @@ class GPT:
     def block_names(self, i: int) -> Dict[str, str]:
         """Short name -> parameter name of block i (0-based)."""
         if self.is_moe(i):
-            from .moe_block import moe_keys
+            from ..moe.block import moe_keys
             return {k: f"block{i}.{k}" for k in moe_keys(self.experts_apart)}
         keys = ["ln1.g", "ln1.b", "qkv.w", "qkv.b", "proj.w", "proj.b",
                 "ln2.g", "ln2.b", "fc.w", "fc.b", "out.w", "out.b"]
@@ -129,7 +129,7 @@ class GPT:
         for i in range(L):
             n = self.block_names(i)
             if self.is_moe(i):
-                from .moe_block import moe_keys, moe_params
+                from ..moe.block import moe_keys, moe_params
                 n = {k: f"block{i}.{k}" for k in moe_keys()}          # every parameter, the experts too
                 layers.append((f"block{i}", moe_params(n, self.moe, C, normal, zeros, ones, resid)))
                 continue

@@ -4,15 +4,15 @@
 moe.py's experts, in the model's dtype); ``moe_params`` gives the engine their lazy rules in the GPT's one
 stream of draws. The dense blocks of the same model keep their kernels.
 """
-from .gpt_numpy import attention, attention_backward, layernorm, layernorm_backward, linear, linear_backward
-from .moe import EXPERT_KEYS, ROUTER, MoEMLP, MoESpec
+from ..models.gpt_numpy import attention, attention_backward, layernorm, layernorm_backward, linear, linear_backward
+from .mlp import EXPERT_KEYS, ROUTER, MoEMLP, MoESpec
 
 ATTENTION_KEYS = ("ln1.g", "ln1.b", "qkv.w", "qkv.b", "proj.w", "proj.b", "ln2.g", "ln2.b")
 
 
 def moe_keys(experts_apart: bool = False):
     """The short names of an MoE block's parameters, in the engine's order (``experts_apart``: without the
-    experts', which then live in an engine of their own: moe_ep.py)."""
+    experts', which then live in an engine of their own: moe/ep_mlp.py)."""
     return ATTENTION_KEYS + (ROUTER,) + (() if experts_apart else EXPERT_KEYS)
 
 

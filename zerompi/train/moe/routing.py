@@ -1,7 +1,7 @@
 """The train job's mixture of experts (--experts): what the MoE blocks routed each step, over the world, and
 the run's ``moe`` metrics section and summary row.
 
-Each step the MoE blocks count (models/moe.py's MoEStats) the tokens each expert kept, the assignments dropped
+Each step the MoE blocks count (moe/mlp.py's MoEStats) the tokens each expert kept, the assignments dropped
 over capacity and the load-balancing loss of every forward pass; ``MoELog.record`` sums them over the ranks (one
 small collective) and keeps, per step, the tokens per expert (min / mean / max over the MoE blocks' experts),
 the drops and the mean aux loss (E · Σ_e f_e p_e: 1 when balanced).
@@ -73,7 +73,7 @@ def all_to_all_theory(cfg, blocks: int, world: int) -> dict:
     K = m.ep
     if K == 1:
         return {"all_to_all_theory_bytes": 0, "all_to_all_formula": "none (--ep 1)"}
-    from ..estimate.moe_bytes import all_to_all_bytes
+    from ...estimate.moe_bytes import all_to_all_bytes
     n = cfg.batch // (world * z.micro_batches) * cfg.seq_len
     return {"all_to_all_theory_bytes": all_to_all_bytes(K, m.experts, m.top_k, cfg.d_model, n, blocks, z.micro_batches),
             "all_to_all_formula": f"{blocks} MoE blocks x {z.micro_batches} micro-batches x ((K-1)·E/K·8 + "
@@ -93,7 +93,7 @@ def metrics(job) -> Optional[dict]:
 
 def summary(metrics: dict) -> Optional[str]:
     """The MoE row under the communication table (None without --experts)."""
-    from .console import human_bytes
+    from ..console import human_bytes
     m = metrics.get("moe")
     if not m or not m["aux_loss"]:
         return None

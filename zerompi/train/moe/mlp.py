@@ -11,7 +11,7 @@ gradient (times ``aux_coef``) flows into the router through p_e. Everything is c
 slot, by expert), so the bits depend on nothing but the rows. With ``bias_rate`` γ > 0 (DeepSeek-V3's
 aux-loss-free balancing) a per-expert bias is added to the probabilities for the top-k choice only (the
 weights stay the probabilities'), moved by γ · sign(mean load - load) after each step on the step's global
-counts (train/moe_run.py). docs/moe.md.
+counts (train/moe/routing.py). docs/moe.md.
 """
 import math
 from dataclasses import dataclass
@@ -19,7 +19,7 @@ from typing import Optional
 
 import numpy as np
 
-from .gpt_numpy import gelu, gelu_grad
+from ..models.gpt_numpy import gelu, gelu_grad
 
 # Short names of an MoE block's MLP parameters (beside the router's ``router.w``), stacked over the experts.
 EXPERT_KEYS = ("experts.fc.w", "experts.fc.b", "experts.out.w", "experts.out.b")
@@ -28,7 +28,7 @@ ROUTER = "router.w"
 
 @dataclass(frozen=True)
 class MoESpec:
-    """The MoE MLP's sizes and rules (train/moe_config.py's MoEConfig, with the hidden width resolved)."""
+    """The MoE MLP's sizes and rules (train/moe/config.py's MoEConfig, with the hidden width resolved)."""
 
     experts: int
     top_k: int

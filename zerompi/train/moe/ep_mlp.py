@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from ..model_kernels import upcast
-from .moe import EXPERT_KEYS, MoEMLP, Routing, expert_backward, expert_forward
+from .mlp import EXPERT_KEYS, MoEMLP, Routing, expert_backward, expert_forward
 
 
 class ExpertStore:

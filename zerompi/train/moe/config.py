@@ -2,14 +2,14 @@
 
 ``--experts E`` (0: the dense GPT) puts a routed MLP of E experts in every ``--moe-every``-th block: a router
 (softmax over the experts, top-k, renormalised weights), dropless unless ``--capacity-factor`` is given, and
-the Switch/GShard load-balancing loss times ``--aux-coef``. models/moe.py has the mathematics, docs/moe.md the
+the Switch/GShard load-balancing loss times ``--aux-coef``. moe/mlp.py has the mathematics, docs/moe.md the
 design and what is built.
 """
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..errors import check
-from ..flags import flag, flag_name
+from ...errors import check
+from ...flags import flag, flag_name
 
 
 @dataclass(frozen=True)
@@ -112,10 +112,10 @@ def check_world(cfg, world_size: int) -> None:
 
 
 def moe_spec(cfg):
-    """models/moe.py's MoESpec of cfg (the hidden width resolved), or None for the dense GPT."""
+    """moe/mlp.py's MoESpec of cfg (the hidden width resolved), or None for the dense GPT."""
     m = cfg.moe
     if not m.on:
         return None
-    from .models.moe import MoESpec
+    from .mlp import MoESpec
     return MoESpec(m.experts, m.top_k, m.expert_hidden or 4 * cfg.d_model, m.moe_every, m.capacity_factor,
                    m.aux_coef, m.bias_update)

@@ -14,9 +14,9 @@ from fnmatch import fnmatchcase
 
 import numpy as np
 
-from ..comm.subcomm import split
-from ..engine import lazy
-from .models.moe import EXPERT_KEYS
+from ...comm.subcomm import split
+from ...engine import lazy
+from .mlp import EXPERT_KEYS
 
 
 def short_name(name: str) -> str:
@@ -29,10 +29,10 @@ class ExpertParallel:
     ``dense_layers``: the model's lazy layers without the experts, for the dense engine."""
 
     def __init__(self, cfg, comm, model, layers):
-        from ..comm.communicator import Communicator
-        from ..comm.ep_alltoall import EPComm
-        from ..engine.zero_engine import ZeroEngine
-        from .models.moe_ep import ExpertStore
+        from ...comm.communicator import Communicator
+        from ...comm.ep_alltoall import EPComm
+        from ...engine.zero_engine import ZeroEngine
+        from .ep_mlp import ExpertStore
         K = cfg.moe.ep
         self.k = K
         self.ep = EPComm(split(comm.mpi, lambda r: r // K), comm.waiting)
@@ -59,7 +59,7 @@ class ExpertParallel:
 
     def step(self, dense):
         """Both engines' step, decided together (a collective over the EP group); the dense engine's result."""
-        from ..pipeline.step import step_together
+        from ...pipeline.step import step_together
         return step_together([dense, self.engine], self.ep, once=1)[0]
 
     def params_total(self, dense) -> int:
