@@ -25,6 +25,7 @@
 #      bit-identical, losses beside the CPU's), two-level collectives with qwZ int8 + qgZ int4
 #      (N = 4 in 2 nodes, stages bit-identical), hpZ, and optimizer offload (cpu and nvme,
 #      stages 2 and 3: the same bits as without offload)
+#   9. Muon on the GPU: stages 0-3 bit-identical, the losses beside the CPU's
 # Results: OUT/*.json and OUT/*.log; scripts/gpu_summary.py prints the table last and
 # writes OUT/summary.json. Exit status 0 only when every check passed.
 #
@@ -155,6 +156,15 @@ for stage in 2 3; do
     done
 done
 rm -rf "$offload_dir"
+
+# 9. Muon (--optimizer muon, engine/muon.py; the matrices to their owners and back through host memory):
+#    stages 0-3 on the GPU bit-identical, the losses beside the CPU's.
+for device in gpu cpu; do
+    for stage in 0 1 2 3; do
+        run "muon_${device}_s${stage}" 120 mpiexec -n 2 "$PY" -m zerompi.train --device "$device" --optimizer muon \
+            --dtype fp32 --stage "$stage" --steps 20 --eval-every 0 --metrics-json "$OUT/muon_${device}_s${stage}.json"
+    done
+done
 
 "$PY" scripts/gpu_summary.py "$OUT" || fail=1
 exit $fail

@@ -7,7 +7,7 @@ budget was spent), OUT/env.json, the parity runs' metrics (OUT/parity_{gpu,cpu}_
 OUT/bench_adam.json, OUT/bench_comm.json, OUT/bench_nccl.json, OUT/gpt.json, OUT/gpt_nccl.json,
 the JSON lines of OUT/bench_floor.log, OUT/bench_torch.json (or bench_torch.log saying PyTorch is
 not there), and the feature runs' metrics (bf16_*, zeropp_gpu_*, hpz_gpu_s3, twolevel_gpu_s3,
-offload_*); writes OUT/summary.json and exits 1 when a check failed.
+offload_*, muon_*); writes OUT/summary.json and exits 1 when a check failed.
 """
 import json
 import sys
@@ -113,7 +113,8 @@ def check_features(out: Path) -> List[dict]:
     rows = [check_stage_set(out, "bf16 stages 0-3, N=2", "bf16_gpu", "bf16_cpu", "bf16"),
             check_stage_set(out, "two levels + qwZ int8 + qgZ int4, N=4 in 2 nodes, stages 1-3", "zeropp_gpu", None,
                             "fp16", stages=range(1, 4)),
-            check_same_bits(out, "hpZ = two-level stage 3 (N=4 in 2 nodes)", ["hpz_gpu_s3", "twolevel_gpu_s3"])]
+            check_same_bits(out, "hpZ = two-level stage 3 (N=4 in 2 nodes)", ["hpz_gpu_s3", "twolevel_gpu_s3"]),
+            check_stage_set(out, "Muon stages 0-3, N=2 (GPT, fp32)", "muon_gpu", "muon_cpu", "fp32")]
     for stage in (2, 3):
         rows.append(check_same_bits(out, f"optimizer offload cpu, nvme = in memory, stage {stage}",
                                     [f"parity_gpu_n2_fp16_s{stage}", f"offload_cpu_gpu_s{stage}",

@@ -49,6 +49,11 @@ def write_results(out, **change):
             steps.append(f"bf16_{dev}_s{s}")
             bad = change.get("bf16_loss_off") and dev == "gpu"
             write_metrics(out, f"bf16_{dev}_s{s}", "d" + dev, (1.0, 0.5, 0.3 if bad else 0.25), dev)
+    for dev in ("gpu", "cpu"):
+        for s in range(4):
+            steps.append(f"muon_{dev}_s{s}")
+            sha = "m" + dev + ("x" if change.get("muon_stage_differs") and dev == "gpu" and s == 2 else "")
+            write_metrics(out, f"muon_{dev}_s{s}", sha, (1.0, 0.5, 0.25), dev)
     for s in (1, 2, 3):
         steps.append(f"zeropp_gpu_s{s}")
         write_metrics(out, f"zeropp_gpu_s{s}", "q", (1.0, 1.2 if change.get("zeropp_diverges") else 0.5))
@@ -107,6 +112,7 @@ def test_summary_passes_good_results(tmp_path, capsys):
     ({"bf16_loss_off": True}, "GPU vs CPU losses within 2.0e-01 (tolerance 0.05)"),
     ({"zeropp_diverges": True}, "loss 1 -> 1.2"),
     ({"hpz_differs": True}, "DIFFER: {'hpz_gpu_s3': 'x'"),
+    ({"muon_stage_differs": True}, "FAIL  Muon stages 0-3"),
     ({"offload_differs": True}, "'offload_nvme_gpu_s2': 'e'"),
     ({"floor_stages_differ": True}, "FAIL  GPT step per stage against its GEMM floor"),
     ({"torch_parity_off": True}, "FAIL  the GPT under PyTorch"),
