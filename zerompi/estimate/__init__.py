@@ -17,6 +17,7 @@ Modules:
 - sp_bytes: --sp, the GPT's activations per rank and its all-to-all bytes
 - pipeline: --pp, a pipeline schedule's bubble and activations
 - moe_bytes: --experts/--ep, the GPT's dense and expert parameters and model states, the EP all-to-all's bytes
+- replica_bytes: --replicas, the host shared memory of a rank's in-memory shard replicas
 - machine: the memory a job's ranks can still take
 - cli: the options, --from-run
 - table: the table the command line prints

@@ -16,6 +16,7 @@ from ..engine import reducer
 from ..engine.config import ZeroConfig
 from ..errors import EXIT_OUTPUT, ConfigError, OneLineParser, check, quiet_exit_on_closed_stdout
 from .activations import GPT_FLAGS, gpt_activations, gpt_layer_sizes, with_activations
+from .moe_bytes import MOE_FLAGS
 from .fromrun import compare_run, format_compare, read_run, run_estimate
 from .stages import DEFAULT_PREFETCH, estimate
 from .table import format_table
@@ -107,6 +108,18 @@ def build_parser() -> argparse.ArgumentParser:
     pipe.add_argument("--costs", default=None, metavar="F,B,W",
                       help="seconds (any unit) of one micro-batch's forward, input-gradient and weight-gradient "
                            "backward on one stage (default 1,1,1)")
+    moe = p.add_argument_group("the MoE GPT (with the GPT's six dimensions; estimate/moe_bytes.py, docs/moe.md)")
+    moe.add_argument("--experts", type=int, default=None, metavar="E", help="experts per MoE block: dense and "
+                     "expert model states apart, and the expert-parallel all-to-all's bytes")
+    moe.add_argument("--ep", type=int, default=None, metavar="K", help="expert-parallel ranks (default 1)")
+    moe.add_argument("--top-k", type=int, default=None, metavar="K", help="experts each token goes to (default 2)")
+    moe.add_argument("--moe-every", type=int, default=None, metavar="K", help="every K-th block is MoE (default 1)")
+    moe.add_argument("--expert-hidden", type=int, default=None, metavar="H",
+                     help="hidden width of each expert's MLP (default 4 x d_model)")
+    p.add_argument("--replicas", action="store_true", help="as zerompi.train --replicas: the host shared memory "
+                   "of each rank's in-memory shard replicas (docs/failures.md)")
+    p.add_argument("--optimizer", default=None, metavar="adamw|muon", help="the optimizer whose state the table "
+                   "prices (default adamw; muon: 16 bytes per parameter, docs/optimizers.md)")
     p.add_argument("--json", metavar="PATH", help="also write the table as JSON")
     p.add_argument("--from-run", metavar="METRICS.json",
                    help="a train run's --metrics-json: estimate its configuration and show measured beside it")
@@ -130,7 +143,15 @@ def main(argv: Optional[List[str]] = None) -> int:
                     overlap=not a.no_overlap, intra_gbps=a.intra_gbps, inter_gbps=a.inter_gbps,
                     offload_optimizer=a.offload_optimizer, offload_params=a.offload_params,
                     quantize_weights=a.quantize_weights, quantize_grads=a.quantize_grads,
-                    quant_block=DEFAULT_BLOCK if a.quant_block is None else a.quant_block)
+                    quant_block=DEFAULT_BLOCK if a.quant_block is None else a.quant_block,
+                    optimizer=a.optimizer or "adamw")
+        check(a.optimizer != "muon" or (a.offload_optimizer, a.offload_params) == ("none", "none"),
+              "--offload-optimizer and --offload-params are not available with --optimizer muon yet (Newton-Schulz "
+              "needs every bucket's matrices before any is updated); drop one of the two")
+        moe_flags = {k: getattr(a, k) for k in ("ep",) + MOE_FLAGS if getattr(a, k) is not None}
+        for name, value in moe_flags.items():
+            check(a.experts is not None, f"{name}={value!r} (--{name.replace('_', '-')}) applies with --experts "
+                                         "only; drop it or add --experts E")
         check(a.quant_block is None or a.quantize_weights or a.quantize_grads,
               f"quant_block={a.quant_block} applies to quantized communication only; add --quantize-weights or "
               "--quantize-grads, or drop --quant-block")
@@ -147,6 +168,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             check(v >= 1, f"{name}={v} must be a whole number >= 1")
             check(v == 1 or given, f"{name}={v}: give the GPT's dimensions (--n-layer --d-model --n-head --seq-len "
                                    "--batch --vocab) and --ranks, not --params: they decide what each rank holds")
+        late = [k for k in ("experts", "optimizer") if getattr(a, k) is not None] + ["replicas"] * a.replicas
+        check(not late or a.from_run is None, f"--{late[0] if late else ''} does not apply with --from-run (it reads "
+                                              "the run's configuration); drop it")
         check(not given or a.from_run is None, f"{given[0] if given else ''} does not apply with --from-run "
                                                "(it reads the run's configuration); drop it")
         check(not given or len(given) == len(GPT_FLAGS), "the GPT's activations need all of --n-layer --d-model "
@@ -179,7 +203,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                 raise ConfigError(f"from_run={a.from_run!r} is not the --metrics-json of a zerompi.train run "
                                   f"({type(e).__name__}: {e})")
         else:
-            tp = sp = None
+            tp = sp = moe = None
+            if a.experts is not None:    # the MoE GPT: the table's engine layers, dense and expert states apart
+                moe = _moe(a, dims, given)
+                a.params, largest, act = moe["table_params"], moe["table_largest_layer"], None
             if a.tp != 1:                # the TP split of the GPT's dimensions, then ZeRO over N/K
                 from .tp_bytes import gpt_tp
                 tp = gpt_tp(a.tp, a.ranks, a.n_layer, a.d_model, a.vocab, a.seq_len, a.batch, a.micro_batches, a.sp,
@@ -195,7 +222,15 @@ def main(argv: Optional[List[str]] = None) -> int:
                 a.params, a.ranks, largest = tp["params_local"], tp["dp"], None
             check(a.params is not None and a.ranks is not None, "give --params and --ranks (or --from-run)")
             est = estimate(a.params, a.ranks, a.dtype, layers=a.layers, largest_layer=largest, **opts, **topo)
-            est = with_activations(est, act) if given else est
+            est = with_activations(est, act) if given and act else est
+            if moe:
+                from .moe_bytes import with_layouts
+                est = dict(est, moe=with_layouts(moe, est, opts))
+            if a.replicas:               # each rank's shard twice in host shared memory, two steps
+                from .replica_bytes import check_replicas, replica_estimate
+                check_replicas(est["ranks"], est["node_size"], {f"--{k}": v for k, v in (
+                    ("tp", a.tp), ("sp", a.sp), ("ep", a.ep or 1)) if v != 1})
+                est = dict(est, replicas=replica_estimate(est))
             est = dict(est, tensor_parallel=tp) if tp else est
             est = dict(est, sequence_parallel=sp) if sp else est
             cmp = None
@@ -212,6 +247,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         if est.get("sequence_parallel"):
             from .sp_bytes import format_sp
             print(format_sp(est["sequence_parallel"]))
+        if est.get("moe"):
+            from .moe_bytes import format_moe
+            print(format_moe(est["moe"]))
+        if est.get("replicas"):
+            from .replica_bytes import format_replicas
+            print(format_replicas(est["replicas"]))
         if cmp is not None:
             print()
             print(format_compare(cmp, est))
@@ -226,6 +267,22 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 0
 
 
+def _moe(a, dims: dict, given: list) -> dict:
+    """--experts: the run's refusals checked (train/moe_config.py), then the MoE section (moe_bytes.py)."""
+    from .moe_bytes import check_moe, gpt_moe
+    check(given, f"experts={a.experts}: give the GPT's dimensions (--n-layer --d-model --n-head --seq-len --batch "
+                 "--vocab) and --ranks, not --params: they decide the dense and expert parameters")
+    ep, top_k, every = a.ep or 1, 2 if a.top_k is None else a.top_k, 1 if a.moe_every is None else a.moe_every
+    check_moe(a.experts, ep, top_k, every, a.expert_hidden, a.ranks,
+              {"--tp": a.tp != 1, "--sp": a.sp != 1, "--checkpoint-activations": a.checkpoint_activations,
+               "--optimizer muon": a.optimizer == "muon"},
+              {"--offload-optimizer": a.offload_optimizer != "none", "--offload-params": a.offload_params != "none",
+               "--quantize-weights": bool(a.quantize_weights), "--quantize-grads": bool(a.quantize_grads),
+               "--hpz": a.hpz, "--node-size": a.node_size is not None, "--shard-size": a.shard_size is not None})
+    return gpt_moe(dims, a.ranks, a.experts, ep, top_k, every, a.expert_hidden, a.micro_batches,
+                   ZeroConfig(dtype=a.dtype).itemsize)
+
+
 PIPELINE_ALONE = ("largest_layer", "from_run", "node_size", "shard_size") + GPT_FLAGS
 
 
@@ -233,7 +290,11 @@ def _pipeline(a, opts) -> int:
     """``--pp P``: the schedule's bubble and activations; with --params, --ranks: one stage's table (pipeline.py)."""
     from .pipeline import format_pipeline, parse_costs, pipeline_estimate, stage_estimate
     check(a.pp is not None, "--schedule, --schedule-file, --chunks and --costs need --pp P (the pipeline stages)")
+    check(not a.replicas, f"--replicas does not support --pp {a.pp} yet; drop --replicas or --pp")
+    check(a.experts is None or (a.ep or 1) == 1, f"--pp with --experts {a.experts} --ep {a.ep} is not supported yet "
+                                                 "(docs/moe.md); drop one of the two")
     on = {"--tp": a.tp != 1, "--sp": a.sp != 1, "--hpz": a.hpz, "--checkpoint-activations": a.checkpoint_activations}
+    on["--experts"] = a.experts is not None
     other = [f"--{k.replace('_', '-')}" for k in PIPELINE_ALONE if getattr(a, k) is not None] + [f for f in on if on[f]]
     check(not other, f"--pp estimates the schedule, and one stage's table from --params, --ranks and --layers; drop "
                      f"{' '.join(other)} (not estimated per stage)")
