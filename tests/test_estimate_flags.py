@@ -27,14 +27,15 @@ def cli_json(tmp_path, argv, name="est.json"):
 
 @pytest.fixture(scope="module")
 def runs():
-    """N = 4: the MoE GPT at --ep 2 (stages 1 and 3, fp16), and the MLP with --replicas in 2 nodes of 2 (AdamW at
-    stage 1, Muon at stage 3, fp16)."""
+    """N = 4: the MoE GPT at --ep 2 (stages 1 and 3, fp16), the MLP with --replicas in 2 nodes of 2 (AdamW at
+    stage 1, Muon at stage 3, fp16), the MoE GPT at --ep 1 (stages 0 and 3, fp16)."""
     job = f"est-flags-{os.getpid()}"
     configs = [MOE + ["--dtype", "fp16", "--stage", str(s), "--ep", "2"] for s in (1, 3)]
     configs += [MLP + ["--dtype", "fp16", "--stage", str(s), "--optimizer", opt, "--replicas", f"{job}-{opt}"]
                 for s, opt in ((1, "adamw"), (3, "muon"))]
+    configs += [MOE + ["--dtype", "fp16", "--stage", str(s), "--ep", "1"] for s in (0, 3)]
     out = run_many(4, configs, timeout=400)
-    assert len(out) == 4
+    assert len(out) == 6
     return out
 
 
@@ -55,6 +56,16 @@ def test_moe_states_equal_the_runs(runs, tmp_path, which):
                                                                        mem["experts"]["measured"])
     assert est["params"] == mem["dense"]["params"] and est["stages"][m["stage"]]["model_state_bytes"] == \
         mem["dense"]["measured"]
+
+
+@pytest.mark.parametrize("which", [4, 5])
+def test_moe_at_ep_1_the_table_is_the_one_engine(runs, tmp_path, which):
+    """--ep 1: one engine holds the whole MoE GPT; the table's model states are its bytes."""
+    m = runs[which]
+    est = cli_json(tmp_path, GPT + MOE_OPTS + ["--dtype", "fp16", "--bucket-mb", 0.004])
+    assert (est["params"], est["padded_params"]) == (m["params"], m["padded_params"])
+    assert est["stages"][m["stage"]]["model_state_bytes"] == m["memory_bytes"]["total"]
+    assert est["moe"]["all_to_all_bytes_per_step"] == m["moe"]["all_to_all_theory_bytes"] == 0
 
 
 def test_moe_all_to_all_equals_a_balanced_run(tmp_path):
