@@ -17,8 +17,10 @@ Modules:
 - sp_bytes: --sp, the GPT's activations per rank and its all-to-all bytes
 - pipeline: --pp, a pipeline schedule's bubble and activations
 - moe_bytes: --experts/--ep, the GPT's dense and expert parameters and model states, the EP all-to-all's bytes
+- replica_bytes: --replicas, the host shared memory of a rank's in-memory shard replicas
 - machine: the memory a job's ranks can still take
-- cli: the options, the table
+- cli: the options, --from-run
+- table: the table the command line prints
 - fromrun: ``--from-run``, a run's measured bytes beside its estimate
 - configs: ``zero=`` a ZeroConfig, ``mesh=`` a MeshConfig: a run's configs in place of the keywords
 

@@ -1,9 +1,9 @@
-"""The command line of ``python -m zerompi.estimate``: its options, its table, and --from-run.
+"""The command line of ``python -m zerompi.estimate``: its options and --from-run.
 
-One concern: turning arguments into a call of :func:`~zerompi.estimate.stages.estimate` and its dict into
-text. Parses the options (bad input: one line naming the value, exit status 2), prints the table (model states
-first, then buffers, then communication), and with ``--from-run`` estimates a train run's configuration from
-its ``--metrics-json`` and puts the measured bytes beside it. No arithmetic about memory lives here.
+One concern: turning arguments into a call of :func:`~zerompi.estimate.stages.estimate` (and the sections of
+--tp, --sp, --pp, --experts, --replicas). Parses the options (bad input: one line naming the value, exit status
+2), prints the table (table.py), and with ``--from-run`` estimates a train run's configuration from its
+``--metrics-json`` and puts the measured bytes beside it. No arithmetic about memory lives here.
 """
 import argparse
 import math
@@ -16,14 +16,10 @@ from ..engine import reducer
 from ..engine.config import ZeroConfig
 from ..errors import EXIT_OUTPUT, ConfigError, OneLineParser, check, quiet_exit_on_closed_stdout
 from .activations import GPT_FLAGS, gpt_activations, gpt_layer_sizes, with_activations
+from .moe_bytes import MOE_FLAGS
 from .fromrun import compare_run, format_compare, read_run, run_estimate
-from .stages import BUFFER_ROWS, DEFAULT_PREFETCH, OPTIMIZER_LABELS, estimate
-
-UNITS = ((1e9, "GB", 2 ** 30, "GiB"), (1e6, "MB", 2 ** 20, "MiB"), (1e3, "kB", 2 ** 10, "KiB"), (1, "B", 1, "B"))
-
-
-def _units(largest: float):
-    return next(u for u in UNITS if largest >= u[0])
+from .stages import DEFAULT_PREFETCH, estimate
+from .table import format_table
 
 
 def parse_count(text: str) -> float:
@@ -47,149 +43,6 @@ def parse_finite(text: str) -> float:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
     return value
-
-
-def format_table(est: dict) -> str:
-    """The estimate as the text table the CLI prints: model states first, then buffers, then communication."""
-    rows = est["stages"]
-    big, unit, bin_, bunit = _units(max(r["total_bytes"] for r in rows))
-    dec = lambda b: f"{b / big:12.4f}"
-    binary = lambda b: f"{b / bin_:12.4f}"
-    line = lambda label, cells: f"  {label:<28}" + "".join(f"{c:>14}" for c in cells)
-    out = [f"zerompi.estimate: Ψ = {est['params']:,} parameters, N = {est['ranks']} ranks, {est['dtype']} storage, "
-           f"{OPTIMIZER_LABELS[est.get('optimizer', 'adamw')][0]} with an fp32 master ({unit} = {big:,.0f} bytes)",
-           line(f"bytes per rank, {unit}", [f"stage {r['stage']}" for r in rows])]
-    for key, label in (("params_bytes", "params"), ("grads_bytes", "grads"),
-                       ("optimizer_bytes", OPTIMIZER_LABELS[est.get("optimizer", "adamw")][1])):
-        out.append(line(label, [dec(r[key]) for r in rows]))
-    if est.get("hpz_applies"):
-        out.append(line("secondary copy (hpZ)", [dec(r["secondary_bytes"]) if r["secondary_bytes"] else "-"
-                                                 for r in rows]))
-    out.append(line(f"model states, {unit}", [dec(r["model_state_bytes"]) for r in rows]))
-    if any(est.get("offload", {}).get(k, "none") != "none" for k in ("optimizer", "params")):
-        for place, label in (("device", "of them on the device"), ("host", "in host memory (offload)"),
-                             ("disk", "in files (offload)")):
-            out.append(line(label, [dec(r["model_state_bytes_by_place"][place]["total"]) for r in rows]))
-    out.append(line(f"model states, {bunit}", [binary(r["model_state_bytes"]) for r in rows]))
-    out.append(line("formula", [r["formula"] for r in rows]))
-    labels = {"grad_buckets": "gradient buckets", "gathered_params": "gathered layers (stage 3)",
-              "spare_buffers": "spare bucket buffers", "grad_accumulator": "micro-batch accumulator",
-              "comm_scratch": "reduce-scatter scratch"}
-    for key in BUFFER_ROWS:
-        out.append(line(f"+ {labels[key]}", [dec(r["buffers"][key]) if r["buffers"][key] else "-" for r in rows]))
-    pending = est["in_flight"]
-    out.append(line(f"total ({pending:,} pending), {unit}", [dec(r["total_bytes"]) for r in rows]))
-    out.append(line(f"total ({pending:,} pending), {bunit}", [binary(r["total_bytes"]) for r in rows]))
-    if pending > 0:
-        out.append(line(f"total (best case), {unit}", [dec(r["total_bytes_best_case"]) for r in rows]))
-    act = est.get("activations")
-    if act:
-        out.append(line(f"+ activations (GPT), {unit}", [dec(r["activation_bytes"]) for r in rows]))
-        out.append(line(f"total with activations, {unit}", [dec(r["total_bytes_with_activations"]) for r in rows]))
-        out.append(line(f"total with activations, {bunit}", [binary(r["total_bytes_with_activations"]) for r in rows]))
-    if est.get("by_level"):
-        out += level_rows(est, line, dec, unit)
-    else:
-        out.append(line(f"communication per step, {unit}", [dec(r["comm_bytes_per_step"]) for r in rows]))
-        if est.get("quantized"):
-            out.append(line(f"  unquantized (logical), {unit}", [dec(r["comm_logical_bytes_per_step"]) for r in rows]))
-        out.append(line("collective calls per step", [f"{r['comm_calls_per_step']:,}" for r in rows]))
-        out.append(line("communication time, s", [f"{r['comm_seconds_per_step']:.4f}" for r in rows]))
-    padding = est["padded_params"] - est["params"]
-    out += ["", activation_note(act)] if act else []
-    out += ["",
-            f"layout: {est['buckets']:,} buckets of up to {est['bucket_numel']:,} elements ({est['bucket_mb']:g} MiB), "
-            f"{padding:,} padding elements; stage-3 prefetch {est['prefetch']}; "
-            f"{est['micro_batches']} micro-batch(es)",
-            _pending_note(est)] + quant_notes(est)
-    if est.get("by_level"):
-        return "\n".join(out + level_notes(est))
-    out += [f"communication: ring volumes, (N-1)/N of the buffer per pass; time = calls x (N-1) x "
-            f"{est['latency_us']:g} us + bytes / {est['bandwidth_gbps']:g} Gbit/s",
-            f"stage 3 moves 3 passes per micro-batch (gather forward, gather backward, reduce-scatter); the engine "
-            f"keeps the buckets it holds gathered across each forward/backward turn, so it sends up to "
-            f"{rows[3]['comm_bytes_kept_at_turns']:,} bytes less than that"]
-    return "\n".join(out)
-
-
-def activation_note(act: dict) -> str:
-    """The footer line of the activations: the GPT's shape, the formula and its value."""
-    how = "with activation checkpointing" if act["checkpoint"] else "without checkpointing"
-    return (f"activations: the GPT's (zerompi.train's built-in, C kernels, float32) {how}: L = {act['n_layer']}, "
-            f"C = {act['d_model']}, H = {act['n_head']}, T = {act['seq_len']}, V = {act['vocab']}, "
-            f"B = {act['rows_per_rank']} sequences per rank per micro-batch (batch {act['batch']}); "
-            f"{'n = BT, A = BHT^2: ' if act.get('sp', 1) == 1 else ''}"
-            f"{act['formula']} = {act['bytes']:,} bytes per rank (docs/activations.md)")
-
-
-def level_rows(est: dict, line, dec, unit: str) -> List[str]:
-    """The communication rows by level: bytes sent inside and across nodes per step, and their time."""
-    rows = est["stages"]
-    level = lambda key, lvl: [r[key][lvl] for r in rows]
-    out = [line(f"sent inside nodes / step, {unit}", [dec(b) for b in level("comm_bytes_per_step_by_level", "intra")]),
-           line(f"sent across nodes / step, {unit}", [dec(b) for b in level("comm_bytes_per_step_by_level", "inter")])]
-    if est.get("quantized"):
-        out += [line(f"  unquantized inside, {unit}", [dec(b) for b in level("comm_logical_bytes_per_step_by_level",
-                                                                             "intra")]),
-                line(f"  unquantized across, {unit}", [dec(b) for b in level("comm_logical_bytes_per_step_by_level",
-                                                                             "inter")])]
-    out += [line("time inside nodes, s", [f"{t:.4f}" for t in level("comm_seconds_per_step_by_level", "intra")]),
-            line("time across nodes, s", [f"{t:.4f}" for t in level("comm_seconds_per_step_by_level", "inter")]),
-            line("communication time, s", [f"{r['comm_seconds_per_step_levels']:.4f}" for r in rows])]
-    if est["nodes"] > 1:
-        out += [line(f"if flat: across nodes, {unit}", [dec(b) for b in level("comm_bytes_per_step_if_flat", "inter")]),
-                line("if flat: communication time, s",
-                     [f"{sum(r['comm_seconds_per_step_if_flat'].values()):.4f}" for r in rows])]
-    return out
-
-
-def level_notes(est: dict) -> List[str]:
-    """The footer of the by-level table: the topology, what hpZ applies to, the time model."""
-    n, k, s = est["ranks"], est["node_size"], est["shard_size"]
-    nodes = f"{est['nodes']} node{'s' if est['nodes'] > 1 else ''} of {k}"
-    groups = (f"one shard group of all {n} ranks (N)" if est["shard_groups"] == 1 else
-              f"{est['shard_groups']} shard groups of S = {s} ranks, replicated (model states with S in place of N; "
-              f"each step all-reduces the gradient shard across the groups)")
-    out = [f"topology: {n} ranks in {nodes}; {groups}"]
-    if est["hpz"]:
-        out.append("hpZ: applies to the stage-3 column only (stages 0-2 keep whole parameters); " +
-                   ("a node-local secondary copy of 1/K of the parameters (K = node size), so only the first "
-                    "forward after a step gathers across nodes" if est["hpz_applies"] else
-                    "no effect here: a shard group is one node, so no gather leaves the node"))
-    out.append(f"communication: the bytes the engine sends per step (engine/traffic.py): within a group across "
-               f"nodes, a reduce-scatter or all-gather moves (K-1)/K of a bucket inside the node and 1/K x (M-1)/M "
-               f"across; time per level = ring steps x {est['latency_us']:g} us + bytes / bandwidth "
-               f"({est['intra_gbps']:g} Gbit/s inside nodes, {est['inter_gbps']:g} across), the two levels added")
-    if est["nodes"] > 1:
-        out.append("if flat: the same collectives flat over each shard group, unaware of nodes, as before two "
-                   "levels: (S-K)/S of every bucket crosses (hpZ needs two levels: left out)")
-    return out
-
-
-def quant_notes(est: dict) -> List[str]:
-    """The footer line of a quantized estimate: what is quantized, and how a slice travels."""
-    q = est.get("quantization") or {}
-    if not est.get("quantized"):
-        return []
-    what = [f"weights {q['weights']} (qwZ: the parameter gathers of stages 1-3)"] if q["weights"] else []
-    what += [f"gradients {q['grads']} (qgZ: the reduce-scatters)"] if q["grads"] else []
-    return [f"quantized: {' and '.join(what)}, blocks of {q['block']}: a slice of k elements travels as its values "
-            f"(k bytes for int8, (k + 1) / 2 for int4, padded to 4) and a 4-byte scale per block; the bytes and "
-            f"times above are on the wire, the unquantized rows what the same step would send unquantized "
-            f"(stage 0's gradient all-gather, the all-reduce across shard groups and hpZ's gathers inside a node "
-            f"travel unquantized)"]
-
-
-def _pending_note(est: dict) -> str:
-    """The footer line that says which bound on pending reductions the totals assume."""
-    cap, pending = est["engine_max_pending"], est["in_flight"]
-    if not est["overlap"]:
-        return ("overlap off: every collective is waited for as it starts, so no reduction is pending when the "
-                "next bucket's gradients arrive (the best case)")
-    whose = (f"the engine's cap (MAX_PENDING_REDUCES = {cap})" if pending == cap
-             else f"--in-flight {pending}; the engine's cap is {cap}")
-    return (f"pending: gradient reductions still in flight when the next bucket's gradients arrive, at most "
-            f"{pending}: {whose}; best case: none pending (each reduction done before the next bucket fills)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -255,6 +108,18 @@ def build_parser() -> argparse.ArgumentParser:
     pipe.add_argument("--costs", default=None, metavar="F,B,W",
                       help="seconds (any unit) of one micro-batch's forward, input-gradient and weight-gradient "
                            "backward on one stage (default 1,1,1)")
+    moe = p.add_argument_group("the MoE GPT (with the GPT's six dimensions; estimate/moe_bytes.py, docs/moe.md)")
+    moe.add_argument("--experts", type=int, default=None, metavar="E", help="experts per MoE block: dense and "
+                     "expert model states apart, and the expert-parallel all-to-all's bytes")
+    moe.add_argument("--ep", type=int, default=None, metavar="K", help="expert-parallel ranks (default 1)")
+    moe.add_argument("--top-k", type=int, default=None, metavar="K", help="experts each token goes to (default 2)")
+    moe.add_argument("--moe-every", type=int, default=None, metavar="K", help="every K-th block is MoE (default 1)")
+    moe.add_argument("--expert-hidden", type=int, default=None, metavar="H",
+                     help="hidden width of each expert's MLP (default 4 x d_model)")
+    p.add_argument("--replicas", action="store_true", help="as zerompi.train --replicas: the host shared memory "
+                   "of each rank's in-memory shard replicas (docs/failures.md)")
+    p.add_argument("--optimizer", default=None, metavar="adamw|muon", help="the optimizer whose state the table "
+                   "prices (default adamw; muon: 16 bytes per parameter, docs/optimizers.md)")
     p.add_argument("--json", metavar="PATH", help="also write the table as JSON")
     p.add_argument("--from-run", metavar="METRICS.json",
                    help="a train run's --metrics-json: estimate its configuration and show measured beside it")
@@ -278,7 +143,15 @@ def main(argv: Optional[List[str]] = None) -> int:
                     overlap=not a.no_overlap, intra_gbps=a.intra_gbps, inter_gbps=a.inter_gbps,
                     offload_optimizer=a.offload_optimizer, offload_params=a.offload_params,
                     quantize_weights=a.quantize_weights, quantize_grads=a.quantize_grads,
-                    quant_block=DEFAULT_BLOCK if a.quant_block is None else a.quant_block)
+                    quant_block=DEFAULT_BLOCK if a.quant_block is None else a.quant_block,
+                    optimizer=a.optimizer or "adamw")
+        check(a.optimizer != "muon" or (a.offload_optimizer, a.offload_params) == ("none", "none"),
+              "--offload-optimizer and --offload-params are not available with --optimizer muon yet (Newton-Schulz "
+              "needs every bucket's matrices before any is updated); drop one of the two")
+        moe_flags = {k: getattr(a, k) for k in ("ep",) + MOE_FLAGS if getattr(a, k) is not None}
+        for name, value in moe_flags.items():
+            check(a.experts is not None, f"{name}={value!r} (--{name.replace('_', '-')}) applies with --experts "
+                                         "only; drop it or add --experts E")
         check(a.quant_block is None or a.quantize_weights or a.quantize_grads,
               f"quant_block={a.quant_block} applies to quantized communication only; add --quantize-weights or "
               "--quantize-grads, or drop --quant-block")
@@ -295,6 +168,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             check(v >= 1, f"{name}={v} must be a whole number >= 1")
             check(v == 1 or given, f"{name}={v}: give the GPT's dimensions (--n-layer --d-model --n-head --seq-len "
                                    "--batch --vocab) and --ranks, not --params: they decide what each rank holds")
+        late = [k for k in ("experts", "optimizer") if getattr(a, k) is not None] + ["replicas"] * a.replicas
+        check(not late or a.from_run is None, f"--{late[0] if late else ''} does not apply with --from-run (it reads "
+                                              "the run's configuration); drop it")
         check(not given or a.from_run is None, f"{given[0] if given else ''} does not apply with --from-run "
                                                "(it reads the run's configuration); drop it")
         check(not given or len(given) == len(GPT_FLAGS), "the GPT's activations need all of --n-layer --d-model "
@@ -327,7 +203,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                 raise ConfigError(f"from_run={a.from_run!r} is not the --metrics-json of a zerompi.train run "
                                   f"({type(e).__name__}: {e})")
         else:
-            tp = sp = None
+            tp = sp = moe = None
+            if a.experts is not None:    # the MoE GPT: the table's engine layers, dense and expert states apart
+                moe = _moe(a, dims, given)
+                a.params, largest, act = moe["table_params"], moe["table_largest_layer"], None
             if a.tp != 1:                # the TP split of the GPT's dimensions, then ZeRO over N/K
                 from .tp_bytes import gpt_tp
                 tp = gpt_tp(a.tp, a.ranks, a.n_layer, a.d_model, a.vocab, a.seq_len, a.batch, a.micro_batches, a.sp,
@@ -343,7 +222,15 @@ def main(argv: Optional[List[str]] = None) -> int:
                 a.params, a.ranks, largest = tp["params_local"], tp["dp"], None
             check(a.params is not None and a.ranks is not None, "give --params and --ranks (or --from-run)")
             est = estimate(a.params, a.ranks, a.dtype, layers=a.layers, largest_layer=largest, **opts, **topo)
-            est = with_activations(est, act) if given else est
+            est = with_activations(est, act) if given and act else est
+            if moe:
+                from .moe_bytes import with_layouts
+                est = dict(est, moe=with_layouts(moe, est, opts))
+            if a.replicas:               # each rank's shard twice in host shared memory, two steps
+                from .replica_bytes import check_replicas, replica_estimate
+                check_replicas(est["ranks"], est["node_size"], {f"--{k}": v for k, v in (
+                    ("tp", a.tp), ("sp", a.sp), ("ep", a.ep or 1)) if v != 1})
+                est = dict(est, replicas=replica_estimate(est))
             est = dict(est, tensor_parallel=tp) if tp else est
             est = dict(est, sequence_parallel=sp) if sp else est
             cmp = None
@@ -360,6 +247,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         if est.get("sequence_parallel"):
             from .sp_bytes import format_sp
             print(format_sp(est["sequence_parallel"]))
+        if est.get("moe"):
+            from .moe_bytes import format_moe
+            print(format_moe(est["moe"]))
+        if est.get("replicas"):
+            from .replica_bytes import format_replicas
+            print(format_replicas(est["replicas"]))
         if cmp is not None:
             print()
             print(format_compare(cmp, est))
@@ -374,6 +267,22 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 0
 
 
+def _moe(a, dims: dict, given: list) -> dict:
+    """--experts: the run's refusals checked (train/moe_config.py), then the MoE section (moe_bytes.py)."""
+    from .moe_bytes import check_moe, gpt_moe
+    check(given, f"experts={a.experts}: give the GPT's dimensions (--n-layer --d-model --n-head --seq-len --batch "
+                 "--vocab) and --ranks, not --params: they decide the dense and expert parameters")
+    ep, top_k, every = a.ep or 1, 2 if a.top_k is None else a.top_k, 1 if a.moe_every is None else a.moe_every
+    check_moe(a.experts, ep, top_k, every, a.expert_hidden, a.ranks,
+              {"--tp": a.tp != 1, "--sp": a.sp != 1, "--checkpoint-activations": a.checkpoint_activations,
+               "--optimizer muon": a.optimizer == "muon"},
+              {"--offload-optimizer": a.offload_optimizer != "none", "--offload-params": a.offload_params != "none",
+               "--quantize-weights": bool(a.quantize_weights), "--quantize-grads": bool(a.quantize_grads),
+               "--hpz": a.hpz, "--node-size": a.node_size is not None, "--shard-size": a.shard_size is not None})
+    return gpt_moe(dims, a.ranks, a.experts, ep, top_k, every, a.expert_hidden, a.micro_batches,
+                   ZeroConfig(dtype=a.dtype).itemsize)
+
+
 PIPELINE_ALONE = ("largest_layer", "from_run", "node_size", "shard_size") + GPT_FLAGS
 
 
@@ -381,7 +290,11 @@ def _pipeline(a, opts) -> int:
     """``--pp P``: the schedule's bubble and activations; with --params, --ranks: one stage's table (pipeline.py)."""
     from .pipeline import format_pipeline, parse_costs, pipeline_estimate, stage_estimate
     check(a.pp is not None, "--schedule, --schedule-file, --chunks and --costs need --pp P (the pipeline stages)")
+    check(not a.replicas, f"--replicas does not support --pp {a.pp} yet; drop --replicas or --pp")
+    check(a.experts is None or (a.ep or 1) == 1, f"--pp with --experts {a.experts} --ep {a.ep} is not supported yet "
+                                                 "(docs/moe.md); drop one of the two")
     on = {"--tp": a.tp != 1, "--sp": a.sp != 1, "--hpz": a.hpz, "--checkpoint-activations": a.checkpoint_activations}
+    on["--experts"] = a.experts is not None
     other = [f"--{k.replace('_', '-')}" for k in PIPELINE_ALONE if getattr(a, k) is not None] + [f for f in on if on[f]]
     check(not other, f"--pp estimates the schedule, and one stage's table from --params, --ranks and --layers; drop "
                      f"{' '.join(other)} (not estimated per stage)")

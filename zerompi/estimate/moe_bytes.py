@@ -7,9 +7,10 @@ E/K experts over the N/K ranks holding the same experts (engine/memory.py's theo
 all-to-all (train/moe/routing.py's row): per MoE block and micro-batch, the counts once and four passes of the rows
 that leave the rank, balanced and dropless. docs/moe.md.
 """
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 from ..engine.memory import theory_bytes
+from ..errors import check
 
 
 def gpt_moe_params(vocab: int, seq_len: int, d_model: int, n_layer: int, experts: int, hidden: int,
@@ -37,3 +38,90 @@ def all_to_all_bytes(ep: int, experts: int, top_k: int, d_model: int, tokens: in
         return 0
     rows = tokens * top_k * (ep - 1) // ep
     return blocks * micro_batches * ((ep - 1) * (experts // ep) * 8 + 4 * rows * d_model * 4)
+
+
+MOE_FLAGS = ("top_k", "moe_every", "expert_hidden")   # the estimate's MoE options besides --experts and --ep
+
+
+def check_moe(experts: int, ep: int, top_k: int, every: int, hidden: Optional[int], ranks: int,
+              other: Dict[str, bool], with_ep: Dict[str, bool]) -> None:
+    """ConfigError (one line) where zerompi.train's MoE refuses the values or the flags (train/moe_config.py):
+    ``other`` maps each flag the MoE does not compose with yet to whether it is given, ``with_ep`` those that
+    --ep K > 1 does not."""
+    check(experts >= 1, f"experts={experts} must be an integer >= 1 (leave --experts out for the dense GPT)")
+    check(top_k >= 1, f"top_k={top_k} must be an integer >= 1")
+    check(top_k <= experts, f"top_k={top_k} is more than experts={experts}; use a top_k of at most {experts}")
+    check(every >= 1, f"moe_every={every} must be an integer >= 1")
+    check(hidden is None or hidden >= 1, f"expert_hidden={hidden} must be an integer >= 1")
+    check(ep >= 1, f"ep={ep} must be an integer >= 1")
+    check(experts % ep == 0, f"experts={experts} is not divisible by ep={ep}; each expert-parallel rank holds "
+                             f"experts / ep of them, so use a divisor of {experts}")
+    for name, given in other.items():
+        check(not given, f"{name} with --experts {experts}{' --ep ' + str(ep) if name == '--pp' else ''} is not "
+                         "supported yet (docs/moe.md); drop one of the two")
+    for name, given in with_ep.items():
+        check(ep == 1 or not given, f"{name} with --ep {ep} is not supported yet (docs/moe.md); drop one of the two")
+    check(ranks % ep == 0, f"ep={ep} does not divide the {ranks} ranks; the ranks form groups of ep that hold all "
+                           f"the experts, so use a divisor of {ranks}")
+
+
+def gpt_moe(dims: dict, ranks: int, experts: int, ep: int, top_k: int, every: int, hidden: Optional[int],
+            micro_batches: int, itemsize: int) -> dict:
+    """The MoE section of the estimate for the GPT of ``dims`` (activations.GPT_FLAGS) over ``ranks``: its dense
+    and expert parameters, each stage's dense and expert model states per rank, the all-to-all's bytes per rank
+    per step, and the engine layers the ZeRO table takes (the whole model at --ep 1, one engine; the dense
+    engine's at --ep K > 1: the experts are the second engine's)."""
+    c, n_layer, hidden = dims["d_model"], dims["n_layer"], hidden or 4 * dims["d_model"]
+    dense, expert = gpt_moe_params(dims["vocab"], dims["seq_len"], c, n_layer, experts, hidden, every)
+    blocks = sum(1 for i in range(n_layer) if (i + 1) % every == 0)
+    moe_block = 4 * c * c + 8 * c + c * experts + (experts * (2 * c * hidden + hidden + c) if ep == 1 else 0)
+    layers = [dims["vocab"] * c + dims["seq_len"] * c] + [
+        moe_block if (i + 1) % every == 0 else 12 * c * c + 13 * c for i in range(n_layer)] + [2 * c]
+    tokens = dims["batch"] // (ranks * micro_batches) * dims["seq_len"]
+    rows = []                 # the formulas (engine/memory.py's theory_bytes, unpadded), as the run prints them
+    for stage in range(4):
+        st = moe_states(stage, itemsize, ranks, ep, dense, expert)
+        rows.append({"stage": stage, "dense_bytes": st["dense"]["total"], "expert_bytes": st["experts"]["total"],
+                     "model_state_bytes": st["dense"]["total"] + st["experts"]["total"]})
+    return {"experts": experts, "ep": ep, "top_k": top_k, "moe_every": every, "expert_hidden": hidden,
+            "moe_blocks": blocks, "dense_params": dense, "expert_params": expert, "ranks": ranks,
+            "expert_ranks": ranks // ep, "tokens_per_micro_batch": tokens, "stages": rows,
+            "all_to_all_bytes_per_step": all_to_all_bytes(ep, experts, top_k, c, tokens, blocks, micro_batches),
+            "table_params": sum(layers), "table_largest_layer": max(layers)}
+
+
+def with_layouts(moe: dict, est: dict, opts: dict) -> dict:
+    """At --ep K > 1, each stage's dense and expert states with the engines' padding: the dense engine's are the
+    table's (``est``), the expert engine's its own estimate (one layer of E/K experts per MoE block over N/K)."""
+    if moe["ep"] == 1:
+        return moe
+    from .stages import estimate
+    experts = estimate(moe["expert_params"] // moe["ep"], moe["expert_ranks"], est["dtype"], layers=moe["moe_blocks"],
+                       **opts)
+    rows = [dict(r, dense_padded_bytes=d["model_state_bytes"], expert_padded_bytes=e["model_state_bytes"])
+            for r, d, e in zip(moe["stages"], est["stages"], experts["stages"])]
+    return dict(moe, stages=rows)
+
+
+def format_moe(moe: dict) -> str:
+    """The MoE section the command line prints under the table."""
+    line = lambda label, cells: f"  {label:<28}" + "".join(f"{c:>14}" for c in cells)
+    rows, k = moe["stages"], moe["ep"]
+    out = ["", f"mixture of experts: {moe['experts']} experts (top-{moe['top_k']}, hidden {moe['expert_hidden']}) in "
+               f"{moe['moe_blocks']} of the blocks, --ep {k}: Ψ = {moe['dense_params']:,} dense + "
+               f"{moe['expert_params']:,} expert parameters",
+           line("bytes per rank", [f"stage {r['stage']}" for r in rows]),
+           line(f"dense states (over {moe['ranks']})", [f"{r['dense_bytes']:,}" for r in rows]),
+           line(f"expert states (E/K over {moe['expert_ranks']})", [f"{r['expert_bytes']:,}" for r in rows]),
+           line("model states", [f"{r['model_state_bytes']:,}" for r in rows])]
+    if k > 1:
+        out += [line("dense, padded layout", [f"{r['dense_padded_bytes']:,}" for r in rows]),
+                line("experts, padded layout", [f"{r['expert_padded_bytes']:,}" for r in rows])]
+    out += [f"  all-to-all per rank per step: {moe['all_to_all_bytes_per_step']:,} bytes = {moe['moe_blocks']} MoE "
+            f"blocks x micro-batches x ((K-1)·E/K·8 + 4 x n·k·(K-1)/K x C x 4 B), n = "
+            f"{moe['tokens_per_micro_batch']} tokens, K = {k} (balanced, dropless; docs/moe.md)",
+            "  model states: the formulas (unpadded, as a run prints them); the table above: " +
+            ("the whole model, one engine over the N ranks" if k == 1 else
+             "the dense engine over the N ranks (the experts: a second engine)") +
+            "; activations are not estimated for the MoE GPT"]
+    return "\n".join(out)

@@ -32,7 +32,7 @@ from .plan import BucketPlan, bucket_numel, plan_buckets
 
 DEFAULT_PREFETCH = getattr(ZeroConfig, "prefetch", 0)   # the engine's default stage-3 prefetch depth
 # the table's names of the optimizer (estimate(optimizer=...) prices its rows: engine/optimizers.py)
-OPTIMIZER_LABELS = {"adamw": ("AdamW", "optimizer (master, m, v)"), "muon": ("Muon", "optimizer (master, mom, m, v)")}
+OPTIMIZER_LABELS = {"adamw": ("AdamW", "optimizer (master, m, v)"), "muon": ("Muon", "optimizer (master,mom,m,v)")}
 # The keys of a stage row's "buffers" dict (bytes per rank), in the order the table prints them.
 BUFFER_ROWS = ("grad_buckets", "gathered_params", "spare_buffers", "grad_accumulator", "comm_scratch")
 

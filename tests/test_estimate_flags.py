@@ -1,0 +1,131 @@
+"""The estimate's --experts/--ep, --replicas and --optimizer against real runs: the CLI's numbers for the job a
+train run describes equal what the run measured (its metrics' ``moe``, ``replicas`` and ``memory_bytes``), byte
+for byte where the run's formula is exact; and each flag's bad values and refused combinations are one line,
+exit status 2."""
+import json
+import os
+
+import pytest
+
+from tests.mpirun import run_mpi
+from tests.test_moe_ep import FLAGS as MOE, metrics_of, run_many
+from zerompi.estimate import cli
+
+GPT = ["--n-layer", "2", "--d-model", "16", "--n-head", "2", "--seq-len", "8", "--batch", "12", "--vocab", "32",
+       "--ranks", "4"]                         # tests/test_moe_ep.py's GPT (the generated corpus: 32 tokens)
+MOE_OPTS = ["--experts", "4", "--top-k", "2", "--expert-hidden", "24"]
+WIDTH, DEPTH, BUCKET_MB = 20, 3, 0.002         # tests/test_estimate.py's MLP
+MLP = ["--model", "mlp", "--width", str(WIDTH), "--depth", str(DEPTH), "--bucket-mb", str(BUCKET_MB), "--steps", "2",
+       "--batch", "24", "--node-size", "2"]
+
+
+def cli_json(tmp_path, argv, name="est.json"):
+    path = tmp_path / name
+    assert cli.main([*map(str, argv), "--json", str(path)]) == 0
+    return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """N = 4: the MoE GPT at --ep 2 (stages 1 and 3, fp16), the MLP with --replicas in 2 nodes of 2 (AdamW at
+    stage 1, Muon at stage 3, fp16), the MoE GPT at --ep 1 (stages 0 and 3, fp16)."""
+    job = f"est-flags-{os.getpid()}"
+    configs = [MOE + ["--dtype", "fp16", "--stage", str(s), "--ep", "2"] for s in (1, 3)]
+    configs += [MLP + ["--dtype", "fp16", "--stage", str(s), "--optimizer", opt, "--replicas", f"{job}-{opt}"]
+                for s, opt in ((1, "adamw"), (3, "muon"))]
+    configs += [MOE + ["--dtype", "fp16", "--stage", str(s), "--ep", "1"] for s in (0, 3)]
+    out = run_many(4, configs, timeout=400)
+    assert len(out) == 6
+    return out
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_moe_states_equal_the_runs(runs, tmp_path, which):
+    """Dense states over the 4 ranks, expert states (2 of the 4 experts) over the 2 expert-data-parallel ranks:
+    the CLI's rows equal what the run's two engines hold."""
+    m = runs[which]
+    est = cli_json(tmp_path, GPT + MOE_OPTS + ["--ep", 2, "--dtype", "fp16", "--bucket-mb", 0.004])
+    row, mem = est["moe"]["stages"][m["stage"]], m["moe"]["memory_bytes_by_engine"]
+    assert est["moe"]["dense_params"] + est["moe"]["expert_params"] == m["params"]
+    assert (est["moe"]["dense_params"], est["moe"]["expert_params"] // 2) == (mem["dense"]["params"],
+                                                                            mem["experts"]["params"])
+    assert (row["dense_bytes"], row["expert_bytes"]) == (mem["dense"]["theory"], mem["experts"]["theory"])
+    assert row["model_state_bytes"] == mem["dense"]["theory"] + mem["experts"]["theory"]
+    # with the engines' padding: what they hold (the dense engine's is the table above)
+    assert (row["dense_padded_bytes"], row["expert_padded_bytes"]) == (mem["dense"]["measured"],
+                                                                       mem["experts"]["measured"])
+    assert est["params"] == mem["dense"]["params"] and est["stages"][m["stage"]]["model_state_bytes"] == \
+        mem["dense"]["measured"]
+
+
+@pytest.mark.parametrize("which", [4, 5])
+def test_moe_at_ep_1_the_table_is_the_one_engine(runs, tmp_path, which):
+    """--ep 1: one engine holds the whole MoE GPT; the table's model states are its bytes."""
+    m = runs[which]
+    est = cli_json(tmp_path, GPT + MOE_OPTS + ["--dtype", "fp16", "--bucket-mb", 0.004])
+    assert (est["params"], est["padded_params"]) == (m["params"], m["padded_params"])
+    assert est["stages"][m["stage"]]["model_state_bytes"] == m["memory_bytes"]["total"]
+    assert est["moe"]["all_to_all_bytes_per_step"] == m["moe"]["all_to_all_theory_bytes"] == 0
+
+
+def test_moe_all_to_all_equals_a_balanced_run(tmp_path):
+    """Exactly balanced routing (token i to expert i mod E, top-1), 3 micro-batches: every step sends the CLI's
+    bytes, and the run's formula is the same."""
+    flags = MOE + ["--dtype", "fp32", "--stage", "3", "--ep", "2", "--top-k", "1", "--micro-batches", "3"]
+    moe = metrics_of(run_mpi(4, ["tests/drivers/moe_routing.py", "cycle", json.dumps(flags)], timeout=180))[0]["moe"]
+    est = cli_json(tmp_path, GPT + ["--experts", 4, "--expert-hidden", 24, "--ep", 2, "--top-k", 1,
+                                    "--micro-batches", 3, "--dtype", "fp32"])
+    want = est["moe"]["all_to_all_bytes_per_step"]
+    assert want == moe["all_to_all_theory_bytes"] == 2 * 3 * (16 + 4 * 4 * 16 * 4)
+    assert moe["all_to_all_bytes"] == [want] * 3
+
+
+@pytest.mark.parametrize("which", [2, 3])
+def test_replicas_and_optimizer_equal_the_runs(runs, tmp_path, which):
+    """--replicas: the formula's bytes equal the run's (its padded shard, its optimizer's rows) exactly, and the
+    shared memory the run's folder held is that plus the step's manifest; --optimizer: the model states (Muon's
+    16 bytes per parameter of state) equal what the engine holds."""
+    m = runs[which]
+    opt = m["config"]["zero"].get("optimizer", "adamw")
+    est = cli_json(tmp_path, ["--params", m["params"], "--ranks", 4, "--layers", DEPTH, "--bucket-mb", BUCKET_MB,
+                              "--node-size", 2, "--replicas", "--optimizer", opt])
+    rep, ran = est["replicas"], m["replicas"]
+    assert rep["rows"] == (4 if opt == "muon" else 3)
+    assert rep["total"] == ran["theory_bytes"]["total"] and rep["per_step"] == ran["theory_bytes"]["per_step"]
+    assert rep["total"] < ran["shm_bytes"] < rep["total"] + 64 * 1024     # the manifests: a few KiB
+    row, mem = est["stages"][m["stage"]], m["memory_bytes"]
+    assert (row["optimizer_bytes"], row["model_state_bytes"]) == (mem["optimizer"], mem["total"])
+    assert est["optimizer"] == opt
+
+
+BAD = [
+    (GPT + ["--experts", "0"], "experts=0 must be an integer >= 1"),
+    (GPT + ["--experts", "4", "--ep", "3"], "experts=4 is not divisible by ep=3"),
+    (GPT + ["--experts", "6", "--ep", "3"], "ep=3 does not divide the 4 ranks"),
+    (GPT + ["--experts", "4", "--top-k", "5"], "top_k=5 is more than experts=4"),
+    (GPT + ["--experts", "4", "--moe-every", "0"], "moe_every=0 must be an integer >= 1"),
+    (GPT + ["--experts", "4", "--expert-hidden", "0"], "expert_hidden=0 must be an integer >= 1"),
+    (GPT + ["--top-k", "1"], "top_k=1 (--top-k) applies with --experts only"),
+    (GPT + ["--experts", "4", "--tp", "2"], "--tp with --experts 4 is not supported yet"),
+    (GPT + ["--experts", "4", "--optimizer", "muon"], "--optimizer muon with --experts 4 is not supported yet"),
+    (GPT + ["--experts", "4", "--ep", "2", "--node-size", "2"], "--node-size with --ep 2 is not supported yet"),
+    (GPT + ["--experts", "4", "--ep", "2", "--hpz"], "--hpz with --ep 2 is not supported yet"),
+    (["--pp", "2", "--experts", "4", "--ep", "2"], "--pp with --experts 4 --ep 2 is not supported yet"),
+    (["--params", "1e6", "--ranks", "4", "--experts", "4"], "experts=4: give the GPT's dimensions"),
+    (["--params", "1e6", "--ranks", "4", "--replicas"], "4 ranks in nodes of 4 make 1 node"),
+    (GPT + ["--tp", "2", "--node-size", "2", "--replicas"], "--replicas does not support --tp 2 yet"),
+    (GPT + ["--sp", "2", "--node-size", "2", "--replicas"], "--replicas does not support --sp 2 yet"),
+    (["--pp", "2", "--replicas"], "--replicas does not support --pp 2 yet"),
+    (["--params", "1e6", "--ranks", "4", "--optimizer", "sgd"], "optimizer='sgd' is not allowed; use one of adamw"),
+    (["--params", "1e6", "--ranks", "4", "--optimizer", "muon", "--offload-optimizer", "cpu"],
+     "not available with --optimizer muon yet"),
+    (["--from-run", "run.json", "--optimizer", "muon"], "--optimizer does not apply with --from-run"),
+    (["--from-run", "run.json", "--replicas"], "--replicas does not apply with --from-run"),
+]
+
+
+@pytest.mark.parametrize("argv,needle", BAD)
+def test_bad_values_and_combinations_are_one_line(argv, needle, capsys):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1, err
