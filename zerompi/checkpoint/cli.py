@@ -23,7 +23,7 @@ import numpy as np
 from ..errors import ConfigError, OneLineParser, quiet_exit_on_closed_stdout
 from .format import F32, MANIFEST_SHA, PP_FOLDER, CheckpointError, read_manifest, resolve, verify_shard
 from .outputs import check_file, check_roles, write_atomic
-from .parts import part_folders, tp_parts
+from .parts import ep_parts, part_folders, tp_parts
 from .state_rows import saved_rows
 from .pointer import complete_checkpoints
 from .savedir import folders_read, pointer_notes
@@ -60,12 +60,32 @@ def consolidate(path: str, out: str, state: bool = False) -> Dict[str, np.ndarra
         if twice:
             raise CheckpointError(f"{where}: parameters {twice[:3]} are in two pipeline chunks' checkpoints")
         params.update(got)
+    if not chunks and ep_parts(path):         # an expert-parallel save: each EP rank's experts, joined
+        params.update(_merge_ep(path, ep_parts(path), steps[path], saved_rows(read_manifest(resolve(path))[0])[1:]
+                                if state else ()))
     if len(set(steps.values())) > 1:
         raise CheckpointError(f"{path}: the pipeline chunks' checkpoints are of different steps ("
                               + ", ".join(f"{os.path.basename(w)}: step {s}" for w, s in steps.items())
                               + "); consolidate checkpoints of one step")
     write_atomic(out, lambda f: np.savez(f, **params))
     return params
+
+
+def _merge_ep(path: str, parts, step: int, rows) -> Dict[str, np.ndarray]:
+    """The experts of every EP rank's part (``ep{j}-of-{K}``) joined on the expert axis, as an --ep 1 run names
+    them; ``rows``: also these state rows (``ROW/NAME``)."""
+    found = [resolve(p) for p in parts]
+    pieces = [_params(ckpt) for ckpt in found]
+    if any(m["step"] != step for _, m in pieces):
+        raise CheckpointError(f"{path}: its expert-parallel parts are of other steps than its dense checkpoint "
+                              f"(step {step}: " + ", ".join(f"{os.path.basename(p)} step {m['step']}"
+                                                            for p, (_, m) in zip(parts, pieces))
+                              + "); consolidate checkpoints of one step")
+    got = {name: np.concatenate([p[name] for p, _ in pieces]) for name in pieces[0][0]}
+    for k, row in enumerate(rows, 1):
+        more = [_params(ckpt, k)[0] for ckpt in found]
+        got.update({f"{row}/{name}": np.concatenate([p[name] for p in more]) for name in more[0]})
+    return got
 
 
 def _merge_tp(ckpts, pieces) -> Dict[str, np.ndarray]:

@@ -1,7 +1,10 @@
 """The parts of a save folder: its pipeline chunks' folders (``pp{c}-of-{C}``) and tensor-parallel ranks'
-(``tp{r}-of-{K}``), each a whole set, in order; what the offline tools (consolidate, export-hf) read.
+(``tp{r}-of-{K}``), each a whole set, in order; what the offline tools (consolidate, export-hf) read. An
+expert-parallel save's ``ep{j}-of-{K}`` folders (train/moe_checkpoint.py) hold the experts beside the save
+folder's own (dense) checkpoints.
 """
 import os
+import re
 from typing import List
 
 from .format import TP_FOLDER, CheckpointError
@@ -10,6 +13,14 @@ from .format import TP_FOLDER, CheckpointError
 def tp_parts(path: str) -> List[str]:
     """The ``tp{r}-of-{K}`` folders of a tensor-parallel save directory, in TP rank order ([] if none)."""
     return part_folders(path, TP_FOLDER, "tensor-parallel")
+
+
+EP_FOLDER = re.compile(r"ep(\d+)-of-(\d+)")   # one EP rank's experts (train/moe_checkpoint.py)
+
+
+def ep_parts(path: str) -> List[str]:
+    """The ``ep{j}-of-{K}`` folders of an expert-parallel save directory, in EP rank order ([] if none)."""
+    return part_folders(path, EP_FOLDER, "expert-parallel")
 
 
 def part_folders(path: str, pattern, what: str) -> List[str]:

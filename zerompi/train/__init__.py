@@ -11,6 +11,7 @@ Modules:
 - moe_config: MoEConfig (--experts, --top-k, --ep, ...), its checks and the compositions it refuses
 - moe_ep_run: --ep, the EP and expert-data-parallel groups, the expert engine, the step over both engines
 - moe_run: --experts, the routing per step over the world, the metrics' moe section and the MoE row
+- moe_checkpoint: an MoE run's checkpoints: the experts resharded to the resuming --ep, the selection biases
 - simulated_run: --simulate-world, the job as one rank of a bigger one: checks, banner, metrics
 - config: TrainConfig and the flags
 - preflight: the checks at start, before the first step

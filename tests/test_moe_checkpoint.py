@@ -1,0 +1,99 @@
+"""Checkpoints of an MoE run (train/moe_checkpoint.py): saved at N=4 --ep 2 stage 3, resumed at --ep 2 stage 3,
+--ep 4 stage 1 (the bits of the run that never stopped) and at N=2 --ep 1 stage 2 (its losses to 1e-5, as a
+plain GPT's resume at another world size); the consolidated checkpoint has an --ep 1 run's names, shapes and
+values; ``inspect`` reads it; --bias-update's selection biases are saved and restored (the same bits)."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.mpirun import run_mpi
+from tests.test_moe_ep import FLAGS, run_many
+
+ROOT = Path(__file__).resolve().parent.parent
+F = FLAGS[:-4] + ["--eval-every", "3", "--dtype", "fp32", "--steps"]     # FLAGS without its --steps
+BIAS = ["--bias-update", "0.003"]
+
+
+def tool(*args):
+    return subprocess.run([sys.executable, "-m", "zerompi.checkpoint", *map(str, args)], capture_output=True,
+                          text=True, timeout=120, cwd=str(ROOT))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("moe_ckpt")
+    at = lambda ep, stage: ["--ep", str(ep), "--stage", str(stage)]        # noqa: E731
+    n4 = run_many(4, [
+        F + ["4"] + at(2, 3),                                                   # 0: never stopped
+        F + ["2"] + at(2, 3) + ["--save-dir", str(d / "a"), "--save-every", "1"],   # 1: saved after steps 1, 2
+        F + ["4"] + at(2, 3) + ["--resume", str(d / "a")],                      # 2
+        F + ["4"] + at(4, 1) + ["--resume", str(d / "a")],                      # 3
+        F + ["2"] + at(1, 3) + ["--save-dir", str(d / "e1")],                   # 4: the --ep 1 run's checkpoint
+        F + ["4"] + at(2, 3) + BIAS,                                            # 5: never stopped, biased
+        F + ["2"] + at(2, 3) + BIAS + ["--save-dir", str(d / "b")],             # 6
+        F + ["4"] + at(4, 1) + BIAS + ["--resume", str(d / "b")],               # 7
+        F + ["4"] + at(1, 2) + BIAS + ["--resume", str(d / "b")],               # 8: an --ep 2 save at --ep 1
+        F + ["2"] + at(1, 2) + BIAS + ["--save-dir", str(d / "b1")],            # 9: an --ep 1 save ...
+        F + ["4"] + at(2, 0) + BIAS + ["--resume", str(d / "b1")],              # 10: ... at --ep 2
+    ], timeout=600)
+    n2 = run_many(2, [F + ["4"] + at(1, 2) + ["--resume", str(d / "a")]], timeout=300)
+    return d, n4, n2
+
+
+def same_bits(resumed, full):
+    assert resumed["first_step"] == 2 and resumed["losses"] == full["losses"][2:]
+    assert resumed["final_params_sha256"] == full["final_params_sha256"]
+
+
+def test_resume_at_another_ep_and_stage_gives_the_same_bits(runs):
+    d, n4, _ = runs
+    assert sorted(p.name for p in (d / "a").iterdir() if p.name.startswith("ep")) == ["ep0-of-2", "ep1-of-2"]
+    for resumed in (n4[2], n4[3]):
+        same_bits(resumed, n4[0])
+
+
+def test_resume_at_another_world_size(runs):
+    _, n4, n2 = runs
+    resumed, full = n2[0], n4[0]
+    assert resumed["first_step"] == 2 and len(resumed["losses"]) == 2
+    worst = max(abs(x - y) / abs(y) for x, y in zip(resumed["losses"], full["losses"][2:]))
+    assert worst <= 1e-5, worst
+
+
+def test_consolidated_equals_the_ep1_runs(runs):
+    d, _, _ = runs
+    for name in ("a", "e1"):
+        proc = tool("consolidate", d / name, d / f"{name}.npz")
+        assert proc.returncode == 0, proc.stderr
+    a, b = np.load(d / "a.npz"), np.load(d / "e1.npz")
+    assert sorted(a.files) == sorted(b.files) and "block0.experts.fc.w" in a.files
+    for n in b.files:                     # --ep 1 and --ep 2 train to the same bits (docs/moe.md)
+        assert a[n].shape == b[n].shape and np.array_equal(a[n], b[n]), n
+    proc = tool("inspect", d / "a")
+    assert proc.returncode == 0 and '"ep": 2' in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_selection_biases_are_saved_and_restored(runs):
+    d, n4, _ = runs
+    saved = json.loads((d / "b" / "step_000002" / "manifest.json").read_text())["extra"]["moe"]["bias"]
+    assert saved == n4[6]["moe"]["bias"] and any(v != 0 for b in saved.values() for v in b)
+    for resumed in (n4[7], n4[8], n4[10]):
+        same_bits(resumed, n4[5])
+        assert resumed["moe"]["bias"] == n4[5]["moe"]["bias"]
+    assert n4[5]["final_params_sha256"] != n4[0]["final_params_sha256"]
+
+
+def test_parts_of_different_steps_are_refused(runs, tmp_path):
+    """A dense checkpoint whose EP parts hold another step (a save one part published and another did not)
+    is refused on every rank, nothing loaded."""
+    d, _, _ = runs
+    import shutil
+    shutil.copytree(d / "a", tmp_path / "a")
+    (tmp_path / "a" / "ep1-of-2" / "latest").write_text("step_000001\n")
+    proc = run_mpi(2, ["-m", "zerompi.train", *F, "4", "--ep", "2", "--resume", tmp_path / "a"], timeout=120,
+                   check=False)
+    assert proc.returncode != 0 and "different steps" in proc.stderr, proc.stderr
