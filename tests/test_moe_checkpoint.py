@@ -87,13 +87,17 @@ def test_selection_biases_are_saved_and_restored(runs):
     assert n4[5]["final_params_sha256"] != n4[0]["final_params_sha256"]
 
 
-def test_parts_of_different_steps_are_refused(runs, tmp_path):
-    """A dense checkpoint whose EP parts hold another step (a save one part published and another did not)
-    is refused on every rank, nothing loaded."""
+def test_a_missing_part_is_refused(runs, tmp_path):
+    """A dense checkpoint whose EP part of the same step is missing (a save one part published and another did
+    not) is refused on every rank, nothing loaded; a part of another step too."""
     d, _, _ = runs
     import shutil
     shutil.copytree(d / "a", tmp_path / "a")
-    (tmp_path / "a" / "ep1-of-2" / "latest").write_text("step_000001\n")
+    shutil.rmtree(tmp_path / "a" / "ep1-of-2" / "step_000002")
     proc = run_mpi(2, ["-m", "zerompi.train", *F, "4", "--ep", "2", "--resume", tmp_path / "a"], timeout=120,
                    check=False)
-    assert proc.returncode != 0 and "different steps" in proc.stderr, proc.stderr
+    assert proc.returncode != 0 and "ep1-of-2/step_000002: does not exist" in proc.stderr, proc.stderr
+    shutil.copytree(tmp_path / "a" / "ep1-of-2" / "step_000001", tmp_path / "a" / "ep1-of-2" / "step_000002")
+    proc = run_mpi(2, ["-m", "zerompi.train", *F, "4", "--ep", "2", "--resume", tmp_path / "a"], timeout=120,
+                   check=False)
+    assert proc.returncode != 0 and "its parts are of different steps" in proc.stderr, proc.stderr

@@ -60,8 +60,10 @@ def consolidate(path: str, out: str, state: bool = False) -> Dict[str, np.ndarra
         if twice:
             raise CheckpointError(f"{where}: parameters {twice[:3]} are in two pipeline chunks' checkpoints")
         params.update(got)
-    if not chunks and ep_parts(path):         # an expert-parallel save: each EP rank's experts, joined
-        params.update(_merge_ep(path, ep_parts(path), steps[path], saved_rows(read_manifest(resolve(path))[0])[1:]
+    dense = resolve(path) if not chunks else None
+    manifest = read_manifest(dense)[0] if dense else {}
+    if ep_parts(dense, manifest) if dense else []:   # an expert-parallel save: each EP rank's experts, joined
+        params.update(_merge_ep(path, ep_parts(dense, manifest), steps[path], saved_rows(manifest)[1:]
                                 if state else ()))
     if len(set(steps.values())) > 1:
         raise CheckpointError(f"{path}: the pipeline chunks' checkpoints are of different steps ("
@@ -74,7 +76,7 @@ def consolidate(path: str, out: str, state: bool = False) -> Dict[str, np.ndarra
 def _merge_ep(path: str, parts, step: int, rows) -> Dict[str, np.ndarray]:
     """The experts of every EP rank's part (``ep{j}-of-{K}``) joined on the expert axis, as an --ep 1 run names
     them; ``rows``: also these state rows (``ROW/NAME``)."""
-    found = [resolve(p) for p in parts]
+    found = [resolve(p) for p in parts]         # each part's checkpoint of the dense one's name
     pieces = [_params(ckpt) for ckpt in found]
     if any(m["step"] != step for _, m in pieces):
         raise CheckpointError(f"{path}: its expert-parallel parts are of other steps than its dense checkpoint "

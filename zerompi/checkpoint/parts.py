@@ -1,10 +1,9 @@
 """The parts of a save folder: its pipeline chunks' folders (``pp{c}-of-{C}``) and tensor-parallel ranks'
 (``tp{r}-of-{K}``), each a whole set, in order; what the offline tools (consolidate, export-hf) read. An
 expert-parallel save's ``ep{j}-of-{K}`` folders (train/moe_checkpoint.py) hold the experts beside the save
-folder's own (dense) checkpoints.
+folder's own (dense) checkpoints, each step under the dense checkpoint's name.
 """
 import os
-import re
 from typing import List
 
 from .format import TP_FOLDER, CheckpointError
@@ -15,12 +14,12 @@ def tp_parts(path: str) -> List[str]:
     return part_folders(path, TP_FOLDER, "tensor-parallel")
 
 
-EP_FOLDER = re.compile(r"ep(\d+)-of-(\d+)")   # one EP rank's experts (train/moe_checkpoint.py)
-
-
-def ep_parts(path: str) -> List[str]:
-    """The ``ep{j}-of-{K}`` folders of an expert-parallel save directory, in EP rank order ([] if none)."""
-    return part_folders(path, EP_FOLDER, "expert-parallel")
+def ep_parts(ckpt: str, manifest: dict) -> List[str]:
+    """The expert-parallel parts of the checkpoint ``ckpt`` (train/moe_checkpoint.py): the checkpoint of the
+    same name in each ``ep{j}-of-{K}`` folder beside it, K the ``--ep`` its manifest records ([] when 1)."""
+    k = int(manifest.get("extra", {}).get("moe", {}).get("ep", 1))
+    root, name = os.path.split(os.path.normpath(ckpt))
+    return [os.path.join(root, f"ep{j}-of-{k}", name) for j in range(k)] if k > 1 else []
 
 
 def part_folders(path: str, pattern, what: str) -> List[str]:

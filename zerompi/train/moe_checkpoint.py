@@ -12,9 +12,8 @@ import os
 
 import numpy as np
 
-from ..checkpoint.format import CheckpointError, resolve
+from ..checkpoint.format import CheckpointError, read_manifest, resolve
 from ..checkpoint.parts import ep_parts
-from ..checkpoint.pointer import CHECKPOINT_NAME
 from .moe_ep_run import short_name
 from .models.moe import EXPERT_KEYS
 
@@ -51,8 +50,8 @@ class MoECheckpoints:
         return PendingSaves(done)
 
     def load(self, path: str):
-        """Every engine from ``path`` (a save folder or one of its step_NNNNNN), whatever --ep saved it; the
-        biases restored with --bias-update."""
+        """Every engine from ``path`` (a save folder or one of its step_NNNNNN: the dense checkpoint, its EP
+        parts those of the same name), whatever --ep saved it; the biases restored with --bias-update."""
         dense, parts = _parts(path)
         E = self.cfg.moe.experts
         info = None
@@ -72,15 +71,9 @@ class MoECheckpoints:
 
 
 def _parts(path: str):
-    """(the dense checkpoint, the EP parts' checkpoints of the same step name ([] for an --ep 1 save))."""
-    real = path.rstrip(os.sep)
-    if CHECKPOINT_NAME.fullmatch(os.path.basename(real)):      # DIR/step_NNNNNN: each part's of that name
-        root, name = os.path.dirname(real), os.path.basename(real)
-        dense = resolve(real)
-        return dense, [resolve(os.path.join(p, name)) for p in ep_parts(root)]
-    dense = resolve(real)
-    parts = [resolve(p) for p in ep_parts(real)]
-    return dense, parts
+    """(the dense checkpoint, its EP parts' checkpoints of the same name ([] for an --ep 1 save))."""
+    dense = resolve(path)
+    return dense, [resolve(p) for p in ep_parts(dense, read_manifest(dense)[0])]
 
 
 def _load(engine, dense: str, parts, experts: int, rank: int, size: int):
