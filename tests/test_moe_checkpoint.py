@@ -28,10 +28,10 @@ def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("moe_ckpt")
     at = lambda ep, stage: ["--ep", str(ep), "--stage", str(stage)]        # noqa: E731
     n4 = run_many(4, [
-        F + ["4"] + at(2, 3),                                                   # 0: never stopped
+        F + ["4"] + at(2, 3) + ["--save-dir", str(d / "full")],                 # 0: never stopped
         F + ["2"] + at(2, 3) + ["--save-dir", str(d / "a"), "--save-every", "1"],   # 1: saved after steps 1, 2
         F + ["4"] + at(2, 3) + ["--resume", str(d / "a")],                      # 2
-        F + ["4"] + at(4, 1) + ["--resume", str(d / "a")],                      # 3
+        F + ["4"] + at(4, 1) + ["--resume", str(d / "a"), "--save-dir", str(d / "a")],   # 3: saved at --ep 4
         F + ["2"] + at(1, 3) + ["--save-dir", str(d / "e1")],                   # 4: the --ep 1 run's checkpoint
         F + ["4"] + at(2, 3) + BIAS,                                            # 5: never stopped, biased
         F + ["2"] + at(2, 3) + BIAS + ["--save-dir", str(d / "b")],             # 6
@@ -40,7 +40,7 @@ def runs(tmp_path_factory):
         F + ["2"] + at(1, 2) + BIAS + ["--save-dir", str(d / "b1")],            # 9: an --ep 1 save ...
         F + ["4"] + at(2, 0) + BIAS + ["--resume", str(d / "b1")],              # 10: ... at --ep 2
     ], timeout=600)
-    n2 = run_many(2, [F + ["4"] + at(1, 2) + ["--resume", str(d / "a")]], timeout=300)
+    n2 = run_many(2, [F + ["4"] + at(1, 2) + ["--resume", str(d / "a" / "step_000002")]], timeout=300)
     return d, n4, n2
 
 
@@ -51,7 +51,8 @@ def same_bits(resumed, full):
 
 def test_resume_at_another_ep_and_stage_gives_the_same_bits(runs):
     d, n4, _ = runs
-    assert sorted(p.name for p in (d / "a").iterdir() if p.name.startswith("ep")) == ["ep0-of-2", "ep1-of-2"]
+    assert sorted(p.name for p in (d / "a").iterdir() if p.name.startswith("ep")) == \
+        ["ep0-of-2", "ep0-of-4", "ep1-of-2", "ep1-of-4", "ep2-of-4", "ep3-of-4"]
     for resumed in (n4[2], n4[3]):
         same_bits(resumed, n4[0])
 
@@ -66,15 +67,19 @@ def test_resume_at_another_world_size(runs):
 
 def test_consolidated_equals_the_ep1_runs(runs):
     d, _, _ = runs
-    for name in ("a", "e1"):
-        proc = tool("consolidate", d / name, d / f"{name}.npz")
+    # step 2 of the --ep 2 save against the --ep 1 run's; step 4, saved at --ep 4 into the same folder (the
+    # --ep 2 parts still there), against the run that never stopped
+    for name, path in (("a2", d / "a" / "step_000002"), ("e1", d / "e1"), ("a4", d / "a"), ("full", d / "full")):
+        proc = tool("consolidate", path, d / f"{name}.npz")
         assert proc.returncode == 0, proc.stderr
-    a, b = np.load(d / "a.npz"), np.load(d / "e1.npz")
-    assert sorted(a.files) == sorted(b.files) and "block0.experts.fc.w" in a.files
-    for n in b.files:                     # --ep 1 and --ep 2 train to the same bits (docs/moe.md)
-        assert a[n].shape == b[n].shape and np.array_equal(a[n], b[n]), n
+    for x, y in (("a2", "e1"), ("a4", "full")):
+        a, b = np.load(d / f"{x}.npz"), np.load(d / f"{y}.npz")
+        assert sorted(a.files) == sorted(b.files) and "block0.experts.fc.w" in a.files
+        for n in b.files:                 # --ep 1, 2 and 4 train to the same bits (docs/moe.md)
+            assert a[n].shape == b[n].shape and np.array_equal(a[n], b[n]), (x, n)
+    assert np.load(d / "a4.npz")["block1.experts.out.w"].shape == (4, 24, 16)
     proc = tool("inspect", d / "a")
-    assert proc.returncode == 0 and '"ep": 2' in proc.stdout, proc.stdout + proc.stderr
+    assert proc.returncode == 0 and '"ep": 4' in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_selection_biases_are_saved_and_restored(runs):
@@ -94,10 +99,9 @@ def test_a_missing_part_is_refused(runs, tmp_path):
     import shutil
     shutil.copytree(d / "a", tmp_path / "a")
     shutil.rmtree(tmp_path / "a" / "ep1-of-2" / "step_000002")
-    proc = run_mpi(2, ["-m", "zerompi.train", *F, "4", "--ep", "2", "--resume", tmp_path / "a"], timeout=120,
-                   check=False)
+    resume = ["-m", "zerompi.train", *F, "4", "--ep", "2", "--resume", tmp_path / "a" / "step_000002"]
+    proc = run_mpi(2, resume, timeout=120, check=False)
     assert proc.returncode != 0 and "ep1-of-2/step_000002: does not exist" in proc.stderr, proc.stderr
     shutil.copytree(tmp_path / "a" / "ep1-of-2" / "step_000001", tmp_path / "a" / "ep1-of-2" / "step_000002")
-    proc = run_mpi(2, ["-m", "zerompi.train", *F, "4", "--ep", "2", "--resume", tmp_path / "a"], timeout=120,
-                   check=False)
+    proc = run_mpi(2, resume, timeout=120, check=False)
     assert proc.returncode != 0 and "its parts are of different steps" in proc.stderr, proc.stderr
