@@ -80,6 +80,7 @@ def test_consolidated_equals_the_ep1_runs(runs):
     assert np.load(d / "a4.npz")["block1.experts.out.w"].shape == (4, 24, 16)
     proc = tool("inspect", d / "a")
     assert proc.returncode == 0 and '"ep": 4' in proc.stdout, proc.stdout + proc.stderr
+    assert "expert-parallel part ep3-of-4/step_000004: step 4, 8 parameters, 1 shards: verified" in proc.stdout
 
 
 def test_selection_biases_are_saved_and_restored(runs):

@@ -160,6 +160,16 @@ def inspect(path: str) -> Tuple[str, List[str]]:
             verdict = "DAMAGED"
         kind = "crc32" if "crc32" in s else "sha256"
         lines.append(f"  {s['file']:<16} {s['bytes']:>14,}  {kind} {s[kind][:10]:<10}  {verdict}")
+    for part in ep_parts(ckpt, m):             # an expert-parallel save: each EP rank's experts beside it
+        try:
+            pm, psaved = read_manifest(part)
+            for r in range(psaved.world_size):
+                verify_shard(part, pm, r)
+            verdict = f"step {pm['step']}, {len(psaved.params)} parameters, {psaved.world_size} shards: verified"
+        except CheckpointError as e:
+            problems.append(str(e))
+            verdict = "DAMAGED or missing"
+        lines.append(f"  expert-parallel part {os.path.relpath(part, os.path.dirname(ckpt))}: {verdict}")
     if os.path.realpath(ckpt) != os.path.realpath(path):      # a save directory: what else it holds
         lines.append(f"  complete checkpoints in {path}: {', '.join(complete_checkpoints(path))} "
                      f"(latest: {os.path.basename(ckpt)})")
