@@ -26,6 +26,8 @@ REFUSED = [
     (["--experts", "4", "--optimizer", "muon"], "--optimizer muon with --experts 4 is not supported"),
     (["--experts", "4", "--bias-update", "0.01", "--pp", "2", "--resume", "x"],
      "--resume with --bias-update 0.01 --pp 2: a pipeline's checkpoints do not hold the selection biases yet"),
+    (["--experts", "4", "--bias-update", "0.01", "--replicas", "j"],
+     "--replicas with --bias-update 0.01: the replicas do not hold the selection biases yet"),
     (["--experts", "4", "--ep", "2", "--save-dir", "x", "--async-save"],
      "--async-save with --ep 2 is not supported yet"),
     (["--experts", "4", "--ep", "2", "--offload-optimizer", "cpu"],
