@@ -2,6 +2,7 @@
 --ep 4 stage 1 (the bits of the run that never stopped) and at N=2 --ep 1 stage 2 (its losses to 1e-5, as a
 plain GPT's resume at another world size); the consolidated checkpoint has an --ep 1 run's names, shapes and
 values; ``inspect`` reads it; --bias-update's selection biases are saved and restored (the same bits)."""
+import hashlib
 import json
 import subprocess
 import sys
@@ -66,7 +67,7 @@ def test_resume_at_another_world_size(runs):
 
 
 def test_consolidated_equals_the_ep1_runs(runs):
-    d, _, _ = runs
+    d, n4, _ = runs
     # step 2 of the --ep 2 save against the --ep 1 run's; step 4, saved at --ep 4 into the same folder (the
     # --ep 2 parts still there), against the run that never stopped
     for name, path in (("a2", d / "a" / "step_000002"), ("e1", d / "e1"), ("a4", d / "a"), ("full", d / "full")):
@@ -74,10 +75,13 @@ def test_consolidated_equals_the_ep1_runs(runs):
         assert proc.returncode == 0, proc.stderr
     for x, y in (("a2", "e1"), ("a4", "full")):
         a, b = np.load(d / f"{x}.npz"), np.load(d / f"{y}.npz")
-        assert sorted(a.files) == sorted(b.files) and "block0.experts.fc.w" in a.files
+        assert a.files == b.files and "block0.experts.fc.w" in a.files       # the same names in the same order
         for n in b.files:                 # --ep 1, 2 and 4 train to the same bits (docs/moe.md)
             assert a[n].shape == b[n].shape and np.array_equal(a[n], b[n]), (x, n)
-    assert np.load(d / "a4.npz")["block1.experts.out.w"].shape == (4, 24, 16)
+    a4 = np.load(d / "a4.npz")
+    assert a4["block1.experts.out.w"].shape == (4, 24, 16)
+    digest = hashlib.sha256(b"".join(np.ascontiguousarray(a4[n], "<f4").tobytes() for n in a4.files)).hexdigest()
+    assert digest == n4[0]["final_params_sha256"]
     proc = tool("inspect", d / "a")
     assert proc.returncode == 0 and '"ep": 4' in proc.stdout, proc.stdout + proc.stderr
     assert "expert-parallel part ep3-of-4/step_000004: step 4, 8 parameters, 1 shards: verified" in proc.stdout

@@ -60,17 +60,33 @@ def consolidate(path: str, out: str, state: bool = False) -> Dict[str, np.ndarra
         if twice:
             raise CheckpointError(f"{where}: parameters {twice[:3]} are in two pipeline chunks' checkpoints")
         params.update(got)
-    dense = resolve(path) if not chunks else None
+    dense = resolve(path) if not chunks and not wholes[0][1] else None    # no pipeline or TP parts
     manifest = read_manifest(dense)[0] if dense else {}
     if ep_parts(dense, manifest) if dense else []:   # an expert-parallel save: each EP rank's experts, joined
-        params.update(_merge_ep(path, ep_parts(dense, manifest), steps[path], saved_rows(manifest)[1:]
-                                if state else ()))
+        params = _in_model_order(params, _merge_ep(path, ep_parts(dense, manifest), steps[path],
+                                                   saved_rows(manifest)[1:] if state else ()))
     if len(set(steps.values())) > 1:
         raise CheckpointError(f"{path}: the pipeline chunks' checkpoints are of different steps ("
                               + ", ".join(f"{os.path.basename(w)}: step {s}" for w, s in steps.items())
                               + "); consolidate checkpoints of one step")
     write_atomic(out, lambda f: np.savez(f, **params))
     return params
+
+
+def _in_model_order(dense: Dict[str, np.ndarray], experts: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    """Both, each block's experts right after that block's last dense parameter (an --ep 1 run's order, whose
+    concatenation hashes to its final_params_sha256); state rows (``ROW/NAME``) last."""
+    out: Dict[str, np.ndarray] = {}
+    block = lambda n: n.split(".", 1)[0]                          # noqa: E731
+    masters = [n for n in dense if "/" not in n]
+    for i, name in enumerate(masters):
+        out[name] = dense[name]
+        if i + 1 == len(masters) or block(masters[i + 1]) != block(name):
+            out.update({n: v for n, v in experts.items() if "/" not in n and block(n) == block(name)})
+    out.update({n: v for n, v in experts.items() if "/" not in n and n not in out})
+    out.update({n: v for n, v in dense.items() if "/" in n})
+    out.update({n: v for n, v in experts.items() if "/" in n})
+    return out
 
 
 def _merge_ep(path: str, parts, step: int, rows) -> Dict[str, np.ndarray]:
