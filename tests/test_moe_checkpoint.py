@@ -110,3 +110,12 @@ def test_a_missing_part_is_refused(runs, tmp_path):
     shutil.copytree(tmp_path / "a" / "ep1-of-2" / "step_000001", tmp_path / "a" / "ep1-of-2" / "step_000002")
     proc = run_mpi(2, resume, timeout=120, check=False)
     assert proc.returncode != 0 and "its parts are of different steps" in proc.stderr, proc.stderr
+
+
+def test_banner_counts_every_part(tmp_path):
+    """The banner's size of one checkpoint is its shard files' bytes, the EP parts' included."""
+    from zerompi.train.console import human_bytes
+    proc = run_mpi(2, ["-m", "zerompi.train", *F, "1", "--ep", "2", "--save-dir", tmp_path / "s"], timeout=120)
+    files = list((tmp_path / "s").glob("**/step_000001/shard_*.npy"))
+    assert len(files) == 4                                   # the dense engine's 2, one per EP rank's experts
+    assert f"checkpoints: {human_bytes(sum(f.stat().st_size for f in files))} each" in proc.stdout, proc.stdout

@@ -33,10 +33,9 @@ class MoECheckpoints:
     def steps_taken(self) -> int:
         return self.engine.steps_taken
 
-    def checkpoint_bytes(self) -> int:
-        """Bytes of one checkpoint's shard files: the dense engine's and every EP rank's experts."""
-        from .saves import checkpoint_bytes
-        return checkpoint_bytes(self.engine) + (self.ep.k * checkpoint_bytes(self.ep.engine) if self.ep else 0)
+    def saved_engines(self):
+        """(engine, how many such parts one checkpoint holds): the dense engine's, every EP rank's experts."""
+        return [(self.engine, 1)] + ([(self.ep.engine, self.ep.k)] if self.ep else [])
 
     def save(self, path: str, extra_state=None, blocking: bool = True, keep_last=None):
         """The dense engine's checkpoint in ``path``, each EP rank's experts in ``path``/ep{j}-of-{K}; returns
