@@ -1,7 +1,8 @@
-"""Checkpoints of an MoE run (train/moe_checkpoint.py): saved at N=4 --ep 2 stage 3, resumed at --ep 2 stage 3,
---ep 4 stage 1 (the bits of the run that never stopped) and at N=2 --ep 1 stage 2 (its losses to 1e-5, as a
-plain GPT's resume at another world size); the consolidated checkpoint has an --ep 1 run's names, shapes and
-values; ``inspect`` reads it; --bias-update's selection biases are saved and restored (the same bits)."""
+"""Checkpoints of an MoE run (train/moe_checkpoint.py): saved at N=4 --ep 2 stage 3, resumed at --ep 2 stage 3
+and --ep 4 stage 1 (fp32; fp16 at --ep 4 stage 2): the bits of the run that never stopped; at N=2 --ep 1 stage 2:
+its losses to 1e-5, as a plain GPT's resume at another world size. The consolidated checkpoint has an --ep 1
+run's names, order, shapes and values; ``inspect`` reads it; --bias-update's selection biases are saved and
+restored (the same bits)."""
 import hashlib
 import json
 import subprocess
@@ -17,6 +18,7 @@ from tests.test_moe_ep import FLAGS, run_many
 ROOT = Path(__file__).resolve().parent.parent
 F = FLAGS[:-4] + ["--eval-every", "3", "--dtype", "fp32", "--steps"]     # FLAGS without its --steps
 BIAS = ["--bias-update", "0.003"]
+FP16 = ["--dtype", "fp16"]
 
 
 def tool(*args):
@@ -40,6 +42,9 @@ def runs(tmp_path_factory):
         F + ["4"] + at(1, 2) + BIAS + ["--resume", str(d / "b")],               # 8: an --ep 2 save at --ep 1
         F + ["2"] + at(1, 2) + BIAS + ["--save-dir", str(d / "b1")],            # 9: an --ep 1 save ...
         F + ["4"] + at(2, 0) + BIAS + ["--resume", str(d / "b1")],              # 10: ... at --ep 2
+        F + ["4"] + at(2, 3) + FP16,                                            # 11: fp16, never stopped
+        F + ["2"] + at(2, 3) + FP16 + ["--save-dir", str(d / "h")],             # 12
+        F + ["4"] + at(4, 2) + FP16 + ["--resume", str(d / "h")],               # 13: the loss scale carried
     ], timeout=600)
     n2 = run_many(2, [F + ["4"] + at(1, 2) + ["--resume", str(d / "a" / "step_000002")]], timeout=300)
     return d, n4, n2
@@ -54,8 +59,9 @@ def test_resume_at_another_ep_and_stage_gives_the_same_bits(runs):
     d, n4, _ = runs
     assert sorted(p.name for p in (d / "a").iterdir() if p.name.startswith("ep")) == \
         ["ep0-of-2", "ep0-of-4", "ep1-of-2", "ep1-of-4", "ep2-of-4", "ep3-of-4"]
-    for resumed in (n4[2], n4[3]):
-        same_bits(resumed, n4[0])
+    for resumed, full in ((n4[2], n4[0]), (n4[3], n4[0]), (n4[13], n4[11])):
+        same_bits(resumed, full)
+    assert n4[11]["final_params_sha256"] != n4[0]["final_params_sha256"]
 
 
 def test_resume_at_another_world_size(runs):
