@@ -45,6 +45,8 @@ def runs(tmp_path_factory):
         F + ["4"] + at(2, 3) + FP16,                                            # 11: fp16, never stopped
         F + ["2"] + at(2, 3) + FP16 + ["--save-dir", str(d / "h")],             # 12
         F + ["4"] + at(4, 2) + FP16 + ["--resume", str(d / "h")],               # 13: the loss scale carried
+        F + ["4"] + at(2, 3) + ["--save-dir", str(d / "as"), "--save-every", "1", "--async-save"],   # 14
+        F + ["4"] + at(4, 1) + ["--resume", str(d / "as" / "step_000002")],      # 15
     ], timeout=600)
     n2 = run_many(2, [F + ["4"] + at(1, 2) + ["--resume", str(d / "a" / "step_000002")]], timeout=300)
     return d, n4, n2
@@ -59,8 +61,10 @@ def test_resume_at_another_ep_and_stage_gives_the_same_bits(runs):
     d, n4, _ = runs
     assert sorted(p.name for p in (d / "a").iterdir() if p.name.startswith("ep")) == \
         ["ep0-of-2", "ep0-of-4", "ep1-of-2", "ep1-of-4", "ep2-of-4", "ep3-of-4"]
-    for resumed, full in ((n4[2], n4[0]), (n4[3], n4[0]), (n4[13], n4[11])):
+    for resumed, full in ((n4[2], n4[0]), (n4[3], n4[0]), (n4[13], n4[11]), (n4[15], n4[0])):
         same_bits(resumed, full)
+    assert n4[14]["final_params_sha256"] == n4[0]["final_params_sha256"]      # saved in the background
+    assert all((d / "as" / f"ep{j}-of-2" / f"step_00000{s}").is_dir() for j in range(2) for s in range(1, 5))
     assert n4[11]["final_params_sha256"] != n4[0]["final_params_sha256"]
 
 
@@ -113,6 +117,7 @@ def test_a_missing_part_is_refused(runs, tmp_path):
     resume = ["-m", "zerompi.train", *F, "4", "--ep", "2", "--resume", tmp_path / "a" / "step_000002"]
     proc = run_mpi(2, resume, timeout=120, check=False)
     assert proc.returncode != 0 and "ep1-of-2/step_000002: does not exist" in proc.stderr, proc.stderr
+    assert len(set(proc.stderr.strip().splitlines())) == 1, proc.stderr          # one line (on every rank)
     shutil.copytree(tmp_path / "a" / "ep1-of-2" / "step_000001", tmp_path / "a" / "ep1-of-2" / "step_000002")
     proc = run_mpi(2, resume, timeout=120, check=False)
     assert proc.returncode != 0 and "its parts are of different steps" in proc.stderr, proc.stderr

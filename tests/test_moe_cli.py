@@ -28,8 +28,6 @@ REFUSED = [
      "--resume with --bias-update 0.01 --pp 2: a pipeline's checkpoints do not hold the selection biases yet"),
     (["--experts", "4", "--bias-update", "0.01", "--replicas", "j"],
      "--replicas with --bias-update 0.01: the replicas do not hold the selection biases yet"),
-    (["--experts", "4", "--ep", "2", "--save-dir", "x", "--async-save"],
-     "--async-save with --ep 2 is not supported yet"),
     (["--experts", "4", "--ep", "2", "--offload-optimizer", "cpu"],
      "--offload-optimizer with --ep 2 is not supported yet"),
     (["--experts", "4", "--ep", "2", "--stage", "3", "--hpz"], "--hpz with --ep 2 is not supported yet"),
@@ -62,8 +60,9 @@ def test_accepted():
 
 def test_checkpoints_accepted_with_ep_and_bias_update():
     """Checkpoints of an --ep run and of --bias-update's biases are built (train/moe_checkpoint.py)."""
-    for extra in (["--ep", "2", "--save-dir", "x"], ["--ep", "2", "--resume", "x"], ["--bias-update", "0.01",
-                  "--save-dir", "x"], ["--bias-update", "0.01", "--ep", "2", "--resume", "x"]):
+    for extra in (["--ep", "2", "--save-dir", "x", "--async-save"], ["--ep", "2", "--resume", "x"],
+                  ["--bias-update", "0.01", "--save-dir", "x"],
+                  ["--bias-update", "0.01", "--ep", "2", "--resume", "x"]):
         cfg = parse_config(["--experts", "4"] + extra, environ={})
         assert cfg.moe.on and (cfg.save_dir or cfg.resume) == "x"
 

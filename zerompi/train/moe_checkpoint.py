@@ -38,20 +38,22 @@ class MoECheckpoints:
         return [(self.engine, 1)] + ([(self.ep.engine, self.ep.k)] if self.ep else [])
 
     def save(self, path: str, extra_state=None, blocking: bool = True, keep_last=None):
-        """The dense engine's checkpoint in ``path``, each EP rank's experts in ``path``/ep{j}-of-{K}; returns
-        the dense one's directory, or a PendingSaves."""
+        """Each EP rank's experts in ``path``/ep{j}-of-{K}, then the dense engine's checkpoint in ``path`` (a
+        blocking save moves ``path``/latest only once every part is published); returns the dense one's
+        directory, or a PendingSaves (in the background the parts and the dense one publish independently:
+        a job that dies meanwhile can leave ``latest`` naming a step a part lacks, refused in one line at a
+        resume, whose step before is whole)."""
         extra = dict(extra_state or {})
         mlp = self.job.model.moe_blocks.mlp
         extra["moe"] = {"experts": self.cfg.moe.experts, "ep": self.cfg.moe.ep,
                         "bias": {str(b): v.tolist() for b, v in sorted(mlp.bias.items())}}
-        done = [self.engine.save(path, extra, blocking, keep_last)]
-        if self.ep:
-            done.append(self.ep.engine.save(os.path.join(path, ep_folder(self.ep.ep.rank, self.ep.k)), extra,
-                                            blocking, keep_last))
+        part = self.ep.engine.save(os.path.join(path, ep_folder(self.ep.ep.rank, self.ep.k)), extra, blocking,
+                                   keep_last) if self.ep else None
+        dense = self.engine.save(path, extra, blocking, keep_last)    # last: DIR/latest moves once the parts are in
         if blocking:
-            return done[0]
+            return dense
         from ..pipeline.engines import PendingSaves
-        return PendingSaves(done)
+        return PendingSaves([dense] + ([part] if part else []))
 
     def load(self, path: str):
         """Every engine from ``path`` (a save folder or one of its step_NNNNNN: the dense checkpoint, its EP

@@ -98,7 +98,6 @@ def check_job(cfg) -> None:
                             ("--offload-params", z.offload_params != "none"),
                             ("--quantize-weights", bool(z.quantize_weights)),
                             ("--quantize-grads", bool(z.quantize_grads)), ("--hpz", bool(z.hpz)),
-                            ("--async-save", cfg.async_save),
                             ("--node-size", cfg.mesh.node_size is not None),
                             ("--shard-size", cfg.mesh.shard_size is not None),
                             ("--trace", z.trace is not None), ("--comm-progress thread", z.progress == "thread")):
