@@ -130,3 +130,21 @@ def test_banner_counts_every_part(tmp_path):
     files = list((tmp_path / "s").glob("**/step_000001/shard_*.npy"))
     assert len(files) == 4                                   # the dense engine's 2, one per EP rank's experts
     assert f"checkpoints: {human_bytes(sum(f.stat().st_size for f in files))} each" in proc.stdout, proc.stdout
+
+
+def test_resumed_into_its_own_folder_keeps_the_later_steps_in_every_part(runs, tmp_path):
+    """Resumed from step 2 of a folder holding steps 1-4 and saving there with --keep-last 1: the later steps are
+    the future of the run resumed, kept in the dense folder and in every part alike, and the new step 3 is saved
+    under one name in all of them (a resume of the folder reads a whole checkpoint)."""
+    import shutil
+    d, _, _ = runs
+    shutil.copytree(d / "as", tmp_path / "as")
+    run_mpi(2, ["-m", "zerompi.train", *F, "3", "--ep", "2", "--resume", tmp_path / "as" / "step_000002",
+                "--save-dir", tmp_path / "as", "--keep-last", "1"], timeout=120)
+    names = lambda p: sorted(n.name for n in p.iterdir() if n.name.startswith("step_"))   # noqa: E731
+    dense = names(tmp_path / "as")
+    assert {"step_000003", "step_000004"} < set(dense), dense
+    for j in range(2):
+        assert names(tmp_path / "as" / f"ep{j}-of-2") == dense, j
+    latest = (tmp_path / "as" / "latest").read_text().split()[0]
+    assert all((tmp_path / "as" / f"ep{j}-of-2" / latest).is_dir() for j in range(2)), latest

@@ -8,7 +8,7 @@ the pieces of the old shards located through each part's saved layout (so the wo
 may change too), the shards checksummed first, every rank agreeing on one verdict, then the rows copied by name.
 """
 import os
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -20,9 +20,12 @@ from .state_rows import engine_rows, optimizer_name, saved_rows
 Segment = Tuple[int, str, int, int, int]        # (part, saved name, lo, hi, saved offset)
 
 
-def load_parts(engine, ckpts: List[str], sources: Callable[[str, tuple], List[Segment]]) -> LoadInfo:
+def load_parts(engine, ckpts: List[str], sources: Callable[[str, tuple], List[Segment]],
+               save_folder: Optional[str] = None) -> LoadInfo:
     """Restore ``engine`` from the checkpoint directories ``ckpts`` (resolved, one step; the first gives the
-    step counters and the loss scale) through ``sources`` (a collective over the engine's group)."""
+    step counters and the loss scale) through ``sources`` (a collective over the engine's group).
+    ``save_folder``: where this engine saves into (default: the first's save folder); its checkpoints of later
+    steps are never removed by its saves there (collective.kept)."""
     between_steps(engine, "load")
     finish(engine)
     comm = engine.comm
@@ -51,7 +54,7 @@ def load_parts(engine, ckpts: List[str], sources: Callable[[str, tuple], List[Se
     manifest = parts[0][0]
     engine.steps_taken = manifest["step"]
     engine.step_count = manifest["optimizer"]["step"]
-    folder = os.path.realpath(os.path.dirname(ckpts[0]))
+    folder = os.path.realpath(save_folder or os.path.dirname(ckpts[0]))
     setattr(engine, KEPT, (folder, tuple(n for n in complete_checkpoints(folder)
                                          if (step_of(n) or -1) > manifest["step"])))
     if manifest["dtype"] == engine.config.dtype:

@@ -105,4 +105,5 @@ def _load(engine, dense: str, parts, experts: int, rank: int, size: int):
             if a < z:
                 segs.append((p + 1 if parts else 0, name, a - base, z - base, a - p * chunk))
         return segs
-    return load_parts(engine, ckpts, sources)
+    own = os.path.join(os.path.dirname(dense), ep_folder(rank, size)) if size > 1 else None   # where it saves
+    return load_parts(engine, ckpts, sources, own)
