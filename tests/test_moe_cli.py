@@ -17,8 +17,6 @@ REFUSED = [
     (["--top-k", "2"], "top_k=2 (--top-k) applies with --experts > 0 only"),
     (["--ep", "2"], "ep=2 (--ep) applies with --experts > 0 only"),
     (["--experts", "4", "--bias-update", "-1"], "bias_update=-1.0 must be >= 0"),
-    (["--experts", "4", "--bias-update", "0.01", "--save-dir", "x"],
-     "--save-dir with --bias-update 0.01: the experts' selection biases are not in checkpoints yet"),
     (["--model", "mlp", "--experts", "4"], "experts=4 applies to model gpt only"),
     (["--experts", "4", "--pp", "2", "--ep", "2"], "--pp with --experts 4 --ep 2 is not supported yet"),
     (["--experts", "4", "--tp", "2"], "--tp with --experts 4 is not supported yet"),
@@ -26,7 +24,10 @@ REFUSED = [
     (["--experts", "4", "--simulate-world", "4"], "--simulate-world with --experts 4 is not supported yet"),
     (["--experts", "4", "--checkpoint-activations"], "--checkpoint-activations with --experts 4 is not supported"),
     (["--experts", "4", "--optimizer", "muon"], "--optimizer muon with --experts 4 is not supported"),
-    (["--experts", "4", "--ep", "2", "--save-dir", "x"], "--save-dir with --ep 2 is not supported yet"),
+    (["--experts", "4", "--bias-update", "0.01", "--pp", "2", "--resume", "x"],
+     "--resume with --bias-update 0.01 --pp 2: a pipeline's checkpoints do not hold the selection biases yet"),
+    (["--experts", "4", "--bias-update", "0.01", "--replicas", "j"],
+     "--replicas with --bias-update 0.01: the replicas do not hold the selection biases yet"),
     (["--experts", "4", "--ep", "2", "--offload-optimizer", "cpu"],
      "--offload-optimizer with --ep 2 is not supported yet"),
     (["--experts", "4", "--ep", "2", "--stage", "3", "--hpz"], "--hpz with --ep 2 is not supported yet"),
@@ -55,6 +56,15 @@ def test_accepted():
                        environ={})
     assert (cfg.moe.experts, cfg.moe.top_k, cfg.moe.capacity_factor, cfg.moe.moe_every) == (8, 1, 1.25, 2)
     assert not parse_config([], environ={}).moe.on
+
+
+def test_checkpoints_accepted_with_ep_and_bias_update():
+    """Checkpoints of an --ep run and of --bias-update's biases are built (train/moe/checkpoints.py)."""
+    for extra in (["--ep", "2", "--save-dir", "x", "--async-save"], ["--ep", "2", "--resume", "x"],
+                  ["--bias-update", "0.01", "--save-dir", "x"],
+                  ["--bias-update", "0.01", "--ep", "2", "--resume", "x"]):
+        cfg = parse_config(["--experts", "4"] + extra, environ={})
+        assert cfg.moe.on and (cfg.save_dir or cfg.resume) == "x"
 
 
 @pytest.mark.every_mpi

@@ -23,7 +23,7 @@ import numpy as np
 from ..errors import ConfigError, OneLineParser, quiet_exit_on_closed_stdout
 from .format import F32, MANIFEST_SHA, PP_FOLDER, CheckpointError, read_manifest, resolve, verify_shard
 from .outputs import check_file, check_roles, write_atomic
-from .parts import part_folders, tp_parts
+from .parts import ep_parts, part_folders, tp_parts
 from .state_rows import saved_rows
 from .pointer import complete_checkpoints
 from .savedir import folders_read, pointer_notes
@@ -60,12 +60,50 @@ def consolidate(path: str, out: str, state: bool = False) -> Dict[str, np.ndarra
         if twice:
             raise CheckpointError(f"{where}: parameters {twice[:3]} are in two pipeline chunks' checkpoints")
         params.update(got)
+    dense = resolve(path) if not chunks and not wholes[0][1] else None    # no pipeline or TP parts
+    manifest = read_manifest(dense)[0] if dense else {}
+    if ep_parts(dense, manifest) if dense else []:   # an expert-parallel save: each EP rank's experts, joined
+        params = _in_model_order(params, _merge_ep(path, ep_parts(dense, manifest), steps[path],
+                                                   saved_rows(manifest)[1:] if state else ()))
     if len(set(steps.values())) > 1:
         raise CheckpointError(f"{path}: the pipeline chunks' checkpoints are of different steps ("
                               + ", ".join(f"{os.path.basename(w)}: step {s}" for w, s in steps.items())
                               + "); consolidate checkpoints of one step")
     write_atomic(out, lambda f: np.savez(f, **params))
     return params
+
+
+def _in_model_order(dense: Dict[str, np.ndarray], experts: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    """Both, each block's experts right after that block's last dense parameter (an --ep 1 run's order, whose
+    concatenation hashes to its final_params_sha256); state rows (``ROW/NAME``) last."""
+    out: Dict[str, np.ndarray] = {}
+    block = lambda n: n.split(".", 1)[0]                          # noqa: E731
+    masters = [n for n in dense if "/" not in n]
+    for i, name in enumerate(masters):
+        out[name] = dense[name]
+        if i + 1 == len(masters) or block(masters[i + 1]) != block(name):
+            out.update({n: v for n, v in experts.items() if "/" not in n and block(n) == block(name)})
+    out.update({n: v for n, v in experts.items() if "/" not in n and n not in out})
+    out.update({n: v for n, v in dense.items() if "/" in n})
+    out.update({n: v for n, v in experts.items() if "/" in n})
+    return out
+
+
+def _merge_ep(path: str, parts, step: int, rows) -> Dict[str, np.ndarray]:
+    """The experts of every EP rank's part (``ep{j}-of-{K}``) joined on the expert axis, as an --ep 1 run names
+    them; ``rows``: also these state rows (``ROW/NAME``)."""
+    found = [resolve(p) for p in parts]         # each part's checkpoint of the dense one's name
+    pieces = [_params(ckpt) for ckpt in found]
+    if any(m["step"] != step for _, m in pieces):
+        raise CheckpointError(f"{path}: its expert-parallel parts are of other steps than its dense checkpoint "
+                              f"(step {step}: " + ", ".join(f"{os.path.basename(p)} step {m['step']}"
+                                                            for p, (_, m) in zip(parts, pieces))
+                              + "); consolidate checkpoints of one step")
+    got = {name: np.concatenate([p[name] for p, _ in pieces]) for name in pieces[0][0]}
+    for k, row in enumerate(rows, 1):
+        more = [_params(ckpt, k)[0] for ckpt in found]
+        got.update({f"{row}/{name}": np.concatenate([p[name] for p in more]) for name in more[0]})
+    return got
 
 
 def _merge_tp(ckpts, pieces) -> Dict[str, np.ndarray]:
@@ -138,6 +176,16 @@ def inspect(path: str) -> Tuple[str, List[str]]:
             verdict = "DAMAGED"
         kind = "crc32" if "crc32" in s else "sha256"
         lines.append(f"  {s['file']:<16} {s['bytes']:>14,}  {kind} {s[kind][:10]:<10}  {verdict}")
+    for part in ep_parts(ckpt, m):             # an expert-parallel save: each EP rank's experts beside it
+        try:
+            pm, psaved = read_manifest(part)
+            for r in range(psaved.world_size):
+                verify_shard(part, pm, r)
+            verdict = f"step {pm['step']}, {len(psaved.params)} parameters, {psaved.world_size} shards: verified"
+        except CheckpointError as e:
+            problems.append(str(e))
+            verdict = "DAMAGED or missing"
+        lines.append(f"  expert-parallel part {os.path.relpath(part, os.path.dirname(ckpt))}: {verdict}")
     if os.path.realpath(ckpt) != os.path.realpath(path):      # a save directory: what else it holds
         lines.append(f"  complete checkpoints in {path}: {', '.join(complete_checkpoints(path))} "
                      f"(latest: {os.path.basename(ckpt)})")

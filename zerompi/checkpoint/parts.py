@@ -1,5 +1,7 @@
 """The parts of a save folder: its pipeline chunks' folders (``pp{c}-of-{C}``) and tensor-parallel ranks'
-(``tp{r}-of-{K}``), each a whole set, in order; what the offline tools (consolidate, export-hf) read.
+(``tp{r}-of-{K}``), each a whole set, in order; what the offline tools (consolidate, export-hf) read. An
+expert-parallel save's ``ep{j}-of-{K}`` folders (train/moe/checkpoints.py) hold the experts beside the save
+folder's own (dense) checkpoints, each step under the dense checkpoint's name.
 """
 import os
 from typing import List
@@ -10,6 +12,14 @@ from .format import TP_FOLDER, CheckpointError
 def tp_parts(path: str) -> List[str]:
     """The ``tp{r}-of-{K}`` folders of a tensor-parallel save directory, in TP rank order ([] if none)."""
     return part_folders(path, TP_FOLDER, "tensor-parallel")
+
+
+def ep_parts(ckpt: str, manifest: dict) -> List[str]:
+    """The expert-parallel parts of the checkpoint ``ckpt`` (train/moe/checkpoints.py): the checkpoint of the
+    same name in each ``ep{j}-of-{K}`` folder beside it, K the ``--ep`` its manifest records ([] when 1)."""
+    k = int(manifest.get("extra", {}).get("moe", {}).get("ep", 1))
+    root, name = os.path.split(os.path.normpath(ckpt))
+    return [os.path.join(root, f"ep{j}-of-{k}", name) for j in range(k)] if k > 1 else []
 
 
 def part_folders(path: str, pattern, what: str) -> List[str]:

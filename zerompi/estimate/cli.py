@@ -268,7 +268,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _moe(a, dims: dict, given: list) -> dict:
-    """--experts: the run's refusals checked (train/moe_config.py), then the MoE section (moe_bytes.py)."""
+    """--experts: the run's refusals checked (train/moe/config.py), then the MoE section (moe_bytes.py)."""
     from .moe_bytes import check_moe, gpt_moe
     check(given, f"experts={a.experts}: give the GPT's dimensions (--n-layer --d-model --n-head --seq-len --batch "
                  "--vocab) and --ranks, not --params: they decide the dense and expert parameters")

@@ -45,7 +45,7 @@ MOE_FLAGS = ("top_k", "moe_every", "expert_hidden")   # the estimate's MoE optio
 
 def check_moe(experts: int, ep: int, top_k: int, every: int, hidden: Optional[int], ranks: int,
               other: Dict[str, bool], with_ep: Dict[str, bool]) -> None:
-    """ConfigError (one line) where zerompi.train's MoE refuses the values or the flags (train/moe_config.py):
+    """ConfigError (one line) where zerompi.train's MoE refuses the values or the flags (train/moe/config.py):
     ``other`` maps each flag the MoE does not compose with yet to whether it is given, ``with_ep`` those that
     --ep K > 1 does not."""
     check(experts >= 1, f"experts={experts} must be an integer >= 1 (leave --experts out for the dense GPT)")

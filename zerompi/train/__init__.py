@@ -8,7 +8,8 @@ Modules:
 - parallel: --tp and --sp, the Mesh, the models split over it, the groups metered
 - tp_run: --tp, the job's checks, the TP bytes formula and the TP row
 - sp_run: --sp, the job's checks, the SP bytes formula and the SP row
-- moe/: the mixture of experts (--experts, --ep): the MoE MLP and block, expert parallelism, its settings and row
+- moe/: the mixture of experts (--experts, --ep): the MoE MLP and block, expert parallelism, its settings, its
+  checkpoints and row
 - muon_run: --optimizer muon, the metrics' muon section: matrices, Newton-Schulz time, the owners' exchange bytes
 - simulated_run: --simulate-world, the job as one rank of a bigger one: checks, banner, metrics
 - config: TrainConfig and the flags

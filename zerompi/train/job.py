@@ -86,7 +86,11 @@ class SingleJob(Job):
 
     @property
     def checkpoints(self):
-        """What saves and loads the run's checkpoints (checkpoint layout: the engine's own)."""
+        """What saves and loads the run's checkpoints (checkpoint layout: the engine's own; an MoE run's:
+        train/moe/checkpoints.py)."""
+        if self.cfg.moe.on:
+            from .moe.checkpoints import MoECheckpoints
+            return MoECheckpoints(self)
         return self.engine
 
     @property

@@ -70,7 +70,7 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
         job.replicas = ReplicaRun(cfg, job, comm)
     if cfg.save_dir and not job.pipelined:
         from .saves import disk_line
-        report.print0(comm.mpi, disk_line(cfg, job.engine, start))
+        report.print0(comm.mpi, disk_line(cfg, job.checkpoints, start))
     try:
         log = _run_steps(cfg, job, comm, start, stop)
     except (JobError, CheckpointError) as e:   # meant to be raised on every rank together: --trace keeps what there is

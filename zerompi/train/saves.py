@@ -54,7 +54,7 @@ def disk_line(cfg: TrainConfig, engine, start: int) -> str:
     from .console import human_bytes
     every = cfg.save_every
     saves = len({s for s in range(start + 1, cfg.steps + 1) if every and s % every == 0} | {cfg.steps})
-    one = checkpoint_bytes(engine)
+    one = sum(k * checkpoint_bytes(e) for e, k in getattr(engine, "saved_engines", lambda: [(engine, 1)])())
     held = saves if not cfg.keep_last else min(saves, cfg.keep_last + 1)
     keep = f"--keep-last {cfg.keep_last}: at most {held} at once (the kept ones and the one being written)" \
         if cfg.keep_last else "all kept"

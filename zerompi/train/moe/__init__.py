@@ -8,6 +8,7 @@ Modules:
 - ep_mlp: the MoE MLP under expert parallelism: rows to the experts and back, per-source gradients
 - expert_parallel: --ep, the EP and expert-data-parallel groups, the expert engine, the step over both engines
 - routing: the routing per step over the world, the metrics' moe section and the MoE row
+- checkpoints: an MoE run's checkpoints: the experts resharded to the resuming --ep, the selection biases
 
 docs/moe.md. May import what train/ may.
 """

@@ -1,0 +1,109 @@
+"""The checkpoints of an MoE run: the experts resharded to the resuming run's ``--ep``, the selection biases kept.
+
+With ``--ep K`` the dense engine saves in ``DIR`` as a run without EP does, and the expert engine of EP rank j
+(experts j·E/K .. (j+1)·E/K - 1, ZeRO over its expert-data-parallel ranks) in ``DIR/ep{j}-of-{K}``: each an
+ordinary checkpoint. An expert parameter's rows are expert-major, so the experts of the resuming run's EP rank
+are one contiguous range of the whole tensor, cut over the saved EP ranks' parts: checkpoint/part_load.py
+copies each piece through its part's saved layout (any world size, stage, ``--ep``, 1 included). ``python -m
+zerompi.checkpoint consolidate DIR`` joins the parts into the names and shapes of an ``--ep 1`` run.
+``--bias-update``'s per-block biases (the same on every rank) go once into the dense manifest's extra.
+"""
+import os
+
+import numpy as np
+
+from ...checkpoint.format import CheckpointError, read_manifest, resolve
+from ...checkpoint.parts import ep_parts
+from .expert_parallel import short_name
+from .mlp import EXPERT_KEYS
+
+
+def ep_folder(rank: int, size: int) -> str:
+    return f"ep{rank}-of-{size}"
+
+
+class MoECheckpoints:
+    """What saves and loads an MoE job's checkpoints (``job.checkpoints``): its engines and biases as one."""
+
+    def __init__(self, job):
+        self.job, self.cfg = job, job.cfg
+        self.engine, self.ep = job.engine, job.ep
+
+    @property
+    def steps_taken(self) -> int:
+        return self.engine.steps_taken
+
+    def saved_engines(self):
+        """(engine, how many such parts one checkpoint holds): the dense engine's, every EP rank's experts."""
+        return [(self.engine, 1)] + ([(self.ep.engine, self.ep.k)] if self.ep else [])
+
+    def save(self, path: str, extra_state=None, blocking: bool = True, keep_last=None):
+        """Each EP rank's experts in ``path``/ep{j}-of-{K}, then the dense engine's checkpoint in ``path`` (a
+        blocking save moves ``path``/latest only once every part is published); returns the dense one's
+        directory, or a PendingSaves (in the background the parts and the dense one publish independently:
+        a job that dies meanwhile can leave ``latest`` naming a step a part lacks, refused in one line at a
+        resume, whose step before is whole)."""
+        extra = dict(extra_state or {})
+        mlp = self.job.model.moe_blocks.mlp
+        extra["moe"] = {"experts": self.cfg.moe.experts, "ep": self.cfg.moe.ep,
+                        "bias": {str(b): v.tolist() for b, v in sorted(mlp.bias.items())}}
+        part = self.ep.engine.save(os.path.join(path, ep_folder(self.ep.ep.rank, self.ep.k)), extra, blocking,
+                                   keep_last) if self.ep else None
+        dense = self.engine.save(path, extra, blocking, keep_last)    # last: DIR/latest moves once the parts are in
+        if blocking:
+            return dense
+        from ...pipeline.engines import PendingSaves
+        return PendingSaves([dense] + ([part] if part else []))
+
+    def load(self, path: str):
+        """Every engine from ``path`` (a save folder or one of its step_NNNNNN: the dense checkpoint, its EP
+        parts those of the same name), whatever --ep saved it; the biases restored with --bias-update."""
+        dense, parts = _parts(path)
+        E = self.cfg.moe.experts
+        info = None
+        for engine, rank, size in [(self.engine, 0, 1)] + ([(self.ep.engine, self.ep.ep.rank, self.ep.k)]
+                                                           if self.ep else []):
+            if not parts and not self.ep:
+                got = engine.load(dense)             # an --ep 1 save into an --ep 1 run: as a GPT's
+            else:
+                got = _load(engine, dense, parts, E, rank, size)
+            info = info or got
+        bias = info.manifest["extra"].get("moe", {}).get("bias", {})
+        if self.cfg.moe.bias_update > 0:
+            mlp = self.job.model.moe_blocks.mlp
+            mlp.bias.clear()
+            mlp.bias.update({int(b): np.array(v, np.float64) for b, v in bias.items()})
+        return info
+
+
+def _parts(path: str):
+    """(the dense checkpoint, its EP parts' checkpoints of the same name ([] for an --ep 1 save))."""
+    dense = resolve(path)
+    return dense, [resolve(p) for p in ep_parts(dense, read_manifest(dense)[0])]
+
+
+def _load(engine, dense: str, parts, experts: int, rank: int, size: int):
+    """``engine`` (EP rank ``rank`` of ``size``; the dense engine: 0 of 1) from the dense checkpoint and the
+    saved EP parts (none: the experts whole in ``dense``)."""
+    from ...checkpoint.part_load import load_parts
+    ckpts = [dense] + parts
+    saved_k = max(len(parts), 1)
+    if experts % saved_k:
+        raise CheckpointError(f"{dense}: saved with --ep {saved_k}, which does not divide this run's --experts "
+                              f"{experts}; use the model it was saved with")
+
+    def sources(name, shape):
+        numel = int(np.prod(shape))
+        if short_name(name) not in EXPERT_KEYS:
+            return [(0, name, 0, numel, 0)]
+        per_expert = numel // (shape[0] or 1)
+        base = rank * numel                          # this EP rank's first element of the whole tensor
+        chunk = experts // saved_k * per_expert      # one saved part's elements
+        segs = []
+        for p in range(saved_k):
+            a, z = max(base, p * chunk), min(base + numel, (p + 1) * chunk)
+            if a < z:
+                segs.append((p + 1 if parts else 0, name, a - base, z - base, a - p * chunk))
+        return segs
+    own = os.path.join(os.path.dirname(dense), ep_folder(rank, size)) if size > 1 else None   # where it saves
+    return load_parts(engine, ckpts, sources, own)
