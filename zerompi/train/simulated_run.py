@@ -7,6 +7,8 @@ The loss is not a real run's: every step line says so.
 import resource
 from typing import Optional
 
+import numpy as np
+
 from ..errors import check
 from ..estimate.machine import human_bytes
 
@@ -71,15 +73,24 @@ def peak_rss_bytes() -> int:
 
 
 def estimate_row(engine) -> dict:
-    """zerompi.estimate's stage row for an engine's own settings and layout (exact model states)."""
+    """zerompi.estimate's stage row for an engine's own settings and layout (exact model states); an expert
+    engine's (--ep K: K sources per reduce-scatter) with its reduce-scatters' K partials (estimate/moe_bytes.py)."""
     from ..estimate.stages import estimate
     z, t = engine.config, engine.topology
-    return estimate(layout=engine.layout, ranks=t.size, dtype=z.dtype, prefetch=z.prefetch,
-                    micro_batches=z.micro_batches, overlap=z.overlap, align=z.align, node_size=t.node_size,
-                    shard_size=t.shard_size, hpz=z.hpz,
-                    offload_optimizer=z.offload_optimizer, offload_params=z.offload_params,
-                    quantize_weights=z.quantize_weights, quantize_grads=z.quantize_grads,
-                    quant_block=z.quant_block)["stages"][z.stage]
+    row = estimate(layout=engine.layout, ranks=t.size, dtype=z.dtype, prefetch=z.prefetch,
+                   micro_batches=z.micro_batches, overlap=z.overlap, align=z.align, node_size=t.node_size,
+                   shard_size=t.shard_size, hpz=z.hpz,
+                   offload_optimizer=z.offload_optimizer, offload_params=z.offload_params,
+                   quantize_weights=z.quantize_weights, quantize_grads=z.quantize_grads,
+                   quant_block=z.quant_block)["stages"][z.stage]
+    sources = engine.reducer.sources
+    if sources > 1:
+        from collections import Counter
+        from ..estimate.moe_bytes import sources_bytes
+        extra = sources_bytes(Counter(b.numel for b in engine.layout.buckets), np.dtype(engine.dtype).itemsize,
+                              t.size, sources, z.micro_batches)
+        row = dict(row, comm_bytes_per_step=row["comm_bytes_per_step"] + extra)
+    return row
 
 
 def estimate_rows(engines) -> dict:
