@@ -103,6 +103,8 @@ def test_simulated_ep_rank_equals_the_estimate(tmp_path, n, experts, ep, stage, 
     assert (sim["world_size"], sim["rank"], sim["rule"]) == (n, 0, RULE)
     assert sim["estimate"]["model_state_bytes"] == sim["measured"]["model_state_bytes"] == m["memory_bytes"]["total"]
     assert sim["estimate"]["comm_bytes_per_step"] - sim["estimate"]["comm_bytes_kept_at_turns"] == zero
+    assert sim["estimate"]["formula"].endswith("for each of 2 engines (the dense over its N ranks, the experts over "
+                                               "their N/K)")
 
 
 def test_cli_runs_rank_0_of_64_experts_at_ep_64(tmp_path):

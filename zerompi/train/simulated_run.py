@@ -93,17 +93,19 @@ def estimate_row(engine) -> dict:
     return row
 
 
-def estimate_rows(engines) -> dict:
-    """The estimate beside this rank: the sum of its engines' rows (a pipeline stage's chunks)."""
+def estimate_rows(engines, what: str = "chunks") -> dict:
+    """The estimate beside this rank: the sum of its engines' rows (a pipeline stage's chunks; with --ep, the
+    dense and the expert engine)."""
     from ..estimate.stages import sum_rows
-    return sum_rows([estimate_row(e) for e in engines], "chunks")
+    return sum_rows([estimate_row(e) for e in engines], what)
 
 
 def metrics(cfg, engines, comm, log, base: dict) -> dict:
     """The "simulated" entry of the metrics: who this process stood for, the rule, the estimate beside, and the
     bytes and calls per step of each collective."""
     from ..comm.simulated_world import RULE
-    est = estimate_rows(engines)
+    est = estimate_rows(engines, "engines (the dense over its N ranks, the experts over their N/K)"
+                        if cfg.moe.ep > 1 else "chunks")
     steady, first = log.steady_per_op() or {}, log.first_per_op() or {}
     by_op = {op: {"bytes": steady.get(op), "first_step_bytes": first.get(op), "calls": s.calls}
              for op, s in sorted(comm.stats.items())}
