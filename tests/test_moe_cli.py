@@ -21,7 +21,6 @@ REFUSED = [
     (["--experts", "4", "--pp", "2", "--ep", "2"], "--pp with --experts 4 --ep 2 is not supported yet"),
     (["--experts", "4", "--tp", "2"], "--tp with --experts 4 is not supported yet"),
     (["--experts", "4", "--sp", "2"], "--sp with --experts 4 is not supported yet"),
-    (["--experts", "4", "--simulate-world", "4"], "--simulate-world with --experts 4 is not supported yet"),
     (["--experts", "4", "--checkpoint-activations"], "--checkpoint-activations with --experts 4 is not supported"),
     (["--experts", "4", "--optimizer", "muon"], "--optimizer muon with --experts 4 is not supported"),
     (["--experts", "4", "--bias-update", "0.01", "--pp", "2", "--resume", "x"],

@@ -1,7 +1,7 @@
 """Train the MoE GPT with the router forced: ``one`` sends every token to expert 0 (top-1 of a one-hot),
 ``per-rank`` to expert (world rank mod E) -- each rank routes differently (no-hang checks); ``cycle`` token i of a
-micro-batch to expert i mod E (exactly balanced: the all-to-all's bytes are its formula's). Rank 0 prints the
-metrics.
+micro-batch to expert i mod E, or with --top-k k to experts k·i .. k·i + k - 1 mod E (exactly balanced: the
+all-to-all's bytes are its formula's). Rank 0 prints the metrics (with --simulate-world, the one process does).
 
 Usage: mpiexec -n N python tests/drivers/moe_routing.py MODE '["--stage", "3", ...]'
 """
@@ -26,13 +26,16 @@ def forced(xp, logits):
     p = real(xp, logits)
     out = np.full_like(p, 1e-3)
     if mode == "cycle":
-        out[np.arange(len(p)), np.arange(len(p)) % p.shape[1]] = 1.0
+        for j in range(top_k):                     # distinct weights: the top-k order is the slot order
+            out[np.arange(len(p)), (top_k * np.arange(len(p)) + j) % p.shape[1]] = 1.0 - 0.1 * j
     else:
         out[:, 0 if mode == "one" else rank % logits.shape[1]] = 1.0
     return out / out.sum(axis=1, keepdims=True) + 0 * p
 
 
+cfg = parse_config(flags)
+top_k = cfg.moe.top_k
 moe.softmax = forced
-metrics = train(parse_config(flags))
+metrics = train(cfg)
 if rank == 0:
     print("METRICS " + json.dumps(metrics), flush=True)

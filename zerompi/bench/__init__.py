@@ -10,6 +10,7 @@ Modules:
 - levels: --node-size, the two-level rows and the bytes of one call inside and across nodes
 - tp_allreduce: --tp, the all-reduce over the tensor-parallel groups of a Mesh
 - sp_alltoall: --sp, the Ulysses all-to-all over the sequence-parallel groups of a Mesh
+- ep_alltoallv: --ep, the MoE's all-to-all(v) over expert-parallel groups, balanced and skewed counts
 - plot: --plot, busbw against size (matplotlib)
 
 May import: zerompi.errors, zerompi.optim, zerompi.comm, zerompi.checkpoint (outputs: the

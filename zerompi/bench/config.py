@@ -18,11 +18,15 @@ from ..optim.impl import OPTIMIZER_IMPLS
 
 OPS = ("reduce_scatter", "all_gather", "all_reduce")
 SP_OPS = ("all_to_all",)                                      # --sp: sequence parallelism's exchange (sp_alltoall.py)
+EP_OPS = ("all_to_allv",)                                     # --ep: expert parallelism's exchange (ep_alltoallv.py)
 # --tp and --sp: (the group, its one collective, what it does, why it is not quantized, the Mesh's call)
 GROUPS = {"tp": ("tensor-parallel", "all_reduce", "all-reduces", "the engine never quantizes an all-reduce",
                  "TP all-reduce"),
           "sp": ("sequence-parallel", "all_to_all", "exchanges all-to-all", "the all-to-all travels unquantized",
-                 "SP all-to-all")}
+                 "SP all-to-all"),
+          "ep": ("expert-parallel", "all_to_allv", "exchanges tokens all-to-all(v)",
+                 "the all-to-all(v) travels unquantized", "EP all-to-all(v)")}
+GROUP_IMPLS = {"tp": "zerompi-tp", "sp": "zerompi-sp", "ep": "zerompi-ep"}   # zerompi's rows over each group
 DTYPES = {"fp16": np.float16, "fp32": np.float32}
 IMPLS = ("zerompi", "mpi")                                   # --impl both
 # ZeRO++'s quantized collectives: bits (bench/quantized.py)
@@ -106,12 +110,18 @@ class BenchConfig:
     sp: Optional[int] = None
     """Measure the all-to-all over sequence-parallel groups of this many adjacent ranks instead (zerompi.Mesh's
     SP all-to-all as attention calls it, impl zerompi-sp, beside MPI's Alltoall on the group; bench/sp_alltoall.py)."""
+    ep: Optional[int] = None
+    """Measure the all-to-all(v) over expert-parallel groups of this many adjacent ranks instead, balanced and skewed
+    counts (comm/ep_alltoall.py's exchange, impl zerompi-ep, beside MPI's Alltoallv; bench/ep_alltoallv.py)."""
 
     def __post_init__(self):
         for op in self.ops:
-            check(op in OPS + SP_OPS, f"op={op!r} is not allowed; use one of {', '.join(OPS + SP_OPS)} or all")
+            check(op in OPS + SP_OPS + EP_OPS,
+                  f"op={op!r} is not allowed; use one of {', '.join(OPS + SP_OPS + EP_OPS)} or all")
             check(op not in SP_OPS or self.sp is not None, f"op={op} needs --sp K: it is the exchange of "
                                                            "sequence-parallel groups of K ranks")
+            check(op not in EP_OPS or self.ep is not None, f"op={op} needs --ep K: it is the exchange of "
+                                                           "expert-parallel groups of K ranks")
         check(self.dtype in DTYPES, f"dtype={self.dtype!r} is not allowed; use fp16 or fp32")
         for impl in self.impls:
             check(impl in ALL_IMPLS, f"impl={impl!r} is not allowed; use {IMPL_CHOICES}")
@@ -138,7 +148,11 @@ class BenchConfig:
               f"node_size={self.node_size!r} must be a whole number of ranks >= 1")
         check(self.tp is None or self.sp is None, f"sp={self.sp} and tp={self.tp} measure different tables "
                                                   "(the all-to-all, the all-reduce); give one of --sp and --tp")
-        for name in ("tp", "sp"):
+        other = "tp" if self.tp is not None else "sp"
+        check(self.ep is None or (self.tp is None and self.sp is None),
+              f"ep={self.ep} and {other}={getattr(self, other)} measure different tables; give one of --ep and "
+              f"--{other}")
+        for name in ("tp", "sp", "ep"):
             if getattr(self, name) is not None:
                 self._check_group(name)
         check(self.sum_impl in OPTIMIZER_IMPLS,
@@ -166,9 +180,9 @@ class BenchConfig:
         """The implementations of the rows. With node_size, the two-level ones: zerompi-2level beside
         zerompi's flat one (first when zerompi is not asked for), zerompi-2level-q8 beside zerompi-q8 ...
         With tp, zerompi's rows are the Mesh's TP all-reduce (bench/tp_allreduce.py): zerompi-tp."""
-        if self.tp is not None or self.sp is not None:
-            ours = "zerompi-tp" if self.tp is not None else "zerompi-sp"
-            return tuple(ours if i == "zerompi" else i for i in self.impls)
+        group = self.group
+        if group is not None:
+            return tuple(GROUP_IMPLS[group] if i == "zerompi" else i for i in self.impls)
         if self.node_size is None:
             return self.impls
         out = [] if "zerompi" in self.impls else [TWO_LEVEL]
@@ -179,6 +193,11 @@ class BenchConfig:
     def op_impls(self, op: str) -> Tuple[str, ...]:
         """The row implementations of ``op``: the quantized ones have no all-reduce (nor does the engine)."""
         return tuple(i for i in self.row_impls() if op in QUANTIZED_OPS or quant_bits(i) is None)
+
+    @property
+    def group(self) -> Optional[str]:
+        """"tp", "sp" or "ep": the model-parallel group whose one collective the rows measure (None: ZeRO's)."""
+        return next((name for name in GROUPS if getattr(self, name) is not None), None)
 
     @property
     def quantized(self) -> bool:
@@ -224,6 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sp", type=int, default=None, metavar="K",
                    help="the all-to-all over sequence-parallel groups of K adjacent ranks (zerompi.Mesh): the "
                         "Mesh's SP all-to-all as attention calls it (zerompi-sp) beside MPI's Alltoall on the group")
+    p.add_argument("--ep", type=int, default=None, metavar="K",
+                   help="the all-to-all(v) over expert-parallel groups of K adjacent ranks, balanced and skewed "
+                        "counts: the MoE's exchange (zerompi-ep: counts, then rows) beside MPI's Alltoallv")
     return p
 
 
@@ -234,8 +256,8 @@ def parse_config(argv: Optional[List[str]] = None) -> BenchConfig:
         factor = float(a.stepfactor)
     except ValueError:
         raise ConfigError(f"factor={a.stepfactor!r} is not a number; use e.g. 2")
-    check(a.op == "all" or a.op in OPS + SP_OPS, f"op={a.op!r} is not allowed; use one of {', '.join(OPS + SP_OPS)} "
-                                                 "or all")
+    check(a.op == "all" or a.op in OPS + SP_OPS + EP_OPS,
+          f"op={a.op!r} is not allowed; use one of {', '.join(OPS + SP_OPS + EP_OPS)} or all")
     impls = IMPLS if a.impl == "both" else tuple(a.impl.split(","))
     for impl in impls:
         check(impl in ALL_IMPLS, f"impl={impl!r} is not allowed; use {IMPL_CHOICES}")
@@ -248,10 +270,11 @@ def parse_config(argv: Optional[List[str]] = None) -> BenchConfig:
     ops = OPS if a.op == "all" else (a.op,)
     ops = ("all_reduce",) if a.tp is not None and a.op == "all" else ops     # --tp: the all-reduce alone
     ops = SP_OPS if a.sp is not None and a.op == "all" else ops              # --sp: the all-to-all alone
+    ops = EP_OPS if a.ep is not None and a.op == "all" else ops              # --ep: the all-to-all(v) alone
     cfg = BenchConfig(ops=ops, min_bytes=parse_size(a.minbytes),
                       max_bytes=parse_size(a.maxbytes), factor=factor, dtype=a.dtype, iters=a.iters,
                       warmup=a.warmup, impls=impls, device=a.device, comm=a.comm,
                       check=a.check, overlap=not a.no_overlap, json_path=a.json, sum_impl=a.sum_impl,
                       node_size=a.node_size, quant_block=DEFAULT_BLOCK if a.quant_block is None else a.quant_block,
-                      plot_path=a.plot, tp=a.tp, sp=a.sp)
+                      plot_path=a.plot, tp=a.tp, sp=a.sp, ep=a.ep)
     return cfg

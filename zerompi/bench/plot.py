@@ -10,7 +10,7 @@ from typing import List, Optional
 from ..checkpoint.outputs import check_file, check_image, write_atomic
 from ..errors import check
 
-OPS = ("reduce_scatter", "all_gather", "all_reduce")
+OPS = ("reduce_scatter", "all_gather", "all_reduce", "all_to_allv")
 
 
 def busbw_figure(records: List[dict]):
@@ -24,9 +24,10 @@ def busbw_figure(records: List[dict]):
     ranks = records[0]["ranks"] if records else "?"
     for ax, op in zip(axes, ops):
         mine = [r for r in records if r["op"] == op]
-        for impl in dict.fromkeys(r["impl"] for r in mine):
-            rows = sorted((r["bytes"], r["busbw"]) for r in mine if r["impl"] == impl)
-            ax.plot([b for b, _ in rows], [bw for _, bw in rows], marker="o", label=impl)
+        for impl, counts in dict.fromkeys((r["impl"], r.get("counts")) for r in mine):   # --ep: a line per pattern
+            rows = sorted((r["bytes"], r["busbw"]) for r in mine if (r["impl"], r.get("counts")) == (impl, counts))
+            ax.plot([b for b, _ in rows], [bw for _, bw in rows], marker="o",
+                    label=impl if counts is None else f"{impl} ({counts})")
         copy = sorted({r["bytes"]: r["copy_GBps"] for r in mine}.items())
         ax.plot([b for b, _ in copy], [c for _, c in copy], linestyle="--", color="gray", label="copy ceiling")
         ax.set_xscale("log", base=2)

@@ -35,7 +35,7 @@ from .records import _ranks, make_record, overlap_record, padded_count
 from .levels import TWO_LEVEL, banner, check_node_size, columns, communicators, level_record
 from .plot import check_plot, save_plot
 from .table import footer, print0, table_header, table_row
-from . import quantized, sp_alltoall, tp_allreduce
+from . import ep_alltoallv, quantized, sp_alltoall, tp_allreduce
 from ..comm.quantized import Quantization
 from ..checkpoint.outputs import check_file, check_roles, save_json
 from ..errors import EXIT_OUTPUT, ConfigError, HelpRequested, agree_on_errors, agree_on_start, install_abort_hook
@@ -148,6 +148,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         check_node_size(cfg.node_size, world.Get_size(), cfg.device)
         tp_allreduce.check_tp_size(cfg.tp, world.Get_size())
         sp_alltoall.check_sp_size(cfg.sp, world.Get_size())
+        ep_alltoallv.check_ep_size(cfg.ep, world.Get_size())
         if world.Get_rank() == 0:
             check_roles([("json", cfg.json_path), ("plot", cfg.plot_path)])   # never one over the other
             check_file(cfg.json_path, "json")   # rank 0 writes it: checked before any measurement
@@ -164,6 +165,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     if agree_on_errors(world, memory_error(cfg, world.Get_size(), placement), "zerompi.bench"):
         return 2                                            # before the first buffer is allocated
+    if cfg.ep is not None:
+        return finish(cfg, ep_records(cfg, world, placement))
     if cfg.tp is not None or cfg.sp is not None:
         return finish(cfg, group_records(cfg, world, placement))
     comm, two_level = communicators(world, cfg.node_size)
@@ -194,6 +197,18 @@ def group_records(cfg: BenchConfig, world, placement) -> List[dict]:
         print("# time: per-rank median over iterations, then min/avg/max over all ranks; bw from the avg")
         print(part.banner(mesh), flush=True)
     return tp_allreduce.run_tp(cfg, mesh) if cfg.tp is not None else sp_alltoall.run_sp(cfg, mesh)
+
+
+def ep_records(cfg: BenchConfig, world, placement) -> List[dict]:
+    """--ep K: the banner and the rows over the EP groups (the all-to-all(v), bench/ep_alltoallv.py)."""
+    from ..comm.communicator import mpi_library
+    from ..comm.device import describe_buffers
+    if world.Get_rank() == 0:
+        print(f"# zerompi.bench: {world.Get_size()} ranks, {mpi_library()}, {describe_buffers(placement, None)}, "
+              f"dtype {cfg.dtype}, iters {cfg.iters} (median) after {cfg.warmup} warmup")
+        print("# time: per-rank median over iterations, then min/avg/max over all ranks; bw from the avg")
+        print(ep_alltoallv.banner(world.Get_size(), cfg.ep), flush=True)
+    return ep_alltoallv.run_ep(cfg, world)
 
 
 def finish(cfg: BenchConfig, records: List[dict]) -> int:

@@ -10,7 +10,8 @@ from .config import BenchConfig
 from .levels import HEADER
 
 PLACE = {"reduce_scatter": "out-of-place (bucket -> own slice)", "all_gather": "in place",
-         "all_reduce": "in place", "all_to_all": "out-of-place (a chunk of all heads -> the whole sequence of 1/K)"}
+         "all_reduce": "in place", "all_to_all": "out-of-place (a chunk of all heads -> the whole sequence of 1/K)",
+         "all_to_allv": "out-of-place (each rank's token rows -> the rows for this rank's experts)"}
 
 
 def width(cfg: BenchConfig) -> int:
@@ -55,11 +56,12 @@ def footer(records: List[dict], cfg: BenchConfig) -> str:
         worst = min(ratios, key=lambda x: x[1])
         lines.append(f"# reduce_scatter busbw zerompi/mpi at sizes >= 1 MiB: min {worst[1]:.2f} "
                      f"(at {worst[0]} B), median {statistics.median(x for _, x in ratios):.2f}")
-    if cfg.dtype == "fp16" and "mpi" in cfg.impls and any(o not in ("all_gather", "all_to_all") for o in cfg.ops):
+    moves = ("all_gather", "all_to_all", "all_to_allv")          # no sum: no fp32 stand-in
+    if cfg.dtype == "fp16" and "mpi" in cfg.impls and any(o not in moves for o in cfg.ops):
         lines.append("# float*: MPI has no fp16 sum; the built-in reduces fp32 elements of the same byte size")
     if cfg.check:
         lines.append(f"# #wrong: {sum(r['wrong'] for r in records)} elements in all rows "
-                     f"(tolerance N x eps x sum|x| for sums, bit-exact for all_gather and all_to_all" +
+                     f"(tolerance N x eps x sum|x| for sums, bit-exact for all_gather and all_to_all(v)" +
                      ("; quantized rows: |result - exact| <= bound x scale" if cfg.quantized else "") + ")")
     if cfg.quantized:
         lines += quantized.footer(records)

@@ -32,8 +32,10 @@ from ..errors import ConfigError, UsageError
 RULE = ("every other rank mirrors this one: a peer sends this rank a copy of what this rank contributes itself "
         "(a reduce-scatter sums N copies of its own slice, an all-gather fills every slice with its own, every "
         "gathered number is its own), a point-to-point message from another pipeline stage holds zeros, a "
-        "non-blocking collective arrives when this rank waits for it, every other message at once; memory and "
-        "bytes sent are this rank's in the real job, the loss and the parameters are not a real run's")
+        "non-blocking collective arrives when this rank waits for it, every other message at once; an "
+        "expert-parallel all-to-allv's block from a peer is this rank's own block, repeated or cut to the length "
+        "that peer sends; memory and bytes sent are this rank's in the real job, the loss and the parameters are "
+        "not a real run's")
 
 
 
@@ -201,6 +203,27 @@ class SimulatedWorld:
         n = self.Get_size()
         src, dst = _bytes(send).reshape(n, -1), _bytes(recv).reshape(n, -1)
         dst[...] = src[self._rank].copy()
+
+    def Alltoallv(self, send, recv) -> None:
+        """Peer r's block of ``recv`` (counts and displacements in elements of the datatype) is this rank's own
+        block of ``send``, repeated or cut to the length peer r sends (``rc[r]``; zeros where this rank sends
+        itself nothing). comm/ep_alltoall.py's rows: the counts came first from the mirrors (every peer routes
+        as this rank does), so the tokens sent to this rank's experts are exactly its own block; the outputs a
+        peer returns from experts this rank does not hold cannot be mirrored, and are this rank's own outputs in
+        their place -- the lengths, so the bytes, are the real job's when the routing is."""
+        sbuf, (sc, sd), stype = send
+        rbuf, (rc, rd), rtype = recv
+        unit, me = stype.Get_size(), self._rank
+        if rtype.Get_size() != unit:
+            raise UsageError("a simulated all-to-allv sends and receives one datatype")
+        own = _bytes(sbuf)[int(sd[me]) * unit:(int(sd[me]) + int(sc[me])) * unit].copy()
+        dst = _bytes(rbuf)
+        for r in range(self.Get_size()):
+            block = dst[int(rd[r]) * unit:(int(rd[r]) + int(rc[r])) * unit]
+            if not own.size:
+                block[...] = 0
+            elif block.size:
+                block[...] = np.resize(own, block.size)     # repeated, or cut
 
     def Ialltoallv(self, send, recv) -> Arrived:
         """Each peer's block of ``recv`` (displacements in blocks of the datatype) is a copy of this rank's own

@@ -91,16 +91,34 @@ def gpt_moe(dims: dict, ranks: int, experts: int, ep: int, top_k: int, every: in
 
 
 def with_layouts(moe: dict, est: dict, opts: dict) -> dict:
-    """At --ep K > 1, each stage's dense and expert states with the engines' padding: the dense engine's are the
-    table's (``est``), the expert engine's its own estimate (one layer of E/K experts per MoE block over N/K)."""
+    """At --ep K > 1, each stage's dense and expert states with the engines' padding, and each engine's ZeRO bytes
+    per step: the dense engine's are the table's (``est``), the expert engine's its own estimate (one layer of E/K
+    experts per MoE block over N/K) with each reduce-scatter sending the K sources' partials
+    (comm/sources_reduce.py: K times one reduce-scatter's bytes)."""
     if moe["ep"] == 1:
         return moe
     from .stages import estimate
-    experts = estimate(moe["expert_params"] // moe["ep"], moe["expert_ranks"], est["dtype"], layers=moe["moe_blocks"],
-                       **opts)
-    rows = [dict(r, dense_padded_bytes=d["model_state_bytes"], expert_padded_bytes=e["model_state_bytes"])
+    psi = moe["expert_params"] // moe["ep"]
+    experts = estimate(psi, moe["expert_ranks"], est["dtype"], layers=moe["moe_blocks"], **opts)
+    from ..engine.config import ZeroConfig
+    from .plan import plan_buckets
+    plan = plan_buckets(psi, moe["expert_ranks"], experts["bucket_numel"], moe["moe_blocks"], None, ZeroConfig.align)
+    extra = sources_bytes(plan.lengths(), ZeroConfig(dtype=est["dtype"]).itemsize, moe["expert_ranks"], moe["ep"],
+                          opts.get("micro_batches", 1))
+    rows = [dict(r, dense_padded_bytes=d["model_state_bytes"], expert_padded_bytes=e["model_state_bytes"],
+                 dense_comm_bytes_per_step=d["comm_bytes_per_step"],
+                 expert_comm_bytes_per_step=e["comm_bytes_per_step"] + extra,
+                 expert_comm_bytes_kept_at_turns=e["comm_bytes_kept_at_turns"])
             for r, d, e in zip(moe["stages"], est["stages"], experts["stages"])]
     return dict(moe, stages=rows)
+
+
+def sources_bytes(lengths: Dict[int, int], itemsize: int, ranks: int, sources: int, micro_batches: int) -> int:
+    """Bytes per step an expert engine's reduce-scatters send beyond one partial each: K - 1 more per bucket and
+    micro-batch (engine/zero_engine.py's comm_theory_bytes_by_level); ``lengths``: {bucket elements: buckets}."""
+    from ..engine import traffic
+    per = sum(c * traffic.call_bytes("reduce_scatter", n, itemsize, ranks, ranks, ranks)[0] for n, c in lengths.items())
+    return (sources - 1) * micro_batches * per
 
 
 def format_moe(moe: dict) -> str:
@@ -116,11 +134,15 @@ def format_moe(moe: dict) -> str:
            line("model states", [f"{r['model_state_bytes']:,}" for r in rows])]
     if k > 1:
         out += [line("dense, padded layout", [f"{r['dense_padded_bytes']:,}" for r in rows]),
-                line("experts, padded layout", [f"{r['expert_padded_bytes']:,}" for r in rows])]
+                line("experts, padded layout", [f"{r['expert_padded_bytes']:,}" for r in rows]),
+                line("dense ZeRO bytes per step", [f"{r['dense_comm_bytes_per_step']:,}" for r in rows]),
+                line("expert ZeRO bytes per step", [f"{r['expert_comm_bytes_per_step']:,}" for r in rows])]
     out += [f"  all-to-all per rank per step: {moe['all_to_all_bytes_per_step']:,} bytes = {moe['moe_blocks']} MoE "
             f"blocks x micro-batches x ((K-1)·E/K·8 + 4 x n·k·(K-1)/K x C x 4 B), n = "
             f"{moe['tokens_per_micro_batch']} tokens, K = {k} (balanced, dropless; docs/moe.md)",
-            "  model states: the formulas (unpadded, as a run prints them); the table above: " +
+            "  model states: the formulas (unpadded, as a run prints them); ZeRO bytes: each engine's step (the "
+            "expert reduce-scatters carry K sources' partials; stage 3 keeps a bucket at the turn: the table's note); "
+            "the table above: " +
             ("the whole model, one engine over the N ranks" if k == 1 else
              "the dense engine over the N ranks (the experts: a second engine)") +
             "; activations are not estimated for the MoE GPT"]

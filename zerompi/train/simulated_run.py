@@ -7,6 +7,8 @@ The loss is not a real run's: every step line says so.
 import resource
 from typing import Optional
 
+import numpy as np
+
 from ..errors import check
 from ..estimate.machine import human_bytes
 
@@ -71,28 +73,39 @@ def peak_rss_bytes() -> int:
 
 
 def estimate_row(engine) -> dict:
-    """zerompi.estimate's stage row for an engine's own settings and layout (exact model states)."""
+    """zerompi.estimate's stage row for an engine's own settings and layout (exact model states); an expert
+    engine's (--ep K: K sources per reduce-scatter) with its reduce-scatters' K partials (estimate/moe_bytes.py)."""
     from ..estimate.stages import estimate
     z, t = engine.config, engine.topology
-    return estimate(layout=engine.layout, ranks=t.size, dtype=z.dtype, prefetch=z.prefetch,
-                    micro_batches=z.micro_batches, overlap=z.overlap, align=z.align, node_size=t.node_size,
-                    shard_size=t.shard_size, hpz=z.hpz,
-                    offload_optimizer=z.offload_optimizer, offload_params=z.offload_params,
-                    quantize_weights=z.quantize_weights, quantize_grads=z.quantize_grads,
-                    quant_block=z.quant_block)["stages"][z.stage]
+    row = estimate(layout=engine.layout, ranks=t.size, dtype=z.dtype, prefetch=z.prefetch,
+                   micro_batches=z.micro_batches, overlap=z.overlap, align=z.align, node_size=t.node_size,
+                   shard_size=t.shard_size, hpz=z.hpz,
+                   offload_optimizer=z.offload_optimizer, offload_params=z.offload_params,
+                   quantize_weights=z.quantize_weights, quantize_grads=z.quantize_grads,
+                   quant_block=z.quant_block)["stages"][z.stage]
+    sources = engine.reducer.sources
+    if sources > 1:
+        from collections import Counter
+        from ..estimate.moe_bytes import sources_bytes
+        extra = sources_bytes(Counter(b.numel for b in engine.layout.buckets), np.dtype(engine.dtype).itemsize,
+                              t.size, sources, z.micro_batches)
+        row = dict(row, comm_bytes_per_step=row["comm_bytes_per_step"] + extra)
+    return row
 
 
-def estimate_rows(engines) -> dict:
-    """The estimate beside this rank: the sum of its engines' rows (a pipeline stage's chunks)."""
+def estimate_rows(engines, what: str = "chunks") -> dict:
+    """The estimate beside this rank: the sum of its engines' rows (a pipeline stage's chunks; with --ep, the
+    dense and the expert engine)."""
     from ..estimate.stages import sum_rows
-    return sum_rows([estimate_row(e) for e in engines], "chunks")
+    return sum_rows([estimate_row(e) for e in engines], what)
 
 
 def metrics(cfg, engines, comm, log, base: dict) -> dict:
     """The "simulated" entry of the metrics: who this process stood for, the rule, the estimate beside, and the
     bytes and calls per step of each collective."""
     from ..comm.simulated_world import RULE
-    est = estimate_rows(engines)
+    est = estimate_rows(engines, "engines (the dense over its N ranks, the experts over their N/K)"
+                        if cfg.moe.ep > 1 else "chunks")
     steady, first = log.steady_per_op() or {}, log.first_per_op() or {}
     by_op = {op: {"bytes": steady.get(op), "first_step_bytes": first.get(op), "calls": s.calls}
              for op, s in sorted(comm.stats.items())}

@@ -78,7 +78,6 @@ def check_job(cfg) -> None:
     check(cfg.model == "gpt", f"experts={moe.experts} applies to model gpt only (the MoE replaces the GPT's MLP); "
                               "drop --experts or use --model gpt")
     refused = (("--pp", cfg.mesh.pp > 1 and moe.ep > 1), ("--tp", cfg.mesh.tp > 1), ("--sp", cfg.mesh.sp > 1),
-               ("--simulate-world", cfg.simulate_world is not None),
                ("--checkpoint-activations", cfg.checkpoint_activations),
                ("--optimizer muon", cfg.zero.optimizer == "muon"),
                ("--init-from", cfg.init_from is not None),
