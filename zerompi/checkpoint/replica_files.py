@@ -107,15 +107,30 @@ def _steps(job: str) -> Dict[int, List[str]]:
     out: Dict[int, List[str]] = {}
     base = job_dir(job)
     folders = [os.path.join(base, RESTORE)]
-    for node in sorted(os.listdir(base)) if os.path.isdir(base) else []:
+    for node in _listdir(base):
         if node.startswith("node"):
-            folders += [os.path.join(base, node, rank) for rank in sorted(os.listdir(os.path.join(base, node)))]
+            folders += [os.path.join(base, node, rank) for rank in _listdir(os.path.join(base, node))]
     for folder in folders:
-        for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        for name in _listdir(folder):
             m = STEP_DIR.fullmatch(name)
             if m:
                 out.setdefault(int(m.group(1)), []).append(os.path.join(folder, name))
     return out
+
+
+def _listdir(folder: str) -> List[str]:
+    """Its names, sorted; [] when it is gone (a lost node's folder may be removed while it is read)."""
+    try:
+        return sorted(os.listdir(folder))
+    except OSError:
+        return []
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return -1
 
 
 def _gather(folders: List[str], prefer: str) -> Tuple[Dict[Tuple[str, int], str], Dict[str, str], List[tuple]]:
@@ -134,8 +149,8 @@ def _gather(folders: List[str], prefer: str) -> Tuple[Dict[Tuple[str, int], str]
             continue
         manifests[part] = with_manifest[0]
         for r, entry in enumerate(read_manifest(with_manifest[0])[0]["shards"]):
-            copies = [os.path.join(d, entry["file"]) for d in dirs if os.path.isfile(os.path.join(d, entry["file"]))
-                      and os.path.getsize(os.path.join(d, entry["file"])) == entry["bytes"]]
+            copies = [os.path.join(d, entry["file"]) for d in dirs
+                      if _size(os.path.join(d, entry["file"])) == entry["bytes"]]
             if copies:
                 found[(part, r)] = copies[0]
             else:
