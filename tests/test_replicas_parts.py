@@ -8,12 +8,10 @@ final parameters equal bit for bit those of a run that saved a disk checkpoint a
 part, never pieces of two steps (no MPI). What is not covered is refused in one line.
 """
 import os
-import sys
 
 import numpy as np
 import pytest
 
-from tests.mpirun import mpi_env, one_line, run_tree
 from tests.test_replicas import GPT, job_name, oracle, supervise
 from zerompi.checkpoint.format import build_manifest, read_manifest
 from zerompi.checkpoint.replica_files import assemble, commit, job_dir, rank_dir, step_dir
@@ -44,13 +42,14 @@ def test_pp_a_lost_node_is_restored_from_its_buddies(tmp_path):
     assert m["final_params_sha256"] == oracle(tmp_path, 4, 4, flags, f["restored_step"])
 
 
-@pytest.mark.parametrize("mesh, parts", [(["--tp", "2"], {"tp0-of-2", "tp1-of-2"}),
+@pytest.mark.parametrize("mesh, parts", [(["--tp", "2"], {"tp0-of-2", "tp1-of-2"}), (["--sp", "2"], {""}),
                                          (["--tp", "2", "--pp", "2", "--micro-batches", "2"],
                                           {"pp0-of-2/tp0-of-2", "pp0-of-2/tp1-of-2"})])
-def test_tp_a_killed_rank_costs_at_most_one_step_and_no_bits(tmp_path, mesh, parts):
-    """--tp 2 (2 data-parallel ranks of each TP rank, across the nodes), and --tp 2 --pp 2 (one rank per part)."""
+def test_tp_sp_a_killed_rank_costs_at_most_one_step_and_no_bits(tmp_path, mesh, parts):
+    """--tp 2 (2 data-parallel ranks of each TP rank, across the nodes), --sp 2 (no parts: one engine over the
+    data- and sequence-parallel ranks), and --tp 2 --pp 2 (one rank per part)."""
     flags = GPT + ["--stage", "3", "--node-size", "2", *mesh]
-    proc, m = supervise(tmp_path, job_name("tp" + str(len(mesh))), 4, flags, kill_at=3, ranks=[1])
+    proc, m = supervise(tmp_path, job_name("mesh" + "".join(mesh[::2])), 4, flags, kill_at=3, ranks=[1])
     assert proc.returncode == 0, proc.stderr[-3000:]
     [f] = m["failures"]
     assert f["rank"] == 1 and f["steps_lost"] <= 1 and f["restored_step"] >= 3, f
@@ -114,12 +113,10 @@ def test_assemble_takes_the_newest_step_committed_in_every_part(tmp_path, monkey
 
 
 def test_what_is_not_covered_is_refused_in_one_line():
-    """--sp and --ep stay refused (one line, exit 2); --tp and --pp are not."""
+    """--ep stays refused (one line); --tp, --sp and --pp are not."""
     from zerompi.errors import ConfigError
     from zerompi.train.config import parse_config
-    cmd = [sys.executable, "-m", "zerompi.run", "-n", "4", "--", *GPT, "--node-size", "2", "--tp", "2", "--sp", "2"]
-    one_line(run_tree(cmd, 60, mpi_env()), 2, "zerompi.run: error:", "replicas=", "does not support --sp 2 yet")
     with pytest.raises(ConfigError, match="does not support --ep 2 yet; drop --replicas or --ep"):
         parse_config([*GPT, "--experts", "4", "--ep", "2", "--replicas", "j"])
-    for mesh in (["--tp", "2"], ["--pp", "2", "--micro-batches", "2"], ["--tp", "2", *PP[-6:-2]]):
+    for mesh in (["--tp", "2"], ["--sp", "2"], ["--pp", "2", "--micro-batches", "2"], ["--tp", "2", *PP[-6:-2]]):
         assert parse_config([*GPT, *mesh, "--replicas", "j"]).replicas == "j"

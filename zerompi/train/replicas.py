@@ -73,8 +73,6 @@ def check_config(cfg) -> None:
     """ConfigError (one line) unless the job name is a folder name and the run is one --replicas supports."""
     check(isinstance(cfg.replicas, str) and JOB_NAME.fullmatch(cfg.replicas) is not None,
           f"replicas={cfg.replicas!r} is not a job name; use 1 to 64 letters, digits, '_', '-' or '.'")
-    sp = cfg.mesh.sp
-    check(sp == 1, f"replicas={cfg.replicas!r} does not support --sp {sp} yet; drop --replicas or --sp")
     check(cfg.simulate_world is None, f"replicas={cfg.replicas!r} needs a real job; drop --simulate-world")
     ep = getattr(getattr(cfg, "moe", None), "ep", 1)
     check(ep == 1, f"replicas={cfg.replicas!r} does not support --ep {ep} yet; drop --replicas or --ep")
