@@ -31,11 +31,12 @@ def test_pp_a_killed_rank_costs_at_most_one_step_and_no_bits(tmp_path, stage):
     assert m["final_params_sha256"] == oracle(tmp_path, 4, 4, flags, f["restored_step"])
 
 
-def test_pp_a_lost_node_is_restored_from_its_buddies(tmp_path):
-    """Node 1 (ranks 2, 3: the whole second stage) killed and its shared memory wiped: chunk 1's shards come from
-    node 0's copies."""
-    flags = PP + ["--stage", "3"]
-    proc, m = supervise(tmp_path, job_name("pp-node"), 4, flags, kill_at=4, ranks=[2, 3], wipe=True)
+@pytest.mark.parametrize("mesh", [PP[-6:], ["--tp", "2", "--node-size", "2"]])
+def test_pp_tp_a_lost_node_is_restored_from_its_buddies(tmp_path, mesh):
+    """Node 1 (ranks 2, 3: with --pp 2 the whole second stage, with --tp 2 both TP ranks of data-parallel rank 1)
+    killed and its shared memory wiped: its shards come from node 0's copies."""
+    flags = GPT + mesh + ["--stage", "3"]
+    proc, m = supervise(tmp_path, job_name("node" + mesh[0]), 4, flags, kill_at=4, ranks=[2, 3], wipe=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     [f] = m["failures"]
     assert f["steps_lost"] <= 1 and f["rank"] == 2, f
