@@ -154,7 +154,7 @@ def test_assemble_links_each_shard_from_a_surviving_copy(tmp_path, monkeypatch):
         entries.append(write_shard(here, r, numel, iter(rows[r])))
         write_shard(here, 1 - r, numel, iter(rows[1 - r]))          # the copy of the rank whose buddy it is
     for r in (0, 1):
-        commit(rank_dir("j", r, r), 5, build_manifest(e, entries, {"data_step": 5}))
+        commit(rank_dir("j", r, r), 5, {"": build_manifest(e, entries, {"data_step": 5})})
     import shutil
     shutil.rmtree(os.path.join(job_dir("j"), "node000"))
     step, folder = assemble("j")
@@ -264,9 +264,9 @@ def test_a_received_copy_that_differs_is_found_at_the_next_commit(tmp_path):
     write_shard(str(tmp_path), 1, numel, iter(np.ones((3, numel), np.float32)))
     entry = json.loads((tmp_path / "shard_00001.npy.entry").read_text())
     r = Replicas.__new__(Replicas)
-    r.engine, r.source, r.slots, r._check, r._found = type("E", (), {"rank": 0})(), 1, [0, 1], None, None
+    r.rank, r.source, r.theirs, r._check, r._found = 0, 1, [("", 1, (3, numel))], None, None
     for owner, want in ((entry, None), (dict(entry, crc32="00000000"), "rank 0's copy of rank 1's shard of step 5")):
-        r._check = th.Thread(target=r._check_copy, args=(str(tmp_path), 5, owner))
+        r._check = th.Thread(target=r._check_copies, args=(str(tmp_path), 5, {"": owner}))
         r._check.start()
         found = r._late()
         assert (found is None) if want is None else want in found, found

@@ -1,117 +1,159 @@
-"""Every step's state in memory twice: this rank's shard in its node's shared memory, and a copy on a buddy's node.
+"""Every step's state in memory twice: this rank's shards in its node's shared memory, and a copy on a buddy's node.
 
-After each step (:meth:`Replicas.commit_step`, a collective between steps) each rank copies its shard -- the
-fp32 master and the optimizer's rows of its slices (AdamW: exp_avg, exp_avg_sq), a checkpoint's shard file, at
-any stage -- into its shard file in shared memory (mapped: the copy is the write), sends it to its buddy (the
-rank ``node_size`` places on: the same place on the next node), and receives its source's copy into another
-mapped shard file of its folder (replica_files.py). One all-gather agrees that every rank's two copies are
-complete; then every rank writes the step's manifest (its own shard's CRC-32 in it), which commits it. The
-received copy's CRC-32 is compared with its owner's on a thread, behind the next step, and a difference raised
-at the next commit. The manifest is the checkpoint's (loss scale, update count, the data position in
-``extra``), so a restore is the checkpoint's own load, at any world size.
+After each step (:meth:`Replicas.commit_step`, a collective between steps) each rank copies its shard of every
+part it holds -- one per engine: the plain run's one, a tensor-parallel rank's ``tp{r}-of-{K}``, a pipeline
+chunk's ``pp{c}-of-{C}`` (and ``pp{c}-of-{C}/tp{r}-of-{K}``), the folders a disk checkpoint of the run has --
+the fp32 master and the optimizer's rows of its slices (AdamW: exp_avg, exp_avg_sq), a checkpoint's shard
+file, at any stage, into its shard file in shared memory (mapped: the copy is the write), sends them to its
+buddy (the rank at the same place on the next node) with each part's manifest but its shards, and receives its
+source's into other mapped shard files of its folder (replica_files.py). One all-gather over the ring (the
+world) agrees that every rank's copies are complete and carries each shard's CRC-32; then every rank writes
+the manifests of the parts in its folder, which commits the step there. The received copies' CRC-32 are
+compared with their owners' on a thread, behind the next step, and a difference raised at the next commit.
+The manifests are the checkpoint's (loss scale, update count, the data position in ``extra``), so a restore
+is the checkpoint's own load, at any data-parallel size.
 """
 import mmap
 import os
 import threading
-from typing import Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 from ..comm.watchdog import watched
 from .format import F32, CheckpointError, Crc32, build_manifest, shard_file
 from .state_rows import engine_rows
-from .replica_files import commit, prepare, rank_dir, step_dir
+from .replica_files import commit, prepare, step_dir
 from .writer import snapshot
 
-TAG = 4343          # the point-to-point tag of the buddy copy
+TAG = 4343          # the point-to-point tag of the buddy copy (plus the part's index)
 
 
 class Replicas:
-    """This rank's replicas of job ``job`` (replica_files.JOB_NAME) for ``engine`` (a ZeroEngine)."""
+    """This rank's replicas of job ``job`` (replica_files.JOB_NAME): ``parts`` [(part folder, '' for none,
+    ZeroEngine)], over ``comm`` (a zerompi Communicator: the ring of ranks, ``rank`` this one's) whose rank r
+    lives on node ``nodes[r]`` (nodes of equal size); ``folder`` this rank's folder (replica_files.rank_dir)."""
 
-    def __init__(self, engine, job: str):
-        topo, n, rank = engine.topology, engine.world_size, engine.rank
-        if topo.nodes < 2:
+    def __init__(self, parts: List[Tuple[str, object]], job: str, comm, rank: int, nodes: List[int], folder: str):
+        n, count = len(nodes), len(set(nodes))
+        if count < 2:
             raise CheckpointError(f"replicas={job!r} keeps each shard's second copy on another node, and the {n} "
-                              f"rank{'s' if n > 1 else ''} make one node of {topo.node_size}: run on 2 nodes or more "
-                              "(--node-size K makes nodes of K ranks on one host)")
-        self.engine, self.job = engine, job
-        self.buddy, self.source = (rank + topo.node_size) % n, (rank - topo.node_size) % n
-        self.folder = rank_dir(job, topo.node_of(rank), rank)
-        with watched(engine.comm, "replicas: the ranks' slots"):
-            self.slots = engine.comm.mpi.allgather(engine.slot)
-        # Shard groups of whole nodes (--shard-size): the buddy holds this very slot, its own copy is the second.
-        self.mirrored = all(self.slots[(r + topo.node_size) % n] == self.slots[r] for r in range(n))
-        self.shape = (len(engine_rows(engine)), engine.layout.shard_numel)   # the shard files' arrays, no other
+                                  f"rank{'s' if n > 1 else ''} make one node of {n}: run on 2 nodes or more "
+                                  "(--node-size K makes nodes of K ranks on one host)")
+        members = [[r for r in range(n) if nodes[r] == k] for k in sorted(set(nodes))]
+        if len({len(m) for m in members}) != 1:
+            raise CheckpointError(f"replicas={job!r} needs nodes of equal size; the ranks' nodes are {nodes}")
+        at = {r: (k, m.index(r)) for k, m in enumerate(members) for r in m}
+        self.buddy_of = [members[(at[r][0] + 1) % count][at[r][1]] for r in range(n)]   # same place, next node
+        self.parts, self.job, self.comm, self.rank, self.folder = parts, job, comm, rank, folder
+        self.buddy, self.source = self.buddy_of[rank], self.buddy_of.index(rank)
+        mine = [(part, e.slot, (len(engine_rows(e)), e.layout.shard_numel)) for part, e in parts]
+        with watched(comm, "replicas: the ranks' parts and slots"):
+            self.table = comm.mpi.allgather(mine)    # every rank's [(part, slot, shape)]
+        # Shard groups of whole nodes (--shard-size): the buddy holds these very shards, its own copy is the second.
+        self.mirrored = all(self.table[self.buddy_of[r]] == self.table[r] for r in range(n))
+        self.theirs = [] if self.mirrored else self.table[self.source]
         self.step: Optional[int] = None          # the last step committed
-        self._check: Optional[threading.Thread] = None   # the CRC-32 of the last step's received copy
+        self._check: Optional[threading.Thread] = None   # the CRC-32 of the last step's received copies
         self._found: Optional[str] = None        # what it found wrong
 
+    @property
+    def shape(self) -> Tuple[int, int]:
+        """The first part's shard arrays (rows, shard_numel)."""
+        return self.table[self.rank][0][2]
+
+    def theory_bytes(self) -> int:
+        """Bytes of one step's shard files in this rank's folder: its own and its source's copies."""
+        return sum(4 * r * s + 128 for _, _, (r, s) in self.table[self.rank] + self.theirs)
+
     def commit_step(self, step: int, extra: dict) -> None:
-        """Copy, send, checksum and agree on ``step`` (``engine.steps_taken``); CheckpointError on every rank when a
-        rank could not write its copies (the previous committed step stays)."""
-        e = self.engine
-        late = self._late()                  # the last step's copy checked: before its files are reused
-        here, err, own = step_dir(self.folder, step), None, None
+        """Copy, send, checksum and agree on ``step`` (the engines' ``steps_taken``); CheckpointError on every rank
+        when a rank could not write its copies (the previous committed step stays)."""
+        late = self._late()                  # the last step's copies checked: before their files are reused
+        here, err = step_dir(self.folder, step), None
+        mine: List[np.ndarray] = []
         try:
             prepare(self.folder, step)
-            mine = self._file(here, e.slot)          # the shard's host copy is the file itself: one copy
-            snapshot(e, mine)
+            for (part, slot, shape), (_, e) in zip(self.table[self.rank], self.parts):
+                mine.append(snapshot(e, self._file(here, part, slot, shape)))   # the host copy is the file itself
         except OSError as exc:
-            err, mine = f"rank {e.rank} could not write its replica of step {step} in {here}: {exc.strerror or exc}", \
-                np.empty(self.shape, F32)
-            snapshot(e, mine)                        # still sent: the buddy is waiting for it
-        theirs = mine if self.mirrored else self._file(here, self.slots[self.source]) if err is None \
-            else np.empty(self.shape, F32)
+            err = f"rank {self.rank} could not write its replica of step {step} in {here}: {exc.strerror or exc}"
+            mine = [snapshot(e, np.empty(shape, F32)) for (_, _, shape), (_, e) in   # still sent: the buddy waits
+                    zip(self.table[self.rank], self.parts)]
+        heads = {part: build_manifest(e, None, e.tp.extra(extra) if getattr(e, "tp", None) else extra)   # TP: the split
+                 for part, e in self.parts}
+        theirs, their_heads = [], {}
         if not self.mirrored:
-            with watched(e.comm, "replicas: the shard to the buddy on another node", step):
-                e.comm.mpi.Sendrecv(mine, dest=self.buddy, sendtag=TAG, recvbuf=theirs, source=self.source,
-                                    recvtag=TAG)
-        if err is None:
-            own = self._entry(here, e.slot)
-        with watched(e.comm, "replicas: agreement on every rank's two copies", step):
-            states = e.comm.mpi.allgather((err or late, own))
+            theirs = [self._file(here, part, slot, shape) if err is None else np.empty(shape, F32)
+                      for part, slot, shape in self.theirs]
+            self._exchange(mine, theirs, step)
+            with watched(self.comm, "replicas: the manifests to the buddy", step):
+                their_heads = self.comm.mpi.sendrecv(heads, dest=self.buddy, source=self.source, sendtag=TAG,
+                                                     recvtag=TAG)
+        own = None if err else {part: self._entry(here, part, slot) for part, slot, _ in self.table[self.rank]}
+        with watched(self.comm, "replicas: agreement on every rank's copies", step):
+            states = self.comm.mpi.allgather((err or late, own))
         failed = next((s[0] for s in states if s[0]), None)
         if failed:
             raise CheckpointError(f"{failed}; the replicas stay at step {self.step}")
-        entries = {}
-        for r, (_, mine_entry) in enumerate(states):
-            entries.setdefault(self.slots[r], mine_entry)
-        shards = [entries[s] for s in range(e.layout.world_size)]
-        commit(self.folder, step, build_manifest(e, shards, extra))
+        entries: Dict[str, Dict[int, dict]] = {}
+        for r, (_, found) in enumerate(states):
+            for part, slot, _ in self.table[r]:
+                entries.setdefault(part, {}).setdefault(slot, found[part])
+        manifests = {}
+        for part, head in list(heads.items()) + list(their_heads.items()):
+            manifests[part] = dict(head, shards=[entries[part][s] for s in range(head["world_size"])])
+        commit(self.folder, step, manifests)
         self.step = step
-        if not self.mirrored:                # the copy's checksum, behind the next step (checked at the next commit)
-            self._check = threading.Thread(target=self._check_copy, name="zerompi-replica-check", daemon=True,
+        if not self.mirrored:                # the copies' checksums, behind the next step (checked at the next commit)
+            self._check = threading.Thread(target=self._check_copies, name="zerompi-replica-check", daemon=True,
                                            args=(here, step, states[self.source][1]))
             self._check.start()
 
+    def _exchange(self, mine: List[np.ndarray], theirs: List[np.ndarray], step: int) -> None:
+        """Each part's shard to the buddy, the source's into ``theirs`` (one message per part)."""
+        mpi = self.comm.mpi
+        with watched(self.comm, "replicas: the shards to the buddy on another node", step):
+            if len(mine) == 1 and len(theirs) == 1:
+                mpi.Sendrecv(mine[0], dest=self.buddy, sendtag=TAG, recvbuf=theirs[0], source=self.source,
+                             recvtag=TAG)
+                return
+            from mpi4py import MPI
+            reqs = [mpi.Irecv(buf, source=self.source, tag=TAG + 1 + k) for k, buf in enumerate(theirs)]
+            reqs += [mpi.Isend(buf, dest=self.buddy, tag=TAG + 1 + k) for k, buf in enumerate(mine)]
+            MPI.Request.Waitall(reqs)
+
     def _late(self) -> Optional[str]:
-        """What the check of the last step's received copy found (None: equal, or nothing to check)."""
+        """What the check of the last step's received copies found (None: equal, or nothing to check)."""
         if self._check is not None:
             self._check.join()
             self._check = None
         found, self._found = self._found, None
         return found
 
-    def _check_copy(self, here: str, step: int, entry: dict) -> None:
-        got = self._entry(here, self.slots[self.source])
-        if got["crc32"] != entry["crc32"] or got["bytes"] != entry["bytes"]:
-            self._found = (f"rank {self.engine.rank}'s copy of rank {self.source}'s shard of step {step} differs from "
-                           "it (CRC-32)")
+    def _check_copies(self, here: str, step: int, owner: Dict[str, dict]) -> None:
+        for part, slot, _ in self.theirs:
+            got, entry = self._entry(here, part, slot), owner[part]
+            if got["crc32"] != entry["crc32"] or got["bytes"] != entry["bytes"]:
+                where = f" ({part})" if part else ""
+                self._found = (f"rank {self.rank}'s copy of rank {self.source}'s shard{where} of step {step} differs "
+                               "from it (CRC-32)")
 
-    def _file(self, here: str, slot: int) -> np.ndarray:
-        """A shard file of ``slot`` in ``here``, mapped for writing (shared memory: no write of its own)."""
-        path = os.path.join(here, shard_file(slot))
+    def _file(self, here: str, part: str, slot: int, shape) -> np.ndarray:
+        """A shard file of ``slot`` in ``here``/``part``, mapped for writing (shared memory: no write of its own)."""
+        folder = os.path.join(here, part)
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, shard_file(slot))
         if os.path.isfile(path):       # the spare step's: overwritten in place
             arr = np.load(path, mmap_mode="r+")
-            if arr.shape == self.shape and arr.dtype == F32:
+            if arr.shape == tuple(shape) and arr.dtype == F32:
                 return arr
-        return np.lib.format.open_memmap(path, mode="w+", dtype=F32, shape=self.shape)
+        return np.lib.format.open_memmap(path, mode="w+", dtype=F32, shape=tuple(shape))
 
     @staticmethod
-    def _entry(here: str, slot: int) -> dict:
-        """The manifest entry of ``slot``'s shard file in ``here``: bytes and CRC-32 of the whole file."""
-        path = os.path.join(here, shard_file(slot))
+    def _entry(here: str, part: str, slot: int) -> dict:
+        """The manifest entry of ``slot``'s shard file in ``here``/``part``: bytes and CRC-32 of the whole file."""
+        path = os.path.join(here, part, shard_file(slot))
         crc = Crc32()
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
             crc.update(view)           # the pages themselves, no copy

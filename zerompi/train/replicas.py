@@ -14,7 +14,7 @@ import shutil
 import socket
 import statistics
 import time
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from ..checkpoint.replica_files import HEADER_BYTES, JOB_NAME, RANKS, RESTORE, clean, job_dir
 from ..errors import check
@@ -39,8 +39,30 @@ def summary_line(entry: dict) -> str:
     """The memory table's row of the replicas (rank 0's metrics ``replicas`` entry)."""
     t = entry["theory_bytes"]
     commit = "" if entry["commit_s"] is None else f"; a commit takes {entry['commit_s'] * 1e3:.1f} ms (median)"
+    files = t.get("files", 2)
     return (f"  replicas (shared memory, {entry['job']}): {entry['shm_bytes']:,} bytes per rank, formula "
-            f"{t['total']:,} = 2 steps x 2 files x ({4 * t['rows']} S + {HEADER_BYTES}) plus the manifest{commit}")
+            f"{t['total']:,} = 2 steps x {files} files x ({4 * t['rows']} S + {HEADER_BYTES}) plus the "
+            f"manifest{'s' if files > 2 else ''}{commit}")
+
+
+def job_parts(job) -> List[Tuple[str, object]]:
+    """[(part folder, engine)] of this rank: the folders its engines' disk checkpoints have ('' for none; a
+    tensor-parallel rank's ``tp{r}-of-{K}``, a pipeline chunk's ``pp{c}-of-{C}``, ``pp{c}-of-{C}/tp{r}-of-{K}``)."""
+    if job.pipelined:
+        from ..pipeline.engines import chunk_folder
+        pairs = [(chunk_folder(c, job.engines.chunks), e) for c, e in job.engines.engines.items()]
+    else:
+        pairs = [("", job.engine)]
+    return [(e.tp.path(part) if e.tp else part, e) for part, e in pairs]
+
+
+def ring(job, comm) -> Tuple[object, int, List[int]]:
+    """(communicator, this rank, every rank's node) the replicas go round: a plain run's engine's (its ranks
+    as placed in nodes), else the world's with the mesh's nodes."""
+    if job.mesh is None:
+        e = job.engine
+        return e.comm, e.rank, [e.topology.node_of(r) for r in range(e.world_size)]
+    return comm, comm.mpi.Get_rank(), [job.mesh.node_of(r) for r in range(comm.size)]
 
 
 def _folder_bytes(folder: str) -> int:
@@ -51,10 +73,6 @@ def check_config(cfg) -> None:
     """ConfigError (one line) unless the job name is a folder name and the run is one --replicas supports."""
     check(isinstance(cfg.replicas, str) and JOB_NAME.fullmatch(cfg.replicas) is not None,
           f"replicas={cfg.replicas!r} is not a job name; use 1 to 64 letters, digits, '_', '-' or '.'")
-    m = cfg.mesh
-    for name, value in (("tp", m.tp), ("sp", m.sp), ("pp", m.pp)):
-        check(value == 1, f"replicas={cfg.replicas!r} does not support --{name} {value} yet; drop --replicas or "
-                          f"--{name}")
     check(cfg.simulate_world is None, f"replicas={cfg.replicas!r} needs a real job; drop --simulate-world")
     ep = getattr(getattr(cfg, "moe", None), "ep", 1)
     check(ep == 1, f"replicas={cfg.replicas!r} does not support --ep {ep} yet; drop --replicas or --ep")
@@ -98,15 +116,20 @@ def public(records: List[dict]) -> List[dict]:
 
 
 class ReplicaRun:
-    """``--replicas JOB`` of a SingleJob (every rank); ``after_step`` after each step, ``close`` at the end."""
+    """``--replicas JOB`` of a job (every rank: a SingleJob's engine, a PipelineJob's chunks, each a part);
+    ``after_step`` after each step, ``close`` at the end."""
 
     def __init__(self, cfg, job, comm):
         from ..checkpoint.replicas import Replicas
-        self.name, self.engine, self.mpi = cfg.replicas, job.engine, comm.mpi
+        from ..checkpoint.replica_files import rank_dir
+        self.name, self.mpi = cfg.replicas, comm.mpi
         if self.mpi.Get_rank() == 0:                 # a stale run of this job: its folders, not the restore
             clean(self.name, keep=cfg.resume, whole=False)
         self.mpi.Barrier()
-        self.replicas = Replicas(self.engine, self.name)
+        self.parts = job_parts(job)
+        ring_comm, self.rank, self.nodes = ring(job, comm)
+        self.replicas = Replicas(self.parts, self.name, ring_comm, self.rank, self.nodes,
+                                 rank_dir(self.name, self.nodes[self.rank], self.rank))
         self.pending: Optional[dict] = None          # the failure this run recovers from (rank 0)
         if self.mpi.Get_rank() == 0:
             records = read_failures(self.name)
@@ -120,10 +143,14 @@ class ReplicaRun:
     def metrics(self) -> dict:
         """This rank's: the commits' median seconds (after the step, before the next), the most its folder held
         (host memory: /dev/shm), and the formula of it (replica_bytes)."""
+        r = self.replicas
+        one = r.theory_bytes()
         return {"job": self.name, "commit_s": statistics.median(self.seconds) if self.seconds else None,
                 "commit_times_s": list(self.seconds),
                 "shm_bytes": self.shm_bytes,
-                "theory_bytes": replica_bytes(self.engine.layout.shard_numel, self.replicas.shape[0])}
+                "parts": [part for part, _ in self.parts],
+                "theory_bytes": {"per_step": one, "total": 2 * one, "rows": r.shape[0],
+                                 "files": len(r.table[r.rank]) + len(r.theirs)}}
 
     def after_step(self, done: int, seed: int) -> None:
         t0 = time.perf_counter()
@@ -157,10 +184,9 @@ class ReplicaRun:
 
     def _note(self, step: Optional[int], done: bool = False) -> None:
         """This rank's pid, host, node and last committed step, for the supervisor (written whole, renamed)."""
-        e = self.engine
-        path = os.path.join(job_dir(self.name), RANKS, f"rank{e.rank:05d}.json")
+        path = os.path.join(job_dir(self.name), RANKS, f"rank{self.rank:05d}.json")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path + ".tmp", "w") as f:
-            json.dump({"rank": e.rank, "pid": os.getpid(), "host": socket.gethostname(),
-                       "node": e.topology.node_of(e.rank), "step": step, "t": time.time(), "done": done}, f)
+            json.dump({"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
+                       "node": self.nodes[self.rank], "step": step, "t": time.time(), "done": done}, f)
         os.replace(path + ".tmp", path)
