@@ -116,7 +116,7 @@ class SingleJob(Job):
     def params_total(self) -> int:
         """Ψ of the whole model (a TP-split parameter at its full size; with --ep, every expert)."""
         if self.ep:
-            return self.ep.params_total(self.engine)
+            return self.ep.params_total(self.engine, self._params([self.engine], self.mesh.tp if self.mesh else 1))
         return self._params(self.engines, self.mesh.tp if self.mesh else 1)
 
     def digest(self) -> Optional[str]:
@@ -124,12 +124,12 @@ class SingleJob(Job):
         from ..pipeline.digest import bucket_bytes
         if simulated(self.comm):
             return None
+        tp = self.mesh is not None and self.mesh.tp > 1
         if self.ep:
-            return self.ep.digest(self.engine)
+            return self._tp_joined(self.ep.digest(self.engine)) if tp else self.ep.digest(self.engine)
         digest = hashlib.sha256()
         for data in bucket_bytes(self.engine):
             digest.update(data.data)
-        tp = self.mesh is not None and self.mesh.tp > 1
         return self._tp_joined(digest.hexdigest()) if tp else digest.hexdigest()
 
     def activations(self):

@@ -77,9 +77,8 @@ def check_job(cfg) -> None:
         return
     check(cfg.model == "gpt", f"experts={moe.experts} applies to model gpt only (the MoE replaces the GPT's MLP); "
                               "drop --experts or use --model gpt")
-    refused = (("--pp", cfg.mesh.pp > 1 and moe.ep > 1), ("--tp", cfg.mesh.tp > 1), ("--sp", cfg.mesh.sp > 1),
+    refused = (("--pp", cfg.mesh.pp > 1 and moe.ep > 1), ("--sp", cfg.mesh.sp > 1),
                ("--simulate-world", cfg.simulate_world is not None),
-               ("--checkpoint-activations", cfg.checkpoint_activations),
                ("--optimizer muon", cfg.zero.optimizer == "muon"),
                ("--init-from", cfg.init_from is not None),
                ("--device gpu", cfg.device != "cpu"))
@@ -99,16 +98,19 @@ def check_job(cfg) -> None:
                             ("--resume", cfg.resume is not None), ("--save-dir", cfg.save_dir is not None),
                             ("--node-size", cfg.mesh.node_size is not None),
                             ("--shard-size", cfg.mesh.shard_size is not None),
-                            ("--trace", z.trace is not None), ("--comm-progress thread", z.progress == "thread")):
+                            ("--trace", z.trace is not None), ("--comm-progress thread", z.progress == "thread"),
+                            ("--checkpoint-activations", cfg.checkpoint_activations)):
             check(not given, f"{name} with --ep {moe.ep} is not supported yet (docs/moe.md); drop one of the two")
 
 
 def check_world(cfg, world_size: int) -> None:
-    """ConfigError unless --ep divides the ranks."""
-    ep = cfg.moe.ep
-    check(not cfg.moe.on or world_size % ep == 0,
-          f"ep={ep} does not divide the {world_size} ranks; the ranks form groups of ep that hold all the experts, "
-          f"so use a divisor of {world_size}")
+    """ConfigError unless --ep divides the ranks (with --tp, the data-parallel ranks of each TP rank)."""
+    ep, tp = cfg.moe.ep, cfg.mesh.tp
+    dp = world_size // tp
+    ranks = f"{world_size} ranks" if tp == 1 else f"{dp} data-parallel ranks ({world_size} ranks / tp {tp})"
+    check(not cfg.moe.on or dp % ep == 0,
+          f"ep={ep} does not divide the {ranks}; the ranks form groups of ep that hold all the experts, "
+          f"so use a divisor of {dp}")
 
 
 def moe_spec(cfg):

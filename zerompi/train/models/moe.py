@@ -89,9 +89,12 @@ class MoEStats:
     aux loss summed over the forward passes."""
 
     def __init__(self):
+        self.paused = False     # a checkpointed block's forward run again in its backward: counted once
         self.take()
 
     def add(self, block: int, routing: Routing, aux: float) -> None:
+        if self.paused:
+            return
         t = self.tokens.setdefault(block, np.zeros(len(routing.tokens), np.int64))
         t += routing.tokens
         r = self.routed.setdefault(block, np.zeros(len(routing.tokens), np.int64))
