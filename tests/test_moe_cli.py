@@ -23,8 +23,6 @@ REFUSED = [
     (["--experts", "4", "--pp", "2", "--ep", "2"], "--pp with --experts 4 --ep 2 is not supported yet"),
     (["--experts", "4", "--sp", "2"], "--sp with --experts 4 is not supported yet"),
     (["--experts", "4", "--simulate-world", "4"], "--simulate-world with --experts 4 is not supported yet"),
-    (["--experts", "4", "--ep", "2", "--checkpoint-activations"],
-     "--checkpoint-activations with --ep 2 is not supported yet"),
     (["--experts", "4", "--optimizer", "muon"], "--optimizer muon with --experts 4 is not supported"),
     (["--experts", "4", "--ep", "2", "--save-dir", "x"], "--save-dir with --ep 2 is not supported yet"),
     (["--experts", "4", "--ep", "2", "--offload-optimizer", "cpu"],
@@ -56,7 +54,7 @@ def test_accepted():
     assert (cfg.moe.experts, cfg.moe.top_k, cfg.moe.capacity_factor, cfg.moe.moe_every) == (8, 1, 1.25, 2)
     cfg = parse_config(["--experts", "4", "--tp", "2", "--ep", "2", "--stage", "3"], environ={})
     assert (cfg.mesh.tp, cfg.moe.ep) == (2, 2)
-    assert parse_config(["--experts", "4", "--checkpoint-activations"], environ={}).checkpoint_activations
+    assert parse_config(["--experts", "4", "--ep", "2", "--checkpoint-activations"], environ={}).checkpoint_activations
     assert not parse_config([], environ={}).moe.on
 
 

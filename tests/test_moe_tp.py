@@ -91,18 +91,18 @@ def test_tp_and_zero_bytes_equal_their_formulas(n4):
 
 def test_checkpointed_activations_same_bits():
     """--checkpoint-activations with --experts (the MoE block's forward, its routing included, run again in its
-    backward; counted once): the same losses, sha256 and routing counts as without, with TP (dense blocks between
-    the MoE ones, capacity, micro-batches) and without."""
+    backward; counted once; with --ep its exchanges run again): the same losses, sha256 and routing counts as
+    without, with TP and EP (dense blocks between the MoE ones, capacity, micro-batches) and without."""
     flags = list(FLAGS)
     flags[flags.index("--n-layer") + 1] = "4"
     flags[flags.index("--batch") + 1] = "16"
     flags += ["--moe-every", "2", "--capacity-factor", "0.8", "--micro-batches", "2"]
-    configs = [flags + ["--dtype", dtype, "--stage", str(stage), "--tp", str(tp)] + ckpt
-               for dtype, stage in (("fp32", 1), ("fp16", 3)) for tp in (1, 2)
+    configs = [flags + ["--dtype", dtype, "--stage", str(stage), "--tp", str(tp), "--ep", str(ep)] + ckpt
+               for dtype, stage in (("fp32", 1), ("fp16", 3)) for tp in (1, 2) for ep in (1, 2)
                for ckpt in ([], ["--checkpoint-activations"])]
     runs = run_many(4, configs)
-    assert len(runs) == 8
-    for i in range(0, 8, 2):
+    assert len(runs) == 16
+    for i in range(0, 16, 2):
         plain, ckpt = runs[i], runs[i + 1]
         assert ckpt["flags"][-1] == "--checkpoint-activations" and plain["moe"]["moe_blocks"] == [1, 3]
         same_run(ckpt, plain)
@@ -136,3 +136,18 @@ def test_pipelined_tp_equals_unpipelined():
     plain = run_many(2, [flags])
     assert len(piped) == len(plain) == 1
     same_run(piped[0], plain[0])
+
+
+@pytest.mark.parametrize("tp", ["1", "2"])
+def test_checkpointed_all_to_all_bytes_equal_the_formula(tp):
+    """Exactly balanced routing (token i to expert i mod E, top-1), --ep 2 --checkpoint-activations: the
+    forward's exchanges run twice, so 2 x the counts and 6 passes of rows; every rank sends the formula's bytes."""
+    flags = FLAGS + ["--dtype", "fp32", "--stage", "3", "--ep", "2", "--top-k", "1", "--micro-batches", "3",
+                     "--checkpoint-activations", "--tp", tp]
+    runs = metrics_of(run_mpi(4, ["tests/drivers/moe_routing.py", "cycle", json.dumps(flags)], timeout=180))
+    moe = runs[0]["moe"]
+    n = 12 // (4 // int(tp)) // 3 * 8                       # tokens of a data-parallel rank's micro-batch
+    assert moe["tokens_min"] == moe["tokens_max"] == [24] * 3
+    # 2 blocks x 3 micro-batches x (2 x (2-1)·2·8 + 6 x n·1·(1/2) x 16 x 4 B)
+    assert moe["all_to_all_theory_bytes"] == 2 * 3 * (2 * 16 + 6 * (n // 2) * 16 * 4)
+    assert moe["all_to_all_bytes"] == [moe["all_to_all_theory_bytes"]] * 3

@@ -29,11 +29,14 @@ def moe_states(stage: int, itemsize: int, ranks: int, ep: int, dense: int, exper
 
 
 def all_to_all_bytes(ep: int, experts: int, top_k: int, d_model: int, tokens: int, blocks: int,
-                     micro_batches: int) -> int:
+                     micro_batches: int, checkpointed: bool = False) -> int:
     """Bytes one rank sends per step in the EP all-to-alls, balanced and dropless; ``tokens``: of one rank's
     micro-batch. Per MoE block and micro-batch: (K-1)·E/K counts of 8 bytes, and 4 x n·k·(K-1)/K rows of C
-    float32 values (the rows out and back in the forward, their gradients out and back in the backward)."""
+    float32 values (the rows out and back in the forward, their gradients out and back in the backward);
+    ``checkpointed`` (activation checkpointing): the forward's exchanges twice, so 2 x the counts and 6 passes."""
     if ep == 1:
         return 0
     rows = tokens * top_k * (ep - 1) // ep
-    return blocks * micro_batches * ((ep - 1) * (experts // ep) * 8 + 4 * rows * d_model * 4)
+    forwards = 2 if checkpointed else 1
+    return blocks * micro_batches * (forwards * (ep - 1) * (experts // ep) * 8
+                                     + (2 * forwards + 2) * rows * d_model * 4)

@@ -98,8 +98,7 @@ def check_job(cfg) -> None:
                             ("--resume", cfg.resume is not None), ("--save-dir", cfg.save_dir is not None),
                             ("--node-size", cfg.mesh.node_size is not None),
                             ("--shard-size", cfg.mesh.shard_size is not None),
-                            ("--trace", z.trace is not None), ("--comm-progress thread", z.progress == "thread"),
-                            ("--checkpoint-activations", cfg.checkpoint_activations)):
+                            ("--trace", z.trace is not None), ("--comm-progress thread", z.progress == "thread")):
             check(not given, f"{name} with --ep {moe.ep} is not supported yet (docs/moe.md); drop one of the two")
 
 

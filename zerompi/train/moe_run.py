@@ -79,9 +79,12 @@ def all_to_all_theory(cfg, blocks: int, world: int) -> dict:     # world: the da
         return {"all_to_all_theory_bytes": 0, "all_to_all_formula": "none (--ep 1)"}
     from ..estimate.moe_bytes import all_to_all_bytes
     n = cfg.batch // (world * z.micro_batches) * cfg.seq_len
-    return {"all_to_all_theory_bytes": all_to_all_bytes(K, m.experts, m.top_k, cfg.d_model, n, blocks, z.micro_batches),
-            "all_to_all_formula": f"{blocks} MoE blocks x {z.micro_batches} micro-batches x ((K-1)·E/K·8 + "
-                                  f"4 x n·k·(K-1)/K x C x 4 B), n = {n} tokens, K = {K}"}
+    ckpt = cfg.checkpoint_activations           # the forward's exchanges run again in the backward
+    return {"all_to_all_theory_bytes": all_to_all_bytes(K, m.experts, m.top_k, cfg.d_model, n, blocks, z.micro_batches,
+                                                        ckpt),
+            "all_to_all_formula": f"{blocks} MoE blocks x {z.micro_batches} micro-batches x ("
+                                  f"{'2 x ' if ckpt else ''}(K-1)·E/K·8 + {6 if ckpt else 4} x n·k·(K-1)/K x C x 4 B), "
+                                  f"n = {n} tokens, K = {K}"}
 
 
 def metrics(job) -> Optional[dict]:
