@@ -128,14 +128,15 @@ def test_routing_per_data_parallel_rank_ends_at_every_stage(ep):
 
 
 def test_pipelined_tp_equals_unpipelined():
-    """--pp 2 --tp 2 (ep 1; the MoE blocks TP-split inside the stages' chunks) against --tp 2 alone at the same
-    data-parallel size: bit for bit."""
+    """--pp 2 --tp 2 (ep 1; the MoE blocks TP-split inside the stages' chunks), also checkpointed, against --tp 2
+    alone at the same data-parallel size: bit for bit."""
     flags = FLAGS + ["--dtype", "fp32", "--stage", "1", "--tp", "2", "--micro-batches", "2"]
     flags[flags.index("--batch") + 1] = "8"
-    piped = run_many(4, [flags + ["--pp", "2"]])
+    piped = run_many(4, [flags + ["--pp", "2"], flags + ["--pp", "2", "--checkpoint-activations"]])
     plain = run_many(2, [flags])
-    assert len(piped) == len(plain) == 1
-    same_run(piped[0], plain[0])
+    assert len(piped) == 2 and len(plain) == 1
+    for m in piped:
+        same_run(m, plain[0])
 
 
 @pytest.mark.parametrize("tp", ["1", "2"])
