@@ -11,7 +11,6 @@ from .gpt_numpy import (attention, attention_backward, layernorm, layernorm_back
 from .moe import EXPERT_KEYS, ROUTER, MoEMLP, MoESpec
 
 ATTENTION_KEYS = ("ln1.g", "ln1.b", "qkv.w", "qkv.b", "proj.w", "proj.b", "ln2.g", "ln2.b")
-TP_KEYS = ("qkv.w", "qkv.b", "proj.w")      # an MoE block's TP-split parameters (models/gpt.py's TP_SPLIT's)
 
 
 def moe_keys(experts_apart: bool = False):
