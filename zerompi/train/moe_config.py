@@ -77,14 +77,17 @@ def check_job(cfg) -> None:
         return
     check(cfg.model == "gpt", f"experts={moe.experts} applies to model gpt only (the MoE replaces the GPT's MLP); "
                               "drop --experts or use --model gpt")
-    refused = (("--pp", cfg.mesh.pp > 1 and moe.ep > 1), ("--sp", cfg.mesh.sp > 1),
+    refused = (("--pp", cfg.mesh.pp > 1 and moe.ep > 1), ("--sp", cfg.mesh.sp > 1 and moe.ep > 1),
+               ("--sp", cfg.mesh.sp > 1 and moe.capacity_factor is not None),
                ("--simulate-world", cfg.simulate_world is not None),
                ("--optimizer muon", cfg.zero.optimizer == "muon"),
                ("--init-from", cfg.init_from is not None),
                ("--device gpu", cfg.device != "cpu"))
     for name, given in refused:
-        check(not given, f"{name} with --experts {moe.experts}{' --ep ' + str(moe.ep) if name == '--pp' else ''} "
-                         "is not supported yet (docs/moe.md); drop one of the two")
+        extra = f" --ep {moe.ep}" if name in ("--pp", "--sp") and moe.ep > 1 else \
+            f" --capacity-factor {moe.capacity_factor}" if name == "--sp" else ""
+        check(not given, f"{name} with --experts {moe.experts}{extra} is not supported yet (docs/moe.md); drop one "
+                         "of the two")
     for name in ("save_dir", "resume"):
         check(getattr(cfg, name) is None or moe.bias_update == 0,
               f"--{name.replace('_', '-')} with --bias-update {moe.bias_update}: the experts' selection biases are "

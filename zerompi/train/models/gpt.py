@@ -59,7 +59,7 @@ class GPT:
         self.experts_apart = False             # --ep > 1: the experts live in an engine of their own (moe_ep.py)
         if moe is not None:
             from .moe_block import MoEBlocks
-            self.moe_blocks = MoEBlocks(moe, xp, dtype, heads, self.tp)
+            self.moe_blocks = MoEBlocks(moe, xp, dtype, heads, self.tp, self.sp)
 
     @property
     def activation_bytes(self):
