@@ -76,3 +76,12 @@ def test_sp_with_tp():
     one = run_many(1, [flags])
     assert len(mesh) == len(one) == 1
     close(mesh[0], one[0])
+
+
+def test_sp_pipelined_equals_unpipelined():
+    """--pp 2 --sp 2 (the MoE blocks inside the stages' chunks) keeps the bits of --sp 2 alone."""
+    flags = FLAGS + ["--dtype", "fp32", "--stage", "1", "--sp", "2", "--micro-batches", "2"]
+    flags[flags.index("--batch") + 1] = "8"
+    piped, plain = run_many(4, [flags + ["--pp", "2"]]), run_many(2, [flags])
+    assert len(piped) == len(plain) == 1 and piped[0]["pipeline"] is not None
+    same_run(piped[0], plain[0])
