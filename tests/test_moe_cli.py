@@ -19,9 +19,9 @@ REFUSED = [
     (["--experts", "4", "--bias-update", "-1"], "bias_update=-1.0 must be >= 0"),
     (["--model", "mlp", "--experts", "4"], "experts=4 applies to model gpt only"),
     (["--experts", "4", "--pp", "2", "--ep", "2"], "--pp with --experts 4 --ep 2 is not supported yet"),
-    (["--experts", "4", "--tp", "2"], "--tp with --experts 4 is not supported yet"),
-    (["--experts", "4", "--sp", "2"], "--sp with --experts 4 is not supported yet"),
-    (["--experts", "4", "--checkpoint-activations"], "--checkpoint-activations with --experts 4 is not supported"),
+    (["--experts", "4", "--sp", "2", "--ep", "2"], "--sp with --experts 4 --ep 2 is not supported yet"),
+    (["--experts", "4", "--sp", "2", "--capacity-factor", "1.5"],
+     "--sp with --experts 4 --capacity-factor 1.5 is not supported yet"),
     (["--experts", "4", "--optimizer", "muon"], "--optimizer muon with --experts 4 is not supported"),
     (["--experts", "4", "--bias-update", "0.01", "--pp", "2", "--resume", "x"],
      "--resume with --bias-update 0.01 --pp 2: a pipeline's checkpoints do not hold the selection biases yet"),
@@ -54,6 +54,9 @@ def test_accepted():
     cfg = parse_config(["--experts", "8", "--top-k", "1", "--capacity-factor", "1.25", "--moe-every", "2"],
                        environ={})
     assert (cfg.moe.experts, cfg.moe.top_k, cfg.moe.capacity_factor, cfg.moe.moe_every) == (8, 1, 1.25, 2)
+    cfg = parse_config(["--experts", "4", "--tp", "2", "--ep", "2", "--stage", "3"], environ={})
+    assert (cfg.mesh.tp, cfg.moe.ep) == (2, 2)
+    assert parse_config(["--experts", "4", "--ep", "2", "--checkpoint-activations"], environ={}).checkpoint_activations
     assert not parse_config([], environ={}).moe.on
 
 
@@ -71,6 +74,7 @@ def test_checkpoints_accepted_with_ep_and_bias_update():
     (["--experts", "4", "--top-k", "5"], "top_k=5 is more than experts=4"),
     (["--model", "mlp", "--experts", "4"], "experts=4 applies to model gpt only"),
     (["--experts", "4", "--ep", "4"], "ep=4 does not divide the 2 ranks"),
+    (["--experts", "4", "--tp", "2", "--ep", "2"], "ep=2 does not divide the 1 data-parallel ranks (2 ranks / tp 2)"),
 ])
 def test_every_rank_exits_2_with_one_line(flags, needle):
     proc = run_mpi(2, ["-m", "zerompi.train"] + flags, timeout=60, check=False)

@@ -1,7 +1,8 @@
 """Train the MoE GPT with the router forced: ``one`` sends every token to expert 0 (top-1 of a one-hot),
-``per-rank`` to expert (world rank mod E) -- each rank routes differently (no-hang checks); ``cycle`` token i of a
-micro-batch to expert i mod E, or with --top-k k to experts k·i .. k·i + k - 1 mod E (exactly balanced: the
-all-to-all's bytes are its formula's). Rank 0 prints the metrics (with --simulate-world, the one process does).
+``per-rank`` to expert (world rank mod E) -- each rank routes differently (no-hang checks; ``per-dp-rank``: the
+data-parallel rank, world rank // --tp, so the TP ranks of one group agree); ``cycle`` token i of a micro-batch
+to expert i mod E, or with --top-k k to experts k·i .. k·i + k - 1 mod E (exactly balanced: the all-to-all's
+bytes are its formula's). Rank 0 prints the metrics (with --simulate-world, the one process does).
 
 Usage: mpiexec -n N python tests/drivers/moe_routing.py MODE '["--stage", "3", ...]'
 """
@@ -18,7 +19,9 @@ from zerompi.train.run import train
 
 install_abort_hook()
 mode, flags = sys.argv[1], json.loads(sys.argv[2])
-rank = MPI.COMM_WORLD.Get_rank()
+rank = route = MPI.COMM_WORLD.Get_rank()
+if mode == "per-dp-rank":
+    mode, route = "per-rank", rank // (int(flags[flags.index("--tp") + 1]) if "--tp" in flags else 1)
 real = moe.softmax
 
 
@@ -29,7 +32,7 @@ def forced(xp, logits):
         for j in range(top_k):                     # distinct weights: the top-k order is the slot order
             out[np.arange(len(p)), (top_k * np.arange(len(p)) + j) % p.shape[1]] = 1.0 - 0.1 * j
     else:
-        out[:, 0 if mode == "one" else rank % logits.shape[1]] = 1.0
+        out[:, 0 if mode == "one" else route % logits.shape[1]] = 1.0
     return out / out.sum(axis=1, keepdims=True) + 0 * p
 
 

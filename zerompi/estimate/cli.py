@@ -290,7 +290,8 @@ def _pipeline(a, opts) -> int:
     """``--pp P``: the schedule's bubble and activations; with --params, --ranks: one stage's table (pipeline.py)."""
     from .pipeline import format_pipeline, parse_costs, pipeline_estimate, stage_estimate
     check(a.pp is not None, "--schedule, --schedule-file, --chunks and --costs need --pp P (the pipeline stages)")
-    check(not a.replicas, f"--replicas does not support --pp {a.pp} yet; drop --replicas or --pp")
+    check(not a.replicas, f"the estimate does not price --replicas with --pp {a.pp} yet (the run takes it: one part "
+                          "per engine, docs/failures.md); drop --replicas or --pp")
     check(a.experts is None or (a.ep or 1) == 1, f"--pp with --experts {a.experts} --ep {a.ep} is not supported yet "
                                                  "(docs/moe.md); drop one of the two")
     on = {"--tp": a.tp != 1, "--sp": a.sp != 1, "--hpz": a.hpz, "--checkpoint-activations": a.checkpoint_activations}

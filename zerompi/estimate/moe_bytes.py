@@ -30,14 +30,17 @@ def moe_states(stage: int, itemsize: int, ranks: int, ep: int, dense: int, exper
 
 
 def all_to_all_bytes(ep: int, experts: int, top_k: int, d_model: int, tokens: int, blocks: int,
-                     micro_batches: int) -> int:
+                     micro_batches: int, checkpointed: bool = False) -> int:
     """Bytes one rank sends per step in the EP all-to-alls, balanced and dropless; ``tokens``: of one rank's
     micro-batch. Per MoE block and micro-batch: (K-1)·E/K counts of 8 bytes, and 4 x n·k·(K-1)/K rows of C
-    float32 values (the rows out and back in the forward, their gradients out and back in the backward)."""
+    float32 values (the rows out and back in the forward, their gradients out and back in the backward);
+    ``checkpointed`` (activation checkpointing): the forward's exchanges twice, so 2 x the counts and 6 passes."""
     if ep == 1:
         return 0
     rows = tokens * top_k * (ep - 1) // ep
-    return blocks * micro_batches * ((ep - 1) * (experts // ep) * 8 + 4 * rows * d_model * 4)
+    forwards = 2 if checkpointed else 1
+    return blocks * micro_batches * (forwards * (ep - 1) * (experts // ep) * 8
+                                     + (2 * forwards + 2) * rows * d_model * 4)
 
 
 MOE_FLAGS = ("top_k", "moe_every", "expert_hidden")   # the estimate's MoE options besides --experts and --ep
@@ -58,7 +61,8 @@ def check_moe(experts: int, ep: int, top_k: int, every: int, hidden: Optional[in
                              f"experts / ep of them, so use a divisor of {experts}")
     for name, given in other.items():
         check(not given, f"{name} with --experts {experts}{' --ep ' + str(ep) if name == '--pp' else ''} is not "
-                         "supported yet (docs/moe.md); drop one of the two")
+                         + ("supported yet (docs/moe.md)" if name == "--optimizer muon" else
+                            "estimated yet (the run takes it: docs/moe.md)") + "; drop one of the two")
     for name, given in with_ep.items():
         check(ep == 1 or not given, f"{name} with --ep {ep} is not supported yet (docs/moe.md); drop one of the two")
     check(ranks % ep == 0, f"ep={ep} does not divide the {ranks} ranks; the ranks form groups of ep that hold all "

@@ -11,10 +11,12 @@ from ..errors import check
 
 
 def check_replicas(ranks: int, node_size: int, other: dict) -> None:
-    """ConfigError (one line) where zerompi.train refuses --replicas: ``other`` maps a flag to its value where
-    the run does not support it with --replicas; the second copy of each shard lives on another node."""
+    """ConfigError (one line) where the estimate cannot price --replicas: ``other`` maps a flag to its value where
+    it does not yet (the run takes them: one part per engine, docs/failures.md); the second copy of each shard
+    lives on another node."""
     for name, value in other.items():
-        check(False, f"--replicas does not support {name} {value} yet; drop --replicas or {name}")
+        check(False, f"the estimate does not price --replicas with {name} {value} yet (the run takes it: one part "
+                     f"per engine, docs/failures.md); drop --replicas or {name}")
     check(ranks // node_size >= 2, f"--replicas keeps each shard's second copy on another node, and {ranks} ranks "
                                    f"in nodes of {node_size} make 1 node: give --node-size K with 2 nodes or more")
 

@@ -108,7 +108,7 @@ class SingleJob(Job):
             self.moe_log.record()
         result = self.ep.step(self.engine) if self.ep else self.engine.step()
         if self.moe_log is not None:
-            self.moe_log.norms.append(result.grad_norm)   # every expert counted once (tests/test_moe/ep_mlp.py)
+            self.moe_log.norms.append(result.grad_norm)   # every expert counted once (tests/test_moe_ep.py)
         return result, local
 
     def validation_loss(self):
@@ -120,7 +120,7 @@ class SingleJob(Job):
     def params_total(self) -> int:
         """Ψ of the whole model (a TP-split parameter at its full size; with --ep, every expert)."""
         if self.ep:
-            return self.ep.params_total(self.engine)
+            return self.ep.params_total(self.engine, self._params([self.engine], self.mesh.tp if self.mesh else 1))
         return self._params(self.engines, self.mesh.tp if self.mesh else 1)
 
     def digest(self) -> Optional[str]:
@@ -128,12 +128,12 @@ class SingleJob(Job):
         from ..pipeline.digest import bucket_bytes
         if simulated(self.comm):
             return None
+        tp = self.mesh is not None and self.mesh.tp > 1
         if self.ep:
-            return self.ep.digest(self.engine)
+            return self._tp_joined(self.ep.digest(self.engine)) if tp else self.ep.digest(self.engine)
         digest = hashlib.sha256()
         for data in bucket_bytes(self.engine):
             digest.update(data.data)
-        tp = self.mesh is not None and self.mesh.tp > 1
         return self._tp_joined(digest.hexdigest()) if tp else digest.hexdigest()
 
     def activations(self):

@@ -31,6 +31,9 @@ def summary(metrics: dict, cfg) -> str:
         return None
     passes = 6 if cfg.checkpoint_activations else 4          # with checkpointing the forward's 2 run twice
     blocks = f"{passes} x {cfg.n_layer} blocks" if cfg.model == "gpt" else f"{cfg.depth - 1} layers"
+    moe = cfg.n_layer // cfg.moe.moe_every if cfg.model == "gpt" and cfg.moe.on else 0   # their attention's only
+    if moe:
+        blocks = f"({passes} x {cfg.n_layer - moe} dense + {passes // 2} x {moe} MoE blocks)"
     sent = "- (one step)" if tp["bytes_per_step"] is None else human_bytes(tp["bytes_per_step"])   # None: one ran
     formula = "none derived per pipeline stage yet" if tp["theory_bytes_per_step"] is None else \
         (f"{human_bytes(tp['theory_bytes_per_step'])} = {cfg.zero.micro_batches} micro-batches x {blocks} x "

@@ -108,6 +108,7 @@ class Recompute(Keep):
         if not self._block(i):
             return super().backward(i, params, x, dy)
         m = self.model
-        _, cache = m.forward_layer(i, params, x, _Renamed(self.ws, i, RECOMPUTE))
+        with m.replaying():
+            _, cache = m.forward_layer(i, params, x, _Renamed(self.ws, i, RECOMPUTE))
         # dx of block i is block i-1's dy: two alternating sets of input-gradient buffers.
         return m.backward_layer(i, params, cache, dy, _Renamed(self.ws, i, (RECOMPUTE, i % 2)))

@@ -5,6 +5,7 @@ GELU MLP), L+1 = ``ln_f``; the output head is tied to ``wte``. The blocks run on
 or plain array code (gpt_numpy.py), kept or recomputed (activations.py), split over TP (``TP_SPLIT``: Megatron-LM's
 cut) or SP (gpt_sp.py); gpt_chunk.py walks them through the engine (pipelined or not). docs/gpt.md has the design.
 """
+from contextlib import contextmanager
 from typing import Dict, List, Tuple
 
 import numpy as np
@@ -58,7 +59,7 @@ class GPT:
         self.experts_apart = False             # --ep > 1: the experts live in an engine of their own (moe/ep_mlp.py)
         if moe is not None:
             from ..moe.block import MoEBlocks
-            self.moe_blocks = MoEBlocks(moe, xp, dtype, heads)
+            self.moe_blocks = MoEBlocks(moe, xp, dtype, heads, self.tp, self.sp)
 
     @property
     def activation_bytes(self):
@@ -93,6 +94,19 @@ class GPT:
     def is_moe(self, i: int) -> bool:
         """Whether block i (0-based) has the MoE MLP (moe/block.py)."""
         return self.moe is not None and self.moe.is_moe(i)
+
+    @contextmanager
+    def replaying(self):
+        """A block's forward run again (activation checkpointing): the same bits, its MoE routing not counted
+        again (the MoE MLP routes the same rows the same way: moe/mlp.py)."""
+        stats = self.moe_blocks.mlp.stats if self.moe is not None else None
+        if stats is not None:
+            stats.paused = True
+        try:
+            yield
+        finally:
+            if stats is not None:
+                stats.paused = False
 
     def use_expert_parallel(self, ep, store) -> None:
         """--ep > 1: the MoE blocks' experts spread over ``ep`` (an EPComm), kept in ``store`` (an ExpertStore);
@@ -152,14 +166,17 @@ class GPT:
 
     def tp_split(self) -> Dict[str, Tuple[int, int]]:
         """{parameter name: (axis, groups)} of the tensor-parallel split parameters (the engine's tp_split)."""
-        return {f"block{i}.{k}": s for i in range(self.n_layer) for k, s in TP_SPLIT.items()}
+        return {f"block{i}.{k}": s for i in range(self.n_layer) for k, s in TP_SPLIT.items()
+                if k in self.block_names(i)}       # an MoE block: its attention's (moe/block.py)
 
     def tp_bytes_per_micro_batch(self, rows: int, itemsize: int = 4) -> int:
         """Bytes one rank sends in the TP all-reduces of a micro-batch of ``rows`` sequences: per block 2 forward (again
-        when recomputed) and 2 backward, of rows·t·d_model values (t = seq_len / sp), 2(K-1)/K of each."""
+        when recomputed) and 2 backward, of rows·t·d_model values (t = seq_len / sp), 2(K-1)/K of each; an MoE
+        block half of them (its attention's: the experts are whole)."""
         k, t = (self.tp.size if self.tp else 1), self.seq_len // (self.sp.size if self.sp else 1)
         calls = 6 if self.checkpoint_activations else 4
-        return self.n_layer * calls * 2 * (k - 1) * (rows * t * self.d_model // k) * itemsize
+        per = sum(calls // 2 if self.is_moe(i) else calls for i in range(self.n_layer))
+        return per * 2 * (k - 1) * (rows * t * self.d_model // k) * itemsize
 
     def init_layers(self) -> List[Tuple[str, Dict[str, np.ndarray]]]:
         """lazy_layers() made whole: [(layer name, {param name: float32 array})] (references, tests)."""

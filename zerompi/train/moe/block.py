@@ -2,9 +2,14 @@
 
 ``MoEBlocks`` runs the blocks that ``MoESpec.is_moe`` picks, in plain array code (gpt_numpy.py's pieces and
 moe.py's experts, in the model's dtype); ``moe_params`` gives the engine their lazy rules in the GPT's one
-stream of draws. The dense blocks of the same model keep their kernels.
+stream of draws. The dense blocks of the same model keep their kernels. Under tensor parallelism (``tp``) the
+attention half is split as the dense block's (qkv column-, proj row-parallel: one all-reduce each way); the
+router and the experts are whole on every TP rank, which route and run the same rows to the same bits. Under
+sequence parallelism (``sp``) the attention core is gpt_sp.py's, and each SP rank routes its chunk's tokens,
+the aux loss taken over the whole sequences (moe.py's ``Routing.share``).
 """
-from ..models.gpt_numpy import attention, attention_backward, layernorm, layernorm_backward, linear, linear_backward
+from ..models.gpt_numpy import Attention, layernorm, layernorm_backward, linear, linear_backward, matmul
+from ..models.gpt_sp import SPAttention
 from .mlp import EXPERT_KEYS, ROUTER, MoEMLP, MoESpec
 
 ATTENTION_KEYS = ("ln1.g", "ln1.b", "qkv.w", "qkv.b", "proj.w", "proj.b", "ln2.g", "ln2.b")
@@ -31,31 +36,37 @@ def moe_params(names, spec: MoESpec, C: int, normal, zeros, ones, resid: float) 
 
 
 class MoEBlocks:
-    """A transformer block whose MLP is the MoE, on ``xp`` in ``dtype`` with ``n_head`` heads."""
+    """A transformer block whose MLP is the MoE, on ``xp`` in ``dtype`` with ``n_head`` heads (this TP rank's);
+    ``tp``: the TP group (a TPComm) or None."""
 
-    def __init__(self, spec: MoESpec, xp, dtype, n_head: int):
-        self.xp, self.n_head = xp, n_head
+    def __init__(self, spec: MoESpec, xp, dtype, n_head: int, tp=None, sp=None):
+        self.xp, self.n_head, self.tp = xp, n_head, tp
+        self.attention = Attention(xp, n_head) if sp is None else SPAttention(xp, n_head, sp)
         self.mlp = MoEMLP(spec, xp, dtype)
+        self.mlp.sp = sp
+
+    def reduce(self, x):
+        """The TP all-reduce of the projection's partial sums or the qkv layer's dx (else x)."""
+        return x if self.tp is None else self.tp.all_reduce(self.xp.ascontiguousarray(x))
 
     def block_forward(self, p, x, block: int):
         xp = self.xp
         B, T, C = x.shape
         a, ln1 = layernorm(xp, x, p["ln1.g"], p["ln1.b"])
-        y, att = attention(xp, linear(a, p["qkv.w"], p["qkv.b"]), self.n_head)
-        x1 = x + linear(y, p["proj.w"], p["proj.b"])
+        y, att = self.attention.forward(linear(a, p["qkv.w"], p["qkv.b"]))
+        x1 = x + (self.reduce(matmul(y, p["proj.w"])) + p["proj.b"])      # row-parallel under TP
         m, ln2 = layernorm(xp, x1, p["ln2.g"], p["ln2.b"])
         mo, moe = self.mlp.forward(p, m.reshape(B * T, C), block)
         return x1 + mo.reshape(B, T, C), (ln1, a, att, y, ln2, moe)
 
     def block_backward(self, p, cache, dout):
         """(dx, {short name: grad}) of one MoE block."""
-        xp = self.xp
         ln1, a, att, y, ln2, moe = cache
         B, T, C = dout.shape
         dm, g = self.mlp.backward(p, moe, dout.reshape(B * T, C))
         dx1, g["ln2.g"], g["ln2.b"] = layernorm_backward(dm.reshape(B, T, C), ln2, p["ln2.g"])
         dx1 = dx1 + dout
         dy, g["proj.w"], g["proj.b"] = linear_backward(dx1, y, p["proj.w"])
-        da, g["qkv.w"], g["qkv.b"] = linear_backward(attention_backward(xp, dy, att), a, p["qkv.w"])
-        dx, g["ln1.g"], g["ln1.b"] = layernorm_backward(da, ln1, p["ln1.g"])
+        da, g["qkv.w"], g["qkv.b"] = linear_backward(self.attention.backward(dy, att), a, p["qkv.w"])
+        dx, g["ln1.g"], g["ln1.b"] = layernorm_backward(self.reduce(da), ln1, p["ln1.g"])
         return dx + dx1, g

@@ -77,14 +77,16 @@ def check_job(cfg) -> None:
         return
     check(cfg.model == "gpt", f"experts={moe.experts} applies to model gpt only (the MoE replaces the GPT's MLP); "
                               "drop --experts or use --model gpt")
-    refused = (("--pp", cfg.mesh.pp > 1 and moe.ep > 1), ("--tp", cfg.mesh.tp > 1), ("--sp", cfg.mesh.sp > 1),
-               ("--checkpoint-activations", cfg.checkpoint_activations),
+    refused = (("--pp", cfg.mesh.pp > 1 and moe.ep > 1), ("--sp", cfg.mesh.sp > 1 and moe.ep > 1),
+               ("--sp", cfg.mesh.sp > 1 and moe.capacity_factor is not None),
                ("--optimizer muon", cfg.zero.optimizer == "muon"),
                ("--init-from", cfg.init_from is not None),
                ("--device gpu", cfg.device != "cpu"))
     for name, given in refused:
-        check(not given, f"{name} with --experts {moe.experts}{' --ep ' + str(moe.ep) if name == '--pp' else ''} "
-                         "is not supported yet (docs/moe.md); drop one of the two")
+        extra = f" --ep {moe.ep}" if name in ("--pp", "--sp") and moe.ep > 1 else \
+            f" --capacity-factor {moe.capacity_factor}" if name == "--sp" else ""
+        check(not given, f"{name} with --experts {moe.experts}{extra} is not supported yet (docs/moe.md); drop one "
+                         "of the two")
     for name in ("save_dir", "resume"):        # the pipeline's checkpoints (train/pipeline.py) carry no biases yet
         check(getattr(cfg, name) is None or moe.bias_update == 0 or cfg.mesh.pp == 1,
               f"--{name.replace('_', '-')} with --bias-update {moe.bias_update} --pp {cfg.mesh.pp}: a pipeline's "
@@ -104,11 +106,13 @@ def check_job(cfg) -> None:
 
 
 def check_world(cfg, world_size: int) -> None:
-    """ConfigError unless --ep divides the ranks."""
-    ep = cfg.moe.ep
-    check(not cfg.moe.on or world_size % ep == 0,
-          f"ep={ep} does not divide the {world_size} ranks; the ranks form groups of ep that hold all the experts, "
-          f"so use a divisor of {world_size}")
+    """ConfigError unless --ep divides the ranks (with --tp, the data-parallel ranks of each TP rank)."""
+    ep, tp = cfg.moe.ep, cfg.mesh.tp
+    dp = world_size // tp
+    ranks = f"{world_size} ranks" if tp == 1 else f"{dp} data-parallel ranks ({world_size} ranks / tp {tp})"
+    check(not cfg.moe.on or dp % ep == 0,
+          f"ep={ep} does not divide the {ranks}; the ranks form groups of ep that hold all the experts, "
+          f"so use a divisor of {dp}")
 
 
 def moe_spec(cfg):

@@ -26,18 +26,20 @@ def short_name(name: str) -> str:
 
 class ExpertParallel:
     """This rank's part of --ep: ``ep`` (EPComm), ``edp`` (Communicator), ``engine`` (the expert engine);
-    ``dense_layers``: the model's lazy layers without the experts, for the dense engine."""
+    ``dense_layers``: the model's lazy layers without the experts, for the dense engine. With --tp each TP rank
+    holds its EP rank's experts whole and makes the same exchanges in its own EP group (one tp_i)."""
 
     def __init__(self, cfg, comm, model, layers):
         from ...comm.communicator import Communicator
         from ...comm.ep_alltoall import EPComm
         from ...engine.zero_engine import ZeroEngine
         from .ep_mlp import ExpertStore
-        K = cfg.moe.ep
+        K, T = cfg.moe.ep, cfg.mesh.tp
         self.k = K
-        self.ep = EPComm(split(comm.mpi, lambda r: r // K), comm.waiting)
+        # with --tp T (world rank = tp_i + T dp_i): EP groups of K consecutive data-parallel ranks of one tp_i
+        self.ep = EPComm(split(comm.mpi, lambda r: r % T + T * (r // T // K)), comm.waiting)
         # the expert engine's group, its bytes counted with the world's (the run's one traffic table)
-        self.edp = Communicator(split(comm.mpi, lambda r: r % K), share=comm)
+        self.edp = Communicator(split(comm.mpi, lambda r: r % T + T * (r // T % K)), share=comm)
         self.order = [n for _, params in layers for n in params]           # the whole model's, in model order
         self.dense_layers, experts, blocks = [], [], []
         for lname, params in layers:
@@ -62,9 +64,11 @@ class ExpertParallel:
         from ...pipeline.step import step_together
         return step_together([dense, self.engine], self.ep, once=1)[0]
 
-    def params_total(self, dense) -> int:
-        """Ψ of the whole model: the dense engine's and every EP rank's experts."""
-        return dense.layout.params_numel + self.k * self.engine.layout.params_numel
+    def params_total(self, dense, dense_total=None) -> int:
+        """Ψ of the whole model: the dense engine's (``dense_total``: given whole, under TP) and every EP rank's
+        experts."""
+        return (dense.layout.params_numel if dense_total is None else dense_total) \
+            + self.k * self.engine.layout.params_numel
 
     def digest(self, dense) -> str:
         """sha256 of the whole model's fp32 master parameters in model order, every expert whole (the bytes an

@@ -77,11 +77,25 @@ class Routing:
         self.kept = [order[bounds[e]:bounds[e + 1]][:cap] for e in range(E)]
         self.tokens = np.array([len(q) for q in self.kept], np.int64)    # kept per expert
         self.dropped = int(n * k - self.tokens.sum())
+        self.whole = None       # sequence parallelism: (routed, probability sums, n) over the whole sequences
+
+    def share(self, sp) -> None:
+        """Over ``sp`` (an SPComm: the chunks of the same sequences), the counts and probability sums of the
+        whole micro-batch, for the aux loss (rank order: the same bits on every SP rank)."""
+        E = self.probs.shape[1]
+        total = sp.sum_scalars(np.concatenate([np.asarray(self.routed, np.float64),
+                                               np.asarray(self.probs.sum(axis=0), np.float64), [self.n]]))
+        self.whole = (total[:E], total[E:2 * E], total[-1])
+
+    def f(self):
+        """f_e: the share of the routed assignments that went to e (of the whole sequences with SP)."""
+        routed, _, n = self.whole if self.whole is not None else (self.routed, None, self.n)
+        return routed / float(n * self.top.shape[1])
 
     def aux(self, E: int) -> float:
         """E · Σ_e f_e · p_e (1 when balanced), f_e over the routed assignments, p_e the mean probability."""
-        f = self.routed / float(self.n * self.top.shape[1])
-        return float(E * (f * self.probs.mean(axis=0)).sum())
+        p = self.probs.mean(axis=0) if self.whole is None else self.whole[1] / self.whole[2]
+        return float(E * (self.f() * p).sum())
 
 
 class MoEStats:
@@ -89,9 +103,12 @@ class MoEStats:
     aux loss summed over the forward passes."""
 
     def __init__(self):
+        self.paused = False     # a checkpointed block's forward run again in its backward: counted once
         self.take()
 
     def add(self, block: int, routing: Routing, aux: float) -> None:
+        if self.paused:
+            return
         t = self.tokens.setdefault(block, np.zeros(len(routing.tokens), np.int64))
         t += routing.tokens
         r = self.routed.setdefault(block, np.zeros(len(routing.tokens), np.int64))
@@ -118,6 +135,7 @@ class MoEMLP:
         self.scale = 1.0
         self.stats = MoEStats()
         self.bias = {}          # block -> per-expert selection bias (bias_rate > 0), float64
+        self.sp = None          # sequence parallelism: the SPComm whose chunks share the aux loss
 
     def update_bias(self, block: int, routed) -> None:
         """One step of aux-loss-free balancing: bias_e += γ · sign(mean load - load_e) from the step's global
@@ -131,6 +149,8 @@ class MoEMLP:
         xp, s = self.xp, self.spec
         n, C = m.shape
         r = Routing(xp, s, softmax(xp, m @ p[ROUTER]), self.bias.get(block))
+        if self.sp is not None:
+            r.share(self.sp)
         self.stats.add(block, r, r.aux(s.experts))
         Y, acts = self.experts_forward(p, m, r, block)
         w = r.weights.astype(self.dtype)
@@ -171,9 +191,8 @@ class MoEMLP:
         dc = (dwn - (dwn * r.weights).sum(axis=1, keepdims=True)) / r.total
         dprobs = xp.zeros((n, E), pd)
         xp.put_along_axis(dprobs, r.top, dc, axis=1)
-        if s.aux_coef:
-            f = r.routed / float(n * k)
-            dprobs += (self.scale * s.aux_coef * E / n) * f.astype(pd)
+        if s.aux_coef:          # with SP: f of the whole sequences; n this chunk's (the ZeRO mean over SP)
+            dprobs += (self.scale * s.aux_coef * E / n) * r.f().astype(pd)
         dlogits = (r.probs * (dprobs - (dprobs * r.probs).sum(axis=1, keepdims=True))).astype(dt)
         g[ROUTER] = m.T @ dlogits
         dm += dlogits @ p[ROUTER].T

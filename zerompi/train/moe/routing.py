@@ -21,6 +21,9 @@ class MoELog:
         self.steps: List[dict] = []
         self.norms: List[float] = []     # the step's gradient norm over the whole model (nan: skipped)
         self.sent0 = 0                   # --ep: the EP group's all-to-all bytes before this step
+        tp = getattr(model, "tp", None)  # --tp: every TP rank routes the same rows; TP rank 0's are counted
+        self.counted = tp is None or tp.rank == 0
+        self.ranks = comm.size // (tp.size if tp else 1)     # the data-parallel ranks: whose tokens are counted
 
     def begin(self) -> None:
         """Forget what ran since the last step (the held-out passes)."""
@@ -39,6 +42,7 @@ class MoELog:
         sent = self.ep.ep.bytes_sent() - self.sent0 if self.ep else 0
         seconds = self.ep.ep.seconds() - self.seconds0 if self.ep else 0.0
         local = np.concatenate(per + [np.array([seconds, sent, dropped, aux_sum, passes], np.float64)])
+        local *= self.counted
         total = self.comm.sum_scalars([float(v) for v in local])
         t = total[:E * L]
         if self.cfg.moe.bias_update > 0:
@@ -46,8 +50,8 @@ class MoELog:
                 self.mlp.update_bias(b, total[E * (L + i):E * (L + i + 1)])
         self.steps.append({"tokens_min": int(t.min()), "tokens_mean": float(t.mean()), "tokens_max": int(t.max()),
                            "dropped": int(total[-3]), "aux_loss": float(total[-2] / max(total[-1], 1.0)),
-                           "all_to_all_bytes": float(total[-4] / self.comm.size),
-                           "all_to_all_seconds": float(total[-5] / self.comm.size)})
+                           "all_to_all_bytes": float(total[-4] / self.ranks),
+                           "all_to_all_seconds": float(total[-5] / self.ranks)})
 
     def metrics(self) -> dict:
         """The run's ``moe`` section: the settings, and the per-step series of this run's steps."""
@@ -60,11 +64,11 @@ class MoELog:
                 "expert_hidden": m.expert_hidden or 4 * self.cfg.d_model, "ep": m.ep, **series,
                 "grad_norms": list(self.norms), "bias_update": m.bias_update,
                 "bias": {str(b): v.tolist() for b, v in sorted(self.mlp.bias.items())},
-                **all_to_all_theory(self.cfg, len(self.blocks), self.comm.size),
+                **all_to_all_theory(self.cfg, len(self.blocks), self.ranks),
                 "memory_bytes_by_engine": None}
 
 
-def all_to_all_theory(cfg, blocks: int, world: int) -> dict:
+def all_to_all_theory(cfg, blocks: int, world: int) -> dict:     # world: the data-parallel ranks
     """The EP all-to-all's bytes one rank sends per step, balanced and dropless: per MoE block and micro-batch,
     the counts (E/K integers of 8 bytes to each of the K-1 others) once, and four passes of rows -- the tokens'
     rows out and the outputs back in the forward, their gradients out and back in the backward -- each the
@@ -75,9 +79,12 @@ def all_to_all_theory(cfg, blocks: int, world: int) -> dict:
         return {"all_to_all_theory_bytes": 0, "all_to_all_formula": "none (--ep 1)"}
     from ...estimate.moe_bytes import all_to_all_bytes
     n = cfg.batch // (world * z.micro_batches) * cfg.seq_len
-    return {"all_to_all_theory_bytes": all_to_all_bytes(K, m.experts, m.top_k, cfg.d_model, n, blocks, z.micro_batches),
-            "all_to_all_formula": f"{blocks} MoE blocks x {z.micro_batches} micro-batches x ((K-1)·E/K·8 + "
-                                  f"4 x n·k·(K-1)/K x C x 4 B), n = {n} tokens, K = {K}"}
+    ckpt = cfg.checkpoint_activations           # the forward's exchanges run again in the backward
+    return {"all_to_all_theory_bytes": all_to_all_bytes(K, m.experts, m.top_k, cfg.d_model, n, blocks, z.micro_batches,
+                                                        ckpt),
+            "all_to_all_formula": f"{blocks} MoE blocks x {z.micro_batches} micro-batches x ("
+                                  f"{'2 x ' if ckpt else ''}(K-1)·E/K·8 + {6 if ckpt else 4} x n·k·(K-1)/K x C x 4 B), "
+                                  f"n = {n} tokens, K = {K}"}
 
 
 def metrics(job) -> Optional[dict]:

@@ -1,0 +1,87 @@
+"""--sp with --experts (Ulysses): each SP rank routes its chunk of the sequences through the experts, the MoE
+block's attention core is the SP one, and the aux loss is taken over the whole sequences (the SP group's routed
+counts and probability sums, in rank order). At N=4 sp 2 (dp 2) stages 0-3 are bit-identical; against sp 1 at
+the same data-parallel size the losses, held-out losses and aux loss agree within 1e-5 relative, the routing
+counts equal, the gradient norm is the float64 single-process value; with --tp 2 too, and checkpointed."""
+import numpy as np
+import pytest
+
+from tests.test_moe_ep import FLAGS, run_many, same_run
+from tests.test_moe_parity import MOE, SIZES
+from zerompi.train.data import GeneratedData, rank_rows
+from zerompi.train.models.gpt import GPT
+from zerompi.train.moe.mlp import MoESpec
+
+
+def close(m, ref):
+    assert m["params"] == ref["params"]
+    np.testing.assert_allclose(m["losses"], ref["losses"], rtol=1e-5)
+    np.testing.assert_allclose([v for _, v in m["val_losses"]], [v for _, v in ref["val_losses"]], rtol=1e-5)
+    np.testing.assert_allclose(m["moe"]["aux_loss"], ref["moe"]["aux_loss"], rtol=1e-5)
+    for key in ("tokens_min", "tokens_mean", "tokens_max", "dropped"):
+        assert m["moe"][key] == ref["moe"][key], key
+
+
+@pytest.fixture(scope="module")
+def runs():
+    sp = run_many(4, [FLAGS + ["--dtype", dtype, "--stage", str(stage), "--sp", "2"]
+                      for dtype, stages in (("fp32", range(4)), ("fp16", (0, 3))) for stage in stages]
+                  + [FLAGS + ["--dtype", "fp32", "--stage", "1", "--sp", "2", "--checkpoint-activations"]])
+    ref = run_many(2, [FLAGS + ["--dtype", dtype, "--stage", "1"] for dtype in ("fp32", "fp16")])
+    assert len(sp) == 7 and len(ref) == 2
+    return sp, {m["dtype"]: m for m in ref}
+
+
+def test_sp_stages_bit_identical_and_close_to_sp1(runs):
+    sp, ref = runs
+    for dtype in ("fp32", "fp16"):
+        mine = [m for m in sp if m["dtype"] == dtype]
+        for m in mine:
+            same_run(m, mine[0])
+            close(m, ref[dtype])
+            sp_bytes = m["sequence_parallel"]       # the MoE blocks' attention exchanges as the dense blocks'
+            assert sp_bytes["bytes_per_step"] == sp_bytes["theory_bytes_per_step"] > 0
+
+
+def test_sp_grad_norm_is_the_single_process_value(runs):
+    data = GeneratedData(SIZES["seq_len"], 0)
+    spec = MoESpec(MOE["experts"], MOE["top_k"], MOE["hidden"], 1, None, 0.01)
+    model = GPT(data.vocab, seed=0, dtype=np.float64, moe=spec, **SIZES)
+    layers = [(a, {k: v.astype(np.float64) for k, v in p.items()}) for a, p in model.init_layers()]
+    total = {}
+    for share in range(2):
+        rows = data.train_rows(0, rank_rows(12, share, 2))
+        _, g = model.loss_and_grads(layers, rows[:, :-1], rows[:, 1:])
+        for k, v in g.items():
+            total[k] = total.get(k, 0) + v / 2
+    want = float(np.sqrt(sum((v * v).sum() for v in total.values())))
+    for m in runs[0]:
+        if m["dtype"] == "fp32":
+            assert m["moe"]["grad_norms"][0] == pytest.approx(want, rel=1e-5), m["stage"]
+
+
+def test_sp_checkpointed_same_bits(runs):
+    plain = next(m for m in runs[0] if m["dtype"] == "fp32" and m["stage"] == 1 and "--checkpoint-activations"
+                 not in m["flags"])
+    ckpt = next(m for m in runs[0] if "--checkpoint-activations" in m["flags"])
+    same_run(ckpt, plain)
+
+
+def test_sp_with_tp():
+    """N=4 as tp 2 x sp 2 (dp 1, 4 heads) against one process."""
+    flags = list(FLAGS)
+    flags[flags.index("--n-head") + 1] = "4"
+    flags += ["--dtype", "fp32", "--stage", "2"]
+    mesh = run_many(4, [flags + ["--tp", "2", "--sp", "2"]])
+    one = run_many(1, [flags])
+    assert len(mesh) == len(one) == 1
+    close(mesh[0], one[0])
+
+
+def test_sp_pipelined_equals_unpipelined():
+    """--pp 2 --sp 2 (the MoE blocks inside the stages' chunks) keeps the bits of --sp 2 alone."""
+    flags = FLAGS + ["--dtype", "fp32", "--stage", "1", "--sp", "2", "--micro-batches", "2"]
+    flags[flags.index("--batch") + 1] = "8"
+    piped, plain = run_many(4, [flags + ["--pp", "2"]]), run_many(2, [flags])
+    assert len(piped) == len(plain) == 1 and piped[0]["pipeline"] is not None
+    same_run(piped[0], plain[0])
