@@ -16,6 +16,7 @@ is the checkpoint's own load, at any data-parallel size.
 import mmap
 import os
 import threading
+import time
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -27,6 +28,7 @@ from .replica_files import commit, prepare, step_dir
 from .writer import snapshot
 
 TAG = 4343          # the point-to-point tag of the buddy copy (plus the part's index)
+DELAY_ENV = "ZEROMPI_REPLICAS_SEND_DELAY_S"   # test hook: each step's buddy exchange starts this late
 
 
 class Replicas:
@@ -114,6 +116,8 @@ class Replicas:
     def _exchange(self, mine: List[np.ndarray], theirs: List[np.ndarray], step: int) -> None:
         """Each part's shard to the buddy, the source's into ``theirs`` (one message per part)."""
         mpi = self.comm.mpi
+        if os.environ.get(DELAY_ENV):
+            time.sleep(float(os.environ[DELAY_ENV]))
         with watched(self.comm, "replicas: the shards to the buddy on another node", step):
             if len(mine) == 1 and len(theirs) == 1:
                 mpi.Sendrecv(mine[0], dest=self.buddy, sendtag=TAG, recvbuf=theirs[0], source=self.source,
