@@ -24,7 +24,7 @@ from zerompi.run import segments
 GPT = ["--steps", "8", "--batch", "24", "--progress", "lines", "--eval-every", "0"]
 
 
-def supervise(tmp_path, job, n, flags, kill_at=None, ranks=(), wipe=False, extra=(), timeout=240):
+def supervise(tmp_path, job, n, flags, kill_at=None, ranks=(), wipe=False, extra=(), timeout=240, env=None):
     """``python -m zerompi.run`` with ``flags``; with ``kill_at``, a thread kills ``ranks`` once every rank has
     committed step ``kill_at`` (and wipes their nodes' folders with ``wipe``). (process, metrics or None)."""
     from zerompi.run.supervisor import kill
@@ -53,7 +53,7 @@ def supervise(tmp_path, job, n, flags, kill_at=None, ranks=(), wipe=False, extra
     if thread:
         thread.start()
     try:
-        proc = run_tree(cmd, timeout, mpi_env())
+        proc = run_tree(cmd, timeout, mpi_env(env))
     finally:
         done.set()
     assert not os.path.exists(job_dir(job)), os.listdir(job_dir(job))
@@ -96,6 +96,19 @@ def test_a_lost_node_is_restored_from_its_buddies(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     [f] = m["failures"]
     assert f["steps_lost"] <= 1 and f["rank"] == 2, f
+    assert m["final_params_sha256"] == oracle(tmp_path, 4, 4, flags, f["restored_step"])
+
+
+def test_a_lost_node_in_the_buddy_exchange_loses_one_step(tmp_path):
+    """The synchronous commit (the default): each step's buddy exchange held back 1.5 s
+    (ZEROMPI_REPLICAS_SEND_DELAY_S) and node 1 lost once step 3 is committed, while step 4's copies are on
+    their way: step 3 is on both nodes, one step lost (an exchange behind the next step would lose two)."""
+    flags = GPT + ["--stage", "3", "--node-size", "2"]
+    proc, m = supervise(tmp_path, job_name("window"), 4, flags, kill_at=3, ranks=[2, 3], wipe=True,
+                        env={"ZEROMPI_REPLICAS_SEND_DELAY_S": "1.5"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [f] = m["failures"]
+    assert (f["failed_step"], f["restored_step"], f["steps_lost"]) == (4, 3, 1), f
     assert m["final_params_sha256"] == oracle(tmp_path, 4, 4, flags, f["restored_step"])
 
 

@@ -16,6 +16,7 @@ is the checkpoint's own load, at any data-parallel size.
 import mmap
 import os
 import threading
+import time
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -27,6 +28,7 @@ from .replica_files import commit, prepare, step_dir
 from .writer import snapshot
 
 TAG = 4343          # the point-to-point tag of the buddy copy (plus the part's index)
+DELAY_ENV = "ZEROMPI_REPLICAS_SEND_DELAY_S"   # test hook: each step's buddy exchange starts this late
 
 
 class Replicas:
@@ -56,6 +58,7 @@ class Replicas:
         self.step: Optional[int] = None          # the last step committed
         self._check: Optional[threading.Thread] = None   # the CRC-32 of the last step's received copies
         self._found: Optional[str] = None        # what it found wrong
+        self._maps: Dict[int, tuple] = {}        # inode: (file, mapping, array) of the two steps' shard files
 
     @property
     def shape(self) -> Tuple[int, int]:
@@ -113,6 +116,8 @@ class Replicas:
     def _exchange(self, mine: List[np.ndarray], theirs: List[np.ndarray], step: int) -> None:
         """Each part's shard to the buddy, the source's into ``theirs`` (one message per part)."""
         mpi = self.comm.mpi
+        if os.environ.get(DELAY_ENV):
+            time.sleep(float(os.environ[DELAY_ENV]))
         with watched(self.comm, "replicas: the shards to the buddy on another node", step):
             if len(mine) == 1 and len(theirs) == 1:
                 mpi.Sendrecv(mine[0], dest=self.buddy, sendtag=TAG, recvbuf=theirs[0], source=self.source,
@@ -140,21 +145,55 @@ class Replicas:
                                "from it (CRC-32)")
 
     def _file(self, here: str, part: str, slot: int, shape) -> np.ndarray:
-        """A shard file of ``slot`` in ``here``/``part``, mapped for writing (shared memory: no write of its own)."""
+        """A shard file of ``slot`` in ``here``/``part``, mapped for writing (shared memory: no write of its own).
+        The mappings of a rank's two steps' files are kept (the step folders are renamed, the files stay): a
+        fresh mapping pays a page fault per page at its first copy, about as much as the copy."""
         folder = os.path.join(here, part)
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, shard_file(slot))
+        held = self._mapped(path)
+        if held is not None and held[2].shape == tuple(shape):
+            return held[2]
+        fits = False
         if os.path.isfile(path):       # the spare step's: overwritten in place
-            arr = np.load(path, mmap_mode="r+")
-            if arr.shape == tuple(shape) and arr.dtype == F32:
-                return arr
-        return np.lib.format.open_memmap(path, mode="w+", dtype=F32, shape=tuple(shape))
+            arr = np.load(path, mmap_mode="r")
+            fits = arr.shape == tuple(shape) and arr.dtype == F32
+            del arr
+        if not fits:                   # a new file: its header written, its pages zero
+            np.lib.format.open_memmap(path, mode="w+", dtype=F32, shape=tuple(shape)).flush()
+        f = open(path, "r+b")
+        view = mmap.mmap(f.fileno(), 0)
+        arr = np.ndarray(tuple(shape), F32, buffer=view, offset=len(view) - 4 * int(np.prod(shape)))
+        old = self._maps.pop(os.fstat(f.fileno()).st_ino, None)
+        if old is not None:            # a gone file's inode reused
+            old[0].close()
+        self._maps[os.fstat(f.fileno()).st_ino] = (f, view, arr)
+        while len(self._maps) > 2 * (len(self.table[self.rank]) + len(self.theirs)):   # two steps' files
+            self._maps.pop(next(iter(self._maps)))[0].close()
+        return arr
 
-    @staticmethod
-    def _entry(here: str, part: str, slot: int) -> dict:
+    def _mapped(self, path: str) -> Optional[tuple]:
+        """(file, mapping, array) of ``path`` if this rank holds it mapped (None: not, or the file is gone)."""
+        try:
+            held = getattr(self, "_maps", {}).get(os.stat(path).st_ino)
+            return held if held is not None and os.fstat(held[0].fileno()).st_nlink > 0 else None
+        except (OSError, ValueError):    # gone, or its file closed (evicted) meanwhile
+            return None
+
+    def _entry(self, here: str, part: str, slot: int) -> dict:
         """The manifest entry of ``slot``'s shard file in ``here``/``part``: bytes and CRC-32 of the whole file."""
         path = os.path.join(here, part, shard_file(slot))
-        crc = Crc32()
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
-            crc.update(view)           # the pages themselves, no copy
+        crc, held = Crc32(), self._mapped(path)
+        if held is not None:
+            crc.update(held[1])        # the pages themselves, no copy, no new mapping
+        else:
+            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
+                crc.update(view)
         return {"file": shard_file(slot), "bytes": os.path.getsize(path), "crc32": crc.hexdigest()}
+
+    def close(self) -> None:
+        """At the end: the last check joined, the kept mappings closed."""
+        self._late()
+        for f, _, _ in self._maps.values():
+            f.close()
+        self._maps = {}

@@ -177,6 +177,7 @@ class ReplicaRun:
     def close(self) -> None:
         """At the end: every rank marks itself done (its exit is then no failure to the supervisor), then rank 0
         removes the rank folders."""
+        self.replicas.close()
         self._note(self.replicas.step, done=True)
         self.mpi.Barrier()
         if self.mpi.Get_rank() == 0:
