@@ -14,7 +14,7 @@ offline tools (``python -m zerompi.checkpoint``) are cli.py's.
 import json
 import os
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -250,14 +250,22 @@ def load(engine, path: str) -> LoadInfo:
     except Exception as e:  # any failure must reach the agreement below, or the other ranks hang
         err = str(e) if isinstance(e, CheckpointError) else f"{path}: {type(e).__name__}: {e}"
     _agree(comm, err, "checkpoint load: agreement on the manifest and checksums")
+    return settle(engine, lambda: _restore(engine, ckpt, saved, manifest), ckpt, manifest, os.path.dirname(ckpt))
+
+
+def settle(engine, restore: Callable[[], int], ckpt: str, manifest: dict, folder: str) -> LoadInfo:
+    """The end of a load, once every rank agreed on the manifests: ``restore()`` reads this rank's shards
+    (returns the bytes read), the ranks agree that every read succeeded, then the engine takes the
+    manifest's step counters and (same dtype only) its loss scale, remembers the later checkpoints of its
+    save ``folder`` (kept), and republishes the stored parameters from the master."""
     try:
-        nbytes, err = _restore(engine, ckpt, saved, manifest), None
+        nbytes, err = restore(), None
     except Exception as e:
         nbytes, err = 0, f"{ckpt}: reading the shards failed on rank {engine.rank}: {type(e).__name__}: {e}"
-    _agree(comm, err, "checkpoint load: agreement on the shard reads")
+    _agree(engine.comm, err, "checkpoint load: agreement on the shard reads")
     engine.steps_taken = manifest["step"]
     engine.step_count = manifest["optimizer"]["step"]
-    folder = os.path.realpath(os.path.dirname(ckpt))   # its save folder: what is newer there is never removed
+    folder = os.path.realpath(folder)     # its save folder: what is newer there is never removed
     setattr(engine, KEPT, (folder, tuple(n for n in complete_checkpoints(folder)
                                          if (step_of(n) or -1) > manifest["step"])))
     if manifest["dtype"] == engine.config.dtype:   # fp32 runs have no loss scale to carry over

@@ -12,9 +12,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .collective import KEPT, LoadInfo, _agree, _locate, between_steps, check_optimizer, finish
+from .collective import LoadInfo, _agree, _locate, between_steps, check_optimizer, finish, settle
 from .format import F32, CheckpointError, read_manifest, shard_file, verify_shard
-from .pointer import complete_checkpoints, step_of
 from .state_rows import engine_rows, optimizer_name, saved_rows
 
 Segment = Tuple[int, str, int, int, int]        # (part, saved name, lo, hi, saved offset)
@@ -46,21 +45,8 @@ def load_parts(engine, ckpts: List[str], sources: Callable[[str, tuple], List[Se
     except Exception as e:   # every failure reaches the agreement, or the other ranks hang
         err = str(e) if isinstance(e, CheckpointError) else f"{ckpts[0]}: {type(e).__name__}: {e}"
     _agree(comm, err, "checkpoint load: agreement on the manifests and checksums")
-    try:
-        nbytes, err = _restore(engine, ckpts, parts, sources), None
-    except Exception as e:
-        nbytes, err = 0, f"{ckpts[0]}: reading the shards failed on rank {engine.rank}: {type(e).__name__}: {e}"
-    _agree(comm, err, "checkpoint load: agreement on the shard reads")
-    manifest = parts[0][0]
-    engine.steps_taken = manifest["step"]
-    engine.step_count = manifest["optimizer"]["step"]
-    folder = os.path.realpath(save_folder or os.path.dirname(ckpts[0]))
-    setattr(engine, KEPT, (folder, tuple(n for n in complete_checkpoints(folder)
-                                         if (step_of(n) or -1) > manifest["step"])))
-    if manifest["dtype"] == engine.config.dtype:
-        engine.scaler.load_state_dict(manifest["loss_scaler"])
-    engine.publish_params()
-    return LoadInfo(ckpts[0], manifest, nbytes)
+    return settle(engine, lambda: _restore(engine, ckpts, parts, sources), ckpts[0], parts[0][0],
+                  save_folder or os.path.dirname(ckpts[0]))
 
 
 def _check_sources(ckpts, parts, layout, sources) -> None:
