@@ -8,10 +8,8 @@ import numpy as np
 import pytest
 
 from tests.mpirun import run_mpi
-from tests.test_moe_parity import MOE, SIZES
-from zerompi.train.data import GeneratedData, rank_rows
-from zerompi.train.models.gpt import GPT
-from zerompi.train.moe.mlp import MoESpec
+from tests.test_moe_parity import float64_mean_grads
+from zerompi.train.data import GeneratedData
 
 FLAGS = ["--model", "gpt", "--n-layer", "2", "--n-head", "2", "--d-model", "16", "--seq-len", "8",
          "--batch", "12", "--lr", "3e-3", "--bucket-mb", "0.004", "--log-every", "100",
@@ -62,16 +60,7 @@ def test_expert_traffic_in_the_run_table(n4):
 def test_grad_norm_counts_every_expert_once(n4):
     """The first step's gradient norm at EP 1, 2, 4 against the float64 norm of the same averaged gradient
     (every rank's share routed on its own); an expert counted twice or left out moves it by far more."""
-    data = GeneratedData(SIZES["seq_len"], 0)
-    spec = MoESpec(MOE["experts"], MOE["top_k"], MOE["hidden"], 1, None, 0.01)
-    model = GPT(data.vocab, seed=0, dtype=np.float64, moe=spec, **SIZES)
-    layers = [(a, {k: v.astype(np.float64) for k, v in p.items()}) for a, p in model.init_layers()]
-    total = {}
-    for share in range(4):
-        rows = data.train_rows(0, rank_rows(12, share, 4))
-        _, g = model.loss_and_grads(layers, rows[:, :-1], rows[:, 1:])
-        for k, v in g.items():
-            total[k] = total.get(k, 0) + v / 4
+    total = float64_mean_grads(4)
     want = float(np.sqrt(sum((v * v).sum() for v in total.values())))
     experts = float(np.sqrt(sum((v * v).sum() for k, v in total.items() if ".experts." in k)))
     assert experts > 0.05 * want          # the experts are a visible part of it

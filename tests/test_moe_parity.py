@@ -13,6 +13,22 @@ from zerompi.train.moe.mlp import MoESpec
 
 SIZES = dict(n_layer=2, n_head=2, d_model=16, seq_len=8)
 MOE = dict(experts=4, top_k=2, hidden=24)
+
+
+def float64_mean_grads(shares: int) -> dict:
+    """The first step's gradient of the MoE GPT of SIZES and MOE in float64, one process: the mean over the
+    ``shares`` data-parallel shares of batch 12, each routed on its own (the gradient-norm tests' reference)."""
+    data = GeneratedData(SIZES["seq_len"], 0)
+    spec = MoESpec(MOE["experts"], MOE["top_k"], MOE["hidden"], 1, None, 0.01)
+    model = GPT(data.vocab, seed=0, dtype=np.float64, moe=spec, **SIZES)
+    layers = [(a, {k: v.astype(np.float64) for k, v in p.items()}) for a, p in model.init_layers()]
+    total = {}
+    for share in range(shares):
+        rows = data.train_rows(0, rank_rows(12, share, shares))
+        _, g = model.loss_and_grads(layers, rows[:, :-1], rows[:, 1:])
+        for k, v in g.items():
+            total[k] = total.get(k, 0) + v / shares
+    return total
 FLAGS = ["--model", "gpt", "--n-layer", "2", "--n-head", "2", "--d-model", "16", "--seq-len", "8",
          "--batch", "12", "--lr", "3e-3", "--bucket-mb", "0.004", "--log-every", "100",
          "--experts", "4", "--top-k", "2", "--expert-hidden", "24"]

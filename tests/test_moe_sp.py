@@ -7,10 +7,7 @@ import numpy as np
 import pytest
 
 from tests.test_moe_ep import FLAGS, run_many, same_run
-from tests.test_moe_parity import MOE, SIZES
-from zerompi.train.data import GeneratedData, rank_rows
-from zerompi.train.models.gpt import GPT
-from zerompi.train.moe.mlp import MoESpec
+from tests.test_moe_parity import float64_mean_grads
 
 
 def close(m, ref):
@@ -44,16 +41,7 @@ def test_sp_stages_bit_identical_and_close_to_sp1(runs):
 
 
 def test_sp_grad_norm_is_the_single_process_value(runs):
-    data = GeneratedData(SIZES["seq_len"], 0)
-    spec = MoESpec(MOE["experts"], MOE["top_k"], MOE["hidden"], 1, None, 0.01)
-    model = GPT(data.vocab, seed=0, dtype=np.float64, moe=spec, **SIZES)
-    layers = [(a, {k: v.astype(np.float64) for k, v in p.items()}) for a, p in model.init_layers()]
-    total = {}
-    for share in range(2):
-        rows = data.train_rows(0, rank_rows(12, share, 2))
-        _, g = model.loss_and_grads(layers, rows[:, :-1], rows[:, 1:])
-        for k, v in g.items():
-            total[k] = total.get(k, 0) + v / 2
+    total = float64_mean_grads(2)
     want = float(np.sqrt(sum((v * v).sum() for v in total.values())))
     for m in runs[0]:
         if m["dtype"] == "fp32":

@@ -11,10 +11,7 @@ import pytest
 
 from tests.mpirun import run_mpi
 from tests.test_moe_ep import FLAGS, metrics_of, run_many, same_run
-from tests.test_moe_parity import MOE, SIZES
-from zerompi.train.data import GeneratedData, rank_rows
-from zerompi.train.models.gpt import GPT
-from zerompi.train.moe.mlp import MoESpec
+from tests.test_moe_parity import float64_mean_grads
 
 
 @pytest.mark.parametrize("k", [2, 4])
@@ -80,16 +77,7 @@ def test_tp_matches_the_unsplit_run(n4, dp2, dtype):
 def test_grad_norm_counts_every_expert_once_under_tp(n4):
     """The first step's gradient norm at tp 2 (ep 1 and 2) against the float64 norm of the averaged gradient of
     the two data-parallel shares: the experts, whole on both TP ranks, counted once."""
-    data = GeneratedData(SIZES["seq_len"], 0)
-    spec = MoESpec(MOE["experts"], MOE["top_k"], MOE["hidden"], 1, None, 0.01)
-    model = GPT(data.vocab, seed=0, dtype=np.float64, moe=spec, **SIZES)
-    layers = [(a, {k: v.astype(np.float64) for k, v in p.items()}) for a, p in model.init_layers()]
-    total = {}
-    for share in range(2):
-        rows = data.train_rows(0, rank_rows(12, share, 2))
-        _, g = model.loss_and_grads(layers, rows[:, :-1], rows[:, 1:])
-        for k, v in g.items():
-            total[k] = total.get(k, 0) + v / 2
+    total = float64_mean_grads(2)
     want = float(np.sqrt(sum((v * v).sum() for v in total.values())))
     experts = float(np.sqrt(sum((v * v).sum() for k, v in total.items() if ".experts." in k)))
     assert experts > 0.05 * want
