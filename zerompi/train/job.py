@@ -27,6 +27,7 @@ class Job:
     """What both strategies share: ``cfg``, ``comm``, and ``groups`` (the TP and SP groups, metered per step)."""
 
     pipelined = False
+    replicas = None          # --replicas: the run's train/replicas.ReplicaRun, set by the driver (run.py)
 
     def metered(self, log, run):
         """``run()``, its TP all-reduces and SP all-to-alls recorded into ``log`` (per step, apart)."""

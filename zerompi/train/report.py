@@ -272,8 +272,8 @@ def final_metrics(cfg, job, comm, log, placement) -> dict:
         "simulated": None,                         # --simulate-world: train/simulated_run.py's entry
         "moe": moe_run.metrics(job),               # --experts: train/moe/routing.py's section; null without
         "muon": muon_run.metrics(job),             # --optimizer muon: train/muon_run.py's section; null without
-        "failures": job.replicas.failures() if getattr(job, "replicas", None) else [],   # recovered (zerompi.run)
-        "replicas": job.replicas.metrics() if getattr(job, "replicas", None) else None,   # --replicas, rank 0's
+        "failures": job.replicas.failures() if job.replicas else [],   # recovered (zerompi.run)
+        "replicas": job.replicas.metrics() if job.replicas else None,   # --replicas, rank 0's
     }
     if first.xp is not np:      # printed beside the engine's own accounting
         pool = first.xp.get_default_memory_pool()

@@ -94,7 +94,7 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
         problem = save_json(cfg.metrics_json, metrics, "metrics_json")
     if cfg.zero.trace:                           # --trace: a collective; rank 0 writes the ranks' timeline
         problem = (job.write_trace(log) if job.pipelined else job.engine.trace.write()) or problem
-    if getattr(job, "replicas", None):
+    if job.replicas:
         job.replicas.close()
     job.close()
     if problem:                                  # rank 0 only, after the last collective
@@ -151,7 +151,7 @@ def _run_steps(cfg: TrainConfig, job, comm, start: int, stop) -> StepLog:
                   bar, evaluated)
         if note:
             show(note)
-        if getattr(job, "replicas", None):      # committed in memory twice before the next step (--replicas)
+        if job.replicas:      # committed in memory twice before the next step (--replicas)
             job.replicas.after_step(step + 1, cfg.seed)
         if after_step(show, cfg, saves, stop, step, stopping):
             break
