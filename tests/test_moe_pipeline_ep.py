@@ -105,7 +105,7 @@ def test_interleaved_every_block_moe():
 def test_two_ep_groups_per_stage():
     """N=8 --pp 2 --ep 2: each stage's 4 ranks are 2 EP groups, each expert sharded over 2 expert-data-parallel
     ranks; the bits of N=4 --ep 2."""
-    configs = [FLAGS + EP + ["--stage", s, "--dtype", "fp16"] for s in ("1", "3")]
+    configs = [FLAGS + EP + ["--stage", s, "--dtype", "fp16", "--batch", "16"] for s in ("1", "3")]
     flat = run_many(4, configs)
     piped = run_many(8, [c + ["--pp", "2"] for c in configs], timeout=600)
     assert len(flat) == len(piped) == 2
@@ -131,3 +131,11 @@ def test_what_is_not_built_is_refused_in_one_line(flag):
         parse_config(FLAGS + EP + ["--pp", "2"] + flag, environ={})
     assert str(e.value).startswith(f"{flag[0]} with --pp 2 --ep 2 is not supported yet"), e.value
     assert "\n" not in str(e.value)
+
+
+def test_ep_must_divide_a_stages_ranks():
+    cfg = parse_config(FLAGS + ["--ep", "4", "--pp", "2", "--batch", "16"], environ={})
+    with pytest.raises(ConfigError) as e:
+        cfg.check_world(4)
+    assert str(e.value).startswith("ep=4 does not divide the 2 data-parallel ranks of each pipeline stage"), e.value
+    cfg.check_world(8)

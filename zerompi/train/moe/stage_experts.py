@@ -25,6 +25,17 @@ def check_job(cfg) -> None:
                          "checkpoints and replicas do not hold the expert engines; docs/moe.md); drop one of them")
 
 
+def check_world(cfg, world_size: int) -> None:
+    """ConfigError unless --ep divides each stage's data-parallel ranks (with --pp; its EP groups stay in a stage)."""
+    m, ep = cfg.mesh, cfg.moe.ep
+    if m.pp == 1 or ep == 1:
+        return
+    dp = world_size // (m.tp * m.sp * m.pp)
+    check(dp % ep == 0, f"ep={ep} does not divide the {dp} data-parallel ranks of each pipeline stage ({world_size} "
+                        f"ranks / (pp {m.pp} x tp {m.tp})); each stage's ranks form groups of ep that hold all the "
+                        f"experts, so use a divisor of {dp}")
+
+
 def _color(mesh, rank: int, stage: bool, dp_part) -> int:
     """A split color of world ``rank``: its TP and SP coordinates, its stage (``stage``) and ``dp_part(dp index)``."""
     c = mesh.coords(rank)
