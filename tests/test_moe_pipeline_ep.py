@@ -1,7 +1,7 @@
 """Expert parallelism inside the pipeline's stages (--pp 2 --ep 2): N=4 gives the bits of the unpipelined N=2 --ep 2
 run of the same global batch (final parameters, losses, held-out losses, routing; gradient norms to rounding),
 fp32 and fp16, with 1F1B, ZB-H1 and interleaved schedules; a stage whose chunks hold no MoE block; two EP
-groups per stage (N=8 against N=4); the expert gradients accumulated per step against --ep 1's; what is not
+groups per stage (N=8 against N=4); with --tp 2; the expert gradients accumulated per step against --ep 1's; what is not
 built is refused in one line."""
 import json
 
@@ -139,3 +139,13 @@ def test_ep_must_divide_a_stages_ranks():
         cfg.check_world(4)
     assert str(e.value).startswith("ep=4 does not divide the 2 data-parallel ranks of each pipeline stage"), e.value
     cfg.check_world(8)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_stages():
+    """N=8 --tp 2 --pp 2 --ep 2 (each TP rank's EP group in its stage) against N=4 --tp 2 --ep 2: the same bits."""
+    config = FLAGS + EP + ["--tp", "2", "--stage", "2", "--dtype", "fp16"]
+    flat = run_many(4, [config])
+    piped = run_many(8, [config + ["--pp", "2"]], timeout=600)
+    assert len(flat) == len(piped) == 1
+    same_bits(flat[0], piped[0])
