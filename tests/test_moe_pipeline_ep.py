@@ -149,3 +149,39 @@ def test_tensor_parallel_stages():
     piped = run_many(8, [config + ["--pp", "2"]], timeout=600)
     assert len(flat) == len(piped) == 1
     same_bits(flat[0], piped[0])
+
+
+def routed(mode, flags, n=4):
+    proc = run_mpi(n, ["tests/drivers/moe_routing.py", mode, json.dumps(flags)], timeout=240)
+    runs = [json.loads(line[8:]) for line in proc.stdout.splitlines() if line.startswith("METRICS ")]
+    assert len(runs) == 1
+    return runs[0]["moe"]
+
+
+def forced_routing_ends(stages):
+    """Every token to expert 0, or each rank's to expert (its world rank): the runs end (no rank skips an exchange);
+    per-rank: a stage's 2 ranks send their block's 96 tokens to 2 experts, 48 each."""
+    for mode, expected in (("one", (0, 96)), ("per-rank", (0, 48))):
+        for stage in stages:
+            moe = routed(mode, FLAGS + EP + ["--pp", "2", "--stage", str(stage), "--top-k", "1"])
+            assert (moe["tokens_min"][-1], moe["tokens_max"][-1]) == expected, (mode, stage)
+
+
+def test_forced_routing_ends():
+    forced_routing_ends((3,))
+
+
+@pytest.mark.slow
+def test_forced_routing_ends_at_every_stage():
+    forced_routing_ends((0, 1, 2))
+
+
+def test_all_to_all_bytes_equal_the_formula():
+    """Exactly balanced routing (token i to expert i mod E, top-1): each rank sends its stage's block's formula
+    bytes, the mean over the ranks the formula over both blocks / 2."""
+    flags = FLAGS + EP + ["--pp", "2", "--stage", "1", "--top-k", "1", "--micro-batches", "3"]
+    moe = routed("cycle", flags)
+    assert moe["tokens_min"] == moe["tokens_max"] == [24] * 3
+    # 1 block per stage x 3 micro-batches x ((2-1)·2·8 + 4 x 16·1·(1/2) x 16 x 4 B), 16 tokens per micro-batch
+    assert moe["all_to_all_theory_bytes"] == 3 * (16 + 4 * 8 * 16 * 4)
+    assert moe["all_to_all_bytes"] == [moe["all_to_all_theory_bytes"]] * 3
