@@ -9,6 +9,8 @@ step is decided once over the ranks of one EP group index across the stages (pip
 engine's totals counted on EP rank 0, every expert engine's on its own rank; the digest joins each chunk's
 experts in model order as the unpipelined run's. docs/moe.md.
 """
+from types import SimpleNamespace
+
 from ...comm.subcomm import split
 from ...errors import check
 from .expert_parallel import engine_configs, split_experts, whole_params
@@ -53,7 +55,6 @@ class StageExperts:
         from ...comm.ep_alltoall import EPComm
         from ...engine.zero_engine import ZeroEngine
         from ...pipeline.grads import GradSink
-        from types import SimpleNamespace
         from .ep_mlp import ExpertStore
         K = self.k = cfg.moe.ep
         group_of, ep_rank = (lambda d: d // K), (lambda d: d % K)
