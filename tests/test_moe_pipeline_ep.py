@@ -1,8 +1,9 @@
 """Expert parallelism inside the pipeline's stages (--pp 2 --ep 2): N=4 gives the bits of the unpipelined N=2 --ep 2
 run of the same global batch (final parameters, losses, held-out losses, routing; gradient norms to rounding),
 fp32 and fp16, with 1F1B, ZB-H1 and interleaved schedules; a stage whose chunks hold no MoE block; two EP
-groups per stage (N=8 against N=4); with --tp 2; the expert gradients accumulated per step against --ep 1's; what is not
-built is refused in one line."""
+groups per stage (N=8 against N=4); with --tp 2; recomputed, with a capacity, biases, stage 3 gathering per step;
+the expert gradients accumulated per step against --ep 1's; forced routing ends; exactly balanced routing sends
+the formula's all-to-all bytes; what is not built is refused in one line."""
 import json
 
 import pytest
@@ -185,3 +186,18 @@ def test_all_to_all_bytes_equal_the_formula():
     # 1 block per stage x 3 micro-batches x ((2-1)·2·8 + 4 x 16·1·(1/2) x 16 x 4 B), 16 tokens per micro-batch
     assert moe["all_to_all_theory_bytes"] == 3 * (16 + 4 * 8 * 16 * 4)
     assert moe["all_to_all_bytes"] == [moe["all_to_all_theory_bytes"]] * 3
+
+
+@pytest.mark.slow
+def test_recompute_capacity_bias_and_gather_per_step():
+    """--checkpoint-activations (the exchanges made again in the backward), --capacity-factor (drops), --bias-update
+    (the selection biases from the step's global counts) and stage 3's --pp-gather step: the unpipelined bits."""
+    base = FLAGS + EP + ["--stage", "3"]
+    extra = [["--checkpoint-activations"], ["--capacity-factor", "1.0"], ["--bias-update", "0.01"]]
+    flat = run_many(2, [base + e for e in extra] + [base])
+    piped = run_many(4, [base + e + ["--pp", "2"] for e in extra] + [base + ["--pp", "2", "--pp-gather", "step"]])
+    assert len(flat) == len(piped) == 4
+    for a, b in zip(flat, piped):
+        same_bits(a, b)
+        assert a["moe"]["bias"] == b["moe"]["bias"]
+    assert sum(flat[1]["moe"]["dropped"]) > 0 and any(v != 0 for b in flat[2]["moe"]["bias"].values() for v in b)
