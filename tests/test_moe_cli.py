@@ -18,7 +18,7 @@ REFUSED = [
     (["--ep", "2"], "ep=2 (--ep) applies with --experts > 0 only"),
     (["--experts", "4", "--bias-update", "-1"], "bias_update=-1.0 must be >= 0"),
     (["--model", "mlp", "--experts", "4"], "experts=4 applies to model gpt only"),
-    (["--experts", "4", "--pp", "2", "--ep", "2"], "--pp with --experts 4 --ep 2 is not supported yet"),
+    (["--experts", "4", "--pp", "2", "--ep", "2", "--save-dir", "x"], "--save-dir with --pp 2 --ep 2 is not supported"),
     (["--experts", "4", "--sp", "2", "--ep", "2"], "--sp with --experts 4 --ep 2 is not supported yet"),
     (["--experts", "4", "--sp", "2", "--capacity-factor", "1.5"],
      "--sp with --experts 4 --capacity-factor 1.5 is not supported yet"),

@@ -77,7 +77,7 @@ def check_job(cfg) -> None:
         return
     check(cfg.model == "gpt", f"experts={moe.experts} applies to model gpt only (the MoE replaces the GPT's MLP); "
                               "drop --experts or use --model gpt")
-    refused = (("--pp", cfg.mesh.pp > 1 and moe.ep > 1), ("--sp", cfg.mesh.sp > 1 and moe.ep > 1),
+    refused = (("--sp", cfg.mesh.sp > 1 and moe.ep > 1),
                ("--sp", cfg.mesh.sp > 1 and moe.capacity_factor is not None),
                ("--optimizer muon", cfg.zero.optimizer == "muon"),
                ("--init-from", cfg.init_from is not None),
