@@ -9,6 +9,7 @@ pipeline's engines do (pipeline/step.py): one gradient norm over the whole model
 one non-finite flag, one loss scale. docs/moe.md.
 """
 import hashlib
+import os
 from dataclasses import replace
 from fnmatch import fnmatchcase
 
@@ -24,6 +25,44 @@ def short_name(name: str) -> str:
     return name.split(".", 1)[1] if name.startswith("block") else name
 
 
+def trace_path(path, j: int, k: int):
+    """The expert engine's timeline beside the dense engine's (one per EP rank: its expert-data-parallel group's
+    rank 0 writes it): ``trace.json`` -> ``trace.ep1-of-2.json``; None without --trace."""
+    if path is None:
+        return None
+    root, ext = os.path.splitext(path)
+    return f"{root}.ep{j}-of-{k}{ext or '.json'}"
+
+
+def expert_groups(cfg, comm):
+    """(node_size, shard_size, per_node) of the expert engine's group, from the world's nodes (--node-size,
+    $ZEROMPI_NODE_SIZE or MPI's; a collective) and --shard-size: the expert-data-parallel ranks j + K·g (in
+    data-parallel ranks) sit P/K to a node where an EP group fits in a node of P, one to a node where it spans
+    whole nodes (``per_node`` = P: its sources are then summed node by node first; comm/sources_reduce.py).
+    ConfigError in one line where the groups cut a node or a shard group unevenly."""
+    from ...comm.topology import placement_from
+    from ...errors import AgreedConfigError
+    K, T = cfg.moe.ep, cfg.mesh.tp
+    dp = comm.size // T
+    p, order = placement_from(comm.mpi, cfg.mesh.node_size)
+    if order is not None:
+        raise AgreedConfigError(f"--ep {K}: the ranks are not placed in blocks per node; place them in blocks "
+                                "(mpiexec's block mapping)")
+    p = min(max(p // T, 1), dp)                            # a node's data-parallel ranks
+    s = (cfg.mesh.shard_size or comm.size) // T            # a shard group's
+    if not (p % K == 0 or K % p == 0):      # the nodes are the same on every rank: one line, from rank 0
+        raise AgreedConfigError(f"--ep {K} with nodes of {p * T} ranks: an EP group must fit in a node or span "
+                                "whole nodes; use an --ep that divides or is a multiple of the node size")
+    if s % K:
+        raise AgreedConfigError(f"--ep {K} with --shard-size {cfg.mesh.shard_size}: an EP group must fit in a "
+                                f"shard group; use an --ep dividing {s}")
+    if p == dp:                                            # one node
+        return s // K, s // K, None
+    if K < p:
+        return p // K, s // K, None
+    return 1, s // K, p
+
+
 class ExpertParallel:
     """This rank's part of --ep: ``ep`` (EPComm), ``edp`` (Communicator), ``engine`` (the expert engine);
     ``dense_layers``: the model's lazy layers without the experts, for the dense engine. With --tp each TP rank
@@ -31,6 +70,7 @@ class ExpertParallel:
 
     def __init__(self, cfg, comm, model, layers):
         from ...comm.communicator import Communicator
+        from ...comm.meshconfig import MeshConfig
         from ...comm.ep_alltoall import EPComm
         from ...engine.zero_engine import ZeroEngine
         from .ep_mlp import ExpertStore
@@ -55,8 +95,11 @@ class ExpertParallel:
         no_decay = cfg.zero.no_decay      # each engine its patterns (one matching neither: the dense's error)
         self.dense_config = replace(cfg.zero, no_decay=tuple(
             p for p in no_decay if matches(p, dense_names) or not matches(p, expert_names)))
+        node_size, shard_size, per_node = expert_groups(cfg, comm)
         self.engine = ZeroEngine(experts, replace(cfg.zero, no_decay=tuple(
-            p for p in no_decay if matches(p, expert_names))), self.edp, sources=K)
+            p for p in no_decay if matches(p, expert_names)), trace=trace_path(cfg.zero.trace, self.ep.rank, K)),
+            self.edp, sources=K,
+            mesh_config=MeshConfig(node_size=node_size, shard_size=shard_size), sources_per_node=per_node)
         model.use_expert_parallel(self.ep, ExpertStore(self.engine, blocks, model.dtype))
 
     def step(self, dense):
