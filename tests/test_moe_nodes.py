@@ -1,7 +1,8 @@
 """Expert parallelism over nodes (--node-size, two-level collectives), shard groups (--shard-size) and hpZ:
 every --ep gives the bits of --ep 1 with the same nodes (final parameters, losses, held-out losses, routing),
-and each rank's bytes equal the formula; --trace, --comm-progress thread and --offload-optimizer cpu do not
-change a bit. The case that once took a wrong slice silently: 2 nodes x 4 ranks, --ep 2 (docs/moe.md)."""
+and each rank's bytes equal the formula. --trace, --comm-progress thread and the offload (host memory, files) do
+not change a bit; the delayed update gives --ep 1's bits with it. The case that once took a wrong slice
+silently: 2 nodes x 4 ranks, --ep 2 (docs/moe.md)."""
 import json
 
 import pytest
@@ -62,22 +63,35 @@ def test_nodes_and_shard_groups_n4():
 
 
 def test_trace_progress_thread_offload_keep_the_bits(tmp_path):
-    """At --ep 2 each of them is the run without it, bit for bit; the trace has the dense engine's timeline and
-    one per EP rank for the expert engine."""
-    trace = tmp_path / "t.json"
+    """At --ep 2 each of them is the run without it, bit for bit (the delayed update, which changes the arithmetic,
+    against --ep 1 with it: fp16 with skipped steps and clipping); the trace has the dense engine's timeline and
+    one per EP rank for the expert engine; the offload files are gone at the end."""
+    trace, off = tmp_path / "t.json", tmp_path / "off"
+    off.mkdir()
     base = FLAGS + ["--dtype", "fp32", "--ep", "2"]
+    nvme = ["--offload-dir", str(off)]
     configs = [base + ["--stage", "3"], base + ["--stage", "3", "--trace", str(trace)],
                base + ["--stage", "3", "--comm-progress", "thread"],
-               base + ["--stage", "2"], base + ["--stage", "2", "--offload-optimizer", "cpu"]]
+               base + ["--stage", "3", "--offload-params", "nvme", "--offload-optimizer", "nvme"] + nvme,
+               base + ["--stage", "2"], base + ["--stage", "2", "--offload-optimizer", "cpu"],
+               base + ["--stage", "2", "--offload-optimizer", "nvme"] + nvme]
+    delayed = FLAGS + ["--stage", "2", "--dtype", "fp16", "--loss-scale", "4194304", "--offload-optimizer", "cpu",
+                       "--offload-delayed-update", "--offload-delayed-warmup", "1", "--steps", "8", "--clip", "0.5"]
+    configs += [delayed + ["--ep", "1"], delayed + ["--ep", "2"]]
     runs = run_many(4, configs)
-    assert len(runs) == 5
-    same_run(runs[1], runs[0])
-    same_run(runs[2], runs[0])
-    same_run(runs[4], runs[3])
+    assert len(runs) == len(configs)
+    for i in (1, 2, 3):
+        same_run(runs[i], runs[0])
+    for i in (5, 6):
+        same_run(runs[i], runs[4])
+    same_run(runs[8], runs[7])
+    assert 0 < runs[8]["steps_applied"] < 8                 # some fp16 steps skipped, some applied
+    assert runs[8]["final_params_sha256"] != runs[4]["final_params_sha256"]
     for name in ("t.json", "t.ep0-of-2.json", "t.ep1-of-2.json"):
         events = json.loads((tmp_path / name).read_text())
         events = events["traceEvents"] if isinstance(events, dict) else events
         assert any(e.get("ph") == "X" for e in events), name
+    assert [p.name for p in off.rglob("*") if p.is_file()] == []
 
 
 @pytest.mark.parametrize("n,argv,needle", [

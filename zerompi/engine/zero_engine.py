@@ -339,14 +339,12 @@ class ZeroEngine:
         out = traffic.step_bytes(c.stage, [b.numel for b in self.layout.buckets], size,
                                  t.size, t.node_size, t.shard_size, c.micro_batches, c.prefetch if c.overlap else 0,
                                  self.gatherer.secondary is not None, **q)
-        # sources > 1: each reduce-scatter's node level sends that many partials; across nodes, one (a node's sum)
-        # or, with sources spanning nodes, one per node of them (comm/sources_reduce.py)
-        k, per_node = self.reducer.sources, self.reducer.per_node
-        extra_intra, extra_inter = k - 1, (k // per_node - 1 if per_node else 0)
-        for b in self.layout.buckets if k > 1 else ():
-            intra, inter = traffic.call_bytes("reduce_scatter", b.numel, size, t.size, t.node_size, t.shard_size)
-            out = {"intra": out["intra"] + extra_intra * c.micro_batches * intra,
-                   "inter": out["inter"] + extra_inter * c.micro_batches * inter}
+        if self.reducer.sources > 1:    # each reduce-scatter's partials (comm/sources_reduce.py)
+            from collections import Counter
+            extra = traffic.sources_bytes_by_level(Counter(b.numel for b in self.layout.buckets), size, t.size,
+                                           self.reducer.sources, c.micro_batches, t.node_size, t.shard_size,
+                                           self.reducer.per_node)
+            out = {level: out[level] + extra[level] for level in out}
         return out
 
     def close(self) -> None:

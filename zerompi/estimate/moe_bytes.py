@@ -117,12 +117,14 @@ def with_layouts(moe: dict, est: dict, opts: dict) -> dict:
     return dict(moe, stages=rows)
 
 
-def sources_bytes(lengths: Dict[int, int], itemsize: int, ranks: int, sources: int, micro_batches: int) -> int:
-    """Bytes per step an expert engine's reduce-scatters send beyond one partial each: K - 1 more per bucket and
-    micro-batch (engine/zero_engine.py's comm_theory_bytes_by_level); ``lengths``: {bucket elements: buckets}."""
-    from ..engine import traffic
-    per = sum(c * traffic.call_bytes("reduce_scatter", n, itemsize, ranks, ranks, ranks)[0] for n, c in lengths.items())
-    return (sources - 1) * micro_batches * per
+def sources_bytes(lengths: Dict[int, int], itemsize: int, ranks: int, sources: int, micro_batches: int,
+                  node_size: Optional[int] = None, shard_size: Optional[int] = None,
+                  per_node: Optional[int] = None) -> int:
+    """Bytes per step an expert engine's reduce-scatters send beyond one partial each (engine/traffic.py's
+    sources_bytes_by_level, both levels); ``lengths``: {bucket elements: buckets}."""
+    from ..engine.traffic import sources_bytes_by_level
+    return sum(sources_bytes_by_level(lengths, itemsize, ranks, sources, micro_batches, node_size, shard_size,
+                                      per_node).values())
 
 
 def format_moe(moe: dict) -> str:

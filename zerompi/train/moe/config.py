@@ -95,9 +95,7 @@ def check_job(cfg) -> None:
           "replicas do not hold the selection biases yet (docs/moe.md); drop one of the two")
     if moe.ep > 1:
         z = cfg.zero
-        for name, given in (("--offload-optimizer nvme", z.offload_optimizer == "nvme"),
-                            ("--offload-params", z.offload_params != "none"),
-                            ("--offload-delayed-update", z.offload_delayed_update),
+        for name, given in (
                             ("--quantize-weights", bool(z.quantize_weights)),
                             ("--quantize-grads", bool(z.quantize_grads))):
             check(not given, f"{name} with --ep {moe.ep} is not supported yet (docs/moe.md); drop one of the two")

@@ -34,6 +34,16 @@ def trace_path(path, j: int, k: int):
     return f"{root}.ep{j}-of-{k}{ext or '.json'}"
 
 
+def offload_dir(z):
+    """The expert engine's offload files (nvme) in a folder of their own, ``DIR/experts`` (made here): each engine
+    names its files by its rank in its own group, so the dense and the expert engine's would meet in DIR."""
+    if z.offload_dir is None or "nvme" not in (z.offload_optimizer, z.offload_params):
+        return z.offload_dir
+    path = os.path.join(z.offload_dir, "experts")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
 def expert_groups(cfg, comm):
     """(node_size, shard_size, per_node) of the expert engine's group, from the world's nodes (--node-size,
     $ZEROMPI_NODE_SIZE or MPI's; a collective) and --shard-size: the expert-data-parallel ranks j + K·g (in
@@ -97,7 +107,8 @@ class ExpertParallel:
             p for p in no_decay if matches(p, dense_names) or not matches(p, expert_names)))
         node_size, shard_size, per_node = expert_groups(cfg, comm)
         self.engine = ZeroEngine(experts, replace(cfg.zero, no_decay=tuple(
-            p for p in no_decay if matches(p, expert_names)), trace=trace_path(cfg.zero.trace, self.ep.rank, K)),
+            p for p in no_decay if matches(p, expert_names)), trace=trace_path(cfg.zero.trace, self.ep.rank, K),
+            offload_dir=offload_dir(cfg.zero)),
             self.edp, sources=K,
             mesh_config=MeshConfig(node_size=node_size, shard_size=shard_size), sources_per_node=per_node)
         model.use_expert_parallel(self.ep, ExpertStore(self.engine, blocks, model.dtype))
