@@ -47,7 +47,8 @@ def test_two_nodes_of_four():
     assert flat["final_params_sha256"] != runs[0]["final_params_sha256"]
 
 
-def test_nodes_and_shard_groups_n4():
+@pytest.fixture(scope="module")
+def n4():
     """N = 4: nodes of 2 (--ep 2 inside, --ep 4 across), nodes of 1 (every EP group across nodes), shard groups
     of 2 with micro-batches, hpZ; stages 0 and 2 (3 with hpZ)."""
     configs = []
@@ -59,7 +60,36 @@ def test_nodes_and_shard_groups_n4():
                 for ep in (1, 2, 4)]
     runs = run_many(4, configs)
     assert len(runs) == len(configs)
-    check_against_ep1(runs, (1, 2, 4))
+    return runs
+
+
+def test_nodes_and_shard_groups_n4(n4):
+    check_against_ep1(n4, (1, 2, 4))
+
+
+def test_the_estimate_with_nodes_equals_the_runs(n4, tmp_path):
+    """`zerompi.estimate --experts --ep K` with the same nodes, shard groups and hpZ: each engine's model states
+    with its padding are the run's; the ZeRO bytes per step (both engines, the expert reduce-scatters' partials by
+    level) the run's at stages 0-2 without shard groups (stage 3's turn and the shard groups' all-reduce are
+    counted as the estimate counts them for any run: docs/estimate.md)."""
+    from tests.test_estimate_flags import GPT, cli_json
+    compared = 0
+    for m in n4:
+        f, ep, stage = m["flags"], ep_of(m["flags"]), m["stage"]
+        if ep == 1:
+            continue
+        topo = f[len(FLAGS):f.index("--dtype")]
+        argv = GPT + ["--experts", 4, "--top-k", 2, "--expert-hidden", 24, "--ep", ep, "--dtype", "fp32",
+                      "--bucket-mb", 0.004] + topo
+        est = cli_json(tmp_path, argv)
+        row, mem = est["moe"]["stages"][stage], m["moe"]["memory_bytes_by_engine"]
+        assert (row["dense_padded_bytes"], row["expert_padded_bytes"]) == (mem["dense"]["measured"],
+                                                                           mem["experts"]["measured"]), f
+        if stage < 3 and "--shard-size" not in topo:
+            assert est["stages"][stage]["comm_bytes_per_step"] + row["expert_comm_bytes_per_step"] == \
+                m["comm_bytes_per_step"], f
+            compared += 1
+    assert compared == 8
 
 
 def test_trace_progress_thread_offload_keep_the_bits(tmp_path):
