@@ -45,32 +45,21 @@ def offload_dir(z):
 
 
 def expert_groups(cfg, comm):
-    """(node_size, shard_size, per_node) of the expert engine's group, from the world's nodes (--node-size,
-    $ZEROMPI_NODE_SIZE or MPI's; a collective) and --shard-size: the expert-data-parallel ranks j + K·g (in
-    data-parallel ranks) sit P/K to a node where an EP group fits in a node of P, one to a node where it spans
-    whole nodes (``per_node`` = P: its sources are then summed node by node first; comm/sources_reduce.py).
-    ConfigError in one line where the groups cut a node or a shard group unevenly."""
+    """(node_size, shard_size, per_node) of the expert engine's group (estimate/moe_bytes.expert_topology), from
+    the world's nodes (--node-size, $ZEROMPI_NODE_SIZE or MPI's; a collective) and --shard-size, in data-parallel
+    ranks. AgreedConfigError (one line, printed once) where the EP groups cut a node or a shard group, or the
+    ranks are not placed in blocks per node."""
     from ...comm.topology import placement_from
     from ...errors import AgreedConfigError
+    from ...estimate.moe_bytes import expert_topology
     K, T = cfg.moe.ep, cfg.mesh.tp
     dp = comm.size // T
     p, order = placement_from(comm.mpi, cfg.mesh.node_size)
     if order is not None:
         raise AgreedConfigError(f"--ep {K}: the ranks are not placed in blocks per node; place them in blocks "
                                 "(mpiexec's block mapping)")
-    p = min(max(p // T, 1), dp)                            # a node's data-parallel ranks
-    s = (cfg.mesh.shard_size or comm.size) // T            # a shard group's
-    if not (p % K == 0 or K % p == 0):      # the nodes are the same on every rank: one line, from rank 0
-        raise AgreedConfigError(f"--ep {K} with nodes of {p * T} ranks: an EP group must fit in a node or span "
-                                "whole nodes; use an --ep that divides or is a multiple of the node size")
-    if s % K:
-        raise AgreedConfigError(f"--ep {K} with --shard-size {cfg.mesh.shard_size}: an EP group must fit in a "
-                                f"shard group; use an --ep dividing {s}")
-    if p == dp:                                            # one node
-        return s // K, s // K, None
-    if K < p:
-        return p // K, s // K, None
-    return 1, s // K, p
+    shard = cfg.mesh.shard_size
+    return expert_topology(dp, K, max(p // T, 1), shard // T if shard else None)
 
 
 class ExpertParallel:
