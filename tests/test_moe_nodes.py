@@ -47,6 +47,19 @@ def test_two_nodes_of_four():
     assert flat["final_params_sha256"] != runs[0]["final_params_sha256"]
 
 
+@pytest.mark.slow
+def test_with_tensor_parallelism():
+    """N = 8, --tp 2 (the experts whole on each TP rank): nodes of 4 world ranks (2 data-parallel ranks: --ep 2 an
+    EP group per node), nodes of 2 (1 data-parallel rank: --ep 2, 4 across nodes); the bits of --ep 1."""
+    configs = [FLAGS + ["--tp", "2", "--node-size", "4", "--dtype", "fp32", "--stage", "1", "--ep", str(ep)]
+               for ep in (1, 2)]
+    configs += [FLAGS + ["--tp", "2", "--node-size", "2", "--dtype", "fp32", "--stage", "3", "--ep", str(ep)]
+                for ep in (1, 2, 4)]
+    runs = run_many(8, configs, timeout=900)
+    assert len(runs) == len(configs)
+    check_against_ep1(runs, (1, 2, 4))
+
+
 @pytest.fixture(scope="module")
 def n4():
     """N = 4: nodes of 2 (--ep 2 inside, --ep 4 across), nodes of 1 (every EP group across nodes), shard groups
