@@ -27,9 +27,9 @@ REFUSED = [
      "--resume with --bias-update 0.01 --pp 2: a pipeline's checkpoints do not hold the selection biases yet"),
     (["--experts", "4", "--bias-update", "0.01", "--replicas", "j"],
      "--replicas with --bias-update 0.01: the replicas do not hold the selection biases yet"),
-    (["--experts", "4", "--ep", "2", "--offload-optimizer", "cpu"],
-     "--offload-optimizer with --ep 2 is not supported yet"),
-    (["--experts", "4", "--ep", "2", "--stage", "3", "--hpz"], "--hpz with --ep 2 is not supported yet"),
+    (["--experts", "4", "--ep", "2", "--quantize-grads", "int8"], "--quantize-grads with --ep 2 is not supported yet"),
+    (["--experts", "4", "--ep", "2", "--stage", "3", "--quantize-weights", "int8"],
+     "--quantize-weights with --ep 2 is not supported yet"),
 ]
 
 
@@ -57,6 +57,11 @@ def test_accepted():
     cfg = parse_config(["--experts", "4", "--tp", "2", "--ep", "2", "--stage", "3"], environ={})
     assert (cfg.mesh.tp, cfg.moe.ep) == (2, 2)
     assert parse_config(["--experts", "4", "--ep", "2", "--checkpoint-activations"], environ={}).checkpoint_activations
+    for argv in (["--node-size", "2", "--shard-size", "2"], ["--stage", "3", "--hpz"], ["--trace", "t.json"],
+                 ["--comm-progress", "thread"], ["--offload-optimizer", "cpu", "--offload-delayed-update"],
+                 ["--stage", "3", "--offload-optimizer", "nvme", "--offload-params", "nvme", "--offload-dir", "."]):
+        # tests/test_moe_nodes.py
+        parse_config(["--experts", "4", "--ep", "2"] + argv, environ={})
     assert not parse_config([], environ={}).moe.on
 
 

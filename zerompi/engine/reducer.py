@@ -37,11 +37,13 @@ class GradientReducer:
     buffers are counted) and ``guard`` (faults.GradientGuard).
     """
 
-    def __init__(self, layout, config, comm, replica, ranks, inflight, pool, ledger, guard, dtype, sources=1):
+    def __init__(self, layout, config, comm, replica, ranks, inflight, pool, ledger, guard, dtype, sources=1,
+                 per_node=None):
         self.layout, self.config, self.comm, self.replica = layout, config, comm, replica
         # sources > 1 (expert parallelism): each gradient comes as that many partials, a source's each, reduced
         # in (rank, source) order (comm/sources_reduce.py) from buffers of their own, blocking
-        self.sources, self.sourced = sources, {}
+        # (per_node: the world's node size in sources, where a rank's sources span whole nodes)
+        self.sources, self.sourced, self.per_node = sources, {}, per_node
         self.inflight, self.pool, self.guard = inflight, pool, guard
         st = config.stage
         self.slot, self.world_size = comm.slot, ranks
@@ -179,7 +181,8 @@ class GradientReducer:
         scale = 1.0 / (self.world_size * self.sources * self.config.micro_batches)   # every rank's every micro-batch
         if self.sources > 1:
             from ..comm.sources_reduce import reduce_scatter_sources
-            reduce_scatter_sources(self.comm, self.sourced.pop(b), out, scale, not first, self.sources)
+            reduce_scatter_sources(self.comm, self.sourced.pop(b), out, scale, not first, self.sources,
+                                   per_node=self.per_node)
             return
         send = self._local_bucket(b)
         if self.config.stage < 2:          # the whole local gradient, reduced in place: the padding joins the

@@ -160,3 +160,19 @@ def step_bytes_runs(stage: int, runs: Sequence[Tuple[int, int]], itemsize: int, 
             a, e = call_bytes(kind, b, itemsize, ranks, node_size, shard_size, weights, grads)
             intra, inter = intra + times * a, inter + times * e
     return {"intra": intra, "inter": inter}
+
+
+def sources_bytes_by_level(lengths: Dict[int, int], itemsize: int, ranks: int, sources: int, micro_batches: int,
+                           node_size: Optional[int] = None, shard_size: Optional[int] = None,
+                           per_node: Optional[int] = None) -> Dict[str, int]:
+    """{"intra", "inter"}: what an expert engine's reduce-scatters send beyond one partial each, per step
+    (comm/sources_reduce.py): inside the node K - 1 more per bucket and micro-batch; across nodes, where the
+    sources span whole nodes of ``per_node``, K/per_node - 1 more (else none: a node's sum crosses). ``ranks``,
+    ``node_size``, ``shard_size``: the expert engine's group (default: one node, one shard group)."""
+    k, s = node_size or ranks, shard_size or ranks
+    intra = inter = 0
+    for n, c in lengths.items():
+        a, e = call_bytes("reduce_scatter", n, itemsize, ranks, k, s)
+        intra, inter = intra + c * a, inter + c * e
+    more_inter = sources // per_node - 1 if per_node else 0
+    return {"intra": (sources - 1) * micro_batches * intra, "inter": more_inter * micro_batches * inter}

@@ -61,7 +61,9 @@ class ZeroEngine:
     ``mesh_config``: a MeshConfig (nodes, shard groups; tp / sp > 1 without a Mesh: one is made over ``comm``).
     ``sources``: each rank hands back every gradient as that many partials (an array of that many gradients),
     reduced in (rank, source) order as if the ranks were that many times more (expert parallelism: each partial
-    a source rank's; comm/sources_reduce.py).
+    a source rank's; comm/sources_reduce.py). ``sources_per_node``: with sources, the world's node size counted in
+    sources, where each rank's sources span whole nodes (its group one rank per node): each node's partials are
+    then summed first, as a two-level reduce-scatter's node level sums them.
 
     Composed of its parts, each owning its state: ``reducer`` (GradientReducer: the gradient
     buffers and reduce-scatters), ``gatherer`` (ParameterGatherer: the stored parameters,
@@ -71,7 +73,8 @@ class ZeroEngine:
     """
 
     def __init__(self, layers: LayersArg, config: Optional[ZeroConfig] = None, comm=None, xp=np, tp_split=None,
-                 mesh_config: Optional[MeshConfig] = None, sources: int = 1):
+                 mesh_config: Optional[MeshConfig] = None, sources: int = 1,
+                 sources_per_node: Optional[int] = None):
         self.config = config or ZeroConfig()
         if not isinstance(self.config, ZeroConfig):
             raise UsageError(f"config is a {type(self.config).__name__}; pass a zerompi.ZeroConfig")
@@ -132,7 +135,8 @@ class ZeroEngine:
         self.gatherer = ParameterGatherer(self.layout, self.config, self.group, self.inflight, pool, self.ledger,
                                           self.dtype, self.rank)
         self.reducer = GradientReducer(self.layout, self.config, self.group, self.replica, self.world_size,
-                                       self.inflight, pool, self.ledger, self.guard, self.dtype, sources)
+                                       self.inflight, pool, self.ledger, self.guard, self.dtype, sources,
+                                       sources_per_node)
         self.optimizer = sharded_optimizer(self.layout, self.config, self.ledger, self.slot, self.rank, transfers,
                                            self.group)
         initial.load(self, pairs)        # each rank makes its own part (lazy: checked, engine/initial.py)
@@ -335,11 +339,12 @@ class ZeroEngine:
         out = traffic.step_bytes(c.stage, [b.numel for b in self.layout.buckets], size,
                                  t.size, t.node_size, t.shard_size, c.micro_batches, c.prefetch if c.overlap else 0,
                                  self.gatherer.secondary is not None, **q)
-        extra = self.reducer.sources - 1           # sources > 1: each reduce-scatter sends that many partials
-        for b in self.layout.buckets if extra else ():
-            intra, inter = traffic.call_bytes("reduce_scatter", b.numel, size, t.size, t.node_size, t.shard_size)
-            out = {"intra": out["intra"] + extra * c.micro_batches * intra,
-                   "inter": out["inter"] + extra * c.micro_batches * inter}
+        if self.reducer.sources > 1:    # each reduce-scatter's partials (comm/sources_reduce.py)
+            from collections import Counter
+            extra = traffic.sources_bytes_by_level(Counter(b.numel for b in self.layout.buckets), size, t.size,
+                                           self.reducer.sources, c.micro_batches, t.node_size, t.shard_size,
+                                           self.reducer.per_node)
+            out = {level: out[level] + extra[level] for level in out}
         return out
 
     def close(self) -> None:

@@ -225,7 +225,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             est = with_activations(est, act) if given and act else est
             if moe:
                 from .moe_bytes import with_layouts
-                est = dict(est, moe=with_layouts(moe, est, opts))
+                est = dict(est, moe=with_layouts(moe, est, opts, topo))
             if a.replicas:               # each rank's shard twice in host shared memory, two steps
                 from .replica_bytes import check_replicas, replica_estimate
                 check_replicas(est["ranks"], est["node_size"], {f"--{k}": v for k, v in (
@@ -275,10 +275,10 @@ def _moe(a, dims: dict, given: list) -> dict:
     ep, top_k, every = a.ep or 1, 2 if a.top_k is None else a.top_k, 1 if a.moe_every is None else a.moe_every
     check_moe(a.experts, ep, top_k, every, a.expert_hidden, a.ranks,
               {"--tp": a.tp != 1, "--sp": a.sp != 1, "--checkpoint-activations": a.checkpoint_activations,
-               "--optimizer muon": a.optimizer == "muon"},
-              {"--offload-optimizer": a.offload_optimizer != "none", "--offload-params": a.offload_params != "none",
-               "--quantize-weights": bool(a.quantize_weights), "--quantize-grads": bool(a.quantize_grads),
-               "--hpz": a.hpz, "--node-size": a.node_size is not None, "--shard-size": a.shard_size is not None})
+               "--optimizer muon": a.optimizer == "muon",
+               "--offload-optimizer": ep > 1 and a.offload_optimizer != "none",
+               "--offload-params": ep > 1 and a.offload_params != "none"},
+              {"--quantize-weights": bool(a.quantize_weights), "--quantize-grads": bool(a.quantize_grads)})
     return gpt_moe(dims, a.ranks, a.experts, ep, top_k, every, a.expert_hidden, a.micro_batches,
                    ZeroConfig(dtype=a.dtype).itemsize)
 

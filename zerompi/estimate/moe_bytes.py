@@ -94,21 +94,48 @@ def gpt_moe(dims: dict, ranks: int, experts: int, ep: int, top_k: int, every: in
             "table_params": sum(layers), "table_largest_layer": max(layers)}
 
 
-def with_layouts(moe: dict, est: dict, opts: dict) -> dict:
+def expert_topology(ranks: int, ep: int, node_size: Optional[int], shard_size: Optional[int]):
+    """(node_size, shard_size, per_node) of the expert engine's N/K ranks, for nodes of ``node_size`` and shard groups
+    of ``shard_size`` data-parallel ranks (None: all): the expert-data-parallel ranks j + K·g sit P/K to a node
+    where an EP group fits in a node of P, one to a node where it spans whole nodes (``per_node`` = P: its
+    sources are summed node by node first; comm/sources_reduce.py). AgreedConfigError (one line) where an EP
+    group cuts a node or does not fit a shard group."""
+    from ..errors import AgreedConfigError
+    p, s = min(node_size or ranks, ranks), shard_size or ranks
+    if not (p % ep == 0 or ep % p == 0):
+        raise AgreedConfigError(f"--ep {ep} with nodes of {p} ranks: an EP group must fit in a node or span whole "
+                                "nodes; use an --ep that divides or is a multiple of the node size")
+    if s % ep:
+        raise AgreedConfigError(f"--ep {ep} with --shard-size {shard_size}: an EP group must fit in a shard group; "
+                                f"use an --ep dividing {s}")
+    if p == ranks:
+        return s // ep, s // ep, None
+    if ep < p:
+        return p // ep, s // ep, None
+    return 1, s // ep, p
+
+
+def with_layouts(moe: dict, est: dict, opts: dict, topo: Optional[dict] = None) -> dict:
     """At --ep K > 1, each stage's dense and expert states with the engines' padding, and each engine's ZeRO bytes
     per step: the dense engine's are the table's (``est``), the expert engine's its own estimate (one layer of E/K
-    experts per MoE block over N/K) with each reduce-scatter sending the K sources' partials
-    (comm/sources_reduce.py: K times one reduce-scatter's bytes)."""
+    experts per MoE block over N/K, in the nodes and shard groups ``topo`` gives it: expert_topology) with each
+    reduce-scatter sending the K sources' partials (comm/sources_reduce.py)."""
     if moe["ep"] == 1:
         return moe
     from .stages import estimate
-    psi = moe["expert_params"] // moe["ep"]
-    experts = estimate(psi, moe["expert_ranks"], est["dtype"], layers=moe["moe_blocks"], **opts)
+    topo = topo or {}
+    k = moe["ep"]
+    node, shard, per_node = expert_topology(moe["ranks"], k, topo.get("node_size"), topo.get("shard_size"))
+    psi = moe["expert_params"] // k
+    experts = estimate(psi, moe["expert_ranks"], est["dtype"], layers=moe["moe_blocks"], **opts,
+                       **({} if moe["expert_ranks"] == 1 else {"node_size": node, "shard_size": shard}),
+                       **({"hpz": True} if topo.get("hpz") else {}))
     from ..engine.config import ZeroConfig
     from .plan import plan_buckets
-    plan = plan_buckets(psi, moe["expert_ranks"], experts["bucket_numel"], moe["moe_blocks"], None, ZeroConfig.align)
-    extra = sources_bytes(plan.lengths(), ZeroConfig(dtype=est["dtype"]).itemsize, moe["expert_ranks"], moe["ep"],
-                          opts.get("micro_batches", 1))
+    plan = plan_buckets(psi, moe["expert_ranks"] // (moe["expert_ranks"] // shard), experts["bucket_numel"],
+                        moe["moe_blocks"], None, ZeroConfig.align * (moe["expert_ranks"] // shard))
+    extra = sources_bytes(plan.lengths(), ZeroConfig(dtype=est["dtype"]).itemsize, moe["expert_ranks"], k,
+                          opts.get("micro_batches", 1), node, shard, per_node)
     rows = [dict(r, dense_padded_bytes=d["model_state_bytes"], expert_padded_bytes=e["model_state_bytes"],
                  dense_comm_bytes_per_step=d["comm_bytes_per_step"],
                  expert_comm_bytes_per_step=e["comm_bytes_per_step"] + extra,
@@ -117,12 +144,14 @@ def with_layouts(moe: dict, est: dict, opts: dict) -> dict:
     return dict(moe, stages=rows)
 
 
-def sources_bytes(lengths: Dict[int, int], itemsize: int, ranks: int, sources: int, micro_batches: int) -> int:
-    """Bytes per step an expert engine's reduce-scatters send beyond one partial each: K - 1 more per bucket and
-    micro-batch (engine/zero_engine.py's comm_theory_bytes_by_level); ``lengths``: {bucket elements: buckets}."""
-    from ..engine import traffic
-    per = sum(c * traffic.call_bytes("reduce_scatter", n, itemsize, ranks, ranks, ranks)[0] for n, c in lengths.items())
-    return (sources - 1) * micro_batches * per
+def sources_bytes(lengths: Dict[int, int], itemsize: int, ranks: int, sources: int, micro_batches: int,
+                  node_size: Optional[int] = None, shard_size: Optional[int] = None,
+                  per_node: Optional[int] = None) -> int:
+    """Bytes per step an expert engine's reduce-scatters send beyond one partial each (engine/traffic.py's
+    sources_bytes_by_level, both levels); ``lengths``: {bucket elements: buckets}."""
+    from ..engine.traffic import sources_bytes_by_level
+    return sum(sources_bytes_by_level(lengths, itemsize, ranks, sources, micro_batches, node_size, shard_size,
+                                      per_node).values())
 
 
 def format_moe(moe: dict) -> str:

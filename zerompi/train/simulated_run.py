@@ -88,7 +88,7 @@ def estimate_row(engine) -> dict:
         from collections import Counter
         from ..estimate.moe_bytes import sources_bytes
         extra = sources_bytes(Counter(b.numel for b in engine.layout.buckets), np.dtype(engine.dtype).itemsize,
-                              t.size, sources, z.micro_batches)
+                              t.size, sources, z.micro_batches, t.node_size, t.shard_size, engine.reducer.per_node)
         row = dict(row, comm_bytes_per_step=row["comm_bytes_per_step"] + extra)
     return row
 

@@ -95,13 +95,9 @@ def check_job(cfg) -> None:
           "replicas do not hold the selection biases yet (docs/moe.md); drop one of the two")
     if moe.ep > 1:
         z = cfg.zero
-        for name, given in (("--offload-optimizer", z.offload_optimizer != "none"),
-                            ("--offload-params", z.offload_params != "none"),
+        for name, given in (
                             ("--quantize-weights", bool(z.quantize_weights)),
-                            ("--quantize-grads", bool(z.quantize_grads)), ("--hpz", bool(z.hpz)),
-                            ("--node-size", cfg.mesh.node_size is not None),
-                            ("--shard-size", cfg.mesh.shard_size is not None),
-                            ("--trace", z.trace is not None), ("--comm-progress thread", z.progress == "thread")):
+                            ("--quantize-grads", bool(z.quantize_grads))):
             check(not given, f"{name} with --ep {moe.ep} is not supported yet (docs/moe.md); drop one of the two")
 
 

@@ -9,6 +9,7 @@ pipeline's engines do (pipeline/step.py): one gradient norm over the whole model
 one non-finite flag, one loss scale. docs/moe.md.
 """
 import hashlib
+import os
 from dataclasses import replace
 from fnmatch import fnmatchcase
 
@@ -69,6 +70,43 @@ def whole_params(engines, order, ep_mpi):
             yield values[name]
 
 
+def trace_path(path, j: int, k: int):
+    """The expert engine's timeline beside the dense engine's (one per EP rank: its expert-data-parallel group's
+    rank 0 writes it): ``trace.json`` -> ``trace.ep1-of-2.json``; None without --trace."""
+    if path is None:
+        return None
+    root, ext = os.path.splitext(path)
+    return f"{root}.ep{j}-of-{k}{ext or '.json'}"
+
+
+def offload_dir(z):
+    """The expert engine's offload files (nvme) in a folder of their own, ``DIR/experts`` (made here): each engine
+    names its files by its rank in its own group, so the dense and the expert engine's would meet in DIR."""
+    if z.offload_dir is None or "nvme" not in (z.offload_optimizer, z.offload_params):
+        return z.offload_dir
+    path = os.path.join(z.offload_dir, "experts")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def expert_groups(cfg, comm):
+    """(node_size, shard_size, per_node) of the expert engine's group (estimate/moe_bytes.expert_topology), from
+    the world's nodes (--node-size, $ZEROMPI_NODE_SIZE or MPI's; a collective) and --shard-size, in data-parallel
+    ranks. AgreedConfigError (one line, printed once) where the EP groups cut a node or a shard group, or the
+    ranks are not placed in blocks per node."""
+    from ...comm.topology import placement_from
+    from ...errors import AgreedConfigError
+    from ...estimate.moe_bytes import expert_topology
+    K, T = cfg.moe.ep, cfg.mesh.tp
+    dp = comm.size // T
+    p, order = placement_from(comm.mpi, cfg.mesh.node_size)
+    if order is not None:
+        raise AgreedConfigError(f"--ep {K}: the ranks are not placed in blocks per node; place them in blocks "
+                                "(mpiexec's block mapping)")
+    shard = cfg.mesh.shard_size
+    return expert_topology(dp, K, max(p // T, 1), shard // T if shard else None)
+
+
 class ExpertParallel:
     """This rank's part of --ep: ``ep`` (EPComm), ``edp`` (Communicator), ``engine`` (the expert engine);
     ``dense_layers``: the model's lazy layers without the experts, for the dense engine. With --tp each TP rank
@@ -76,6 +114,7 @@ class ExpertParallel:
 
     def __init__(self, cfg, comm, model, layers):
         from ...comm.communicator import Communicator
+        from ...comm.meshconfig import MeshConfig
         from ...comm.ep_alltoall import EPComm
         from ...engine.zero_engine import ZeroEngine
         from .ep_mlp import ExpertStore
@@ -88,7 +127,12 @@ class ExpertParallel:
         self.order = [n for _, params in layers for n in params]           # the whole model's, in model order
         self.dense_layers, experts, blocks = split_experts(layers, self.ep.rank, K)
         self.dense_config, expert_config = engine_configs(cfg.zero, self.dense_layers, experts)
-        self.engine = ZeroEngine(experts, expert_config, self.edp, sources=K)
+        node_size, shard_size, per_node = expert_groups(cfg, comm)
+        expert_config = replace(expert_config, trace=trace_path(cfg.zero.trace, self.ep.rank, K),
+                                offload_dir=offload_dir(cfg.zero))
+        self.engine = ZeroEngine(experts, expert_config, self.edp, sources=K,
+                                 mesh_config=MeshConfig(node_size=node_size, shard_size=shard_size),
+                                 sources_per_node=per_node)
         model.use_expert_parallel(self.ep, ExpertStore({b: (self.engine, i) for i, b in enumerate(blocks)},
                                                        model.dtype))
 

@@ -18,13 +18,19 @@ from .expert_parallel import engine_configs, split_experts, whole_params
 
 def check_job(cfg) -> None:
     """ConfigError (one line) where --pp with --ep meets what it does not compose with yet: the pipeline's
-    checkpoints and replicas hold each chunk's one engine (not its expert engine), the simulated world."""
+    checkpoints and replicas hold each chunk's one engine (not its expert engine), the simulated world; the
+    stage's expert engines over nodes, shard groups or offload (they run the flat reduce, in the chunk's folder)."""
     if cfg.mesh.pp == 1 or cfg.moe.ep == 1:
         return
+    z = cfg.zero
     for name, given in (("--save-dir", cfg.save_dir is not None), ("--resume", cfg.resume is not None),
-                        ("--replicas", cfg.replicas is not None), ("--simulate-world", bool(cfg.simulate_world))):
-        check(not given, f"{name} with --pp {cfg.mesh.pp} --ep {cfg.moe.ep} is not supported yet (a pipeline's "
-                         "checkpoints and replicas do not hold the expert engines; docs/moe.md); drop one of them")
+                        ("--replicas", cfg.replicas is not None), ("--simulate-world", bool(cfg.simulate_world)),
+                        ("--node-size", cfg.mesh.node_size is not None), ("--hpz", bool(z.hpz)),
+                        ("--shard-size", cfg.mesh.shard_size is not None),
+                        ("--offload-optimizer", z.offload_optimizer != "none"),
+                        ("--offload-params", z.offload_params != "none")):
+        check(not given, f"{name} with --pp {cfg.mesh.pp} --ep {cfg.moe.ep} is not supported yet (docs/moe.md); "
+                         "drop one of them")
 
 
 def check_world(cfg, world_size: int) -> None:

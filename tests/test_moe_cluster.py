@@ -1,0 +1,31 @@
+"""Expert parallelism across the emulated cluster's link (scripts/bench_moe.py --cluster, 2 nodes x 2 ranks,
+nodes from MPI): --ep 1, 2 and 4 end with the same bits, the all-to-all's bytes equal the estimator's formula,
+and node 1's link carried the formula's bytes (ZeRO's across nodes plus the all-to-all's to the other node) and
+at most 5 % more (frame, TCP and MPI headers: docs/cluster.md)."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.mpirun import ROOT
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_ep_across_the_link_is_its_formula(cluster):
+    cluster(1)                                    # skips where namespaces cannot be made
+    proc = subprocess.run([sys.executable, ROOT / "scripts" / "bench_moe.py", "--cluster", "--json", "--steps", "5",
+                           "--warmup", "2", "--ep", "1", "2", "4", "--link", "1gbit"],
+                          capture_output=True, text=True, timeout=900, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    assert doc["same_bits"]
+    rows = {r["ep"]: r for r in doc["results"]}
+    assert sorted(rows) == [1, 2, 4]
+    assert rows[1]["all_to_all_across_formula_bytes"] == rows[2]["all_to_all_across_formula_bytes"] == 0
+    assert rows[4]["all_to_all_across_formula_bytes"] > rows[4]["zero_inter_formula_bytes"]   # EP crosses the link
+    for r in rows.values():
+        assert r["all_to_all_bytes_per_rank"] == r["all_to_all_theory_bytes_per_rank"], r
+        assert r["zero_inter_bytes"] == r["zero_inter_formula_bytes"], r
+        assert r["formula_bytes_per_step"] <= r["link_bytes_per_step"] <= 1.05 * r["formula_bytes_per_step"], r
