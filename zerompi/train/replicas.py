@@ -47,10 +47,13 @@ def summary_line(entry: dict) -> str:
 
 def job_parts(job) -> List[Tuple[str, object]]:
     """[(part folder, engine)] of this rank: the folders its engines' disk checkpoints have ('' for none; a
-    tensor-parallel rank's ``tp{r}-of-{K}``, a pipeline chunk's ``pp{c}-of-{C}``, ``pp{c}-of-{C}/tp{r}-of-{K}``)."""
+    tensor-parallel rank's ``tp{r}-of-{K}``, a pipeline chunk's ``pp{c}-of-{C}``, ``pp{c}-of-{C}/tp{r}-of-{K}``, an
+    expert-parallel rank's experts ``ep{j}-of-{K}``)."""
     if job.pipelined:
         from ..pipeline.engines import chunk_folder
         pairs = [(chunk_folder(c, job.engines.chunks), e) for c, e in job.engines.engines.items()]
+    elif job.cfg.moe.on:                             # an MoE run's: the dense engine's, with --ep its experts'
+        pairs = job.checkpoints.parts()
     else:
         pairs = [("", job.engine)]
     return [(e.tp.path(part) if e.tp else part, e) for part, e in pairs]
@@ -74,8 +77,9 @@ def check_config(cfg) -> None:
     check(isinstance(cfg.replicas, str) and JOB_NAME.fullmatch(cfg.replicas) is not None,
           f"replicas={cfg.replicas!r} is not a job name; use 1 to 64 letters, digits, '_', '-' or '.'")
     check(cfg.simulate_world is None, f"replicas={cfg.replicas!r} needs a real job; drop --simulate-world")
-    ep = getattr(getattr(cfg, "moe", None), "ep", 1)
-    check(ep == 1, f"replicas={cfg.replicas!r} does not support --ep {ep} yet; drop --replicas or --ep")
+    ep, tp = getattr(getattr(cfg, "moe", None), "ep", 1), cfg.mesh.tp
+    check(ep == 1 or tp == 1, f"replicas={cfg.replicas!r} does not support --ep {ep} with --tp {tp} yet; drop "
+                              "--replicas, --ep or --tp")
 
 
 def check_nodes(cfg, world: int, node_size: int) -> None:
@@ -127,6 +131,7 @@ class ReplicaRun:
             clean(self.name, keep=cfg.resume, whole=False)
         self.mpi.Barrier()
         self.parts = job_parts(job)
+        self.extra = getattr(job.checkpoints, "manifest_extra", dict)   # an MoE run's: its biases and --ep
         ring_comm, self.rank, self.nodes = ring(job, comm)
         self.replicas = Replicas(self.parts, self.name, ring_comm, self.rank, self.nodes,
                                  rank_dir(self.name, self.nodes[self.rank], self.rank))
@@ -154,7 +159,7 @@ class ReplicaRun:
 
     def after_step(self, done: int, seed: int) -> None:
         t0 = time.perf_counter()
-        self.replicas.commit_step(done, {"data_step": done, "seed": seed})
+        self.replicas.commit_step(done, self.extra({"data_step": done, "seed": seed}))
         if self.restored and self.mpi.Get_rank() == 0:   # committed past it: the copies it linked are freed
             shutil.rmtree(os.path.join(job_dir(self.name), RESTORE), ignore_errors=True)
         self.restored = False
