@@ -40,9 +40,10 @@ def summary_line(entry: dict) -> str:
     t = entry["theory_bytes"]
     commit = "" if entry["commit_s"] is None else f"; a commit takes {entry['commit_s'] * 1e3:.1f} ms (median)"
     files = t.get("files", 2)
-    return (f"  replicas (shared memory, {entry['job']}): {entry['shm_bytes']:,} bytes per rank, formula "
-            f"{t['total']:,} = 2 steps x {files} files x ({4 * t['rows']} S + {HEADER_BYTES}) plus the "
-            f"manifest{'s' if files > 2 else ''}{commit}")
+    return (f"  replicas (shared memory, {entry['job']}): {entry['shm_bytes']:,} bytes per rank, "
+            f"{entry['shard_bytes']:,} of them in shard files, formula {t['total']:,} = 2 steps x {files} file"
+            f"{'s' if files > 1 else ''} x ({4 * t['rows']} S + {HEADER_BYTES}){', S each part' if files > 2 else ''}"
+            f"; the rest the manifest{'s' if files > 2 else ''}{commit}")
 
 
 def job_parts(job) -> List[Tuple[str, object]]:
@@ -68,8 +69,10 @@ def ring(job, comm) -> Tuple[object, int, List[int]]:
     return comm, comm.mpi.Get_rank(), [job.mesh.node_of(r) for r in range(comm.size)]
 
 
-def _folder_bytes(folder: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, names in os.walk(folder) for f in names)
+def _folder_bytes(folder: str) -> Tuple[int, int]:
+    """(bytes of every file in ``folder``, of its shard files alone: what replica_bytes' formula counts)."""
+    sizes = [(f, os.path.getsize(os.path.join(d, f))) for d, _, names in os.walk(folder) for f in names]
+    return sum(b for _, b in sizes), sum(b for f, b in sizes if f.startswith("shard_"))
 
 
 def check_config(cfg) -> None:
@@ -143,16 +146,17 @@ class ReplicaRun:
         self.restored = continues_job(cfg)          # resumed from JOB/restore, a copy of a whole step
         self.seconds: List[float] = []                # each commit's, the last HISTORY
         self.shm_bytes = 0                            # the most this rank's folder held after a commit
+        self.shard_bytes = 0                          # ... of it in shard files (the rest: the manifests)
         self._note(None)
 
     def metrics(self) -> dict:
         """This rank's: the commits' median seconds (after the step, before the next), the most its folder held
-        (host memory: /dev/shm), and the formula of it (replica_bytes)."""
+        (host memory: /dev/shm) and the most of that in shard files, and the formula of those (replica_bytes)."""
         r = self.replicas
         one = r.theory_bytes()
         return {"job": self.name, "commit_s": statistics.median(self.seconds) if self.seconds else None,
                 "commit_times_s": list(self.seconds),
-                "shm_bytes": self.shm_bytes,
+                "shm_bytes": self.shm_bytes, "shard_bytes": self.shard_bytes,
                 "parts": [part for part, _ in self.parts],
                 "theory_bytes": {"per_step": one, "total": 2 * one, "rows": r.shape[0],
                                  "files": len(r.table[r.rank]) + len(r.theirs)}}
@@ -165,7 +169,8 @@ class ReplicaRun:
         self.restored = False
         self.seconds.append(time.perf_counter() - t0)
         del self.seconds[:-HISTORY]
-        self.shm_bytes = max(self.shm_bytes, _folder_bytes(self.replicas.folder))
+        held, shards = _folder_bytes(self.replicas.folder)
+        self.shm_bytes, self.shard_bytes = max(self.shm_bytes, held), max(self.shard_bytes, shards)
         self._note(done)
         if self.pending is not None:                 # the first step after a restore: the recovery is over
             now, r = time.time(), self.pending
