@@ -65,18 +65,21 @@ def test_tp_sp_a_killed_rank_costs_at_most_one_step_and_no_bits(tmp_path, mesh, 
 
 
 @pytest.mark.parametrize("tag, ranks, wipe, extra", [("ep-rank", [1], False, []),
-                                                     ("ep-node", [2, 3], True, ["--bias-update", "0.01"])])
+                                                     ("ep-node", [2, 3], True, ["--bias-update", "0.01"]),
+                                                     ("ep1-rank", [1], False, ["--ep", "1", "--bias-update", "0.01"])])
 def test_ep_a_killed_rank_or_lost_node_costs_at_most_one_step_and_no_bits(tmp_path, tag, ranks, wipe, extra):
     """--experts 4 --ep 2 at N = 4 (EP groups {0, 1} and {2, 3}; the experts' engine over ranks {0, 2} and
     {1, 3}): rank 1 killed, or node 1 lost (ranks 2 and 3, its folder wiped: its dense shards and its EP ranks'
-    experts come from node 0's copies) with --bias-update (the selection biases in the dense manifest). The run
-    ends with the bits, the losses after the restore and the biases of the run that never failed."""
+    experts come from node 0's copies) with --bias-update (the selection biases in the dense manifest); at --ep 1
+    (one engine) with --bias-update, rank 1 killed. The run ends with the bits, the losses after the restore and
+    the biases of the run that never failed."""
     flags = MOE + extra
     proc, m = supervise(tmp_path, job_name(tag), 4, flags, kill_at=3, ranks=ranks, wipe=wipe, env=NODES)
     assert proc.returncode == 0, proc.stderr[-3000:]
     [f] = m["failures"]
     assert f["rank"] == ranks[0] and f["steps_lost"] <= 1 and f["restored_step"] >= 3, f
-    assert m["replicas"]["parts"] == ["", "ep0-of-2"] and m["replicas"]["theory_bytes"]["files"] == 4
+    parts = [""] if "ep1" in tag else ["", "ep0-of-2"]
+    assert m["replicas"]["parts"] == parts and m["replicas"]["theory_bytes"]["files"] == 2 * len(parts)
     out = tmp_path / "straight.json"
     run_mpi(4, ["-m", "zerompi.train", *flags, "--metrics-json", out], timeout=180, env=NODES)
     want = json.loads(out.read_text())
