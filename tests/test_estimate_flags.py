@@ -92,10 +92,36 @@ def test_replicas_and_optimizer_equal_the_runs(runs, tmp_path, which):
     rep, ran = est["replicas"], m["replicas"]
     assert rep["rows"] == (4 if opt == "muon" else 3)
     assert rep["total"] == ran["theory_bytes"]["total"] and rep["per_step"] == ran["theory_bytes"]["per_step"]
-    assert rep["total"] < ran["shm_bytes"] < rep["total"] + 64 * 1024     # the manifests: a few KiB
+    assert rep["total"] == ran["shard_bytes"] < ran["shm_bytes"] < rep["total"] + 64 * 1024   # + the manifests
     row, mem = est["stages"][m["stage"]], m["memory_bytes"]
     assert (row["optimizer_bytes"], row["model_state_bytes"]) == (mem["optimizer"], mem["total"])
     assert est["optimizer"] == opt
+
+
+REPLICA_MESHES = [(["--stage", "3", "--tp", "2", "--node-size", "2"], 2),
+                  (["--stage", "1", "--sp", "2", "--node-size", "2"], 2),
+                  (["--stage", "3", *MOE_OPTS, "--ep", "2"], 4),         # nodes: $ZEROMPI_NODE_SIZE (--ep)
+                  (["--stage", "2", *MOE_OPTS, "--ep", "1", "--node-size", "2"], 2),
+                  (["--stage", "3", "--node-size", "2", "--shard-size", "2"], 1),   # whole nodes: mirrored
+                  (["--stage", "3", "--node-size", "1", "--shard-size", "2"], 2)]
+
+
+def test_replicas_with_tp_sp_ep_and_shard_groups_equal_the_runs_shard_files(tmp_path):
+    """--replicas at N = 4 with --tp 2, --sp 2, --experts 4 --ep 2 (two engines: the dense shard and this EP
+    rank's experts'), --ep 1, and shard groups of whole nodes (the buddy holds the same shard: one file) or not:
+    the CLI's bytes equal the shard files the run's folder held, to the byte, and the run's own formula; the rest
+    of its shared memory is the manifests."""
+    job = f"est-rep-{os.getpid()}"
+    base = MOE[:MOE.index("--experts")] + ["--steps", "2", "--eval-every", "0", "--dtype", "fp16"]
+    configs = [base + flags + ["--replicas", f"{job}-{i}"] for i, (flags, _) in enumerate(REPLICA_MESHES)]
+    runs = metrics_of(run_mpi(4, ["tests/drivers/train_many.py", json.dumps(configs)], timeout=400,
+                              env={"ZEROMPI_NODE_SIZE": "2"}))      # --node-size, where given, is the nodes
+    for (flags, files), m in zip(REPLICA_MESHES, runs):
+        est = cli_json(tmp_path, GPT + ["--bucket-mb", 0.004, "--dtype", "fp16", "--replicas", *flags[2:]])
+        rep, ran = est["replicas"], m["replicas"]
+        assert rep["files"] == ran["theory_bytes"]["files"] == files, flags
+        assert rep["total"] == ran["shard_bytes"] == ran["theory_bytes"]["total"], (flags, rep, ran)
+        assert ran["shard_bytes"] < ran["shm_bytes"] < ran["shard_bytes"] + 64 * 1024, flags
 
 
 BAD = [
@@ -117,8 +143,9 @@ BAD = [
     (["--pp", "2", "--experts", "4", "--ep", "2"], "--pp with --experts 4 --ep 2 is not supported yet"),
     (["--params", "1e6", "--ranks", "4", "--experts", "4"], "experts=4: give the GPT's dimensions"),
     (["--params", "1e6", "--ranks", "4", "--replicas"], "4 ranks in nodes of 4 make 1 node"),
-    (GPT + ["--tp", "2", "--node-size", "2", "--replicas"], "the estimate does not price --replicas with --tp 2 yet"),
-    (GPT + ["--sp", "2", "--node-size", "2", "--replicas"], "the estimate does not price --replicas with --sp 2 yet"),
+    (GPT + ["--tp", "2", "--node-size", "2", "--shard-size", "2", "--replicas"],
+     "the estimate does not price --replicas with --shard-size 2 with --tp 2 yet"),
+    (GPT + ["--tp", "2", "--replicas"], "4 ranks in nodes of 4 make 1 node"),
     (["--pp", "2", "--replicas"], "the estimate does not price --replicas with --pp 2 yet"),
     (["--params", "1e6", "--ranks", "4", "--optimizer", "sgd"], "optimizer='sgd' is not allowed; use one of adamw"),
     (["--params", "1e6", "--ranks", "4", "--optimizer", "muon", "--offload-optimizer", "cpu"],

@@ -3,7 +3,9 @@
 2 nodes x 2 ranks, GPT at stage 3: a rank killed with kill -9, and a node lost (both its ranks killed, its
 shared-memory folder wiped): ``python -m zerompi.run --launcher ...`` relaunches over the same nodes, the job
 ends with exit 0, at most one step lost, and its final parameters equal those of a run that never failed (the
-same N: the checkpoint's resume is exact). A cluster of one node: one line, exit 2.
+same N: the checkpoint's resume is exact). A cluster of one node: one line, exit 2. The slow matrix: 2 nodes x 2
+ranks and 4 x 1, GPT at stage 3, stage 1, stage 3 with --hpz, and --pp 2, each with a rank killed, a node lost
+and a node's link cut, against the same oracle.
 """
 import json
 import os
@@ -31,23 +33,24 @@ GPT = ["python", "-m", "zerompi.train", "--steps", "8", "--batch", "24", "--stag
 LIMIT = 240
 
 
-def supervised(c, tmp_path, job, nodes=2, kill_at=None, ranks=(), wipe=False, cut=False, flags=()):
-    """(process, metrics or None) of the supervisor over ``nodes`` nodes of ``c``, 2 ranks each; ``cut``: instead
-    of a kill, node 1's link is cut, and restored once the supervisor recorded the failure."""
-    probe = cluster_mpi.Job(c, 2, GPT, nodes=nodes)
+def supervised(c, tmp_path, job, nodes=2, kill_at=None, ranks=(), wipe=False, cut=False, flags=(), per_node=2):
+    """(process, metrics or None) of the supervisor over ``nodes`` nodes of ``c``, ``per_node`` ranks each; ``cut``:
+    instead of a kill, node 1's link is cut, and restored once the supervisor recorded the failure."""
+    probe = cluster_mpi.Job(c, per_node, GPT, nodes=nodes)
     start = probe.launch_command()
     at = start.index("-n")
     start[at + 1] = "{n}"
     launcher = shlex.join(c.command(0, start[:start.index(sys.executable)]))
     out = tmp_path / f"{job}.json"
-    cmd = [sys.executable, "-m", "zerompi.run", "-n", str(2 * nodes), "--launcher", launcher, "--",
+    n = per_node * nodes
+    cmd = [sys.executable, "-m", "zerompi.run", "-n", str(n), "--launcher", launcher, "--",
            *GPT[3:], *flags, "--replicas", job, "--metrics-json", str(out)]
     done = threading.Event()
 
     def killer():
         while not done.is_set():
             seen = ranks_of(job)
-            if len(seen) == 2 * nodes and all((r.get("step") or 0) >= kill_at for r in seen.values()):
+            if len(seen) == n and all((r.get("step") or 0) >= kill_at for r in seen.values()):
                 if not cut:
                     kill(job, list(ranks), wipe)
                     return
@@ -68,9 +71,9 @@ def supervised(c, tmp_path, job, nodes=2, kill_at=None, ranks=(), wipe=False, cu
     return proc, json.loads(out.read_text()) if out.exists() else None
 
 
-def straight(c, tmp_path) -> str:
+def straight(c, tmp_path, flags=(), per_node=2) -> str:
     path = tmp_path / "straight.json"
-    proc = cluster_mpi.Job(c, 2, GPT + ["--metrics-json", path]).run(timeout=LIMIT)
+    proc = cluster_mpi.Job(c, per_node, GPT + [*flags, "--metrics-json", path]).run(timeout=LIMIT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(path.read_text())["final_params_sha256"]
 
@@ -105,3 +108,30 @@ def test_a_cut_link_ends_in_the_watchdog_and_the_job_goes_on(cluster, tmp_path):
     assert "failed at step" in proc.stderr and "recovered from failure 1" in proc.stderr, proc.stderr[-3000:]
     assert m["failures"] and all(f["steps_lost"] <= 1 for f in m["failures"]), m["failures"]
     assert m["final_params_sha256"] == want
+
+
+CONFIGS = {"stage3": [], "stage1": ["--stage", "1"], "hpz": ["--hpz"], "pp2": ["--pp", "2", "--micro-batches", "2"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nodes, per_node, config", [(n, r, cfg) for n, r in ((2, 2), (4, 1)) for cfg in CONFIGS
+                                                     if (n, r, cfg) != (2, 2, "stage3")])   # that one: above
+def test_faults_on_real_nodes_cost_at_most_one_step_and_no_bits(cluster, tmp_path, nodes, per_node, config):
+    """On ``nodes`` x ``per_node``: rank 1 killed (kill -9) after step 3, the node of rank 2 lost (its ranks
+    killed, its shared-memory folder wiped), and node 1's link cut (the watchdog's --timeout-s 3 ends the job):
+    each run exits 0 with every failure's steps lost <= 1 and ends with the final parameters of the run that
+    never failed (relaunched at the same N, where the resume from the restored step is exact)."""
+    c = cluster(nodes)
+    flags = CONFIGS[config]
+    want = straight(c, tmp_path, flags, per_node)
+    node2 = [r for r in range(nodes * per_node) if r // per_node == 2 // per_node]
+    for tag, ranks, wipe, cut in (("rank", [1], False, False), ("node", node2, True, False), ("cut", [], False, True)):
+        extra = ["--timeout-s", "3"] if cut else []
+        proc, m = supervised(c, tmp_path, f"cl-{os.getpid()}-{config}-{nodes}-{tag}", nodes=nodes, kill_at=3,
+                             ranks=ranks, wipe=wipe, cut=cut, flags=[*flags, *extra], per_node=per_node)
+        assert proc.returncode == 0, (tag, proc.stderr[-3000:])
+        assert m["failures"] and all(f["steps_lost"] <= 1 for f in m["failures"]), (tag, m["failures"])
+        if not cut:
+            [f] = m["failures"]
+            assert f["host"] == f"node{ranks[0] // per_node}" and f["restored_step"] >= 3, (tag, f)
+        assert m["final_params_sha256"] == want, tag

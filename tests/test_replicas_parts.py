@@ -1,23 +1,29 @@
-"""``--replicas`` with parts: pipeline chunks (``--pp``, ``pp{c}-of-{C}``) and tensor-parallel ranks (``--tp``,
-``tp{r}-of-{K}``), each engine's shard committed in its part folder on its node and a buddy's.
+"""``--replicas`` with parts: pipeline chunks (``--pp``, ``pp{c}-of-{C}``), tensor-parallel ranks (``--tp``,
+``tp{r}-of-{K}``) and an MoE run's expert-parallel experts (``--ep``, ``ep{j}-of-{K}`` beside the dense engine's
+shard), each engine's shard committed in its part folder on its node and a buddy's.
 
 A rank killed (kill -9) or a whole emulated node lost (2 nodes x 2 ranks) in the middle of a pipelined or
 tensor-parallel run: the supervisor relaunches, the job finishes with exit 0, at most one step is lost, and the
 final parameters equal bit for bit those of a run that saved a disk checkpoint at the restored step and resumed
-(the oracle of tests/test_replicas.py). The restore assembles every part of the newest step committed in every
+(the oracle of tests/test_replicas.py; with --ep the run that never failed: the same N, whose resume is exact,
+tests/test_moe_checkpoint.py). The restore assembles every part of the newest step committed in every
 part, never pieces of two steps (no MPI). What is not covered is refused in one line.
 """
+import json
 import os
 
 import numpy as np
 import pytest
 
+from tests.mpirun import run_mpi
 from tests.test_replicas import GPT, job_name, oracle, supervise
 from zerompi.checkpoint.format import build_manifest, read_manifest
 from zerompi.checkpoint.replica_files import assemble, commit, job_dir, rank_dir, step_dir
 from zerompi.checkpoint.writer import write_shard
 
 PP = GPT + ["--pp", "2", "--micro-batches", "2", "--node-size", "2"]
+MOE = GPT + ["--experts", "4", "--top-k", "2", "--expert-hidden", "24", "--ep", "2", "--stage", "3"]
+NODES = {"ZEROMPI_NODE_SIZE": "2"}     # --node-size is refused with --ep: the variable makes the 2 nodes of 2
 
 
 @pytest.mark.parametrize("stage", [1, 3])
@@ -56,6 +62,58 @@ def test_tp_sp_a_killed_rank_costs_at_most_one_step_and_no_bits(tmp_path, mesh, 
     assert f["rank"] == 1 and f["steps_lost"] <= 1 and f["restored_step"] >= 3, f
     assert m["replicas"]["parts"][0] in parts
     assert m["final_params_sha256"] == oracle(tmp_path, 4, 4, flags, f["restored_step"])
+
+
+@pytest.mark.parametrize("tag, ranks, wipe, extra", [("ep-rank", [1], False, []),
+                                                     ("ep-node", [2, 3], True, ["--bias-update", "0.01"]),
+                                                     ("ep1-rank", [1], False, ["--ep", "1", "--bias-update", "0.01"])])
+def test_ep_a_killed_rank_or_lost_node_costs_at_most_one_step_and_no_bits(tmp_path, tag, ranks, wipe, extra):
+    """--experts 4 --ep 2 at N = 4 (EP groups {0, 1} and {2, 3}; the experts' engine over ranks {0, 2} and
+    {1, 3}): rank 1 killed, or node 1 lost (ranks 2 and 3, its folder wiped: its dense shards and its EP ranks'
+    experts come from node 0's copies) with --bias-update (the selection biases in the dense manifest); at --ep 1
+    (one engine) with --bias-update, rank 1 killed. The run ends with the bits, the losses after the restore and
+    the biases of the run that never failed."""
+    flags = MOE + extra
+    proc, m = supervise(tmp_path, job_name(tag), 4, flags, kill_at=3, ranks=ranks, wipe=wipe, env=NODES)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [f] = m["failures"]
+    assert f["rank"] == ranks[0] and f["steps_lost"] <= 1 and f["restored_step"] >= 3, f
+    parts = [""] if "ep1" in tag else ["", "ep0-of-2"]
+    assert m["replicas"]["parts"] == parts and m["replicas"]["theory_bytes"]["files"] == 2 * len(parts)
+    out = tmp_path / "straight.json"
+    run_mpi(4, ["-m", "zerompi.train", *flags, "--metrics-json", out], timeout=180, env=NODES)
+    want = json.loads(out.read_text())
+    assert m["final_params_sha256"] == want["final_params_sha256"]
+    assert m["losses"] == want["losses"][m["first_step"]:] and m["moe"]["bias"] == want["moe"]["bias"]
+    assert bool(extra) == any(v != 0 for b in want["moe"]["bias"].values() for v in b)
+
+
+def test_an_ep_step_is_whole_with_every_ep_part(tmp_path, monkeypatch):
+    """No MPI: the dense part ('') and the experts of EP ranks 0 and 1 (``ep{j}-of-2`` within the step's folder)
+    are one whole step; the restore keeps them there, where the MoE load finds them (checkpoint/parts.ep_parts).
+    With EP rank 1's experts gone from every folder, the step before is taken."""
+    from zerompi.checkpoint.parts import ep_parts
+    from zerompi.checkpoint.replica_files import whole_set
+    monkeypatch.setenv("ZEROMPI_REPLICAS_ROOT", str(tmp_path))
+    assert whole_set(["", "ep1-of-2"]) == ["", "ep0-of-2", "ep1-of-2"]
+    assert whole_set(["tp0-of-2"]) == ["tp0-of-2", "tp1-of-2"] and whole_set([""]) == [""]
+    parts = ["", "ep0-of-2", "ep1-of-2"]
+    five = _commit_parts(5, parts, parts)
+    for r in (0, 1):
+        os.rename(step_dir(rank_dir("j", r, r), 5), step_dir(rank_dir("j", r, r), 4) + "x")
+    _commit_parts(6, parts, parts)
+    for r in (0, 1):
+        os.rename(step_dir(rank_dir("j", r, r), 4) + "x", step_dir(rank_dir("j", r, r), 5))
+        import shutil
+        shutil.rmtree(os.path.join(step_dir(rank_dir("j", r, r), 6), "ep1-of-2"))
+    step, folder = assemble("j")
+    assert step == 5 and sorted(os.listdir(folder)) == ["ep0-of-2", "ep1-of-2", "manifest.json", "shard_00000.npy"]
+    manifest = {"extra": {"moe": {"ep": 2}}}
+    assert ep_parts(folder, manifest) == [os.path.join(folder, p) for p in parts[1:]]
+    assert ep_parts(str(tmp_path / "ck" / "step_000005"), manifest) == [
+        str(tmp_path / "ck" / p / "step_000005") for p in parts[1:]]      # a disk save's: beside it
+    for p in parts:
+        assert np.array_equal(np.load(os.path.join(folder, p, "shard_00000.npy")), five[p])
 
 
 def _commit_parts(step, parts, committed):
@@ -114,10 +172,11 @@ def test_assemble_takes_the_newest_step_committed_in_every_part(tmp_path, monkey
 
 
 def test_what_is_not_covered_is_refused_in_one_line():
-    """--ep stays refused (one line); --tp, --sp and --pp are not."""
+    """--ep with --tp stays refused (one line); --tp, --sp, --pp and --ep (with --bias-update) are not."""
     from zerompi.errors import ConfigError
     from zerompi.train.config import parse_config
-    with pytest.raises(ConfigError, match="does not support --ep 2 yet; drop --replicas or --ep"):
-        parse_config([*GPT, "--experts", "4", "--ep", "2", "--replicas", "j"])
-    for mesh in (["--tp", "2"], ["--sp", "2"], ["--pp", "2", "--micro-batches", "2"], ["--tp", "2", *PP[-6:-2]]):
+    with pytest.raises(ConfigError, match="does not support --ep 2 with --tp 2 yet; drop --replicas, --ep or --tp"):
+        parse_config([*GPT, "--experts", "4", "--ep", "2", "--tp", "2", "--replicas", "j"])
+    for mesh in (["--tp", "2"], ["--sp", "2"], ["--pp", "2", "--micro-batches", "2"], ["--tp", "2", *PP[-6:-2]],
+                 MOE[len(GPT):] + ["--bias-update", "0.01"]):
         assert parse_config([*GPT, *mesh, "--replicas", "j"]).replicas == "j"

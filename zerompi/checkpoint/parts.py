@@ -4,9 +4,12 @@ expert-parallel save's ``ep{j}-of-{K}`` folders (train/moe/checkpoints.py) hold 
 folder's own (dense) checkpoints, each step under the dense checkpoint's name.
 """
 import os
+import re
 from typing import List
 
 from .format import TP_FOLDER, CheckpointError
+
+EP_FOLDER = re.compile(r"ep(\d+)-of-(\d+)")   # one expert-parallel rank's experts (train/moe/checkpoints.py)
 
 
 def tp_parts(path: str) -> List[str]:
@@ -16,10 +19,17 @@ def tp_parts(path: str) -> List[str]:
 
 def ep_parts(ckpt: str, manifest: dict) -> List[str]:
     """The expert-parallel parts of the checkpoint ``ckpt`` (train/moe/checkpoints.py): the checkpoint of the
-    same name in each ``ep{j}-of-{K}`` folder beside it, K the ``--ep`` its manifest records ([] when 1)."""
+    same name in each ``ep{j}-of-{K}`` folder beside it, K the ``--ep`` its manifest records ([] when 1); or,
+    where ``ckpt`` holds them itself (one step's parts in its folder: the in-memory replicas' restore,
+    checkpoint/replica_files.py), those."""
     k = int(manifest.get("extra", {}).get("moe", {}).get("ep", 1))
+    if k == 1:
+        return []
+    inside = [os.path.join(ckpt, f"ep{j}-of-{k}") for j in range(k)]
+    if any(os.path.isdir(p) for p in inside):
+        return inside
     root, name = os.path.split(os.path.normpath(ckpt))
-    return [os.path.join(root, f"ep{j}-of-{k}", name) for j in range(k)] if k > 1 else []
+    return [os.path.join(root, f"ep{j}-of-{k}", name) for j in range(k)]
 
 
 def part_folders(path: str, pattern, what: str) -> List[str]:

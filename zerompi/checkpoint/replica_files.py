@@ -5,9 +5,10 @@ one folder per node and rank: ``node001/rank00002/step_000007/`` holds that rank
 the copy of its buddy's (the rank on another node that sends it its shard), in the checkpoint's own file format
 (format.py), and, once every rank's copies of step 7 are complete (the agreement of replicas.py), the step's
 manifest: its presence marks the step committed. A run with parts (``--tp``, ``--pp``) has them in the part
-folders its disk checkpoints have (``pp1-of-2/shard_00000.npy``, a manifest each). :func:`assemble` hard-links
-the newest step of which every part and shard survives somewhere into one checkpoint folder, which the train
-CLI's ``--resume`` restores (resharding to the new data-parallel size) like any disk checkpoint. No MPI here.
+folders its disk checkpoints have (``pp1-of-2/shard_00000.npy``, a manifest each); an expert-parallel run (``--ep``)
+its experts' in ``ep{j}-of-{K}/`` within the step's folder, beside the dense engine's shard files. :func:`assemble`
+hard-links the newest step of which every part and shard survives somewhere into one checkpoint folder, which the
+train CLI's ``--resume`` restores (resharding to the new data-parallel size) like any disk checkpoint. No MPI here.
 """
 import os
 import re
@@ -15,6 +16,7 @@ import shutil
 from typing import Dict, List, Optional, Tuple
 
 from .format import PP_FOLDER, TP_FOLDER, CheckpointError, manifest_text, read_manifest, shard_file
+from .parts import EP_FOLDER
 from .pointer import MANIFEST, fsync_dir
 
 ROOT_ENV = "ZEROMPI_REPLICAS_ROOT"     # where the job folders live (default /dev/shm: node-local shared memory)
@@ -81,15 +83,18 @@ def part_dirs(here: str) -> Dict[str, str]:
 
 def whole_set(parts) -> List[str]:
     """The parts a whole step has, from the names of those found: every ``pp{c}-of-{C}`` and ``tp{r}-of-{K}`` of the
-    largest C and K seen, crossed ([''] without parts)."""
-    names = [p for p in parts if p]
+    largest C and K seen, crossed ([''] without parts); with expert-parallel parts (``ep{j}-of-{K}``: an MoE run's
+    experts, beside its dense engine's '') every one of the largest K too."""
+    names = [p for p in parts if p and not EP_FOLDER.fullmatch(p)]
+    ep = [int(m.group(2)) for p in parts for m in [EP_FOLDER.fullmatch(p)] if m]
+    experts = [f"ep{j}-of-{max(ep)}" for j in range(max(ep))] if ep else []
     if not names:
-        return [""]
+        return [""] + experts
     pp = [int(m.group(2)) for p in names for m in [PP_FOLDER.fullmatch(p.split(os.sep)[0])] if m]
     tp = [int(m.group(2)) for p in names for m in [TP_FOLDER.fullmatch(p.split(os.sep)[-1])] if m]
     chunks = [f"pp{c}-of-{max(pp)}" for c in range(max(pp))] if pp else [""]
     pieces = [f"tp{r}-of-{max(tp)}" for r in range(max(tp))] if tp else [""]
-    return [os.path.join(c, t) if c and t else c or t for c in chunks for t in pieces]
+    return [os.path.join(c, t) if c and t else c or t for c in chunks for t in pieces] + experts
 
 
 def prepare(folder: str, step: int) -> str:

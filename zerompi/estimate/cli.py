@@ -204,6 +204,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                   f"({type(e).__name__}: {e})")
         else:
             tp = sp = moe = None
+            world = a.ranks
             if a.experts is not None:    # the MoE GPT: the table's engine layers, dense and expert states apart
                 moe = _moe(a, dims, given)
                 a.params, largest, act = moe["table_params"], moe["table_largest_layer"], None
@@ -226,11 +227,16 @@ def main(argv: Optional[List[str]] = None) -> int:
             if moe:
                 from .moe_bytes import with_layouts
                 est = dict(est, moe=with_layouts(moe, est, opts, topo))
-            if a.replicas:               # each rank's shard twice in host shared memory, two steps
-                from .replica_bytes import check_replicas, replica_estimate
-                check_replicas(est["ranks"], est["node_size"], {f"--{k}": v for k, v in (
-                    ("tp", a.tp), ("sp", a.sp), ("ep", a.ep or 1)) if v != 1})
-                est = dict(est, replicas=replica_estimate(est))
+            if a.replicas:               # each rank's shards twice in host shared memory, two steps
+                from .replica_bytes import check_replicas, expert_engine, replica_estimate
+                ep = moe["ep"] if moe else 1     # --ep without --node-size: the run's nodes (MPI's or the variable)
+                refused = {"--shard-size": f"{a.shard_size} with --tp {a.tp}"} if tp and a.shard_size else {}
+                if ep > 1 and a.shard_size:
+                    refused["--shard-size"] = f"{a.shard_size} with --ep {ep}"
+                check_replicas(world, a.node_size or (None if ep > 1 else world), refused)
+                est = dict(est, replicas=replica_estimate(est, expert_engine(moe, est["dtype"], opts) if ep > 1
+                                                          else None, a.shard_size is not None and
+                                                          a.shard_size == a.node_size))
             est = dict(est, tensor_parallel=tp) if tp else est
             est = dict(est, sequence_parallel=sp) if sp else est
             cmp = None

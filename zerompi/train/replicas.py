@@ -40,17 +40,21 @@ def summary_line(entry: dict) -> str:
     t = entry["theory_bytes"]
     commit = "" if entry["commit_s"] is None else f"; a commit takes {entry['commit_s'] * 1e3:.1f} ms (median)"
     files = t.get("files", 2)
-    return (f"  replicas (shared memory, {entry['job']}): {entry['shm_bytes']:,} bytes per rank, formula "
-            f"{t['total']:,} = 2 steps x {files} files x ({4 * t['rows']} S + {HEADER_BYTES}) plus the "
-            f"manifest{'s' if files > 2 else ''}{commit}")
+    return (f"  replicas (shared memory, {entry['job']}): {entry['shm_bytes']:,} bytes per rank, "
+            f"{entry['shard_bytes']:,} of them in shard files, formula {t['total']:,} = 2 steps x {files} file"
+            f"{'s' if files > 1 else ''} x ({4 * t['rows']} S + {HEADER_BYTES}){', S each part' if files > 2 else ''}"
+            f"; the rest the manifest{'s' if files > 2 else ''}{commit}")
 
 
 def job_parts(job) -> List[Tuple[str, object]]:
     """[(part folder, engine)] of this rank: the folders its engines' disk checkpoints have ('' for none; a
-    tensor-parallel rank's ``tp{r}-of-{K}``, a pipeline chunk's ``pp{c}-of-{C}``, ``pp{c}-of-{C}/tp{r}-of-{K}``)."""
+    tensor-parallel rank's ``tp{r}-of-{K}``, a pipeline chunk's ``pp{c}-of-{C}``, ``pp{c}-of-{C}/tp{r}-of-{K}``, an
+    expert-parallel rank's experts ``ep{j}-of-{K}``)."""
     if job.pipelined:
         from ..pipeline.engines import chunk_folder
         pairs = [(chunk_folder(c, job.engines.chunks), e) for c, e in job.engines.engines.items()]
+    elif job.cfg.moe.on:                             # an MoE run's: the dense engine's, with --ep its experts'
+        pairs = job.checkpoints.parts()
     else:
         pairs = [("", job.engine)]
     return [(e.tp.path(part) if e.tp else part, e) for part, e in pairs]
@@ -65,8 +69,10 @@ def ring(job, comm) -> Tuple[object, int, List[int]]:
     return comm, comm.mpi.Get_rank(), [job.mesh.node_of(r) for r in range(comm.size)]
 
 
-def _folder_bytes(folder: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, names in os.walk(folder) for f in names)
+def _folder_bytes(folder: str) -> Tuple[int, int]:
+    """(bytes of every file in ``folder``, of its shard files alone: what replica_bytes' formula counts)."""
+    sizes = [(f, os.path.getsize(os.path.join(d, f))) for d, _, names in os.walk(folder) for f in names]
+    return sum(b for _, b in sizes), sum(b for f, b in sizes if f.startswith("shard_"))
 
 
 def check_config(cfg) -> None:
@@ -74,8 +80,9 @@ def check_config(cfg) -> None:
     check(isinstance(cfg.replicas, str) and JOB_NAME.fullmatch(cfg.replicas) is not None,
           f"replicas={cfg.replicas!r} is not a job name; use 1 to 64 letters, digits, '_', '-' or '.'")
     check(cfg.simulate_world is None, f"replicas={cfg.replicas!r} needs a real job; drop --simulate-world")
-    ep = getattr(getattr(cfg, "moe", None), "ep", 1)
-    check(ep == 1, f"replicas={cfg.replicas!r} does not support --ep {ep} yet; drop --replicas or --ep")
+    ep, tp = getattr(getattr(cfg, "moe", None), "ep", 1), cfg.mesh.tp
+    check(ep == 1 or tp == 1, f"replicas={cfg.replicas!r} does not support --ep {ep} with --tp {tp} yet; drop "
+                              "--replicas, --ep or --tp")
 
 
 def check_nodes(cfg, world: int, node_size: int) -> None:
@@ -127,6 +134,7 @@ class ReplicaRun:
             clean(self.name, keep=cfg.resume, whole=False)
         self.mpi.Barrier()
         self.parts = job_parts(job)
+        self.extra = getattr(job.checkpoints, "manifest_extra", dict)   # an MoE run's: its biases and --ep
         ring_comm, self.rank, self.nodes = ring(job, comm)
         self.replicas = Replicas(self.parts, self.name, ring_comm, self.rank, self.nodes,
                                  rank_dir(self.name, self.nodes[self.rank], self.rank))
@@ -138,29 +146,31 @@ class ReplicaRun:
         self.restored = continues_job(cfg)          # resumed from JOB/restore, a copy of a whole step
         self.seconds: List[float] = []                # each commit's, the last HISTORY
         self.shm_bytes = 0                            # the most this rank's folder held after a commit
+        self.shard_bytes = 0                          # ... of it in shard files (the rest: the manifests)
         self._note(None)
 
     def metrics(self) -> dict:
         """This rank's: the commits' median seconds (after the step, before the next), the most its folder held
-        (host memory: /dev/shm), and the formula of it (replica_bytes)."""
+        (host memory: /dev/shm) and the most of that in shard files, and the formula of those (replica_bytes)."""
         r = self.replicas
         one = r.theory_bytes()
         return {"job": self.name, "commit_s": statistics.median(self.seconds) if self.seconds else None,
                 "commit_times_s": list(self.seconds),
-                "shm_bytes": self.shm_bytes,
+                "shm_bytes": self.shm_bytes, "shard_bytes": self.shard_bytes,
                 "parts": [part for part, _ in self.parts],
                 "theory_bytes": {"per_step": one, "total": 2 * one, "rows": r.shape[0],
                                  "files": len(r.table[r.rank]) + len(r.theirs)}}
 
     def after_step(self, done: int, seed: int) -> None:
         t0 = time.perf_counter()
-        self.replicas.commit_step(done, {"data_step": done, "seed": seed})
+        self.replicas.commit_step(done, self.extra({"data_step": done, "seed": seed}))
         if self.restored and self.mpi.Get_rank() == 0:   # committed past it: the copies it linked are freed
             shutil.rmtree(os.path.join(job_dir(self.name), RESTORE), ignore_errors=True)
         self.restored = False
         self.seconds.append(time.perf_counter() - t0)
         del self.seconds[:-HISTORY]
-        self.shm_bytes = max(self.shm_bytes, _folder_bytes(self.replicas.folder))
+        held, shards = _folder_bytes(self.replicas.folder)
+        self.shm_bytes, self.shard_bytes = max(self.shm_bytes, held), max(self.shard_bytes, shards)
         self._note(done)
         if self.pending is not None:                 # the first step after a restore: the recovery is over
             now, r = time.time(), self.pending

@@ -37,16 +37,26 @@ class MoECheckpoints:
         """(engine, how many such parts one checkpoint holds): the dense engine's, every EP rank's experts."""
         return [(self.engine, 1)] + ([(self.ep.engine, self.ep.k)] if self.ep else [])
 
+    def parts(self):
+        """[(part folder, engine)] of this rank: the dense engine's ('': the save folder itself), this EP rank's
+        experts' (``ep{j}-of-{K}``); what the in-memory replicas keep (train/replicas.py)."""
+        return [("", self.engine)] + ([(ep_folder(self.ep.ep.rank, self.ep.k), self.ep.engine)] if self.ep else [])
+
+    def manifest_extra(self, extra_state=None) -> dict:
+        """``extra_state`` and the run's ``moe``: experts, --ep (where the parts are) and the selection biases."""
+        extra = dict(extra_state or {})
+        mlp = self.job.model.moe_blocks.mlp
+        extra["moe"] = {"experts": self.cfg.moe.experts, "ep": self.cfg.moe.ep,
+                        "bias": {str(b): v.tolist() for b, v in sorted(mlp.bias.items())}}
+        return extra
+
     def save(self, path: str, extra_state=None, blocking: bool = True, keep_last=None):
         """Each EP rank's experts in ``path``/ep{j}-of-{K}, then the dense engine's checkpoint in ``path`` (a
         blocking save moves ``path``/latest only once every part is published); returns the dense one's
         directory, or a PendingSaves (in the background the parts and the dense one publish independently:
         a job that dies meanwhile can leave ``latest`` naming a step a part lacks, refused in one line at a
         resume, whose step before is whole)."""
-        extra = dict(extra_state or {})
-        mlp = self.job.model.moe_blocks.mlp
-        extra["moe"] = {"experts": self.cfg.moe.experts, "ep": self.cfg.moe.ep,
-                        "bias": {str(b): v.tolist() for b, v in sorted(mlp.bias.items())}}
+        extra = self.manifest_extra(extra_state)
         part = self.ep.engine.save(os.path.join(path, ep_folder(self.ep.ep.rank, self.ep.k)), extra, blocking,
                                    keep_last) if self.ep else None
         dense = self.engine.save(path, extra, blocking, keep_last)    # last: DIR/latest moves once the parts are in

@@ -91,8 +91,9 @@ def check_job(cfg) -> None:
         check(getattr(cfg, name) is None or moe.bias_update == 0 or cfg.mesh.pp == 1,
               f"--{name.replace('_', '-')} with --bias-update {moe.bias_update} --pp {cfg.mesh.pp}: a pipeline's "
               "checkpoints do not hold the selection biases yet (docs/moe.md); drop one of them")
-    check(cfg.replicas is None or moe.bias_update == 0, f"--replicas with --bias-update {moe.bias_update}: the "
-          "replicas do not hold the selection biases yet (docs/moe.md); drop one of the two")
+    check(cfg.replicas is None or moe.bias_update == 0 or cfg.mesh.pp == 1, f"--replicas with --bias-update "
+          f"{moe.bias_update} --pp {cfg.mesh.pp}: a pipeline's replicas do not hold the selection biases yet "
+          "(docs/moe.md); drop one of them")
     if moe.ep > 1:
         z = cfg.zero
         for name, given in (
