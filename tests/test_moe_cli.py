@@ -17,6 +17,8 @@ REFUSED = [
     (["--top-k", "2"], "top_k=2 (--top-k) applies with --experts > 0 only"),
     (["--ep", "2"], "ep=2 (--ep) applies with --experts > 0 only"),
     (["--experts", "4", "--bias-update", "-1"], "bias_update=-1.0 must be >= 0"),
+    (["--experts", "4", "--shared-experts", "-1"], "shared_experts=-1 must be an integer >= 0"),
+    (["--shared-experts", "1"], "shared_experts=1 (--shared-experts) applies with --experts > 0 only"),
     (["--model", "mlp", "--experts", "4"], "experts=4 applies to model gpt only"),
     (["--experts", "4", "--pp", "2", "--ep", "2"], "--pp with --experts 4 --ep 2 is not supported yet"),
     (["--experts", "4", "--sp", "2", "--ep", "2"], "--sp with --experts 4 --ep 2 is not supported yet"),
@@ -74,6 +76,7 @@ def test_checkpoints_accepted_with_ep_and_bias_update():
     (["--experts", "4", "--top-k", "5"], "top_k=5 is more than experts=4"),
     (["--model", "mlp", "--experts", "4"], "experts=4 applies to model gpt only"),
     (["--experts", "4", "--ep", "4"], "ep=4 does not divide the 2 ranks"),
+    (["--experts", "4", "--shared-experts", "-2"], "shared_experts=-2 must be an integer >= 0"),
     (["--experts", "4", "--tp", "2", "--ep", "2"], "ep=2 does not divide the 1 data-parallel ranks (2 ranks / tp 2)"),
 ])
 def test_every_rank_exits_2_with_one_line(flags, needle):

@@ -35,6 +35,9 @@ class MoEConfig:
         "with --experts: aux-loss-free balancing (DeepSeek-V3): a per-expert bias on the router's probabilities "
         "for the top-k choice only, moved by this much towards balance after each step (default {default}: off)",
         metavar="G"))
+    shared_experts: int = field(default=0, metadata=flag(
+        "with --experts: always-on shared expert MLPs per MoE block (DeepSeek): every token goes through each, "
+        "summed with the routed output, no router weight (default {default}: none)", metavar="S"))
 
     def __post_init__(self):
         check(isinstance(self.experts, int) and self.experts >= 0,
@@ -50,6 +53,8 @@ class MoEConfig:
         check(self.expert_hidden is None or (isinstance(self.expert_hidden, int) and self.expert_hidden >= 1),
               f"expert_hidden={self.expert_hidden!r} must be an integer >= 1")
         check(isinstance(self.ep, int) and self.ep >= 1, f"ep={self.ep!r} must be an integer >= 1")
+        check(isinstance(self.shared_experts, int) and self.shared_experts >= 0,
+              f"shared_experts={self.shared_experts!r} must be an integer >= 0 (0 = none)")
         check(self.bias_update >= 0, f"bias_update={self.bias_update} must be >= 0 (0 = off)")
         check(self.experts == 0 or self.experts % self.ep == 0,
               f"experts={self.experts} is not divisible by ep={self.ep}; each expert-parallel rank holds "
@@ -122,4 +127,4 @@ def moe_spec(cfg):
         return None
     from .mlp import MoESpec
     return MoESpec(m.experts, m.top_k, m.expert_hidden or 4 * cfg.d_model, m.moe_every, m.capacity_factor,
-                   m.aux_coef, m.bias_update)
+                   m.aux_coef, m.bias_update, m.shared_experts)
