@@ -21,9 +21,6 @@ REFUSED = [
     (["--shared-experts", "1"], "shared_experts=1 (--shared-experts) applies with --experts > 0 only"),
     (["--model", "mlp", "--experts", "4"], "experts=4 applies to model gpt only"),
     (["--experts", "4", "--pp", "2", "--ep", "2"], "--pp with --experts 4 --ep 2 is not supported yet"),
-    (["--experts", "4", "--sp", "2", "--ep", "2"], "--sp with --experts 4 --ep 2 is not supported yet"),
-    (["--experts", "4", "--sp", "2", "--capacity-factor", "1.5"],
-     "--sp with --experts 4 --capacity-factor 1.5 is not supported yet"),
     (["--experts", "4", "--optimizer", "muon"], "--optimizer muon with --experts 4 is not supported"),
     (["--experts", "4", "--bias-update", "0.01", "--pp", "2", "--resume", "x"],
      "--resume with --bias-update 0.01 --pp 2: a pipeline's checkpoints do not hold the selection biases yet"),
@@ -58,6 +55,8 @@ def test_accepted():
     assert (cfg.moe.experts, cfg.moe.top_k, cfg.moe.capacity_factor, cfg.moe.moe_every) == (8, 1, 1.25, 2)
     cfg = parse_config(["--experts", "4", "--tp", "2", "--ep", "2", "--stage", "3"], environ={})
     assert (cfg.mesh.tp, cfg.moe.ep) == (2, 2)
+    cfg = parse_config(["--experts", "4", "--sp", "2", "--ep", "2", "--capacity-factor", "1.5"], environ={})
+    assert (cfg.mesh.sp, cfg.moe.ep, cfg.moe.capacity_factor) == (2, 2, 1.5)
     assert parse_config(["--experts", "4", "--ep", "2", "--checkpoint-activations"], environ={}).checkpoint_activations
     assert not parse_config([], environ={}).moe.on
 

@@ -113,7 +113,9 @@ class GPT:
         the blocks' own layers then hold the rest (block_names without the experts)."""
         from ..moe.ep_mlp import EPMoEMLP
         self.experts_apart = True
-        self.moe_blocks.mlp = EPMoEMLP(self.moe, self.xp, self.dtype, ep, store)
+        mlp = EPMoEMLP(self.moe, self.xp, self.dtype, ep, store)
+        mlp.sp = self.moe_blocks.mlp.sp       # with --sp: the aux loss and the capacity over the whole sequences
+        self.moe_blocks.mlp = mlp
 
     def idle_layer(self, i: int, x):
         """Layer i visited with no rows to run (held-out evaluation): ``x``; an expert-parallel MoE block still

@@ -62,7 +62,7 @@ class MoEBlocks:
         y, att = self.attention.forward(linear(a, p["qkv.w"], p["qkv.b"]))
         x1 = x + (self.reduce(matmul(y, p["proj.w"])) + p["proj.b"])      # row-parallel under TP
         m, ln2 = layernorm(xp, x1, p["ln2.g"], p["ln2.b"])
-        mo, moe = self.mlp.forward(p, m.reshape(B * T, C), block)
+        mo, moe = self.mlp.forward(p, m.reshape(B * T, C), block, B)
         return x1 + mo.reshape(B, T, C), (ln1, a, att, y, ln2, moe)
 
     def block_backward(self, p, cache, dout):

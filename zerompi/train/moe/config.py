@@ -82,14 +82,12 @@ def check_job(cfg) -> None:
         return
     check(cfg.model == "gpt", f"experts={moe.experts} applies to model gpt only (the MoE replaces the GPT's MLP); "
                               "drop --experts or use --model gpt")
-    refused = (("--pp", cfg.mesh.pp > 1 and moe.ep > 1), ("--sp", cfg.mesh.sp > 1 and moe.ep > 1),
-               ("--sp", cfg.mesh.sp > 1 and moe.capacity_factor is not None),
+    refused = (("--pp", cfg.mesh.pp > 1 and moe.ep > 1),
                ("--optimizer muon", cfg.zero.optimizer == "muon"),
                ("--init-from", cfg.init_from is not None),
                ("--device gpu", cfg.device != "cpu"))
     for name, given in refused:
-        extra = f" --ep {moe.ep}" if name in ("--pp", "--sp") and moe.ep > 1 else \
-            f" --capacity-factor {moe.capacity_factor}" if name == "--sp" else ""
+        extra = f" --ep {moe.ep}" if name == "--pp" and moe.ep > 1 else ""
         check(not given, f"{name} with --experts {moe.experts}{extra} is not supported yet (docs/moe.md); drop one "
                          "of the two")
     for name in ("save_dir", "resume"):        # the pipeline's checkpoints (train/pipeline.py) carry no biases yet

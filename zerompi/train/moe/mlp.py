@@ -66,7 +66,7 @@ class Routing:
     """One micro-batch's routing of ``n`` rows: ``top`` (n, k) experts, renormalised weights ``weights`` (n, k),
     and per expert the slot-major assignment positions it keeps (``kept[e]``: positions q = slot·n + token)."""
 
-    def __init__(self, xp, spec: MoESpec, probs, bias=None):
+    def __init__(self, xp, spec: MoESpec, probs, bias=None, sp=None, seqs: int = 1):
         n, k, E = probs.shape[0], spec.top_k, spec.experts
         self.n, self.probs = n, probs
         score = probs if bias is None else probs + bias.astype(probs.dtype)    # the choice's; weights: probs'
@@ -76,13 +76,39 @@ class Routing:
         self.weights = chosen / self.total
         flat = self.top.T.reshape(-1)                        # slot-major: q = j * n + t
         self.routed = xp.bincount(flat, minlength=E)         # assignments each expert was chosen for
-        cap = spec.capacity(n)
-        order = xp.argsort(flat, kind="stable")              # by expert, slot-major inside each
-        bounds = np.concatenate([[0], np.cumsum(np.asarray(self.routed))])
-        self.kept = [order[bounds[e]:bounds[e + 1]][:cap] for e in range(E)]
+        if spec.capacity_factor is not None and sp is not None and sp.size > 1:
+            self.kept = self._kept_whole(xp, spec, sp, seqs)
+        else:
+            cap = spec.capacity(n)
+            order = xp.argsort(flat, kind="stable")          # by expert, slot-major inside each
+            bounds = np.concatenate([[0], np.cumsum(np.asarray(self.routed))])
+            self.kept = [order[bounds[e]:bounds[e + 1]][:cap] for e in range(E)]
         self.tokens = np.array([len(q) for q in self.kept], np.int64)    # kept per expert
         self.dropped = int(n * k - self.tokens.sum())
         self.whole = None       # sequence parallelism: (routed, probability sums, n) over the whole sequences
+
+    def _kept_whole(self, xp, spec: MoESpec, sp, seqs: int):
+        """The capacity under sequence parallelism, decided over the whole micro-batch as the unsplit run
+        decides it: ``sp`` (an SPComm) holds chunk ``sp.rank`` of each of the ``seqs`` sequences (rows ordered
+        sequence-major, this rank's n / seqs positions of each). Every rank's choices are gathered (a few float64
+        numbers per token over the SP group, exact), the capacity is that of the whole n · sp tokens, and the
+        first-come order is the unsplit one: slot-major, then sequence, then position over the whole sequence.
+        Returns this rank's kept positions per expert (slot-major, as without SP)."""
+        k, K, E, n = spec.top_k, sp.size, spec.experts, self.n
+        t = n // seqs                                        # this rank's positions of each sequence
+        mine = np.zeros((K, k, seqs, t), np.float64)
+        mine[sp.rank] = np.asarray(self.top, np.float64).T.reshape(k, seqs, t)
+        every = sp.sum_scalars(mine).reshape(K, k, seqs, t)  # each rank's row: its own choices, the others 0
+        whole = np.moveaxis(every, 0, 2).reshape(-1).astype(np.int64)   # (slot, sequence, chunk, position)
+        order = np.argsort(whole, kind="stable")
+        bounds = np.concatenate([[0], np.cumsum(np.bincount(whole, minlength=E))])
+        cap = spec.capacity(n * K)
+        keep = np.zeros(whole.size, bool)
+        for e in range(E):                                   # each expert's first ``cap`` in that order
+            keep[order[bounds[e]:bounds[e + 1]][:cap]] = True
+        keep = keep.reshape(k, seqs, K, t)[:, :, sp.rank].reshape(-1)   # this rank's: q = j * n + token
+        flat = np.asarray(self.top).T.reshape(-1)
+        return [xp.asarray(np.flatnonzero(keep & (flat == e))) for e in range(E)]
 
     def share(self, sp) -> None:
         """Over ``sp`` (an SPComm: the chunks of the same sequences), the counts and probability sums of the
@@ -149,11 +175,12 @@ class MoEMLP:
         b = self.bias.setdefault(block, np.zeros(self.spec.experts, np.float64))
         b += self.spec.bias_rate * np.sign(routed.mean() - routed)
 
-    def forward(self, p, m, block: int = 0):
-        """(out (n, C), cache) of rows m (n, C); ``p``: {short name: parameter in dtype}."""
+    def forward(self, p, m, block: int = 0, seqs: int = 1):
+        """(out (n, C), cache) of rows m (n, C), ``seqs`` sequences of n / seqs positions each (sequence-major;
+        with SP, this rank's chunk of each); ``p``: {short name: parameter in dtype}."""
         xp, s = self.xp, self.spec
         n, C = m.shape
-        r = Routing(xp, s, softmax(xp, m @ p[ROUTER]), self.bias.get(block))
+        r = Routing(xp, s, softmax(xp, m @ p[ROUTER]), self.bias.get(block), self.sp, seqs)
         if self.sp is not None:
             r.share(self.sp)
         self.stats.add(block, r, r.aux(s.experts))
