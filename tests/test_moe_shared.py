@@ -31,6 +31,7 @@ def n4():
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+@pytest.mark.slow
 def test_ep_sizes_and_stages_bit_identical(n4, dtype):
     runs = [m for m in n4[0] if m["dtype"] == dtype]
     assert {(m["stage"], m["moe"]["ep"]) for m in runs} == {(s, e) for s in range(4) for e in (1, 2, 4)}
@@ -40,6 +41,7 @@ def test_ep_sizes_and_stages_bit_identical(n4, dtype):
     assert runs[0]["losses"][-1] < runs[0]["losses"][0]
 
 
+@pytest.mark.slow
 def test_shared_experts_are_dense_parameters(n4):
     """S·(2CH + H + C) more parameters per MoE block, all in the dense engine (the expert engine's are the
     routed experts' alone), and they change the run."""
@@ -62,6 +64,7 @@ def test_shared_experts_are_dense_parameters(n4):
         assert mem["dense"]["theory"] == want["dense"]["total"] and mem["experts"]["theory"] == want["experts"]["total"]
 
 
+@pytest.mark.slow
 def test_grad_norm_counts_the_shared_experts_once(n4):
     total = float64_mean_grads(4, shared=S)
     want = float(np.sqrt(sum((v * v).sum() for v in total.values())))
@@ -73,6 +76,7 @@ def test_grad_norm_counts_the_shared_experts_once(n4):
 
 
 @pytest.mark.parametrize("ep", [1, 2, 4])
+@pytest.mark.slow
 def test_estimate_equals_the_runs_to_the_byte(n4, tmp_path, ep):
     """``zerompi.estimate --experts 4 --shared-experts 2 --ep K``: the dense and expert parameters, the model
     states with and without the engines' padding, and each engine's ZeRO bytes, as the runs measured them (stage

@@ -94,6 +94,7 @@ def case_of(m, cases):
     return next(name for name, extra in reversed(list(cases.items())) if all(f in m["flags"] for f in extra))
 
 
+@pytest.mark.slow
 def test_sp_with_ep_bit_identical_and_close_to_sp1(ep_runs):
     """At the fixed mesh, --ep 1 and 2 and stages 0, 3 the same bits; against sp 1 the losses, held-out losses
     and aux loss within 1e-5 and the same routing counts -- with a capacity, the same drops: the capacity is that
@@ -115,6 +116,7 @@ def test_sp_with_ep_bit_identical_and_close_to_sp1(ep_runs):
     assert case_of(sp[-1], cases) == "shared" and sp[-1]["params"] > sp[0]["params"]
 
 
+@pytest.mark.slow
 def test_sp_with_ep_grad_norm(ep_runs):
     total = float64_mean_grads(2)
     want = float(np.sqrt(sum((v * v).sum() for v in total.values())))
