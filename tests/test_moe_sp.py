@@ -3,10 +3,13 @@ block's attention core is the SP one, and the aux loss is taken over the whole s
 counts and probability sums, in rank order). At N=4 sp 2 (dp 2) stages 0-3 are bit-identical; against sp 1 at
 the same data-parallel size the losses, held-out losses and aux loss agree within 1e-5 relative, the routing
 counts equal, the gradient norm is the float64 single-process value; with --tp 2 too, and checkpointed."""
+import json
+
 import numpy as np
 import pytest
 
-from tests.test_moe_ep import FLAGS, run_many, same_run
+from tests.mpirun import run_mpi
+from tests.test_moe_ep import FLAGS, metrics_of, run_many, same_run
 from tests.test_moe_parity import float64_mean_grads
 
 
@@ -136,3 +139,26 @@ def test_sp_with_tp_and_ep():
     one = run_many(1, [flags])
     assert len(mesh) == len(one) == 1 and all(d > 0 for d in one[0]["moe"]["dropped"])
     close(mesh[0], one[0])
+
+
+def test_sp_with_ep_checkpoint_and_forced_routing(tmp_path):
+    """N=4 sp 2 with a capacity: saved at --ep 2 stage 3 after 2 steps, resumed at --ep 1 stage 1 the bits of the run
+    that never stopped; and a router forced to a different expert on every rank (the SP ranks of one sequence
+    routing apart, most assignments over capacity) ends at stages 0 and 3."""
+    i = FLAGS.index("--steps")
+    f = FLAGS[:i] + FLAGS[i + 2:] + ["--dtype", "fp32", "--sp", "2", "--capacity-factor", "1.0", "--steps"]
+    d = tmp_path / "ck"
+    runs = run_many(4, [f + ["4", "--ep", "2", "--stage", "3"],
+                        f + ["2", "--ep", "2", "--stage", "3", "--save-dir", str(d)],
+                        f + ["4", "--ep", "1", "--stage", "1", "--resume", str(d)]])
+    assert len(runs) == 3 and runs[2]["first_step"] == 2
+    assert runs[2]["losses"] == runs[0]["losses"][2:]
+    assert runs[2]["final_params_sha256"] == runs[0]["final_params_sha256"]
+    for stage in (0, 3):
+        flags = f + ["3", "--ep", "2", "--stage", str(stage), "--top-k", "1"]
+        out = metrics_of(run_mpi(4, ["tests/drivers/moe_routing.py", "per-rank", json.dumps(flags)], timeout=180))
+        assert len(out) == 1
+        # rank r's 24 tokens to expert r; each expert keeps 12 = 1.0 x 48 / 4 of its SP group's micro-batch (a
+        # chunk's own capacity would keep 6): 12 tokens per expert, 2 blocks x (96 - 48) dropped
+        moe = out[0]["moe"]
+        assert (moe["tokens_min"][-1], moe["tokens_max"][-1], moe["dropped"][-1]) == (12, 12, 96)
