@@ -5,12 +5,15 @@ traffic and model states equal their formulas and the estimate's rows; checkpoin
 --ep 4 and --ep 1 with the bits of the run that never stopped; under --tp 2 the shared experts are replicated
 (bit-identical gradients on every TP rank, stages and EP sizes bit-identical, within 1e-5 of --tp 1); --pp 2
 keeps the bits. tests/test_moe_model.py checks the model against the float64 oracle's finite differences."""
+import hashlib
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from tests.mpirun import run_mpi
+from tests.mpirun import ROOT, run_mpi
 from tests.test_estimate_flags import GPT, MOE_OPTS, cli_json
 from tests.test_moe_ep import FLAGS, run_many, same_run
 from tests.test_moe_parity import float64_mean_grads
@@ -112,14 +115,26 @@ def test_checkpoint_resumed_at_another_ep(tmp_path):
     i = SHARED.index("--steps")
     f = SHARED[:i] + SHARED[i + 2:] + ["--dtype", "fp32", "--steps"]
     at = lambda ep, stage: ["--ep", str(ep), "--stage", str(stage)]        # noqa: E731
-    d = tmp_path / "ck"
+    d, e1 = tmp_path / "ck", tmp_path / "e1"
     runs = run_many(4, [f + ["4"] + at(2, 3), f + ["2"] + at(2, 3) + ["--save-dir", str(d)],
-                        f + ["4"] + at(4, 1) + ["--resume", str(d)], f + ["4"] + at(1, 2) + ["--resume", str(d)]])
-    assert len(runs) == 4
+                        f + ["4"] + at(4, 1) + ["--resume", str(d)], f + ["4"] + at(1, 2) + ["--resume", str(d)],
+                        f + ["2"] + at(1, 0) + ["--save-dir", str(e1)]])
+    assert len(runs) == 5
     full = runs[0]
-    for resumed in runs[2:]:
+    for resumed in runs[2:4]:
         assert resumed["first_step"] == 2 and resumed["losses"] == full["losses"][2:]
         assert resumed["final_params_sha256"] == full["final_params_sha256"]
+    # consolidated, the --ep 2 save is the --ep 1 run's checkpoint: names, order, values; hashed, its digest
+    for path in (d, e1):
+        proc = subprocess.run([sys.executable, "-m", "zerompi.checkpoint", "consolidate", str(path),
+                               str(path) + ".npz"], capture_output=True, text=True, timeout=120, cwd=str(ROOT))
+        assert proc.returncode == 0, proc.stderr
+    a, b = np.load(str(d) + ".npz"), np.load(str(e1) + ".npz")
+    assert a.files == b.files and "block1.shared.out.w" in a.files
+    assert all(np.array_equal(a[n], b[n]) for n in b.files)
+    masters = [n for n in a.files if "/" not in n]
+    digest = hashlib.sha256(b"".join(np.ascontiguousarray(a[n], "<f4").tobytes() for n in masters)).hexdigest()
+    assert digest == runs[1]["final_params_sha256"] == runs[4]["final_params_sha256"]
 
 
 @pytest.mark.parametrize("k", [2, 4])
@@ -156,4 +171,9 @@ def test_pipelined_equals_unpipelined():
     flags = SHARED + ["--dtype", "fp32", "--stage", "1", "--micro-batches", "2"]
     piped, plain = run_many(4, [flags + ["--pp", "2"]]), run_many(2, [flags])
     assert len(piped) == len(plain) == 1 and piped[0]["pipeline"] is not None
-    same_run(piped[0], plain[0])
+    for key in ("final_params_sha256", "losses", "val_losses", "params"):
+        assert piped[0][key] == plain[0][key], key
+    for key in ("tokens_min", "tokens_max", "dropped"):
+        assert piped[0]["moe"][key] == plain[0]["moe"][key], key
+    # the aux loss's report is summed over the mesh in another order (tests/test_moe_pipeline.py): to 1e-12
+    assert piped[0]["moe"]["aux_loss"] == pytest.approx(plain[0]["moe"]["aux_loss"], rel=1e-12)

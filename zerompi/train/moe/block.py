@@ -17,28 +17,28 @@ ATTENTION_KEYS = ("ln1.g", "ln1.b", "qkv.w", "qkv.b", "proj.w", "proj.b", "ln2.g
 
 def moe_keys(experts_apart: bool = False, shared: int = 0):
     """The short names of an MoE block's parameters, in the engine's order (``experts_apart``: without the
-    routed experts', which then live in an engine of their own: moe/ep_mlp.py; ``shared``: the shared experts
-    (dense parameters, last) when there are any)."""
-    return ATTENTION_KEYS + (ROUTER,) + (() if experts_apart else EXPERT_KEYS) + (SHARED_KEYS if shared else ())
+    routed experts', which then live in an engine of their own: moe/ep_mlp.py; ``shared``: the shared experts,
+    dense parameters after the router, when there are any). The routed experts are last, so that the dense
+    part of a block is its first parameters at every --ep (checkpoint consolidation keeps that order)."""
+    return ATTENTION_KEYS + (ROUTER,) + (SHARED_KEYS if shared else ()) + (() if experts_apart else EXPERT_KEYS)
 
 
 def moe_params(names, spec: MoESpec, C: int, normal, zeros, ones, resid: float) -> dict:
     """{param name: lazy rule} of one MoE block (``names``: short -> full), drawn in the order of moe_keys()."""
     E, H, S = spec.experts, spec.hidden, spec.shared
-    shared = {} if not S else {
-        names["shared.fc.w"]: normal((S, C, H)), names["shared.fc.b"]: zeros((S, H)),
-        names["shared.out.w"]: normal((S, H, C), resid), names["shared.out.b"]: zeros((S, C)),
-    }
-    return {
+    out = {
         names["ln1.g"]: ones(C), names["ln1.b"]: zeros(C),
         names["qkv.w"]: normal((C, 3 * C)), names["qkv.b"]: zeros(3 * C),
         names["proj.w"]: normal((C, C), resid), names["proj.b"]: zeros(C),
         names["ln2.g"]: ones(C), names["ln2.b"]: zeros(C),
         names[ROUTER]: normal((C, E)),
-        names["experts.fc.w"]: normal((E, C, H)), names["experts.fc.b"]: zeros((E, H)),
-        names["experts.out.w"]: normal((E, H, C), resid), names["experts.out.b"]: zeros((E, C)),
-        **shared,
     }
+    if S:
+        out.update({names["shared.fc.w"]: normal((S, C, H)), names["shared.fc.b"]: zeros((S, H)),
+                    names["shared.out.w"]: normal((S, H, C), resid), names["shared.out.b"]: zeros((S, C))})
+    out.update({names["experts.fc.w"]: normal((E, C, H)), names["experts.fc.b"]: zeros((E, H)),
+                names["experts.out.w"]: normal((E, H, C), resid), names["experts.out.b"]: zeros((E, C))})
+    return out
 
 
 class MoEBlocks:

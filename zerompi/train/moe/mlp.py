@@ -13,7 +13,7 @@ aux-loss-free balancing) a per-expert bias is added to the probabilities for the
 weights stay the probabilities'), moved by γ · sign(mean load - load) after each step on the step's global
 counts (train/moe/routing.py). With ``shared`` S > 0 (DeepSeek-style shared experts) S more expert MLPs of the
 same shape run on every row, no router weight, their outputs added after the routed ones in index order
-(``shared.fc.w`` is (S, C, H)): dense parameters of the block. docs/moe.md.
+(``shared.fc.w`` is (S, C, H)): dense parameters of the block, drawn before its routed experts. docs/moe.md.
 """
 import math
 from dataclasses import dataclass
