@@ -4,9 +4,15 @@ on main before the job's shape changed (tests/digests.json), run again and compa
 A digest that changes is a bug unless a commit says why and checks the new value against its oracle; then
 record again with ``ZEROMPI_RECORD_DIGESTS=1 python -m pytest tests/test_digests.py`` and say so in the commit.
 The losses are compared as exact floats too (a simulated rank has no digest: its losses are what it has).
+
+The bits of a matrix multiply depend on the BLAS kernel, which OpenBLAS picks by CPU: the digests were recorded
+with its Haswell (AVX2) kernels, and an AVX-512 machine's own kernels give other bits (every case differs from its
+first loss). So on x86-64 every job here runs with OPENBLAS_CORETYPE=Haswell (any AVX2 CPU runs them); zerompi's
+own C kernels and NumPy's element-wise loops give the same bits on both kinds of CPU.
 """
 import json
 import os
+import platform
 from pathlib import Path
 
 import pytest
@@ -56,6 +62,7 @@ CASES = {
     "gpt-simulated-rank1-of-8-stage3": (1, [*GPT, "--stage", "3", "--simulate-world", "8", "--simulate-rank", "1"]),
 }
 RESUMED = "gpt-resume-n2-stage1-to-n3-stage3"     # saved at step 2 by 2 ranks, resumed to step 4 by 3 at stage 3
+BLAS = {"OPENBLAS_CORETYPE": "Haswell"} if platform.machine() in ("x86_64", "AMD64") else {}
 
 
 def _recorded() -> dict:
@@ -79,12 +86,12 @@ def test_every_mode_keeps_its_bits(name, tmp_path):
     n, flags = CASES[name]
     (tmp_path / "off").mkdir()
     flags = [str(f).replace("{tmp}", str(tmp_path)) for f in flags]
-    _check(name, run_train(n, tmp_path, *flags, timeout=300))
+    _check(name, run_train(n, tmp_path, *flags, timeout=300, env=BLAS))
 
 
 def test_a_resume_at_another_world_size_and_stage_keeps_its_bits(tmp_path):
     base = [*GPT, "--steps", "4", "--dtype", "fp32", "--batch", "12"]   # 12 splits over 2 and 3 ranks
     run_mpi(2, ["-m", "zerompi.train", *base, "--stage", "1", "--save-every", "2", "--save-dir", tmp_path / "ck"],
-            timeout=300)
+            timeout=300, env=BLAS)
     _check(RESUMED, run_train(3, tmp_path, *base, "--stage", "3", "--resume", tmp_path / "ck" / "step_000002",
-                              timeout=300))
+                              timeout=300, env=BLAS))

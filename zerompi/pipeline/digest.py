@@ -31,9 +31,10 @@ def bucket_bytes(engine):
         yield np.concatenate(parts) if parts else np.empty(0, "<f4")
 
 
-def model_digest(engines, schedule, mesh) -> Optional[str]:
+def model_digest(engines, schedule, mesh, stream=None) -> Optional[str]:
     """On the hashing rank (pp 0, dp 0) of each TP coordinate: the hex digest of its model's parameters (its
-    TP pieces) over every chunk in order; elsewhere None. A collective over the whole mesh."""
+    TP pieces) over every chunk in order; elsewhere None. A collective over the whole mesh. ``stream(c)``: chunk
+    c's arrays in hashing order (a collective over its stage; default: its engine's buckets, bucket_bytes)."""
     where, me = schedule.placement(), mesh.pp_rank
     mpi = mesh.pp_mpi
     lead = mesh.dp_rank == 0
@@ -42,7 +43,7 @@ def model_digest(engines, schedule, mesh) -> Optional[str]:
     for c in range(schedule.chunks):
         owner = where[c]
         if owner == me:
-            for data in bucket_bytes(engines[c]):
+            for data in (bucket_bytes(engines[c]) if stream is None else stream(c)):
                 if digest is not None:
                     digest.update(data.data)
                 elif lead:

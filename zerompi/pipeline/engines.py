@@ -44,17 +44,19 @@ class StageEngines:
     """``engines`` ({model chunk: ZeroEngine}) of this rank, of a model cut into ``chunks`` chunks; ``mesh`` the
     zerompi.Mesh (the step's totals go over its pipeline group, a load's agreement over its world)."""
 
-    def __init__(self, engines: Dict[int, object], chunks: int, mesh):
+    def __init__(self, engines: Dict[int, object], chunks: int, mesh, experts=None):
         self.engines, self.chunks, self.mesh = dict(sorted(engines.items())), chunks, mesh
         first = next(iter(self.engines.values()))
         self.first = first
         self.group = SimpleNamespace(mpi=mesh.pp_mpi, waiting=first.comm.waiting, ranks=mesh.pp_ranks)
+        self.experts = experts        # --ep: train/moe/stage_experts.py's StageExperts (its expert engines, its group)
         for e in self.engines.values():     # one step over the mesh: a non-finite report looks at every chunk
             e.guard.pipeline_engines = self.engines
             e.guard.groups.append(("the pipeline group", self.group))
 
     def __iter__(self):
-        return iter(self.engines.values())
+        """The chunks' engines, then (--ep) the chunks' expert engines."""
+        return iter(list(self.engines.values()) + (list(self.experts.engines.values()) if self.experts else []))
 
     @property
     def steps_taken(self) -> int:
@@ -69,7 +71,11 @@ class StageEngines:
         return self.first.loss_scale
 
     def step(self, lr=None):
-        """Every chunk's step, decided once over the mesh (pipeline/step.py); returns the first's StepResult."""
+        """Every chunk's step, decided once over the mesh (pipeline/step.py); returns the first's StepResult. With
+        --ep, the expert engines' too, over the stages' ranks of this rank's EP group index instead (the dense
+        totals counted on EP rank 0 of each stage)."""
+        if self.experts:
+            return step_together(list(self), self.experts.group, lr, self.experts.counted(len(self.engines)))[0]
         return step_together(list(self.engines.values()), self.group, lr)[0]
 
     # ---- checkpoints -----------------------------------------------------------------------------
@@ -102,7 +108,7 @@ class StageEngines:
         return infos[0]
 
     def close(self) -> None:
-        for e in self.engines.values():
+        for e in self:
             e.close()
 
 

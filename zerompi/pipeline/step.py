@@ -9,7 +9,7 @@ coefficient, the fp16 overflow skip and the loss scale are decided once for the 
 The stages must be at the same step with the same learning rate: MismatchError on every rank,
 naming the ranks, before any engine updates anything.
 """
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -18,22 +18,24 @@ from ..comm.watchdog import watched
 from ..errors import MismatchError
 
 
-def step_together(engines: List, group, lr: Optional[float] = None, once: int = 0) -> List:
+def step_together(engines: List, group, lr: Optional[float] = None, counted: Optional[Sequence[bool]] = None) -> List:
     """begin_step on each engine (in chunk order), one all-gather over ``group`` (an object with ``mpi``,
     the pipeline group's mpi4py communicator, and ``waiting``, the watchdog's record; ``ranks``: the world
     rank of each member, for messages), then finish_step on each with the mesh's totals. Returns the
-    StepResults (the same decision in each). ``once``: the first that many engines are one engine over the
-    whole group (expert parallelism's dense engine, train/moe/expert_parallel.py): their totals counted from the
-    group's first member only."""
+    StepResults (the same decision in each). ``counted``: whether each of this rank's engines' totals count (default:
+    all); an engine whose totals another member of the group holds too is counted on one of them only (expert
+    parallelism's dense engine, the same on every EP rank: train/moe/expert_parallel.py)."""
     pendings = [e.begin_step(lr) for e in engines]
-    mine = np.array([[p.sumsq, p.nonfinite, p.lr, p.number] for p in pendings], np.float64).reshape(-1, 4)
+    counted = [True] * len(engines) if counted is None else list(counted)
+    mine = np.array([[p.sumsq, p.nonfinite, p.lr, p.number, c] for p, c in zip(pendings, counted)],
+                    np.float64).reshape(-1, 5)
     with watched(group, "pipeline: the step's gradient totals over the stages"):
         rows = group.mpi.allgather(mine)
     _check_agree(rows, getattr(group, "ranks", list(range(len(rows)))))
     sumsq = nonfinite = 0.0
-    for r, table in enumerate(rows):    # stage order, then chunk order: the same sums on every rank
-        for c, (s, bad, _, _) in enumerate(table):
-            if c >= once or r == 0:
+    for table in rows:                  # stage order, then chunk order: the same sums on every rank
+        for s, bad, _, _, count in table:
+            if count:
                 sumsq += float(s)
                 nonfinite += float(bad)
     return [e.finish_step(p, (sumsq, nonfinite)) for e, p in zip(engines, pendings)]

@@ -224,6 +224,8 @@ class TrainConfig:
             from ..comm.mesh import check_mesh         # sp and pp (tp again: checked above)
             check_mesh(world_size, t, m.pp, m.node_size or env, m.shard_size, sp=m.sp)
         check_world(self, world_size)
+        from .moe.stage_experts import check_world as check_stage_ep
+        check_stage_ep(self, world_size)               # --pp with --ep: the EP groups inside a stage
         if self.replicas is not None and (m.node_size or env):
             from .replicas import check_nodes
             check_nodes(self, world_size, m.node_size or env)

@@ -33,6 +33,8 @@ def check_model(cfg) -> None:
         return
     for field, value, what in UNSUPPORTED:
         check(getattr(cfg, field) != value, f"{what} is not available with pp={pp} yet; drop one of the two")
+    from .moe.stage_experts import check_job
+    check_job(cfg)                        # --pp with --ep: what the expert engines do not compose with yet
     z = cfg.zero
     check(p.gather == "micro-batch" or z.stage == 3, f"gather={p.gather!r} (--pp-gather) applies with stage 3 only "
                                                       f"(stage={z.stage} keeps the parameters whole)")
@@ -98,12 +100,18 @@ class PipelineJob(Job):
         from .models.activations import MeteredWorkspace
         self.shared = MeteredWorkspace()          # the GPT's one-layer buffers: one set for all of this rank's chunks
         self.runners = {c: self._runner(c) for c in self.local}
+        self.experts = None
+        if cfg.moe.ep > 1:                         # each chunk's experts in an engine of their own, EP in the stage
+            from .moe.stage_experts import StageExperts
+            self.experts = StageExperts(cfg, mesh, comm, self.model, self.runners, self._chunk_config())
         engines = {c: self._engine(c, xp) for c in self.local}
-        self.engines = StageEngines(engines, self.schedule.chunks, mesh)
+        if self.experts:
+            self.experts.dense = engines
+        self.engines = StageEngines(engines, self.schedule.chunks, mesh, self.experts)
         keep = {c: e for c, e in engines.items()} if z.stage == 3 and cfg.pipeline.gather == "step" else None
         self.executor = PipelineExecutor(self.schedule, mesh.pp_comm, self.runners, keep)
         from .moe.routing import MoELog
-        self.moe_log = MoELog(cfg, self.model, comm) if cfg.moe.on else None   # routing per step, over the mesh
+        self.moe_log = MoELog(cfg, self.model, comm, self.experts, stages=m.pp) if cfg.moe.on else None   # per step
 
     @property
     def rows(self) -> int:
@@ -141,20 +149,26 @@ class PipelineJob(Job):
                                    storage_dtype(self.cfg.zero.dtype, np))
         return self._tie
 
+    def _chunk_config(self):
+        """A chunk's engine's ZeroConfig before its patterns: no trace; one micro-batch where reduced per step."""
+        from dataclasses import replace
+        z = self.cfg.zero
+        return replace(z, trace=None, micro_batches=1 if self.cfg.pipeline.grad_reduce == "step" else z.micro_batches)
+
     def _engine(self, c: int, xp):
         from dataclasses import replace
         from ..engine.zero_engine import ZeroEngine
         from ..pipeline.grads import GradSink
         z = self.cfg.zero
-        per_step = self.cfg.pipeline.grad_reduce == "step"
         runner = self.runners[c]
-        names = [n for _, params in runner.lazy_layers() for n in params]
-        matrices = [n for _, params in runner.lazy_layers() for n, a in params.items() if len(np.shape(a)) == 2]
-        zc = replace(z, trace=None, micro_batches=1 if per_step else z.micro_batches,   # the patterns the chunk matches
+        layers = self.experts.dense_layers[c] if self.experts else runner.lazy_layers()   # --ep: without the experts
+        names = [n for _, params in layers for n in params]
+        matrices = [n for _, params in layers for n, a in params.items() if len(np.shape(a)) == 2]
+        zc = replace(self._chunk_config(),                                           # the patterns the chunk matches
                      no_decay=tuple(p for p in z.no_decay if any(fnmatchcase(n, p) for n in names)),
                      muon_params=tuple(p for p in z.muon_params if any(fnmatchcase(n, p) for n in matrices)),
                      offload_dir=offload_folder(z, c, self.schedule.chunks))
-        engine = ZeroEngine(runner.lazy_layers(), zc, self.mesh, xp=xp, mesh_config=self.cfg.mesh,
+        engine = ZeroEngine(layers, zc, self.mesh, xp=xp, mesh_config=self.cfg.mesh,
                             tp_split=runner.tp_split() if self.cfg.mesh.tp > 1 else None)
         runner.attach(engine, GradSink(engine, self.cfg.pipeline.grad_reduce, z.micro_batches))
         return engine
@@ -260,7 +274,8 @@ class PipelineJob(Job):
         if simulated(self.comm):                  # a simulated rank knows its own stage only: from the rules
             return sum((a.whole if isinstance(a, Piece) else a).size for _, params in self.model.lazy_layers()
                        for a in params.values())
-        mine = self._params(self.engines, mesh.tp) if self.leads_stage else 0
+        mine = self._params(self.engines.engines.values(), mesh.tp) + (self.experts.expert_params() if self.experts
+                                                                       else 0) if self.leads_stage else 0
         with watched(self.comm, "final metrics: the model's size"):
             return int(sum(self.comm.mpi.allgather(mine)))
 
@@ -271,7 +286,8 @@ class PipelineJob(Job):
         mesh = self.mesh
         if simulated(self.comm):
             return None
-        digest = model_digest(self.engines.engines, self.schedule, mesh)
+        digest = model_digest(self.engines.engines, self.schedule, mesh,
+                              self.experts.chunk_params if self.experts else None)
         if mesh.tp > 1 and mesh.pp_rank == 0 and mesh.dp_rank == 0:
             digest = self._tp_joined(digest)
         with watched(self.comm, "final metrics: the model's digest"):
@@ -325,7 +341,9 @@ class PipelineJob(Job):
         alone = simulated(comm)
         per_stage = lambda j: {k: [everyone[r][j][i] if not alone or st == mesh.pp_rank else None  # noqa: E731
                                    for st, r in enumerate(firsts)] for i, k in enumerate(kinds)}
-        mine = {c: e.layout.params_numel for c, e in self.engines.engines.items()} if self.leads_stage else {}
+        mine = {c: e.layout.params_numel + (self.experts.k * self.experts.engines[c].layout.params_numel
+                                            if self.experts and c in self.experts.engines else 0)
+                for c, e in self.engines.engines.items()} if self.leads_stage else {}
         with watched(comm, "final metrics: each chunk's size"):
             sizes = {c: n for table in comm.mpi.allgather(mine) for c, n in table.items()}
         bubbles = [] if alone else measure.bubble(log.pp_times, mesh, comm)

@@ -17,21 +17,25 @@ from .mlp import EXPERT_KEYS, MoEMLP, Routing, expert_backward, expert_forward
 
 
 class ExpertStore:
-    """This rank's experts in ``engine`` (a ZeroEngine of sources = K): MoE block -> engine layer."""
+    """Where each MoE block's experts live: ``where`` {block: (engine, layer)} (or (engine, layer, sink), ``sink(layer,
+    grads)`` taking the gradients instead of engine.grads_ready: a pipeline's GradSink), each engine a ZeroEngine
+    of sources = K; one engine of all blocks (unpipelined), or one per model chunk (pipelined)."""
 
-    def __init__(self, engine, blocks, dtype):
-        self.engine, self.dtype = engine, dtype
-        self.layer = {b: i for i, b in enumerate(blocks)}
+    def __init__(self, where, dtype):
+        self.dtype = dtype
+        self.where = {b: (w + (w[0].grads_ready,))[:3] for b, w in where.items()}
 
     @contextmanager
     def params(self, block: int):
         """{short name: this rank's experts' parameter (E/K, ...) in the compute dtype} (stage 3: gathered)."""
-        with self.engine.unsharded(self.layer[block]) as p:
+        engine, layer, _ = self.where[block]
+        with engine.unsharded(layer) as p:
             yield {k: upcast(p[f"block{block}.{k}"], self.dtype) for k in EXPERT_KEYS}
 
     def grads(self, block: int, grads) -> None:
         """Hand back the block's experts' per-source gradients {short name: (K, E/K, ...)}."""
-        self.engine.grads_ready(self.layer[block], {f"block{block}.{k}": v for k, v in grads.items()})
+        _, layer, sink = self.where[block]
+        sink(layer, {f"block{block}.{k}": v for k, v in grads.items()})
 
 
 class EPMoEMLP(MoEMLP):

@@ -24,6 +24,51 @@ def short_name(name: str) -> str:
     return name.split(".", 1)[1] if name.startswith("block") else name
 
 
+def split_experts(layers, ep_rank: int, K: int):
+    """(dense layers, expert layers, MoE blocks) of engine layers ``layers``: every layer kept with its parameters
+    but the experts' (the dense engine's); a layer ``{name}.experts`` of EP rank ``ep_rank``'s E/K experts of each
+    MoE block (the expert engine's); the blocks' numbers, in that engine's layer order."""
+    dense, experts, blocks = [], [], []
+    for lname, params in layers:
+        mine = {n: lazy.Piece(a, 0, 1, ep_rank, K) for n, a in params.items() if short_name(n) in EXPERT_KEYS}
+        dense.append((lname, {n: a for n, a in params.items() if n not in mine}))
+        if mine:
+            experts.append((lname + ".experts", mine))
+            blocks.append(int(lname[len("block"):]))
+    return dense, experts, blocks
+
+
+def engine_configs(zero, dense, experts):
+    """(the dense engine's, the expert engine's) ZeroConfig of ``zero``: each with the --no-decay patterns that
+    match its parameters (a pattern matching neither: the dense engine's, whose check names it)."""
+    dense_names = [n for _, p in dense for n in p]
+    expert_names = [n for _, p in experts for n in p]
+    matches = lambda pat, names: any(fnmatchcase(n, pat) for n in names)   # noqa: E731
+    return (replace(zero, no_decay=tuple(p for p in zero.no_decay if matches(p, dense_names)
+                                         or not matches(p, expert_names))),
+            replace(zero, no_decay=tuple(p for p in zero.no_decay if matches(p, expert_names))))
+
+
+def whole_params(engines, order, ep_mpi):
+    """The fp32 master parameters of ``engines`` (a dense and an expert engine, or either) as little-endian arrays
+    in ``order`` (parameter names), every expert parameter whole: the EP group's pieces (``ep_mpi``) joined in
+    EP rank order, the bytes an --ep 1 run holds. Collectives over each engine's group and the EP group."""
+    values = {}
+    for engine in engines:
+        lay = engine.layout
+        engine.synchronize()
+        for bucket, data in engine.optimizer.gather_buckets(engine.group, engine.steps_taken):
+            for layer in bucket.layers:
+                for name in lay.layer_params[layer]:
+                    pr = lay.params[name]
+                    values[name] = np.ascontiguousarray(data[pr.bucket_offset:pr.bucket_offset + pr.numel], "<f4")
+    for name in order:
+        if short_name(name) in EXPERT_KEYS:       # every EP rank's experts, in EP rank order
+            yield np.frombuffer(b"".join(ep_mpi.allgather(values[name].tobytes())), "<f4")
+        else:
+            yield values[name]
+
+
 class ExpertParallel:
     """This rank's part of --ep: ``ep`` (EPComm), ``edp`` (Communicator), ``engine`` (the expert engine);
     ``dense_layers``: the model's lazy layers without the experts, for the dense engine. With --tp each TP rank
@@ -41,28 +86,16 @@ class ExpertParallel:
         # the expert engine's group, its bytes counted with the world's (the run's one traffic table)
         self.edp = Communicator(split(comm.mpi, lambda r: r % T + T * (r // T % K)), share=comm)
         self.order = [n for _, params in layers for n in params]           # the whole model's, in model order
-        self.dense_layers, experts, blocks = [], [], []
-        for lname, params in layers:
-            mine = {n: lazy.Piece(a, 0, 1, self.ep.rank, K) for n, a in params.items()
-                    if short_name(n) in EXPERT_KEYS}
-            self.dense_layers.append((lname, {n: a for n, a in params.items() if n not in mine}))
-            if mine:
-                experts.append((lname + ".experts", mine))
-                blocks.append(int(lname[len("block"):]))
-        dense_names = [n for _, p in self.dense_layers for n in p]
-        expert_names = [n for _, p in experts for n in p]
-        matches = lambda pat, names: any(fnmatchcase(n, pat) for n in names)   # noqa: E731
-        no_decay = cfg.zero.no_decay      # each engine its patterns (one matching neither: the dense's error)
-        self.dense_config = replace(cfg.zero, no_decay=tuple(
-            p for p in no_decay if matches(p, dense_names) or not matches(p, expert_names)))
-        self.engine = ZeroEngine(experts, replace(cfg.zero, no_decay=tuple(
-            p for p in no_decay if matches(p, expert_names))), self.edp, sources=K)
-        model.use_expert_parallel(self.ep, ExpertStore(self.engine, blocks, model.dtype))
+        self.dense_layers, experts, blocks = split_experts(layers, self.ep.rank, K)
+        self.dense_config, expert_config = engine_configs(cfg.zero, self.dense_layers, experts)
+        self.engine = ZeroEngine(experts, expert_config, self.edp, sources=K)
+        model.use_expert_parallel(self.ep, ExpertStore({b: (self.engine, i) for i, b in enumerate(blocks)},
+                                                       model.dtype))
 
     def step(self, dense):
         """Both engines' step, decided together (a collective over the EP group); the dense engine's result."""
         from ...pipeline.step import step_together
-        return step_together([dense, self.engine], self.ep, once=1)[0]
+        return step_together([dense, self.engine], self.ep, counted=[self.ep.rank == 0, True])[0]
 
     def params_total(self, dense, dense_total=None) -> int:
         """Ψ of the whole model: the dense engine's (``dense_total``: given whole, under TP) and every EP rank's
@@ -73,22 +106,9 @@ class ExpertParallel:
     def digest(self, dense) -> str:
         """sha256 of the whole model's fp32 master parameters in model order, every expert whole (the bytes an
         --ep 1 run hashes); collectives over both engines' groups and the EP group. Holds the model at once."""
-        values = {}
-        for engine in (dense, self.engine):
-            lay = engine.layout
-            engine.synchronize()
-            for bucket, data in engine.optimizer.gather_buckets(engine.group, engine.steps_taken):
-                for layer in bucket.layers:
-                    for name in lay.layer_params[layer]:
-                        pr = lay.params[name]
-                        values[name] = np.ascontiguousarray(data[pr.bucket_offset:pr.bucket_offset + pr.numel], "<f4")
         digest = hashlib.sha256()
-        for name in self.order:
-            if short_name(name) in EXPERT_KEYS:       # every EP rank's experts, in EP rank order
-                for part in self.ep.mpi.allgather(values[name].tobytes()):
-                    digest.update(part)
-            else:
-                digest.update(values[name].data)
+        for data in whole_params([dense, self.engine], self.order, self.ep.mpi):
+            digest.update(data.data)
         return digest.hexdigest()
 
     def memory(self, dense) -> dict:

@@ -14,8 +14,8 @@ import numpy as np
 class MoELog:
     """The per-step routing record of ``model`` (a GPT with MoE blocks) over ``comm``'s ranks."""
 
-    def __init__(self, cfg, model, comm, ep=None):
-        self.cfg, self.mlp, self.comm, self.ep = cfg, model.moe_blocks.mlp, comm, ep
+    def __init__(self, cfg, model, comm, ep=None, stages: int = 1):
+        self.cfg, self.mlp, self.comm, self.ep, self.stages = cfg, model.moe_blocks.mlp, comm, ep, stages
         self.stats = self.mlp.stats
         self.blocks = [i for i in range(model.n_layer) if model.is_moe(i)]
         self.steps: List[dict] = []
@@ -23,7 +23,7 @@ class MoELog:
         self.sent0 = 0                   # --ep: the EP group's all-to-all bytes before this step
         tp = getattr(model, "tp", None)  # --tp: every TP rank routes the same rows; TP rank 0's are counted
         self.counted = tp is None or tp.rank == 0
-        self.ranks = comm.size // (tp.size if tp else 1)     # the data-parallel ranks: whose tokens are counted
+        self.ranks = comm.size // (tp.size if tp else 1)     # the ranks whose tokens are counted (all stages')
 
     def begin(self) -> None:
         """Forget what ran since the last step (the held-out passes)."""
@@ -65,15 +65,17 @@ class MoELog:
                 "ep": m.ep, **series,
                 "grad_norms": list(self.norms), "bias_update": m.bias_update,
                 "bias": {str(b): v.tolist() for b, v in sorted(self.mlp.bias.items())},
-                **all_to_all_theory(self.cfg, len(self.blocks), self.ranks),
+                **all_to_all_theory(self.cfg, len(self.blocks), self.ranks // self.stages, self.stages),
                 "memory_bytes_by_engine": None}
 
 
-def all_to_all_theory(cfg, blocks: int, world: int) -> dict:     # world: the data-parallel ranks
+def all_to_all_theory(cfg, blocks: int, world: int, stages: int = 1) -> dict:     # world: the data-parallel ranks
     """The EP all-to-all's bytes one rank sends per step, balanced and dropless: per MoE block and micro-batch,
     the counts (E/K integers of 8 bytes to each of the K-1 others) once, and four passes of rows -- the tokens'
     rows out and the outputs back in the forward, their gradients out and back in the backward -- each the
-    (K-1)/K of its n·k assignment rows (n tokens of this rank's micro-batch) that leave it, C values of 4 bytes."""
+    (K-1)/K of its n·k assignment rows (n tokens of this rank's micro-batch) that leave it, C values of 4 bytes.
+    With ``stages`` pipeline stages each rank exchanges for its stage's blocks only: the mean over the ranks,
+    the formula over all the blocks divided by the stages."""
     m, z = cfg.moe, cfg.zero
     K = m.ep
     if K == 1:
@@ -81,11 +83,12 @@ def all_to_all_theory(cfg, blocks: int, world: int) -> dict:     # world: the da
     from ...estimate.moe_bytes import all_to_all_bytes
     n = cfg.batch // (world * z.micro_batches) * cfg.seq_len
     ckpt = cfg.checkpoint_activations           # the forward's exchanges run again in the backward
-    return {"all_to_all_theory_bytes": all_to_all_bytes(K, m.experts, m.top_k, cfg.d_model, n, blocks, z.micro_batches,
-                                                        ckpt),
-            "all_to_all_formula": f"{blocks} MoE blocks x {z.micro_batches} micro-batches x ("
-                                  f"{'2 x ' if ckpt else ''}(K-1)·E/K·8 + {6 if ckpt else 4} x n·k·(K-1)/K x C x 4 B), "
-                                  f"n = {n} tokens, K = {K}"}
+    total = all_to_all_bytes(K, m.experts, m.top_k, cfg.d_model, n, blocks, z.micro_batches, ckpt)
+    return {"all_to_all_theory_bytes": total if stages == 1 else total / stages,
+            "all_to_all_formula": ("" if stages == 1 else f"over {stages} stages: 1/{stages} of ")
+            + f"{blocks} MoE blocks x {z.micro_batches} micro-batches x ("
+              f"{'2 x ' if ckpt else ''}(K-1)·E/K·8 + {6 if ckpt else 4} x n·k·(K-1)/K x C x 4 B), "
+              f"n = {n} tokens, K = {K}"}
 
 
 def metrics(job) -> Optional[dict]:
@@ -95,7 +98,7 @@ def metrics(job) -> Optional[dict]:
         return None
     out = log.metrics()
     if log.ep is not None:               # rank 0's: the dense and the expert engine apart
-        out.update(log.ep.memory(job.engine))
+        out.update(log.ep.memory(getattr(job, "engine", None)))     # a pipelined job's: its chunks' engines
     return out
 
 

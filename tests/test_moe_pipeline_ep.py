@@ -1,0 +1,203 @@
+"""Expert parallelism inside the pipeline's stages (--pp 2 --ep 2): N=4 gives the bits of the unpipelined N=2 --ep 2
+run of the same global batch (final parameters, losses, held-out losses, routing; gradient norms to rounding),
+fp32 and fp16, with 1F1B, ZB-H1 and interleaved schedules; a stage whose chunks hold no MoE block; two EP
+groups per stage (N=8 against N=4); with --tp 2; recomputed, with a capacity, biases, stage 3 gathering per step;
+the expert gradients accumulated per step against --ep 1's; forced routing ends; exactly balanced routing sends
+the formula's all-to-all bytes; what is not built is refused in one line."""
+import json
+
+import pytest
+
+from tests.mpirun import run_mpi
+from zerompi.errors import ConfigError
+from zerompi.train.config import parse_config
+
+FLAGS = ["--model", "gpt", "--n-layer", "2", "--n-head", "2", "--d-model", "16", "--seq-len", "8",
+         "--batch", "12", "--lr", "3e-3", "--bucket-mb", "0.004", "--log-every", "100", "--micro-batches", "2",
+         "--experts", "4", "--top-k", "2", "--expert-hidden", "24", "--steps", "3", "--eval-every", "3"]
+EP = ["--ep", "2"]
+
+
+def run_many(n, configs, timeout=400):
+    proc = run_mpi(n, ["tests/drivers/train_many.py", json.dumps(configs)], timeout=timeout)
+    return [json.loads(line[8:]) for line in proc.stdout.splitlines() if line.startswith("METRICS ")]
+
+
+def same_bits(flat, piped):
+    """The pipelined run ``piped`` against the unpipelined ``flat``: the same bits and routing."""
+    assert piped["pipeline"] is not None and flat["pipeline"] is None
+    assert piped["moe"]["ep"] == flat["moe"]["ep"] == 2
+    for key in ("final_params_sha256", "losses", "val_losses", "params"):
+        assert flat[key] == piped[key], (key, flat["stage"], flat["dtype"], piped["pipeline"]["schedule"])
+    for key in ("tokens_min", "tokens_mean", "tokens_max", "dropped"):
+        assert flat["moe"][key] == piped["moe"][key], key
+    assert flat["moe"]["aux_loss"] == pytest.approx(piped["moe"]["aux_loss"], rel=1e-12)
+    # the norm's sum of squares runs in another order (stages, then EP ranks): rounding, never an expert twice
+    assert flat["moe"]["grad_norms"] == pytest.approx(piped["moe"]["grad_norms"], rel=1e-12)
+
+
+def stage_configs(stages, dtypes=("fp32", "fp16")):
+    return [FLAGS + EP + ["--stage", str(s), "--dtype", d] for s in stages for d in dtypes]
+
+
+def check_stages(stages):
+    configs = stage_configs(stages)
+    flat = run_many(2, configs)
+    piped = run_many(4, [c + ["--pp", "2"] for c in configs])
+    assert len(flat) == len(piped) == len(configs)
+    for a, b in zip(flat, piped):
+        same_bits(a, b)
+        m = b["moe"]        # each rank exchanges for its stage's blocks: the mean over all ranks is half N=2's
+        assert m["all_to_all_theory_bytes"] * 2 == a["moe"]["all_to_all_theory_bytes"]
+        assert sum(m["all_to_all_bytes"]) * 2 == sum(a["moe"]["all_to_all_bytes"])
+        dense, experts = m["memory_bytes_by_engine"]["dense"], m["memory_bytes_by_engine"]["experts"]
+        assert dense["measured"] == dense["theory"] and experts["measured"] == experts["theory"]
+        assert b["comm_bytes_per_step"] == b["comm_theory_bytes_per_step"]
+    assert flat[0]["losses"][-1] < flat[0]["losses"][0]
+
+
+def test_1f1b_stages_0_and_3_equal_unpipelined():
+    check_stages((0, 3))
+
+
+@pytest.mark.slow
+def test_1f1b_stages_1_and_2_equal_unpipelined():
+    check_stages((1, 2))
+
+
+def split_and_interleaved(dtype, stage, schedules):
+    """4 blocks, MoE in blocks 1 and 3 (--moe-every 2): interleaved with 2 chunks per stage puts blocks 0 and 2
+    (no MoE, no expert engine) on stage 0."""
+    flags = list(FLAGS)
+    flags[flags.index("--n-layer") + 1] = "4"
+    flags += EP + ["--moe-every", "2", "--stage", str(stage), "--dtype", dtype]
+    flat = run_many(2, [flags])
+    piped = run_many(4, [flags + ["--pp", "2"] + s for s in schedules])
+    assert len(flat) == 1 and len(piped) == len(schedules)
+    assert flat[0]["moe"]["moe_blocks"] == [1, 3]
+    for b in piped:
+        same_bits(flat[0], b)
+    return piped
+
+
+def test_zb_h1_and_interleaved_equal_unpipelined():
+    piped = split_and_interleaved("fp16", 2, [["--schedule", "zb-h1"], ["--schedule", "interleaved", "--chunks", "2"]])
+    assert piped[1]["pipeline"]["stage_of_chunk"] == [0, 1, 0, 1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype,stage", [("fp32", 0), ("fp32", 3), ("fp16", 1)])
+def test_zb_h1_and_interleaved_more_stages(dtype, stage):
+    split_and_interleaved(dtype, stage, [["--schedule", "zb-h1"], ["--schedule", "interleaved", "--chunks", "2"]])
+
+
+@pytest.mark.slow
+def test_interleaved_every_block_moe():
+    """Every block MoE, 4 chunks over 2 stages: two expert engines on each rank."""
+    flags = list(FLAGS)
+    flags[flags.index("--n-layer") + 1] = "4"
+    flags += EP + ["--stage", "3", "--dtype", "fp32"]
+    flat = run_many(2, [flags])
+    piped = run_many(4, [flags + ["--pp", "2", "--schedule", "interleaved", "--chunks", "2"]])
+    same_bits(flat[0], piped[0])
+
+
+@pytest.mark.slow
+def test_two_ep_groups_per_stage():
+    """N=8 --pp 2 --ep 2: each stage's 4 ranks are 2 EP groups, each expert sharded over 2 expert-data-parallel
+    ranks; the bits of N=4 --ep 2."""
+    configs = [FLAGS + EP + ["--stage", s, "--dtype", "fp16", "--batch", "16"] for s in ("1", "3")]
+    flat = run_many(4, configs)
+    piped = run_many(8, [c + ["--pp", "2"] for c in configs], timeout=600)
+    assert len(flat) == len(piped) == 2
+    for a, b in zip(flat, piped):
+        same_bits(a, b)
+        assert b["moe"]["memory_bytes_by_engine"]["experts"]["ranks"] == 2
+
+
+@pytest.mark.slow
+def test_gradients_reduced_per_step_equal_ep1():
+    """--pp-grad-reduce step: each source's expert partials summed over the micro-batches, then reduced in world
+    rank order: the bits of --ep 1's per-step accumulation (not of per-micro-batch reduction: docs/pipeline.md)."""
+    configs = [FLAGS + ["--pp", "2", "--pp-grad-reduce", "step", "--stage", "2", "--ep", ep] for ep in ("1", "2")]
+    a, b = run_many(4, configs)
+    for key in ("final_params_sha256", "losses", "val_losses", "params"):
+        assert a[key] == b[key], key
+
+
+@pytest.mark.parametrize("flag", [["--save-dir", "x"], ["--resume", "x"], ["--replicas", "j"],
+                                  ["--simulate-world", "4"]])
+def test_what_is_not_built_is_refused_in_one_line(flag):
+    with pytest.raises(ConfigError) as e:
+        parse_config(FLAGS + EP + ["--pp", "2"] + flag, environ={})
+    assert str(e.value).startswith(f"{flag[0]} with --pp 2 --ep 2 is not supported yet"), e.value
+    assert "\n" not in str(e.value)
+
+
+def test_ep_must_divide_a_stages_ranks():
+    cfg = parse_config(FLAGS + ["--ep", "4", "--pp", "2", "--batch", "16"], environ={})
+    with pytest.raises(ConfigError) as e:
+        cfg.check_world(4)
+    assert str(e.value).startswith("ep=4 does not divide the 2 data-parallel ranks of each pipeline stage"), e.value
+    cfg.check_world(8)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_stages():
+    """N=8 --tp 2 --pp 2 --ep 2 (each TP rank's EP group in its stage) against N=4 --tp 2 --ep 2: the same bits."""
+    config = FLAGS + EP + ["--tp", "2", "--stage", "2", "--dtype", "fp16"]
+    flat = run_many(4, [config])
+    piped = run_many(8, [config + ["--pp", "2"]], timeout=600)
+    assert len(flat) == len(piped) == 1
+    same_bits(flat[0], piped[0])
+
+
+def routed(mode, flags, n=4):
+    proc = run_mpi(n, ["tests/drivers/moe_routing.py", mode, json.dumps(flags)], timeout=240)
+    runs = [json.loads(line[8:]) for line in proc.stdout.splitlines() if line.startswith("METRICS ")]
+    assert len(runs) == 1
+    return runs[0]["moe"]
+
+
+def forced_routing_ends(stages):
+    """Every token to expert 0, or each rank's to expert (its world rank): the runs end (no rank skips an exchange);
+    per-rank: a stage's 2 ranks send their block's 96 tokens to 2 experts, 48 each."""
+    for mode, expected in (("one", (0, 96)), ("per-rank", (0, 48))):
+        for stage in stages:
+            moe = routed(mode, FLAGS + EP + ["--pp", "2", "--stage", str(stage), "--top-k", "1"])
+            assert (moe["tokens_min"][-1], moe["tokens_max"][-1]) == expected, (mode, stage)
+
+
+def test_forced_routing_ends():
+    forced_routing_ends((3,))
+
+
+@pytest.mark.slow
+def test_forced_routing_ends_at_every_stage():
+    forced_routing_ends((0, 1, 2))
+
+
+def test_all_to_all_bytes_equal_the_formula():
+    """Exactly balanced routing (token i to expert i mod E, top-1): each rank sends its stage's block's formula
+    bytes, the mean over the ranks the formula over both blocks / 2."""
+    flags = FLAGS + EP + ["--pp", "2", "--stage", "1", "--top-k", "1", "--micro-batches", "3"]
+    moe = routed("cycle", flags)
+    assert moe["tokens_min"] == moe["tokens_max"] == [24] * 3
+    # 1 block per stage x 3 micro-batches x ((2-1)·2·8 + 4 x 16·1·(1/2) x 16 x 4 B), 16 tokens per micro-batch
+    assert moe["all_to_all_theory_bytes"] == 3 * (16 + 4 * 8 * 16 * 4)
+    assert moe["all_to_all_bytes"] == [moe["all_to_all_theory_bytes"]] * 3
+
+
+@pytest.mark.slow
+def test_recompute_capacity_bias_and_gather_per_step():
+    """--checkpoint-activations (the exchanges made again in the backward), --capacity-factor (drops), --bias-update
+    (the selection biases from the step's global counts) and stage 3's --pp-gather step: the unpipelined bits."""
+    base = FLAGS + EP + ["--stage", "3"]
+    extra = [["--checkpoint-activations"], ["--capacity-factor", "1.0"], ["--bias-update", "0.01"]]
+    flat = run_many(2, [base + e for e in extra] + [base])
+    piped = run_many(4, [base + e + ["--pp", "2"] for e in extra] + [base + ["--pp", "2", "--pp-gather", "step"]])
+    assert len(flat) == len(piped) == 4
+    for a, b in zip(flat, piped):
+        same_bits(a, b)
+        assert a["moe"]["bias"] == b["moe"]["bias"]
+    assert sum(flat[1]["moe"]["dropped"]) > 0 and any(v != 0 for b in flat[2]["moe"]["bias"].values() for v in b)

@@ -1,0 +1,109 @@
+"""Expert parallelism inside a pipeline's stages (--pp P with --ep K): each stage's experts over its own ranks.
+
+Each stage's data-parallel ranks form their EP groups as an unpipelined run's ranks do (K consecutive ranks of
+one TP coordinate: the same rows, the same exchanges as a run without --pp of the stage's size), so an EP group
+and an expert-data-parallel group never leave a stage. Each model chunk of this rank holding MoE blocks has an
+expert engine of its own (its EP rank's experts of those blocks, ZeRO over the stage's expert-data-parallel
+ranks, the gradients handed in per source: train/moe/expert_parallel.py), beside the chunk's dense engine. The
+step is decided once over the ranks of one EP group index across the stages (pipeline/step.py): every dense
+engine's totals counted on EP rank 0, every expert engine's on its own rank; the digest joins each chunk's
+experts in model order as the unpipelined run's. docs/moe.md.
+"""
+from types import SimpleNamespace
+
+from ...comm.subcomm import split
+from ...errors import check
+from .expert_parallel import engine_configs, split_experts, whole_params
+
+
+def check_job(cfg) -> None:
+    """ConfigError (one line) where --pp with --ep meets what it does not compose with yet: the pipeline's
+    checkpoints and replicas hold each chunk's one engine (not its expert engine), the simulated world."""
+    if cfg.mesh.pp == 1 or cfg.moe.ep == 1:
+        return
+    for name, given in (("--save-dir", cfg.save_dir is not None), ("--resume", cfg.resume is not None),
+                        ("--replicas", cfg.replicas is not None), ("--simulate-world", bool(cfg.simulate_world))):
+        check(not given, f"{name} with --pp {cfg.mesh.pp} --ep {cfg.moe.ep} is not supported yet (a pipeline's "
+                         "checkpoints and replicas do not hold the expert engines; docs/moe.md); drop one of them")
+
+
+def check_world(cfg, world_size: int) -> None:
+    """ConfigError unless --ep divides each stage's data-parallel ranks (with --pp; its EP groups stay in a stage)."""
+    m, ep = cfg.mesh, cfg.moe.ep
+    if m.pp == 1 or ep == 1:
+        return
+    dp = world_size // (m.tp * m.sp * m.pp)
+    check(dp % ep == 0, f"ep={ep} does not divide the {dp} data-parallel ranks of each pipeline stage ({world_size} "
+                        f"ranks / (pp {m.pp} x tp {m.tp})); each stage's ranks form groups of ep that hold all the "
+                        f"experts, so use a divisor of {dp}")
+
+
+def _color(mesh, rank: int, stage: bool, dp_part) -> int:
+    """A split color of world ``rank``: its TP and SP coordinates, its stage (``stage``) and ``dp_part(dp index)``."""
+    c = mesh.coords(rank)
+    return c["tp"] + mesh.tp * (c["sp"] + mesh.sp * ((c["pp"] if stage else 0) + mesh.pp * dp_part(c["dp"])))
+
+
+class StageExperts:
+    """This rank's part of --ep in a pipelined run: ``ep`` (EPComm of its stage), ``edp`` (its expert-data-parallel
+    Communicator), ``engines`` ({model chunk: expert engine}, chunks with MoE blocks only), ``dense_layers``
+    ({chunk: its lazy layers without the experts}, for the chunks' dense engines); ``group``: the step's group
+    (an object with ``mpi``, ``waiting``, ``ranks``) and ``lead``: whether this rank counts the dense totals."""
+
+    def __init__(self, cfg, mesh, comm, model, runners, chunk_config):
+        from ...comm.communicator import Communicator
+        from ...comm.ep_alltoall import EPComm
+        from ...engine.zero_engine import ZeroEngine
+        from ...pipeline.grads import GradSink
+        from .ep_mlp import ExpertStore
+        K = self.k = cfg.moe.ep
+        group_of, ep_rank = (lambda d: d // K), (lambda d: d % K)
+        self.ep = EPComm(split(comm.mpi, lambda r: _color(mesh, r, True, group_of)), comm.waiting)
+        self.edp = Communicator(split(comm.mpi, lambda r: _color(mesh, r, True, ep_rank)), share=comm)
+        # the step's: this EP group's index over every stage (stage, then EP rank order: world order)
+        mine = _color(mesh, comm.rank, False, group_of)
+        step_mpi = split(comm.mpi, lambda r: _color(mesh, r, False, group_of))
+        self.group = SimpleNamespace(mpi=step_mpi, waiting=comm.waiting, ranks=[
+            r for r in range(comm.size) if _color(mesh, r, False, group_of) == mine])
+        self.lead = self.ep.rank == 0
+        self.engines, self.dense_layers, self.order, where = {}, {}, {}, {}
+        per_step = cfg.pipeline.grad_reduce == "step"
+        for chunk, runner in sorted(runners.items()):
+            layers = runner.lazy_layers()
+            self.order[chunk] = [n for _, params in layers for n in params]
+            dense, experts, blocks = split_experts(layers, self.ep.rank, K)
+            self.dense_layers[chunk] = dense
+            if not experts:                   # a chunk of dense blocks only (--moe-every)
+                continue
+            engine = ZeroEngine(experts, engine_configs(chunk_config, dense, experts)[1], self.edp, sources=K)
+            sink = GradSink(engine, cfg.pipeline.grad_reduce, cfg.zero.micro_batches) if per_step \
+                else engine.grads_ready
+            self.engines[chunk] = engine
+            where.update({b: (engine, i, sink) for i, b in enumerate(blocks)})
+        model.use_expert_parallel(self.ep, ExpertStore(where, model.dtype))
+        self.dense = {}                       # the chunks' dense engines, set by the job once made
+
+    def counted(self, dense_engines: int):
+        """step_together's ``counted`` for this rank's dense engines, then its expert engines."""
+        return [self.lead] * dense_engines + [True] * len(self.engines)
+
+    def chunk_params(self, chunk: int):
+        """Chunk ``chunk``'s parameters (fp32 master) in model order, every expert whole (a collective over the
+        stage's groups): the stream that pipeline/digest.py hashes."""
+        engines = [self.dense[chunk]] + ([self.engines[chunk]] if chunk in self.engines else [])
+        return whole_params(engines, self.order[chunk], self.ep.mpi)
+
+    def expert_params(self) -> int:
+        """Every EP rank's expert parameters of this rank's chunks (K × this rank's)."""
+        return self.k * sum(e.layout.params_numel for e in self.engines.values())
+
+    def memory(self, dense=None) -> dict:
+        """This rank's model states of its dense and its expert engines, measured and by formula."""
+        rows = {}
+        for name, engines in (("dense", list(self.dense.values())), ("experts", list(self.engines.values()))):
+            reports = [e.memory_report() for e in engines]
+            rows[name] = {"measured": sum(r["measured"]["total"] for r in reports),
+                          "theory": sum(r["theory"]["total"] for r in reports),
+                          "params": sum(e.layout.params_numel for e in engines),
+                          "ranks": engines[0].world_size if engines else 0}
+        return {"memory_bytes_by_engine": rows}
