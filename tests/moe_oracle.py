@@ -3,7 +3,8 @@ at a time through the router and its experts (for finite differences and as the 
 
 Parameters are a flat {name: array} dict with zerompi's names (block{i}.router.w, block{i}.experts.fc.w (E, C, H),
 ...), so that the same values go through both. The loss is the mean token cross-entropy plus aux_coef times the
-sum over MoE blocks of E · Σ_e f_e · p_e.
+sum over MoE blocks of E · Σ_e f_e · p_e. Shared experts (``block{i}.shared.fc.w`` (S, C, H), ...) run on every
+token, unweighted.
 """
 import math
 
@@ -37,10 +38,10 @@ def causal_attention(x, wqkv, bqkv, n_head):
     return out
 
 
-def moe_mlp(x, p, pre, experts, top_k, capacity_factor=None, bias=None):
+def moe_mlp(x, p, pre, experts, top_k, capacity_factor=None, bias=None, shared=0):
     """(out (n, C), aux) of rows x (n, C): each token's top-k experts by probability (plus ``bias``, for the choice
     only; ties: lower index), weights renormalised; with a capacity, assignments kept first-come in (slot, token)
-    order."""
+    order; plus, for every token, each of the ``shared`` always-on experts (``shared.*``) at weight 1."""
     n = x.shape[0]
     logits = x @ p[pre + "router.w"]
     probs = np.exp(logits - logits.max(1, keepdims=True))
@@ -62,12 +63,15 @@ def moe_mlp(x, p, pre, experts, top_k, capacity_factor=None, bias=None):
             if keep[t, j]:
                 h = gelu(x[t] @ p[pre + "experts.fc.w"][e] + p[pre + "experts.fc.b"][e])
                 out[t] += probs[t, e] / total * (h @ p[pre + "experts.out.w"][e] + p[pre + "experts.out.b"][e])
+        for s in range(shared):
+            h = gelu(x[t] @ p[pre + "shared.fc.w"][s] + p[pre + "shared.fc.b"][s])
+            out[t] += h @ p[pre + "shared.out.w"][s] + p[pre + "shared.out.b"][s]
     f = np.array([sum(1 for t in range(n) if e in choice[t]) for e in range(experts)]) / (n * top_k)
     return out, experts * float((f * probs.mean(0)).sum())
 
 
 def loss(p, idx, targets, n_layer, n_head, moe_blocks, experts, top_k, capacity_factor=None, aux_coef=0.01,
-         bias=None):
+         bias=None, shared=0):
     """(cross-entropy, aux sum, total) of the batch idx (B, T) -> targets (B, T)."""
     B, T = idx.shape
     xs = [p["wte"][idx[b]] + p["wpe"][:T] for b in range(B)]
@@ -78,7 +82,8 @@ def loss(p, idx, targets, n_layer, n_head, moe_blocks, experts, top_k, capacity_
                                    p[pre + "qkv.b"], n_head) @ p[pre + "proj.w"] + p[pre + "proj.b"] for x in xs]
         ms = [layer_norm(x, p[pre + "ln2.g"], p[pre + "ln2.b"]) for x in xs]
         if i in moe_blocks:          # the router sees the whole micro-batch's tokens at once (capacity, aux)
-            out, aux = moe_mlp(np.concatenate(ms), p, pre, experts, top_k, capacity_factor, (bias or {}).get(i))
+            out, aux = moe_mlp(np.concatenate(ms), p, pre, experts, top_k, capacity_factor, (bias or {}).get(i),
+                               shared)
             aux_total += aux
             xs = [x + out[b * T:(b + 1) * T] for b, x in enumerate(xs)]
         else:

@@ -132,6 +132,8 @@ BAD = [
     (GPT + ["--experts", "4", "--moe-every", "0"], "moe_every=0 must be an integer >= 1"),
     (GPT + ["--experts", "4", "--expert-hidden", "0"], "expert_hidden=0 must be an integer >= 1"),
     (GPT + ["--top-k", "1"], "top_k=1 (--top-k) applies with --experts only"),
+    (GPT + ["--experts", "4", "--shared-experts", "-1"], "shared_experts=-1 must be an integer >= 0"),
+    (GPT + ["--shared-experts", "1"], "shared_experts=1 (--shared-experts) applies with --experts only"),
     (GPT + ["--experts", "4", "--tp", "2"], "--tp with --experts 4 is not estimated yet (the run takes it"),
     (GPT + ["--experts", "4", "--optimizer", "muon"], "--optimizer muon with --experts 4 is not supported yet"),
     (GPT + ["--experts", "4", "--ep", "4", "--node-size", "2", "--shard-size", "2"],

@@ -17,11 +17,12 @@ REFUSED = [
     (["--top-k", "2"], "top_k=2 (--top-k) applies with --experts > 0 only"),
     (["--ep", "2"], "ep=2 (--ep) applies with --experts > 0 only"),
     (["--experts", "4", "--bias-update", "-1"], "bias_update=-1.0 must be >= 0"),
+    (["--experts", "4", "--shared-experts", "-1"], "shared_experts=-1 must be an integer >= 0"),
+    (["--shared-experts", "1"], "shared_experts=1 (--shared-experts) applies with --experts > 0 only"),
     (["--model", "mlp", "--experts", "4"], "experts=4 applies to model gpt only"),
     (["--experts", "4", "--pp", "2", "--ep", "2", "--save-dir", "x"], "--save-dir with --pp 2 --ep 2 is not supported"),
-    (["--experts", "4", "--sp", "2", "--ep", "2"], "--sp with --experts 4 --ep 2 is not supported yet"),
-    (["--experts", "4", "--sp", "2", "--capacity-factor", "1.5"],
-     "--sp with --experts 4 --capacity-factor 1.5 is not supported yet"),
+    (["--experts", "4", "--sp", "2", "--pp", "2", "--ep", "2"],
+     "--sp 2 with --experts 4 --pp 2 --ep 2 is not supported"),
     (["--experts", "4", "--optimizer", "muon"], "--optimizer muon with --experts 4 is not supported"),
     (["--experts", "4", "--bias-update", "0.01", "--pp", "2", "--resume", "x"],
      "--resume with --bias-update 0.01 --pp 2: a pipeline's checkpoints do not hold the selection biases yet"),
@@ -56,6 +57,8 @@ def test_accepted():
     assert (cfg.moe.experts, cfg.moe.top_k, cfg.moe.capacity_factor, cfg.moe.moe_every) == (8, 1, 1.25, 2)
     cfg = parse_config(["--experts", "4", "--tp", "2", "--ep", "2", "--stage", "3"], environ={})
     assert (cfg.mesh.tp, cfg.moe.ep) == (2, 2)
+    cfg = parse_config(["--experts", "4", "--sp", "2", "--ep", "2", "--capacity-factor", "1.5"], environ={})
+    assert (cfg.mesh.sp, cfg.moe.ep, cfg.moe.capacity_factor) == (2, 2, 1.5)
     assert parse_config(["--experts", "4", "--ep", "2", "--checkpoint-activations"], environ={}).checkpoint_activations
     for argv in (["--node-size", "2", "--shard-size", "2"], ["--stage", "3", "--hpz"], ["--trace", "t.json"],
                  ["--comm-progress", "thread"], ["--offload-optimizer", "cpu", "--offload-delayed-update"],
@@ -79,6 +82,7 @@ def test_checkpoints_accepted_with_ep_and_bias_update():
     (["--experts", "4", "--top-k", "5"], "top_k=5 is more than experts=4"),
     (["--model", "mlp", "--experts", "4"], "experts=4 applies to model gpt only"),
     (["--experts", "4", "--ep", "4"], "ep=4 does not divide the 2 ranks"),
+    (["--experts", "4", "--shared-experts", "-2"], "shared_experts=-2 must be an integer >= 0"),
     (["--experts", "4", "--tp", "2", "--ep", "2"], "ep=2 does not divide the 1 data-parallel ranks (2 ranks / tp 2)"),
 ])
 def test_every_rank_exits_2_with_one_line(flags, needle):

@@ -11,8 +11,8 @@ from zerompi.train.moe.mlp import MoESpec
 V, T, L, H, C = 11, 6, 2, 2, 8
 
 
-def setup(experts=4, top_k=2, every=1, capacity=None, coef=0.01, hidden=12, dtype=np.float64, seed=3):
-    spec = MoESpec(experts, top_k, hidden, every, capacity, coef)
+def setup(experts=4, top_k=2, every=1, capacity=None, coef=0.01, hidden=12, dtype=np.float64, seed=3, shared=0):
+    spec = MoESpec(experts, top_k, hidden, every, capacity, coef, shared=shared)
     model = GPT(V, T, L, H, C, seed=seed, moe=spec, dtype=dtype)
     layers = [(a, {k: v.astype(dtype) for k, v in p.items()}) for a, p in model.init_layers()]
     rng = np.random.default_rng(seed)
@@ -28,11 +28,12 @@ def oracle(spec, layers, idx, tgt, flat=None, bias=None):
     flat = flat or {k: v for _, p in layers for k, v in p.items()}
     blocks = [i for i in range(L) if spec.is_moe(i)]
     return moe_oracle.loss(flat, idx, tgt, L, H, blocks, spec.experts, spec.top_k, spec.capacity_factor,
-                           spec.aux_coef, bias)
+                           spec.aux_coef, bias, spec.shared)
 
 
 CASES = {"dropless": {}, "capacity": {"capacity": 0.75}, "every-2": {"every": 2}, "top-1": {"top_k": 1},
-         "top-3": {"top_k": 3, "experts": 5}}
+         "top-3": {"top_k": 3, "experts": 5}, "shared-1": {"shared": 1}, "shared-2": {"shared": 2, "every": 2},
+         "shared-capacity": {"shared": 2, "capacity": 0.75, "top_k": 1}}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -76,12 +77,31 @@ MOE_NAMES = ["block{}.router.w", "block{}.experts.fc.w", "block{}.experts.fc.b",
              "block{}.experts.out.b", "block{}.ln2.g", "block{}.qkv.w"]
 
 
-@pytest.mark.parametrize("case", ["dropless", "capacity", "every-2"])
+SHARED_NAMES = ["block{}.shared.fc.w", "block{}.shared.fc.b", "block{}.shared.out.w", "block{}.shared.out.b"]
+
+
+@pytest.mark.parametrize("case", ["dropless", "capacity", "every-2", "shared-1", "shared-2", "shared-capacity"])
 def test_gradients_equal_finite_differences(case):
     spec, model, layers, idx, tgt = setup(**CASES[case])
     block = next(i for i in range(L) if spec.is_moe(i))
-    names = [n.format(block) for n in MOE_NAMES] + ["wte", "wpe", "block0.ln1.g"]
+    names = [n.format(block) for n in MOE_NAMES + (SHARED_NAMES if spec.shared else [])] \
+        + ["wte", "wpe", "block0.ln1.g"]
     assert check_fd(spec, model, layers, idx, tgt, names) == 4 * len(names)
+
+
+def test_shared_experts_change_the_output():
+    """The shared experts are in the model (every MoE block's parameters, shaped (S, ...)) and move the loss; with
+    S = 0 the model has none of them (the names, the draws and the bits of a model without)."""
+    spec, model, layers, idx, tgt = setup(shared=2)
+    flat = {k: v for _, p in layers for k, v in p.items()}
+    assert flat["block0.shared.fc.w"].shape == (2, C, 12) and flat["block1.shared.out.b"].shape == (2, C)
+    with_shared = model.loss_and_grads(layers, idx, tgt)[0]
+    plain_layers = setup()[2]
+    assert not any(".shared." in k for _, p in plain_layers for k in p)
+    for _, p in layers:                      # the shared experts' output zeroed: the model without them
+        for k in [k for k in p if ".shared.out." in k]:
+            p[k][...] = 0
+    assert model.loss_and_grads(layers, idx, tgt)[0] != with_shared
 
 
 def test_aux_loss_gradient_alone():

@@ -15,11 +15,12 @@ SIZES = dict(n_layer=2, n_head=2, d_model=16, seq_len=8)
 MOE = dict(experts=4, top_k=2, hidden=24)
 
 
-def float64_mean_grads(shares: int) -> dict:
+def float64_mean_grads(shares: int, shared: int = 0) -> dict:
     """The first step's gradient of the MoE GPT of SIZES and MOE in float64, one process: the mean over the
-    ``shares`` data-parallel shares of batch 12, each routed on its own (the gradient-norm tests' reference)."""
+    ``shares`` data-parallel shares of batch 12, each routed on its own (the gradient-norm tests' reference;
+    ``shared``: with that many shared experts)."""
     data = GeneratedData(SIZES["seq_len"], 0)
-    spec = MoESpec(MOE["experts"], MOE["top_k"], MOE["hidden"], 1, None, 0.01)
+    spec = MoESpec(MOE["experts"], MOE["top_k"], MOE["hidden"], 1, None, 0.01, shared=shared)
     model = GPT(data.vocab, seed=0, dtype=np.float64, moe=spec, **SIZES)
     layers = [(a, {k: v.astype(np.float64) for k, v in p.items()}) for a, p in model.init_layers()]
     total = {}

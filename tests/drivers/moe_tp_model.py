@@ -1,12 +1,13 @@
 """One forward and backward of the tensor-parallel MoE GPT on K ranks against the full model in one process.
 
-Usage: mpiexec -n K python tests/drivers/moe_tp_model.py
+Usage: mpiexec -n K python tests/drivers/moe_tp_model.py [S]   (S: shared experts per MoE block, default 0)
 Rank 0 prints one line ``RESULT {json}``: per dtype, the largest relative error of the loss and of every gradient
 (split ones merged from every rank's piece) against the unsplit model, whether the replicated gradients (the
 router's and the experts' among them) are bit-identical on every TP rank, the TP all-reduce calls and bytes
 beside the model's formula, and whether activation checkpointing gave the same bits and routing counts.
 """
 import json
+import sys
 
 import numpy as np
 from mpi4py import MPI
@@ -20,7 +21,8 @@ from zerompi.train.moe.mlp import MoESpec
 world = MPI.COMM_WORLD
 tp = Mesh(world, tp=world.Get_size()).tp_comm
 V, T, L, H, C, B = 11, 8, 4, 4, 16, 3
-SPEC = MoESpec(4, 2, 24, every=2)        # blocks 1 and 3 MoE, 0 and 2 dense
+SHARED = int(sys.argv[1]) if len(sys.argv) > 1 else 0
+SPEC = MoESpec(4, 2, 24, every=2, shared=SHARED)        # blocks 1 and 3 MoE, 0 and 2 dense
 
 
 def compare(loss, grads, split, full_loss, full_grads):
@@ -33,7 +35,7 @@ def compare(loss, grads, split, full_loss, full_grads):
         else:
             got = every[0][name]
             out["replicated_identical"] &= all(np.array_equal(e[name], got) for e in every)
-            out["experts_replicated"] += ".experts." in name or ".router." in name
+            out["experts_replicated"] += ".experts." in name or ".router." in name or ".shared." in name
         out["grad"] = max(out["grad"], float(np.abs(got - ref).max() / np.abs(ref).max()))
     return out
 

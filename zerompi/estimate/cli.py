@@ -116,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     moe.add_argument("--moe-every", type=int, default=None, metavar="K", help="every K-th block is MoE (default 1)")
     moe.add_argument("--expert-hidden", type=int, default=None, metavar="H",
                      help="hidden width of each expert's MLP (default 4 x d_model)")
+    moe.add_argument("--shared-experts", type=int, default=None, metavar="S",
+                     help="always-on shared experts per MoE block: dense parameters (default 0)")
     p.add_argument("--replicas", action="store_true", help="as zerompi.train --replicas: the host shared memory "
                    "of each rank's in-memory shard replicas (docs/failures.md)")
     p.add_argument("--optimizer", default=None, metavar="adamw|muon", help="the optimizer whose state the table "
@@ -284,9 +286,10 @@ def _moe(a, dims: dict, given: list) -> dict:
                "--optimizer muon": a.optimizer == "muon",
                "--offload-optimizer": ep > 1 and a.offload_optimizer != "none",
                "--offload-params": ep > 1 and a.offload_params != "none"},
-              {"--quantize-weights": bool(a.quantize_weights), "--quantize-grads": bool(a.quantize_grads)})
+              {"--quantize-weights": bool(a.quantize_weights), "--quantize-grads": bool(a.quantize_grads)},
+              a.shared_experts or 0)
     return gpt_moe(dims, a.ranks, a.experts, ep, top_k, every, a.expert_hidden, a.micro_batches,
-                   ZeroConfig(dtype=a.dtype).itemsize)
+                   ZeroConfig(dtype=a.dtype).itemsize, a.shared_experts or 0)
 
 
 PIPELINE_ALONE = ("largest_layer", "from_run", "node_size", "shard_size") + GPT_FLAGS

@@ -2,7 +2,8 @@
 the expert-parallel all-to-all's bytes per step (the formulas a run prints beside what it measured).
 
 An MoE block keeps the dense block's attention and LayerNorms (4C² + 8C) and adds the router (C·E); its E
-experts hold E(2CH + H + C). Under --ep K the dense parameters are sharded over the N ranks, each EP rank's
+experts hold E(2CH + H + C), its S shared experts (--shared-experts) S(2CH + H + C) more dense parameters.
+Under --ep K the dense parameters are sharded over the N ranks, each EP rank's
 E/K experts over the N/K ranks holding the same experts (engine/memory.py's theory_bytes for each). The
 all-to-all (train/moe/routing.py's row): per MoE block and micro-batch, the counts once and four passes of the rows
 that leave the rank, balanced and dropless. docs/moe.md.
@@ -14,12 +15,13 @@ from ..errors import check
 
 
 def gpt_moe_params(vocab: int, seq_len: int, d_model: int, n_layer: int, experts: int, hidden: int,
-                   every: int = 1) -> Tuple[int, int]:
-    """(dense Ψ, expert Ψ over all experts) of the built-in GPT with an MoE MLP in every ``every``-th block."""
+                   every: int = 1, shared: int = 0) -> Tuple[int, int]:
+    """(dense Ψ, expert Ψ over all experts) of the built-in GPT with an MoE MLP in every ``every``-th block
+    (``shared``: its always-on shared experts, dense parameters)."""
     c = d_model
     moe = sum(1 for i in range(n_layer) if (i + 1) % every == 0)
     dense = vocab * c + seq_len * c + 2 * c + (n_layer - moe) * (12 * c * c + 13 * c) \
-        + moe * (4 * c * c + 8 * c + c * experts)
+        + moe * (4 * c * c + 8 * c + c * experts + shared * (2 * c * hidden + hidden + c))
     return dense, moe * experts * (2 * c * hidden + hidden + c)
 
 
@@ -43,11 +45,12 @@ def all_to_all_bytes(ep: int, experts: int, top_k: int, d_model: int, tokens: in
                                      + (2 * forwards + 2) * rows * d_model * 4)
 
 
-MOE_FLAGS = ("top_k", "moe_every", "expert_hidden")   # the estimate's MoE options besides --experts and --ep
+# the estimate's MoE options besides --experts and --ep
+MOE_FLAGS = ("top_k", "moe_every", "expert_hidden", "shared_experts")
 
 
 def check_moe(experts: int, ep: int, top_k: int, every: int, hidden: Optional[int], ranks: int,
-              other: Dict[str, bool], with_ep: Dict[str, bool]) -> None:
+              other: Dict[str, bool], with_ep: Dict[str, bool], shared: int = 0) -> None:
     """ConfigError (one line) where zerompi.train's MoE refuses the values or the flags (train/moe/config.py):
     ``other`` maps each flag the MoE does not compose with yet to whether it is given, ``with_ep`` those that
     --ep K > 1 does not."""
@@ -56,6 +59,7 @@ def check_moe(experts: int, ep: int, top_k: int, every: int, hidden: Optional[in
     check(top_k <= experts, f"top_k={top_k} is more than experts={experts}; use a top_k of at most {experts}")
     check(every >= 1, f"moe_every={every} must be an integer >= 1")
     check(hidden is None or hidden >= 1, f"expert_hidden={hidden} must be an integer >= 1")
+    check(shared >= 0, f"shared_experts={shared} must be an integer >= 0 (0 = none)")
     check(ep >= 1, f"ep={ep} must be an integer >= 1")
     check(experts % ep == 0, f"experts={experts} is not divisible by ep={ep}; each expert-parallel rank holds "
                              f"experts / ep of them, so use a divisor of {experts}")
@@ -70,15 +74,16 @@ def check_moe(experts: int, ep: int, top_k: int, every: int, hidden: Optional[in
 
 
 def gpt_moe(dims: dict, ranks: int, experts: int, ep: int, top_k: int, every: int, hidden: Optional[int],
-            micro_batches: int, itemsize: int) -> dict:
+            micro_batches: int, itemsize: int, shared: int = 0) -> dict:
     """The MoE section of the estimate for the GPT of ``dims`` (activations.GPT_FLAGS) over ``ranks``: its dense
     and expert parameters, each stage's dense and expert model states per rank, the all-to-all's bytes per rank
     per step, and the engine layers the ZeRO table takes (the whole model at --ep 1, one engine; the dense
     engine's at --ep K > 1: the experts are the second engine's)."""
     c, n_layer, hidden = dims["d_model"], dims["n_layer"], hidden or 4 * dims["d_model"]
-    dense, expert = gpt_moe_params(dims["vocab"], dims["seq_len"], c, n_layer, experts, hidden, every)
+    dense, expert = gpt_moe_params(dims["vocab"], dims["seq_len"], c, n_layer, experts, hidden, every, shared)
     blocks = sum(1 for i in range(n_layer) if (i + 1) % every == 0)
-    moe_block = 4 * c * c + 8 * c + c * experts + (experts * (2 * c * hidden + hidden + c) if ep == 1 else 0)
+    mlp = 2 * c * hidden + hidden + c                   # one expert's (routed or shared)
+    moe_block = 4 * c * c + 8 * c + c * experts + shared * mlp + (experts * mlp if ep == 1 else 0)
     layers = [dims["vocab"] * c + dims["seq_len"] * c] + [
         moe_block if (i + 1) % every == 0 else 12 * c * c + 13 * c for i in range(n_layer)] + [2 * c]
     tokens = dims["batch"] // (ranks * micro_batches) * dims["seq_len"]
@@ -87,7 +92,8 @@ def gpt_moe(dims: dict, ranks: int, experts: int, ep: int, top_k: int, every: in
         st = moe_states(stage, itemsize, ranks, ep, dense, expert)
         rows.append({"stage": stage, "dense_bytes": st["dense"]["total"], "expert_bytes": st["experts"]["total"],
                      "model_state_bytes": st["dense"]["total"] + st["experts"]["total"]})
-    return {"experts": experts, "ep": ep, "top_k": top_k, "moe_every": every, "expert_hidden": hidden,
+    return {"experts": experts, "shared_experts": shared, "ep": ep, "top_k": top_k, "moe_every": every,
+            "expert_hidden": hidden,
             "moe_blocks": blocks, "dense_params": dense, "expert_params": expert, "ranks": ranks,
             "expert_ranks": ranks // ep, "tokens_per_micro_batch": tokens, "stages": rows,
             "all_to_all_bytes_per_step": all_to_all_bytes(ep, experts, top_k, c, tokens, blocks, micro_batches),
@@ -158,7 +164,9 @@ def format_moe(moe: dict) -> str:
     """The MoE section the command line prints under the table."""
     line = lambda label, cells: f"  {label:<28}" + "".join(f"{c:>14}" for c in cells)
     rows, k = moe["stages"], moe["ep"]
-    out = ["", f"mixture of experts: {moe['experts']} experts (top-{moe['top_k']}, hidden {moe['expert_hidden']}) in "
+    shared = f" + {moe['shared_experts']} shared" if moe.get("shared_experts") else ""
+    out = ["", f"mixture of experts: {moe['experts']} experts{shared} (top-{moe['top_k']}, hidden "
+               f"{moe['expert_hidden']}) in "
                f"{moe['moe_blocks']} of the blocks, --ep {k}: Ψ = {moe['dense_params']:,} dense + "
                f"{moe['expert_params']:,} expert parameters",
            line("bytes per rank", [f"stage {r['stage']}" for r in rows]),

@@ -113,7 +113,9 @@ class GPT:
         the blocks' own layers then hold the rest (block_names without the experts)."""
         from ..moe.ep_mlp import EPMoEMLP
         self.experts_apart = True
-        self.moe_blocks.mlp = EPMoEMLP(self.moe, self.xp, self.dtype, ep, store)
+        mlp = EPMoEMLP(self.moe, self.xp, self.dtype, ep, store)
+        mlp.sp = self.moe_blocks.mlp.sp       # with --sp: the aux loss and the capacity over the whole sequences
+        self.moe_blocks.mlp = mlp
 
     def idle_layer(self, i: int, x):
         """Layer i visited with no rows to run (held-out evaluation): ``x``; an expert-parallel MoE block still
@@ -126,7 +128,7 @@ class GPT:
         """Short name -> parameter name of block i (0-based)."""
         if self.is_moe(i):
             from ..moe.block import moe_keys
-            return {k: f"block{i}.{k}" for k in moe_keys(self.experts_apart)}
+            return {k: f"block{i}.{k}" for k in moe_keys(self.experts_apart, self.moe.shared)}
         keys = ["ln1.g", "ln1.b", "qkv.w", "qkv.b", "proj.w", "proj.b",
                 "ln2.g", "ln2.b", "fc.w", "fc.b", "out.w", "out.b"]
         return {k: f"block{i}.{k}" for k in keys}
@@ -144,7 +146,7 @@ class GPT:
             n = self.block_names(i)
             if self.is_moe(i):
                 from ..moe.block import moe_keys, moe_params
-                n = {k: f"block{i}.{k}" for k in moe_keys()}          # every parameter, the experts too
+                n = {k: f"block{i}.{k}" for k in moe_keys(shared=self.moe.shared)}   # every parameter, the experts too
                 layers.append((f"block{i}", moe_params(n, self.moe, C, normal, zeros, ones, resid)))
                 continue
             layers.append((f"block{i}", {

@@ -10,29 +10,35 @@ the aux loss taken over the whole sequences (moe.py's ``Routing.share``).
 """
 from ..models.gpt_numpy import Attention, layernorm, layernorm_backward, linear, linear_backward, matmul
 from ..models.gpt_sp import SPAttention
-from .mlp import EXPERT_KEYS, ROUTER, MoEMLP, MoESpec
+from .mlp import EXPERT_KEYS, ROUTER, SHARED_KEYS, MoEMLP, MoESpec
 
 ATTENTION_KEYS = ("ln1.g", "ln1.b", "qkv.w", "qkv.b", "proj.w", "proj.b", "ln2.g", "ln2.b")
 
 
-def moe_keys(experts_apart: bool = False):
+def moe_keys(experts_apart: bool = False, shared: int = 0):
     """The short names of an MoE block's parameters, in the engine's order (``experts_apart``: without the
-    experts', which then live in an engine of their own: moe/ep_mlp.py)."""
-    return ATTENTION_KEYS + (ROUTER,) + (() if experts_apart else EXPERT_KEYS)
+    routed experts', which then live in an engine of their own: moe/ep_mlp.py; ``shared``: the shared experts,
+    dense parameters after the router, when there are any). The routed experts are last, so that the dense
+    part of a block is its first parameters at every --ep (checkpoint consolidation keeps that order)."""
+    return ATTENTION_KEYS + (ROUTER,) + (SHARED_KEYS if shared else ()) + (() if experts_apart else EXPERT_KEYS)
 
 
 def moe_params(names, spec: MoESpec, C: int, normal, zeros, ones, resid: float) -> dict:
     """{param name: lazy rule} of one MoE block (``names``: short -> full), drawn in the order of moe_keys()."""
-    E, H = spec.experts, spec.hidden
-    return {
+    E, H, S = spec.experts, spec.hidden, spec.shared
+    out = {
         names["ln1.g"]: ones(C), names["ln1.b"]: zeros(C),
         names["qkv.w"]: normal((C, 3 * C)), names["qkv.b"]: zeros(3 * C),
         names["proj.w"]: normal((C, C), resid), names["proj.b"]: zeros(C),
         names["ln2.g"]: ones(C), names["ln2.b"]: zeros(C),
         names[ROUTER]: normal((C, E)),
-        names["experts.fc.w"]: normal((E, C, H)), names["experts.fc.b"]: zeros((E, H)),
-        names["experts.out.w"]: normal((E, H, C), resid), names["experts.out.b"]: zeros((E, C)),
     }
+    if S:
+        out.update({names["shared.fc.w"]: normal((S, C, H)), names["shared.fc.b"]: zeros((S, H)),
+                    names["shared.out.w"]: normal((S, H, C), resid), names["shared.out.b"]: zeros((S, C))})
+    out.update({names["experts.fc.w"]: normal((E, C, H)), names["experts.fc.b"]: zeros((E, H)),
+                names["experts.out.w"]: normal((E, H, C), resid), names["experts.out.b"]: zeros((E, C))})
+    return out
 
 
 class MoEBlocks:
@@ -56,7 +62,7 @@ class MoEBlocks:
         y, att = self.attention.forward(linear(a, p["qkv.w"], p["qkv.b"]))
         x1 = x + (self.reduce(matmul(y, p["proj.w"])) + p["proj.b"])      # row-parallel under TP
         m, ln2 = layernorm(xp, x1, p["ln2.g"], p["ln2.b"])
-        mo, moe = self.mlp.forward(p, m.reshape(B * T, C), block)
+        mo, moe = self.mlp.forward(p, m.reshape(B * T, C), block, B)
         return x1 + mo.reshape(B, T, C), (ln1, a, att, y, ln2, moe)
 
     def block_backward(self, p, cache, dout):

@@ -11,7 +11,9 @@ gradient (times ``aux_coef``) flows into the router through p_e. Everything is c
 slot, by expert), so the bits depend on nothing but the rows. With ``bias_rate`` γ > 0 (DeepSeek-V3's
 aux-loss-free balancing) a per-expert bias is added to the probabilities for the top-k choice only (the
 weights stay the probabilities'), moved by γ · sign(mean load - load) after each step on the step's global
-counts (train/moe/routing.py). docs/moe.md.
+counts (train/moe/routing.py). With ``shared`` S > 0 (DeepSeek-style shared experts) S more expert MLPs of the
+same shape run on every row, no router weight, their outputs added after the routed ones in index order
+(``shared.fc.w`` is (S, C, H)): dense parameters of the block, drawn before its routed experts. docs/moe.md.
 """
 import math
 from dataclasses import dataclass
@@ -23,6 +25,8 @@ from ..models.gpt_numpy import gelu, gelu_grad
 
 # Short names of an MoE block's MLP parameters (beside the router's ``router.w``), stacked over the experts.
 EXPERT_KEYS = ("experts.fc.w", "experts.fc.b", "experts.out.w", "experts.out.b")
+# The shared experts' (every row through each of them, no router weight), stacked over the S shared experts.
+SHARED_KEYS = ("shared.fc.w", "shared.fc.b", "shared.out.w", "shared.out.b")
 ROUTER = "router.w"
 
 
@@ -37,6 +41,7 @@ class MoESpec:
     capacity_factor: Optional[float] = None
     aux_coef: float = 0.01
     bias_rate: float = 0.0
+    shared: int = 0
 
     def is_moe(self, block: int) -> bool:
         """Whether block ``block`` (0-based) has the MoE MLP: every ``every``-th, the last of each run of them."""
@@ -61,7 +66,7 @@ class Routing:
     """One micro-batch's routing of ``n`` rows: ``top`` (n, k) experts, renormalised weights ``weights`` (n, k),
     and per expert the slot-major assignment positions it keeps (``kept[e]``: positions q = slot·n + token)."""
 
-    def __init__(self, xp, spec: MoESpec, probs, bias=None):
+    def __init__(self, xp, spec: MoESpec, probs, bias=None, sp=None, seqs: int = 1):
         n, k, E = probs.shape[0], spec.top_k, spec.experts
         self.n, self.probs = n, probs
         score = probs if bias is None else probs + bias.astype(probs.dtype)    # the choice's; weights: probs'
@@ -71,13 +76,39 @@ class Routing:
         self.weights = chosen / self.total
         flat = self.top.T.reshape(-1)                        # slot-major: q = j * n + t
         self.routed = xp.bincount(flat, minlength=E)         # assignments each expert was chosen for
-        cap = spec.capacity(n)
-        order = xp.argsort(flat, kind="stable")              # by expert, slot-major inside each
-        bounds = np.concatenate([[0], np.cumsum(np.asarray(self.routed))])
-        self.kept = [order[bounds[e]:bounds[e + 1]][:cap] for e in range(E)]
+        if spec.capacity_factor is not None and sp is not None and sp.size > 1:
+            self.kept = self._kept_whole(xp, spec, sp, seqs)
+        else:
+            cap = spec.capacity(n)
+            order = xp.argsort(flat, kind="stable")          # by expert, slot-major inside each
+            bounds = np.concatenate([[0], np.cumsum(np.asarray(self.routed))])
+            self.kept = [order[bounds[e]:bounds[e + 1]][:cap] for e in range(E)]
         self.tokens = np.array([len(q) for q in self.kept], np.int64)    # kept per expert
         self.dropped = int(n * k - self.tokens.sum())
         self.whole = None       # sequence parallelism: (routed, probability sums, n) over the whole sequences
+
+    def _kept_whole(self, xp, spec: MoESpec, sp, seqs: int):
+        """The capacity under sequence parallelism, decided over the whole micro-batch as the unsplit run
+        decides it: ``sp`` (an SPComm) holds chunk ``sp.rank`` of each of the ``seqs`` sequences (rows ordered
+        sequence-major, this rank's n / seqs positions of each). Every rank's choices are gathered (a few float64
+        numbers per token over the SP group, exact), the capacity is that of the whole n · sp tokens, and the
+        first-come order is the unsplit one: slot-major, then sequence, then position over the whole sequence.
+        Returns this rank's kept positions per expert (slot-major, as without SP)."""
+        k, K, E, n = spec.top_k, sp.size, spec.experts, self.n
+        t = n // seqs                                        # this rank's positions of each sequence
+        mine = np.zeros((K, k, seqs, t), np.float64)
+        mine[sp.rank] = np.asarray(self.top, np.float64).T.reshape(k, seqs, t)
+        every = sp.sum_scalars(mine).reshape(K, k, seqs, t)  # each rank's row: its own choices, the others 0
+        whole = np.moveaxis(every, 0, 2).reshape(-1).astype(np.int64)   # (slot, sequence, chunk, position)
+        order = np.argsort(whole, kind="stable")
+        bounds = np.concatenate([[0], np.cumsum(np.bincount(whole, minlength=E))])
+        cap = spec.capacity(n * K)
+        keep = np.zeros(whole.size, bool)
+        for e in range(E):                                   # each expert's first ``cap`` in that order
+            keep[order[bounds[e]:bounds[e + 1]][:cap]] = True
+        keep = keep.reshape(k, seqs, K, t)[:, :, sp.rank].reshape(-1)   # this rank's: q = j * n + token
+        flat = np.asarray(self.top).T.reshape(-1)
+        return [xp.asarray(np.flatnonzero(keep & (flat == e))) for e in range(E)]
 
     def share(self, sp) -> None:
         """Over ``sp`` (an SPComm: the chunks of the same sequences), the counts and probability sums of the
@@ -144,11 +175,12 @@ class MoEMLP:
         b = self.bias.setdefault(block, np.zeros(self.spec.experts, np.float64))
         b += self.spec.bias_rate * np.sign(routed.mean() - routed)
 
-    def forward(self, p, m, block: int = 0):
-        """(out (n, C), cache) of rows m (n, C); ``p``: {short name: parameter in dtype}."""
+    def forward(self, p, m, block: int = 0, seqs: int = 1):
+        """(out (n, C), cache) of rows m (n, C), ``seqs`` sequences of n / seqs positions each (sequence-major;
+        with SP, this rank's chunk of each); ``p``: {short name: parameter in dtype}."""
         xp, s = self.xp, self.spec
         n, C = m.shape
-        r = Routing(xp, s, softmax(xp, m @ p[ROUTER]), self.bias.get(block))
+        r = Routing(xp, s, softmax(xp, m @ p[ROUTER]), self.bias.get(block), self.sp, seqs)
         if self.sp is not None:
             r.share(self.sp)
         self.stats.add(block, r, r.aux(s.experts))
@@ -157,7 +189,12 @@ class MoEMLP:
         out = xp.zeros((n, C), self.dtype)
         for j in range(s.top_k):                             # combined in slot order
             out += w[:, j:j + 1] * Y[j * n:(j + 1) * n]
-        return out, (m, r, acts, Y, block)
+        shared = []
+        for e in range(s.shared):                            # then the shared experts, in index order
+            h, t, g, y = expert_forward(xp, p, e, m, "shared.")
+            out += y
+            shared.append((h, t, g))
+        return out, (m, r, acts, Y, block, shared)
 
     def experts_forward(self, p, m, r: Routing, block: int):
         """(Y (k·n, C): each assignment's expert output, 0 where dropped; what the backward reads)."""
@@ -174,7 +211,7 @@ class MoEMLP:
     def backward(self, p, cache, dout):
         """(dm (n, C), {short name: grad}) for upstream dout (n, C), the aux loss's gradient included."""
         xp, s, dt = self.xp, self.spec, self.dtype
-        m, r, acts, Y, block = cache
+        m, r, acts, Y, block, shared = cache
         n, C = m.shape
         k, E = s.top_k, s.experts
         w = r.weights.astype(dt)
@@ -185,6 +222,10 @@ class MoEMLP:
             dw[:, j] = (dout * part).sum(axis=1)
             dY[j * n:(j + 1) * n] = w[:, j:j + 1] * dout
         dm, g = self.experts_backward(p, m, r, acts, dY, block)
+        if s.shared:
+            g.update({name: xp.zeros(p[name].shape, dt) for name in SHARED_KEYS})
+            for e in range(s.shared):                        # after the routed experts, in index order
+                dm += expert_backward(p, e, m, shared[e], dout, g, e, "shared.")
         # the renormalisation w = c / Σc, then the softmax, in the probabilities' precision
         pd = r.probs.dtype
         dwn = dw.astype(pd)
@@ -211,20 +252,21 @@ class MoEMLP:
         return dm, g
 
 
-def expert_forward(xp, p, e: int, x):
-    """(h, t, g, y) of expert e of ``p`` on rows x: h = x·W1 + b1, g = gelu(h) (t its tanh), y = g·W2 + b2."""
-    h = x @ p["experts.fc.w"][e] + p["experts.fc.b"][e]
+def expert_forward(xp, p, e: int, x, pre: str = "experts."):
+    """(h, t, g, y) of expert e of ``p`` on rows x: h = x·W1 + b1, g = gelu(h) (t its tanh), y = g·W2 + b2
+    (``pre``: the routed experts' names, or ``"shared."`` for the shared experts')."""
+    h = x @ p[pre + "fc.w"][e] + p[pre + "fc.b"][e]
     g, t = gelu(xp, h)
-    return h, t, g, g @ p["experts.out.w"][e] + p["experts.out.b"][e]
+    return h, t, g, g @ p[pre + "out.w"][e] + p[pre + "out.b"][e]
 
 
-def expert_backward(p, e: int, x, act, dy, grads, slot):
+def expert_backward(p, e: int, x, act, dy, grads, slot, pre: str = "experts."):
     """dx of expert e of ``p`` for rows x (its forward's ``act`` = (h, t, g)) and upstream dy; its weight
     gradients written into ``grads[name][slot]``."""
     h, t, ge = act
-    grads["experts.out.w"][slot] = ge.T @ dy
-    grads["experts.out.b"][slot] = dy.sum(axis=0)
-    dh = (dy @ p["experts.out.w"][e].T) * gelu_grad(h, t)
-    grads["experts.fc.w"][slot] = x.T @ dh
-    grads["experts.fc.b"][slot] = dh.sum(axis=0)
-    return dh @ p["experts.fc.w"][e].T
+    grads[pre + "out.w"][slot] = ge.T @ dy
+    grads[pre + "out.b"][slot] = dy.sum(axis=0)
+    dh = (dy @ p[pre + "out.w"][e].T) * gelu_grad(h, t)
+    grads[pre + "fc.w"][slot] = x.T @ dh
+    grads[pre + "fc.b"][slot] = dh.sum(axis=0)
+    return dh @ p[pre + "fc.w"][e].T

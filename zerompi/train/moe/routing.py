@@ -61,7 +61,8 @@ class MoELog:
                    "all_to_all_seconds")}
         return {"experts": m.experts, "top_k": m.top_k, "moe_every": m.moe_every, "moe_blocks": self.blocks,
                 "capacity_factor": m.capacity_factor, "aux_coef": m.aux_coef,
-                "expert_hidden": m.expert_hidden or 4 * self.cfg.d_model, "ep": m.ep, **series,
+                "expert_hidden": m.expert_hidden or 4 * self.cfg.d_model, "shared_experts": m.shared_experts,
+                "ep": m.ep, **series,
                 "grad_norms": list(self.norms), "bias_update": m.bias_update,
                 "bias": {str(b): v.tolist() for b, v in sorted(self.mlp.bias.items())},
                 **all_to_all_theory(self.cfg, len(self.blocks), self.ranks // self.stages, self.stages),
@@ -126,5 +127,6 @@ def banner(cfg) -> Optional[str]:
         return None
     cap = "dropless" if m.capacity_factor is None else f"capacity factor {m.capacity_factor}"
     where = "every block" if m.moe_every == 1 else f"the last block of every {m.moe_every}"
-    return (f"  MoE: {m.experts} experts (hidden {m.expert_hidden or 4 * cfg.d_model}) in {where}, top-{m.top_k}, "
-            f"{cap}, aux loss x {m.aux_coef}, ep {m.ep}")
+    shared = f" + {m.shared_experts} shared" if m.shared_experts else ""
+    return (f"  MoE: {m.experts} experts{shared} (hidden {m.expert_hidden or 4 * cfg.d_model}) in {where}, "
+            f"top-{m.top_k}, {cap}, aux loss x {m.aux_coef}, ep {m.ep}")
