@@ -92,3 +92,17 @@ def test_the_supervisor_takes_behind_without_a_job_name():
     opts, flags = parse(["-n", "4", "--", "--node-size", "2", "--replicas", "mine", "--replicas-commit", "behind"])
     cfg, flags, job, _ = configure(opts, flags)
     assert job == "mine" and flags.count("--replicas") == 1 and cfg.replicas == "mine"
+
+
+def test_pp_a_lost_node_behind_is_restored_from_its_buddies(tmp_path):
+    """--pp 2 (a part per stage, each sent on its own) on 2 nodes of 2: node 1, the whole second stage, killed
+    and its shared memory wiped while its copies go behind the next step: the job ends with the bits of a run
+    that never failed, from node 0's copies of a step committed on both nodes."""
+    flags = GPT + ["--pp", "2", "--micro-batches", "2", "--node-size", "2", "--stage", "3"]
+    proc, m = supervise(tmp_path, job_name("bpp"), 4, flags + ["--replicas-commit", "behind"], kill_at=4,
+                        ranks=[2, 3], wipe=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [f] = m["failures"]
+    assert f["rank"] == 2 and 1 <= f["steps_lost"] == f["failed_step"] - f["restored_step"] <= 2, f
+    assert m["replicas"]["parts"] == ["pp0-of-2"] and m["replicas"]["commit"] == "behind"
+    assert m["final_params_sha256"] == _run(tmp_path, "plain", 4, flags)["final_params_sha256"]
