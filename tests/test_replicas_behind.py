@@ -16,8 +16,8 @@ from zerompi.checkpoint.replica_files import job_dir
 
 def _run(tmp_path, tag, n, flags, *extra):
     out = tmp_path / f"{tag}.json"
-    run_mpi(n, ["-m", "zerompi.train", *flags, *extra, "--metrics-json", out], timeout=180)
-    return json.loads(out.read_text())
+    proc = run_mpi(n, ["-m", "zerompi.train", *flags, *extra, "--metrics-json", out], timeout=180)
+    return dict(json.loads(out.read_text()), stdout=proc.stdout)
 
 
 def test_behind_gives_the_bits_of_sync_and_of_no_replicas(tmp_path):
@@ -34,6 +34,8 @@ def test_behind_gives_the_bits_of_sync_and_of_no_replicas(tmp_path):
         assert (sync["replicas"]["commit"], sync["replicas"]["steps_lost_at_most"]) == ("sync", 1)
         assert (behind["replicas"]["commit"], behind["replicas"]["steps_lost_at_most"]) == ("behind", 2)
         assert len(behind["replicas"]["commit_times_s"]) == 6        # 5 steps, and the last one's finished at the end
+        assert "(median, finished behind the next step: at most 2 steps lost)" in behind["stdout"]
+        assert "finished behind" not in sync["stdout"]
         assert behind["replicas"]["shm_bytes"] == sync["replicas"]["shm_bytes"]   # the same two steps' files
         assert not os.path.exists(job_dir(job + "s")) and not os.path.exists(job_dir(job + "b"))
 

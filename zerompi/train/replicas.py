@@ -41,7 +41,8 @@ def replica_bytes(shard_numel: int, rows: int = 3) -> dict:
 def summary_line(entry: dict) -> str:
     """The memory table's row of the replicas (rank 0's metrics ``replicas`` entry)."""
     t = entry["theory_bytes"]
-    commit = "" if entry["commit_s"] is None else f"; a commit takes {entry['commit_s'] * 1e3:.1f} ms (median)"
+    behind = ", finished behind the next step: at most 2 steps lost" if entry.get("commit") == "behind" else ""
+    commit = "" if entry["commit_s"] is None else f"; a commit takes {entry['commit_s'] * 1e3:.1f} ms (median{behind})"
     files = t.get("files", 2)
     return (f"  replicas (shared memory, {entry['job']}): {entry['shm_bytes']:,} bytes per rank, formula "
             f"{t['total']:,} = 2 steps x {files} files x ({4 * t['rows']} S + {HEADER_BYTES}) plus the "
