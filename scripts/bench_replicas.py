@@ -2,17 +2,21 @@
 
     python scripts/bench_replicas.py                      # GPT 6x256, N = 4 in 2 emulated nodes of 2, stage 3
     python scripts/bench_replicas.py --rounds 3 --recoveries 3
+    python scripts/bench_replicas.py --modes none,sync,behind --recoveries 0 --recovery-commit behind
 
-Steady state: each round runs the same job twice, without and with ``--replicas`` (in a fresh random order, so
-a drift in the machine's load hits both alike), and takes the wall time from one step's progress line to the
-next as rank 0 prints it (``--log-every 1``; the first two steps left out): a step's compute, its replicas'
-commit and everything else between steps. ``cost`` is the median over rounds of (with - without) / without.
-Also: the commit's own median (``commit_s``, the time after the step until every rank's copies are agreed: it
-also absorbs the ranks' skew, which the next step's first collective would otherwise wait for), and the
-shared-memory bytes per rank measured beside the formula (train/replicas.replica_bytes).
+Steady state: each round runs the same job once per mode of ``--modes``: ``none`` without ``--replicas``,
+``sync`` and ``behind`` with ``--replicas --replicas-commit`` that mode (in a fresh random order each round, so a
+drift in the machine's load hits every mode alike), and takes the wall time from one step's progress line to
+the next as rank 0 prints it (``--log-every 1``; the first two steps left out): a step's compute, its replicas'
+commit and everything else between steps. A mode's ``cost`` is the median over rounds of (mode - none) / none,
+``ratio`` 1 + cost. Also: the commit's own median (``commit_s``: sync, the time after the step until every
+rank's copies are agreed; behind, the last step's commit finished and this step's started. Either also absorbs
+the ranks' skew, which the next step's first collective would otherwise wait for), and the shared-memory bytes
+per rank measured beside the formula (train/replicas.replica_bytes).
 
-Recovery: ``--recoveries`` supervised runs (``python -m zerompi.run``) in which rank 1 is killed with SIGKILL
-once every rank has committed step 3; the metrics' failure record gives detect, relaunch and restore seconds.
+Recovery: ``--recoveries`` supervised runs (``python -m zerompi.run``, ``--replicas-commit`` the
+``--recovery-commit`` mode) in which rank 1 is killed with SIGKILL once every rank has taken step 3; the
+metrics' failure record gives detect, relaunch and restore seconds and the steps lost.
 
 Prints one JSON object (medians). The machine this ran on may be shared and noisy: compare within one output.
 """
@@ -42,7 +46,13 @@ def parse(argv=None):
     p.add_argument("--stage", type=int, default=3)
     p.add_argument("--n-layer", type=int, default=6)
     p.add_argument("--d-model", type=int, default=256)
-    return p.parse_args(argv)
+    p.add_argument("--modes", default="none,sync", help="comma-separated: none, sync, behind (default none,sync)")
+    p.add_argument("--recovery-commit", default="sync", choices=("sync", "behind"))
+    a = p.parse_args(argv)
+    a.modes = a.modes.split(",")
+    if "none" not in a.modes or not set(a.modes) <= {"none", "sync", "behind"} or len(set(a.modes)) < 2:
+        p.error(f"--modes {','.join(a.modes)}: use none and one or more of sync, behind")
+    return a
 
 
 def env():
@@ -62,11 +72,13 @@ def flags(a, steps):
             "--node-size", str(a.node_size), "--eval-every", "0", "--progress", "lines", "--log-every", "1"]
 
 
-def steady_run(a, tmp, replicas):
-    """(median step-to-step wall seconds, metrics) of one run."""
+def steady_run(a, tmp, mode):
+    """(median step-to-step wall seconds, metrics) of one run (``mode``: none, sync or behind)."""
     out = Path(tmp) / "m.json"
     cmd = [mpiexec(), "-n", str(a.ranks), sys.executable, "-m", "zerompi.train", *flags(a, a.steps),
-           "--metrics-json", str(out)] + (["--replicas", f"bench-{os.getpid()}"] if replicas else [])
+           "--metrics-json", str(out)]
+    if mode != "none":
+        cmd += ["--replicas", f"bench-{os.getpid()}", "--replicas-commit", mode]
     stamps = []
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env()) as proc:
         for line in proc.stdout:
@@ -82,7 +94,7 @@ def recovery_run(a, tmp, k):
     from zerompi.run.watch import ranks_of
     job, out = f"bench-{os.getpid()}-r{k}", Path(tmp) / f"r{k}.json"
     cmd = [sys.executable, "-m", "zerompi.run", "-n", str(a.ranks), "--max-restarts", "1", "--",
-           *flags(a, 6), "--replicas", job, "--metrics-json", str(out)]
+           *flags(a, 6), "--replicas", job, "--replicas-commit", a.recovery_commit, "--metrics-json", str(out)]
     done = threading.Event()
 
     def killer():
@@ -107,28 +119,33 @@ def main(argv=None):
     rounds = []
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(a.rounds):
-            got = {}
-            for replicas in random.sample([False, True], 2):
-                got[replicas] = steady_run(a, tmp, replicas)
-            rounds.append(got)
+            rounds.append({mode: steady_run(a, tmp, mode) for mode in random.sample(a.modes, len(a.modes))})
         recoveries = [recovery_run(a, tmp, k) for k in range(a.recoveries)]
-    off, on = [r[False][0] for r in rounds], [r[True][0] for r in rounds]
-    rep = rounds[-1][True][1]["replicas"]
+    off = [r["none"][0] for r in rounds]
+    steady = {"none": {"step_wall_s": med(off), "step_time_s": med([r["none"][1]["step_time_s"] for r in rounds]),
+                       "rounds": off}}
+    for mode in (m for m in a.modes if m != "none"):
+        on = [r[mode][0] for r in rounds]
+        cost = med([(y - x) / x for x, y in zip(off, on)])
+        steady[mode] = {"step_wall_s": med(on), "cost": cost, "ratio": 1 + cost,
+                        "commit_s": med([r[mode][1]["replicas"]["commit_s"] for r in rounds]),
+                        "step_time_s": med([r[mode][1]["step_time_s"] for r in rounds]),
+                        "steps_lost_at_most": rounds[-1][mode][1]["replicas"]["steps_lost_at_most"], "rounds": on}
+    last = rounds[-1][next(m for m in a.modes if m != "none")][1]
+    rep = last["replicas"]
     result = {
-        "setup": {"model": f"gpt {a.n_layer}x{a.d_model}", "params": rounds[-1][True][1]["params"],
+        "setup": {"model": f"gpt {a.n_layer}x{a.d_model}", "params": last["params"],
                   "ranks": a.ranks, "node_size": a.node_size, "stage": a.stage, "steps": a.steps,
-                  "rounds": a.rounds, "cpus": os.cpu_count(), "note": "a shared machine: noisy; medians"},
-        "steady": {"step_wall_s_without": med(off), "step_wall_s_with": med(on),
-                   "cost": med([(y - x) / x for x, y in zip(off, on)]),
-                   "commit_s": med([r[True][1]["replicas"]["commit_s"] for r in rounds]),
-                   "step_time_s_with": med([r[True][1]["step_time_s"] for r in rounds]),
-                   "rounds_without": off, "rounds_with": on},
+                  "rounds": a.rounds, "modes": a.modes, "cpus": os.cpu_count(),
+                  "note": "a shared machine: noisy; medians"},
+        "steady": steady,
         "memory_per_rank": {"shm_bytes_measured": rep["shm_bytes"], "formula": rep["theory_bytes"],
                             "formula_text": "2 steps x 2 files x (12 S + 128), S = Ψ/N padded; plus the manifest"},
-        "recovery": {k: med([r[k] for r in recoveries]) for k in ("detect_s", "relaunch_s", "restore_s",
-                                                                  "recovery_s", "steps_lost")},
-        "recoveries": recoveries,
     }
+    if recoveries:
+        result["recovery"] = {"commit": a.recovery_commit, **{k: med([r[k] for r in recoveries]) for k in (
+            "detect_s", "relaunch_s", "restore_s", "recovery_s", "steps_lost")}}
+        result["recoveries"] = recoveries
     print(json.dumps(result, indent=1))
 
 

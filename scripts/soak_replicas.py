@@ -2,12 +2,14 @@
 
     python scripts/soak_replicas.py                       # 300 steps, N = 4 (2 nodes of 2), stage 3, a kill ~every 20
     python scripts/soak_replicas.py --steps 100 --every 10 --seed 1
+    python scripts/soak_replicas.py --steps 100 --every 10 --replicas-commit behind
 
 Runs ``python -m zerompi.run`` with ``--replicas`` and a killer thread that, each time every rank has committed
 a step past the next kill point (drawn ``--every`` +- 50% steps after the last one), sends SIGKILL to a random
 rank; then the same job straight, without faults or replicas (the reference). Prints one JSON object: the kills,
 the failure records (metrics ``failures``), the total steps lost, and whether the final digest equals the
-reference's. Exit status 0 when every kill was recovered, the steps lost are at most the kills, and the
+reference's. Exit status 0 when every kill was recovered, the steps lost are at most the kills (with
+``--replicas-commit behind``, twice the kills: each may lose the step whose commit was under way too), and the
 digests are equal; else 1.
 """
 import argparse
@@ -36,6 +38,7 @@ def parse(argv=None):
     p.add_argument("--node-size", type=int, default=2)
     p.add_argument("--stage", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--replicas-commit", default="sync", choices=("sync", "behind"))
     return p.parse_args(argv)
 
 
@@ -72,7 +75,8 @@ def main(argv=None) -> int:
         thread.start()
         try:
             proc = subprocess.run([sys.executable, "-m", "zerompi.run", "-n", str(a.ranks), "--max-restarts",
-                                   str(a.steps), "--", *flags, "--replicas", job, "--metrics-json", str(out)],
+                                   str(a.steps), "--", *flags, "--replicas", job, "--replicas-commit",
+                                   a.replicas_commit, "--metrics-json", str(out)],
                                   capture_output=True, text=True, env=env, timeout=3600)
         finally:
             done.set()
@@ -82,9 +86,11 @@ def main(argv=None) -> int:
         want = json.loads(ref.read_text())["final_params_sha256"]
     failures = metrics.get("failures", [])
     lost = sum(f["steps_lost"] for f in failures)
-    ok = proc.returncode == 0 and len(failures) == len(kills) and lost <= len(kills) \
+    per_kill = 2 if a.replicas_commit == "behind" else 1       # train/replicas.STEPS_LOST
+    ok = proc.returncode == 0 and len(failures) == len(kills) and lost <= per_kill * len(kills) \
         and metrics.get("final_params_sha256") == want
-    print(json.dumps({"steps": a.steps, "ranks": a.ranks, "exit": proc.returncode, "kills": kills,
+    print(json.dumps({"steps": a.steps, "ranks": a.ranks, "commit": a.replicas_commit, "exit": proc.returncode,
+                      "kills": kills,
                       "failures": failures, "steps_lost": lost, "digest_equal": metrics.get("final_params_sha256")
                       == want, "ok": ok, "stderr_tail": proc.stderr[-1500:] if not ok else ""}, indent=1))
     return 0 if ok else 1

@@ -12,6 +12,13 @@ the manifests of the parts in its folder, which commits the step there. The rece
 compared with their owners' on a thread, behind the next step, and a difference raised at the next commit.
 The manifests are the checkpoint's (loss scale, update count, the data position in ``extra``), so a restore
 is the checkpoint's own load, at any data-parallel size.
+
+:meth:`Replicas.commit_step` does it all between two steps (``--replicas-commit sync``: the committed step is
+the last one taken). :meth:`Replicas.commit_behind` (``behind``) copies the step into its mapped files at once
+(before the next step changes the state: a memory copy), posts the buddy exchange (nonblocking, on a duplicate
+of the ring's communicator) and starts a thread on its own files' CRC-32; these run behind the next step's
+compute, after which the exchange is waited for and the agreement and the manifests commit it (the committed
+step then lags the last one taken by one). The same two steps' files: no memory besides.
 """
 import mmap
 import os
@@ -36,7 +43,8 @@ class Replicas:
     ZeroEngine)], over ``comm`` (a zerompi Communicator: the ring of ranks, ``rank`` this one's) whose rank r
     lives on node ``nodes[r]`` (nodes of equal size); ``folder`` this rank's folder (replica_files.rank_dir)."""
 
-    def __init__(self, parts: List[Tuple[str, object]], job: str, comm, rank: int, nodes: List[int], folder: str):
+    def __init__(self, parts: List[Tuple[str, object]], job: str, comm, rank: int, nodes: List[int], folder: str,
+                 behind: bool = False):
         n, count = len(nodes), len(set(nodes))
         if count < 2:
             raise CheckpointError(f"replicas={job!r} keeps each shard's second copy on another node, and the {n} "
@@ -59,6 +67,10 @@ class Replicas:
         self._check: Optional[threading.Thread] = None   # the CRC-32 of the last step's received copies
         self._found: Optional[str] = None        # what it found wrong
         self._maps: Dict[int, tuple] = {}        # inode: (file, mapping, array) of the two steps' shard files
+        self.behind = behind                     # each step's commit finished after the next step (commit_behind)
+        self._pending: Optional[dict] = None     # behind: the step whose commit is under way
+        # behind: the buddy exchange on a communicator of its own (no other message of the step can match it)
+        self._link = comm.mpi.Dup() if behind and not self.mirrored else None
 
     @property
     def shape(self) -> Tuple[int, int]:
@@ -72,7 +84,25 @@ class Replicas:
     def commit_step(self, step: int, extra: dict) -> None:
         """Copy, send, checksum and agree on ``step`` (the engines' ``steps_taken``); CheckpointError on every rank
         when a rank could not write its copies (the previous committed step stays)."""
-        late = self._late()                  # the last step's copies checked: before their files are reused
+        self._finish(self._start(step, extra, self._late()))
+
+    def commit_behind(self, step: int, extra: dict) -> None:
+        """``--replicas-commit behind``: finish the commit of the step before (its copies' sends waited for, the
+        agreement, the manifests), then start ``step``'s: the copy into its shared-memory files and the buddy
+        exchange posted (nonblocking), finished at the next call (or :meth:`finish`), behind the next step's
+        compute. The committed step is then the one before ``step``'s."""
+        self.finish()
+        self._pending = self._start(step, extra, None)
+
+    def finish(self) -> None:
+        """The commit started by :meth:`commit_behind`, if one is pending, finished (a collective)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending["late"] = self._late()   # the last committed step's copies checked: before their files are reused
+            self._finish(pending)
+
+    def _start(self, step: int, extra: dict, late: Optional[str]) -> dict:
+        """The copy of ``step`` into this rank's files and its buddy exchange: done (sync) or posted (behind)."""
         here, err = step_dir(self.folder, step), None
         mine: List[np.ndarray] = []
         try:
@@ -85,17 +115,45 @@ class Replicas:
                     zip(self.table[self.rank], self.parts)]
         heads = {part: build_manifest(e, None, e.tp.extra(extra) if getattr(e, "tp", None) else extra)   # TP: the split
                  for part, e in self.parts}
-        theirs, their_heads = [], {}
+        state = {"step": step, "here": here, "err": err, "late": late, "mine": mine, "heads": heads, "theirs": [],
+                 "reqs": [], "own": None}
         if not self.mirrored:
-            theirs = [self._file(here, part, slot, shape) if err is None else np.empty(shape, F32)
-                      for part, slot, shape in self.theirs]
-            self._exchange(mine, theirs, step)
+            state["theirs"] = [self._file(here, part, slot, shape) if err is None else np.empty(shape, F32)
+                               for part, slot, shape in self.theirs]
+            if self._link is None:
+                self._exchange(mine, state["theirs"], step)
+            else:                            # behind: posted now, waited for after the next step
+                state["reqs"] = [self._link.Irecv(buf, source=self.source, tag=TAG + 1 + k)
+                                 for k, buf in enumerate(state["theirs"])]
+                state["reqs"] += [self._link.Isend(buf, dest=self.buddy, tag=TAG + 1 + k) for k, buf in enumerate(mine)]
+        if self.behind and err is None:      # this rank's own files' CRC-32, behind the next step too
+            state["own"] = threading.Thread(target=self._own_entries, args=(state,), name="zerompi-replica-crc",
+                                            daemon=True)
+            state["own"].start()
+        return state
+
+    def _own_entries(self, state: dict) -> None:
+        state["entries"] = {part: self._entry(state["here"], part, slot) for part, slot, _ in self.table[self.rank]}
+
+    def _finish(self, state: dict) -> None:
+        """The buddy exchange waited for, the manifests swapped, the agreement, the step's manifests written."""
+        step, here, err, heads = state["step"], state["here"], state["err"], state["heads"]
+        their_heads = {}
+        if not self.mirrored:
+            if state["reqs"]:
+                from mpi4py import MPI
+                with watched(self.comm, "replicas: the shards to the buddy on another node", step):
+                    MPI.Request.Waitall(state["reqs"])
             with watched(self.comm, "replicas: the manifests to the buddy", step):
                 their_heads = self.comm.mpi.sendrecv(heads, dest=self.buddy, source=self.source, sendtag=TAG,
                                                      recvtag=TAG)
-        own = None if err else {part: self._entry(here, part, slot) for part, slot, _ in self.table[self.rank]}
+        if state["own"] is not None:
+            state["own"].join()
+            own = state["entries"]
+        else:
+            own = None if err else {part: self._entry(here, part, slot) for part, slot, _ in self.table[self.rank]}
         with watched(self.comm, "replicas: agreement on every rank's copies", step):
-            states = self.comm.mpi.allgather((err or late, own))
+            states = self.comm.mpi.allgather((err or state["late"], own))
         failed = next((s[0] for s in states if s[0]), None)
         if failed:
             raise CheckpointError(f"{failed}; the replicas stay at step {self.step}")
@@ -192,8 +250,12 @@ class Replicas:
         return {"file": shard_file(slot), "bytes": os.path.getsize(path), "crc32": crc.hexdigest()}
 
     def close(self) -> None:
-        """At the end: the last check joined, the kept mappings closed."""
+        """At the end (every rank): a pending commit finished, the last check joined, the kept mappings closed."""
+        self.finish()
         self._late()
+        if self._link is not None:
+            self._link.Free()
+            self._link = None
         for f, _, _ in self._maps.values():
             f.close()
         self._maps = {}

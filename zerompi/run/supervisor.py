@@ -7,7 +7,9 @@ the same N (or, with ``--shrink``, on the ranks left) resuming from it -- the ch
 the new world size -- and goes on. It gives up with one line when a shard has no surviving copy, after
 ``--max-restarts`` relaunches, or when too few ranks are left. Each failure is printed (what failed, when it was
 detected, the step restored, steps lost, the recovery's detect / relaunch / restore seconds) and recorded in
-``JOB/failures.json``, which the job completes and puts in its ``--metrics-json`` (``failures``).
+``JOB/failures.json``, which the job completes and puts in its ``--metrics-json`` (``failures``). The step that
+failed is the one after the most any rank had taken (the ranks' ``step``), so the steps lost (failed - restored)
+count the one in flight and, with ``--replicas-commit behind``, the one whose commit was still under way.
 """
 import argparse
 import hashlib
@@ -61,11 +63,11 @@ def parse(argv: List[str]):
 
 def configure(opts, flags: List[str]):
     """(train flags with --replicas JOB, the job's name, its node size); ConfigError as the train CLI says it."""
-    cfg = parse_config(flags)
-    job = cfg.replicas or "run-" + hashlib.sha256(json.dumps([os.getcwd(), flags]).encode()).hexdigest()[:12]
-    if cfg.replicas is None:
+    named = "run-" + hashlib.sha256(json.dumps([os.getcwd(), flags]).encode()).hexdigest()[:12]
+    cfg = parse_config(["--replicas", named, *flags])    # the flags' own --replicas, given after, wins
+    job = cfg.replicas
+    if job == named:
         flags = flags + ["--replicas", job]
-        cfg = parse_config(flags)
     node = cfg.mesh.node_size or node_size_env()
     check(node is not None or opts.launcher is not None,
           f"replicas={job!r} keeps each shard's second copy on another node, and no node size is given: on one "

@@ -1,10 +1,11 @@
 """One attempt of a supervised job: launched, watched until it ends or a rank dies, then ended whole.
 
-The ranks of a ``--replicas`` job register their pid, host and last committed step in ``JOB/ranks/``
-(train/replicas.py). :func:`attempt` polls them every POLL_S: a registered rank whose process is gone (or a
-zombie) is a failure, detected then; the attempt's whole tree (the launcher, its proxies, every registered rank)
-is killed at once (the survivors hold nothing the restore needs: the replicas are in shared memory), and the
-MPI segments that appeared during the attempt and that no process holds are removed (segments.py).
+The ranks of a ``--replicas`` job register their pid, host, the steps they have taken and their last committed
+step in ``JOB/ranks/`` (train/replicas.py). :func:`attempt` polls them every POLL_S: a registered rank whose
+process is gone (or a zombie) is a failure, detected then; the attempt's whole tree (the launcher, its proxies,
+every registered rank) is killed at once (the survivors hold nothing the restore needs: the replicas are in
+shared memory), and the MPI segments that appeared during the attempt and that no process holds are removed
+(segments.py).
 """
 import glob
 import json

@@ -123,6 +123,10 @@ class TrainConfig:
         "after every step, copy each rank's state to shared memory on its node and on a buddy's node, under this "
         "job name (python -m zerompi.run restores from them after a failure)", metavar="JOB"))
     """train/replicas.py; the name of the job's folder in /dev/shm (letters, digits, '_', '-', '.')."""
+    replicas_commit: str = field(default="sync", metadata=flag(
+        "with --replicas: sync (each step's copies agreed before the next step: at most 1 step lost on a failure) "
+        "or behind (copied and sent behind the next step's compute, agreed after it: at most 2 steps lost)"))
+    """train/replicas.COMMITS; checkpoint/replicas.Replicas.commit_behind."""
     zero: ZeroConfig = ZeroConfig()
     """Engine configuration."""
     mesh: MeshConfig = MeshConfig()
@@ -179,6 +183,11 @@ class TrainConfig:
         check_config(self)
         from .tensorboard import check_config as check_tensorboard
         check_tensorboard(self)
+        from .replicas import COMMITS
+        check(self.replicas_commit in COMMITS,
+              f"replicas_commit={self.replicas_commit!r} is not allowed; use {' or '.join(COMMITS)}")
+        check(self.replicas_commit == "sync" or self.replicas is not None,
+              f"replicas_commit={self.replicas_commit!r} needs replicas (--replicas JOB, or python -m zerompi.run)")
         if self.replicas is not None:
             from .replicas import check_config as check_replicas
             check_replicas(self)

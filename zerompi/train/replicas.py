@@ -23,6 +23,9 @@ FAILURES = "failures.json"     # the supervisor's records of this job's failures
 RECORD_KEYS = ("rank", "host", "failed_step", "restored_step", "steps_lost", "detect_s", "relaunch_s", "restore_s",
                "recovery_s")   # one failure, as the metrics' ``failures`` list holds it
 HISTORY = 1000                 # commit times kept
+COMMITS = ("sync", "behind")   # --replicas-commit: agreed before the next step, or finished after it
+STEPS_LOST = {"sync": 1, "behind": 2}   # the most steps a failure loses: the one in flight (and, behind, the one
+                               # before it, whose commit may not be finished)
 UP = time.time()               # first imported at the flags' parse, MPI started: after a relaunch, its end
 
 
@@ -38,7 +41,8 @@ def replica_bytes(shard_numel: int, rows: int = 3) -> dict:
 def summary_line(entry: dict) -> str:
     """The memory table's row of the replicas (rank 0's metrics ``replicas`` entry)."""
     t = entry["theory_bytes"]
-    commit = "" if entry["commit_s"] is None else f"; a commit takes {entry['commit_s'] * 1e3:.1f} ms (median)"
+    behind = ", finished behind the next step: at most 2 steps lost" if entry.get("commit") == "behind" else ""
+    commit = "" if entry["commit_s"] is None else f"; a commit takes {entry['commit_s'] * 1e3:.1f} ms (median{behind})"
     files = t.get("files", 2)
     return (f"  replicas (shared memory, {entry['job']}): {entry['shm_bytes']:,} bytes per rank, "
             f"{entry['shard_bytes']:,} of them in shard files, formula {t['total']:,} = 2 steps x {files} file"
@@ -136,8 +140,9 @@ class ReplicaRun:
         self.parts = job_parts(job)
         self.extra = getattr(job.checkpoints, "manifest_extra", dict)   # an MoE run's: its biases and --ep
         ring_comm, self.rank, self.nodes = ring(job, comm)
+        self.commit = cfg.replicas_commit            # sync: agreed before the next step; behind: after it
         self.replicas = Replicas(self.parts, self.name, ring_comm, self.rank, self.nodes,
-                                 rank_dir(self.name, self.nodes[self.rank], self.rank))
+                                 rank_dir(self.name, self.nodes[self.rank], self.rank), behind=self.commit == "behind")
         self.pending: Optional[dict] = None          # the failure this run recovers from (rank 0)
         if self.mpi.Get_rank() == 0:
             records = read_failures(self.name)
@@ -154,7 +159,8 @@ class ReplicaRun:
         (host memory: /dev/shm) and the most of that in shard files, and the formula of those (replica_bytes)."""
         r = self.replicas
         one = r.theory_bytes()
-        return {"job": self.name, "commit_s": statistics.median(self.seconds) if self.seconds else None,
+        return {"job": self.name, "commit": self.commit, "steps_lost_at_most": STEPS_LOST[self.commit],
+                "commit_s": statistics.median(self.seconds) if self.seconds else None,
                 "commit_times_s": list(self.seconds),
                 "shm_bytes": self.shm_bytes, "shard_bytes": self.shard_bytes,
                 "parts": [part for part, _ in self.parts],
@@ -162,16 +168,15 @@ class ReplicaRun:
                                  "files": len(r.table[r.rank]) + len(r.theirs)}}
 
     def after_step(self, done: int, seed: int) -> None:
+        """After step ``done`` - 1 (``done`` steps taken): sync, its commit; behind, the last step's commit finished
+        and this one's started (finished after the next step, or at :meth:`flush`)."""
         t0 = time.perf_counter()
-        self.replicas.commit_step(done, self.extra({"data_step": done, "seed": seed}))
-        if self.restored and self.mpi.Get_rank() == 0:   # committed past it: the copies it linked are freed
-            shutil.rmtree(os.path.join(job_dir(self.name), RESTORE), ignore_errors=True)
-        self.restored = False
-        self.seconds.append(time.perf_counter() - t0)
-        del self.seconds[:-HISTORY]
-        held, shards = _folder_bytes(self.replicas.folder)
-        self.shm_bytes, self.shard_bytes = max(self.shm_bytes, held), max(self.shard_bytes, shards)
-        self._note(done)
+        meta = self.extra({"data_step": done, "seed": seed})
+        if self.commit == "behind":
+            self.replicas.commit_behind(done, meta)
+        else:
+            self.replicas.commit_step(done, meta)
+        self._committed(t0, done)
         if self.pending is not None:                 # the first step after a restore: the recovery is over
             now, r = time.time(), self.pending
             r["relaunch_s"] = round(UP - r["detected_at"], 3)
@@ -181,6 +186,26 @@ class ReplicaRun:
             write_failures(self.name, records[:-1] + [r])
             self.pending = None
 
+    def flush(self) -> None:
+        """After the last step (every rank): behind, its commit finished; sync, nothing to do."""
+        if self.commit == "behind":
+            t0 = time.perf_counter()
+            self.replicas.finish()
+            self._committed(t0, self.done)
+
+    def _committed(self, t0: float, done: int) -> None:
+        """After a commit call: the restore folder freed once a step of this run is committed, the time, the
+        folder's bytes, this rank's note."""
+        if self.restored and self.replicas.step is not None:   # committed past it: the copies it linked are freed
+            if self.mpi.Get_rank() == 0:
+                shutil.rmtree(os.path.join(job_dir(self.name), RESTORE), ignore_errors=True)
+            self.restored = False
+        self.seconds.append(time.perf_counter() - t0)
+        del self.seconds[:-HISTORY]
+        held, shards = _folder_bytes(self.replicas.folder)
+        self.shm_bytes, self.shard_bytes = max(self.shm_bytes, held), max(self.shard_bytes, shards)
+        self._note(done)
+
     def failures(self) -> List[dict]:
         return public(read_failures(self.name))
 
@@ -188,16 +213,20 @@ class ReplicaRun:
         """At the end: every rank marks itself done (its exit is then no failure to the supervisor), then rank 0
         removes the rank folders."""
         self.replicas.close()
-        self._note(self.replicas.step, done=True)
+        self._note(self.done, done=True)
         self.mpi.Barrier()
         if self.mpi.Get_rank() == 0:
             clean(self.name, whole=False)
 
     def _note(self, step: Optional[int], done: bool = False) -> None:
-        """This rank's pid, host, node and last committed step, for the supervisor (written whole, renamed)."""
+        """This rank's pid, host, node, the steps it has taken (``step``: the supervisor's step in flight is the
+        next) and its last committed step (``committed``: sync, the same; behind, one less), for the supervisor
+        (written whole, renamed)."""
+        self.done = step
         path = os.path.join(job_dir(self.name), RANKS, f"rank{self.rank:05d}.json")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path + ".tmp", "w") as f:
             json.dump({"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
-                       "node": self.nodes[self.rank], "step": step, "t": time.time(), "done": done}, f)
+                       "node": self.nodes[self.rank], "step": step, "committed": self.replicas.step,
+                       "t": time.time(), "done": done}, f)
         os.replace(path + ".tmp", path)

@@ -155,6 +155,8 @@ def _run_steps(cfg: TrainConfig, job, comm, start: int, stop) -> StepLog:
             job.replicas.after_step(step + 1, cfg.seed)
         if after_step(show, cfg, saves, stop, step, stopping):
             break
+    if job.replicas:                            # --replicas-commit behind: the last step's commit finished
+        job.replicas.flush()
     saves.finish()                              # a background save is published before the run ends
     board.close()
     return log
