@@ -23,6 +23,7 @@ from ..errors import MismatchError
 from .signature import HEADER_BYTES, HEADER_TAG, MAX_TAG, SHAPE_BYTES, mismatch_message, signature
 
 PLANS = 64      # plans one link keeps (the oldest idle one is freed beyond): a model's buckets x their forms
+LOOP = 4        # a plan waits up to this many requests one by one, more with one Waitall (Plan)
 
 
 class Checks:
@@ -147,8 +148,8 @@ class Plan:
     the data; :meth:`start` starts all of them at once. The request interface of :class:`Exchange`
     (``Test``, ``Wait``): the headers compared as soon as they are in, before the data is waited.
 
-    The requests are waited one by one: mpi4py's Waitall and Testall convert their list at every
-    call (about 0.5 µs), one request's Wait costs 0.07 µs."""
+    Up to LOOP requests are waited one by one: mpi4py's Waitall and Testall convert their list at
+    every call (about 0.5 µs), one request's Wait costs 0.07 µs; more, at once."""
 
     __slots__ = ("_checks", "_headers", "_expected", "_sig", "_heads", "_rest", "_every", "_checked", "active")
 
@@ -186,14 +187,12 @@ class Plan:
         if not self._checked:
             if self._checks.error is not None:
                 raise self._checks.error
-            for request in self._heads:
-                if not request.Test():
-                    return False
+            if not _test(self._heads):
+                return False
             self._check()
         if self.active:
-            for request in self._rest:
-                if not request.Test():
-                    return False
+            if not _test(self._rest):
+                return False
             self.active = False
         return True
 
@@ -201,17 +200,32 @@ class Plan:
         if not self._checked:
             if self._checks.error is not None:
                 raise self._checks.error
-            for request in self._heads:
-                request.Wait()
+            _wait(self._heads)
             self._check()
         if self.active:
-            for request in self._rest:
-                request.Wait()
+            _wait(self._rest)
             self.active = False
 
     def free(self) -> None:
         for request in self._every:
             request.Free()
+
+
+def _test(requests) -> bool:
+    if len(requests) > LOOP:
+        return MPI.Request.Testall(requests)
+    for request in requests:
+        if not request.Test():
+            return False
+    return True
+
+
+def _wait(requests) -> None:
+    if len(requests) > LOOP:
+        MPI.Request.Waitall(requests)
+        return
+    for request in requests:
+        request.Wait()
 
 
 def allgather_rows(mpi_comm, checks: Optional[Checks], op: str, local, table) -> None:
