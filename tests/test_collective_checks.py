@@ -80,7 +80,8 @@ def test_a_two_level_collective_that_disagrees_ends_the_job():
 def test_repeated_collectives_are_planned_once_and_give_the_oracles_values():
     """A bucket's reduce-scatter and all-gather repeat every step with the same buffers: each is made once
     (persistent requests) and started again, a new label every step; the values equal the float64 sums
-    every step. A plan still in flight is not restarted: the second call gets a fresh exchange, both arrive."""
+    every step. A plan still in flight is not restarted: the second call gets a fresh exchange, both arrive.
+    Beyond the plans kept, the oldest idle one is freed for each new one, and the values stay right."""
     proc = run_mpi(2, [DRIVER, "planned"], timeout=LIMIT, check=False)
     assert proc.returncode == 0, (proc.returncode, proc.stderr)
     no_python_noise(proc.stderr)

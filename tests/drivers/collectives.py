@@ -74,6 +74,15 @@ elif case == "planned":            # the same collectives again and again: each 
     second.Wait()
     peer = 1 - rank
     assert np.array_equal(into[0], np.full(4, peer)) and np.array_equal(into[1], np.full(4, peer + 10.0)), into
+    from zerompi.comm import checked
+    checked.PLANS = 3               # no more plans kept: the oldest idle one is freed for each new one
+    bufs = [np.empty(8 * n, np.float32) for _ in range(3)]
+    for step in range(3):
+        for i, b in enumerate(bufs):
+            b[rank * 8:(rank + 1) * 8] = 100 * i + rank + step
+            comm.iall_gather(b, tag=(2 + i, step)).wait()
+            assert np.array_equal(b, np.repeat(100 * i + np.arange(n) + step, 8).astype(np.float32)), (i, step, b)
+            assert len(comm.checks.plans) == 3, comm.checks.plans
     print(f"collectives: rank {rank} plans {len(comm.checks.plans)}", flush=True)
 elif case in ("plan_scale", "plan_step", "plan_length"):   # agreed calls (their plans reused), then one that differs
     comm = zerompi.Communicator()

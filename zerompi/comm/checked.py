@@ -75,9 +75,9 @@ class Checks:
         full = (sig[:SHAPE_BYTES],) + key
         plan = self.plans.get(full)
         if plan is None:
+            if len(self.plans) >= PLANS:
+                self._evict()                 # before the new one is in: it must not be the one freed
             plan = self.plans[full] = Plan(self, sig, *messages())
-            if len(self.plans) > PLANS:
-                self._evict()
         elif plan.active:
             return self.exchange(sig, *messages())
         self.stats.calls += 1
@@ -93,9 +93,12 @@ class Checks:
                 return
 
     def free_plans(self) -> None:
-        """Free the idle plans' requests (the Communicator's free_scratch; the datatypes they use go next)."""
-        for key in [k for k, plan in self.plans.items() if not plan.active]:
-            self.plans.pop(key).free()
+        """Forget every plan, freeing the idle ones' requests (the Communicator's free_scratch: the datatypes
+        they use go next). One still in flight completes through its Handle and is never started again."""
+        plans, self.plans = self.plans, {}
+        for plan in plans.values():
+            if not plan.active:
+                plan.free()
 
 
 class Exchange:
