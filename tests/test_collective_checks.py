@@ -37,6 +37,13 @@ MISMATCHES = {   # case: what the one line must say (the driver's rank 0 and ran
     "quant": ("reduce_scatter of 128 float32 as int8 blocks of 64 on rank 0; reduce_scatter of 128 float32 as int4 "
               "blocks of 64 on rank 1 (they differ in: quantization)"),
     "tp_length": "tp_all_reduce of 8 float32 on rank 0; tp_all_reduce of 16 float32 on rank 1 (they differ in: length)",
+    # after the same collectives agreed three times (their plans made, then started again: comm/checked.py)
+    "plan_scale": ("reduce_scatter of 8 float32, scale 0.5 (bucket 0, step 3) on rank 0; reduce_scatter of 8 float32, "
+                   "scale 0.25 (bucket 0, step 3) on rank 1 (they differ in: scale)"),
+    "plan_step": ("all_gather of 8 float32 (bucket 1, step 3) on rank 0; all_gather of 8 float32 (bucket 1, step 4) "
+                  "on rank 1 (they differ in: step)"),
+    "plan_length": ("all_gather of 8 float32 (bucket 1, step 3) on rank 0; all_gather of 16 float32 (bucket 1, "
+                    "step 3) on rank 1 (they differ in: length)"),
 }
 
 
@@ -67,3 +74,15 @@ def test_a_two_level_collective_that_disagrees_ends_the_job():
     assert proc.returncode == 2 and lines, (proc.returncode, proc.stderr)
     assert all("collective mismatch between ranks: reduce_scatter of 16 float32 on rank 2; reduce_scatter of 32 "
                "float32 on rank 3 (they differ in: length)" in line for line in lines), lines
+
+
+@pytest.mark.every_mpi
+def test_repeated_collectives_are_planned_once_and_give_the_oracles_values():
+    """A bucket's reduce-scatter and all-gather repeat every step with the same buffers: each is made once
+    (persistent requests) and started again, a new label every step; the values equal the float64 sums
+    every step. A plan still in flight is not restarted: the second call gets a fresh exchange, both arrive.
+    Beyond the plans kept, the oldest idle one is freed for each new one, and the values stay right."""
+    proc = run_mpi(2, [DRIVER, "planned"], timeout=LIMIT, check=False)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr)
+    no_python_noise(proc.stderr)
+    assert proc.stdout.count("plans 3") == 2, proc.stdout   # the two collectives and the in-flight key

@@ -56,13 +56,14 @@ class RecvRows:
     in-flight reduce-scatter at a time.
     """
 
-    __slots__ = ("array", "wire", "rows", "addrs", "rank", "nbytes")
+    __slots__ = ("array", "wire", "rows", "addrs", "rank", "nbytes", "address")
 
     def __init__(self, size: int, rank: int, k: int, dtype):
         self.array = np.empty((size - 1, k), dtype)     # peer r < rank in row r, r > rank in row r - 1
         self.wire = _bytes_view(self.array)              # what MPI receives into
         self.rank = rank
         self.nbytes = self.array.nbytes
+        self.address = self.array.ctypes.data           # where the peers' slices land (a checked plan's key)
         peers = list(self.array)
         self.rows = peers[:rank] + [None] + peers[rank:]
         self.addrs = (ctypes.c_void_p * size)(*[0 if r is None else r.ctypes.data for r in self.rows])

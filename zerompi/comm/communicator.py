@@ -155,7 +155,10 @@ class Communicator:
         return blk
 
     def free_types(self) -> None:
-        """Free the cached block datatypes (a collective in flight keeps its own until it completes)."""
+        """Free the cached block datatypes and the checks' idle plans that use them (a collective in
+        flight keeps its own until it completes)."""
+        if self.checks is not None:
+            self.checks.free_plans()
         for dtype, _ in self._types.values():
             dtype.Free()
         self._types.clear()
@@ -194,7 +197,7 @@ class Communicator:
         # Ialltoall's pairwise rounds each wait on the scheduler.
         flat = send.reshape(-1)
         wire = MPI.buffer(flat)        # its address costs 0.2 µs; ndarray.ctypes.data costs 1.2 µs
-        req = self._all_to_all(sig, wire, recv.wire, blk, (sc, sd, rc, rd))
+        req = self._all_to_all(sig, wire, recv.wire, blk, (sc, sd, rc, rd), (wire.address, wire.nbytes, recv.address))
         # The sum reads the own slice where it lies: no copy at any N.
         rows = recv.with_own(flat[me * k:(me + 1) * k], wire.address + me * block)
         st.seconds += time.perf_counter() - t
@@ -244,15 +247,23 @@ class Communicator:
 
         return Handle(self, "reduce_scatter", req, (wire, blocks, send, out), finish, tag)
 
-    def _all_to_all(self, sig, send, recv, blk, layout):
+    def _all_to_all(self, sig, send, recv, blk, layout, key=None):
         """Block r of ``send`` to every peer r, and each peer's block into ``recv`` (``layout``: the
-        block_layout): one checked exchange (comm/signature.py), or MPI's Ialltoallv unchecked."""
+        block_layout): one checked exchange (comm/signature.py), or MPI's Ialltoallv unchecked.
+        ``key``: (send address, send bytes, recv address): the exchange is planned (checked.Plan)."""
         sc, sd, rc, rd = layout
         if sig is None:
             return self.mpi.Ialltoallv([send, (sc, sd), blk], [recv, (rc, rd), blk])
         others = self.checks.others
-        return self.checks.exchange(sig, [(r, [send, (1, r), blk]) for r in others],
-                                    [(r, [recv, (1, rd[r]), blk]) for r in others])
+        if key is None:
+            return self.checks.exchange(sig, [(r, [send, (1, r), blk]) for r in others],
+                                        [(r, [recv, (1, rd[r]), blk]) for r in others])
+
+        def messages():
+            out, into = _at(key[0], key[1]), _at(key[2], (self.size - 1) * key[1] // self.size)
+            return [(r, [out, (1, r), blk]) for r in others], [(r, [into, (1, rd[r]), blk]) for r in others]
+
+        return self.checks.planned(sig, key, messages)
 
     # ---- all-gather --------------------------------------------------------
     def iall_gather(self, buf, tag=None, logical_block: int = None, sig=None) -> Handle:
@@ -272,10 +283,13 @@ class Communicator:
         if self.checks is None or sig is False:
             req = self.mpi.Iallgather(MPI.IN_PLACE, [wire, 1, blk])
         else:
-            others, me = self.checks.others, self.slot
-            req = self.checks.exchange(sig or signature("all_gather", buf.dtype, buf.size, tag),
-                                       [(r, [wire, (1, me), blk]) for r in others],
-                                       [(r, [wire, (1, r), blk]) for r in others])
+            others, me, key = self.checks.others, self.slot, (wire.address, wire.nbytes)
+
+            def messages():
+                at = _at(*key)
+                return [(r, [at, (1, me), blk]) for r in others], [(r, [at, (1, r), blk]) for r in others]
+
+            req = self.checks.planned(sig or signature("all_gather", buf.dtype, buf.size, tag), key, messages)
         st.seconds += time.perf_counter() - t
         return Handle(self, "all_gather", req, (), None, tag)
 
@@ -331,6 +345,11 @@ class Communicator:
         """{"intra": bytes, "inter": bytes} sent so far, over every operation but ``exclude``."""
         ops = [s for op, s in self.stats.items() if op not in exclude]
         return {"intra": sum(s.intra for s in ops), "inter": sum(s.inter for s in ops)}
+
+
+def _at(address: int, nbytes: int):
+    """``nbytes`` of memory at ``address`` as a buffer that does not keep its owner alive (a plan's)."""
+    return MPI.buffer.fromaddress(address, nbytes)
 
 
 def as_communicator(comm, timeout_s: Optional[float] = None, abort_on_exception: bool = True):

@@ -10,13 +10,13 @@ and from every peer:
 - a **header**, HEADER_BYTES: this rank's signature (:func:`signature`): the operation, the
   dtype, the buffer's elements, the quantization, the caller's label (bucket, step), the scale
   and whether the result accumulates;
-- the **data**, tagged with a hash of that signature, so that it only matches a receive posted
-  for the same signature: a message of another length is never received into a buffer made
-  for this one.
+- the **data**, tagged with a hash of that signature's shape (the operation, dtype, length and
+  quantization: what fixes its size), so that it only matches a receive posted for the same
+  shape: a message of another length is never received into a buffer made for this one.
 
 Before any result is used, the headers are compared; when any two differ, every rank raises
 the same MismatchError naming the ranks and what each passed (every rank has every header).
-The data of the ranks that disagree is then never received; the job ends on the error. Bytes:
+The data of the ranks whose shapes disagree is then never received; the job ends on the error. Bytes:
 the headers are counted apart (``Communicator.check_stats``), never in the operations' counters.
 """
 import struct
@@ -30,7 +30,8 @@ from .consistency import rank_set
 WORDS = ("operation", "dtype", "length", "quantization", "bucket", "step", "scale", "accumulate")   # an int64 each
 HEADER = struct.Struct("<8q")    # a signature as it travels: one little-endian int64 per word (scale: its float64 bits)
 HEADER_BYTES = HEADER.size       # bytes of one header message
-HEADER_TAG = 0                   # the headers' tag; the data's: 1 + a hash of the signature
+HEADER_TAG = 0                   # the headers' tag; the data's: 1 + a hash of the signature's shape
+SHAPE_BYTES = 4 * 8              # the shape: the first 4 words (operation, dtype, length, quantization)
 MAX_TAG = 2 ** 29 - 1            # MPICH's upper bound of tags (Open MPI's is 2**31 - 1; MPI promises 32767)
 _NAMES: Dict[int, str] = {}      # code -> name of every operation, dtype and label this process signed
 _CODES: Dict[str, int] = {}      # name -> code, the other way (a signature is made for every collective: cheap)
