@@ -6,6 +6,7 @@ or a ratio). A path that cannot run here is a row with ``skipped``: why. The fun
 benchmark script's own JSON into rows and bit checks (``{name, ok, what}``); they measure nothing.
 """
 import math
+import statistics
 from typing import Optional
 
 GOALS = {   # the bounds of the issue and of the docs the scripts' own goals come from
@@ -154,6 +155,23 @@ def torch_rows(records: list) -> tuple:
                 paired_ratio=r.get("zerompi_over_torch_fp32")) for r in records if "zerompi_fp32" in r["step_s"]]
     return rows, [check("torch_parity", all(r["parity"]["ok"] for r in records),
                         "bench_torch_gpt: PyTorch's loss and gradients equal zerompi's")]
+
+
+def torch_dist_rows(runs: dict, what: dict, warmup: int) -> tuple:
+    """zerompi's train CLI step at N ranks (fp32) against PyTorch's DDP / FSDP2 step on the same shapes (fp32,
+    gloo): ``runs`` {row: [(zerompi's step times, torch's step times) per round]}, ``what`` {row: (N, zerompi's
+    stage, torch's wrapper)}; each run's first ``warmup`` steps left out, medians over every round's steps, and
+    the ratio of each round's medians (the same moment), then their median."""
+    med = statistics.median
+    rows = []
+    for name, pairs in runs.items():
+        n, stage, kind = what[name]
+        z = [t for zs, _ in pairs for t in zs[warmup:]]
+        t = [t for _, ts in pairs for t in ts[warmup:]]
+        rows.append(row(name, med(z), med(t), None, N=n, zerompi_stage=stage, torch=kind, dtype="fp32",
+                        paired_ratio=med([med(zs[warmup:]) / med(ts[warmup:]) for zs, ts in pairs]),
+                        rounds=len(pairs)))
+    return rows, []
 
 
 def cluster_rows(records: list, tag: str = "4x1") -> tuple:
