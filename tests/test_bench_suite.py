@@ -87,8 +87,10 @@ def test_each_scripts_json_becomes_its_rows():
                                                                    ("checkpoint_sync_vs_disk", 1.25, True)]
 
     rows, _ = sr.pipeline_rows({"rows": [{"mesh": "pp 2", "schedule": "zb-h1", "m": 8, "step_time_s": 0.1,
-                                          "bubble_measured": 0.145, "bubble_simulated": 0.1}]}, "bubble_zbh1")
+                                          "bubble_measured": 0.145, "bubble_replayed": 0.1,
+                                          "bubble_simulated": 0.08}]}, "bubble_zbh1")
     assert rows[0]["ratio"] == pytest.approx(1.45) and rows[0]["met"] is False and rows[0]["unit"] == "fraction"
+    assert rows[0]["simulated_median_costs"] == 0.08 and rows[0]["over_median_costs"] == pytest.approx(0.145 / 0.08)
 
     run = lambda name, t, e: {"name": name, "step_s": t, "estimate_step_s": e, "link": "250mbit"}  # noqa: E731
     rows, _ = sr.cluster_rows([run("flat3", 2.0, 2.6), run("zeropp", 0.6, 0.5)])
