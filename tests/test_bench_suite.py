@@ -135,6 +135,12 @@ def test_one_path_end_to_end(tmp_path):
     assert str(ROOT) not in json.dumps(result["commands"])      # no path of the machine in what it writes
 
 
+def test_torch_python_that_is_no_program_is_refused_in_one_line():
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_suite.py"), "--only", "torch_dist",
+                           "--torch-python", "no-such-python-here"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--torch-python no-such-python-here: no such program" in proc.stderr
+
+
 def test_unknown_path_is_refused_in_one_line():
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_suite.py"), "--only", "adam,nope"],
                           capture_output=True, text=True, timeout=60)
