@@ -7,8 +7,9 @@
 For each mesh, each schedule (gpipe, 1f1b, interleaved with 2 chunks per stage, zb-h1) and m = 4 and 8
 micro-batches, one zerompi.train run (fp32, stage 1; every run of a mesh in one mpiexec launch): the
 median step time, the bubble measured from the actions' timers (zerompi/pipeline/measure.py) beside the
-simulator's on the measured costs and on equal costs, activation and model-state bytes per rank (the
-largest), and the bytes per step by kind (point-to-point per stage, ZeRO's data-parallel, TP's). Then,
+simulator's on each step's own action costs (replayed), on the median costs and on equal costs,
+activation and model-state bytes per rank (the largest), and the bytes per step by kind (point-to-point
+per stage, ZeRO's data-parallel, TP's). Then,
 on pp 2 x dp N/2, stage 3 against stage 1 with 1F1B, m = 8 (model states per rank: what sharding the
 stage's parameters over its data-parallel group saves when the pipeline already divides the model by
 P), and stage 3 with its gathers kept for the step (--pp-gather step).
@@ -78,7 +79,8 @@ def summarize(row, m) -> dict:
     per = m["pipeline"]["bubble_fraction_per_step"]
     return {k: v for k, v in row.items() if k != "flags"} | {
         "step_time_s": statistics.median(times), "bubble_measured": statistics.median(per[1:] or per),
-        "bubble_simulated": m["bubble_fraction_schedule"], "bubble_equal_costs": m["bubble_fraction_unit"],
+        "bubble_simulated": m["bubble_fraction_schedule"], "bubble_replayed": m["bubble_fraction_replayed"],
+        "bubble_equal_costs": m["bubble_fraction_unit"],
         "activation_bytes": m["activation_bytes"], "activation_theory_bytes": m["activation_theory_bytes"],
         "model_state_bytes": m["memory_bytes"]["total"], "model_state_theory_bytes": m["theory_bytes_padded"],
         "peak_buffer_bytes": m["peak_buffer_bytes"], "zero_theory_bytes_per_step": m["comm_theory_bytes_per_step"],

@@ -9,6 +9,8 @@ Drives the project's benchmark scripts (each one measures its path and its floor
 interleaved, medians; this file measures nothing itself) and turns their JSON into rows
 ``{name, measured, floor, ratio, goal, unit, met}`` (scripts/suite_rows.py); a path that cannot run
 here (PyTorch missing, no network namespaces for the emulated cluster) is a row with ``skipped``.
+``--torch-python PY``: the interpreter that has PyTorch (it needs only torch and NumPy) when it is
+not zerompi's own: the rows ``gpt_n2_vs_torch_ddp`` and ``gpt_n4_vs_torch_fsdp2`` run there.
 ``--quick`` shrinks sizes, steps and rounds (PATHS: each path's quick arguments); ``--check`` runs
 every path at its smallest size and keeps only whether it ran and its bit checks (the stages'
 parity, offload's hash against the in-memory run, the collectives' oracle), never its timings.
@@ -121,6 +123,61 @@ def torch_missing():
     return None if importlib.util.find_spec("torch") else "PyTorch is not installed (pip install torch)"
 
 
+TORCH_PYTHON = None     # --torch-python: an interpreter with torch (default: zerompi's own)
+TORCH_DIST = (  # row, N, zerompi's stage, PyTorch's wrapper: data parallelism against DDP, ZeRO-3 against FSDP2
+    ("gpt_n2_vs_torch_ddp", 2, 0, "ddp"), ("gpt_n4_vs_torch_fsdp2", 4, 3, "fsdp2"))
+TORCH_DIST_WARMUP = 2   # steps of each run left out (FSDP2's first step builds its shards)
+
+
+def gpt_6x256() -> dict:
+    """The GPT 6 x 256's shapes (bench_floor.py's flags; the generated corpus's vocabulary), for the torch side."""
+    from bench_floor import MODELS
+    from zerompi.train.data import GENERATED_VOCAB
+    flags = MODELS["gpt-6x256"]
+    shape = {k: flags[flags.index(f"--{k}") + 1] for k in ("n-layer", "d-model", "n-head", "seq-len", "batch")}
+    return dict(shape, vocab=str(GENERATED_VOCAB))
+
+
+def torch_dist_argv(mode, tmp):
+    """Interleaved rounds: zerompi's train CLI (fp32) and PyTorch's DDP / FSDP2 (fp32, gloo) on the same shapes."""
+    from bench_floor import MODELS
+    steps, rounds = str(TORCH_DIST_WARMUP + pick(mode, 8, 4, 1)), pick(mode, 3, 2, 1)
+    shape = [x for k, v in gpt_6x256().items() for x in (f"--{k}", v)]
+    argvs = []
+    for r in range(rounds):
+        for name, n, stage, kind in TORCH_DIST:
+            argvs.append([mpiexec(), "-n", str(n), PY, "-m", "zerompi.train", *MODELS["gpt-6x256"], "--dtype", "fp32",
+                          "--stage", str(stage), "--steps", steps, "--log-every", steps, "--eval-every", "0",
+                          "--metrics-json", str(tmp / f"{name}-{r}.json")])
+            argvs.append([TORCH_PYTHON or PY, str(ROOT / "scripts" / "bench_torch_dist_gpt.py"), "--model", "builtin",
+                          "--mode", kind, "--ranks", str(n), "--steps", steps, *shape])
+    return argvs
+
+
+def torch_dist_parse(outs, tmp):
+    runs = {name: [] for name, *_ in TORCH_DIST}
+    for i, name in enumerate(n for _ in range(len(outs) // (2 * len(TORCH_DIST))) for n, *_ in TORCH_DIST):
+        zerompi = json.loads((tmp / f"{name}-{len(runs[name])}.json").read_text())["step_times_s"]
+        torch = lines(outs[2 * i + 1])[-1]["step_s"]
+        runs[name].append((zerompi, torch))
+    return sr.torch_dist_rows(runs, {name: (n, stage, kind) for name, n, stage, kind in TORCH_DIST},
+                              TORCH_DIST_WARMUP)
+
+
+def torch_dist_missing():
+    """Why PyTorch's distributed side cannot run here (None when it can)."""
+    try:
+        proc = subprocess.run([TORCH_PYTHON or PY, "-c", "import torch.distributed as d; assert d.is_available()"],
+                              capture_output=True, text=True, timeout=300)
+        ok = proc.returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        ok = False
+    if ok:
+        return None
+    return ("PyTorch (with torch.distributed) is not installed beside zerompi (pip install torch)"
+            if TORCH_PYTHON is None else "--torch-python's interpreter cannot import torch.distributed")
+
+
 def cluster_argv(mode, tmp):
     import cluster_mpi
     steps = pick(mode, ["--steps", "30", "--warmup", "5"], ["--steps", "20", "--warmup", "5"],
@@ -173,18 +230,15 @@ PATHS = [
     path("pipeline_zbh1", pipeline_argv(2, "pp", "zb-h1"),
          lambda o, t: sr.pipeline_rows(document(o[0]), "bubble_zbh1")),
     path("torch", torch_argv, lambda o, t: sr.torch_rows(lines(o[0])), ("gpt_vs_torch_gpt-6x256",), torch_missing),
+    path("torch_dist", torch_dist_argv, torch_dist_parse, tuple(n for n, *_ in TORCH_DIST), torch_dist_missing),
     path("cluster", cluster_argv, lambda o, t: sr.cluster_rows(json.loads((t / "cluster.json").read_text())),
          ("zeropp_4x1", "estimate_error_flat3_4x1", "estimate_error_zeropp_4x1"), cluster_missing, ok_rc=(0, 1)),
 ]
-NOT_MEASURED = {   # rows of the issue that no script measures yet: in the table, skipped, with why
-    "gpt_n2_vs_torch_ddp": "no script measures PyTorch DDP yet (bench_torch_gpt.py is one process)",
-    "gpt_n4_vs_torch_fsdp2": "no script measures PyTorch FSDP2 yet (bench_torch_gpt.py is one process)",
-}
 
 
 def shown(argv, tmp: Path) -> str:
     """A command as the table shows it: no path of this machine."""
-    names = {PY: "python", mpiexec(): "mpiexec"}
+    names = {PY: "python", mpiexec(): "mpiexec", **({TORCH_PYTHON: "TORCH_PYTHON"} if TORCH_PYTHON else {})}
     out = []
     for a in argv:
         a = names.get(a, a).replace(str(tmp), "TMP").replace(str(ROOT) + os.sep, "")
@@ -226,7 +280,7 @@ def run_commands(p, mode: str, timeout: float, tmp: Path, t0: float) -> dict:
     except (ValueError, KeyError, IndexError, TypeError, StopIteration, OSError) as e:
         return fail(f"its output could not be read ({type(e).__name__}: {e}): {shown(argv, tmp)}")
     return {"rows": rows, "checks": checks, "seconds": time.perf_counter() - t0,
-            "commands": [shown(argv, tmp) for argv in argvs]}
+            "commands": list(dict.fromkeys(shown(argv, tmp) for argv in argvs))}
 
 
 def run_suite(names, mode: str, timeout: float, log=lambda s: None) -> dict:
@@ -245,8 +299,6 @@ def run_suite(names, mode: str, timeout: float, log=lambda s: None) -> dict:
         if "error" in r:
             errors[p["name"]] = r["error"]
         log(f"{p['name']}: {r['seconds']:.1f} s" + (f", ERROR {r['error'].splitlines()[0]}" if "error" in r else ""))
-    if mode != "check" and "torch" in names:
-        rows += [sr.skipped(n, why) for n, why in NOT_MEASURED.items()]
     load.append(os.getloadavg()[0])
     return {"mode": mode, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "seconds": round(time.perf_counter() - start, 1), "seconds_per_path": seconds,
@@ -260,7 +312,7 @@ def ran(rows) -> list:
 
 
 def main(argv=None) -> int:
-    global OFFLOAD_DIR
+    global OFFLOAD_DIR, TORCH_PYTHON
     names = [p["name"] for p in PATHS]
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     group = ap.add_mutually_exclusive_group()
@@ -272,6 +324,8 @@ def main(argv=None) -> int:
     ap.add_argument("--note", default="", help="a paragraph for --doc (e.g. that other jobs loaded the machine)")
     ap.add_argument("--under-load", action="store_true", help="--doc says the machine was shared (a standard note)")
     ap.add_argument("--offload-dir", help="where offload's files go (a real disk; default a temporary folder)")
+    ap.add_argument("--torch-python", metavar="PY",
+                    help="the interpreter that has PyTorch, for torch_dist (default: this one)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds one command may run")
     a = ap.parse_args(argv)
     only = a.only.split(",")
@@ -279,6 +333,9 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"--only: unknown paths {unknown}; use some of {', '.join(names)}")
     OFFLOAD_DIR = a.offload_dir
+    if a.torch_python and not shutil.which(a.torch_python):
+        ap.error(f"--torch-python {a.torch_python}: no such program; give a Python interpreter that has torch")
+    TORCH_PYTHON = shutil.which(a.torch_python) if a.torch_python else None
     mode = "quick" if a.quick else "check" if a.check else "full"
     result = run_suite(only, mode, a.timeout, log=lambda s: print(s, file=sys.stderr, flush=True))
     import suite_doc

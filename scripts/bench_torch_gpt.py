@@ -3,8 +3,8 @@
     python scripts/bench_torch_gpt.py                            # CPU, the default GPT
     python scripts/bench_torch_gpt.py --device gpu --models gpt-default,gpt-6x256 --json out.json
 
-The same model in both: PyTorch's parameters are copied from zerompi's GPT.init_layers()
-(pre-LayerNorm blocks, causal attention, tanh GELU, the head tied to the token table), and
+The same model in both: PyTorch's parameters (scripts/torch_gpt.py) are copied from zerompi's
+GPT.init_layers() (pre-LayerNorm blocks, causal attention, tanh GELU, the head tied to the token table), and
 before anything is timed the script checks that the two compute the same thing: on one
 batch, PyTorch's fp32 loss and every gradient against zerompi's NumPy float64 forward and
 backward (``parity``: the loss within 1e-5 relative, each gradient within 2e-5 of its largest
@@ -42,41 +42,14 @@ from bench_floor import MODELS, placed  # noqa: E402  (the same model names and 
 LOSS_RTOL, GRAD_TOL = 1e-5, 2e-5   # fp32 against float64: measured 9e-8 and 1.6e-6 here; a GELU without tanh: 5e-5
 
 
-class TorchGPT:
-    """zerompi's GPT in PyTorch: parameters by zerompi's names, the forward written with torch ops."""
-
-    def __init__(self, torch, layers, n_head: int, device):
-        self.torch, self.n_head = torch, n_head
-        self.params = {name: torch.nn.Parameter(torch.tensor(np.asarray(a, np.float32), device=device))
-                       for _, p in layers for name, a in p.items()}
-        self.n_layer = sum(1 for lname, _ in layers if lname.startswith("block"))
-
-    def loss(self, idx, targets):
-        F, p = self.torch.nn.functional, self.params
-        B, T = idx.shape
-        h = p["wte"][idx] + p["wpe"][:T]
-        C = h.shape[-1]
-        for i in range(self.n_layer):
-            q = lambda k: p[f"block{i}.{k}"]
-            a = F.layer_norm(h, (C,), q("ln1.g"), q("ln1.b"), 1e-5)
-            qkv = a @ q("qkv.w") + q("qkv.b")
-            heads = [t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in qkv.split(C, dim=-1)]
-            y = F.scaled_dot_product_attention(*heads, is_causal=True).transpose(1, 2).reshape(B, T, C)
-            h = h + y @ q("proj.w") + q("proj.b")
-            m = F.layer_norm(h, (C,), q("ln2.g"), q("ln2.b"), 1e-5)
-            h = h + F.gelu(m @ q("fc.w") + q("fc.b"), approximate="tanh") @ q("out.w") + q("out.b")
-        hf = F.layer_norm(h, (C,), p["ln_f.g"], p["ln_f.b"], 1e-5)
-        logits = hf @ p["wte"].T
-        return F.cross_entropy(logits.reshape(B * T, -1).float(), targets.reshape(-1))
-
-
 def parity(torch, model, layers, idx, targets, device) -> dict:
     """PyTorch's fp32 loss and gradients against zerompi's float64 ones on the same batch."""
     ref = model.__class__(model.vocab, model.seq_len, model.n_layer, model.n_head, model.d_model, model.seed,
                           dtype=np.float64, kernels="numpy")
     ref_loss, ref_grads = ref.loss_and_grads([(n, {k: v.astype(np.float64) for k, v in p.items()}) for n, p in layers],
                                              idx, targets)
-    tm = TorchGPT(torch, layers, model.n_head, device)
+    from torch_gpt import TorchGPT     # zerompi's GPT in torch modules (imports torch)
+    tm = TorchGPT(layers, model.n_head, device)
     loss = tm.loss(torch.tensor(idx, device=device), torch.tensor(targets, device=device))
     loss.backward()
     worst = 0.0
@@ -90,7 +63,8 @@ def parity(torch, model, layers, idx, targets, device) -> dict:
 
 def torch_step(torch, layers, cfg, idx, targets, device, bf16: bool):
     """A function running one PyTorch training step of the batch (forward, backward, AdamW)."""
-    m = TorchGPT(torch, layers, cfg.n_head, device)
+    from torch_gpt import TorchGPT
+    m = TorchGPT(layers, cfg.n_head, device)
     z = cfg.zero
     opt = torch.optim.AdamW(list(m.params.values()), lr=z.lr, betas=(z.beta1, z.beta2), eps=z.eps,
                             weight_decay=z.weight_decay, **({"fused": True} if device.type == "cuda" else {}))

@@ -6,6 +6,7 @@ or a ratio). A path that cannot run here is a row with ``skipped``: why. The fun
 benchmark script's own JSON into rows and bit checks (``{name, ok, what}``); they measure nothing.
 """
 import math
+import statistics
 from typing import Optional
 
 GOALS = {   # the bounds of the issue and of the docs the scripts' own goals come from
@@ -141,11 +142,13 @@ def checkpoint_rows(doc: dict) -> tuple:
 
 
 def pipeline_rows(doc: dict, name: str) -> tuple:
-    """bench_pipeline.py: the measured bubble (the actions' timers) against the simulator's on the measured
-    costs, for the one row the suite asked for."""
+    """bench_pipeline.py: the measured bubble (the actions' timers) against the simulator's on each step's own
+    action costs (the stage's data-parallel waits and the costs' spread in them: what the executor adds is the
+    rest), for the one row the suite asked for; the simulator's on the median costs kept beside it."""
     (r,) = doc["rows"]          # the suite asks for one mesh, one schedule, one m
-    return [row(name, r["bubble_measured"], r["bubble_simulated"], GOALS["bubble"], "fraction", mesh=r["mesh"],
-                schedule=r["schedule"], m=r["m"], step_s=r["step_time_s"])], []
+    return [row(name, r["bubble_measured"], r["bubble_replayed"], GOALS["bubble"], "fraction", mesh=r["mesh"],
+                schedule=r["schedule"], m=r["m"], step_s=r["step_time_s"], simulated_median_costs=r["bubble_simulated"],
+                over_median_costs=r["bubble_measured"] / r["bubble_simulated"] if r["bubble_simulated"] else None)], []
 
 
 def torch_rows(records: list) -> tuple:
@@ -154,6 +157,23 @@ def torch_rows(records: list) -> tuple:
                 paired_ratio=r.get("zerompi_over_torch_fp32")) for r in records if "zerompi_fp32" in r["step_s"]]
     return rows, [check("torch_parity", all(r["parity"]["ok"] for r in records),
                         "bench_torch_gpt: PyTorch's loss and gradients equal zerompi's")]
+
+
+def torch_dist_rows(runs: dict, what: dict, warmup: int) -> tuple:
+    """zerompi's train CLI step at N ranks (fp32) against PyTorch's DDP / FSDP2 step on the same shapes (fp32,
+    gloo): ``runs`` {row: [(zerompi's step times, torch's step times) per round]}, ``what`` {row: (N, zerompi's
+    stage, torch's wrapper)}; each run's first ``warmup`` steps left out, medians over every round's steps, and
+    the ratio of each round's medians (the same moment), then their median."""
+    med = statistics.median
+    rows = []
+    for name, pairs in runs.items():
+        n, stage, kind = what[name]
+        z = [t for zs, _ in pairs for t in zs[warmup:]]
+        t = [t for _, ts in pairs for t in ts[warmup:]]
+        rows.append(row(name, med(z), med(t), None, N=n, zerompi_stage=stage, torch=kind, dtype="fp32",
+                        paired_ratio=med([med(zs[warmup:]) / med(ts[warmup:]) for zs, ts in pairs]),
+                        rounds=len(pairs)))
+    return rows, []
 
 
 def cluster_rows(records: list, tag: str = "4x1") -> tuple:

@@ -87,8 +87,10 @@ def test_each_scripts_json_becomes_its_rows():
                                                                    ("checkpoint_sync_vs_disk", 1.25, True)]
 
     rows, _ = sr.pipeline_rows({"rows": [{"mesh": "pp 2", "schedule": "zb-h1", "m": 8, "step_time_s": 0.1,
-                                          "bubble_measured": 0.145, "bubble_simulated": 0.1}]}, "bubble_zbh1")
+                                          "bubble_measured": 0.145, "bubble_replayed": 0.1,
+                                          "bubble_simulated": 0.08}]}, "bubble_zbh1")
     assert rows[0]["ratio"] == pytest.approx(1.45) and rows[0]["met"] is False and rows[0]["unit"] == "fraction"
+    assert rows[0]["simulated_median_costs"] == 0.08 and rows[0]["over_median_costs"] == pytest.approx(0.145 / 0.08)
 
     run = lambda name, t, e: {"name": name, "step_s": t, "estimate_step_s": e, "link": "250mbit"}  # noqa: E731
     rows, _ = sr.cluster_rows([run("flat3", 2.0, 2.6), run("zeropp", 0.6, 0.5)])
@@ -131,6 +133,12 @@ def test_one_path_end_to_end(tmp_path):
     assert result["errors"] == {} and set(result["machine"]) >= {"cpu", "cores", "mpi", "numpy"}
     assert "| `adamw_vs_copy` |" in (tmp_path / "perf.md").read_text() and (tmp_path / "perf.png").exists()
     assert str(ROOT) not in json.dumps(result["commands"])      # no path of the machine in what it writes
+
+
+def test_torch_python_that_is_no_program_is_refused_in_one_line():
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_suite.py"), "--only", "torch_dist",
+                           "--torch-python", "no-such-python-here"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--torch-python no-such-python-here: no such program" in proc.stderr
 
 
 def test_unknown_path_is_refused_in_one_line():
@@ -190,3 +198,67 @@ def test_bench_pipeline_asks_for_one_row():
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_pipeline.py"), "--meshes", "dp,xx"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "unknown meshes or schedules ['xx']" in proc.stderr
+
+
+def test_torch_dist_rows_from_each_rounds_steps(tmp_path):
+    """zerompi's train CLI metrics and PyTorch's step lines of two rounds become the two rows (hand values)."""
+    outs = []
+    z = {"gpt_n2_vs_torch_ddp": ([9, 9, 2.0, 4.0], [9, 9, 3.0, 3.0]),
+         "gpt_n4_vs_torch_fsdp2": ([9, 9, 6.0], [9, 9, 8.0])}
+    t = {"gpt_n2_vs_torch_ddp": ([9, 9, 1.0, 1.0], [9, 9, 2.0, 2.0]),
+         "gpt_n4_vs_torch_fsdp2": ([9, 9, 4.0], [9, 9, 2.0])}
+    for r in range(2):
+        for name, *_ in bench_suite.TORCH_DIST:
+            (tmp_path / f"{name}-{r}.json").write_text(json.dumps({"step_times_s": z[name][r]}))
+            outs += ["", "a log line\n" + json.dumps({"mode": "x", "step_s": t[name][r]})]
+    rows, checks = bench_suite.torch_dist_parse(outs, tmp_path)
+    by = {r["name"]: r for r in rows}
+    assert set(by) == {"gpt_n2_vs_torch_ddp", "gpt_n4_vs_torch_fsdp2"} and checks == []
+    ddp, fsdp = by["gpt_n2_vs_torch_ddp"], by["gpt_n4_vs_torch_fsdp2"]
+    assert (ddp["measured"], ddp["floor"], ddp["ratio"]) == (3.0, 1.5, 2.0) and ddp["paired_ratio"] == 2.25
+    assert (fsdp["measured"], fsdp["floor"], fsdp["ratio"]) == (7.0, 3.0, 7.0 / 3.0) and fsdp["paired_ratio"] == 2.75
+    assert (ddp["N"], ddp["zerompi_stage"], ddp["torch"], fsdp["N"], fsdp["zerompi_stage"], fsdp["torch"]) == (
+        2, 0, "ddp", 4, 3, "fsdp2") and ddp["goal"] is None and ddp["dtype"] == "fp32"
+
+
+def test_torch_dist_commands_same_shapes_fp32_interleaved(tmp_path):
+    argvs = bench_suite.torch_dist_argv("quick", tmp_path)
+    assert len(argvs) == 2 * 2 * len(bench_suite.TORCH_DIST)          # two rounds, each row's pair in turn
+    zerompi, torch = argvs[0], argvs[1]
+    assert "zerompi.train" in zerompi and zerompi[zerompi.index("--dtype") + 1] == "fp32"
+    assert zerompi[zerompi.index("--stage") + 1] == "0" and torch[torch.index("--mode") + 1] == "ddp"
+    for k in ("--n-layer", "--d-model", "--n-head", "--seq-len", "--batch"):
+        assert zerompi[zerompi.index(k) + 1] == torch[torch.index(k) + 1], k
+    assert torch[torch.index("--model") + 1] == "builtin" and argvs[3][argvs[3].index("--mode") + 1] == "fsdp2"
+
+
+def test_torch_dist_rows_skipped_with_a_line_without_torch(tmp_path, monkeypatch):
+    """--quick without PyTorch: both rows in the table, each skipped with why (an interpreter without torch)."""
+    no_torch = tmp_path / "python"
+    no_torch.write_text("#!/bin/sh\nexit 1\n")
+    no_torch.chmod(0o755)
+    monkeypatch.setattr(bench_suite, "TORCH_PYTHON", str(no_torch))
+    result = bench_suite.run_suite(["torch_dist"], "quick", 60)
+    assert [(r["name"], r["ratio"]) for r in result["rows"]] == [("gpt_n2_vs_torch_ddp", None),
+                                                                  ("gpt_n4_vs_torch_fsdp2", None)]
+    assert all("cannot import torch" in r["skipped"] for r in result["rows"]) and result["errors"] == {}
+    md = suite_doc.table(result["rows"])
+    assert "| `gpt_n2_vs_torch_ddp` | — | — | — | — | skipped: --torch-python" in md
+
+
+@pytest.mark.slow
+def test_torch_dist_rows_measured_where_torch_is(tmp_path):
+    """Where an interpreter has torch (ZEROMPI_TORCH_PYTHON, else this one): --check measures both rows (finite
+    ratios; never a timing asserted)."""
+    import os
+    py = os.environ.get("ZEROMPI_TORCH_PYTHON", sys.executable)
+    if subprocess.run([py, "-c", "import torch.distributed"], capture_output=True).returncode:
+        pytest.skip("no interpreter with torch (set ZEROMPI_TORCH_PYTHON)")
+    out = tmp_path / "t.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_suite.py"), "--check", "--only",
+                           "torch_dist", "--torch-python", py, "--json", str(out)],
+                          capture_output=True, text=True, timeout=1500, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"gpt_n2_vs_torch_ddp", "gpt_n4_vs_torch_fsdp2"}
+    assert all(math.isfinite(r["ratio"]) and r["ratio"] > 0 for r in rows.values())

@@ -18,7 +18,8 @@ GPT = ["--model", "gpt", "--n-layer", "2", "--d-model", "16", "--n-head", "2", "
        "--micro-batches", "2", "--steps", "2", "--eval-every", "2", "--bucket-mb", "0.002", "--log-every", "1000"]
 MLP = ["--model", "mlp", "--width", "16", "--depth", "4", "--batch", "8", "--micro-batches", "2", "--bucket-mb",
        "0.002", "--steps", "2"]
-PIPELINE_ONLY = ("pipeline", "bubble_fraction", "bubble_fraction_schedule", "bubble_fraction_unit",
+PIPELINE_ONLY = ("pipeline", "bubble_fraction", "bubble_fraction_schedule", "bubble_fraction_replayed",
+                 "bubble_fraction_unit",
                  "peak_activations_schedule", "pp_bytes_per_step", "pp_theory_bytes_per_step")
 SAME_CONCEPT = ("memory_bytes", "memory_bytes_by_place", "theory_bytes", "theory_bytes_padded", "theory_bytes_by_place",
                 "comm_bytes_per_step_by_level", "comm_theory_bytes_per_step_by_level", "comm_check_bytes", "topology",

@@ -8,6 +8,7 @@ Oracles: the closed forms of the bubble on equal costs (GPipe and 1F1B (P-1)/(m+
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -202,3 +203,51 @@ def test_the_estimator_prints_the_bubble_and_the_activations(tmp_path):
                           "cannot be read")):
         bad = estimate(*args)
         assert bad.returncode == 2 and needle in bad.stderr and bad.stderr.count("\n") == 1, bad.stderr
+
+
+class _World:
+    """A mesh's ranks in one process: allgather gives back ``values`` (each rank's), or, without them, this
+    rank's value ``size`` times and keeps it (how the ranks' values are collected first)."""
+
+    def __init__(self, size, values=None):
+        self.size, self.values, self.kept = size, values, None
+        self.mpi = self
+
+    def allgather(self, mine):
+        self.kept = mine
+        return self.values or [mine] * self.size
+
+
+def gathered(fn, per_rank, mesh, *extra):
+    """``fn(pp_times, mesh, comm, *extra)`` as rank 0 computes it when every rank has its own ``per_rank``."""
+    mines = []
+    for times in per_rank:
+        world = _World(len(per_rank))
+        fn(times, mesh, world, *extra)
+        mines.append(world.kept)
+    return fn(per_rank[0], mesh, _World(len(per_rank), mines), *extra)
+
+
+@pytest.mark.parametrize("name,m", [("1f1b", 8), ("zb-h1", 4), ("gpipe", 3)])
+def test_replayed_bubble_is_the_simulators_on_each_actions_own_cost(name, m):
+    """measure.replayed: each step simulated on its own actions' seconds. Timestamps made by the simulator itself
+    (every action where it puts it, no gap) measure exactly the replayed bubble; equal costs replay the closed
+    form; a slow action on one stage raises the replay above the simulator's on the median costs."""
+    from zerompi.pipeline import measure
+    p, s = 2, schedules.make(name, 2, m)
+
+    def step_times(cost):
+        sim = timeline.run(s, cost)
+        return [[(a, t0, t0, t1) for a, t0, t1 in spans] for spans in sim.spans], sim
+
+    equal, sim = step_times(timeline.unit_costs(s))
+    uneven, sim2 = step_times(lambda a: 5.0 if (a.kind, a.mb, a.chunk) == ("B", 1, 1) else 1.0 + 0.1 * a.chunk)
+    # each rank's kept steps (two pipeline groups): a first step (left out), the equal-cost one, the uneven one
+    per_rank = [[equal[r % p], equal[r % p], uneven[r % p]] for r in range(2 * p)]
+    mesh = SimpleNamespace(coords=lambda r: {"pp": r % p, "dp": r // p, "sp": 0, "tp": 0})
+    replay = gathered(measure.replayed, per_rank, mesh, s)
+    measured = gathered(measure.bubble, per_rank, mesh)
+    assert replay == pytest.approx([closed_form(name, p, m, 1), sim2.bubble_fraction])
+    assert measured == pytest.approx(replay)
+    medians = timeline.run(s, lambda a: 1.0 + 0.1 * a.chunk).bubble_fraction
+    assert replay[1] > medians + 0.05

@@ -5,6 +5,12 @@
   action's start to the last one's end, on a clock aligned over the mesh), averaged over the groups;
 - ``costs``: the median compute seconds of each (kind, chunk) of action, which the simulator (timeline.py)
   is given to make the bubble the schedule would have on them;
+- ``replayed``: per kept step, the simulator's bubble on that step's own costs (every action's, of each
+  micro-batch, chunk and pipeline group), mean over the groups: the bubble the schedule itself makes of the
+  costs as they were, with each stage's data-parallel waits (inside its actions: a micro-batch's gradient
+  reduce waits for the stage's other data-parallel ranks) and the costs' spread from one action to the next
+  (a slow action on one stage idles the other, which equal median costs never show); the measured bubble
+  above it is what the executor adds between actions (message latency, sends' copies, polling);
 - ``message_bytes``: the bytes a rank sends per step by kind of message, from its schedule and the sizes.
 """
 from typing import Dict, List
@@ -12,6 +18,16 @@ from typing import Dict, List
 import numpy as np
 
 from ..comm.watchdog import watched
+from . import timeline
+
+
+def _groups(mesh, size: int) -> List[List[int]]:
+    """The pipeline groups: the ranks sharing a data-parallel, SP and TP coordinate (one per stage)."""
+    groups: Dict[tuple, List[int]] = {}
+    for r in range(size):
+        c = mesh.coords(r)
+        groups.setdefault((c["dp"], c["sp"], c["tp"]), []).append(r)
+    return list(groups.values())
 
 
 def bubble(pp_times, mesh, comm) -> List[float]:
@@ -20,18 +36,32 @@ def bubble(pp_times, mesh, comm) -> List[float]:
             for step in pp_times]
     with watched(comm, "final metrics: the schedule's times"):
         everyone = comm.mpi.allgather(mine)
-    groups: Dict[tuple, List[int]] = {}
-    for r in range(comm.size):
-        c = mesh.coords(r)
-        groups.setdefault((c["dp"], c["sp"], c["tp"]), []).append(r)
     out = []
     for k in range(1 if len(mine) > 1 else 0, len(mine)):
         values = []
-        for ranks in groups.values():
+        for ranks in _groups(mesh, comm.size):
             spans = [everyone[r][k] for r in ranks if everyone[r][k] is not None]
             span = max(e for _, e, _ in spans) - min(s for s, _, _ in spans)
             values.append(1.0 - sum(b for _, _, b in spans) / (len(ranks) * span) if span > 0 else 0.0)
         out.append(sum(values) / len(values))
+    return out
+
+
+def replayed(pp_times, mesh, comm, schedule) -> List[float]:
+    """Per kept step (the first left out when more are kept): the simulator's bubble (timeline.run) on that step's
+    own compute seconds of every action ((kind, micro-batch, chunk) of each pipeline group), mean over groups."""
+    mine = [{(a.kind, a.mb, a.chunk): end - ready for a, _, ready, end in step} for step in pp_times]
+    with watched(comm, "final metrics: each action's seconds"):
+        everyone = comm.mpi.allgather(mine)
+    out = []
+    for k in range(1 if len(mine) > 1 else 0, len(mine)):
+        values = []
+        for ranks in _groups(mesh, comm.size):
+            cost = {key: t for r in ranks for key, t in everyone[r][k].items()}
+            if cost:
+                values.append(timeline.run(schedule, lambda a: cost.get((a.kind, a.mb, a.chunk), 0.0)).bubble_fraction)
+        if values:
+            out.append(sum(values) / len(values))
     return out
 
 

@@ -347,6 +347,7 @@ class PipelineJob(Job):
         with watched(comm, "final metrics: each chunk's size"):
             sizes = {c: n for table in comm.mpi.allgather(mine) for c, n in table.items()}
         bubbles = [] if alone else measure.bubble(log.pp_times, mesh, comm)
+        replays = [] if alone else measure.replayed(log.pp_times, mesh, comm, s)
         costs = measure.costs(log.pp_times, comm)
         sim = timeline.run(s, lambda a: costs.get((a.kind, a.chunk), 0.0)) if costs and not alone else None
         unit = timeline.run(s)
@@ -360,6 +361,7 @@ class PipelineJob(Job):
                          "bubble_fraction_per_step": bubbles},
             "bubble_fraction": statistics.median(bubbles) if bubbles else None,
             "bubble_fraction_schedule": sim.bubble_fraction if sim is not None else None,
+            "bubble_fraction_replayed": statistics.median(replays) if replays else None,
             "bubble_fraction_unit": unit.bubble_fraction, "peak_activations_schedule": unit.peak_activations,
             "pp_bytes_per_step": per_stage(0), "pp_theory_bytes_per_step": per_stage(1)}
 

@@ -281,7 +281,8 @@ def final_metrics(cfg, job, comm, log, placement) -> dict:
     return metrics
 
 
-PIPELINE_KEYS = ("pipeline", "bubble_fraction", "bubble_fraction_schedule", "bubble_fraction_unit",
+PIPELINE_KEYS = ("pipeline", "bubble_fraction", "bubble_fraction_schedule", "bubble_fraction_replayed",
+                 "bubble_fraction_unit",
                  "peak_activations_schedule", "pp_bytes_per_step", "pp_theory_bytes_per_step")
 
 
@@ -336,7 +337,9 @@ def print_summary(metrics: dict, job, comm, base_bytes: Dict[str, int]) -> None:
                          f"(formula {', '.join(show(b) for b in metrics['pp_theory_bytes_per_step'][kind])})")
     b, sb, p = metrics["bubble_fraction"], metrics["bubble_fraction_schedule"], metrics["pipeline"]
     if b is not None and sb is not None:
-        print0(comm.mpi, f"  bubble: measured {b:.3f}, simulated on the measured costs {sb:.3f}, on equal costs "
+        rb = metrics["bubble_fraction_replayed"]
+        print0(comm.mpi, f"  bubble: measured {b:.3f}, simulated on each step's own action costs "
+                         f"{'-' if rb is None else f'{rb:.3f}'}, on the median costs {sb:.3f}, on equal costs "
                          f"{metrics['bubble_fraction_unit']:.3f} ({p['schedule']}, P = {p['pp']}, "
                          f"m = {p['micro_batches']})")
     checks = metrics["comm_check_bytes"]
