@@ -101,6 +101,15 @@ class Checks:
                 plan.free()
 
 
+def refusal(checks, headers) -> MismatchError:
+    """The MismatchError of headers that differ (every rank's row in ``headers``, in group order), kept on
+    ``checks`` so that later calls raise it too."""
+    n = HEADER_BYTES
+    rows = [bytes(headers[p * n:(p + 1) * n]) for p in range(checks.size)]
+    checks.error = MismatchError(mismatch_message(rows, checks.ranks))
+    return checks.error
+
+
 class Exchange:
     """A checked collective in flight, with the request interface (``Test``, ``Wait``) a Handle
     drives: the headers first, compared as soon as they are in; then the data."""
@@ -122,9 +131,7 @@ class Exchange:
     def _check(self) -> None:
         headers, n, me = self._headers, HEADER_BYTES, self._checks.rank
         if headers != headers[me * n:(me + 1) * n] * self._checks.size:
-            rows = [bytes(headers[p * n:(p + 1) * n]) for p in range(self._checks.size)]
-            error = self._checks.error = MismatchError(mismatch_message(rows, self._checks.ranks))
-            raise error
+            raise refusal(self._checks, headers)
         self._checked = True
 
     def Test(self) -> bool:
@@ -180,10 +187,7 @@ class Plan:
 
     def _check(self) -> None:
         if self._headers != self._expected:
-            n = HEADER_BYTES
-            rows = [bytes(self._headers[p * n:(p + 1) * n]) for p in range(self._checks.size)]
-            error = self._checks.error = MismatchError(mismatch_message(rows, self._checks.ranks))
-            raise error
+            raise refusal(self._checks, self._headers)
         self._checked = True
 
     def Test(self) -> bool:

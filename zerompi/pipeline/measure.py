@@ -36,15 +36,12 @@ def bubble(pp_times, mesh, comm) -> List[float]:
             for step in pp_times]
     with watched(comm, "final metrics: the schedule's times"):
         everyone = comm.mpi.allgather(mine)
-    out = []
-    for k in range(1 if len(mine) > 1 else 0, len(mine)):
-        values = []
-        for ranks in _groups(mesh, comm.size):
-            spans = [everyone[r][k] for r in ranks if everyone[r][k] is not None]
-            span = max(e for _, e, _ in spans) - min(s for s, _, _ in spans)
-            values.append(1.0 - sum(b for _, _, b in spans) / (len(ranks) * span) if span > 0 else 0.0)
-        out.append(sum(values) / len(values))
-    return out
+
+    def one(ranks, k):
+        spans = [everyone[r][k] for r in ranks if everyone[r][k] is not None]
+        span = max(e for _, e, _ in spans) - min(s for s, _, _ in spans)
+        return 1.0 - sum(b for _, _, b in spans) / (len(ranks) * span) if span > 0 else 0.0
+    return _mean_per_step(len(mine), _groups(mesh, comm.size), one)
 
 
 def replayed(pp_times, mesh, comm, schedule) -> List[float]:
@@ -53,13 +50,20 @@ def replayed(pp_times, mesh, comm, schedule) -> List[float]:
     mine = [{(a.kind, a.mb, a.chunk): end - ready for a, _, ready, end in step} for step in pp_times]
     with watched(comm, "final metrics: each action's seconds"):
         everyone = comm.mpi.allgather(mine)
+
+    def one(ranks, k):
+        cost = {key: t for r in ranks for key, t in everyone[r][k].items()}
+        return timeline.run(schedule, lambda a: cost.get((a.kind, a.mb, a.chunk), 0.0)).bubble_fraction \
+            if cost else None
+    return _mean_per_step(len(mine), _groups(mesh, comm.size), one)
+
+
+def _mean_per_step(steps: int, groups, one) -> List[float]:
+    """Per kept step (the first left out when more are kept): the mean over pipeline ``groups`` of ``one(ranks,
+    step)`` (None: the group has nothing that step; a step where none has, left out)."""
     out = []
-    for k in range(1 if len(mine) > 1 else 0, len(mine)):
-        values = []
-        for ranks in _groups(mesh, comm.size):
-            cost = {key: t for r in ranks for key, t in everyone[r][k].items()}
-            if cost:
-                values.append(timeline.run(schedule, lambda a: cost.get((a.kind, a.mb, a.chunk), 0.0)).bubble_fraction)
+    for k in range(1 if steps > 1 else 0, steps):
+        values = [v for v in (one(ranks, k) for ranks in groups) if v is not None]
         if values:
             out.append(sum(values) / len(values))
     return out
