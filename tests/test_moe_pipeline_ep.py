@@ -176,6 +176,23 @@ def test_sequence_parallel_stages():
 
 
 @pytest.mark.slow
+def test_sequence_parallel_stages_capacity_fp16_zb_h1():
+    """The same with a capacity (decided over the whole sequences from every SP rank's choices), fp16, ZB-H1 and
+    interleaved (--moe-every 2: a stage without MoE blocks), stage 2."""
+    flags = list(FLAGS)
+    flags[flags.index("--n-layer") + 1] = "4"
+    flags += EP + ["--sp", "2", "--moe-every", "2", "--capacity-factor", "1.0", "--stage", "2", "--dtype", "fp16"]
+    flat = run_many(4, [flags])
+    piped = run_many(8, [flags + ["--pp", "2"] + s for s in (["--schedule", "zb-h1"],
+                                                             ["--schedule", "interleaved", "--chunks", "2"])],
+                     timeout=600)
+    assert len(flat) == 1 and len(piped) == 2
+    assert sum(flat[0]["moe"]["dropped"]) > 0
+    for b in piped:
+        same_bits(flat[0], b)
+
+
+@pytest.mark.slow
 def test_tensor_parallel_stages():
     """N=8 --tp 2 --pp 2 --ep 2 (each TP rank's EP group in its stage) against N=4 --tp 2 --ep 2: the same bits."""
     config = FLAGS + EP + ["--tp", "2", "--stage", "2", "--dtype", "fp16"]
