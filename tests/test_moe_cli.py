@@ -21,8 +21,6 @@ REFUSED = [
     (["--shared-experts", "1"], "shared_experts=1 (--shared-experts) applies with --experts > 0 only"),
     (["--model", "mlp", "--experts", "4"], "experts=4 applies to model gpt only"),
     (["--experts", "4", "--pp", "2", "--ep", "2", "--save-dir", "x"], "--save-dir with --pp 2 --ep 2 is not supported"),
-    (["--experts", "4", "--sp", "2", "--pp", "2", "--ep", "2"],
-     "--sp 2 with --experts 4 --pp 2 --ep 2 is not supported"),
     (["--experts", "4", "--optimizer", "muon"], "--optimizer muon with --experts 4 is not supported"),
     (["--experts", "4", "--bias-update", "0.01", "--pp", "2", "--resume", "x"],
      "--resume with --bias-update 0.01 --pp 2: a pipeline's checkpoints do not hold the selection biases yet"),
@@ -59,6 +57,9 @@ def test_accepted():
     assert (cfg.mesh.tp, cfg.moe.ep) == (2, 2)
     cfg = parse_config(["--experts", "4", "--sp", "2", "--ep", "2", "--capacity-factor", "1.5"], environ={})
     assert (cfg.mesh.sp, cfg.moe.ep, cfg.moe.capacity_factor) == (2, 2, 1.5)
+    cfg = parse_config(["--experts", "4", "--sp", "2", "--pp", "2", "--ep", "2", "--micro-batches", "2"],
+                       environ={})   # tests/test_moe_pipeline_ep.py
+    assert (cfg.mesh.sp, cfg.mesh.pp, cfg.moe.ep) == (2, 2, 2)
     assert parse_config(["--experts", "4", "--ep", "2", "--checkpoint-activations"], environ={}).checkpoint_activations
     for argv in (["--node-size", "2", "--shard-size", "2"], ["--stage", "3", "--hpz"], ["--trace", "t.json"],
                  ["--comm-progress", "thread"], ["--offload-optimizer", "cpu", "--offload-delayed-update"],

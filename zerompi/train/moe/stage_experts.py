@@ -1,13 +1,14 @@
 """Expert parallelism inside a pipeline's stages (--pp P with --ep K): each stage's experts over its own ranks.
 
-Each stage's data-parallel ranks form their EP groups as an unpipelined run's ranks do (K consecutive ranks of
-one TP coordinate: the same rows, the same exchanges as a run without --pp of the stage's size), so an EP group
-and an expert-data-parallel group never leave a stage. Each model chunk of this rank holding MoE blocks has an
-expert engine of its own (its EP rank's experts of those blocks, ZeRO over the stage's expert-data-parallel
-ranks, the gradients handed in per source: train/moe/expert_parallel.py), beside the chunk's dense engine. The
-step is decided once over the ranks of one EP group index across the stages (pipeline/step.py): every dense
-engine's totals counted on EP rank 0, every expert engine's on its own rank; the digest joins each chunk's
-experts in model order as the unpipelined run's. docs/moe.md.
+Each stage's data- and sequence-parallel ranks form their EP groups as an unpipelined run's ranks do (K
+consecutive ranks of the stage's DP x SP ranks of one TP coordinate: the same sources, rows and exchanges as a
+run without --pp of the stage's size), so an EP group and an expert-data-parallel group never leave a stage.
+Each model chunk of this rank holding MoE blocks has an expert engine of its own (its EP rank's experts of those
+blocks, ZeRO over the stage's expert-data-parallel ranks, the gradients handed in per source:
+train/moe/expert_parallel.py), beside the chunk's dense engine. The step is decided once over the ranks of one
+EP group index across the stages (pipeline/step.py): every dense engine's totals counted on EP rank 0, every
+expert engine's on its own rank; the digest joins each chunk's experts in model order as the unpipelined run's.
+docs/moe.md.
 """
 from types import SimpleNamespace
 
@@ -38,16 +39,18 @@ def check_world(cfg, world_size: int) -> None:
     m, ep = cfg.mesh, cfg.moe.ep
     if m.pp == 1 or ep == 1:
         return
-    dp = world_size // (m.tp * m.sp * m.pp)
-    check(dp % ep == 0, f"ep={ep} does not divide the {dp} data-parallel ranks of each pipeline stage ({world_size} "
+    dp = world_size // (m.tp * m.pp)          # the stage's data- and sequence-parallel ranks of one TP coordinate
+    what = "data-parallel" if m.sp == 1 else "data- and sequence-parallel"
+    check(dp % ep == 0, f"ep={ep} does not divide the {dp} {what} ranks of each pipeline stage ({world_size} "
                         f"ranks / (pp {m.pp} x tp {m.tp})); each stage's ranks form groups of ep that hold all the "
                         f"experts, so use a divisor of {dp}")
 
 
-def _color(mesh, rank: int, stage: bool, dp_part) -> int:
-    """A split color of world ``rank``: its TP and SP coordinates, its stage (``stage``) and ``dp_part(dp index)``."""
+def _color(mesh, rank: int, stage: bool, part) -> int:
+    """A split color of world ``rank``: its TP coordinate, its stage (``stage``) and ``part(i)`` of its index i among
+    its stage's data- and sequence-parallel ranks of that TP coordinate (i = sp + SP · dp: world order)."""
     c = mesh.coords(rank)
-    return c["tp"] + mesh.tp * (c["sp"] + mesh.sp * ((c["pp"] if stage else 0) + mesh.pp * dp_part(c["dp"])))
+    return c["tp"] + mesh.tp * ((c["pp"] if stage else 0) + mesh.pp * part(c["sp"] + mesh.sp * c["dp"]))
 
 
 class StageExperts:
