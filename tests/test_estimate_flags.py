@@ -124,6 +124,42 @@ def test_replicas_with_tp_sp_ep_and_shard_groups_equal_the_runs_shard_files(tmp_
         assert ran["shard_bytes"] < ran["shm_bytes"] < ran["shard_bytes"] + 64 * 1024, flags
 
 
+PP_MESHES = [["--stage", "1", "--node-size", "2"],                  # a stage per node: every rank the same
+             ["--stage", "3", "--node-size", "1"],                  # buddies across stages: the ranks differ
+             ["--stage", "2", "--node-size", "1", "--schedule", "interleaved", "--chunks", "2"]]
+
+
+def test_replicas_with_pp_equal_every_ranks_shard_files(tmp_path):
+    """--pp 2 --replicas at N = 4 (the GPT of 4 blocks, and the MLP of 4 equal layers from --params --layers):
+    each chunk's engine a part, a rank's own chunks and its source's; the CLI's bytes of every rank equal the shard
+    files that rank's folder held and its own formula, to the byte, and the rank it names holds the most (with
+    nodes of one rank, rank 1 holds stage 0's shard twice: its own and rank 0's)."""
+    job = f"est-pp-{os.getpid()}"
+    gpt = MOE[:MOE.index("--experts")] + ["--n-layer", "4"]
+    mlp = MLP[:MLP.index("--depth")] + ["--depth", "4"] + MLP[MLP.index("--depth") + 2:MLP.index("--node-size")]
+    base = ["--steps", "2", "--dtype", "fp16", "--pp", "2", "--micro-batches", "2"]
+    configs = [gpt + ["--eval-every", "0"] + base + flags + ["--replicas", f"{job}-{i}"]
+               for i, flags in enumerate(PP_MESHES)]
+    configs.append(mlp + base + PP_MESHES[1] + ["--replicas", f"{job}-mlp"])
+    runs = metrics_of(run_mpi(4, ["tests/drivers/replicas_by_rank.py", json.dumps(configs)], timeout=400))
+    assert len(runs) == 4
+    dims = GPT[:GPT.index("--n-layer") + 1] + ["4"] + GPT[GPT.index("--n-layer") + 2:]
+    for i, (flags, m) in enumerate(zip(PP_MESHES + [PP_MESHES[1]], runs)):
+        model = dims + ["--bucket-mb", 0.004] if i < 3 else \
+            ["--params", m["params"], "--layers", 4, "--ranks", 4, "--bucket-mb", BUCKET_MB]
+        est = cli_json(tmp_path, model + ["--dtype", "fp16", "--pp", 2, "--micro-batches", 2, "--replicas",
+                                          *flags[2:]])
+        rep, ran = est["replicas"], m["replicas_by_rank"]
+        assert rep["by_rank"] == [r["shard_bytes"] for r in ran] == [r["theory_bytes"]["total"] for r in ran], \
+            (flags, rep, ran)
+        assert all(r["shard_bytes"] < r["shm_bytes"] < r["shard_bytes"] + 64 * 1024 for r in ran), flags
+        assert rep["total"] == max(rep["by_rank"]) == ran[rep["rank"]]["shard_bytes"]
+        assert rep["files"] == ran[rep["rank"]]["theory_bytes"]["files"] == 2 * (1 + ("--chunks" in flags))
+        if flags[3] == "1" and i < 3:         # the ranks differ: stage 0 (the embeddings) is the larger shard
+            assert rep["rank"] == 1 and len(set(rep["by_rank"])) == 3, rep
+    assert len(set(runs[3]["replicas_by_rank"][r]["shard_bytes"] for r in range(4))) == 1   # equal layers
+
+
 BAD = [
     (GPT + ["--experts", "0"], "experts=0 must be an integer >= 1"),
     (GPT + ["--experts", "4", "--ep", "3"], "experts=4 is not divisible by ep=3"),
@@ -148,7 +184,19 @@ BAD = [
     (GPT + ["--tp", "2", "--node-size", "2", "--shard-size", "2", "--replicas"],
      "the estimate does not price --replicas with --shard-size 2 with --tp 2 yet"),
     (GPT + ["--tp", "2", "--replicas"], "4 ranks in nodes of 4 make 1 node"),
-    (["--pp", "2", "--replicas"], "the estimate does not price --replicas with --pp 2 yet"),
+    (["--pp", "2", "--micro-batches", "2", "--replicas"], "--pp with --replicas needs --ranks"),
+    (["--pp", "2", "--micro-batches", "2", "--replicas", "--params", "1e6", "--ranks", "4"],
+     "--pp with --replicas and --params needs --layers"),
+    (["--pp", "2", "--micro-batches", "2", "--schedule", "interleaved", "--chunks", "2", "--replicas", "--params",
+      "1e6", "--ranks", "4", "--layers", "6"], "layers=6 is not divisible into 4 equal chunks"),
+    (["--pp", "2", "--micro-batches", "2", "--replicas", "--params", "1e6", "--ranks", "4", "--layers", "4"],
+     "4 ranks in nodes of 4 make 1 node"),
+    (GPT + ["--pp", "2", "--micro-batches", "2", "--replicas", "--params", "1e6", "--node-size", "2"],
+     "give one of the two"),
+    (GPT + ["--pp", "2", "--node-size", "2"], "drop --node-size --n-layer"),
+    (GPT[2:] + ["--pp", "2", "--micro-batches", "2", "--replicas", "--node-size", "2"], "missing: --n-layer"),
+    (GPT + ["--n-layer", "3", "--pp", "2", "--micro-batches", "2", "--replicas", "--node-size", "2"],
+     "n_layer=3 is not divisible into 2"),
     (["--params", "1e6", "--ranks", "4", "--optimizer", "sgd"], "optimizer='sgd' is not allowed; use one of adamw"),
     (["--params", "1e6", "--ranks", "4", "--optimizer", "muon", "--offload-optimizer", "cpu"],
      "not available with --optimizer muon yet"),
