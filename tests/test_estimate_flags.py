@@ -141,7 +141,7 @@ def test_replicas_with_pp_equal_every_ranks_shard_files(tmp_path):
     configs = [gpt + ["--eval-every", "0"] + base + flags + ["--replicas", f"{job}-{i}"]
                for i, flags in enumerate(PP_MESHES)]
     configs.append(mlp + base + PP_MESHES[1] + ["--replicas", f"{job}-mlp"])
-    runs = metrics_of(run_mpi(4, ["tests/drivers/replicas_by_rank.py", json.dumps(configs)], timeout=400))
+    runs = metrics_of(run_mpi(4, ["tests/drivers/metrics_by_rank.py", json.dumps(configs)], timeout=400))
     assert len(runs) == 4
     dims = GPT[:GPT.index("--n-layer") + 1] + ["4"] + GPT[GPT.index("--n-layer") + 2:]
     for i, (flags, m) in enumerate(zip(PP_MESHES + [PP_MESHES[1]], runs)):
@@ -149,7 +149,7 @@ def test_replicas_with_pp_equal_every_ranks_shard_files(tmp_path):
             ["--params", m["params"], "--layers", 4, "--ranks", 4, "--bucket-mb", BUCKET_MB]
         est = cli_json(tmp_path, model + ["--dtype", "fp16", "--pp", 2, "--micro-batches", 2, "--replicas",
                                           *flags[2:]])
-        rep, ran = est["replicas"], m["replicas_by_rank"]
+        rep, ran = est["replicas"], [r["replicas"] for r in m["by_rank"]]
         assert rep["by_rank"] == [r["shard_bytes"] for r in ran] == [r["theory_bytes"]["total"] for r in ran], \
             (flags, rep, ran)
         assert all(r["shard_bytes"] < r["shm_bytes"] < r["shard_bytes"] + 64 * 1024 for r in ran), flags
@@ -157,7 +157,40 @@ def test_replicas_with_pp_equal_every_ranks_shard_files(tmp_path):
         assert rep["files"] == ran[rep["rank"]]["theory_bytes"]["files"] == 2 * (1 + ("--chunks" in flags))
         if flags[3] == "1" and i < 3:         # the ranks differ: stage 0 (the embeddings) is the larger shard
             assert rep["rank"] == 1 and len(set(rep["by_rank"])) == 3, rep
-    assert len(set(runs[3]["replicas_by_rank"][r]["shard_bytes"] for r in range(4))) == 1   # equal layers
+    assert len(set(r["replicas"]["shard_bytes"] for r in runs[3]["by_rank"])) == 1   # equal layers
+
+
+PP_EP = [["--stage", "1"], ["--stage", "3"],
+         ["--stage", "2", "--n-layer", "4", "--schedule", "interleaved", "--chunks", "2", "--moe-every", "2"]]
+
+
+def test_pp_with_ep_states_equal_every_ranks_engines(tmp_path):
+    """--pp 2 --experts 4 --ep 2 at N = 4: each stage's dense engines (its chunks' layers without the experts, over
+    its 2 ranks) and expert engines (2 experts of each MoE block, over 1 rank); the CLI's rows of a rank's pipeline
+    stage equal what its engines hold (the formulas and the padded layouts), on every rank, and the stage it names
+    the largest holds the most. Interleaved with --moe-every 2: stage 0's chunks hold no MoE block (no expert
+    engine), stage 1's both."""
+    base = MOE + ["--steps", "2", "--dtype", "fp16", "--pp", "2", "--micro-batches", "2", "--ep", "2"]
+    runs = metrics_of(run_mpi(4, ["tests/drivers/metrics_by_rank.py", json.dumps([base + f for f in PP_EP])],
+                              timeout=400))
+    assert len(runs) == 3
+    for flags, m in zip(PP_EP, runs):
+        dims = GPT + (["--n-layer", "4"] if "--n-layer" in flags else [])
+        est = cli_json(tmp_path, dims + MOE_OPTS + ["--ep", 2, "--dtype", "fp16", "--bucket-mb", 0.004, "--pp", 2,
+                                                    "--micro-batches", 2, *flags[2:]])
+        pm, z = est["moe"], m["stage"]
+        held = []
+        for rank, r in enumerate(m["by_rank"]):
+            st, mem = pm["pipeline_stages"][rank // 2], r["moe"]["memory_bytes_by_engine"]
+            row = st["zero_stages"][z]
+            assert (row["dense_bytes"], row["expert_bytes"]) == (mem["dense"]["theory"], mem["experts"]["theory"])
+            assert (row["dense_padded_bytes"], row["expert_padded_bytes"]) == (mem["dense"]["measured"],
+                                                                               mem["experts"]["measured"]), flags
+            assert (st["dense_params"], st["expert_params"]) == (mem["dense"]["params"], mem["experts"]["params"])
+            held.append(mem["dense"]["measured"] + mem["experts"]["measured"])
+        assert held[2 * pm["largest_stage"][z]] == max(held), (flags, held)
+        assert sum(s["dense_params"] + 2 * s["expert_params"] for s in pm["pipeline_stages"]) == m["params"]
+    assert runs[2]["by_rank"][0]["moe"]["memory_bytes_by_engine"]["experts"]["params"] == 0   # no MoE block
 
 
 BAD = [
@@ -178,7 +211,11 @@ BAD = [
      "--quantize-grads with --ep 2 is not supported"),
     (GPT + ["--experts", "4", "--ep", "2", "--offload-optimizer", "cpu"],
      "--offload-optimizer with --experts 4 is not estimated yet (the run takes it"),
-    (["--pp", "2", "--experts", "4", "--ep", "2"], "--pp with --experts 4 --ep 2 is not supported yet"),
+    (["--pp", "2", "--micro-batches", "2", "--experts", "4", "--ep", "2"], "--pp with --experts 4 needs the GPT's"),
+    (GPT + ["--pp", "2", "--micro-batches", "2", "--experts", "4", "--ep", "2", "--replicas", "--node-size", "2"],
+     "the estimate does not price --replicas with --pp 2 --experts 4 yet"),
+    (GPT + ["--pp", "2", "--micro-batches", "2", "--experts", "4", "--ep", "4"],
+     "ep=4 does not divide the 2 data-parallel ranks of each pipeline stage"),
     (["--params", "1e6", "--ranks", "4", "--experts", "4"], "experts=4: give the GPT's dimensions"),
     (["--params", "1e6", "--ranks", "4", "--replicas"], "4 ranks in nodes of 4 make 1 node"),
     (GPT + ["--tp", "2", "--node-size", "2", "--shard-size", "2", "--replicas"],
