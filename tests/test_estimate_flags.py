@@ -171,9 +171,9 @@ def test_pp_with_ep_states_equal_every_ranks_engines(tmp_path):
     the largest holds the most. Interleaved with --moe-every 2: stage 0's chunks hold no MoE block (no expert
     engine), stage 1's both."""
     base = MOE + ["--steps", "2", "--dtype", "fp16", "--pp", "2", "--micro-batches", "2", "--ep", "2"]
-    runs = metrics_of(run_mpi(4, ["tests/drivers/metrics_by_rank.py", json.dumps([base + f for f in PP_EP])],
-                              timeout=400))
-    assert len(runs) == 3
+    configs = [base + f for f in PP_EP] + [base + ["--stage", "1", "--ep", "1"]]
+    runs = metrics_of(run_mpi(4, ["tests/drivers/metrics_by_rank.py", json.dumps(configs)], timeout=400))
+    assert len(runs) == 4
     for flags, m in zip(PP_EP, runs):
         dims = GPT + (["--n-layer", "4"] if "--n-layer" in flags else [])
         est = cli_json(tmp_path, dims + MOE_OPTS + ["--ep", 2, "--dtype", "fp16", "--bucket-mb", 0.004, "--pp", 2,
@@ -191,6 +191,12 @@ def test_pp_with_ep_states_equal_every_ranks_engines(tmp_path):
         assert held[2 * pm["largest_stage"][z]] == max(held), (flags, held)
         assert sum(s["dense_params"] + 2 * s["expert_params"] for s in pm["pipeline_stages"]) == m["params"]
     assert runs[2]["by_rank"][0]["moe"]["memory_bytes_by_engine"]["experts"]["params"] == 0   # no MoE block
+    # --ep 1: one engine per chunk, the experts in its blocks; rank 0 (stage 0) holds the table's bytes
+    est = cli_json(tmp_path, GPT + MOE_OPTS + ["--dtype", "fp16", "--bucket-mb", 0.004, "--pp", 2,
+                                               "--micro-batches", 2])
+    row = est["moe"]["pipeline_stages"][0]["zero_stages"][1]
+    assert row["padded_bytes"] == row["dense_padded_bytes"] == runs[3]["memory_bytes"]["total"] and \
+        row["expert_bytes"] == 0
 
 
 BAD = [
