@@ -124,6 +124,81 @@ def test_replicas_with_tp_sp_ep_and_shard_groups_equal_the_runs_shard_files(tmp_
         assert ran["shard_bytes"] < ran["shm_bytes"] < ran["shard_bytes"] + 64 * 1024, flags
 
 
+PP_MESHES = [["--stage", "1", "--node-size", "2"],                  # a stage per node: every rank the same
+             ["--stage", "3", "--node-size", "1"],                  # buddies across stages: the ranks differ
+             ["--stage", "2", "--node-size", "1", "--schedule", "interleaved", "--chunks", "2"]]
+
+
+def test_replicas_with_pp_equal_every_ranks_shard_files(tmp_path):
+    """--pp 2 --replicas at N = 4 (the GPT of 4 blocks, and the MLP of 4 equal layers from --params --layers):
+    each chunk's engine a part, a rank's own chunks and its source's; the CLI's bytes of every rank equal the shard
+    files that rank's folder held and its own formula, to the byte, and the rank it names holds the most (with
+    nodes of one rank, rank 1 holds stage 0's shard twice: its own and rank 0's)."""
+    job = f"est-pp-{os.getpid()}"
+    gpt = MOE[:MOE.index("--experts")] + ["--n-layer", "4"]
+    mlp = MLP[:MLP.index("--depth")] + ["--depth", "4"] + MLP[MLP.index("--depth") + 2:MLP.index("--node-size")]
+    base = ["--steps", "2", "--dtype", "fp16", "--pp", "2", "--micro-batches", "2"]
+    configs = [gpt + ["--eval-every", "0"] + base + flags + ["--replicas", f"{job}-{i}"]
+               for i, flags in enumerate(PP_MESHES)]
+    configs.append(mlp + base + PP_MESHES[1] + ["--replicas", f"{job}-mlp"])
+    runs = metrics_of(run_mpi(4, ["tests/drivers/metrics_by_rank.py", json.dumps(configs)], timeout=400))
+    assert len(runs) == 4
+    dims = GPT[:GPT.index("--n-layer") + 1] + ["4"] + GPT[GPT.index("--n-layer") + 2:]
+    for i, (flags, m) in enumerate(zip(PP_MESHES + [PP_MESHES[1]], runs)):
+        model = dims + ["--bucket-mb", 0.004] if i < 3 else \
+            ["--params", m["params"], "--layers", 4, "--ranks", 4, "--bucket-mb", BUCKET_MB]
+        est = cli_json(tmp_path, model + ["--dtype", "fp16", "--pp", 2, "--micro-batches", 2, "--replicas",
+                                          *flags[2:]])
+        rep, ran = est["replicas"], [r["replicas"] for r in m["by_rank"]]
+        assert rep["by_rank"] == [r["shard_bytes"] for r in ran] == [r["theory_bytes"]["total"] for r in ran], \
+            (flags, rep, ran)
+        assert all(r["shard_bytes"] < r["shm_bytes"] < r["shard_bytes"] + 64 * 1024 for r in ran), flags
+        assert rep["total"] == max(rep["by_rank"]) == ran[rep["rank"]]["shard_bytes"]
+        assert rep["files"] == ran[rep["rank"]]["theory_bytes"]["files"] == 2 * (1 + ("--chunks" in flags))
+        if flags[3] == "1" and i < 3:         # the ranks differ: stage 0 (the embeddings) is the larger shard
+            assert rep["rank"] == 1 and len(set(rep["by_rank"])) == 3, rep
+    assert len(set(r["replicas"]["shard_bytes"] for r in runs[3]["by_rank"])) == 1   # equal layers
+
+
+PP_EP = [["--stage", "1"], ["--stage", "3"],
+         ["--stage", "2", "--n-layer", "4", "--schedule", "interleaved", "--chunks", "2", "--moe-every", "2"]]
+
+
+def test_pp_with_ep_states_equal_every_ranks_engines(tmp_path):
+    """--pp 2 --experts 4 --ep 2 at N = 4: each stage's dense engines (its chunks' layers without the experts, over
+    its 2 ranks) and expert engines (2 experts of each MoE block, over 1 rank); the CLI's rows of a rank's pipeline
+    stage equal what its engines hold (the formulas and the padded layouts), on every rank, and the stage it names
+    the largest holds the most. Interleaved with --moe-every 2: stage 0's chunks hold no MoE block (no expert
+    engine), stage 1's both."""
+    base = MOE + ["--steps", "2", "--dtype", "fp16", "--pp", "2", "--micro-batches", "2", "--ep", "2"]
+    configs = [base + f for f in PP_EP] + [base + ["--stage", "1", "--ep", "1"]]
+    runs = metrics_of(run_mpi(4, ["tests/drivers/metrics_by_rank.py", json.dumps(configs)], timeout=400))
+    assert len(runs) == 4
+    for flags, m in zip(PP_EP, runs):
+        dims = GPT + (["--n-layer", "4"] if "--n-layer" in flags else [])
+        est = cli_json(tmp_path, dims + MOE_OPTS + ["--ep", 2, "--dtype", "fp16", "--bucket-mb", 0.004, "--pp", 2,
+                                                    "--micro-batches", 2, *flags[2:]])
+        pm, z = est["moe"], m["stage"]
+        held = []
+        for rank, r in enumerate(m["by_rank"]):
+            st, mem = pm["pipeline_stages"][rank // 2], r["moe"]["memory_bytes_by_engine"]
+            row = st["zero_stages"][z]
+            assert (row["dense_bytes"], row["expert_bytes"]) == (mem["dense"]["theory"], mem["experts"]["theory"])
+            assert (row["dense_padded_bytes"], row["expert_padded_bytes"]) == (mem["dense"]["measured"],
+                                                                               mem["experts"]["measured"]), flags
+            assert (st["dense_params"], st["expert_params"]) == (mem["dense"]["params"], mem["experts"]["params"])
+            held.append(mem["dense"]["measured"] + mem["experts"]["measured"])
+        assert held[2 * pm["largest_stage"][z]] == max(held), (flags, held)
+        assert sum(s["dense_params"] + 2 * s["expert_params"] for s in pm["pipeline_stages"]) == m["params"]
+    assert runs[2]["by_rank"][0]["moe"]["memory_bytes_by_engine"]["experts"]["params"] == 0   # no MoE block
+    # --ep 1: one engine per chunk, the experts in its blocks; rank 0 (stage 0) holds the table's bytes
+    est = cli_json(tmp_path, GPT + MOE_OPTS + ["--dtype", "fp16", "--bucket-mb", 0.004, "--pp", 2,
+                                               "--micro-batches", 2])
+    row = est["moe"]["pipeline_stages"][0]["zero_stages"][1]
+    assert row["padded_bytes"] == row["dense_padded_bytes"] == runs[3]["memory_bytes"]["total"] and \
+        row["expert_bytes"] == 0
+
+
 BAD = [
     (GPT + ["--experts", "0"], "experts=0 must be an integer >= 1"),
     (GPT + ["--experts", "4", "--ep", "3"], "experts=4 is not divisible by ep=3"),
@@ -142,13 +217,29 @@ BAD = [
      "--quantize-grads with --ep 2 is not supported"),
     (GPT + ["--experts", "4", "--ep", "2", "--offload-optimizer", "cpu"],
      "--offload-optimizer with --experts 4 is not estimated yet (the run takes it"),
-    (["--pp", "2", "--experts", "4", "--ep", "2"], "--pp with --experts 4 --ep 2 is not supported yet"),
+    (["--pp", "2", "--micro-batches", "2", "--experts", "4", "--ep", "2"], "--pp with --experts 4 needs the GPT's"),
+    (GPT + ["--pp", "2", "--micro-batches", "2", "--experts", "4", "--ep", "2", "--replicas", "--node-size", "2"],
+     "the estimate does not price --replicas with --pp 2 --experts 4 yet"),
+    (GPT + ["--pp", "2", "--micro-batches", "2", "--experts", "4", "--ep", "4"],
+     "ep=4 does not divide the 2 data-parallel ranks of each pipeline stage"),
     (["--params", "1e6", "--ranks", "4", "--experts", "4"], "experts=4: give the GPT's dimensions"),
     (["--params", "1e6", "--ranks", "4", "--replicas"], "4 ranks in nodes of 4 make 1 node"),
     (GPT + ["--tp", "2", "--node-size", "2", "--shard-size", "2", "--replicas"],
      "the estimate does not price --replicas with --shard-size 2 with --tp 2 yet"),
     (GPT + ["--tp", "2", "--replicas"], "4 ranks in nodes of 4 make 1 node"),
-    (["--pp", "2", "--replicas"], "the estimate does not price --replicas with --pp 2 yet"),
+    (["--pp", "2", "--micro-batches", "2", "--replicas"], "--pp with --replicas needs --ranks"),
+    (["--pp", "2", "--micro-batches", "2", "--replicas", "--params", "1e6", "--ranks", "4"],
+     "--pp with --replicas and --params needs --layers"),
+    (["--pp", "2", "--micro-batches", "2", "--schedule", "interleaved", "--chunks", "2", "--replicas", "--params",
+      "1e6", "--ranks", "4", "--layers", "6"], "layers=6 is not divisible into 4 equal chunks"),
+    (["--pp", "2", "--micro-batches", "2", "--replicas", "--params", "1e6", "--ranks", "4", "--layers", "4"],
+     "4 ranks in nodes of 4 make 1 node"),
+    (GPT + ["--pp", "2", "--micro-batches", "2", "--replicas", "--params", "1e6", "--node-size", "2"],
+     "give one of the two"),
+    (GPT + ["--pp", "2", "--node-size", "2"], "drop --node-size --n-layer"),
+    (GPT[2:] + ["--pp", "2", "--micro-batches", "2", "--replicas", "--node-size", "2"], "missing: --n-layer"),
+    (GPT + ["--n-layer", "3", "--pp", "2", "--micro-batches", "2", "--replicas", "--node-size", "2"],
+     "n_layer=3 is not divisible into 2"),
     (["--params", "1e6", "--ranks", "4", "--optimizer", "sgd"], "optimizer='sgd' is not allowed; use one of adamw"),
     (["--params", "1e6", "--ranks", "4", "--optimizer", "muon", "--offload-optimizer", "cpu"],
      "not available with --optimizer muon yet"),

@@ -293,28 +293,85 @@ def _moe(a, dims: dict, given: list) -> dict:
 
 
 PIPELINE_ALONE = ("largest_layer", "from_run", "node_size", "shard_size") + GPT_FLAGS
+REPLICAS_WITH_PP = ("node_size",) + GPT_FLAGS       # --pp --replicas: the nodes, and the GPT's chunks
+
+
+def _pipeline_moe(a, opts) -> dict:
+    """``--pp P --experts E [--ep K]``: each pipeline stage's dense and expert model states (moe_bytes.pipeline_moe)
+    for the chunks of the GPT of the six dimensions, after the run's refusals (moe_bytes.check_moe)."""
+    from ..pipeline import actions, schedules
+    from .moe_bytes import check_moe, pipeline_moe
+    dims = {k: getattr(a, k) for k in GPT_FLAGS}
+    missing = " ".join("--" + k.replace("_", "-") for k, v in dims.items() if v is None)
+    check(not missing and a.params is None, f"--pp with --experts {a.experts} needs the GPT's six dimensions (not "
+                                            f"--params) and --ranks; missing: {missing or 'none, drop --params'}")
+    check(a.ranks is not None, f"--pp with --experts {a.experts} needs --ranks")
+    ep, top_k, every = a.ep or 1, 2 if a.top_k is None else a.top_k, 1 if a.moe_every is None else a.moe_every
+    check_moe(a.experts, ep, top_k, every, a.expert_hidden, a.ranks,
+              {"--optimizer muon": a.optimizer == "muon", "--offload-optimizer": a.offload_optimizer != "none",
+               "--offload-params": a.offload_params != "none"},
+              {"--quantize-weights": bool(a.quantize_weights), "--quantize-grads": bool(a.quantize_grads)},
+              a.shared_experts or 0)
+    s = actions.read(a.schedule_file) if a.schedule_file else \
+        schedules.make(a.schedule or "1f1b", a.pp, a.micro_batches, a.chunks or 1)
+    return pipeline_moe(dims, a.ranks, {r: s.chunks_of(r) for r in range(a.pp)}, a.experts, ep, every,
+                        a.expert_hidden, a.shared_experts or 0, a.dtype, opts)
+
+
+def _pipeline_replicas(a, opts) -> dict:
+    """``--pp P --replicas``: every rank's replica bytes (replica_bytes.pipeline_replicas) for the chunks of the GPT
+    of the six dimensions, or of --params in --layers equal layers, on --ranks in nodes of --node-size."""
+    from ..pipeline import actions, schedules
+    from .replica_bytes import equal_chunk_sizes, gpt_chunk_sizes, pipeline_replicas
+    dims = {k: getattr(a, k) for k in GPT_FLAGS}
+    given = [k for k, v in dims.items() if v is not None]
+    check(a.ranks is not None, "--pp with --replicas needs --ranks (and the model: the GPT's six dimensions, or "
+                               "--params with --layers)")
+    missing = " ".join("--" + k.replace("_", "-") for k in GPT_FLAGS if k not in given)
+    check(not given or not missing, "the GPT's chunks need all of --n-layer --d-model --n-head --seq-len --batch "
+                                    f"--vocab; missing: {missing}")
+    check(bool(given) != (a.params is not None), "--pp with --replicas prices the chunks of the GPT of the six "
+                                                 "dimensions or of --params with --layers: give one of the two")
+    check(given or a.layers is not None, "--pp with --replicas and --params needs --layers (equal layers, cut into "
+                                         "equal chunks)")
+    s = actions.read(a.schedule_file) if a.schedule_file else \
+        schedules.make(a.schedule or "1f1b", a.pp, a.micro_batches, a.chunks or 1)
+    if given:
+        sizes = gpt_chunk_sizes(a.vocab, a.seq_len, a.d_model, a.n_layer, s.chunks)
+    else:
+        check(a.params == int(a.params), f"params={a.params:g} must be a whole number of parameters")
+        sizes = equal_chunk_sizes(int(a.params), a.layers, s.chunks)
+    return pipeline_replicas(sizes, {r: s.chunks_of(r) for r in range(a.pp)}, a.ranks, a.node_size or a.ranks,
+                             a.dtype, a.bucket_mb, opts["optimizer"])
 
 
 def _pipeline(a, opts) -> int:
     """``--pp P``: the schedule's bubble and activations; with --params, --ranks: one stage's table (pipeline.py)."""
     from .pipeline import format_pipeline, parse_costs, pipeline_estimate, stage_estimate
     check(a.pp is not None, "--schedule, --schedule-file, --chunks and --costs need --pp P (the pipeline stages)")
-    check(not a.replicas, f"the estimate does not price --replicas with --pp {a.pp} yet (the run takes it: one part "
-                          "per engine, docs/failures.md); drop --replicas or --pp")
-    check(a.experts is None or (a.ep or 1) == 1, f"--pp with --experts {a.experts} --ep {a.ep} is not supported yet "
-                                                 "(docs/moe.md); drop one of the two")
+    check(a.experts is None or not a.replicas, f"the estimate does not price --replicas with --pp {a.pp} --experts "
+                                               f"{a.experts} yet; drop --replicas or --experts")
     on = {"--tp": a.tp != 1, "--sp": a.sp != 1, "--hpz": a.hpz, "--checkpoint-activations": a.checkpoint_activations}
-    on["--experts"] = a.experts is not None
-    other = [f"--{k.replace('_', '-')}" for k in PIPELINE_ALONE if getattr(a, k) is not None] + [f for f in on if on[f]]
+    with_pp = REPLICAS_WITH_PP if a.replicas else GPT_FLAGS if a.experts is not None else ()   # they price them
+    alone = [k for k in PIPELINE_ALONE if k not in with_pp]
+    other = [f"--{k.replace('_', '-')}" for k in alone if getattr(a, k) is not None] + [f for f in on if on[f]]
     check(not other, f"--pp estimates the schedule, and one stage's table from --params, --ranks and --layers; drop "
                      f"{' '.join(other)} (not estimated per stage)")
     check(not (a.schedule and a.schedule_file), "--schedule and --schedule-file contradict each other; give one")
     est = pipeline_estimate(a.pp, a.micro_batches, a.schedule or "1f1b", a.chunks or 1, a.schedule_file,
                             parse_costs(a.costs) if a.costs else (1.0, 1.0, 1.0))
-    if a.params is not None or a.ranks is not None:      # the memory of one stage: its share of the model and ranks
+    if a.params is not None or (a.ranks is not None and not a.replicas and a.experts is None):   # a stage's share
         est = dict(est, stage_table=stage_estimate(a.params, a.ranks, a.layers, a.pp, a.dtype, opts))
         print(format_table(est["stage_table"]))
     print(format_pipeline(est))
+    if a.experts is not None:        # the MoE GPT's stages: each chunk's dense and expert engines
+        from .moe_bytes import format_pipeline_moe
+        est = dict(est, moe=_pipeline_moe(a, opts))
+        print(format_pipeline_moe(est["moe"]))
+    if a.replicas:                   # every rank's chunks and its source's, in host shared memory, two steps
+        from .replica_bytes import format_replicas
+        est = dict(est, replicas=_pipeline_replicas(a, opts))
+        print(format_replicas(est["replicas"]))
     sys.stdout.flush()
     problem = save_json(a.json, est, "json") if a.json else None
     if problem:

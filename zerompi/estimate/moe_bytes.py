@@ -8,7 +8,7 @@ E/K experts over the N/K ranks holding the same experts (engine/memory.py's theo
 all-to-all (train/moe/routing.py's row): per MoE block and micro-batch, the counts once and four passes of the rows
 that leave the rank, balanced and dropless. docs/moe.md.
 """
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from ..engine.memory import theory_bytes
 from ..errors import check
@@ -187,4 +187,80 @@ def format_moe(moe: dict) -> str:
             ("the whole model, one engine over the N ranks" if k == 1 else
              "the dense engine over the N ranks (the experts: a second engine)") +
             "; activations are not estimated for the MoE GPT"]
+    return "\n".join(out)
+
+
+def pipeline_moe(dims: dict, ranks: int, chunks_of: Dict[int, List[int]], experts: int, ep: int, every: int,
+                 hidden: Optional[int], shared: int, dtype: str, opts: dict) -> dict:
+    """--pp P with --experts E --ep K: each pipeline stage's model states per rank, its chunks' engines apart. The
+    stages are N/P ranks each (comm/mesh.py), stage s holds chunks ``chunks_of[s]`` (train/models/chunks.py's
+    layers: the embeddings on the first, the final LayerNorm on the last); each chunk has a dense engine (its layers
+    without the experts, over the stage's N/P ranks) and, where it holds MoE blocks and K > 1, an expert engine
+    (this EP rank's E/K experts of each, one layer per block, over the stage's N/(P·K) expert-data-parallel ranks:
+    train/moe/stage_experts.py). Per ZeRO stage: the formulas (theory_bytes, unpadded) and the engines' padded
+    layouts (the engine's buckets of each chunk's layers: what the run measures), summed over the stage's engines,
+    and the pipeline stage whose ranks hold the most."""
+    from ..engine.config import ZeroConfig
+    from ..layout import FlatLayout
+    from .plan import bucket_numel
+    from .stages import estimate
+    c, n_layer, vocab, seq = dims["d_model"], dims["n_layer"], dims["vocab"], dims["seq_len"]
+    hidden, pp = hidden or 4 * c, len(chunks_of)
+    chunks = sum(len(v) for v in chunks_of.values())
+    check(n_layer % chunks == 0, f"n_layer={n_layer} is not divisible into {chunks} equal chunks of blocks; use a "
+                                 f"multiple of {chunks}")
+    check(ranks % pp == 0, f"pp={pp} does not divide ranks={ranks}; each stage holds ranks/pp of them")
+    dp = ranks // pp
+    check(dp % ep == 0, f"ep={ep} does not divide the {dp} data-parallel ranks of each pipeline stage ({ranks} ranks "
+                        f"/ pp {pp}); use a divisor of {dp}")
+    mlp, per = 2 * c * hidden + hidden + c, n_layer // chunks
+    moe = lambda i: (i + 1) % every == 0                                          # noqa: E731
+    block = lambda i: (4 * c * c + 8 * c + c * experts + shared * mlp + (experts * mlp if ep == 1 else 0)
+                       if moe(i) else 12 * c * c + 13 * c)                        # noqa: E731
+    itemsize, cap = ZeroConfig(dtype=dtype).itemsize, bucket_numel(dtype, opts.get("bucket_mb", ZeroConfig.bucket_mb))
+    keep = {k: v for k, v in opts.items() if k != "bucket_mb"}
+
+    def engine(sizes, world):           # (the engine's padded estimate, its Ψ) of layers of ``sizes``
+        layout = FlatLayout([(f"l{j}", [(f"l{j}.p", (n,))]) for j, n in enumerate(sizes)], world, cap, ZeroConfig.align)
+        return estimate(dtype=dtype, layout=layout, ranks=world, **keep), sum(sizes)
+
+    stages = []
+    for s in range(pp):
+        dense, expert = [], []
+        for ch in chunks_of[s]:
+            blocks = range(ch * per, (ch + 1) * per)
+            dense.append(engine(([vocab * c + seq * c] if ch == 0 else []) + [block(i) for i in blocks] +
+                                ([2 * c] if ch == chunks - 1 else []), dp))
+            if ep > 1 and any(moe(i) for i in blocks):
+                expert.append(engine([experts // ep * mlp for i in blocks if moe(i)], dp // ep))
+        rows = []
+        for z in range(4):
+            d = sum(theory_bytes(z, psi, dp, itemsize)["total"] for _, psi in dense)
+            e = sum(theory_bytes(z, psi, dp // ep, itemsize)["total"] for _, psi in expert)
+            dpad = sum(est["stages"][z]["model_state_bytes"] for est, _ in dense)
+            epad = sum(est["stages"][z]["model_state_bytes"] for est, _ in expert)
+            rows.append({"stage": z, "dense_bytes": d, "expert_bytes": e, "model_state_bytes": d + e,
+                         "dense_padded_bytes": dpad, "expert_padded_bytes": epad, "padded_bytes": dpad + epad})
+        stages.append({"pipeline_stage": s, "chunks": list(chunks_of[s]), "dense_params": sum(p for _, p in dense),
+                       "expert_params": sum(p for _, p in expert), "ranks": dp, "expert_ranks": dp // ep,
+                       "zero_stages": rows})
+    largest = [max(range(pp), key=lambda s: (stages[s]["zero_stages"][z]["padded_bytes"], -s)) for z in range(4)]
+    return {"pp": pp, "ep": ep, "experts": experts, "chunks_per_stage": chunks // pp, "pipeline_stages": stages,
+            "largest_stage": largest}
+
+
+def format_pipeline_moe(pm: dict) -> str:
+    """The per-stage MoE table the command line prints with --pp."""
+    line = lambda label, cells: f"  {label:<34}" + "".join(f"{c:>14}" for c in cells)   # noqa: E731
+    out = ["", f"mixture of experts in {pm['pp']} pipeline stages ({pm['chunks_per_stage']} chunk(s) each), "
+               f"{pm['experts']} experts, --ep {pm['ep']}: model states per rank of each stage's engines",
+           line("bytes per rank", [f"stage {z}" for z in range(4)])]
+    for st in pm["pipeline_stages"]:
+        rows, s = st["zero_stages"], st["pipeline_stage"]
+        out += [line(f"pp stage {s}: dense (over {st['ranks']})", [f"{r['dense_bytes']:,}" for r in rows]),
+                line(f"pp stage {s}: experts (over {st['expert_ranks']})", [f"{r['expert_bytes']:,}" for r in rows]),
+                line(f"pp stage {s}: padded layouts", [f"{r['padded_bytes']:,}" for r in rows])]
+    out.append(line("the largest pipeline stage", [str(s) for s in pm["largest_stage"]]))
+    out.append("  formulas: each engine's theory_bytes (unpadded), as a run prints them; padded: the engines' buckets "
+               "(what a run holds); chunk 0 holds the embeddings, the last chunk the final LayerNorm (docs/moe.md)")
     return "\n".join(out)

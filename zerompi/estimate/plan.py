@@ -165,6 +165,15 @@ def plan_buckets(params: int, ranks: int, bucket_numel: int, layers: Optional[in
     return BucketPlan(params, ranks, _merge(runs))
 
 
+def plan_layer_sizes(sizes: Sequence[int], ranks: int, bucket_numel: int,
+                     align: int = ZeroConfig.align) -> BucketPlan:
+    """The engine's buckets for layers of the given ``sizes`` (elements, in order): a pipeline chunk's, whose
+    layers differ (the GPT's embeddings, blocks, final LayerNorm)."""
+    runs = [(n, 1) for n in sizes if n > 0]
+    padded = [(_padded(used, ranks, align), c) for used, c in _group_runs(_merge(runs), bucket_numel)]
+    return BucketPlan(sum(sizes), ranks, _merge(padded))
+
+
 def bucket_numel(dtype: str, bucket_mb: float) -> int:
     """Elements per bucket target, as the engine derives it from ``bucket_mb`` MiB of storage dtype."""
     cfg = ZeroConfig(dtype=dtype, bucket_mb=bucket_mb)
