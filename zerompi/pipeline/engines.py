@@ -23,6 +23,16 @@ def chunk_folder(chunk: int, chunks: int) -> str:
     return f"pp{chunk}-of-{chunks}"
 
 
+def offload_folder(z, chunk: int, chunks: int):
+    """Where chunk ``chunk``'s engine keeps its offload files (nvme): a folder pp{c}-of-{C} of its own under
+    offload_dir, made here, so two chunks of one rank never name the same file; else offload_dir."""
+    if z.offload_dir is None or "nvme" not in (z.offload_optimizer, z.offload_params):
+        return z.offload_dir
+    path = os.path.join(z.offload_dir, chunk_folder(chunk, chunks))
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
 class PendingSaves:
     """Background saves of several engines, as one (checkpoint/writer.py's PendingSave each)."""
 

@@ -158,6 +158,7 @@ class PipelineJob(Job):
     def _engine(self, c: int, xp):
         from dataclasses import replace
         from ..engine.zero_engine import ZeroEngine
+        from ..pipeline.engines import offload_folder
         from ..pipeline.grads import GradSink
         z = self.cfg.zero
         runner = self.runners[c]
@@ -390,13 +391,3 @@ class PipelineJob(Job):
                 except OSError:                   # another rank's files still there, or it went first
                     pass
 
-
-def offload_folder(z, chunk: int, chunks: int):
-    """Where chunk ``chunk``'s engine keeps its offload files (nvme): a folder pp{c}-of-{C} of its own under
-    offload_dir, made here, so two chunks of one rank never name the same file; else offload_dir."""
-    if z.offload_dir is None or "nvme" not in (z.offload_optimizer, z.offload_params):
-        return z.offload_dir
-    from ..pipeline.engines import chunk_folder
-    path = os.path.join(z.offload_dir, chunk_folder(chunk, chunks))
-    os.makedirs(path, exist_ok=True)
-    return path
