@@ -7,6 +7,7 @@ recomputed, with a capacity, biases, stage 3 gathering per step; the expert grad
 refused in one line."""
 import json
 
+import numpy as np
 import pytest
 
 from tests.mpirun import run_mpi
@@ -126,14 +127,76 @@ def test_gradients_reduced_per_step_equal_ep1():
         assert a[key] == b[key], key
 
 
-@pytest.mark.parametrize("flag", [["--save-dir", "x"], ["--resume", "x"], ["--replicas", "j"],
-                                  ["--simulate-world", "4"], ["--node-size", "2"], ["--shard-size", "2"],
-                                  ["--offload-optimizer", "cpu"]])
+@pytest.mark.parametrize("flag", [["--replicas", "j"], ["--simulate-world", "4"], ["--node-size", "2"],
+                                  ["--shard-size", "2"], ["--offload-optimizer", "cpu"],
+                                  ["--tp", "2", "--save-dir", "x"], ["--tp", "2", "--resume", "x"]])
 def test_what_is_not_built_is_refused_in_one_line(flag):
     with pytest.raises(ConfigError) as e:
         parse_config(FLAGS + EP + ["--pp", "2"] + flag, environ={})
-    assert str(e.value).startswith(f"{flag[0]} with --pp 2 --ep 2 is not supported yet"), e.value
+    named = f"{flag[2]} with --pp 2 --ep 2 --tp 2" if flag[0] == "--tp" else f"{flag[0]} with --pp 2 --ep 2"
+    assert str(e.value).startswith(f"{named} is not supported yet"), e.value
     assert "\n" not in str(e.value)
+    if flag[0] == "--tp":
+        parse_config(FLAGS + EP + ["--pp", "2", "--tp", "2"], environ={})     # without checkpoints: built
+
+
+def consolidated(path, out):
+    """``python -m zerompi.checkpoint consolidate path out``: the parameters by name, in the file's order."""
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-m", "zerompi.checkpoint", "consolidate", str(path), str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    with np.load(out) as z:
+        return {n: z[n] for n in z.files}
+
+
+def test_checkpoints_resume_at_the_same_and_another_ep():
+    """N=4 --pp 2 --ep 2 saved after steps 1 and 2 (each chunk's expert part in pp{c}-of-2/ep{j}-of-2), resumed
+    to step 4: the bits of the run that never stopped, at --ep 2 stages 3 and 0 and at --ep 1; --bias-update's
+    biases restored (the same bits and biases); an --ep 1 pipelined save resumed at --ep 2; in the background.
+    Consolidated, the --ep 2 save has the names, order, shapes and values of the --ep 1 one."""
+    import tempfile
+    from pathlib import Path
+    F = FLAGS[:FLAGS.index("--steps")] + ["--eval-every", "4", "--steps"]
+    at = lambda ep, stage: ["--pp", "2", "--ep", str(ep), "--stage", str(stage)]      # noqa: E731
+    BIAS = ["--bias-update", "0.01"]
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        runs = run_many(4, [
+            F + ["4"] + at(2, 3),                                                        # 0: never stopped
+            F + ["2"] + at(2, 3) + ["--save-dir", str(d / "a"), "--save-every", "1"],   # 1
+            F + ["4"] + at(2, 3) + ["--resume", str(d / "a")],                          # 2
+            F + ["4"] + at(2, 0) + ["--resume", str(d / "a")],                          # 3: another stage
+            F + ["4"] + at(1, 3) + ["--resume", str(d / "a")],                          # 4: another --ep
+            F + ["4"] + at(2, 3) + BIAS,                                                 # 5: biased, never stopped
+            F + ["2"] + at(2, 3) + BIAS + ["--save-dir", str(d / "b")],                 # 6
+            F + ["4"] + at(2, 3) + BIAS + ["--resume", str(d / "b")],                   # 7
+            F + ["2"] + at(1, 3) + ["--save-dir", str(d / "e1")],                       # 8: an --ep 1 save ...
+            F + ["4"] + at(2, 3) + ["--resume", str(d / "e1")],                         # 9: ... at --ep 2
+            F + ["2"] + at(2, 0) + ["--save-dir", str(d / "as"), "--save-every", "1", "--async-save"],  # 10
+            F + ["4"] + at(2, 3) + ["--resume", str(d / "as")],                         # 11
+        ], timeout=900)
+        assert len(runs) == 12
+        for c in range(2):
+            for j in range(2):
+                assert sorted(p.name for p in (d / "a" / f"pp{c}-of-2" / f"ep{j}-of-2").iterdir()
+                              if p.name.startswith("step_")) == ["step_000001", "step_000002"]
+            assert not (d / "e1" / f"pp{c}-of-2" / "ep0-of-1").exists()
+        joined = [consolidated(d / name, d / f"{name}.npz") for name in ("a", "e1")]    # both at step 2
+    assert list(joined[0]) == list(joined[1]) and "block1.experts.fc.w" in joined[0]
+    assert joined[0]["block1.experts.fc.w"].shape == (4, 16, 24)
+    assert all(np.array_equal(joined[0][n], joined[1][n]) for n in joined[0])
+    full = runs[0]
+    assert full["moe"]["ep"] == 2 and full["pipeline"] is not None
+    for resumed, whole in ((runs[2], full), (runs[3], full), (runs[4], full), (runs[7], runs[5]),
+                           (runs[9], full), (runs[11], full)):
+        assert resumed["first_step"] == 2 and resumed["losses"] == whole["losses"][2:]
+        assert resumed["final_params_sha256"] == whole["final_params_sha256"]
+        assert resumed["moe"]["bias"] == whole["moe"]["bias"]
+    assert runs[10]["losses"] == full["losses"][:2]
+    assert runs[5]["final_params_sha256"] != full["final_params_sha256"]
+    assert any(v != 0 for b in runs[5]["moe"]["bias"].values() for v in b)
 
 
 def test_ep_must_divide_a_stages_ranks():

@@ -177,7 +177,11 @@ class PipelineJob(Job):
     # ---- one step ------------------------------------------------------------------------------------
     @property
     def checkpoints(self):
-        """What saves and loads the run's checkpoints (DIR/pp{c}-of-{C}/ per chunk: pipeline/engines.py)."""
+        """What saves and loads the run's checkpoints (DIR/pp{c}-of-{C}/ per chunk: pipeline/engines.py; an MoE
+        run's expert parts beside each chunk's: train/moe/checkpoints.py)."""
+        if self.cfg.moe.on:
+            from .moe.checkpoints import StageMoECheckpoints
+            return StageMoECheckpoints(self)
         return self.engines
 
     @property

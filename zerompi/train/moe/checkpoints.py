@@ -7,6 +7,10 @@ are one contiguous range of the whole tensor, cut over the saved EP ranks' parts
 copies each piece through its part's saved layout (any world size, stage, ``--ep``, 1 included). ``python -m
 zerompi.checkpoint consolidate DIR`` joins the parts into the names and shapes of an ``--ep 1`` run.
 ``--bias-update``'s per-block biases (the same on every rank) go once into the dense manifest's extra.
+
+A pipelined run (``--pp``, :class:`StageMoECheckpoints`) does the same per model chunk: the chunk's dense engine
+in ``DIR/pp{c}-of-{C}`` as without EP, its expert engine (``--ep K``) in ``DIR/pp{c}-of-{C}/ep{j}-of-{K}``, the
+biases in every chunk's dense manifest; any ``--ep`` dividing the stage's ranks resumes it (1 included).
 """
 import os
 
@@ -44,11 +48,7 @@ class MoECheckpoints:
 
     def manifest_extra(self, extra_state=None) -> dict:
         """``extra_state`` and the run's ``moe``: experts, --ep (where the parts are) and the selection biases."""
-        extra = dict(extra_state or {})
-        mlp = self.job.model.moe_blocks.mlp
-        extra["moe"] = {"experts": self.cfg.moe.experts, "ep": self.cfg.moe.ep,
-                        "bias": {str(b): v.tolist() for b, v in sorted(mlp.bias.items())}}
-        return extra
+        return moe_extra(self.job, extra_state)
 
     def save(self, path: str, extra_state=None, blocking: bool = True, keep_last=None):
         """Each EP rank's experts in ``path``/ep{j}-of-{K}, then the dense engine's checkpoint in ``path`` (a
@@ -78,12 +78,96 @@ class MoECheckpoints:
             else:
                 got = _load(engine, dense, parts, E, rank, size)
             info = info or got
-        bias = info.manifest["extra"].get("moe", {}).get("bias", {})
-        if self.cfg.moe.bias_update > 0:
-            mlp = self.job.model.moe_blocks.mlp
-            mlp.bias.clear()
-            mlp.bias.update({int(b): np.array(v, np.float64) for b, v in bias.items()})
+        restore_bias(self.job, info)
         return info
+
+
+def moe_extra(job, extra_state=None) -> dict:
+    """``extra_state`` and the run's ``moe``: experts, --ep (where the parts are) and the selection biases."""
+    extra = dict(extra_state or {})
+    mlp = job.model.moe_blocks.mlp
+    extra["moe"] = {"experts": job.cfg.moe.experts, "ep": job.cfg.moe.ep,
+                    "bias": {str(b): v.tolist() for b, v in sorted(mlp.bias.items())}}
+    return extra
+
+
+def restore_bias(job, info) -> None:
+    """With --bias-update, the selection biases of the loaded checkpoint ``info`` (its manifest's extra)."""
+    bias = info.manifest["extra"].get("moe", {}).get("bias", {})
+    if job.cfg.moe.bias_update > 0:
+        mlp = job.model.moe_blocks.mlp
+        mlp.bias.clear()
+        mlp.bias.update({int(b): np.array(v, np.float64) for b, v in bias.items()})
+
+
+class StageMoECheckpoints:
+    """A pipelined MoE job's checkpoints (``job.checkpoints`` with --pp): per model chunk, the dense engine's in
+    ``DIR/pp{c}-of-{C}`` (pipeline/engines.py's layout) and, with --ep K, the chunk's expert engine's in
+    ``DIR/pp{c}-of-{C}/ep{j}-of-{K}`` beside it; a resume reshards each chunk's experts to this run's --ep."""
+
+    def __init__(self, job):
+        self.job, self.cfg = job, job.cfg
+        self.stages, self.experts = job.engines, job.experts
+
+    @property
+    def steps_taken(self) -> int:
+        return self.stages.steps_taken
+
+    def _expert_engine(self, chunk: int):
+        return self.experts.engines.get(chunk) if self.experts else None
+
+    def save(self, path: str, extra_state=None, blocking: bool = True, keep_last=None):
+        """Each chunk (in chunk order): its expert engine's part, then its dense engine's checkpoint (its
+        ``latest`` moves once the chunk's parts are in). Returns the first chunk's dense checkpoint directory,
+        or a PendingSaves."""
+        from ...pipeline.engines import PendingSaves
+        extra = moe_extra(self.job, extra_state)
+        done, dense = [], []
+        for c, engine in self.stages.engines.items():
+            folder = self.stages.folder(path, c)
+            x = self._expert_engine(c)
+            if x is not None:
+                done.append(x.save(os.path.join(folder, ep_folder(self.experts.ep.rank, self.experts.k)), extra,
+                                   blocking, keep_last))
+            dense.append(engine.save(folder, extra, blocking, keep_last))
+        return dense[0] if blocking else PendingSaves(dense + done)
+
+    def load(self, path: str):
+        """Every chunk's engines from ``path`` (a save folder: each chunk's latest), after the whole mesh agreed
+        that every chunk's checkpoint and EP parts are of one step (CheckpointError on every rank otherwise)."""
+        from types import SimpleNamespace
+
+        from ...comm.watchdog import watched
+        from ...checkpoint.format import PP_FOLDER
+        from ...pipeline.engines import _check_loadable
+        stages = self.stages
+        mine, problem, found = {}, None, {}
+        for c, engine in stages.engines.items():
+            try:
+                folder = stages.folder(path, c)
+                dense, parts = _parts(engine.tp.path(folder) if engine.tp else folder)
+                steps = {read_manifest(p)[0]["step"] for p in [dense] + parts}
+                if len(steps) > 1:
+                    raise CheckpointError(f"{dense}: its EP parts are of different steps ({sorted(steps)}); "
+                                          "resume a step that every part saved")
+                mine[c], found[c] = steps.pop(), (dense, parts)
+            except (CheckpointError, OSError, KeyError, TypeError) as e:
+                problem = str(e)
+        saved = sorted(n for n in os.listdir(path) if PP_FOLDER.fullmatch(n)) if os.path.isdir(path) else []
+        world = SimpleNamespace(mpi=stages.mesh.world, waiting=stages.first.comm.waiting)
+        with watched(world, "pipeline load: agreement on the checkpoint"):
+            everyone = stages.mesh.world.allgather((mine, problem))
+        _check_loadable(path, everyone, saved, stages.chunks)
+        E, infos = self.cfg.moe.experts, []
+        for c, engine in stages.engines.items():
+            dense, parts = found[c]
+            infos.append(_load(engine, dense, parts, E, 0, 1) if parts or self.experts
+                         else engine.load(stages.folder(path, c)))         # as without MoE
+            x = self._expert_engine(c)
+            if x is not None:
+                _load(x, dense, parts, E, self.experts.ep.rank, self.experts.k)
+        restore_bias(self.job, infos[0])
+        return infos[0]
 
 
 def _parts(path: str):

@@ -88,10 +88,6 @@ def check_job(cfg) -> None:
     for name, given in refused:
         check(not given, f"{name} with --experts {moe.experts} is not supported yet (docs/moe.md); drop one of the "
                          "two")
-    for name in ("save_dir", "resume"):        # the pipeline's checkpoints (train/pipeline.py) carry no biases yet
-        check(getattr(cfg, name) is None or moe.bias_update == 0 or cfg.mesh.pp == 1,
-              f"--{name.replace('_', '-')} with --bias-update {moe.bias_update} --pp {cfg.mesh.pp}: a pipeline's "
-              "checkpoints do not hold the selection biases yet (docs/moe.md); drop one of them")
     check(cfg.replicas is None or moe.bias_update == 0 or cfg.mesh.pp == 1, f"--replicas with --bias-update "
           f"{moe.bias_update} --pp {cfg.mesh.pp}: a pipeline's replicas do not hold the selection biases yet "
           "(docs/moe.md); drop one of them")
