@@ -314,3 +314,38 @@ def test_recompute_capacity_bias_and_gather_per_step():
         same_bits(a, b)
         assert a["moe"]["bias"] == b["moe"]["bias"]
     assert sum(flat[1]["moe"]["dropped"]) > 0 and any(v != 0 for b in flat[2]["moe"]["bias"].values() for v in b)
+
+
+def test_a_missing_or_other_step_part_is_refused(tmp_path):
+    """A chunk's EP part missing at the resumed step, or of another step: refused on every rank in one line,
+    nothing loaded."""
+    import shutil
+    F = FLAGS[:FLAGS.index("--steps")] + ["--pp", "2", "--ep", "2", "--stage", "1", "--steps"]
+    assert len(run_many(4, [F + ["2", "--save-dir", str(tmp_path / "a"), "--save-every", "1"]])) == 1
+    part = tmp_path / "a" / "pp1-of-2" / "ep1-of-2"
+    shutil.rmtree(part / "step_000002")
+    resume = ["-m", "zerompi.train", *F, "4", "--resume", tmp_path / "a"]
+    proc = run_mpi(4, resume, timeout=120, check=False)
+    assert proc.returncode != 0 and "pp1-of-2/ep1-of-2/step_000002: does not exist" in proc.stderr, proc.stderr
+    assert len(set(proc.stderr.strip().splitlines())) == 1, proc.stderr          # one line (on every rank)
+    shutil.copytree(part / "step_000001", part / "step_000002")
+    proc = run_mpi(4, resume, timeout=120, check=False)
+    assert proc.returncode != 0 and "its EP parts are of different steps" in proc.stderr, proc.stderr
+    assert len(set(proc.stderr.strip().splitlines())) == 1, proc.stderr
+
+
+@pytest.mark.slow
+def test_resume_at_another_world_size_and_ep(tmp_path):
+    """N=4 --pp 2 --ep 2 saved at step 2, resumed at N=8 --pp 2 --ep 4 (each stage's 4 ranks one EP group) and
+    --ep 2 (two groups): the losses of the N=4 run that never stopped to 1e-5 relative (the promise of a resume
+    at another world size: the gradients are summed over other groups of ranks; measured 0 and 1.2e-7); the two
+    N=8 resumes the same bits."""
+    F = FLAGS[:FLAGS.index("--batch")] + ["--batch", "16"] + FLAGS[FLAGS.index("--batch") + 2:FLAGS.index("--steps")]
+    F += ["--pp", "2", "--stage", "2", "--steps"]
+    n4 = run_many(4, [F + ["4", "--ep", "2"], F + ["2", "--ep", "2", "--save-dir", str(tmp_path / "a")]])
+    n8 = run_many(8, [F + ["4", "--ep", k, "--resume", str(tmp_path / "a")] for k in ("4", "2")], timeout=600)
+    assert len(n4) == 2 and len(n8) == 2
+    assert n8[0]["final_params_sha256"] == n8[1]["final_params_sha256"]      # --ep 4 and --ep 2: the same bits
+    for resumed in n8:
+        assert resumed["first_step"] == 2 and resumed["world_size"] == 8
+        assert resumed["losses"] == pytest.approx(n4[0]["losses"][2:], rel=1e-5)
