@@ -349,3 +349,18 @@ def test_resume_at_another_world_size_and_ep(tmp_path):
     for resumed in n8:
         assert resumed["first_step"] == 2 and resumed["world_size"] == 8
         assert resumed["losses"] == pytest.approx(n4[0]["losses"][2:], rel=1e-5)
+
+
+def test_checkpoints_with_sequence_parallel():
+    """N=8 --pp 2 --sp 2 --ep 2 saved at step 2, resumed at --ep 2 and --ep 1 to step 4: the bits of the run that
+    never stopped (the expert engines over each stage's DP x SP ranks save and load as without --sp)."""
+    import tempfile
+    F = FLAGS[:FLAGS.index("--steps")] + ["--pp", "2", "--sp", "2", "--stage", "3", "--steps"]
+    with tempfile.TemporaryDirectory() as d:
+        runs = run_many(8, [F + ["4", "--ep", "2"], F + ["2", "--ep", "2", "--save-dir", d + "/a"],
+                            F + ["4", "--ep", "2", "--resume", d + "/a"], F + ["4", "--ep", "1", "--resume", d + "/a"]],
+                        timeout=600)
+    assert len(runs) == 4 and runs[0]["sequence_parallel"] is not None
+    for resumed in runs[2:]:
+        assert resumed["first_step"] == 2 and resumed["losses"] == runs[0]["losses"][2:]
+        assert resumed["final_params_sha256"] == runs[0]["final_params_sha256"]

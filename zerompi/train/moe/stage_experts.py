@@ -8,8 +8,8 @@ blocks, ZeRO over the stage's expert-data-parallel ranks, the gradients handed i
 train/moe/expert_parallel.py), beside the chunk's dense engine. The step is decided once over the ranks of one
 EP group index across the stages (pipeline/step.py): every dense engine's totals counted on EP rank 0, every
 expert engine's on its own rank; the digest joins each chunk's experts in model order as the unpipelined run's.
-Checkpoints: each chunk's expert engine a part of its own beside
-the chunk's dense one (train/moe/checkpoints.py's StageMoECheckpoints). docs/moe.md.
+Checkpoints: each chunk's expert engine a part of its own beside the chunk's dense one (train/moe/checkpoints.py's
+StageMoECheckpoints). docs/moe.md.
 """
 from types import SimpleNamespace
 
