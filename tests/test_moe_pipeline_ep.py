@@ -364,3 +364,17 @@ def test_checkpoints_with_sequence_parallel():
     for resumed in runs[2:]:
         assert resumed["first_step"] == 2 and resumed["losses"] == runs[0]["losses"][2:]
         assert resumed["final_params_sha256"] == runs[0]["final_params_sha256"]
+
+
+def test_checkpoints_keep_the_biases_at_ep_1_with_tensor_parallelism():
+    """--pp 2 --tp 2 at --ep 1 with --bias-update (the refusal of the pipeline's checkpoints with biases lifted):
+    saved at step 2, resumed to step 4, the bits and biases of the run that never stopped."""
+    import tempfile
+    F = FLAGS[:FLAGS.index("--steps")] + ["--pp", "2", "--tp", "2", "--stage", "2", "--bias-update", "0.01", "--steps"]
+    with tempfile.TemporaryDirectory() as d:
+        runs = run_many(4, [F + ["4"], F + ["2", "--save-dir", d + "/a"], F + ["4", "--resume", d + "/a"]])
+    assert len(runs) == 3 and runs[0]["moe"]["ep"] == 1 and runs[0]["tensor_parallel"] is not None
+    assert any(v != 0 for b in runs[1]["moe"]["bias"].values() for v in b)        # biases at the save, not zero
+    assert runs[2]["first_step"] == 2 and runs[2]["losses"] == runs[0]["losses"][2:]
+    assert runs[2]["final_params_sha256"] == runs[0]["final_params_sha256"]
+    assert runs[2]["moe"]["bias"] == runs[0]["moe"]["bias"]
