@@ -1,7 +1,9 @@
 """Expert parallelism across the emulated cluster's link (scripts/bench_moe.py --cluster, 2 nodes x 2 ranks,
 nodes from MPI): --ep 1, 2 and 4 end with the same bits, the all-to-all's bytes equal the estimator's formula,
 and node 1's link carried the formula's bytes (ZeRO's across nodes plus the all-to-all's to the other node) and
-at most 5 % more (frame, TCP and MPI headers: docs/cluster.md)."""
+at most 5 % more (frame, TCP and MPI headers: docs/cluster.md). The link's counters are read when a step's line
+is seen, so a window's ends can each hold part of a neighbouring step's traffic (stage 3's next gathers start
+before the line): measured once 2.4 % under the formula over a 2-step window; over 6 steps, 3 % either way."""
 import json
 import subprocess
 import sys
@@ -15,7 +17,7 @@ from tests.mpirun import ROOT
 @pytest.mark.slow
 def test_ep_across_the_link_is_its_formula(cluster):
     cluster(1)                                    # skips where namespaces cannot be made
-    proc = subprocess.run([sys.executable, ROOT / "scripts" / "bench_moe.py", "--cluster", "--json", "--steps", "5",
+    proc = subprocess.run([sys.executable, ROOT / "scripts" / "bench_moe.py", "--cluster", "--json", "--steps", "8",
                            "--warmup", "2", "--ep", "1", "2", "4", "--link", "1gbit"],
                           capture_output=True, text=True, timeout=900, cwd=str(ROOT))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -28,4 +30,4 @@ def test_ep_across_the_link_is_its_formula(cluster):
     for r in rows.values():
         assert r["all_to_all_bytes_per_rank"] == r["all_to_all_theory_bytes_per_rank"], r
         assert r["zero_inter_bytes"] == r["zero_inter_formula_bytes"], r
-        assert r["formula_bytes_per_step"] <= r["link_bytes_per_step"] <= 1.05 * r["formula_bytes_per_step"], r
+        assert 0.97 * r["formula_bytes_per_step"] <= r["link_bytes_per_step"] <= 1.05 * r["formula_bytes_per_step"], r
