@@ -109,13 +109,19 @@ class StageEngines:
                 mine[c] = read_manifest(resolve(folder))[0]["step"]
             except (CheckpointError, OSError, KeyError, TypeError) as e:
                 problem = str(e)
+        self.agree_loadable(path, mine, problem)
+        infos = [e.load(self.folder(path, c)) for c, e in self.engines.items()]
+        return infos[0]
+
+    def agree_loadable(self, path: str, mine: Dict[int, int], problem) -> None:
+        """Before a load from ``path``: the whole mesh's steps of its chunks (``mine``: this rank's, {chunk: step})
+        and problems (``problem``: this rank's line, or None) gathered and checked: CheckpointError on every rank
+        unless every chunk is of one step and the folder holds this run's chunks (a collective)."""
         saved = sorted(n for n in os.listdir(path) if PP_FOLDER.fullmatch(n)) if os.path.isdir(path) else []
         world = SimpleNamespace(mpi=self.mesh.world, waiting=self.first.comm.waiting)
         with watched(world, "pipeline load: agreement on the checkpoint"):
             everyone = self.mesh.world.allgather((mine, problem))
         _check_loadable(path, everyone, saved, self.chunks)
-        infos = [e.load(self.folder(path, c)) for c, e in self.engines.items()]
-        return infos[0]
 
     def close(self) -> None:
         for e in self:

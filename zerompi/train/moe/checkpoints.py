@@ -135,11 +135,6 @@ class StageMoECheckpoints:
     def load(self, path: str):
         """Every chunk's engines from ``path`` (a save folder: each chunk's latest), after the whole mesh agreed
         that every chunk's checkpoint and EP parts are of one step (CheckpointError on every rank otherwise)."""
-        from types import SimpleNamespace
-
-        from ...comm.watchdog import watched
-        from ...checkpoint.format import PP_FOLDER
-        from ...pipeline.engines import _check_loadable
         stages = self.stages
         mine, problem, found = {}, None, {}
         for c, engine in stages.engines.items():
@@ -153,11 +148,7 @@ class StageMoECheckpoints:
                 mine[c], found[c] = steps.pop(), (dense, parts)
             except (CheckpointError, OSError, KeyError, TypeError) as e:
                 problem = str(e)
-        saved = sorted(n for n in os.listdir(path) if PP_FOLDER.fullmatch(n)) if os.path.isdir(path) else []
-        world = SimpleNamespace(mpi=stages.mesh.world, waiting=stages.first.comm.waiting)
-        with watched(world, "pipeline load: agreement on the checkpoint"):
-            everyone = stages.mesh.world.allgather((mine, problem))
-        _check_loadable(path, everyone, saved, stages.chunks)
+        stages.agree_loadable(path, mine, problem)
         E, infos = self.cfg.moe.experts, []
         for c, engine in stages.engines.items():
             dense, parts = found[c]
