@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ..errors import ConfigError, OneLineParser, quiet_exit_on_closed_stdout
-from .format import F32, MANIFEST_SHA, PP_FOLDER, CheckpointError, read_manifest, resolve, verify_shard
+from .format import F32, MANIFEST_SHA, PP_FOLDER, CheckpointError, entry_kind, read_manifest, resolve, verify_shard
 from .outputs import check_file, check_roles, write_atomic
 from .parts import ep_parts, part_folders, tp_parts
 from .state_rows import saved_rows
@@ -180,7 +180,7 @@ def inspect(path: str) -> Tuple[str, List[str]]:
         except CheckpointError as e:
             problems.append(str(e))
             verdict = "DAMAGED"
-        kind = "crc32" if "crc32" in s else "sha256"
+        kind = entry_kind(s)
         lines.append(f"  {s['file']:<16} {s['bytes']:>14,}  {kind} {s[kind][:10]:<10}  {verdict}")
     for part in ep_parts(ckpt, m):             # an expert-parallel save: each EP rank's experts beside it
         try:
