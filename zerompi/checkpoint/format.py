@@ -27,6 +27,7 @@ import sys
 import threading
 import uuid
 import zlib
+from collections import OrderedDict
 from dataclasses import asdict
 from typing import List, Optional, Tuple
 
@@ -140,9 +141,26 @@ def zck64(buffer) -> Optional[str]:
         del data                               # the mapping's export released before its owner may close it
 
 
+_LAYOUT_FIELDS: "OrderedDict[int, tuple]" = OrderedDict()   # id(layout): (layout, its manifest fields), a few
+
+
+def _layout_fields(lay) -> dict:
+    """A layout's manifest fields (names, parameters, buckets), built once per layout: the in-memory replicas
+    write a manifest every step, and these are most of its cost. Each call gets its own dicts."""
+    held = _LAYOUT_FIELDS.get(id(lay))
+    if held is None or held[0] is not lay:
+        held = _LAYOUT_FIELDS[id(lay)] = (lay, {"layer_names": list(lay.layer_names),
+                                                "params": [asdict(p) for p in lay.params.values()],
+                                                "buckets": [asdict(b) for b in lay.buckets]})
+        while len(_LAYOUT_FIELDS) > 16:
+            _LAYOUT_FIELDS.popitem(last=False)
+    return {key: [dict(v) for v in value] if key != "layer_names" else list(value) for key, value in held[1].items()}
+
+
 def build_manifest(engine, shards: List[dict], extra_state) -> dict:
     """The manifest of ``engine``'s state; ``shards``: the entries write_shard returned, in slice order."""
     lay, c = engine.layout, engine.config
+    fields = _layout_fields(lay)
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -152,9 +170,9 @@ def build_manifest(engine, shards: List[dict], extra_state) -> dict:
         "dtype": c.dtype,
         "shard_numel": lay.shard_numel,
         "params_numel": lay.params_numel,
-        "layer_names": list(lay.layer_names),
-        "params": [asdict(p) for p in lay.params.values()],
-        "buckets": [asdict(b) for b in lay.buckets],
+        "layer_names": fields["layer_names"],
+        "params": fields["params"],
+        "buckets": fields["buckets"],
         "optimizer": {"name": optimizer_name(engine), "step": engine.step_count, "state": list(engine_rows(engine)),
                       "lr": c.lr, "beta1": c.beta1, "beta2": c.beta2, "eps": c.eps, "weight_decay": c.weight_decay},
         "loss_scaler": engine.scaler.state_dict(),
@@ -164,10 +182,11 @@ def build_manifest(engine, shards: List[dict], extra_state) -> dict:
     }
 
 
-def manifest_text(manifest: dict) -> str:
+def manifest_text(manifest: dict, indent: Optional[int] = 1) -> str:
     """The manifest as JSON text whose last key, MANIFEST_SHA, is the sha256 of this very text
-    with that value replaced by 64 zeros: any changed byte of the file is found."""
-    body = json.dumps({**manifest, MANIFEST_SHA: _ZERO_SHA}, indent=1)
+    with that value replaced by 64 zeros: any changed byte of the file is found. ``indent`` None: one
+    line, by json's C encoder (the in-memory replicas' manifests, written every step)."""
+    body = json.dumps({**manifest, MANIFEST_SHA: _ZERO_SHA}, indent=indent)
     head, marker, tail = body.rpartition(f'"{MANIFEST_SHA}": "{_ZERO_SHA}"')
     digest = hashlib.sha256(body.encode()).hexdigest()
     return f'{head}"{MANIFEST_SHA}": "{digest}"{tail}'

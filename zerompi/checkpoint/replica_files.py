@@ -57,7 +57,7 @@ def commit(folder: str, step: int, manifests: Dict[str, dict]) -> None:
                 os.unlink(os.path.join(at, name))
         tmp = os.path.join(at, MANIFEST + ".tmp")
         with open(tmp, "w") as f:
-            f.write(manifest_text(manifest))
+            f.write(manifest_text(manifest, indent=None))     # one line: json's C encoder, every step
         os.rename(tmp, os.path.join(at, MANIFEST))
     for name in os.listdir(folder):
         m = STEP_DIR.fullmatch(name)
