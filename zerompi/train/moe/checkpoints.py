@@ -13,7 +13,9 @@ zerompi.checkpoint consolidate DIR`` joins the parts into the names and shapes o
 
 A pipelined run (``--pp``, :class:`StageMoECheckpoints`) does the same per model chunk: the chunk's dense engine
 in ``DIR/pp{c}-of-{C}`` as without EP, its expert engine (``--ep K``) in ``DIR/pp{c}-of-{C}/ep{j}-of-{K}``, the
-biases in every chunk's dense manifest; any ``--ep`` dividing the stage's ranks resumes it (1 included).
+biases in every chunk's dense manifest; any ``--ep`` dividing the stage's ranks resumes it (1 included). With
+``--tp`` each TP rank's in ``DIR/pp{c}-of-{C}/tp{r}-of-{T}`` and ``DIR/pp{c}-of-{C}/tp{r}-of-{T}/ep{j}-of-{K}``.
+The in-memory replicas keep the same folders (``parts``), their manifests the same ``moe`` extra.
 """
 import os
 
