@@ -89,26 +89,29 @@ def test_ep_a_killed_rank_or_lost_node_costs_at_most_one_step_and_no_bits(tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tag, mesh, parts", [
-    ("ppep", ["--pp", "2", "--micro-batches", "2", "--bias-update", "0.01"], ["pp0-of-2", "pp0-of-2/ep0-of-2"]),
-    ("tpep", ["--tp", "2", "--bias-update", "0.01"], ["tp0-of-2", "tp0-of-2/ep0-of-2"])])
-def test_ep_with_pp_or_tp_a_killed_rank_costs_at_most_one_step_and_no_bits(tmp_path, tag, mesh, parts):
-    """--experts 4 --ep 2 --bias-update at N = 4 in 2 nodes of 2 with --pp 2 (each stage's 2 ranks one EP group:
-    rank 1 holds chunk 0 and EP rank 1's experts of it, parts pp0-of-2 and pp0-of-2/ep1-of-2) or with --tp 2 (EP
-    groups {0, 2} and {1, 3}: rank 1's parts tp1-of-2 and tp1-of-2/ep0-of-2, the folders of a disk save): rank 1
-    killed mid-run, the job ends with exit 0, at most one step lost, and the bits, the losses after the restore and
-    the selection biases of the run that never failed (whose resume from a disk checkpoint is exact:
-    tests/test_moe_pipeline_ep.py). Without a fault, --replicas changes no bit."""
-    flags = MOE + mesh
-    proc, m = supervise(tmp_path, job_name(tag), 4, flags, kill_at=3, ranks=[1], env=NODES)
+@pytest.mark.parametrize("tag, n, rank, mesh, parts", [
+    ("ppep", 4, 1, ["--pp", "2", "--micro-batches", "2"], ["pp0-of-2", "pp0-of-2/ep0-of-2"]),
+    ("tpep", 4, 1, ["--tp", "2"], ["tp0-of-2", "tp0-of-2/ep0-of-2"]),
+    ("pptpep", 8, 5, ["--pp", "2", "--tp", "2", "--micro-batches", "2"],
+     ["pp0-of-2/tp0-of-2", "pp0-of-2/tp0-of-2/ep0-of-2"])])
+def test_ep_with_pp_or_tp_a_killed_rank_costs_at_most_one_step_and_no_bits(tmp_path, tag, n, rank, mesh, parts):
+    """--experts 4 --ep 2 --bias-update at stage 3 in 2 nodes: N = 4 with --pp 2 (each stage's 2 ranks one EP
+    group: rank 1 holds chunk 0 and EP rank 1's experts of it, parts pp0-of-2 and pp0-of-2/ep1-of-2) or with --tp 2
+    (EP groups {0, 2} and {1, 3}: rank 1's parts tp1-of-2 and tp1-of-2/ep0-of-2, the folders of a disk save); N = 8
+    with --pp 2 --tp 2 (rank 5: pp1-of-2/tp1-of-2 and its ep0-of-2). One rank killed mid-run: the job ends with
+    exit 0, at most one step lost, and the bits, the losses after the restore and the selection biases of the run
+    that never failed (whose resume from a disk checkpoint is exact: tests/test_moe_pipeline_ep.py). Without a
+    fault, --replicas changes no bit."""
+    flags, env = MOE + mesh + ["--bias-update", "0.01"], {"ZEROMPI_NODE_SIZE": str(n // 2)}
+    proc, m = supervise(tmp_path, job_name(tag), n, flags, kill_at=3, ranks=[rank], env=env, timeout=480)
     assert proc.returncode == 0, proc.stderr[-3000:]
     [f] = m["failures"]
-    assert f["rank"] == 1 and f["steps_lost"] <= 1 and f["restored_step"] >= 3, f
+    assert f["rank"] == rank and f["steps_lost"] <= 1 and f["restored_step"] >= 3, f
     assert m["replicas"]["parts"] == parts and m["replicas"]["theory_bytes"]["files"] == 2 * len(parts)
     out, quiet = tmp_path / "straight.json", tmp_path / "quiet.json"
-    run_mpi(4, ["-m", "zerompi.train", *flags, "--metrics-json", out], timeout=180, env=NODES)
-    run_mpi(4, ["-m", "zerompi.train", *flags, "--metrics-json", quiet, "--replicas", job_name(tag + "q")],
-            timeout=180, env=NODES)
+    run_mpi(n, ["-m", "zerompi.train", *flags, "--metrics-json", out], timeout=300, env=env)
+    run_mpi(n, ["-m", "zerompi.train", *flags, "--metrics-json", quiet, "--replicas", job_name(tag + "q")],
+            timeout=300, env=env)
     want, clean = json.loads(out.read_text()), json.loads(quiet.read_text())
     assert m["final_params_sha256"] == want["final_params_sha256"] == clean["final_params_sha256"]
     assert clean["losses"] == want["losses"] and clean["replicas"]["parts"] == parts
