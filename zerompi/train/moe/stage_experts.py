@@ -8,8 +8,8 @@ blocks, ZeRO over the stage's expert-data-parallel ranks, the gradients handed i
 train/moe/expert_parallel.py), beside the chunk's dense engine. The step is decided once over the ranks of one
 EP group index across the stages (pipeline/step.py): every dense engine's totals counted on EP rank 0, every
 expert engine's on its own rank; the digest joins each chunk's experts in model order as the unpipelined run's.
-Checkpoints: each chunk's expert engine a part of its own beside the chunk's dense one (train/moe/checkpoints.py's
-StageMoECheckpoints). docs/moe.md.
+Checkpoints and the in-memory replicas: each chunk's expert engine a part of its own beside the chunk's dense one
+(with --tp in its TP rank's folder; train/moe/checkpoints.py's StageMoECheckpoints). docs/moe.md.
 """
 from types import SimpleNamespace
 
@@ -19,18 +19,13 @@ from .expert_parallel import engine_configs, split_experts, whole_params
 
 
 def check_job(cfg) -> None:
-    """ConfigError (one line) where --pp with --ep meets what it does not compose with yet: checkpoints with
-    --tp (every TP rank would write its chunk's one expert part), the in-memory replicas (each chunk's one
-    engine), the simulated world; the stage's expert engines over nodes, shard groups or offload (they run the
-    flat reduce, in the chunk's folder)."""
+    """ConfigError (one line) where --pp with --ep meets what it does not compose with yet: the simulated world;
+    the stage's expert engines over nodes, shard groups or offload (they run the flat reduce, in the chunk's
+    folder)."""
     if cfg.mesh.pp == 1 or cfg.moe.ep == 1:
         return
     z = cfg.zero
-    if cfg.mesh.tp > 1:
-        for name, given in (("--save-dir", cfg.save_dir is not None), ("--resume", cfg.resume is not None)):
-            check(not given, f"{name} with --pp {cfg.mesh.pp} --ep {cfg.moe.ep} --tp {cfg.mesh.tp} is not "
-                             "supported yet (docs/moe.md); drop one of them")
-    for name, given in (("--replicas", cfg.replicas is not None), ("--simulate-world", bool(cfg.simulate_world)),
+    for name, given in (("--simulate-world", bool(cfg.simulate_world)),
                         ("--node-size", cfg.mesh.node_size is not None), ("--hpz", bool(z.hpz)),
                         ("--shard-size", cfg.mesh.shard_size is not None),
                         ("--offload-optimizer", z.offload_optimizer != "none"),
