@@ -9,8 +9,9 @@ weight W with gradient G, momentum mu = 0.95,
     X_{k+1} = a X_k + b (X_k X_k^T) X_k + c (X_k X_k^T)^2 X_k,  (a, b, c) = (3.4445, -4.7750, 2.0315), 5 times
     W_t = W_{t-1} - lr (0.2 sqrt(max(rows, cols)) X_5 + wd W_{t-1})
 
-and AdamW (bias-corrected, decoupled decay) for every other parameter. The engine is driven by
-tests/drivers/muon_engine.py with fixed gradients, so that the engine's mean gradient is exact.
+and AdamW (bias-corrected, decoupled decay) for every other parameter. A stacked weight (an MoE's experts,
+(E, rows, cols)) is E matrices, each orthogonalised alone; its stacked bias (E, cols) takes AdamW. The engine is
+driven by tests/drivers/muon_engine.py with fixed gradients, so that the engine's mean gradient is exact.
 """
 import numpy as np
 import pytest
@@ -45,8 +46,12 @@ def oracle(steps, optimizer="muon", mu=0.95, beta1=0.9, beta2=0.999, eps=1e-8):
             wd = 0.0 if k in ("emb",) or k.endswith((".b", ".g")) else d.WD
             if optimizer == "muon" and k.endswith(".w"):
                 state[k] = mu * state[k] + g[k]
-                o = orthogonalise(g[k] + mu * state[k])
-                w[k] = w[k] - d.LR * (0.2 * np.sqrt(max(w[k].shape)) * o + wd * w[k])
+                u = g[k] + mu * state[k]
+                if u.ndim == 3:      # a stack (d.STACKED): each slice a matrix of its own
+                    o = np.stack([0.2 * np.sqrt(max(x.shape)) * orthogonalise(x) for x in u])
+                else:
+                    o = 0.2 * np.sqrt(max(u.shape)) * orthogonalise(u)
+                w[k] = w[k] - d.LR * (o + wd * w[k])
             else:
                 m[k] = beta1 * m[k] + (1 - beta1) * g[k]
                 v2[k] = beta2 * v2[k] + (1 - beta2) * g[k] ** 2
@@ -87,6 +92,11 @@ def test_one_step_and_twenty_steps_match_the_float64_oracle(tmp_path, want):
     # Muon moved the matrices unlike AdamW would have: the oracle of AdamW everywhere is far away
     adam = oracle(1, optimizer="adamw")[0]
     assert np.max(np.abs(adam["a.w"] - want[0]["a.w"])) > 100 * 2e-5 * np.max(np.abs(want[0]["a.w"]))
+    # the stack's slices each alone: NS of the stack as one (60, 12) matrix would be far from the engine's
+    g1 = d.gradient(1)["x.w"].astype(np.float64) * 1.95
+    whole = (0.2 * np.sqrt(60) * orthogonalise(g1.reshape(60, 12))).reshape(3, 20, 12)
+    step1 = got["x.w@1"] - w0["x.w"]
+    assert np.max(np.abs(step1 + d.LR * whole)) > 100 * 2e-5 * np.max(np.abs(step1))
 
 
 def test_stages_and_world_sizes_give_the_same_bits(tmp_path):
@@ -126,3 +136,30 @@ def test_owner_plan_covers_each_matrix_once_and_balances_the_work():
             assert np.all(covered == 1), (slots, m.name)
         load = [sum(ns_cost(m.shape) for m in mats if m.owner == s) for s in range(slots)]
         assert max(load) - min(load) <= ns_cost((16, 48)), (slots, load)
+
+
+def test_owner_plan_makes_each_slice_of_a_stack_a_matrix():
+    """A stacked (E, rows, cols) parameter is E matrices ``name[e]``: each one's pieces cover its slice of the
+    parameter exactly once, at the rows that hold that slice, at every slot count (the slices cut anywhere)."""
+    from zerompi.engine.matrix_owners import plan
+    from zerompi.layout import FlatLayout
+    spec = [("a", [("a.w", (16, 8)), ("s.w", (5, 12, 7)), ("s.b", (5, 7))])]
+    for stage, slots in ((0, 1), (1, 1), (1, 2), (2, 3), (3, 4)):
+        layout = FlatLayout(spec, slots, 10 ** 6, 16)
+        mats = plan(layout, ["a.w", "s.w"], stage, slots, stacked=("s.*",))
+        assert [m.name for m in mats] == ["a.w"] + [f"s.w[{e}]" for e in range(5)]
+        assert all(m.shape == (12, 7) for m in mats[1:]) and mats[0].shape == (16, 8)
+        pr = layout.params["s.w"]
+        b = layout.buckets[pr.bucket]
+        covered = np.zeros(pr.numel, int)
+        for e, m in enumerate(mats[1:]):
+            for p in m.pieces:
+                at = e * 84 + p.offset            # where the piece lies in the stacked parameter
+                covered[at:at + p.numel] += 1
+                if stage == 0:
+                    assert p.row == pr.start + at
+                else:
+                    lo, _ = b.slice_bounds(p.slot)
+                    assert p.row - b.shard_start + lo == pr.bucket_offset + at
+        assert np.all(covered == 1), (stage, slots)
+        assert len({m.owner for m in mats}) == min(slots, len(mats))     # the slices spread over the owners

@@ -1,4 +1,5 @@
-"""A small model on the engine fed fixed gradients (tests/test_muon.py): rank 0 hands ``N g_t`` and the
+"""A small model on the engine fed fixed gradients (tests/test_muon.py), with a stacked parameter as an MoE's
+experts: rank 0 hands ``N g_t`` and the
 other ranks zeros, so the engine's mean is exactly ``g_t`` at N = 1, 2, 4 (powers of two) and any
 difference between world sizes, stages or the oracle is the optimizer's. Rank 0 saves the parameters
 after step 1 and after the last step.
@@ -13,9 +14,11 @@ from zerompi import ZeroConfig, ZeroEngine
 from zerompi.comm.communicator import Communicator
 from zerompi.errors import install_abort_hook
 
-SHAPES = {"a.w": (24, 40), "a.b": (40,), "b.w": (40, 16), "b.g": (16,), "c.w": (12, 12), "emb": (30, 8)}
-LAYERS = [("a", ("a.w", "a.b")), ("b", ("b.w", "b.g")), ("c", ("c.w", "emb"))]
+SHAPES = {"a.w": (24, 40), "a.b": (40,), "b.w": (40, 16), "b.g": (16,), "c.w": (12, 12), "emb": (30, 8),
+          "x.w": (3, 20, 12), "x.b": (3, 12)}
+LAYERS = [("a", ("a.w", "a.b")), ("b", ("b.w", "b.g")), ("c", ("c.w", "emb")), ("x", ("x.w", "x.b"))]
 MUON, NO_DECAY, LR, WD = ("*.w",), ("*.b", "*.g", "emb"), 0.02, 0.1
+STACKED = ("x.*",)     # an MoE's experts: x.w is 3 matrices (20, 12), x.b 3 vectors
 
 
 def initial():
@@ -36,8 +39,8 @@ def main():
     comm = Communicator()
     init = initial()
     layers = [(name, {p: init[p] for p in names}) for name, names in LAYERS]
-    cfg = ZeroConfig(stage=stage, dtype="fp32", optimizer=optimizer, muon_params=MUON, no_decay=NO_DECAY, lr=LR,
-                     weight_decay=WD, bucket_mb=bucket_mb, optimizer_impl="numpy")
+    cfg = ZeroConfig(stage=stage, dtype="fp32", optimizer=optimizer, muon_params=MUON, muon_stacked=STACKED,
+                     no_decay=NO_DECAY, lr=LR, weight_decay=WD, bucket_mb=bucket_mb, optimizer_impl="numpy")
     engine = ZeroEngine(layers, cfg, comm)
     saved = {}
     for t in range(1, steps + 1):

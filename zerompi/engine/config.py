@@ -60,6 +60,10 @@ def check_optimizer(c) -> None:
         object.__setattr__(c, "muon_params", tuple(c.muon_params))
     check(isinstance(c.muon_params, tuple) and all(isinstance(p, str) and p for p in c.muon_params),
           f"muon_params={c.muon_params!r} must be a tuple of parameter-name patterns (non-empty strings)")
+    if isinstance(c.muon_stacked, list):
+        object.__setattr__(c, "muon_stacked", tuple(c.muon_stacked))
+    check(isinstance(c.muon_stacked, tuple) and all(isinstance(p, str) and p for p in c.muon_stacked),
+          f"muon_stacked={c.muon_stacked!r} must be a tuple of parameter-name patterns (non-empty strings)")
     check_float("muon_momentum", c.muon_momentum, "in [0, 1)", lambda v: 0 <= v < 1, True)
     check(isinstance(c.fresh_optimizer_state, bool), f"fresh_optimizer_state={c.fresh_optimizer_state!r} must "
                                                       "be True or False")
@@ -224,6 +228,10 @@ class ZeroConfig:
         append=True))
     """With optimizer="muon": shell-style patterns naming the parameters Muon updates (its 2-D ones; the
     rest take AdamW). A pattern that matches no parameter, or patterns that match no 2-D one, are an error."""
+    muon_stacked: Tuple[str, ...] = ()
+    """With optimizer="muon": patterns naming the parameters that are stacks over their first axis (an MoE's
+    experts, (E, rows, cols), set by the train job): each slice is a matrix of its own, and a stack of vectors
+    (the experts' biases) is no matrix (engine/matrix_owners.py)."""
     muon_momentum: float = 0.95
     """Muon's (Nesterov) momentum, in [0, 1)."""
     fresh_optimizer_state: bool = field(default=False, metadata=flag(

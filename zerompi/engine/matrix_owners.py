@@ -9,6 +9,10 @@ A step is two all-to-all(v)s over the shard group with unequal pieces: each rank
 of every matrix to that matrix's owner, the owner runs NS once on each of its matrices, and sends
 each slice owner its piece of the result. No rank computes another's matrix, and a rank holds its
 share plus its own matrices. Stage 0 holds every matrix whole on every rank: each computes them all.
+
+A parameter ``stacked`` names (an MoE's experts, (E, rows, cols)) is a stack over its first axis: each slice is
+a matrix of its own (``name[e]``, a contiguous run of the parameter), and a stack of vectors (the experts'
+biases, (E, cols)) is no matrix, as a vector is not.
 """
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
@@ -38,9 +42,20 @@ class Matrix:
     pieces: Tuple[Piece, ...]       # in matrix order
 
 
-def muon_names(shapes: Dict[str, tuple], patterns: Sequence[str]) -> List[str]:
-    """The 2-D parameters (in the order of ``shapes``: name -> shape) some pattern matches. AgreedConfigError
-    for a pattern that matches no parameter, and for patterns that match no 2-D one (Muon needs matrices)."""
+def is_stacked(name: str, stacked: Sequence[str]) -> bool:
+    """Whether parameter ``name`` is a stack over its first axis (some pattern of ``stacked`` matches it)."""
+    return any(fnmatchcase(name, pat) for pat in stacked)
+
+
+def matrix_shape(name: str, shape, stacked: Sequence[str] = ()) -> tuple:
+    """The shape of ``name``'s matrices: its own, or a stack's slices' (without the first axis)."""
+    return tuple(shape[1:]) if is_stacked(name, stacked) else tuple(shape)
+
+
+def muon_names(shapes: Dict[str, tuple], patterns: Sequence[str], stacked: Sequence[str] = ()) -> List[str]:
+    """The parameters (in the order of ``shapes``: name -> shape) some pattern matches that are 2-D, or stacks
+    of 2-D matrices (``stacked``'s patterns). AgreedConfigError for a pattern that matches no parameter, and for
+    patterns that match no matrix (Muon needs matrices)."""
     names = list(shapes)
     for pat in patterns:
         if not any(fnmatchcase(n, pat) for n in names):
@@ -48,7 +63,7 @@ def muon_names(shapes: Dict[str, tuple], patterns: Sequence[str]) -> List[str]:
             raise AgreedConfigError(f"muon_params pattern {pat!r} (--muon-params) matches no parameter "
                                     f"(the parameters are {shown})")
     hit = [n for n in names if any(fnmatchcase(n, pat) for pat in patterns)]
-    out = [n for n in hit if len(shapes[n]) == 2]
+    out = [n for n in hit if len(matrix_shape(n, shapes[n], stacked)) == 2]
     if patterns and not out:
         raise AgreedConfigError(f"muon_params {', '.join(map(repr, patterns))} (--muon-params) match no 2-D "
                                 f"parameter (matched: {', '.join(hit[:6])}); Muon needs matrices: use "
@@ -61,29 +76,46 @@ def ns_cost(shape) -> int:
     return shape[0] * shape[1] * min(shape)
 
 
-def plan(layout, names: Sequence[str], stage: int, slots: int) -> List[Matrix]:
-    """The matrices ``names`` (layout order), each with its owner and its pieces over ``slots`` slots."""
-    shapes = {n: tuple(layout.params[n].shape) for n in names}
+def matrices_of(layout, names: Sequence[str], stacked: Sequence[str] = ()) -> List[Tuple[str, str, int, tuple]]:
+    """``(matrix name, parameter, first element in the parameter, shape)`` of the parameters ``names`` (layout
+    order): a 2-D parameter is one matrix; a stack's slices are matrices ``name[e]``, in slice order."""
+    out = []
+    for n in names:
+        shape = tuple(layout.params[n].shape)
+        if not is_stacked(n, stacked):
+            out.append((n, n, 0, shape))
+            continue
+        size = shape[1] * shape[2]
+        out.extend((f"{n}[{e}]", n, e * size, shape[1:]) for e in range(shape[0]))
+    return out
+
+
+def plan(layout, names: Sequence[str], stage: int, slots: int, stacked: Sequence[str] = ()) -> List[Matrix]:
+    """The matrices of the parameters ``names`` (layout order; a stack's slices each, :func:`matrices_of`),
+    each with its owner and its pieces over ``slots`` slots."""
+    mats = matrices_of(layout, names, stacked)
     load, owner = [0] * slots, {}
-    order = {n: i for i, n in enumerate(names)}
-    for n in sorted(names, key=lambda n: (-ns_cost(shapes[n]), order[n])):
+    for i in sorted(range(len(mats)), key=lambda i: (-ns_cost(mats[i][3]), i)):
         s = min(range(slots), key=lambda k: (load[k], k))
-        owner[n] = s
-        load[s] += ns_cost(shapes[n])
-    return [Matrix(n, shapes[n], owner[n], _pieces(layout, n, stage, slots)) for n in names]
+        owner[i] = s
+        load[s] += ns_cost(mats[i][3])
+    return [Matrix(name, shape, owner[i], _pieces(layout, param, base, shape[0] * shape[1], stage, slots))
+            for i, (name, param, base, shape) in enumerate(mats)]
 
 
-def _pieces(layout, name: str, stage: int, slots: int) -> Tuple[Piece, ...]:
+def _pieces(layout, name: str, base: int, numel: int, stage: int, slots: int) -> Tuple[Piece, ...]:
+    """The pieces of elements ``[base, base + numel)`` of parameter ``name`` (one matrix of it)."""
     pr = layout.params[name]
     if stage == 0:
-        return (Piece(0, pr.start, 0, pr.numel),)
+        return (Piece(0, pr.start + base, 0, numel),)
     b = layout.buckets[pr.bucket]
+    first = pr.bucket_offset + base
     out = []
     for s in range(slots):
         lo, hi = b.slice_bounds(s)
-        a, z = max(lo, pr.bucket_offset), min(hi, pr.bucket_offset + pr.numel)
+        a, z = max(lo, first), min(hi, first + numel)
         if a < z:
-            out.append(Piece(s, b.shard_start + a - lo, a - pr.bucket_offset, z - a))
+            out.append(Piece(s, b.shard_start + a - lo, a - first, z - a))
     return tuple(out)
 
 

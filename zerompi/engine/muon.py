@@ -1,4 +1,5 @@
 """ShardedMuon: Muon for the 2-D matrices ``muon_params`` names, AdamW for every other row of the shard.
+(A stack ``muon_stacked`` names, an MoE's experts (E, rows, cols), is E matrices: engine/matrix_owners.py.)
 
 The state is flat and slice-aligned like AdamW's, so checkpoints save, load and reshard it by name
 with no change: rows ``master``, ``momentum`` (Muon's, on the matrices' rows) and ``exp_avg``,
@@ -43,8 +44,9 @@ class ShardedMuon(ShardedAdamW):
         super().__init__(layout, config, ledger, slot, rank, transfers)
         self.group = group
         slots = 1 if config.stage == 0 else layout.world_size
-        self.matrices = plan(layout, muon_names({n: p.shape for n, p in layout.params.items()}, config.muon_params),
-                             config.stage, slots)
+        stacked = config.muon_stacked
+        self.matrices = plan(layout, muon_names({n: p.shape for n, p in layout.params.items()}, config.muon_params,
+                                                stacked), config.stage, slots, stacked)
         self.runs = own_runs(self.matrices, 0 if config.stage == 0 else slot)
         self.scales = [shape_scale(m.shape) for m in self.matrices]
         self._u = ledger.alloc("buffers", self.n, F32)     # the momentum's Nesterov update, then NS's result

@@ -5,7 +5,7 @@ pipeline in ``pipeline``) and its flags, made from the fields of the four (zerom
 """
 import argparse
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import List, Optional
 
 from ..comm.device import DEVICES
@@ -35,6 +35,8 @@ PATHS = ("data", "metrics_json", "save_dir", "resume", "stop_file",   # path fie
 # drops them): the GPT's biases (".b"), LayerNorm gains (".g") and embeddings, as GPT-2 recipes do.
 NO_DECAY = {"gpt": ("wte", "wpe", "*.b", "*.g"), "mlp": ()}
 MUON_PARAMS = {"gpt": ("*.w",), "mlp": ("*.weight",)}   # --optimizer muon: the hidden matrices (not wte, wpe)
+# ... the MoE GPT's (--experts): the attention's and every MLP's, each expert a matrix; not the router's (C, E)
+MOE_MUON_PARAMS = ("*.qkv.w", "*.proj.w", "*.fc.w", "*.out.w")
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,12 @@ class TrainConfig:
         for name in PATHS:
             check(getattr(self, name) != "", f"{name}='' is an empty path; give a path, or leave --{_flag(name)} out")
         check_job(self)                # the MoE's refusals before the GPT's files are read and the parallelisms' checks
+        if self.moe.on and self.zero.optimizer == "muon":    # the experts are stacks: each expert a matrix
+            from .moe.config import stacked_patterns
+            zero = replace(self.zero, muon_stacked=stacked_patterns())
+            if "mesh" in vars(self.zero):             # the deprecated ZeroConfig(tp=...) mesh, not a field
+                object.__setattr__(zero, "mesh", self.zero.mesh)
+            object.__setattr__(self, "zero", zero)
         self._check_gpt()
         if self.mesh.tp > 1:
             from .tp_run import check_model
@@ -295,8 +303,10 @@ def parse_config(argv: Optional[List[str]] = None, environ=None) -> TrainConfig:
         zero["timeout_s"] = default_timeout_s() if environ is None else default_timeout_s(environ)
     check(not (a.decay_all and "no_decay" in zero), "--decay-all and --no-decay contradict each other; give one")
     zero["no_decay"] = () if a.decay_all else zero.get("no_decay") or NO_DECAY.get(model, ())
+    moe = given(a, MoEConfig)
     if zero.get("optimizer") == "muon" and "muon_params" not in zero:
-        zero["muon_params"] = MUON_PARAMS.get(model, ("*",))
+        zero["muon_params"] = MOE_MUON_PARAMS if model == "gpt" and moe.get("experts", 0) else \
+            MUON_PARAMS.get(model, ("*",))
     z = made(ZeroConfig, dict(zero, lazy_publish=True))   # the built-in models read parameters through unshard()
     for name, needs, ok in APPLIES_WITH:                  # every step
         opt = flag_name(ZeroConfig, name)
@@ -311,7 +321,6 @@ def parse_config(argv: Optional[List[str]] = None, environ=None) -> TrainConfig:
         for name in (n for n in names if n in job):
             check(model not in MODELS or model == owner, f"{name}={job[name]!r} applies to model {owner} only; "
                                                          f"drop --{_flag(name)} or use --model {owner}")
-    moe = given(a, MoEConfig)
     check_given(moe)
     if job.get("init_from") and model == "gpt":     # the model's sizes from the folder's config.json
         from .hf_init import apply_sizes

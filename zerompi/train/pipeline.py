@@ -16,7 +16,7 @@ from typing import Dict
 import numpy as np
 
 from ..engine.decay import exempt_names
-from ..engine.matrix_owners import muon_names
+from ..engine.matrix_owners import matrix_shape, muon_names
 from ..errors import check
 from ..pipeline.config import PipelineConfig
 from .job import Job
@@ -96,7 +96,7 @@ class PipelineJob(Job):
         exempt_names(SimpleNamespace(params=dict.fromkeys(names)), z.no_decay)   # over the whole model, as unpipelined
         if z.optimizer == "muon":                # ... and Muon's patterns (each chunk takes those of its matrices)
             muon_names({n: np.shape(a) for _, params in self.model.lazy_layers() for n, a in params.items()},
-                       z.muon_params)
+                       z.muon_params, z.muon_stacked)
         from .models.activations import MeteredWorkspace
         self.shared = MeteredWorkspace()          # the GPT's one-layer buffers: one set for all of this rank's chunks
         self.runners = {c: self._runner(c) for c in self.local}
@@ -164,7 +164,8 @@ class PipelineJob(Job):
         runner = self.runners[c]
         layers = self.experts.dense_layers[c] if self.experts else runner.lazy_layers()   # --ep: without the experts
         names = [n for _, params in layers for n in params]
-        matrices = [n for _, params in layers for n, a in params.items() if len(np.shape(a)) == 2]
+        matrices = [n for _, params in layers for n, a in params.items()
+                    if len(matrix_shape(n, np.shape(a), z.muon_stacked)) == 2]
         zc = replace(self._chunk_config(),                                           # the patterns the chunk matches
                      no_decay=tuple(p for p in z.no_decay if any(fnmatchcase(n, p) for n in names)),
                      muon_params=tuple(p for p in z.muon_params if any(fnmatchcase(n, p) for n in matrices)),

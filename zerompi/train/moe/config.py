@@ -65,6 +65,13 @@ class MoEConfig:
         return self.experts > 0
 
 
+def stacked_patterns() -> tuple:
+    """ZeroConfig.muon_stacked of an MoE run: the routed and shared experts' parameters, stacked over the experts
+    (each expert's weight a matrix of its own for Muon, its bias a vector)."""
+    from .mlp import EXPERT_KEYS, SHARED_KEYS
+    return tuple("*." + k for k in EXPERT_KEYS + SHARED_KEYS)
+
+
 def check_given(given: dict) -> None:
     """ConfigError unless the MoE flags other than --experts come with --experts > 0."""
     if given.get("experts", 0):
@@ -82,8 +89,7 @@ def check_job(cfg) -> None:
         return
     check(cfg.model == "gpt", f"experts={moe.experts} applies to model gpt only (the MoE replaces the GPT's MLP); "
                               "drop --experts or use --model gpt")
-    refused = (("--optimizer muon", cfg.zero.optimizer == "muon"),
-               ("--init-from", cfg.init_from is not None),
+    refused = (("--init-from", cfg.init_from is not None),
                ("--device gpu", cfg.device != "cpu"))
     for name, given in refused:
         check(not given, f"{name} with --experts {moe.experts} is not supported yet (docs/moe.md); drop one of the "

@@ -17,6 +17,7 @@ import numpy as np
 
 from ...comm.subcomm import split
 from ...engine import lazy
+from ...engine.matrix_owners import matrix_shape, muon_names
 from .mlp import EXPERT_KEYS
 
 
@@ -41,13 +42,26 @@ def split_experts(layers, ep_rank: int, K: int):
 
 def engine_configs(zero, dense, experts):
     """(the dense engine's, the expert engine's) ZeroConfig of ``zero``: each with the --no-decay patterns that
-    match its parameters (a pattern matching neither: the dense engine's, whose check names it)."""
+    match its parameters (a pattern matching neither: the dense engine's, whose check names it), and with
+    --optimizer muon the --muon-params patterns that match its matrices (the whole model's are checked by
+    :func:`check_muon_params`)."""
     dense_names = [n for _, p in dense for n in p]
     expert_names = [n for _, p in experts for n in p]
     matches = lambda pat, names: any(fnmatchcase(n, pat) for n in names)   # noqa: E731
+    mats = lambda layers: [n for _, p in layers for n, a in p.items()      # noqa: E731
+                           if len(matrix_shape(n, np.shape(a), zero.muon_stacked)) == 2]
+    muon = lambda layers: {} if zero.optimizer != "muon" else {                # noqa: E731
+        "muon_params": tuple(p for p in zero.muon_params if matches(p, mats(layers)))}
     return (replace(zero, no_decay=tuple(p for p in zero.no_decay if matches(p, dense_names)
-                                         or not matches(p, expert_names))),
-            replace(zero, no_decay=tuple(p for p in zero.no_decay if matches(p, expert_names))))
+                                         or not matches(p, expert_names)), **muon(dense)),
+            replace(zero, no_decay=tuple(p for p in zero.no_decay if matches(p, expert_names)), **muon(experts)))
+
+
+def check_muon_params(zero, layers) -> None:
+    """With --optimizer muon, AgreedConfigError (one line) where a --muon-params pattern matches no parameter of
+    the whole model ``layers`` or the patterns no matrix (as one engine holding them all checks them)."""
+    if zero.optimizer == "muon":
+        muon_names({n: np.shape(a) for _, p in layers for n, a in p.items()}, zero.muon_params, zero.muon_stacked)
 
 
 def whole_params(engines, order, ep_mpi):
@@ -125,6 +139,7 @@ class ExpertParallel:
         # the expert engine's group, its bytes counted with the world's (the run's one traffic table)
         self.edp = Communicator(split(comm.mpi, lambda r: r % T + T * (r // T % K)), share=comm)
         self.order = [n for _, params in layers for n in params]           # the whole model's, in model order
+        check_muon_params(cfg.zero, layers)
         self.dense_layers, experts, blocks = split_experts(layers, self.ep.rank, K)
         self.dense_config, expert_config = engine_configs(cfg.zero, self.dense_layers, experts)
         node_size, shard_size, per_node = expert_groups(cfg, comm)
