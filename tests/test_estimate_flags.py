@@ -238,7 +238,7 @@ BAD = [
     (GPT + ["--experts", "4", "--shared-experts", "-1"], "shared_experts=-1 must be an integer >= 0"),
     (GPT + ["--shared-experts", "1"], "shared_experts=1 (--shared-experts) applies with --experts only"),
     (GPT + ["--experts", "4", "--tp", "2"], "--tp with --experts 4 is not estimated yet (the run takes it"),
-    (GPT + ["--experts", "4", "--optimizer", "muon"], "--optimizer muon with --experts 4 is not supported yet"),
+    (GPT + ["--experts", "4", "--optimizer", "muon"], "--optimizer muon with --experts 4 is not estimated yet"),
     (GPT + ["--experts", "4", "--ep", "4", "--node-size", "2", "--shard-size", "2"],
      "--ep 4 with --shard-size 2: an EP group must fit in a shard group"),       # nodes: tests/test_moe_nodes.py
     (GPT + ["--experts", "4", "--ep", "2", "--quantize-grads", "int8"],

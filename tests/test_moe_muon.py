@@ -59,6 +59,12 @@ def test_ep_sizes_and_stages_give_the_same_bits(runs):
     assert [n4[i]["muon"]["matrices"] for i in (0, 1, 2)] == [20, 4 + 8, 4 + 4]
     for m in n4[1:4]:
         assert m["muon"]["exchange_bytes_per_step"] == m["muon"]["exchange_bytes_formula"] > 0
+    # the expert engine's model states at stage 3, --ep 2: Muon's 16 optimizer bytes per parameter against AdamW's
+    # 12 (fp32: 4 + 4 + 16 against 4 + 4 + 12, over its 2 ranks), measured beside it (the same padding, 24/20 x)
+    mu, ad = (n4[i]["moe"]["memory_bytes_by_engine"]["experts"] for i in (1, 4))
+    assert mu["params"] == ad["params"] and mu["ranks"] == ad["ranks"] == 2
+    assert mu["theory"] == 24 * mu["params"] // 2 and ad["theory"] == 20 * ad["params"] // 2
+    assert (mu["measured"] - mu["theory"]) * 20 == (ad["measured"] - ad["theory"]) * 24
 
 
 def test_resume_at_another_ep_gives_the_same_bits(runs):

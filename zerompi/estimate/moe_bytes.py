@@ -65,8 +65,7 @@ def check_moe(experts: int, ep: int, top_k: int, every: int, hidden: Optional[in
                              f"experts / ep of them, so use a divisor of {experts}")
     for name, given in other.items():
         check(not given, f"{name} with --experts {experts}{' --ep ' + str(ep) if name == '--pp' else ''} is not "
-                         + ("supported yet (docs/moe.md)" if name == "--optimizer muon" else
-                            "estimated yet (the run takes it: docs/moe.md)") + "; drop one of the two")
+                         "estimated yet (the run takes it: docs/moe.md); drop one of the two")
     for name, given in with_ep.items():
         check(ep == 1 or not given, f"{name} with --ep {ep} is not supported yet (docs/moe.md); drop one of the two")
     check(ranks % ep == 0, f"ep={ep} does not divide the {ranks} ranks; the ranks form groups of ep that hold all "
