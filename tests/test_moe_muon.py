@@ -1,7 +1,8 @@
 """Muon with experts (--optimizer muon --experts E): each expert's weight, a slice of the stacked (E, rows, cols)
 parameter, is a matrix of its own; the router and the biases take AdamW. --ep 1, 2, 4 and stages 0-3 give the
 same bits; so do --pp 2 (against the unpipelined run) and --tp 2 (stages and EP sizes at the fixed mesh); a
-checkpoint saved at --ep 2 resumes at --ep 4 and --ep 1 to the bits of the run that never stopped. One step
+checkpoint saved at --ep 2 resumes at --ep 4 and --ep 1 to the bits of the run that never stopped (pipelined too);
+fp16 and shared experts keep the equalities. One step
 against a float64 NumPy Muon of the run's first gradient (tests/test_moe_parity.py's float64 model), Newton-Schulz
 per expert slice, written from the equations (tests/test_muon.py's oracle)."""
 import subprocess
@@ -171,7 +172,6 @@ def test_offload_is_refused_with_experts_as_without():
         parse_config(["--experts", "4", "--optimizer", "muon", "--offload-optimizer", "cpu"])
 
 
-@pytest.mark.slow
 def test_fp16_and_shared_experts_give_the_same_bits_at_every_ep():
     """fp16 (the loss scale, stored fp16 weights), and shared experts (a dense stack: S matrices) with dense
     blocks between the MoE ones (--moe-every 2, their fc and out matrices), at --ep 1, 2, 4 and several stages."""
@@ -183,3 +183,25 @@ def test_fp16_and_shared_experts_give_the_same_bits_at_every_ep():
         same_bits(runs[i], runs[i - 1 - (i - 1) % 3])
     # 2 dense blocks x 4, 2 MoE blocks x (qkv, proj, 1 shared x 2, 4 experts x 2): 32 matrices at --ep 1
     assert runs[3]["muon"]["matrices"] == 32
+
+
+def test_pipelined_checkpoints_resume_at_another_ep(tmp_path):
+    """--pp 2 --ep 2 (N=4) saved after step 2 at stage 3, resumed at --ep 1 stage 1 and --ep 2 stage 2: the bits of
+    the run that never stopped (each stage's expert engine reshards Muon's momentum by name)."""
+    from tests.test_moe_pipeline_ep import FLAGS as PP, run_many as run_pp
+    m = PP[:-4] + ["--eval-every", "4", "--optimizer", "muon", "--dtype", "fp32", "--pp", "2", "--steps"]
+    runs = run_pp(4, [m + ["4"] + at(2, 3)[:4], m + ["2"] + at(2, 3)[:4] + ["--save-dir", str(tmp_path)],
+                      m + ["4"] + at(1, 1)[:4] + ["--resume", str(tmp_path)],
+                      m + ["4"] + at(2, 2)[:4] + ["--resume", str(tmp_path)]], timeout=600)
+    assert len(runs) == 4
+    for r in runs[2:]:
+        assert r["first_step"] == 2 and r["losses"] == runs[0]["losses"][2:]
+        assert r["final_params_sha256"] == runs[0]["final_params_sha256"]
+
+
+def test_simulated_world_is_one_line_as_without_experts():
+    proc = subprocess.run([sys.executable, "-m", "zerompi.train", "--experts", "4", "--ep", "2", "--optimizer",
+                           "muon", "--simulate-world", "4", "--steps", "1"], capture_output=True, text=True,
+                          timeout=300, cwd=str(ROOT))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "not available on a simulated world yet" in proc.stderr
