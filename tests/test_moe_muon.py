@@ -140,6 +140,9 @@ def test_default_patterns_leave_the_router_to_adamw():
     assert parse_config(["--optimizer", "muon"]).zero.muon_params == ("*.w",)       # the dense GPT's
     assert parse_config(["--optimizer", "muon"]).zero.muon_stacked == ()
     assert parse_config(["--experts", "4"]).zero.muon_stacked == ()                 # AdamW: no stacks
+    from zerompi.train.report import _optimizer_words        # the banner says so
+    assert "(each expert a matrix)" in _optimizer_words(cfg.zero)
+    assert "each expert" not in _optimizer_words(parse_config(["--optimizer", "muon"]).zero)
 
 
 def test_stacks_of_vectors_are_no_matrices():

@@ -119,7 +119,9 @@ def print_banner(cfg, job, comm, placement) -> None:
 def _optimizer_words(z) -> str:
     """The banner's optimizer: AdamW's kernel, or Muon's matrices beside it."""
     if z.optimizer == "muon":
-        return f"muon on the 2-D parameters named {', '.join(z.muon_params)}, {impl.adamw_update.__name__} on the rest"
+        each = " (each expert a matrix)" if z.muon_stacked else ""
+        return (f"muon on the 2-D parameters named {', '.join(z.muon_params)}{each}, {impl.adamw_update.__name__} on "
+                "the rest")
     return impl.adamw_update.__name__
 
 
