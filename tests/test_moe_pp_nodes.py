@@ -3,7 +3,8 @@ bits of the unpipelined N=4 --ep 2 run with each stage's node layout (nodes of 2
 node; nodes of 1: an EP group across nodes, its sources summed node by node), shard groups and hpZ, with --tp 2;
 the node layout changes the bits (the two-level sums are not the flat ones), so each case can fail; offload to
 host memory and to files keeps the bits of the run without it, each chunk's expert engine in a folder of its own
-(two chunks per rank, interleaved), and leaves no file behind (docs/moe.md)."""
+(two chunks per rank, interleaved), and leaves no file behind; the estimate gives each stage's model states in
+these nodes, shard groups, hpZ and offload, to the byte (docs/moe.md)."""
 import pytest
 
 from tests.test_moe_pipeline_ep import EP, FLAGS, run_many, same_bits
@@ -55,7 +56,8 @@ def test_nodes_with_tensor_parallelism():
 def test_offload_keeps_the_bits(tmp_path):
     """--pp 2 --ep 2, interleaved (two chunks per rank, each with an expert engine): the optimizer in host memory
     and in files, and stage 3's parameters in files, give the bits of the run without offload; the folders
-    (DIR/pp{c}-of-{C}/experts beside the chunk's dense files) end empty."""
+    (DIR/pp{c}-of-{C}/experts beside the chunk's dense files) end empty; `zerompi.estimate` with the same offload
+    gives pipeline stage 0's model states by place (device, host, disk) as rank 0's engines hold them."""
     off = tmp_path / "off"
     off.mkdir()
     flags = list(FLAGS)
@@ -72,6 +74,21 @@ def test_offload_keeps_the_bits(tmp_path):
         for key in ("final_params_sha256", "losses", "val_losses"):
             assert runs[i][key] == runs[ref][key], (key, configs[i][len(flags):])
     assert [p.name for p in off.rglob("*")] == []
+    # the estimate's rows of pipeline stage 0 (rank 0's), by place: the run's formula and what its engines hold
+    from tests.test_estimate_flags import GPT, MOE_OPTS, cli_json
+    dims = list(GPT)
+    dims[dims.index("--n-layer") + 1] = "4"
+    for m, f in zip(runs, configs):
+        topo = f[len(flags) + 2:]
+        topo = topo[:topo.index("--offload-dir")] if "--offload-dir" in topo else topo
+        est = cli_json(tmp_path, dims + MOE_OPTS + ["--ep", 2, "--dtype", "fp32", "--bucket-mb", 0.004, "--pp", 2,
+                                                    "--micro-batches", 2, "--schedule", "interleaved", "--chunks", 2]
+                       + topo)
+        row = est["moe"]["pipeline_stages"][0]["zero_stages"][m["stage"]]
+        for place, want in row["padded_bytes_by_place"].items():
+            held = {k: v for k, v in m["memory_bytes_by_place"][place].items() if k not in ("buffers", "total")}
+            assert want == m["theory_bytes_by_place"][place]["total"] == sum(held.values()), (topo, place)
+        assert row["padded_bytes_by_place"]["device"] < row["padded_bytes"] or not topo
 
 
 def test_the_estimate_in_nodes_equals_every_ranks_engines(tmp_path):

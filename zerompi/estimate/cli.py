@@ -309,9 +309,7 @@ def _pipeline_moe(a, opts) -> dict:
                                             f"--params) and --ranks; missing: {missing or 'none, drop --params'}")
     check(a.ranks is not None, f"--pp with --experts {a.experts} needs --ranks")
     ep, top_k, every = a.ep or 1, 2 if a.top_k is None else a.top_k, 1 if a.moe_every is None else a.moe_every
-    check_moe(a.experts, ep, top_k, every, a.expert_hidden, a.ranks,
-              {"--optimizer muon": a.optimizer == "muon", "--offload-optimizer": a.offload_optimizer != "none",
-               "--offload-params": a.offload_params != "none"},
+    check_moe(a.experts, ep, top_k, every, a.expert_hidden, a.ranks, {"--optimizer muon": a.optimizer == "muon"},
               {"--quantize-weights": bool(a.quantize_weights), "--quantize-grads": bool(a.quantize_grads)},
               a.shared_experts or 0)
     s = actions.read(a.schedule_file) if a.schedule_file else \

@@ -256,8 +256,11 @@ def pipeline_moe(dims: dict, ranks: int, chunks_of: Dict[int, List[int]], expert
             e = sum(formula(z, psi, lv) for _, psi, lv in expert)
             dpad = sum(est["stages"][z]["model_state_bytes"] for est, _, _ in dense)
             epad = sum(est["stages"][z]["model_state_bytes"] for est, _, _ in expert)
+            places = {p: sum(est["stages"][z]["model_state_bytes_by_place"][p]["total"] for est, _, _ in dense + expert)
+                      for p in ("device", "host", "disk")}    # where offload puts them (all on the device without)
             rows.append({"stage": z, "dense_bytes": d, "expert_bytes": e, "model_state_bytes": d + e,
-                         "dense_padded_bytes": dpad, "expert_padded_bytes": epad, "padded_bytes": dpad + epad})
+                         "dense_padded_bytes": dpad, "expert_padded_bytes": epad, "padded_bytes": dpad + epad,
+                         "padded_bytes_by_place": places})
         stages.append({"pipeline_stage": s, "chunks": list(chunks_of[s]), "dense_params": sum(p for _, p, _ in dense),
                        "expert_params": sum(p for _, p, _ in expert), "ranks": dp, "expert_ranks": dp // ep,
                        "zero_stages": rows})
@@ -290,6 +293,9 @@ def format_pipeline_moe(pm: dict) -> str:
         out += [line(f"pp stage {s}: dense (over {st['ranks']})", [f"{r['dense_bytes']:,}" for r in rows]),
                 line(f"pp stage {s}: experts (over {st['expert_ranks']})", [f"{r['expert_bytes']:,}" for r in rows]),
                 line(f"pp stage {s}: padded layouts", [f"{r['padded_bytes']:,}" for r in rows])]
+        if any(r["padded_bytes_by_place"]["device"] != r["padded_bytes"] for r in rows):      # offloaded
+            out += [line(f"pp stage {s}:   on the {p}", [f"{r['padded_bytes_by_place'][p]:,}" for r in rows])
+                    for p in ("device", "host", "disk")]
     out.append(line("the largest pipeline stage", [str(s) for s in pm["largest_stage"]]))
     out.append("  formulas: each engine's theory_bytes (unpadded), as a run prints them; padded: the engines' buckets "
                "(what a run holds); chunk 0 holds the embeddings, the last chunk the final LayerNorm (docs/moe.md)")
