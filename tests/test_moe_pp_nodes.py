@@ -26,11 +26,13 @@ def check_pipelined(configs, n=4):
 @pytest.mark.slow
 def test_nodes_shard_groups_and_hpz_equal_unpipelined():
     """Stages 1 and 3 in nodes of 2 (an EP group inside a node), nodes of 1 (an EP group across two nodes), shard
-    groups of 2, hpZ, fp16; the flat run (no nodes) differs from the run in nodes of 2."""
+    groups of 2, hpZ, fp16, --sp 2 (the EP groups over a stage's DP x SP ranks, an SP group a node); the flat run
+    (no nodes) differs from the run in nodes of 2."""
     nodes = [["--node-size", "2", "--stage", s] for s in ("1", "3")]
     nodes += [["--node-size", "1", "--stage", s] for s in ("1", "3")]
     nodes += [["--node-size", "2", "--stage", "3", "--hpz"], ["--node-size", "2", "--shard-size", "2", "--stage", "1"],
-              ["--node-size", "2", "--stage", "2", "--dtype", "fp16"]]
+              ["--node-size", "2", "--stage", "2", "--dtype", "fp16"],
+              ["--sp", "2", "--node-size", "2", "--stage", "3"]]
     configs = [BASE + (extra if "--dtype" in extra else extra + ["--dtype", "fp32"]) for extra in nodes]
     configs.append(BASE + ["--dtype", "fp32", "--stage", "1"])                  # no nodes: the flat reduce
     flat, piped = check_pipelined(configs)
