@@ -146,3 +146,26 @@ def test_the_run_refuses_an_ep_group_across_a_shard_group():
     proc = run_mpi(8, ["-m", "zerompi.train"] + BASE[:-4] + ["--batch", "16", "--pp", "2", "--ep", "4",
                                                              "--node-size", "2", "--shard-size", "2"], check=False)
     one_line(proc, 2, "--ep 4 with --shard-size 2: an EP group must fit in a shard group")
+
+
+@pytest.mark.slow
+def test_checkpoints_in_nodes_and_offload_resume_to_the_same_bits(tmp_path):
+    """N=8 --pp 2 --ep 2 in nodes of 2: at stage 3 with hpZ and both offloads to files, and at stage 1 in shard
+    groups of 2 with the optimizer in host memory, saved at step 2 and resumed to step 4: the bits of the run that
+    never stopped (each chunk's expert part saved from its engine in its nodes, loaded back into it)."""
+    F = BASE[:BASE.index("--steps")] + ["--eval-every", "4", "--ep", "2", "--batch", "16", "--pp", "2",
+                                        "--node-size", "2", "--dtype", "fp32", "--steps"]
+    off = tmp_path / "off"
+    off.mkdir()
+    a = ["--stage", "3", "--hpz", "--offload-optimizer", "nvme", "--offload-params", "nvme", "--offload-dir", str(off)]
+    b = ["--stage", "1", "--shard-size", "2", "--offload-optimizer", "cpu"]
+    runs = run_many(8, [F + ["4"] + a, F + ["2"] + a + ["--save-dir", str(tmp_path / "a")],
+                        F + ["4"] + a + ["--resume", str(tmp_path / "a")],
+                        F + ["4"] + b, F + ["2"] + b + ["--save-dir", str(tmp_path / "b")],
+                        F + ["4"] + b + ["--resume", str(tmp_path / "b")]], timeout=900)
+    assert len(runs) == 6
+    for whole, resumed in ((runs[0], runs[2]), (runs[3], runs[5])):
+        assert resumed["first_step"] == 2 and resumed["losses"] == whole["losses"][2:]
+        assert resumed["final_params_sha256"] == whole["final_params_sha256"]
+    assert (tmp_path / "a" / "pp1-of-2" / "ep1-of-2").is_dir()
+    assert [p.name for p in off.rglob("*")] == []
