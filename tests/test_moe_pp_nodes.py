@@ -2,7 +2,8 @@
 bits of the unpipelined N=4 --ep 2 run with each stage's node layout (nodes of 2 inside a stage: an EP group in a
 node; nodes of 1: an EP group across nodes, its sources summed node by node), shard groups and hpZ, with --tp 2;
 the node layout changes the bits (the two-level sums are not the flat ones), so each case can fail; offload to
-host memory and to files keeps the bits of the run without it, each chunk's expert engine in a folder of its own
+host memory and to files keeps the bits of the run without it (the delayed update those of the unpipelined run
+and of --ep 1 with it), each chunk's expert engine in a folder of its own
 (two chunks per rank, interleaved), and leaves no file behind; the estimate gives each stage's model states in
 these nodes, shard groups, hpZ and offload, to the byte (docs/moe.md)."""
 import pytest
@@ -169,3 +170,17 @@ def test_checkpoints_in_nodes_and_offload_resume_to_the_same_bits(tmp_path):
         assert resumed["final_params_sha256"] == whole["final_params_sha256"]
     assert (tmp_path / "a" / "pp1-of-2" / "ep1-of-2").is_dir()
     assert [p.name for p in off.rglob("*")] == []
+
+
+def test_delayed_update_equals_unpipelined_and_ep1():
+    """--offload-delayed-update (each engine's update one step behind; fp16 with skipped steps and clipping) with
+    --pp 2 --ep 2: the bits of the unpipelined --ep 2 run with it and of --pp 2 --ep 1 with it."""
+    d = FLAGS + ["--stage", "2", "--dtype", "fp16", "--loss-scale", "4194304", "--offload-optimizer", "cpu",
+                 "--offload-delayed-update", "--offload-delayed-warmup", "1", "--steps", "8", "--clip", "0.5"]
+    flat = run_many(2, [d + ["--ep", "2"]])
+    piped = run_many(4, [d + ["--ep", "2", "--pp", "2"], d + ["--ep", "1", "--pp", "2"]])
+    assert len(flat) == 1 and len(piped) == 2
+    assert 0 < flat[0]["steps_applied"] < 8                  # some fp16 steps skipped, some applied
+    for m in piped:
+        for key in ("final_params_sha256", "losses", "val_losses", "steps_applied"):
+            assert m[key] == flat[0][key], (key, m["flags"])
