@@ -199,6 +199,34 @@ def test_pp_with_ep_states_equal_every_ranks_engines(tmp_path):
         row["expert_bytes"] == 0
 
 
+def test_pp_with_ep_replicas_equal_every_ranks_shard_files(tmp_path):
+    """--pp 2 --experts 4 --ep 2 --replicas at N = 4 in nodes of 2 (a stage per node): a rank's parts are its chunks'
+    dense engines and expert engines (train/moe/checkpoints.py), its own and its source's; the CLI's bytes of every
+    rank equal the shard files that rank's folder held and its own formula, to the byte. Interleaved with
+    --moe-every 2: stage 0's chunks hold no expert engine (2 dense files), stage 1's two of each."""
+    job = f"est-ppep-{os.getpid()}"
+    base = MOE + ["--steps", "2", "--dtype", "fp16", "--pp", "2", "--micro-batches", "2", "--ep", "2",
+                  "--eval-every", "0"]
+    configs = [base + f + ["--replicas", f"{job}-{i}"] for i, f in enumerate(PP_EP)]
+    runs = metrics_of(run_mpi(4, ["tests/drivers/metrics_by_rank.py", json.dumps(configs)], timeout=400,
+                              env={"ZEROMPI_NODE_SIZE": "2"}))
+    assert len(runs) == 3
+    for flags, m in zip(PP_EP, runs):
+        dims = GPT + (["--n-layer", "4"] if "--n-layer" in flags else [])
+        est = cli_json(tmp_path, dims + MOE_OPTS + ["--ep", 2, "--dtype", "fp16", "--bucket-mb", 0.004, "--pp", 2,
+                                                    "--micro-batches", 2, "--replicas", "--node-size", 2,
+                                                    *flags[2:]])
+        rep, ran = est["replicas"], [r["replicas"] for r in m["by_rank"]]
+        assert rep["by_rank"] == [r["shard_bytes"] for r in ran] == [r["theory_bytes"]["total"] for r in ran], \
+            (flags, rep, ran)
+        assert all(r["shard_bytes"] < r["shm_bytes"] < r["shard_bytes"] + 64 * 1024 for r in ran), flags
+        assert rep["total"] == max(rep["by_rank"]) == ran[rep["rank"]]["shard_bytes"]
+        parts = ran[0]["parts"]
+        assert parts == (["pp0-of-2", "pp0-of-2/ep0-of-2"] if "--chunks" not in flags else ["pp0-of-4", "pp2-of-4"])
+    assert runs[2]["by_rank"][2]["replicas"]["parts"] == ["pp1-of-4", "pp1-of-4/ep0-of-2", "pp3-of-4",
+                                                          "pp3-of-4/ep0-of-2"]
+
+
 BAD = [
     (GPT + ["--experts", "0"], "experts=0 must be an integer >= 1"),
     (GPT + ["--experts", "4", "--ep", "3"], "experts=4 is not divisible by ep=3"),
@@ -218,8 +246,8 @@ BAD = [
     (GPT + ["--experts", "4", "--ep", "2", "--offload-optimizer", "cpu"],
      "--offload-optimizer with --experts 4 is not estimated yet (the run takes it"),
     (["--pp", "2", "--micro-batches", "2", "--experts", "4", "--ep", "2"], "--pp with --experts 4 needs the GPT's"),
-    (GPT + ["--pp", "2", "--micro-batches", "2", "--experts", "4", "--ep", "2", "--replicas", "--node-size", "2"],
-     "the estimate does not price --replicas with --pp 2 --experts 4 yet"),
+    (GPT + ["--pp", "2", "--micro-batches", "2", "--experts", "4", "--ep", "2", "--replicas"],
+     "--replicas keeps each shard's second copy on another node, and 4 ranks in nodes of 4 make 1 node"),
     (GPT + ["--pp", "2", "--micro-batches", "2", "--experts", "4", "--ep", "4"],
      "ep=4 does not divide the 2 data-parallel ranks of each pipeline stage"),
     (["--params", "1e6", "--ranks", "4", "--experts", "4"], "experts=4: give the GPT's dimensions"),

@@ -268,21 +268,45 @@ def test_help_is_printed_and_exits_0():
     assert proc.returncode == 0 and "--max-restarts" in proc.stdout and "--launcher" in proc.stdout, proc.stderr
 
 
-def test_a_received_copy_that_differs_is_found_at_the_next_commit(tmp_path):
-    """No MPI: the check of a received copy (a thread behind the next step) compares its CRC-32 with its owner's
-    entry; a difference is what the next commit raises on every rank, an equal copy nothing."""
+@pytest.mark.parametrize("kind", ["crc32", "zck64"])
+def test_a_received_copy_that_differs_is_found_at_the_next_commit(tmp_path, kind):
+    """No MPI: the check of a received copy (a thread behind the next step) compares its checksum (the owner's
+    kind: zck64, the replicas' own, or CRC-32) with its owner's entry; a difference is what the next commit
+    raises on every rank, an equal copy nothing."""
+    from zerompi.checkpoint.format import zck64
     from zerompi.checkpoint.replicas import Replicas
     import threading as th
     numel = 8
     write_shard(str(tmp_path), 1, numel, iter(np.ones((3, numel), np.float32)))
     entry = json.loads((tmp_path / "shard_00001.npy.entry").read_text())
+    if kind == "zck64":
+        del entry["crc32"]
+        entry["zck64"] = zck64((tmp_path / "shard_00001.npy").read_bytes())
+        assert entry["zck64"] is not None and len(entry["zck64"]) == 16
     r = Replicas.__new__(Replicas)
     r.rank, r.source, r.theirs, r._check, r._found = 0, 1, [("", 1, (3, numel))], None, None
-    for owner, want in ((entry, None), (dict(entry, crc32="00000000"), "rank 0's copy of rank 1's shard of step 5")):
+    for owner, want in ((entry, None), (dict(entry, **{kind: "0" * len(entry[kind])}),
+                                        f"rank 0's copy of rank 1's shard of step 5 differs from it ({kind})")):
         r._check = th.Thread(target=r._check_copies, args=(str(tmp_path), 5, {"": owner}))
         r._check.start()
         found = r._late()
         assert (found is None) if want is None else want in found, found
+
+
+def test_a_zck64_entry_is_verified_at_load(tmp_path):
+    """A replica manifest's zck64 entry: verify_shard accepts the file as written and refuses one changed byte
+    (one line naming the file) -- the check a restore makes before it uses a shard."""
+    from zerompi.checkpoint.format import CheckpointError, verify_shard, zck64
+    numel = 8
+    write_shard(str(tmp_path), 0, numel, iter(np.arange(3 * numel, dtype=np.float32).reshape(3, numel)))
+    path = tmp_path / "shard_00000.npy"
+    data = path.read_bytes()
+    manifest = {"shards": [{"file": path.name, "bytes": len(data), "zck64": zck64(data)}], "world_size": 1,
+                "shard_numel": numel, "optimizer": {"name": "adamw"}}
+    assert verify_shard(str(tmp_path), manifest, 0) == str(path)
+    path.write_bytes(data[:-5] + bytes([data[-5] ^ 1]) + data[-4:])
+    with pytest.raises(CheckpointError, match="zck64 checksum mismatch: the file is corrupted"):
+        verify_shard(str(tmp_path), manifest, 0)
 
 
 def test_an_injected_fault_fires_in_the_first_launch_only(tmp_path):

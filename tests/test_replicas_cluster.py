@@ -110,6 +110,21 @@ def test_a_cut_link_ends_in_the_watchdog_and_the_job_goes_on(cluster, tmp_path):
     assert m["final_params_sha256"] == want
 
 
+@pytest.mark.slow
+def test_a_cut_link_behind_the_step_loses_at_most_two_steps_and_no_bits(cluster, tmp_path):
+    """The same cut with ``--replicas-commit behind`` (each step's copies committed after the next step): the
+    watchdog ends the job, the relaunch restores the last committed step (at most two behind the step in flight),
+    and the run ends with the bits of the one that never failed."""
+    c = cluster(2)
+    want = straight(c, tmp_path)
+    proc, m = supervised(c, tmp_path, f"cl-{os.getpid()}-cut-behind", kill_at=3, cut=True,
+                         flags=["--timeout-s", "3", "--replicas-commit", "behind"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "recovered from failure 1" in proc.stderr, proc.stderr[-3000:]
+    assert m["failures"] and all(f["steps_lost"] <= 2 for f in m["failures"]), m["failures"]
+    assert m["final_params_sha256"] == want
+
+
 CONFIGS = {"stage3": [], "stage1": ["--stage", "1"], "hpz": ["--hpz"], "pp2": ["--pp", "2", "--micro-batches", "2"]}
 
 

@@ -88,6 +88,38 @@ def test_ep_a_killed_rank_or_lost_node_costs_at_most_one_step_and_no_bits(tmp_pa
     assert bool(extra) == any(v != 0 for b in want["moe"]["bias"].values() for v in b)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("tag, n, rank, mesh, parts", [
+    ("ppep", 4, 1, ["--pp", "2", "--micro-batches", "2"], ["pp0-of-2", "pp0-of-2/ep0-of-2"]),
+    ("tpep", 4, 1, ["--tp", "2"], ["tp0-of-2", "tp0-of-2/ep0-of-2"]),
+    ("pptpep", 8, 5, ["--pp", "2", "--tp", "2", "--micro-batches", "2"],
+     ["pp0-of-2/tp0-of-2", "pp0-of-2/tp0-of-2/ep0-of-2"])])
+def test_ep_with_pp_or_tp_a_killed_rank_costs_at_most_one_step_and_no_bits(tmp_path, tag, n, rank, mesh, parts):
+    """--experts 4 --ep 2 --bias-update at stage 3 in 2 nodes: N = 4 with --pp 2 (each stage's 2 ranks one EP
+    group: rank 1 holds chunk 0 and EP rank 1's experts of it, parts pp0-of-2 and pp0-of-2/ep1-of-2) or with --tp 2
+    (EP groups {0, 2} and {1, 3}: rank 1's parts tp1-of-2 and tp1-of-2/ep0-of-2, the folders of a disk save); N = 8
+    with --pp 2 --tp 2 (rank 5: pp1-of-2/tp1-of-2 and its ep0-of-2). One rank killed mid-run: the job ends with
+    exit 0, at most one step lost, and the bits, the losses after the restore and the selection biases of the run
+    that never failed (whose resume from a disk checkpoint is exact: tests/test_moe_pipeline_ep.py). Without a
+    fault, --replicas changes no bit."""
+    flags, env = MOE + mesh + ["--bias-update", "0.01"], {"ZEROMPI_NODE_SIZE": str(n // 2)}
+    proc, m = supervise(tmp_path, job_name(tag), n, flags, kill_at=3, ranks=[rank], env=env, timeout=480)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [f] = m["failures"]
+    assert f["rank"] == rank and f["steps_lost"] <= 1 and f["restored_step"] >= 3, f
+    assert m["replicas"]["parts"] == parts and m["replicas"]["theory_bytes"]["files"] == 2 * len(parts)
+    out, quiet = tmp_path / "straight.json", tmp_path / "quiet.json"
+    run_mpi(n, ["-m", "zerompi.train", *flags, "--metrics-json", out], timeout=300, env=env)
+    run_mpi(n, ["-m", "zerompi.train", *flags, "--metrics-json", quiet, "--replicas", job_name(tag + "q")],
+            timeout=300, env=env)
+    want, clean = json.loads(out.read_text()), json.loads(quiet.read_text())
+    assert m["final_params_sha256"] == want["final_params_sha256"] == clean["final_params_sha256"]
+    assert clean["losses"] == want["losses"] and clean["replicas"]["parts"] == parts
+    assert m["losses"] == want["losses"][m["first_step"]:] and m["moe"]["bias"] == want["moe"]["bias"]
+    assert any(v != 0 for b in want["moe"]["bias"].values() for v in b)
+    assert not os.path.exists(job_dir(job_name(tag + "q")))
+
+
 def test_an_ep_step_is_whole_with_every_ep_part(tmp_path, monkeypatch):
     """No MPI: the dense part ('') and the experts of EP ranks 0 and 1 (``ep{j}-of-2`` within the step's folder)
     are one whole step; the restore keeps them there, where the MoE load finds them (checkpoint/parts.ep_parts).
@@ -97,6 +129,13 @@ def test_an_ep_step_is_whole_with_every_ep_part(tmp_path, monkeypatch):
     monkeypatch.setenv("ZEROMPI_REPLICAS_ROOT", str(tmp_path))
     assert whole_set(["", "ep1-of-2"]) == ["", "ep0-of-2", "ep1-of-2"]
     assert whole_set(["tp0-of-2"]) == ["tp0-of-2", "tp1-of-2"] and whole_set([""]) == [""]
+    # with --tp or --pp: beside each dense part of a chunk that holds experts (--moe-every: not every chunk does)
+    assert whole_set(["tp1-of-2/ep0-of-2"]) == ["tp0-of-2", "tp1-of-2", "tp0-of-2/ep0-of-2", "tp0-of-2/ep1-of-2",
+                                                "tp1-of-2/ep0-of-2", "tp1-of-2/ep1-of-2"]
+    assert whole_set(["pp0-of-2", "pp1-of-2/ep1-of-2"]) == ["pp0-of-2", "pp1-of-2", "pp1-of-2/ep0-of-2",
+                                                            "pp1-of-2/ep1-of-2"]
+    dense = [f"pp{c}-of-2/tp{r}-of-2" for c in range(2) for r in range(2)]
+    assert whole_set(["pp1-of-2/tp0-of-2/ep0-of-2"]) == dense + [f"{d}/ep{j}-of-2" for d in dense[2:] for j in range(2)]
     parts = ["", "ep0-of-2", "ep1-of-2"]
     five = _commit_parts(5, parts, parts)
     for r in (0, 1):
@@ -172,11 +211,13 @@ def test_assemble_takes_the_newest_step_committed_in_every_part(tmp_path, monkey
 
 
 def test_what_is_not_covered_is_refused_in_one_line():
-    """--ep with --tp stays refused (one line); --tp, --sp, --pp and --ep (with --bias-update) are not."""
+    """--simulate-world stays refused (one line); --tp, --sp, --pp and --ep (with --bias-update, --pp, --tp) are
+    not."""
     from zerompi.errors import ConfigError
     from zerompi.train.config import parse_config
-    with pytest.raises(ConfigError, match="does not support --ep 2 with --tp 2 yet; drop --replicas, --ep or --tp"):
-        parse_config([*GPT, "--experts", "4", "--ep", "2", "--tp", "2", "--replicas", "j"])
+    with pytest.raises(ConfigError, match="needs a real job; drop --simulate-world"):
+        parse_config([*GPT, "--simulate-world", "4", "--replicas", "j"])
     for mesh in (["--tp", "2"], ["--sp", "2"], ["--pp", "2", "--micro-batches", "2"], ["--tp", "2", *PP[-6:-2]],
-                 MOE[len(GPT):] + ["--bias-update", "0.01"]):
+                 MOE[len(GPT):] + ["--bias-update", "0.01"], MOE[len(GPT):] + ["--tp", "2"],
+                 MOE[len(GPT):] + ["--bias-update", "0.01", "--pp", "2", "--micro-batches", "2", "--tp", "2"]):
         assert parse_config([*GPT, *mesh, "--replicas", "j"]).replicas == "j"

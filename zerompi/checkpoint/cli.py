@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ..errors import ConfigError, OneLineParser, quiet_exit_on_closed_stdout
-from .format import F32, MANIFEST_SHA, PP_FOLDER, CheckpointError, read_manifest, resolve, verify_shard
+from .format import F32, MANIFEST_SHA, PP_FOLDER, CheckpointError, entry_kind, read_manifest, resolve, verify_shard
 from .outputs import check_file, check_roles, write_atomic
 from .parts import ep_parts, part_folders, tp_parts
 from .state_rows import saved_rows
@@ -41,8 +41,8 @@ def consolidate(path: str, out: str, state: bool = False) -> Dict[str, np.ndarra
     every TP rank's pieces put together, the same names and shapes as a run without TP; a
     pipelined one (``pp{c}-of-{C}`` folders, one per model chunk, each possibly with TP folders)
     is the union of its chunks' parameters: the names and shapes of a run without --pp. An expert-parallel
-    save's ``ep{j}-of-{K}`` parts (beside the save's, or each pipeline chunk's, dense checkpoint) are joined on
-    the expert axis: an --ep 1 run's names and shapes.
+    save's ``ep{j}-of-{K}`` parts (beside the save's, or each pipeline chunk's, dense checkpoint; with TP beside
+    TP rank 0's, whose experts every TP rank holds) are joined on the expert axis: an --ep 1 run's names and shapes.
     """
     check_roles([("out", out)], folders_read("dir", path))    # not inside what is read, its save folder included
     check_file(out, "out")
@@ -58,8 +58,9 @@ def consolidate(path: str, out: str, state: bool = False) -> Dict[str, np.ndarra
         for k, row in enumerate(saved_rows(pieces[0][1])[1:] if state else (), 1):
             rows = [_params(ckpt, k) for ckpt in found]
             got.update({f"{row}/{n}": v for n, v in (_merge_tp(found, rows) if parts else rows[0][0]).items()})
-        eps = ep_parts(found[0], pieces[0][1]) if chunks and not parts else []
-        if eps:                       # a pipelined --ep save: the chunk's EP parts beside its dense checkpoint
+        eps = ep_parts(found[0], pieces[0][1]) if chunks or parts else []
+        if eps:   # a pipelined or TP --ep save: the EP parts beside the (first TP rank's) dense checkpoint: with --tp
+            # each TP rank holds the same experts (replicated), TP rank 0's are taken
             got = _in_model_order(got, _merge_ep(where, eps, steps[where],
                                                  saved_rows(pieces[0][1])[1:] if state else ()))
         twice = sorted(set(got) & set(params))
@@ -180,7 +181,7 @@ def inspect(path: str) -> Tuple[str, List[str]]:
         except CheckpointError as e:
             problems.append(str(e))
             verdict = "DAMAGED"
-        kind = "crc32" if "crc32" in s else "sha256"
+        kind = entry_kind(s)
         lines.append(f"  {s['file']:<16} {s['bytes']:>14,}  {kind} {s[kind][:10]:<10}  {verdict}")
     for part in ep_parts(ckpt, m):             # an expert-parallel save: each EP rank's experts beside it
         try:

@@ -57,7 +57,7 @@ def commit(folder: str, step: int, manifests: Dict[str, dict]) -> None:
                 os.unlink(os.path.join(at, name))
         tmp = os.path.join(at, MANIFEST + ".tmp")
         with open(tmp, "w") as f:
-            f.write(manifest_text(manifest))
+            f.write(manifest_text(manifest, indent=None))     # one line: json's C encoder, every step
         os.rename(tmp, os.path.join(at, MANIFEST))
     for name in os.listdir(folder):
         m = STEP_DIR.fullmatch(name)
@@ -84,17 +84,27 @@ def part_dirs(here: str) -> Dict[str, str]:
 def whole_set(parts) -> List[str]:
     """The parts a whole step has, from the names of those found: every ``pp{c}-of-{C}`` and ``tp{r}-of-{K}`` of the
     largest C and K seen, crossed ([''] without parts); with expert-parallel parts (``ep{j}-of-{K}``: an MoE run's
-    experts, beside its dense engine's '') every one of the largest K too."""
-    names = [p for p in parts if p and not EP_FOLDER.fullmatch(p)]
-    ep = [int(m.group(2)) for p in parts for m in [EP_FOLDER.fullmatch(p)] if m]
-    experts = [f"ep{j}-of-{max(ep)}" for j in range(max(ep))] if ep else []
+    experts, beside its dense engine's part: '', ``tp{r}-of-{T}``, ``pp{c}-of-{C}``, ``pp{c}-of-{C}/tp{r}-of-{T}``)
+    every one of the largest K too, beside each dense part of a chunk where any was seen (with --moe-every a
+    chunk can hold no experts)."""
+    def split(p):                     # (the dense part, K) of a part: K of its ep{j}-of-{K}, else 0
+        m = EP_FOLDER.fullmatch(os.path.basename(p))
+        return (os.path.dirname(p), int(m.group(2))) if m else (p, 0)
+    chunk = lambda p: p.split(os.sep)[0] if PP_FOLDER.fullmatch(p.split(os.sep)[0]) else ""   # noqa: E731
+    seen = [split(p) for p in parts]
+    names = [p for p, k in seen if p and not k] + [p for p, k in seen if p and k]
+    ep = max([k for _, k in seen] + [0])
+    with_experts = {chunk(p) for p, k in seen if k}
     if not names:
-        return [""] + experts
-    pp = [int(m.group(2)) for p in names for m in [PP_FOLDER.fullmatch(p.split(os.sep)[0])] if m]
-    tp = [int(m.group(2)) for p in names for m in [TP_FOLDER.fullmatch(p.split(os.sep)[-1])] if m]
-    chunks = [f"pp{c}-of-{max(pp)}" for c in range(max(pp))] if pp else [""]
-    pieces = [f"tp{r}-of-{max(tp)}" for r in range(max(tp))] if tp else [""]
-    return [os.path.join(c, t) if c and t else c or t for c in chunks for t in pieces] + experts
+        dense = [""]
+    else:
+        pp = [int(m.group(2)) for p in names for m in [PP_FOLDER.fullmatch(p.split(os.sep)[0])] if m]
+        tp = [int(m.group(2)) for p in names for m in [TP_FOLDER.fullmatch(p.split(os.sep)[-1])] if m]
+        chunks = [f"pp{c}-of-{max(pp)}" for c in range(max(pp))] if pp else [""]
+        pieces = [f"tp{r}-of-{max(tp)}" for r in range(max(tp))] if tp else [""]
+        dense = [os.path.join(c, t) if c and t else c or t for c in chunks for t in pieces]
+    experts = [os.path.join(d, f"ep{j}-of-{ep}") for d in dense if chunk(d) in with_experts for j in range(ep)]
+    return dense + experts
 
 
 def prepare(folder: str, step: int) -> str:

@@ -7,8 +7,9 @@ the fp32 master and the optimizer's rows of its slices (AdamW: exp_avg, exp_avg_
 file, at any stage, into its shard file in shared memory (mapped: the copy is the write), sends them to its
 buddy (the rank at the same place on the next node) with each part's manifest but its shards, and receives its
 source's into other mapped shard files of its folder (replica_files.py). One all-gather over the ring (the
-world) agrees that every rank's copies are complete and carries each shard's CRC-32; then every rank writes
-the manifests of the parts in its folder, which commits the step there. The received copies' CRC-32 are
+world) agrees that every rank's copies are complete and carries each shard's checksum (zck64, the C hash of
+kernels/checksum_cpu.c at memory bandwidth; CRC-32 where it does not build); then every rank writes
+the manifests of the parts in its folder, which commits the step there. The received copies' checksums are
 compared with their owners' on a thread, behind the next step, and a difference raised at the next commit.
 The manifests are the checkpoint's (loss scale, update count, the data position in ``extra``), so a restore
 is the checkpoint's own load, at any data-parallel size.
@@ -16,7 +17,7 @@ is the checkpoint's own load, at any data-parallel size.
 :meth:`Replicas.commit_step` does it all between two steps (``--replicas-commit sync``: the committed step is
 the last one taken). :meth:`Replicas.commit_behind` (``behind``) copies the step into its mapped files at once
 (before the next step changes the state: a memory copy), posts the buddy exchange (nonblocking, on a duplicate
-of the ring's communicator) and starts a thread on its own files' CRC-32; these run behind the next step's
+of the ring's communicator) and starts a thread on its own files' checksums; these run behind the next step's
 compute, after which the exchange is waited for and the agreement and the manifests commit it (the committed
 step then lags the last one taken by one). The same two steps' files: no memory besides.
 """
@@ -29,7 +30,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ..comm.watchdog import watched
-from .format import F32, CheckpointError, Crc32, build_manifest, shard_file
+from .format import F32, ZCK64, CheckpointError, Crc32, build_manifest, entry_kind, shard_file, zck64
 from .state_rows import engine_rows
 from .replica_files import commit, prepare, step_dir
 from .writer import snapshot
@@ -64,7 +65,7 @@ class Replicas:
         self.mirrored = all(self.table[self.buddy_of[r]] == self.table[r] for r in range(n))
         self.theirs = [] if self.mirrored else self.table[self.source]
         self.step: Optional[int] = None          # the last step committed
-        self._check: Optional[threading.Thread] = None   # the CRC-32 of the last step's received copies
+        self._check: Optional[threading.Thread] = None   # the checksums of the last step's received copies
         self._found: Optional[str] = None        # what it found wrong
         self._maps: Dict[int, tuple] = {}        # inode: (file, mapping, array) of the two steps' shard files
         self.behind = behind                     # each step's commit finished after the next step (commit_behind)
@@ -126,7 +127,7 @@ class Replicas:
                 state["reqs"] = [self._link.Irecv(buf, source=self.source, tag=TAG + 1 + k)
                                  for k, buf in enumerate(state["theirs"])]
                 state["reqs"] += [self._link.Isend(buf, dest=self.buddy, tag=TAG + 1 + k) for k, buf in enumerate(mine)]
-        if self.behind and err is None:      # this rank's own files' CRC-32, behind the next step too
+        if self.behind and err is None:      # this rank's own files' checksums, behind the next step too
             state["own"] = threading.Thread(target=self._own_entries, args=(state,), name="zerompi-replica-crc",
                                             daemon=True)
             state["own"].start()
@@ -196,11 +197,13 @@ class Replicas:
 
     def _check_copies(self, here: str, step: int, owner: Dict[str, dict]) -> None:
         for part, slot, _ in self.theirs:
-            got, entry = self._entry(here, part, slot), owner[part]
-            if got["crc32"] != entry["crc32"] or got["bytes"] != entry["bytes"]:
+            entry = owner[part]
+            kind = entry_kind(entry)
+            got = self._entry(here, part, slot, kind)
+            if got.get(kind) != entry[kind] or got["bytes"] != entry["bytes"]:
                 where = f" ({part})" if part else ""
                 self._found = (f"rank {self.rank}'s copy of rank {self.source}'s shard{where} of step {step} differs "
-                               "from it (CRC-32)")
+                               f"from it ({kind})")
 
     def _file(self, here: str, part: str, slot: int, shape) -> np.ndarray:
         """A shard file of ``slot`` in ``here``/``part``, mapped for writing (shared memory: no write of its own).
@@ -238,16 +241,27 @@ class Replicas:
         except (OSError, ValueError):    # gone, or its file closed (evicted) meanwhile
             return None
 
-    def _entry(self, here: str, part: str, slot: int) -> dict:
-        """The manifest entry of ``slot``'s shard file in ``here``/``part``: bytes and CRC-32 of the whole file."""
+    def _entry(self, here: str, part: str, slot: int, kind: Optional[str] = None) -> dict:
+        """The manifest entry of ``slot``'s shard file in ``here``/``part``: bytes and the checksum of the whole
+        file: the C kernel's zck64 (at memory bandwidth), or CRC-32 where that kernel does not build (``kind``:
+        that one, as the owner's entry has it)."""
         path = os.path.join(here, part, shard_file(slot))
-        crc, held = Crc32(), self._mapped(path)
+        held = self._mapped(path)
         if held is not None:
-            crc.update(held[1])        # the pages themselves, no copy, no new mapping
+            found = self._checksum(held[1], kind)   # the pages themselves, no copy, no new mapping
         else:
             with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
-                crc.update(view)
-        return {"file": shard_file(slot), "bytes": os.path.getsize(path), "crc32": crc.hexdigest()}
+                found = self._checksum(view, kind)
+        return {"file": shard_file(slot), "bytes": os.path.getsize(path), **found}
+
+    @staticmethod
+    def _checksum(view, kind: Optional[str]) -> dict:
+        fast = zck64(view) if kind in (None, ZCK64) else None
+        if fast is not None:
+            return {ZCK64: fast}
+        crc = Crc32()
+        crc.update(view)
+        return {"crc32": crc.hexdigest()}
 
     def close(self) -> None:
         """At the end (every rank): a pending commit finished, the last check joined, the kept mappings closed."""

@@ -350,9 +350,7 @@ def _pipeline(a, opts) -> int:
     """``--pp P``: the schedule's bubble and activations; with --params, --ranks: one stage's table (pipeline.py)."""
     from .pipeline import format_pipeline, parse_costs, pipeline_estimate, stage_estimate
     check(a.pp is not None, "--schedule, --schedule-file, --chunks and --costs need --pp P (the pipeline stages)")
-    check(a.experts is None or not a.replicas, f"the estimate does not price --replicas with --pp {a.pp} --experts "
-                                               f"{a.experts} yet; drop --replicas or --experts")
-    on = {"--tp": a.tp != 1, "--sp": a.sp != 1, "--hpz": a.hpz and a.experts is None,
+    on = {"--tp": a.tp != 1, "--sp": a.sp != 1, "--hpz": a.hpz and (a.experts is None or a.replicas),
           "--checkpoint-activations": a.checkpoint_activations}
     with_pp = REPLICAS_WITH_PP if a.replicas else EXPERTS_WITH_PP if a.experts is not None else ()   # they price them
     alone = [k for k in PIPELINE_ALONE if k not in with_pp]
@@ -371,8 +369,9 @@ def _pipeline(a, opts) -> int:
         est = dict(est, moe=_pipeline_moe(a, opts))
         print(format_pipeline_moe(est["moe"]))
     if a.replicas:                   # every rank's chunks and its source's, in host shared memory, two steps
-        from .replica_bytes import format_replicas
-        est = dict(est, replicas=_pipeline_replicas(a, opts))
+        from .replica_bytes import format_replicas, pipeline_moe_replicas
+        est = dict(est, replicas=pipeline_moe_replicas(est["moe"], a.ranks, a.node_size or a.ranks, opts["optimizer"])
+                   if a.experts is not None else _pipeline_replicas(a, opts))
         print(format_replicas(est["replicas"]))
     sys.stdout.flush()
     problem = save_json(a.json, est, "json") if a.json else None

@@ -263,7 +263,8 @@ def pipeline_moe(dims: dict, ranks: int, chunks_of: Dict[int, List[int]], expert
                          "padded_bytes_by_place": places})
         stages.append({"pipeline_stage": s, "chunks": list(chunks_of[s]), "dense_params": sum(p for _, p, _ in dense),
                        "expert_params": sum(p for _, p, _ in expert), "ranks": dp, "expert_ranks": dp // ep,
-                       "zero_stages": rows})
+                       "zero_stages": rows,     # each engine's padded shard (elements): the replicas' files
+                       "shard_numel": [est["padded_params"] // est["shard_size"] for est, _, _ in dense + expert]})
     largest = [max(range(pp), key=lambda s: (stages[s]["zero_stages"][z]["padded_bytes"], -s)) for z in range(4)]
     return {"pp": pp, "ep": ep, "experts": experts, "chunks_per_stage": chunks // pp, "pipeline_stages": stages,
             "largest_stage": largest}

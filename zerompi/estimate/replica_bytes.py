@@ -59,7 +59,6 @@ def pipeline_replicas(chunk_sizes: Sequence[Sequence[int]], chunks_of: Dict[int,
     engine shards its layers over its stage's ranks (plan.plan_layer_sizes: the engine's padded buckets); a rank
     holds per step a file of R rows of S_c float32 and a header for each of its chunks and of its source's (the
     rank whose buddy it is: the same place on the previous node), two steps."""
-    from ..checkpoint.replica_files import HEADER_BYTES
     from .plan import bucket_numel, plan_layer_sizes
     pp = len(chunks_of)
     check(ranks % pp == 0, f"pp={pp} does not divide ranks={ranks}; each stage holds ranks/pp of them")
@@ -69,15 +68,40 @@ def pipeline_replicas(chunk_sizes: Sequence[Sequence[int]], chunks_of: Dict[int,
                                    f"in nodes of {node_size} make 1 node: give --node-size K with 2 nodes or more")
     dp, cap = ranks // pp, bucket_numel(dtype, bucket_mb)
     shard = [plan_layer_sizes(sizes, dp, cap).shard_numel for sizes in chunk_sizes]
-    rows = bytes_per_param(optimizer) // 4
-    own = [[shard[c] for c in chunks_of[r // dp]] for r in range(ranks)]
+    return _by_rank([[shard[c] for c in chunks_of[s]] for s in range(pp)], ranks, node_size,
+                    bytes_per_param(optimizer) // 4, shard, len(chunks_of[0]))
+
+
+def pipeline_moe_replicas(pm: dict, ranks: int, node_size: int, optimizer: str = "adamw") -> dict:
+    """The replicas' bytes of every rank of a pipelined MoE run from its stages' engines (moe_bytes.pipeline_moe:
+    each stage's chunks' dense engines, then their expert engines with --ep K > 1, each engine's padded shard S):
+    a rank holds per step a file of R rows of S float32 and a header for each of its engines and of its source's,
+    two steps (train/moe/checkpoints.py's parts)."""
+    check(isinstance(node_size, int) and node_size >= 1 and ranks % node_size == 0,
+          f"node_size={node_size!r} must divide ranks={ranks} (nodes of equal size)")
+    check(ranks // node_size >= 2, f"--replicas keeps each shard's second copy on another node, and {ranks} ranks "
+                                   f"in nodes of {node_size} make 1 node: give --node-size K with 2 nodes or more")
+    per_stage = [st["shard_numel"] for st in pm["pipeline_stages"]]
+    return dict(_by_rank(per_stage, ranks, node_size, bytes_per_param(optimizer) // 4,
+                         [n for st in per_stage for n in st], pm["chunks_per_stage"]),
+                engines="each stage's chunks' dense engines, then their expert engines")
+
+
+def _by_rank(per_stage: List[List[int]], ranks: int, node_size: int, rows: int, shards: List[int],
+             chunks_per_stage: int) -> dict:
+    """Every rank's replica bytes: stage s's ranks (ranks/P consecutive) each hold one shard file of each of
+    ``per_stage[s]`` (elements) and of its source's (the same place on the previous node), two steps."""
+    from ..checkpoint.replica_files import HEADER_BYTES
+    pp = len(per_stage)
+    dp = ranks // pp
+    own = [per_stage[r // dp] for r in range(ranks)]
     nodes = ranks // node_size
     source = [((r // node_size - 1) % nodes) * node_size + r % node_size for r in range(ranks)]
     files = [own[r] + own[source[r]] for r in range(ranks)]
     by_rank = [2 * sum(4 * rows * s + HEADER_BYTES for s in f) for f in files]
     top = max(range(ranks), key=lambda r: (by_rank[r], -r))
-    return {"pp": pp, "chunks_per_stage": len(chunks_of[0]), "node_size": node_size, "rows": rows,
-            "header_bytes": HEADER_BYTES, "chunk_shard_numel": shard, "by_rank": by_rank, "rank": top,
+    return {"pp": pp, "chunks_per_stage": chunks_per_stage, "node_size": node_size, "rows": rows,
+            "header_bytes": HEADER_BYTES, "chunk_shard_numel": shards, "by_rank": by_rank, "rank": top,
             "source": source[top], "shard_numel": files[top][0], "expert_shard_numel": None,
             "files": len(files[top]), "per_step": by_rank[top] // 2, "total": by_rank[top]}
 
@@ -110,9 +134,9 @@ def format_replicas(rep: dict) -> str:
                 f"most of the {len(rep['by_rank'])} ranks (--pp {rep['pp']}, {rep['chunks_per_stage']} chunk(s) "
                 f"per stage, nodes of {rep['node_size']}) = 2 steps x {rep['files']} files x ({4 * rep['rows']} "
                 f"S_c + {rep['header_bytes']}): its chunks' and its source's (rank {rep['source']}); S_c = {shards} "
-                f"elements (each chunk's padded shard), R = {rep['rows']} float32 rows (the master and the "
-                f"optimizer's state); every rank: {', '.join(f'{b:,}' for b in rep['by_rank'])}; plus the step's "
-                "manifests (docs/failures.md)")
+                f"elements ({rep.get('engines', 'each chunk')}: padded shards), R = {rep['rows']} float32 rows "
+                "(the master and the optimizer's state); every rank: "
+                f"{', '.join(f'{b:,}' for b in rep['by_rank'])}; plus the step's manifests (docs/failures.md)")
     one, mirror = f"{4 * rep['rows']} S + {rep['header_bytes']}", ""
     if rep["expert_shard_numel"] is None:
         sizes = f"{rep['files']} file{'s' if rep['files'] > 1 else ''} x ({one})"

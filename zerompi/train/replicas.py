@@ -53,12 +53,12 @@ def summary_line(entry: dict) -> str:
 def job_parts(job) -> List[Tuple[str, object]]:
     """[(part folder, engine)] of this rank: the folders its engines' disk checkpoints have ('' for none; a
     tensor-parallel rank's ``tp{r}-of-{K}``, a pipeline chunk's ``pp{c}-of-{C}``, ``pp{c}-of-{C}/tp{r}-of-{K}``, an
-    expert-parallel rank's experts ``ep{j}-of-{K}``)."""
+    expert-parallel rank's experts ``ep{j}-of-{K}`` beside each of those)."""
+    if job.cfg.moe.on:          # an MoE run's (train/moe/checkpoints.py): each dense engine's, with --ep its experts'
+        return job.checkpoints.parts()
     if job.pipelined:
         from ..pipeline.engines import chunk_folder
         pairs = [(chunk_folder(c, job.engines.chunks), e) for c, e in job.engines.engines.items()]
-    elif job.cfg.moe.on:                             # an MoE run's: the dense engine's, with --ep its experts'
-        pairs = job.checkpoints.parts()
     else:
         pairs = [("", job.engine)]
     return [(e.tp.path(part) if e.tp else part, e) for part, e in pairs]
@@ -84,9 +84,6 @@ def check_config(cfg) -> None:
     check(isinstance(cfg.replicas, str) and JOB_NAME.fullmatch(cfg.replicas) is not None,
           f"replicas={cfg.replicas!r} is not a job name; use 1 to 64 letters, digits, '_', '-' or '.'")
     check(cfg.simulate_world is None, f"replicas={cfg.replicas!r} needs a real job; drop --simulate-world")
-    ep, tp = getattr(getattr(cfg, "moe", None), "ep", 1), cfg.mesh.tp
-    check(ep == 1 or tp == 1, f"replicas={cfg.replicas!r} does not support --ep {ep} with --tp {tp} yet; drop "
-                              "--replicas, --ep or --tp")
 
 
 def check_nodes(cfg, world: int, node_size: int) -> None:

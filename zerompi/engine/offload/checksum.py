@@ -37,7 +37,12 @@ def _crc32(address: int, nbytes: int, seed: int) -> int:
     return zlib.crc32((ctypes.c_char * nbytes).from_address(address), seed & 0xFFFFFFFF)
 
 
+def checksum_library():
+    """The C hash's library (``zck_checksum``), or None when it does not build here."""
+    return _library()[0]
+
+
 def checksum_function() -> Callable[[int, int, int], int]:
     """``f(address, nbytes, seed) -> int``: the C hash when its library loads, else CRC-32."""
-    lib = _library()[0]
+    lib = checksum_library()
     return lib.zck_checksum if lib is not None else _crc32

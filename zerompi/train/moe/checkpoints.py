@@ -2,7 +2,10 @@
 
 With ``--ep K`` the dense engine saves in ``DIR`` as a run without EP does, and the expert engine of EP rank j
 (experts j·E/K .. (j+1)·E/K - 1, ZeRO over its expert-data-parallel ranks) in ``DIR/ep{j}-of-{K}``: each an
-ordinary checkpoint. An expert parameter's rows are expert-major, so the experts of the resuming run's EP rank
+ordinary checkpoint. With ``--tp T`` the experts are whole on every TP rank (replicated), and each TP rank's
+expert engine (ZeRO over the expert-data-parallel ranks of its TP coordinate) saves beside its dense
+checkpoint, in ``DIR/tp{r}-of-{T}/ep{j}-of-{K}``: T copies of the same bits, each read back by its own TP rank.
+An expert parameter's rows are expert-major, so the experts of the resuming run's EP rank
 are one contiguous range of the whole tensor, cut over the saved EP ranks' parts: checkpoint/part_load.py
 copies each piece through its part's saved layout (any world size, stage, ``--ep``, 1 included). ``python -m
 zerompi.checkpoint consolidate DIR`` joins the parts into the names and shapes of an ``--ep 1`` run.
@@ -10,7 +13,9 @@ zerompi.checkpoint consolidate DIR`` joins the parts into the names and shapes o
 
 A pipelined run (``--pp``, :class:`StageMoECheckpoints`) does the same per model chunk: the chunk's dense engine
 in ``DIR/pp{c}-of-{C}`` as without EP, its expert engine (``--ep K``) in ``DIR/pp{c}-of-{C}/ep{j}-of-{K}``, the
-biases in every chunk's dense manifest; any ``--ep`` dividing the stage's ranks resumes it (1 included).
+biases in every chunk's dense manifest; any ``--ep`` dividing the stage's ranks resumes it (1 included). With
+``--tp`` each TP rank's in ``DIR/pp{c}-of-{C}/tp{r}-of-{T}`` and ``DIR/pp{c}-of-{C}/tp{r}-of-{T}/ep{j}-of-{K}``.
+The in-memory replicas keep the same folders (``parts``), their manifests the same ``moe`` extra.
 """
 import os
 
@@ -24,6 +29,11 @@ from .mlp import EXPERT_KEYS
 
 def ep_folder(rank: int, size: int) -> str:
     return f"ep{rank}-of-{size}"
+
+
+def dense_folder(engine, folder: str) -> str:
+    """Where ``engine`` (a dense engine) saves under ``folder``: with --tp its TP rank's ``tp{r}-of-{T}``."""
+    return engine.tp.path(folder) if engine.tp else folder
 
 
 class MoECheckpoints:
@@ -43,8 +53,13 @@ class MoECheckpoints:
 
     def parts(self):
         """[(part folder, engine)] of this rank: the dense engine's ('': the save folder itself), this EP rank's
-        experts' (``ep{j}-of-{K}``); what the in-memory replicas keep (train/replicas.py)."""
-        return [("", self.engine)] + ([(ep_folder(self.ep.ep.rank, self.ep.k), self.ep.engine)] if self.ep else [])
+        experts' (``ep{j}-of-{K}``; with --tp ``tp{r}-of-{T}`` and ``tp{r}-of-{T}/ep{j}-of-{K}``): the folders its disk
+        checkpoint has, what the in-memory replicas keep (train/replicas.py)."""
+        return [(dense_folder(self.engine, ""), self.engine)] + (
+            [(self._ep_path(""), self.ep.engine)] if self.ep else [])
+
+    def _ep_path(self, path: str) -> str:
+        return os.path.join(dense_folder(self.engine, path), ep_folder(self.ep.ep.rank, self.ep.k))
 
     def manifest_extra(self, extra_state=None) -> dict:
         """``extra_state`` and the run's ``moe``: experts, --ep (where the parts are) and the selection biases."""
@@ -57,8 +72,7 @@ class MoECheckpoints:
         a job that dies meanwhile can leave ``latest`` naming a step a part lacks, refused in one line at a
         resume, whose step before is whole)."""
         extra = self.manifest_extra(extra_state)
-        part = self.ep.engine.save(os.path.join(path, ep_folder(self.ep.ep.rank, self.ep.k)), extra, blocking,
-                                   keep_last) if self.ep else None
+        part = self.ep.engine.save(self._ep_path(path), extra, blocking, keep_last) if self.ep else None
         dense = self.engine.save(path, extra, blocking, keep_last)    # last: DIR/latest moves once the parts are in
         if blocking:
             return dense
@@ -67,14 +81,17 @@ class MoECheckpoints:
 
     def load(self, path: str):
         """Every engine from ``path`` (a save folder or one of its step_NNNNNN: the dense checkpoint, its EP
-        parts those of the same name), whatever --ep saved it; the biases restored with --bias-update."""
-        dense, parts = _parts(path)
+        parts those of the same name), whatever --ep saved it; the biases restored with --bias-update. With --tp
+        ``path`` is the save folder (each TP rank's ``tp{r}-of-{T}`` in it), after the world agreed that every TP
+        rank's checkpoint and parts are of one step."""
+        tp = self.engine.tp
+        dense, parts = _parts(path) if tp is None else _agreed_tp(tp, path, self.engine.comm.waiting)
         E = self.cfg.moe.experts
         info = None
         for engine, rank, size in [(self.engine, 0, 1)] + ([(self.ep.engine, self.ep.ep.rank, self.ep.k)]
                                                            if self.ep else []):
             if not parts and not self.ep:
-                got = engine.load(dense)             # an --ep 1 save into an --ep 1 run: as a GPT's
+                got = engine.load(dense if tp is None else path)     # an --ep 1 save into an --ep 1 run: as a GPT's
             else:
                 got = _load(engine, dense, parts, E, rank, size)
             info = info or got
@@ -116,19 +133,40 @@ class StageMoECheckpoints:
     def _expert_engine(self, chunk: int):
         return self.experts.engines.get(chunk) if self.experts else None
 
+    def _ep_path(self, engine, folder: str) -> str:
+        """Where the expert engine of the chunk whose dense engine is ``engine`` saves under the chunk's ``folder``:
+        beside the dense checkpoint (with --tp, in its TP rank's folder: each TP rank's copy of the experts)."""
+        return os.path.join(dense_folder(engine, folder), ep_folder(self.experts.ep.rank, self.experts.k))
+
+    def parts(self):
+        """[(part folder, engine)] of this rank, the folders of its disk checkpoint: per chunk ``pp{c}-of-{C}``
+        (``pp{c}-of-{C}/tp{r}-of-{T}``) and its expert engine's ``.../ep{j}-of-{K}``; what the in-memory replicas
+        keep (train/replicas.py)."""
+        out = []
+        for c, engine in self.stages.engines.items():
+            folder = self.stages.folder("", c)
+            out.append((dense_folder(engine, folder), engine))
+            x = self._expert_engine(c)
+            if x is not None:
+                out.append((self._ep_path(engine, folder), x))
+        return out
+
+    def manifest_extra(self, extra_state=None) -> dict:
+        """``extra_state`` and the run's ``moe`` (experts, --ep, the selection biases), as a save's manifests."""
+        return moe_extra(self.job, extra_state)
+
     def save(self, path: str, extra_state=None, blocking: bool = True, keep_last=None):
         """Each chunk (in chunk order): its expert engine's part, then its dense engine's checkpoint (its
         ``latest`` moves once the chunk's parts are in). Returns the first chunk's dense checkpoint directory,
         or a PendingSaves."""
         from ...pipeline.engines import PendingSaves
-        extra = moe_extra(self.job, extra_state)
+        extra = self.manifest_extra(extra_state)
         done, dense = [], []
         for c, engine in self.stages.engines.items():
             folder = self.stages.folder(path, c)
             x = self._expert_engine(c)
             if x is not None:
-                done.append(x.save(os.path.join(folder, ep_folder(self.experts.ep.rank, self.experts.k)), extra,
-                                   blocking, keep_last))
+                done.append(x.save(self._ep_path(engine, folder), extra, blocking, keep_last))
             dense.append(engine.save(folder, extra, blocking, keep_last))
         return dense[0] if blocking else PendingSaves(dense + done)
 
@@ -139,13 +177,8 @@ class StageMoECheckpoints:
         mine, problem, found = {}, None, {}
         for c, engine in stages.engines.items():
             try:
-                folder = stages.folder(path, c)
-                dense, parts = _parts(engine.tp.path(folder) if engine.tp else folder)
-                steps = {read_manifest(p)[0]["step"] for p in [dense] + parts}
-                if len(steps) > 1:
-                    raise CheckpointError(f"{dense}: its EP parts are of different steps ({sorted(steps)}); "
-                                          "resume a step that every part saved")
-                mine[c], found[c] = steps.pop(), (dense, parts)
+                dense, parts, mine[c] = _found(dense_folder(engine, stages.folder(path, c)))
+                found[c] = (dense, parts)
             except (CheckpointError, OSError, KeyError, TypeError) as e:
                 problem = str(e)
         stages.agree_loadable(path, mine, problem)
@@ -159,6 +192,42 @@ class StageMoECheckpoints:
                 _load(x, dense, parts, E, self.experts.ep.rank, self.experts.k)
         restore_bias(self.job, infos[0])
         return infos[0]
+
+
+def _found(folder: str):
+    """(the dense checkpoint, its EP parts, their one step) of a dense engine's save ``folder``; CheckpointError when
+    the parts are of different steps."""
+    dense, parts = _parts(folder)
+    steps = {read_manifest(p)[0]["step"] for p in [dense] + parts}
+    if len(steps) > 1:
+        raise CheckpointError(f"{dense}: its EP parts are of different steps ({sorted(steps)}); "
+                              "resume a step that every part saved")
+    return dense, parts, steps.pop()
+
+
+def _agreed_tp(tp, path: str, waiting):
+    """Unpipelined --tp: this TP rank's (dense checkpoint, EP parts) under ``path``, after every rank of the run
+    found its own of one step (one all-gather; CheckpointError on every rank alike otherwise)."""
+    from types import SimpleNamespace
+
+    from ...comm.watchdog import watched
+    got = problem = None
+    try:
+        dense, parts, step = _found(tp.load_path(path))
+        got = (dense, parts)
+    except (CheckpointError, OSError, KeyError, TypeError) as e:
+        problem, step = str(e), None
+    mpi = tp.mesh.stage_mpi
+    with watched(SimpleNamespace(waiting=waiting), "MoE load: agreement on the TP ranks' checkpoints"):
+        everyone = mpi.allgather((step, problem))
+    bad = next((p for _, p in everyone if p), None)
+    if bad:
+        raise CheckpointError(bad)
+    steps = sorted({s for s, _ in everyone})
+    if len(steps) > 1:
+        raise CheckpointError(f"{path}: the tensor-parallel ranks' checkpoints are of different steps ({steps}); "
+                              "resume a step that every TP rank and EP part saved")
+    return got
 
 
 def _parts(path: str):

@@ -88,9 +88,6 @@ def check_job(cfg) -> None:
     for name, given in refused:
         check(not given, f"{name} with --experts {moe.experts} is not supported yet (docs/moe.md); drop one of the "
                          "two")
-    check(cfg.replicas is None or moe.bias_update == 0 or cfg.mesh.pp == 1, f"--replicas with --bias-update "
-          f"{moe.bias_update} --pp {cfg.mesh.pp}: a pipeline's replicas do not hold the selection biases yet "
-          "(docs/moe.md); drop one of them")
     if moe.ep > 1:
         z = cfg.zero
         for name, given in (("--quantize-weights", bool(z.quantize_weights)),

@@ -11,8 +11,8 @@ expert engine's on its own rank; the digest joins each chunk's experts in model 
 Over nodes, shard groups and hpZ the expert engines reduce as an unpipelined run of the stage's ranks does (the
 node map of the stage's expert-data-parallel group: expert_parallel.expert_groups), so a stage's experts get the
 bits of that run; each chunk's expert engine offloads to a folder of its own, DIR/pp{c}-of-{C}/experts.
-Checkpoints: each chunk's expert engine a part of its own beside the chunk's dense one (train/moe/checkpoints.py's
-StageMoECheckpoints). docs/moe.md.
+Checkpoints and the in-memory replicas: each chunk's expert engine a part of its own beside the chunk's dense one
+(with --tp in its TP rank's folder; train/moe/checkpoints.py's StageMoECheckpoints). docs/moe.md.
 """
 from types import SimpleNamespace
 
@@ -22,18 +22,11 @@ from .expert_parallel import engine_configs, expert_groups, offload_dir, split_e
 
 
 def check_job(cfg) -> None:
-    """ConfigError (one line) where --pp with --ep meets what it does not compose with yet: checkpoints with
-    --tp (every TP rank would write its chunk's one expert part), the in-memory replicas (each chunk's one
-    engine), the simulated world."""
+    """ConfigError (one line) where --pp with --ep meets what it does not compose with yet: the simulated world."""
     if cfg.mesh.pp == 1 or cfg.moe.ep == 1:
         return
-    if cfg.mesh.tp > 1:
-        for name, given in (("--save-dir", cfg.save_dir is not None), ("--resume", cfg.resume is not None)):
-            check(not given, f"{name} with --pp {cfg.mesh.pp} --ep {cfg.moe.ep} --tp {cfg.mesh.tp} is not "
-                             "supported yet (docs/moe.md); drop one of them")
-    for name, given in (("--replicas", cfg.replicas is not None), ("--simulate-world", bool(cfg.simulate_world))):
-        check(not given, f"{name} with --pp {cfg.mesh.pp} --ep {cfg.moe.ep} is not supported yet (docs/moe.md); "
-                         "drop one of them")
+    check(not cfg.simulate_world, f"--simulate-world with --pp {cfg.mesh.pp} --ep {cfg.moe.ep} is not supported yet "
+                                  "(docs/moe.md); drop one of them")
 
 
 def check_world(cfg, world_size: int) -> None:
