@@ -184,3 +184,13 @@ def test_delayed_update_equals_unpipelined_and_ep1():
     for m in piped:
         for key in ("final_params_sha256", "losses", "val_losses", "steps_applied"):
             assert m[key] == flat[0][key], (key, m["flags"])
+
+
+def test_replicas_in_nodes_keep_the_bits():
+    """--replicas with N=8 --pp 2 --ep 2 in nodes of 2 with hpZ (stage 3): without a fault, the bits of the run
+    without replicas (each chunk's expert engine, in its nodes, a part of the replicas)."""
+    c = BASE + ["--dtype", "fp32", "--stage", "3", "--pp", "2", "--node-size", "2", "--hpz"]
+    runs = run_many(8, [c, c + ["--replicas", "pp-ep-nodes"]], timeout=600)
+    assert len(runs) == 2
+    for key in ("final_params_sha256", "losses", "val_losses"):
+        assert runs[1][key] == runs[0][key], key
