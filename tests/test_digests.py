@@ -60,6 +60,8 @@ CASES = {
     "gpt-offload-delayed-stage1-n2": (2, [*GPT, "--stage", "1", "--offload-optimizer", "cpu",
                                           "--offload-delayed-update", "--offload-delayed-warmup", "1"]),
     "gpt-simulated-rank1-of-8-stage3": (1, [*GPT, "--stage", "3", "--simulate-world", "8", "--simulate-rank", "1"]),
+    "moe-ep2-stage3-fp16-n4": (4, [*GPT, "--stage", "3", "--dtype", "fp16", "--micro-batches", "2", "--experts", "4",
+                                   "--top-k", "2", "--expert-hidden", "48", "--ep", "2"]),
 }
 RESUMED = "gpt-resume-n2-stage1-to-n3-stage3"     # saved at step 2 by 2 ranks, resumed to step 4 by 3 at stage 3
 BLAS = {"OPENBLAS_CORETYPE": "Haswell"} if platform.machine() in ("x86_64", "AMD64") else {}

@@ -148,3 +148,23 @@ def test_estimate_gives_the_runs_model_states(n4):
         assert (mem["dense"]["ranks"], mem["experts"]["ranks"]) == (4, 4 // ep)
         assert mem["dense"]["theory"] == want["dense"]["total"] and mem["experts"]["theory"] == want["experts"]["total"]
     assert sum(gpt_moe_params(32, 64, 64, 2, 8, 256)) == 570496        # the done-when job (docs/moe.md)
+
+
+def test_expert_reduce_scatter_starts_without_waiting():
+    """The expert engine's reduce-scatter of the sources' partials is started, not run to the end, at its bucket's
+    turn (rank r + 1 starts only after rank r's start returned: a blocking one hangs), and its sums are the
+    blocking form's bit for bit (tests/drivers/sources_overlap.py)."""
+    proc = run_mpi(3, ["tests/drivers/sources_overlap.py"], timeout=90)
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"wrong": 0, "oracle_far": 0, "ranks": 3}
+
+
+def test_overlapped_expert_reduce_scatter_keeps_the_bits():
+    """The expert reduce-scatters in flight during the backward, waited before the step, give the bits of the
+    blocking path (--no-overlap: each waited at once) and of --ep 1: stages 1 and 3, fp16, two micro-batches."""
+    configs = [FLAGS + ["--dtype", "fp16", "--stage", str(stage), "--micro-batches", "2", "--batch", "16",
+                        "--ep", str(ep), *extra]
+               for stage in (1, 3) for ep, extra in ((1, []), (2, []), (2, ["--no-overlap"]), (4, []))]
+    runs = run_many(4, configs)
+    assert len(runs) == 8
+    for m in runs:
+        same_run(m, runs[0])

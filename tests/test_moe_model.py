@@ -159,3 +159,69 @@ def test_bias_update_rule():
     mlp.update_bias(3, [10, 20, 30, 40])
     mlp.update_bias(3, [25, 25, 10, 40])
     np.testing.assert_array_equal(mlp.bias[3], [0.01, 0.01, 0.0, -0.02])
+
+
+def _model(spec, kernels, dtype, checkpoint=False):
+    return GPT(V, T, L, H, C, seed=3, moe=spec, dtype=dtype, kernels=kernels, checkpoint_activations=checkpoint)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_moe_attention_on_the_c_kernels_equals_the_array_path(dtype):
+    """The MoE blocks' attention half runs the dense block's C kernels (when they load): the model's loss and
+    every gradient as the plain array path's within the kernels' tolerance (docs/kernels.md: float64 to its
+    rounding, float32 as the dense GPT's 2e-4)."""
+    pytest.importorskip("zerompi.train.model_kernels")
+    from zerompi.train.model_kernels import kernels_for
+    if kernels_for(dtype) is None:
+        pytest.skip("the GPT's C kernels do not load here")
+    spec, _, layers, idx, tgt = setup(shared=1, capacity=1.5)
+    layers = [(a, {k: v.astype(dtype) for k, v in p.items()}) for a, p in layers]
+    fast, plain = _model(spec, "c", dtype), _model(spec, "numpy", dtype)
+    assert fast.moe_blocks.fused is fast.layers and plain.moe_blocks.fused is None
+    lf, gf = fast.loss_and_grads(layers, idx, tgt)
+    lp, gp = plain.loss_and_grads(layers, idx, tgt)
+    rel = 1e-12 if dtype == np.float64 else 2e-4
+    assert lf == pytest.approx(lp, rel=rel)
+    assert gf.keys() == gp.keys()
+    for k, v in gp.items():
+        np.testing.assert_allclose(gf[k], v, rtol=rel, atol=rel * np.abs(v).max(), err_msg=k)
+
+
+def test_moe_block_split_backward_and_recompute_keep_the_bits():
+    """On the C kernels, an MoE block's split backward (B now, the attention's W later, after another block's
+    backward has reused the shared buffers) and activation checkpointing give the bits of the plain backward,
+    in a persistent workspace as the engine runs it."""
+    from zerompi.train.model_kernels import kernels_for
+    if kernels_for(np.float32) is None:
+        pytest.skip("the GPT's C kernels do not load here")
+    from zerompi.train.models.gpt_fast import Workspace
+    spec, _, layers, idx, tgt = setup(every=1)
+    layers = [(a, {k: v.astype(np.float32) for k, v in p.items()}) for a, p in layers]
+    params = [p for _, p in layers]
+
+    def run(checkpoint, split):
+        m = _model(spec, "c", np.float32, checkpoint)
+        ws, run = Workspace(), m.activations
+        run._ws = ws
+        h, caches = idx, []
+        for i, p in enumerate(params):
+            h, c = run.forward(i, p, h)
+            caches.append(c)
+        _, dh, dwte = m.head(params[0]["wte"], h, tgt, 1.0, ws)
+        grads, later = {}, []
+        for i in reversed(range(len(params))):
+            if split and 1 <= i <= L and not checkpoint:
+                dh, w = m.backward_layer_parts(i, params[i], caches[i], dh, ws)
+                later.append(w)
+                continue
+            dh, g = run.backward(i, params[i], caches[i], dh)
+            grads.update({k: v.copy() for k, v in g.items()})
+        for w in later:                   # every block's W after all the B's
+            grads.update({k: v.copy() for k, v in w().items()})
+        return grads
+
+    base = run(False, False)
+    for checkpoint, split in ((False, True), (True, False)):
+        got = run(checkpoint, split)
+        for k, v in base.items():
+            np.testing.assert_array_equal(got[k], v, err_msg=f"{k} checkpoint={checkpoint} split={split}")

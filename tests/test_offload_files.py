@@ -106,7 +106,8 @@ def test_every_read_is_checked_with_the_kernel_or_without_a_compiler(tmp_path, m
     """A record read back as written passes; one byte changed in the file, or a record read at another
     length, is an OffloadError; a record never written reads back as the file's zeros. Both hashes (the C
     kernel's, and CRC-32 when no compiler is there) catch the change."""
-    from zerompi.engine.offload import checksum, files
+    from zerompi.checkpoint import checksums as checksum
+    from zerompi.engine.offload import files
     if hash_name == "crc32":
         monkeypatch.setattr(files, "checksum_function", lambda: checksum._crc32)
     else:

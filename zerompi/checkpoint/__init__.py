@@ -4,7 +4,8 @@ Modules:
 - collective: save / load, the collective protocol and resharding
 - writer: a rank's shard file, written now or by a background thread from a host copy
 - state_rows: the optimizer's rows in a shard file, by name
-- format: the manifest, checksums, the atomic publish, reading and verifying
+- format: the manifest, the atomic publish, reading and verifying
+- checksums: CRC-32, sha256 and the C hash zck64 of shard files and offload records
 - pointer: which of a save folder's folders are published checkpoints, and ``latest``
 - orphans: checkpoints whose every shard was written but that no one published, found and published
 - savedir: the save directory's lock, no silent overwrite, retention

@@ -19,14 +19,12 @@ header, before any of it is used.
 """
 import hashlib
 import json
-import mmap
 import os
 import re
 import shutil
 import sys
 import threading
 import uuid
-import zlib
 from collections import OrderedDict
 from dataclasses import asdict
 from typing import List, Optional, Tuple
@@ -36,6 +34,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..inputs import JSON_BYTES, read_bytes
 from ..layout import Bucket, ParamRange
+from .checksums import ZCK64, Crc32, entry_kind, file_checksum, zck64  # noqa: F401 (re-exported)
 from .state_rows import ROWS, engine_rows, optimizer_name, saved_rows  # noqa: F401 (ROWS: AdamW's, re-exported)
 from .pointer import (CHECKPOINT_NAME, DRAFT, ENTRY, LATEST, MANIFEST, TEMP_PREFIX, complete_checkpoints, fsync_dir,
                       latest_name, manifest_digest, point_latest, read_latest, write_durable)
@@ -44,7 +43,6 @@ FORMAT = "zerompi-checkpoint"
 FORMAT_VERSION = 2                           # written; READ_VERSIONS are read
 READ_VERSIONS = (1, 2)                       # 1: shards checked by sha256, no checksum of the manifest
 MANIFEST_SHA = "manifest_sha256"             # the manifest's last key: sha256 of its text with this value zeroed
-CHUNK_BYTES = 4 << 20                        # read size when checksumming a shard
 WRITE_CHUNK_BYTES = 64 << 20                 # a shard is written, checksummed and handed to the disk in such chunks
 CRASH_ENV = "ZEROMPI_CHECKPOINT_CRASH"       # test hook: "POINT@STEP[:rankR|:all]" exits the process there
 _ZERO_SHA = "0" * 64
@@ -100,47 +98,6 @@ def make_temp_dir(directory: str, step: int) -> str:
     return tmp
 
 
-class Crc32:
-    """zlib's CRC-32 (the gzip and zip polynomial) as a running checksum: ``update``, ``hexdigest``.
-
-    A shard's checksum (format 2): it finds any change of up to 4 bytes in a row, and misses
-    other damage with odds 2**-32, at a quarter of sha256's CPU time (docs/checkpoint.md)."""
-
-    def __init__(self):
-        self.value = 0
-
-    def update(self, data) -> None:
-        self.value = zlib.crc32(data, self.value)    # releases the GIL on large buffers
-
-    def hexdigest(self) -> str:
-        return f"{self.value:08x}"
-
-
-ZCK64 = "zck64"                              # the replicas' checksum kind (below)
-CHECKSUM_KINDS = ("crc32", ZCK64, "sha256")  # a shard entry's key: format 2's, the replicas', format 1's
-
-
-def entry_kind(entry: dict) -> str:
-    """The checksum a shard's manifest entry carries (its key)."""
-    return next((k for k in CHECKSUM_KINDS if k in entry), "sha256")
-
-
-def zck64(buffer) -> Optional[str]:
-    """The 64-bit hash of kernels/checksum_cpu.c over ``buffer`` (bytes-like, e.g. a file's mapping) in one
-    call, as 16 hex digits; None when that kernel does not build here. The in-memory replicas' checksum
-    (checkpoint/replicas.py): it runs at memory bandwidth, about three times CRC-32's speed, and like it
-    finds a torn or damaged file, not a forger."""
-    from ..engine.offload.checksum import checksum_library
-    lib = checksum_library()
-    if lib is None:
-        return None
-    data = np.frombuffer(buffer, np.uint8)
-    try:
-        return f"{lib.zck_checksum(data.ctypes.data, data.nbytes, 0):016x}"
-    finally:
-        del data                               # the mapping's export released before its owner may close it
-
-
 _LAYOUT_FIELDS: "OrderedDict[int, tuple]" = OrderedDict()   # id(layout): (layout, its manifest fields), a few
 
 
@@ -170,9 +127,7 @@ def build_manifest(engine, shards: List[dict], extra_state) -> dict:
         "dtype": c.dtype,
         "shard_numel": lay.shard_numel,
         "params_numel": lay.params_numel,
-        "layer_names": fields["layer_names"],
-        "params": fields["params"],
-        "buckets": fields["buckets"],
+        **fields,                                   # layer_names, params, buckets
         "optimizer": {"name": optimizer_name(engine), "step": engine.step_count, "state": list(engine_rows(engine)),
                       "lr": c.lr, "beta1": c.beta1, "beta2": c.beta2, "eps": c.eps, "weight_decay": c.weight_decay},
         "loss_scaler": engine.scaler.state_dict(),
@@ -432,18 +387,10 @@ def verify_shard(ckpt: str, manifest: dict, r: int) -> str:
         what = "truncated" if size < entry["bytes"] else "longer than written"
         raise CheckpointError(f"{path}: {size} bytes, the manifest says {entry['bytes']}: the file is {what}")
     kind = entry_kind(entry)                           # format 2, the replicas', or format 1
-    if kind == ZCK64:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
-            got = zck64(view)
-        if got is None:
-            raise CheckpointError(f"{path}: its {ZCK64} checksum needs the C kernel kernels/checksum_cpu.c, "
-                                  "which does not build here (a C compiler is needed)")
-    else:
-        check = Crc32() if kind == "crc32" else hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(CHUNK_BYTES), b""):
-                check.update(block)
-        got = check.hexdigest()
+    got = file_checksum(path, kind)
+    if got is None:
+        raise CheckpointError(f"{path}: its {ZCK64} checksum needs the C kernel kernels/checksum_cpu.c, "
+                              "which does not build here (a C compiler is needed)")
     if got != entry[kind]:
         raise CheckpointError(f"{path}: {kind} checksum mismatch: the file is corrupted")
     arr = np.load(path, mmap_mode="r")

@@ -204,6 +204,11 @@ class SimulatedWorld:
         src, dst = _bytes(send).reshape(n, -1), _bytes(recv).reshape(n, -1)
         dst[...] = src[self._rank].copy()
 
+    def Ialltoall(self, send, recv) -> Arrived:
+        """:meth:`Alltoall` started (the expert engine's reduce-scatter of sources, comm/sources_reduce.py)."""
+        self.Alltoall(send, recv)
+        return ArrivesWhenWaited(self)
+
     def Alltoallv(self, send, recv) -> None:
         """Peer r's block of ``recv`` (counts and displacements in elements of the datatype) is this rank's own
         block of ``send``, repeated or cut to the length peer r sends (``rc[r]``; zeros where this rank sends

@@ -41,7 +41,7 @@ class GradientReducer:
                  per_node=None):
         self.layout, self.config, self.comm, self.replica = layout, config, comm, replica
         # sources > 1 (expert parallelism): each gradient comes as that many partials, a source's each, reduced
-        # in (rank, source) order (comm/sources_reduce.py) from buffers of their own, blocking
+        # in (rank, source) order (comm/sources_reduce.py) from buffers of their own, overlapped as the rest
         # (per_node: the world's node size in sources, where a rank's sources span whole nodes)
         self.sources, self.sourced, self.per_node = sources, {}, per_node
         self.inflight, self.pool, self.guard = inflight, pool, guard
@@ -179,24 +179,24 @@ class GradientReducer:
         first = self.micro == 0
         out = self.accum[bucket.shard_slice] if self.accum is not None else self.grad_slice(b)
         scale = 1.0 / (self.world_size * self.sources * self.config.micro_batches)   # every rank's every micro-batch
-        if self.sources > 1:
-            from ..comm.sources_reduce import reduce_scatter_sources
-            reduce_scatter_sources(self.comm, self.sourced.pop(b), out, scale, not first, self.sources,
-                                   per_node=self.per_node)
-            return
-        send = self._local_bucket(b)
-        if self.config.stage < 2:          # the whole local gradient, reduced in place: the padding joins the
-            send[bucket.used:] = 0         # sum and must be zero (qgZ's sum of a block with an inf wrote NaN there)
         tag = (b, step)            # what a watchdog message names
-        if self.micro == self.config.micro_batches - 1:
-            self._final.add(b)
+        if self.sources > 1:       # its own buffer of the partials, handed to the exchange; never on_final's
+            from ..comm.sources_reduce import ireduce_scatter_sources
+            sourced = self.sourced.pop(b)
+            start = lambda: ireduce_scatter_sources(self.comm, sourced, out, scale, not first,  # noqa: E731
+                                                    self.sources, tag, self.per_node)
+        else:
+            send = self._local_bucket(b)
+            if self.config.stage < 2:      # the whole local gradient, reduced in place: the padding joins the sum
+                send[bucket.used:] = 0     # and must be zero (qgZ's sum of a block with an inf wrote NaN there)
+            if self.micro == self.config.micro_batches - 1:
+                self._final.add(b)
+            start = lambda: self.comm.ireduce_scatter(send, out, scale, not first, tag, self.quant)  # noqa: E731
         # Bound the reductions in flight: each pins a staging bucket and a receive buffer, and
         # without a cap a slow network would let stages 2/3 hold the whole local gradient.
         while len(self.handles) >= MAX_PENDING_REDUCES:
             self.finish(next(iter(self.handles)))
-        self.handles[b] = self.inflight.launch(lambda: self.comm.ireduce_scatter(send, out, scale, not first, tag,
-                                                                                 self.quant),
-                                               lambda: self.finish(b))
+        self.handles[b] = self.inflight.launch(start, lambda: self.finish(b))
         if not self.config.overlap:
             self.finish(b)
 

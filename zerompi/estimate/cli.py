@@ -294,11 +294,13 @@ def _moe(a, dims: dict, given: list) -> dict:
 
 PIPELINE_ALONE = ("largest_layer", "from_run", "node_size", "shard_size") + GPT_FLAGS
 REPLICAS_WITH_PP = ("node_size",) + GPT_FLAGS       # --pp --replicas: the nodes, and the GPT's chunks
+EXPERTS_WITH_PP = ("node_size", "shard_size") + GPT_FLAGS   # --pp --experts: each stage's nodes and shard groups
 
 
 def _pipeline_moe(a, opts) -> dict:
     """``--pp P --experts E [--ep K]``: each pipeline stage's dense and expert model states (moe_bytes.pipeline_moe)
-    for the chunks of the GPT of the six dimensions, after the run's refusals (moe_bytes.check_moe)."""
+    for the chunks of the GPT of the six dimensions, in the stage's nodes and shard groups (--node-size,
+    --shard-size, --hpz), after the run's refusals (moe_bytes.check_moe)."""
     from ..pipeline import actions, schedules
     from .moe_bytes import check_moe, pipeline_moe
     dims = {k: getattr(a, k) for k in GPT_FLAGS}
@@ -307,15 +309,14 @@ def _pipeline_moe(a, opts) -> dict:
                                             f"--params) and --ranks; missing: {missing or 'none, drop --params'}")
     check(a.ranks is not None, f"--pp with --experts {a.experts} needs --ranks")
     ep, top_k, every = a.ep or 1, 2 if a.top_k is None else a.top_k, 1 if a.moe_every is None else a.moe_every
-    check_moe(a.experts, ep, top_k, every, a.expert_hidden, a.ranks,
-              {"--optimizer muon": a.optimizer == "muon", "--offload-optimizer": a.offload_optimizer != "none",
-               "--offload-params": a.offload_params != "none"},
+    check_moe(a.experts, ep, top_k, every, a.expert_hidden, a.ranks, {"--optimizer muon": a.optimizer == "muon"},
               {"--quantize-weights": bool(a.quantize_weights), "--quantize-grads": bool(a.quantize_grads)},
               a.shared_experts or 0)
     s = actions.read(a.schedule_file) if a.schedule_file else \
         schedules.make(a.schedule or "1f1b", a.pp, a.micro_batches, a.chunks or 1)
+    topo = {"node_size": a.node_size, "shard_size": a.shard_size, "hpz": a.hpz}
     return pipeline_moe(dims, a.ranks, {r: s.chunks_of(r) for r in range(a.pp)}, a.experts, ep, every,
-                        a.expert_hidden, a.shared_experts or 0, a.dtype, opts)
+                        a.expert_hidden, a.shared_experts or 0, a.dtype, opts, topo)
 
 
 def _pipeline_replicas(a, opts) -> dict:
@@ -349,8 +350,9 @@ def _pipeline(a, opts) -> int:
     """``--pp P``: the schedule's bubble and activations; with --params, --ranks: one stage's table (pipeline.py)."""
     from .pipeline import format_pipeline, parse_costs, pipeline_estimate, stage_estimate
     check(a.pp is not None, "--schedule, --schedule-file, --chunks and --costs need --pp P (the pipeline stages)")
-    on = {"--tp": a.tp != 1, "--sp": a.sp != 1, "--hpz": a.hpz, "--checkpoint-activations": a.checkpoint_activations}
-    with_pp = REPLICAS_WITH_PP if a.replicas else GPT_FLAGS if a.experts is not None else ()   # they price them
+    on = {"--tp": a.tp != 1, "--sp": a.sp != 1, "--hpz": a.hpz and (a.experts is None or a.replicas),
+          "--checkpoint-activations": a.checkpoint_activations}
+    with_pp = REPLICAS_WITH_PP if a.replicas else EXPERTS_WITH_PP if a.experts is not None else ()   # they price them
     alone = [k for k in PIPELINE_ALONE if k not in with_pp]
     other = [f"--{k.replace('_', '-')}" for k in alone if getattr(a, k) is not None] + [f for f in on if on[f]]
     check(not other, f"--pp estimates the schedule, and one stage's table from --params, --ranks and --layers; drop "

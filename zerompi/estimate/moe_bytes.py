@@ -190,7 +190,7 @@ def format_moe(moe: dict) -> str:
 
 
 def pipeline_moe(dims: dict, ranks: int, chunks_of: Dict[int, List[int]], experts: int, ep: int, every: int,
-                 hidden: Optional[int], shared: int, dtype: str, opts: dict) -> dict:
+                 hidden: Optional[int], shared: int, dtype: str, opts: dict, topo: Optional[dict] = None) -> dict:
     """--pp P with --experts E --ep K: each pipeline stage's model states per rank, its chunks' engines apart. The
     stages are N/P ranks each (comm/mesh.py), stage s holds chunks ``chunks_of[s]`` (train/models/chunks.py's
     layers: the embeddings on the first, the final LayerNorm on the last); each chunk has a dense engine (its layers
@@ -198,10 +198,13 @@ def pipeline_moe(dims: dict, ranks: int, chunks_of: Dict[int, List[int]], expert
     (this EP rank's E/K experts of each, one layer per block, over the stage's N/(P·K) expert-data-parallel ranks:
     train/moe/stage_experts.py). Per ZeRO stage: the formulas (theory_bytes, unpadded) and the engines' padded
     layouts (the engine's buckets of each chunk's layers: what the run measures), summed over the stage's engines,
-    and the pipeline stage whose ranks hold the most."""
+    and the pipeline stage whose ranks hold the most. ``topo``: the world's ``node_size``, ``shard_size`` (ranks)
+    and ``hpz``: a node inside a stage or holding whole stages, a shard group inside a stage (comm/mesh.py); the
+    dense engines in the stage's nodes and shard groups, the expert engines in theirs (expert_topology)."""
     from ..engine.config import ZeroConfig
     from ..layout import FlatLayout
     from .plan import bucket_numel
+    from .levels import check_levels
     from .stages import estimate
     c, n_layer, vocab, seq = dims["d_model"], dims["n_layer"], dims["vocab"], dims["seq_len"]
     hidden, pp = hidden or 4 * c, len(chunks_of)
@@ -219,9 +222,23 @@ def pipeline_moe(dims: dict, ranks: int, chunks_of: Dict[int, List[int]], expert
     itemsize, cap = ZeroConfig(dtype=dtype).itemsize, bucket_numel(dtype, opts.get("bucket_mb", ZeroConfig.bucket_mb))
     keep = {k: v for k, v in opts.items() if k != "bucket_mb"}
 
-    def engine(sizes, world):           # (the engine's padded estimate, its Ψ) of layers of ``sizes``
-        layout = FlatLayout([(f"l{j}", [(f"l{j}.p", (n,))]) for j, n in enumerate(sizes)], world, cap, ZeroConfig.align)
-        return estimate(dtype=dtype, layout=layout, ranks=world, **keep), sum(sizes)
+    node, shard, hpz = stage_topology(ranks, pp, topo or {})
+    levels = {dp: check_levels(dp, node, shard, hpz)}
+    if ep > 1:
+        e_node, e_shard, _ = expert_topology(dp, ep, node, shard)
+        levels[dp // ep] = check_levels(dp // ep, e_node, e_shard, hpz) if dp > ep else \
+            check_levels(1, None, None, hpz)
+
+    def engine(sizes, world):           # (the engine's padded estimate, its Ψ, its Levels) of layers of ``sizes``
+        lv = levels[world]
+        layout = FlatLayout([(f"l{j}", [(f"l{j}.p", (n,))]) for j, n in enumerate(sizes)], lv.shard_size, cap,
+                            ZeroConfig.align * lv.replicas)
+        return estimate(dtype=dtype, layout=layout, ranks=world, node_size=lv.node_size, shard_size=lv.shard_size,
+                        hpz=hpz, **keep), sum(sizes), lv
+
+    def formula(z, psi, lv):            # the engine's memory_report "theory": over its shard group, hpZ's copy
+        return theory_bytes(z, psi, lv.shard_size, itemsize,
+                            secondary=psi / lv.k if z == 3 and lv.hpz_applies else 0)["total"]
 
     stages = []
     for s in range(pp):
@@ -234,19 +251,35 @@ def pipeline_moe(dims: dict, ranks: int, chunks_of: Dict[int, List[int]], expert
                 expert.append(engine([experts // ep * mlp for i in blocks if moe(i)], dp // ep))
         rows = []
         for z in range(4):
-            d = sum(theory_bytes(z, psi, dp, itemsize)["total"] for _, psi in dense)
-            e = sum(theory_bytes(z, psi, dp // ep, itemsize)["total"] for _, psi in expert)
-            dpad = sum(est["stages"][z]["model_state_bytes"] for est, _ in dense)
-            epad = sum(est["stages"][z]["model_state_bytes"] for est, _ in expert)
+            d = sum(formula(z, psi, lv) for _, psi, lv in dense)
+            e = sum(formula(z, psi, lv) for _, psi, lv in expert)
+            dpad = sum(est["stages"][z]["model_state_bytes"] for est, _, _ in dense)
+            epad = sum(est["stages"][z]["model_state_bytes"] for est, _, _ in expert)
+            places = {p: sum(est["stages"][z]["model_state_bytes_by_place"][p]["total"] for est, _, _ in dense + expert)
+                      for p in ("device", "host", "disk")}    # where offload puts them (all on the device without)
             rows.append({"stage": z, "dense_bytes": d, "expert_bytes": e, "model_state_bytes": d + e,
-                         "dense_padded_bytes": dpad, "expert_padded_bytes": epad, "padded_bytes": dpad + epad})
-        stages.append({"pipeline_stage": s, "chunks": list(chunks_of[s]), "dense_params": sum(p for _, p in dense),
-                       "expert_params": sum(p for _, p in expert), "ranks": dp, "expert_ranks": dp // ep,
+                         "dense_padded_bytes": dpad, "expert_padded_bytes": epad, "padded_bytes": dpad + epad,
+                         "padded_bytes_by_place": places})
+        stages.append({"pipeline_stage": s, "chunks": list(chunks_of[s]), "dense_params": sum(p for _, p, _ in dense),
+                       "expert_params": sum(p for _, p, _ in expert), "ranks": dp, "expert_ranks": dp // ep,
                        "zero_stages": rows,     # each engine's padded shard (elements): the replicas' files
-                       "shard_numel": [est["padded_params"] // est["shard_size"] for est, _ in dense + expert]})
+                       "shard_numel": [est["padded_params"] // est["shard_size"] for est, _, _ in dense + expert]})
     largest = [max(range(pp), key=lambda s: (stages[s]["zero_stages"][z]["padded_bytes"], -s)) for z in range(4)]
     return {"pp": pp, "ep": ep, "experts": experts, "chunks_per_stage": chunks // pp, "pipeline_stages": stages,
             "largest_stage": largest}
+
+
+def stage_topology(ranks: int, pp: int, topo: dict):
+    """(node_size, shard_size, hpz) of one pipeline stage's N/P ranks for the world's ``topo`` (node_size and
+    shard_size in ranks, or absent): a node inside a stage or holding whole stages (then the stage is one node), a
+    shard group inside a stage; ConfigError (one line) else, in comm/mesh.py's words."""
+    dp, node, shard = ranks // pp, topo.get("node_size"), topo.get("shard_size")
+    check(node is None or dp % node == 0 or node % dp == 0,
+          f"node_size={node} with pp={pp}: a node must lie inside one pipeline stage of {dp} ranks or hold whole "
+          f"stages; use a divisor or a multiple of {dp}")
+    check(shard is None or dp % shard == 0, f"shard_size={shard} with pp={pp}: a shard group must lie inside one "
+                                            f"pipeline stage of {dp} ranks; use a divisor of {dp}")
+    return (None if node is None else min(node, dp)), shard, bool(topo.get("hpz"))
 
 
 def format_pipeline_moe(pm: dict) -> str:
@@ -260,6 +293,9 @@ def format_pipeline_moe(pm: dict) -> str:
         out += [line(f"pp stage {s}: dense (over {st['ranks']})", [f"{r['dense_bytes']:,}" for r in rows]),
                 line(f"pp stage {s}: experts (over {st['expert_ranks']})", [f"{r['expert_bytes']:,}" for r in rows]),
                 line(f"pp stage {s}: padded layouts", [f"{r['padded_bytes']:,}" for r in rows])]
+        if any(r["padded_bytes_by_place"]["device"] != r["padded_bytes"] for r in rows):      # offloaded
+            out += [line(f"pp stage {s}:   on the {p}", [f"{r['padded_bytes_by_place'][p]:,}" for r in rows])
+                    for p in ("device", "host", "disk")]
     out.append(line("the largest pipeline stage", [str(s) for s in pm["largest_stage"]]))
     out.append("  formulas: each engine's theory_bytes (unpadded), as a run prints them; padded: the engines' buckets "
                "(what a run holds); chunk 0 holds the embeddings, the last chunk the final LayerNorm (docs/moe.md)")

@@ -103,7 +103,8 @@ class PipelineJob(Job):
         self.experts = None
         if cfg.moe.ep > 1:                         # each chunk's experts in an engine of their own, EP in the stage
             from .moe.stage_experts import StageExperts
-            self.experts = StageExperts(cfg, mesh, comm, self.model, self.runners, self._chunk_config())
+            self.experts = StageExperts(cfg, mesh, comm, self.model, self.runners, self._chunk_config(),
+                                        self.schedule.chunks)
         engines = {c: self._engine(c, xp) for c in self.local}
         if self.experts:
             self.experts.dense = engines
@@ -388,7 +389,7 @@ class PipelineJob(Job):
 
     def close(self) -> None:
         self.engines.close()                      # each engine removes its offload files ...
-        for e in self.engines:                    # ... and the chunk's folder goes once it is empty
+        for e in reversed(list(self.engines)):    # ... and the chunk's folder goes once empty (its experts' first)
             folder = e.config.offload_dir
             if folder is not None and folder != self.cfg.zero.offload_dir:
                 try:

@@ -6,7 +6,6 @@ Modules:
 - stream: FileRows, the rows in a file, two generations, streamed through a few buffers
 - files: the files themselves, whose every read is checked against what was written
 - owner: each file's owner, and the start-up check that removes the files of ended runs
-- checksum: the records' hash (a small C kernel)
 """
 from .files import OffloadError, OffloadFile
 from .owner import check_dir

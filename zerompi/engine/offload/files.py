@@ -19,7 +19,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 
 from ...errors import ConfigError, JobError
-from .checksum import checksum_function
+from ...checkpoint.checksums import checksum_function
 from .owner import HEADER_BYTES, header_bytes, this_owner
 
 CHUNK = 1 << 19        # bytes read or written, then hashed, at a time: a chunk stays in the L2 cache

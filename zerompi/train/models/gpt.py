@@ -59,7 +59,7 @@ class GPT:
         self.experts_apart = False             # --ep > 1: the experts live in an engine of their own (moe/ep_mlp.py)
         if moe is not None:
             from ..moe.block import MoEBlocks
-            self.moe_blocks = MoEBlocks(moe, xp, dtype, heads, self.tp, self.sp)
+            self.moe_blocks = MoEBlocks(moe, xp, dtype, heads, self.tp, self.sp, self.layers)
 
     @property
     def activation_bytes(self):
@@ -201,7 +201,7 @@ class GPT:
         if i == 0:
             return self.embed_forward(params, x, ws)
         if i <= self.n_layer and self.is_moe(i - 1):
-            return self.moe_blocks.block_forward(self._cast(params, self.block_names(i - 1)), x, i - 1)
+            return self.moe_blocks.block_forward(self._cast(params, self.block_names(i - 1)), x, i - 1, ws, i)
         if i <= self.n_layer:
             return self.layers.block_forward(self._cast(params, self.block_names(i - 1), ws), x, ws, i)
         p = self._cast(params, {"g": "ln_f.g", "b": "ln_f.b"})
@@ -215,7 +215,7 @@ class GPT:
         if i <= self.n_layer:
             names = self.block_names(i - 1)
             if self.is_moe(i - 1):
-                dx, g = self.moe_blocks.block_backward(self._cast(params, names), cache, dy)
+                dx, g = self.moe_blocks.block_backward(self._cast(params, names), cache, dy, ws, i)
             else:
                 dx, g = self.layers.block_backward(self._cast(params, names, ws), cache, dy, ws, i)
             return dx, {names[k]: v for k, v in g.items()}
@@ -226,12 +226,13 @@ class GPT:
     def backward_layer_parts(self, i: int, params, cache, dy, ws: Workspace = FRESH):
         """(dx, weights) of block or final LayerNorm i >= 1: ``weights()`` -> {param name: grad} later, from the
         layer's own buffers (a zero-bubble schedule's B, then W; the same bits as backward_layer)."""
-        if i <= self.n_layer and self.is_moe(i - 1):
-            dx, grads = self.backward_layer(i, params, cache, dy, ws)     # W with B (no pipeline with MoE yet)
-            return dx, lambda: grads
         if i <= self.n_layer:
             names = self.block_names(i - 1)
-            dx, weights = self.layers.block_backward_parts(self._cast(params, names, ws), cache, dy, ws, i, keep=True)
+            if self.is_moe(i - 1):       # the MoE MLP's gradients with B (its exchanges), the attention's in W
+                dx, weights = self.moe_blocks.block_backward_parts(self._cast(params, names), cache, dy, ws, i, True)
+            else:
+                dx, weights = self.layers.block_backward_parts(self._cast(params, names, ws), cache, dy, ws, i,
+                                                               keep=True)
             return dx, lambda: {names[k]: v for k, v in weights().items()}
         dx, grads = self.backward_layer(i, params, cache, dy, ws)
         return dx, lambda: grads

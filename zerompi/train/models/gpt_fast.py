@@ -132,11 +132,20 @@ class FusedLayers:
         self.k.layernorm_bwd(self._flat(dy), x2, mean, rstd, np.ascontiguousarray(g), None, dx, dg, db)
         return dx.reshape(dy.shape), dg, db
 
-    # ---- a transformer block ---------------------------------------------------------------
-    def block_forward(self, p, x, ws: Workspace = FRESH, key=None):
+    # ---- a transformer block ----------------------------------------------------------------
+    def _grads(self, p, names, ws: Workspace, key, keep: bool) -> Dict[str, np.ndarray]:
+        """The gradient buffers of ``names``: those computed with the input gradient (KEPT_GRADS) in the layer's
+        own when ``keep``, the rest (and all without ``keep``) in buffers every block shares."""
+        shared = lambda name, shape: ws.get(("block", name), shape, self.dtype)
+        kept = (lambda name, shape: ws.get((key, name), shape, self.dtype)) if keep else shared
+        return {name: (kept if name in KEPT_GRADS else shared)("g." + name, self._p(p, name).shape) for name in names}
+
+    def attention_half_forward(self, p, x, ws: Workspace = FRESH, key=None):
+        """(x1, m, cache) of a block's attention half: x1 = x + proj(attention(ln1(x))) and m = ln2(x1), both
+        (B*T, C) in the layer's own buffers; what the MLP half reads (the dense MLP, or moe/block.py's MoE)."""
         k, dt = self.k, self.dtype
         B, T, C = x.shape
-        n, c, hidden = B * T, p["qkv.w"].shape[1] // 3, p["fc.w"].shape[1]     # c, hidden: this TP rank's
+        n, c = B * T, p["qkv.w"].shape[1] // 3                 # c: this TP rank's
         own = lambda name, shape: ws.get((key, name), shape, dt)
         x2 = self._flat(x)
         a, mu1, rs1 = own("a", (n, C)), own("mu1", (n,)), own("rs1", (n,))
@@ -151,38 +160,18 @@ class FusedLayers:
         k.bias_residual(x1, x2, self._p(p, "proj.b"))
         m, mu2, rs2 = own("m", (n, C)), own("mu2", (n,)), own("rs2", (n,))
         k.layernorm_fwd(x1, self._p(p, "ln2.g"), self._p(p, "ln2.b"), m, mu2, rs2, LN_EPS)
-        f, gf = own("f", (n, hidden)), own("gf", (n, hidden))
-        np.matmul(m, self._p(p, "fc.w"), out=f)
-        k.gelu_fwd(f, self._p(p, "fc.b"), gf)
-        out = own("out", (n, C))
-        np.matmul(gf, self._p(p, "out.w"), out=out)
-        self.reduce(out)
-        k.bias_residual(out, x1, self._p(p, "out.b"))
-        return out.reshape(B, T, C), (x2, mu1, rs1, a, attn, y, x1, mu2, rs2, m, f, gf)
+        return x1, m, (x2, mu1, rs1, a, attn, y, x1, mu2, rs2, m)
 
-    def block_backward(self, p, cache, dout, ws: Workspace = FRESH, key=None):
-        """(dx, {short name: grad}) of one block."""
-        dx, weights = self.block_backward_parts(p, cache, dout, ws, key)
-        return dx, weights()
-
-    def block_backward_parts(self, p, cache, dout, ws: Workspace = FRESH, key=None, keep: bool = False):
-        """(dx, weights) of one block: ``weights()`` -> {short name: grad} runs the four weight-gradient matrix
-        multiplies and their bias sums (a zero-bubble schedule's W). What it reads lives in buffers every block
-        shares, unless ``keep``: then in the layer's own, valid until its next backward. The same bits."""
+    def attention_half_backward(self, p, cache, dm, dout2, g, ws: Workspace = FRESH, key=None, keep: bool = False):
+        """(dx (B*T, C), weights) of :meth:`attention_half_forward`'s ``cache`` for dm, the gradient of m, and
+        dout2, of x1 by the residual (both (B*T, C)); the LayerNorms' gradients into ``g`` now, ``weights()``
+        the projections' (proj, qkv) into ``g`` later, from the layer's own buffers when ``keep``."""
         k, dt = self.k, self.dtype
-        x2, mu1, rs1, a, attn, y, x1, mu2, rs2, m, f, gf = cache
+        x2, mu1, rs1, a, attn, y, x1, mu2, rs2, m = cache
         n, C = x2.shape
-        c, hidden = y.shape[1], f.shape[1]          # this TP rank's channels of its heads, of the MLP
+        c = y.shape[1]                                        # this TP rank's channels of its heads
         shared = lambda name, shape: ws.get(("block", name), shape, dt)
         kept = (lambda name, shape: ws.get((key, name), shape, dt)) if keep else shared
-        g = {name: (kept if name in KEPT_GRADS else shared)("g." + name, self._p(p, name).shape) for name in p}
-        dout2 = self._flat(dout)
-        dz = kept("dz", (n, hidden))
-        np.matmul(dout2, self._p(p, "out.w").T, out=dz)
-        k.gelu_bwd(dz, f, g["fc.b"])
-        dm = shared("dm", (n, C))
-        np.matmul(dz, self._p(p, "fc.w").T, out=dm)
-        self.reduce(dm)                                       # column-parallel under TP
         dx1 = ws.get((key, "dx1"), (n, C), dt)
         k.layernorm_bwd(dm, x1, mu2, rs2, self._p(p, "ln2.g"), dout2, dx1, g["ln2.g"], g["ln2.b"])
         dy = shared("dy", (n, c))
@@ -195,13 +184,57 @@ class FusedLayers:
         k.layernorm_bwd(da, x2, mu1, rs1, self._p(p, "ln1.g"), dx1, dx, g["ln1.g"], g["ln1.b"])
 
         def weights():
-            np.matmul(gf.T, dout2, out=g["out.w"])
-            dout2.sum(axis=0, out=g["out.b"])
-            np.matmul(m.T, dz, out=g["fc.w"])
             np.matmul(y.T, dx1, out=g["proj.w"])
             dx1.sum(axis=0, out=g["proj.b"])
             np.matmul(a.T, dqkv, out=g["qkv.w"])
             dqkv.sum(axis=0, out=g["qkv.b"])
+        return dx, weights
+
+    def block_forward(self, p, x, ws: Workspace = FRESH, key=None):
+        k, dt = self.k, self.dtype
+        B, T, C = x.shape
+        n, hidden = B * T, p["fc.w"].shape[1]                 # hidden: this TP rank's
+        own = lambda name, shape: ws.get((key, name), shape, dt)
+        x1, m, half = self.attention_half_forward(p, x, ws, key)
+        f, gf = own("f", (n, hidden)), own("gf", (n, hidden))
+        np.matmul(m, self._p(p, "fc.w"), out=f)
+        k.gelu_fwd(f, self._p(p, "fc.b"), gf)
+        out = own("out", (n, C))
+        np.matmul(gf, self._p(p, "out.w"), out=out)
+        self.reduce(out)
+        k.bias_residual(out, x1, self._p(p, "out.b"))
+        return out.reshape(B, T, C), half + (f, gf)
+
+    def block_backward(self, p, cache, dout, ws: Workspace = FRESH, key=None):
+        """(dx, {short name: grad}) of one block."""
+        dx, weights = self.block_backward_parts(p, cache, dout, ws, key)
+        return dx, weights()
+
+    def block_backward_parts(self, p, cache, dout, ws: Workspace = FRESH, key=None, keep: bool = False):
+        """(dx, weights) of one block: ``weights()`` -> {short name: grad} runs the four weight-gradient matrix
+        multiplies and their bias sums (a zero-bubble schedule's W). What it reads lives in buffers every block
+        shares, unless ``keep``: then in the layer's own, valid until its next backward. The same bits."""
+        k, dt = self.k, self.dtype
+        half, (f, gf) = cache[:-2], cache[-2:]
+        m = half[-1]
+        n, hidden = f.shape                          # this TP rank's hidden
+        shared = lambda name, shape: ws.get(("block", name), shape, dt)
+        kept = (lambda name, shape: ws.get((key, name), shape, dt)) if keep else shared
+        g = self._grads(p, p, ws, key, keep)
+        dout2 = self._flat(dout)
+        dz = kept("dz", (n, hidden))
+        np.matmul(dout2, self._p(p, "out.w").T, out=dz)
+        k.gelu_bwd(dz, f, g["fc.b"])
+        dm = shared("dm", (n, m.shape[1]))
+        np.matmul(dz, self._p(p, "fc.w").T, out=dm)
+        self.reduce(dm)                                       # column-parallel under TP
+        dx, attention_weights = self.attention_half_backward(p, half, dm, dout2, g, ws, key, keep)
+
+        def weights():
+            np.matmul(gf.T, dout2, out=g["out.w"])
+            dout2.sum(axis=0, out=g["out.b"])
+            np.matmul(m.T, dz, out=g["fc.w"])
+            attention_weights()
             return g
         return dx.reshape(dout.shape), weights
 

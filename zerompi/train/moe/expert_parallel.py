@@ -93,32 +93,34 @@ def trace_path(path, j: int, k: int):
     return f"{root}.ep{j}-of-{k}{ext or '.json'}"
 
 
-def offload_dir(z):
-    """The expert engine's offload files (nvme) in a folder of their own, ``DIR/experts`` (made here): each engine
-    names its files by its rank in its own group, so the dense and the expert engine's would meet in DIR."""
+def offload_dir(z, folder=None):
+    """The expert engine's offload files (nvme) in a folder of their own, ``experts`` under ``folder`` (its dense
+    engine's: DIR, or a pipeline chunk's DIR/pp{c}-of-{C}; made here): each engine names its files by its rank in
+    its own group, so the dense and the expert engine's would meet in one folder."""
     if z.offload_dir is None or "nvme" not in (z.offload_optimizer, z.offload_params):
         return z.offload_dir
-    path = os.path.join(z.offload_dir, "experts")
+    path = os.path.join(folder or z.offload_dir, "experts")
     os.makedirs(path, exist_ok=True)
     return path
 
 
-def expert_groups(cfg, comm):
+def expert_groups(cfg, comm, stage=None):
     """(node_size, shard_size, per_node) of the expert engine's group (estimate/moe_bytes.expert_topology), from
     the world's nodes (--node-size, $ZEROMPI_NODE_SIZE or MPI's; a collective) and --shard-size, in data-parallel
-    ranks. AgreedConfigError (one line, printed once) where the EP groups cut a node or a shard group, or the
-    ranks are not placed in blocks per node."""
+    ranks; ``stage``: the world ranks of one pipeline stage (its EP groups are of its data-parallel ranks, a node
+    inside it or holding whole stages: comm/mesh.py), None without --pp. AgreedConfigError (one line, printed
+    once) where the EP groups cut a node or a shard group, or the ranks are not placed in blocks per node."""
     from ...comm.topology import placement_from
     from ...errors import AgreedConfigError
     from ...estimate.moe_bytes import expert_topology
     K, T = cfg.moe.ep, cfg.mesh.tp
-    dp = comm.size // T
+    ranks = stage or comm.size
     p, order = placement_from(comm.mpi, cfg.mesh.node_size)
     if order is not None:
         raise AgreedConfigError(f"--ep {K}: the ranks are not placed in blocks per node; place them in blocks "
                                 "(mpiexec's block mapping)")
     shard = cfg.mesh.shard_size
-    return expert_topology(dp, K, max(p // T, 1), shard // T if shard else None)
+    return expert_topology(ranks // T, K, max(min(p, ranks) // T, 1), shard // T if shard else None)
 
 
 class ExpertParallel:

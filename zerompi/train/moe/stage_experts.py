@@ -8,6 +8,9 @@ blocks, ZeRO over the stage's expert-data-parallel ranks, the gradients handed i
 train/moe/expert_parallel.py), beside the chunk's dense engine. The step is decided once over the ranks of one
 EP group index across the stages (pipeline/step.py): every dense engine's totals counted on EP rank 0, every
 expert engine's on its own rank; the digest joins each chunk's experts in model order as the unpipelined run's.
+Over nodes, shard groups and hpZ the expert engines reduce as an unpipelined run of the stage's ranks does (the
+node map of the stage's expert-data-parallel group: expert_parallel.expert_groups), so a stage's experts get the
+bits of that run; each chunk's expert engine offloads to a folder of its own, DIR/pp{c}-of-{C}/experts.
 Checkpoints and the in-memory replicas: each chunk's expert engine a part of its own beside the chunk's dense one
 (with --tp in its TP rank's folder; train/moe/checkpoints.py's StageMoECheckpoints). docs/moe.md.
 """
@@ -15,23 +18,15 @@ from types import SimpleNamespace
 
 from ...comm.subcomm import split
 from ...errors import check
-from .expert_parallel import engine_configs, split_experts, whole_params
+from .expert_parallel import engine_configs, expert_groups, offload_dir, split_experts, whole_params
 
 
 def check_job(cfg) -> None:
-    """ConfigError (one line) where --pp with --ep meets what it does not compose with yet: the simulated world;
-    the stage's expert engines over nodes, shard groups or offload (they run the flat reduce, in the chunk's
-    folder)."""
+    """ConfigError (one line) where --pp with --ep meets what it does not compose with yet: the simulated world."""
     if cfg.mesh.pp == 1 or cfg.moe.ep == 1:
         return
-    z = cfg.zero
-    for name, given in (("--simulate-world", bool(cfg.simulate_world)),
-                        ("--node-size", cfg.mesh.node_size is not None), ("--hpz", bool(z.hpz)),
-                        ("--shard-size", cfg.mesh.shard_size is not None),
-                        ("--offload-optimizer", z.offload_optimizer != "none"),
-                        ("--offload-params", z.offload_params != "none")):
-        check(not given, f"{name} with --pp {cfg.mesh.pp} --ep {cfg.moe.ep} is not supported yet (docs/moe.md); "
-                         "drop one of them")
+    check(not cfg.simulate_world, f"--simulate-world with --pp {cfg.mesh.pp} --ep {cfg.moe.ep} is not supported yet "
+                                  "(docs/moe.md); drop one of them")
 
 
 def check_world(cfg, world_size: int) -> None:
@@ -57,12 +52,16 @@ class StageExperts:
     """This rank's part of --ep in a pipelined run: ``ep`` (EPComm of its stage), ``edp`` (its expert-data-parallel
     Communicator), ``engines`` ({model chunk: expert engine}, chunks with MoE blocks only), ``dense_layers``
     ({chunk: its lazy layers without the experts}, for the chunks' dense engines); ``group``: the step's group
-    (an object with ``mpi``, ``waiting``, ``ranks``) and ``lead``: whether this rank counts the dense totals."""
+    (an object with ``mpi``, ``waiting``, ``ranks``) and ``lead``: whether this rank counts the dense totals.
+    ``chunks``: the model's chunks (they name each chunk's offload folder)."""
 
-    def __init__(self, cfg, mesh, comm, model, runners, chunk_config):
+    def __init__(self, cfg, mesh, comm, model, runners, chunk_config, chunks: int):
+        from dataclasses import replace
         from ...comm.communicator import Communicator
         from ...comm.ep_alltoall import EPComm
+        from ...comm.meshconfig import MeshConfig
         from ...engine.zero_engine import ZeroEngine
+        from ...pipeline.engines import offload_folder
         from ...pipeline.grads import GradSink
         from .ep_mlp import ExpertStore
         K = self.k = cfg.moe.ep
@@ -75,6 +74,9 @@ class StageExperts:
         self.group = SimpleNamespace(mpi=step_mpi, waiting=comm.waiting, ranks=[
             r for r in range(comm.size) if _color(mesh, r, False, group_of) == mine])
         self.lead = self.ep.rank == 0
+        # the nodes and shard groups of the expert engines' group, as an unpipelined run of the stage's ranks has
+        node_size, shard_size, per_node = expert_groups(cfg, comm, mesh.dp * mesh.sp * mesh.tp)
+        topology = MeshConfig(node_size=node_size, shard_size=shard_size)
         self.engines, self.dense_layers, self.order, where = {}, {}, {}, {}
         per_step = cfg.pipeline.grad_reduce == "step"
         for chunk, runner in sorted(runners.items()):
@@ -84,7 +86,9 @@ class StageExperts:
             self.dense_layers[chunk] = dense
             if not experts:                   # a chunk of dense blocks only (--moe-every)
                 continue
-            engine = ZeroEngine(experts, engine_configs(chunk_config, dense, experts)[1], self.edp, sources=K)
+            zc = engine_configs(chunk_config, dense, experts)[1]    # its files beside the chunk's dense engine's
+            zc = replace(zc, offload_dir=offload_dir(zc, offload_folder(zc, chunk, chunks)))
+            engine = ZeroEngine(experts, zc, self.edp, sources=K, mesh_config=topology, sources_per_node=per_node)
             sink = GradSink(engine, cfg.pipeline.grad_reduce, cfg.zero.micro_batches) if per_step \
                 else engine.grads_ready
             self.engines[chunk] = engine
