@@ -101,6 +101,7 @@ def test_replicas_and_optimizer_equal_the_runs(runs, tmp_path, which):
 REPLICA_MESHES = [(["--stage", "3", "--tp", "2", "--node-size", "2"], 2),
                   (["--stage", "1", "--sp", "2", "--node-size", "2"], 2),
                   (["--stage", "3", *MOE_OPTS, "--ep", "2"], 4),         # nodes: $ZEROMPI_NODE_SIZE (--ep)
+                  (["--stage", "1", "--tp", "2", *MOE_OPTS, "--ep", "2"], 4),   # a TP rank's dense share, experts
                   (["--stage", "2", *MOE_OPTS, "--ep", "1", "--node-size", "2"], 2),
                   (["--stage", "3", "--node-size", "2", "--shard-size", "2"], 1),   # whole nodes: mirrored
                   (["--stage", "3", "--node-size", "1", "--shard-size", "2"], 2)]
@@ -108,9 +109,9 @@ REPLICA_MESHES = [(["--stage", "3", "--tp", "2", "--node-size", "2"], 2),
 
 def test_replicas_with_tp_sp_ep_and_shard_groups_equal_the_runs_shard_files(tmp_path):
     """--replicas at N = 4 with --tp 2, --sp 2, --experts 4 --ep 2 (two engines: the dense shard and this EP
-    rank's experts'), --ep 1, and shard groups of whole nodes (the buddy holds the same shard: one file) or not:
-    the CLI's bytes equal the shard files the run's folder held, to the byte, and the run's own formula; the rest
-    of its shared memory is the manifests."""
+    rank's experts'; with --tp 2 too), --ep 1, and shard groups of whole nodes (the buddy holds the same shard: one
+    file) or not: the CLI's bytes equal the shard files the run's folder held, to the byte, and the run's own
+    formula; the rest of its shared memory is the manifests."""
     job = f"est-rep-{os.getpid()}"
     base = MOE[:MOE.index("--experts")] + ["--steps", "2", "--eval-every", "0", "--dtype", "fp16"]
     configs = [base + flags + ["--replicas", f"{job}-{i}"] for i, (flags, _) in enumerate(REPLICA_MESHES)]
@@ -237,7 +238,10 @@ BAD = [
     (GPT + ["--top-k", "1"], "top_k=1 (--top-k) applies with --experts only"),
     (GPT + ["--experts", "4", "--shared-experts", "-1"], "shared_experts=-1 must be an integer >= 0"),
     (GPT + ["--shared-experts", "1"], "shared_experts=1 (--shared-experts) applies with --experts only"),
-    (GPT + ["--experts", "4", "--tp", "2"], "--tp with --experts 4 is not estimated yet (the run takes it"),
+    (GPT + ["--experts", "4", "--tp", "2", "--ep", "2", "--node-size", "2"],
+     "--node-size (with --tp 2 --ep 2) with --experts 4 is not estimated yet (the run takes it"),
+    (GPT + ["--experts", "4", "--tp", "4", "--ep", "2"], "ep=2 does not divide the 1 data-parallel ranks"),
+    (GPT + ["--experts", "4", "--tp", "3"], "tp=3 does not divide the 4 ranks"),
     (GPT + ["--experts", "4", "--optimizer", "muon"], "--optimizer muon with --experts 4 is not supported yet"),
     (GPT + ["--experts", "4", "--ep", "4", "--node-size", "2", "--shard-size", "2"],
      "--ep 4 with --shard-size 2: an EP group must fit in a shard group"),       # nodes: tests/test_moe_nodes.py

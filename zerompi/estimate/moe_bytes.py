@@ -73,31 +73,57 @@ def check_moe(experts: int, ep: int, top_k: int, every: int, hidden: Optional[in
                            f"the experts, so use a divisor of {ranks}")
 
 
+def block_sizes(c: int, n_layer: int, experts: int, mlp: int, every: int, shared: int, ep: int,
+                tp: int = 1) -> List[int]:
+    """The elements of each block on one TP rank of ``tp``, without the routed experts at --ep K > 1 (the expert
+    engine's): a dense block's 12C² + 7C split over the TP ranks and 6C whole (tp_bytes.py); an MoE block's
+    attention 4C² + 3C split and 5C whole (its LayerNorms and the projection's bias), its router C·E, shared
+    experts and (at --ep 1) routed experts whole on every TP rank (train/moe/block.py)."""
+    return [(4 * c * c + 3 * c) // tp + 5 * c + c * experts + shared * mlp + (experts * mlp if ep == 1 else 0)
+            if (i + 1) % every == 0 else (12 * c * c + 7 * c) // tp + 6 * c for i in range(n_layer)]
+
+
+def moe_tp_bytes(tp: int, blocks: int, n_layer: int, rows: int, t: int, c: int, micro_batches: int,
+                 checkpointed: bool = False) -> int:
+    """The TP all-reduce bytes one rank sends per step in the MoE GPT: per micro-batch 4 per dense block and 2 per
+    MoE block (its attention's; the experts are whole), 6 and 3 with activation checkpointing, each of
+    rows·T·C float32 values of which 2(K-1)/K leave the rank (tp_bytes.py)."""
+    calls = (6 if checkpointed else 4) * (n_layer - blocks) + (3 if checkpointed else 2) * blocks
+    return micro_batches * calls * 2 * (tp - 1) * (rows * t * c // tp) * 4
+
+
 def gpt_moe(dims: dict, ranks: int, experts: int, ep: int, top_k: int, every: int, hidden: Optional[int],
-            micro_batches: int, itemsize: int, shared: int = 0) -> dict:
+            micro_batches: int, itemsize: int, shared: int = 0, tp: int = 1) -> dict:
     """The MoE section of the estimate for the GPT of ``dims`` (activations.GPT_FLAGS) over ``ranks``: its dense
     and expert parameters, each stage's dense and expert model states per rank, the all-to-all's bytes per rank
     per step, and the engine layers the ZeRO table takes (the whole model at --ep 1, one engine; the dense
-    engine's at --ep K > 1: the experts are the second engine's)."""
+    engine's at --ep K > 1: the experts are the second engine's). With ``tp`` T > 1 the ranks are T-rank TP groups
+    (train/moe/expert_parallel.py): the dense engine holds a TP rank's share (block_sizes) over the N/T
+    data-parallel ranks, the expert engine its EP rank's E/K experts whole over the N/(T·K) ranks holding them."""
     c, n_layer, hidden = dims["d_model"], dims["n_layer"], hidden or 4 * dims["d_model"]
     dense, expert = gpt_moe_params(dims["vocab"], dims["seq_len"], c, n_layer, experts, hidden, every, shared)
     blocks = sum(1 for i in range(n_layer) if (i + 1) % every == 0)
     mlp = 2 * c * hidden + hidden + c                   # one expert's (routed or shared)
-    moe_block = 4 * c * c + 8 * c + c * experts + shared * mlp + (experts * mlp if ep == 1 else 0)
-    layers = [dims["vocab"] * c + dims["seq_len"] * c] + [
-        moe_block if (i + 1) % every == 0 else 12 * c * c + 13 * c for i in range(n_layer)] + [2 * c]
-    tokens = dims["batch"] // (ranks * micro_batches) * dims["seq_len"]
+    layers = [dims["vocab"] * c + dims["seq_len"] * c] + \
+        block_sizes(c, n_layer, experts, mlp, every, shared, ep, tp) + [2 * c]
+    dp = ranks // tp                                    # the data-parallel ranks: ZeRO's, and the EP groups'
+    local = sum(layers) - (0 if ep > 1 else expert)     # the dense engine's parameters on one TP rank
+    tokens = dims["batch"] // (dp * micro_batches) * dims["seq_len"]
     rows = []                 # the formulas (engine/memory.py's theory_bytes, unpadded), as the run prints them
     for stage in range(4):
-        st = moe_states(stage, itemsize, ranks, ep, dense, expert)
+        st = moe_states(stage, itemsize, dp, ep, local, expert)
         rows.append({"stage": stage, "dense_bytes": st["dense"]["total"], "expert_bytes": st["experts"]["total"],
                      "model_state_bytes": st["dense"]["total"] + st["experts"]["total"]})
-    return {"experts": experts, "shared_experts": shared, "ep": ep, "top_k": top_k, "moe_every": every,
-            "expert_hidden": hidden,
-            "moe_blocks": blocks, "dense_params": dense, "expert_params": expert, "ranks": ranks,
-            "expert_ranks": ranks // ep, "tokens_per_micro_batch": tokens, "stages": rows,
-            "all_to_all_bytes_per_step": all_to_all_bytes(ep, experts, top_k, c, tokens, blocks, micro_batches),
-            "table_params": sum(layers), "table_largest_layer": max(layers)}
+    out = {"experts": experts, "shared_experts": shared, "ep": ep, "top_k": top_k, "moe_every": every,
+           "expert_hidden": hidden,
+           "moe_blocks": blocks, "dense_params": dense, "expert_params": expert, "ranks": dp,
+           "expert_ranks": dp // ep, "tokens_per_micro_batch": tokens, "stages": rows,
+           "all_to_all_bytes_per_step": all_to_all_bytes(ep, experts, top_k, c, tokens, blocks, micro_batches),
+           "table_params": sum(layers), "table_largest_layer": max(layers), "tp": tp}
+    if tp > 1:
+        out.update(dense_params_per_tp_rank=local, tp_bytes_per_step=moe_tp_bytes(
+            tp, blocks, n_layer, dims["batch"] // (dp * micro_batches), dims["seq_len"], c, micro_batches))
+    return out
 
 
 def expert_topology(ranks: int, ep: int, node_size: Optional[int], shard_size: Optional[int]):
@@ -168,7 +194,9 @@ def format_moe(moe: dict) -> str:
     out = ["", f"mixture of experts: {moe['experts']} experts{shared} (top-{moe['top_k']}, hidden "
                f"{moe['expert_hidden']}) in "
                f"{moe['moe_blocks']} of the blocks, --ep {k}: Ψ = {moe['dense_params']:,} dense + "
-               f"{moe['expert_params']:,} expert parameters",
+               f"{moe['expert_params']:,} expert parameters" +
+               (f"; --tp {moe['tp']}: a TP rank's dense share {moe['dense_params_per_tp_rank']:,}, its experts whole"
+                if moe.get("tp", 1) > 1 else ""),
            line("bytes per rank", [f"stage {r['stage']}" for r in rows]),
            line(f"dense states (over {moe['ranks']})", [f"{r['dense_bytes']:,}" for r in rows]),
            line(f"expert states (E/K over {moe['expert_ranks']})", [f"{r['expert_bytes']:,}" for r in rows]),
