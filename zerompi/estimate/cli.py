@@ -325,8 +325,10 @@ def _pipeline_moe(a, opts) -> dict:
               a.shared_experts or 0)
     s = actions.read(a.schedule_file) if a.schedule_file else \
         schedules.make(a.schedule or "1f1b", a.pp, a.micro_batches, a.chunks or 1)
+    check(a.tp == 1 or (a.d_model % a.tp == 0 and a.n_head % a.tp == 0),
+          f"tp={a.tp} does not divide d_model={a.d_model} and n_head={a.n_head}; use a divisor of both")
     return pipeline_moe(dims, a.ranks, {r: s.chunks_of(r) for r in range(a.pp)}, a.experts, ep, every,
-                        a.expert_hidden, a.shared_experts or 0, a.dtype, opts)
+                        a.expert_hidden, a.shared_experts or 0, a.dtype, opts, top_k, a.tp)
 
 
 def _pipeline_replicas(a, opts) -> dict:
@@ -360,7 +362,8 @@ def _pipeline(a, opts) -> int:
     """``--pp P``: the schedule's bubble and activations; with --params, --ranks: one stage's table (pipeline.py)."""
     from .pipeline import format_pipeline, parse_costs, pipeline_estimate, stage_estimate
     check(a.pp is not None, "--schedule, --schedule-file, --chunks and --costs need --pp P (the pipeline stages)")
-    on = {"--tp": a.tp != 1, "--sp": a.sp != 1, "--hpz": a.hpz, "--checkpoint-activations": a.checkpoint_activations}
+    on = {"--tp": a.tp != 1 and a.experts is None, "--sp": a.sp != 1, "--hpz": a.hpz,   # --tp: the MoE GPT's stages
+          "--checkpoint-activations": a.checkpoint_activations}
     with_pp = REPLICAS_WITH_PP if a.replicas else GPT_FLAGS if a.experts is not None else ()   # they price them
     alone = [k for k in PIPELINE_ALONE if k not in with_pp]
     other = [f"--{k.replace('_', '-')}" for k in alone if getattr(a, k) is not None] + [f for f in on if on[f]]

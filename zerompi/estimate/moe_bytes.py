@@ -219,15 +219,20 @@ def format_moe(moe: dict) -> str:
 
 
 def pipeline_moe(dims: dict, ranks: int, chunks_of: Dict[int, List[int]], experts: int, ep: int, every: int,
-                 hidden: Optional[int], shared: int, dtype: str, opts: dict) -> dict:
-    """--pp P with --experts E --ep K: each pipeline stage's model states per rank, its chunks' engines apart. The
-    stages are N/P ranks each (comm/mesh.py), stage s holds chunks ``chunks_of[s]`` (train/models/chunks.py's
-    layers: the embeddings on the first, the final LayerNorm on the last); each chunk has a dense engine (its layers
-    without the experts, over the stage's N/P ranks) and, where it holds MoE blocks and K > 1, an expert engine
-    (this EP rank's E/K experts of each, one layer per block, over the stage's N/(P·K) expert-data-parallel ranks:
-    train/moe/stage_experts.py). Per ZeRO stage: the formulas (theory_bytes, unpadded) and the engines' padded
-    layouts (the engine's buckets of each chunk's layers: what the run measures), summed over the stage's engines,
-    and the pipeline stage whose ranks hold the most."""
+                 hidden: Optional[int], shared: int, dtype: str, opts: dict, top_k: int = 2, tp: int = 1) -> dict:
+    """--pp P with --experts E --ep K: each pipeline stage's model states per rank, its chunks' engines apart, their
+    ZeRO bytes per step and its ranks' all-to-all. The stages are N/P ranks each (comm/mesh.py), stage s holds chunks
+    ``chunks_of[s]`` (train/models/chunks.py's layers: the embeddings on the first, the final LayerNorm on the last);
+    each chunk has a dense engine (its layers without the experts, a TP rank's share of them with ``tp`` T > 1:
+    block_sizes, over the stage's N/(P·T) data-parallel ranks) and, where it holds MoE blocks and K > 1, an expert
+    engine (this EP rank's E/K experts of each, whole, one layer per block, over the stage's N/(P·T·K)
+    expert-data-parallel ranks, each reduce-scatter carrying the K sources' partials: train/moe/stage_experts.py).
+    Per ZeRO stage: the formulas (theory_bytes, unpadded) and the engines' padded layouts (the engine's buckets of
+    each chunk's layers: what the run measures), summed over the stage's engines, their ZeRO bytes per step (each
+    chunk's engine reduces per micro-batch: --pp-grad-reduce micro-batch, the run's default), and the pipeline stage
+    whose ranks hold the most. The all-to-all: a rank of stage s exchanges for its own MoE blocks only (balanced,
+    dropless: all_to_all_bytes)."""
+    from collections import Counter
     from ..engine.config import ZeroConfig
     from ..layout import FlatLayout
     from .plan import bucket_numel
@@ -238,58 +243,89 @@ def pipeline_moe(dims: dict, ranks: int, chunks_of: Dict[int, List[int]], expert
     check(n_layer % chunks == 0, f"n_layer={n_layer} is not divisible into {chunks} equal chunks of blocks; use a "
                                  f"multiple of {chunks}")
     check(ranks % pp == 0, f"pp={pp} does not divide ranks={ranks}; each stage holds ranks/pp of them")
-    dp = ranks // pp
+    check((ranks // pp) % tp == 0, f"tp={tp} does not divide the {ranks // pp} ranks of each pipeline stage ({ranks} "
+                                   f"ranks / pp {pp}); use a divisor of {ranks // pp}")
+    dp = ranks // pp // tp
     check(dp % ep == 0, f"ep={ep} does not divide the {dp} data-parallel ranks of each pipeline stage ({ranks} ranks "
-                        f"/ pp {pp}); use a divisor of {dp}")
+                        f"/ pp {pp}" + (f" / tp {tp}" if tp > 1 else "") + f"); use a divisor of {dp}")
+    mb = opts.get("micro_batches", 1)
+    check(dims["batch"] % (dp * mb) == 0, f"batch={dims['batch']} does not split over {dp} data-parallel ranks x "
+                                          f"{mb} micro-batches")
     mlp, per = 2 * c * hidden + hidden + c, n_layer // chunks
     moe = lambda i: (i + 1) % every == 0                                          # noqa: E731
-    block = lambda i: (4 * c * c + 8 * c + c * experts + shared * mlp + (experts * mlp if ep == 1 else 0)
-                       if moe(i) else 12 * c * c + 13 * c)                        # noqa: E731
+    sizes = block_sizes(c, n_layer, experts, mlp, every, shared, ep, tp)
     itemsize, cap = ZeroConfig(dtype=dtype).itemsize, bucket_numel(dtype, opts.get("bucket_mb", ZeroConfig.bucket_mb))
     keep = {k: v for k, v in opts.items() if k != "bucket_mb"}
+    tokens = dims["batch"] // (dp * mb) * seq                       # a data-parallel rank's micro-batch
 
     def engine(sizes, world):           # (the engine's padded estimate, its Ψ) of layers of ``sizes``
         layout = FlatLayout([(f"l{j}", [(f"l{j}.p", (n,))]) for j, n in enumerate(sizes)], world, cap, ZeroConfig.align)
-        return estimate(dtype=dtype, layout=layout, ranks=world, **keep), sum(sizes)
+        est = estimate(dtype=dtype, layout=layout, ranks=world, **keep)
+        return dict(est, lengths=Counter(b.numel for b in layout.buckets)), sum(sizes)
 
     stages = []
     for s in range(pp):
         dense, expert = [], []
+        blocks = [i for ch in chunks_of[s] for i in range(ch * per, (ch + 1) * per)]
         for ch in chunks_of[s]:
-            blocks = range(ch * per, (ch + 1) * per)
-            dense.append(engine(([vocab * c + seq * c] if ch == 0 else []) + [block(i) for i in blocks] +
+            mine = range(ch * per, (ch + 1) * per)
+            dense.append(engine(([vocab * c + seq * c] if ch == 0 else []) + [sizes[i] for i in mine] +
                                 ([2 * c] if ch == chunks - 1 else []), dp))
-            if ep > 1 and any(moe(i) for i in blocks):
-                expert.append(engine([experts // ep * mlp for i in blocks if moe(i)], dp // ep))
+            if ep > 1 and any(moe(i) for i in mine):
+                expert.append(engine([experts // ep * mlp for i in mine if moe(i)], dp // ep))
+        sources = sum(sources_bytes(est["lengths"], itemsize, dp // ep, ep, mb) for est, _ in expert)
         rows = []
         for z in range(4):
             d = sum(theory_bytes(z, psi, dp, itemsize)["total"] for _, psi in dense)
             e = sum(theory_bytes(z, psi, dp // ep, itemsize)["total"] for _, psi in expert)
             dpad = sum(est["stages"][z]["model_state_bytes"] for est, _ in dense)
             epad = sum(est["stages"][z]["model_state_bytes"] for est, _ in expert)
+            comm = {name: sum(est["stages"][z]["comm_bytes_per_step"] for est, _ in engines)
+                    for name, engines in (("dense", dense), ("expert", expert))}
+            kept = sum(est["stages"][z]["comm_bytes_kept_at_turns"] for est, _ in dense + expert)
             rows.append({"stage": z, "dense_bytes": d, "expert_bytes": e, "model_state_bytes": d + e,
-                         "dense_padded_bytes": dpad, "expert_padded_bytes": epad, "padded_bytes": dpad + epad})
+                         "dense_padded_bytes": dpad, "expert_padded_bytes": epad, "padded_bytes": dpad + epad,
+                         "dense_comm_bytes_per_step": comm["dense"],
+                         "expert_comm_bytes_per_step": comm["expert"] + sources,
+                         "comm_bytes_per_step": comm["dense"] + comm["expert"] + sources,
+                         "comm_bytes_kept_at_turns": kept})
+        n_moe = sum(1 for i in blocks if moe(i))
         stages.append({"pipeline_stage": s, "chunks": list(chunks_of[s]), "dense_params": sum(p for _, p in dense),
                        "expert_params": sum(p for _, p in expert), "ranks": dp, "expert_ranks": dp // ep,
-                       "zero_stages": rows,     # each engine's padded shard (elements): the replicas' files
+                       "moe_blocks": n_moe, "zero_stages": rows,
+                       "all_to_all_bytes_per_step": all_to_all_bytes(ep, experts, top_k, c, tokens, n_moe, mb),
+                       "tp_bytes_per_step": moe_tp_bytes(tp, n_moe, len(blocks), tokens // seq, seq, c, mb),
+                       # each engine's padded shard (elements): the replicas' files
                        "shard_numel": [est["padded_params"] // est["shard_size"] for est, _ in dense + expert]})
     largest = [max(range(pp), key=lambda s: (stages[s]["zero_stages"][z]["padded_bytes"], -s)) for z in range(4)]
-    return {"pp": pp, "ep": ep, "experts": experts, "chunks_per_stage": chunks // pp, "pipeline_stages": stages,
-            "largest_stage": largest}
+    return {"pp": pp, "ep": ep, "tp": tp, "experts": experts, "top_k": top_k, "chunks_per_stage": chunks // pp,
+            "tokens_per_micro_batch": tokens, "pipeline_stages": stages, "largest_stage": largest}
 
 
 def format_pipeline_moe(pm: dict) -> str:
     """The per-stage MoE table the command line prints with --pp."""
     line = lambda label, cells: f"  {label:<34}" + "".join(f"{c:>14}" for c in cells)   # noqa: E731
     out = ["", f"mixture of experts in {pm['pp']} pipeline stages ({pm['chunks_per_stage']} chunk(s) each), "
-               f"{pm['experts']} experts, --ep {pm['ep']}: model states per rank of each stage's engines",
+               f"{pm['experts']} experts, --ep {pm['ep']}" + (f" --tp {pm['tp']}" if pm.get("tp", 1) > 1 else "") +
+               ": model states per rank of each stage's engines",
            line("bytes per rank", [f"stage {z}" for z in range(4)])]
     for st in pm["pipeline_stages"]:
         rows, s = st["zero_stages"], st["pipeline_stage"]
         out += [line(f"pp stage {s}: dense (over {st['ranks']})", [f"{r['dense_bytes']:,}" for r in rows]),
                 line(f"pp stage {s}: experts (over {st['expert_ranks']})", [f"{r['expert_bytes']:,}" for r in rows]),
-                line(f"pp stage {s}: padded layouts", [f"{r['padded_bytes']:,}" for r in rows])]
+                line(f"pp stage {s}: padded layouts", [f"{r['padded_bytes']:,}" for r in rows]),
+                line(f"pp stage {s}: ZeRO bytes per step", [f"{r['comm_bytes_per_step']:,}" for r in rows])]
     out.append(line("the largest pipeline stage", [str(s) for s in pm["largest_stage"]]))
+    out.append("  all-to-all per rank per step: " + ", ".join(
+        f"pp stage {st['pipeline_stage']} {st['all_to_all_bytes_per_step']:,} bytes ({st['moe_blocks']} MoE blocks)"
+        for st in pm["pipeline_stages"]) + f"; n = {pm['tokens_per_micro_batch']} tokens a micro-batch, K = "
+        f"{pm['ep']} (balanced, dropless)")
+    if pm.get("tp", 1) > 1:
+        out.append("  TP all-reduce per rank per step: " + ", ".join(
+            f"pp stage {st['pipeline_stage']} {st['tp_bytes_per_step']:,} bytes" for st in pm["pipeline_stages"]) +
+            " (4 per dense block, 2 per MoE block and micro-batch, 2(K-1)/K of rows·T·C x 4 B each)")
     out.append("  formulas: each engine's theory_bytes (unpadded), as a run prints them; padded: the engines' buckets "
-               "(what a run holds); chunk 0 holds the embeddings, the last chunk the final LayerNorm (docs/moe.md)")
+               "(what a run holds); ZeRO bytes: the stage's engines' step, reduced per micro-batch (the expert "
+               "reduce-scatters carry K sources' partials; stage 3 keeps a bucket at the turn: the table's note); "
+               "chunk 0 holds the embeddings, the last chunk the final LayerNorm (docs/moe.md)")
     return "\n".join(out)
