@@ -127,7 +127,7 @@ def test_gradients_reduced_per_step_equal_ep1():
         assert a[key] == b[key], key
 
 
-@pytest.mark.parametrize("flag", [["--simulate-world", "4"], ["--node-size", "2"],
+@pytest.mark.parametrize("flag", [["--node-size", "2"],
                                   ["--shard-size", "2"], ["--offload-optimizer", "cpu"]])
 def test_what_is_not_built_is_refused_in_one_line(flag):
     with pytest.raises(ConfigError) as e:

@@ -19,14 +19,12 @@ from .expert_parallel import engine_configs, split_experts, whole_params
 
 
 def check_job(cfg) -> None:
-    """ConfigError (one line) where --pp with --ep meets what it does not compose with yet: the simulated world;
-    the stage's expert engines over nodes, shard groups or offload (they run the flat reduce, in the chunk's
-    folder)."""
+    """ConfigError (one line) where --pp with --ep meets what it does not compose with yet: the stage's expert
+    engines over nodes, shard groups or offload (they run the flat reduce, in the chunk's folder)."""
     if cfg.mesh.pp == 1 or cfg.moe.ep == 1:
         return
     z = cfg.zero
-    for name, given in (("--simulate-world", bool(cfg.simulate_world)),
-                        ("--node-size", cfg.mesh.node_size is not None), ("--hpz", bool(z.hpz)),
+    for name, given in (("--node-size", cfg.mesh.node_size is not None), ("--hpz", bool(z.hpz)),
                         ("--shard-size", cfg.mesh.shard_size is not None),
                         ("--offload-optimizer", z.offload_optimizer != "none"),
                         ("--offload-params", z.offload_params != "none")):
