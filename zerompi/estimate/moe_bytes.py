@@ -6,7 +6,9 @@ experts hold E(2CH + H + C), its S shared experts (--shared-experts) S(2CH + H +
 Under --ep K the dense parameters are sharded over the N ranks, each EP rank's
 E/K experts over the N/K ranks holding the same experts (engine/memory.py's theory_bytes for each). The
 all-to-all (train/moe/routing.py's row): per MoE block and micro-batch, the counts once and four passes of the rows
-that leave the rank, balanced and dropless. docs/moe.md.
+that leave the rank, balanced and dropless. With --tp T a TP rank holds the attention's split share and the rest
+whole (block_sizes), ZeRO over the N/T data-parallel ranks; with --pp each stage's chunks' engines (pipeline_moe).
+docs/moe.md.
 """
 from typing import Dict, List, Optional, Tuple
 
