@@ -21,8 +21,6 @@ REFUSED = [
     (["--shared-experts", "1"], "shared_experts=1 (--shared-experts) applies with --experts > 0 only"),
     (["--model", "mlp", "--experts", "4"], "experts=4 applies to model gpt only"),
     (["--experts", "4", "--optimizer", "muon"], "--optimizer muon with --experts 4 is not supported"),
-    (["--experts", "4", "--pp", "2", "--ep", "2", "--simulate-world", "4"],
-     "--simulate-world with --pp 2 --ep 2 is not supported"),
     (["--experts", "4", "--ep", "2", "--quantize-grads", "int8"], "--quantize-grads with --ep 2 is not supported yet"),
     (["--experts", "4", "--ep", "2", "--stage", "3", "--quantize-weights", "int8"],
      "--quantize-weights with --ep 2 is not supported yet"),
