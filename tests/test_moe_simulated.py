@@ -145,7 +145,8 @@ def test_real_and_simulated_rank_0_send_the_same_bytes(stage):
 
 # ---- one rank of a pipelined EP job ----------------------------------------------------------------------
 PP_CASES = [(8, 2, 1, []), (64, 8, 3, []),
-            (8, 2, 2, ["--n-layer", "4", "--moe-every", "2", "--schedule", "interleaved", "--chunks", "2"])]
+            (8, 2, 2, ["--n-layer", "4", "--moe-every", "2", "--schedule", "interleaved", "--chunks", "2"]),
+            (8, 2, 2, ["--node-size", "2"]), (8, 2, 3, ["--node-size", "1", "--hpz"])]   # each stage's nodes, hpZ
 
 
 def pp_job(n, ep, stage, extra):
@@ -159,7 +160,8 @@ def test_simulated_pipelined_ep_ranks_equal_the_estimate(tmp_path, n, ep, stage,
     """--simulate-world N --pp 2 --ep K, balanced: rank 0 (pipeline stage 0) and rank N/2 (stage 1) each send their
     stage's all-to-all (its own MoE blocks: 0 bytes where it holds none) and its engines' ZeRO bytes (stage 3:
     less what each chunk keeps gathered at the turn), and hold its stage's dense and expert model states (formulas
-    and padded layouts): ``zerompi.estimate --pp 2``'s row of that stage, to the byte."""
+    and padded layouts): ``zerompi.estimate --pp 2``'s row of that stage, to the byte; also in nodes of 2, and of
+    1 with hpZ (the stage's engines in its nodes, the expert group across them)."""
     path = tmp_path / "est.json"
     argv = GPT + ["--vocab", "32", "--ranks", n, "--experts", 8, "--ep", ep, "--top-k", 2, "--dtype", "fp16",
                   "--micro-batches", 2, "--pp", 2, *extra, "--json", path]
@@ -180,7 +182,7 @@ def test_simulated_pipelined_ep_ranks_equal_the_estimate(tmp_path, n, ep, stage,
         sim = m["simulated"]
         assert sim["estimate"]["model_state_bytes"] == sim["measured"]["model_state_bytes"] == \
             row["dense_padded_bytes"] + row["expert_padded_bytes"]
-    assert [s["moe_blocks"] for s in pm["pipeline_stages"]] == ([0, 2] if extra else [1, 1])
+    assert [s["moe_blocks"] for s in pm["pipeline_stages"]] == ([0, 2] if "--moe-every" in extra else [1, 1])
 
 
 @pytest.mark.slow
