@@ -140,7 +140,8 @@ def test_the_estimate_in_nodes_equals_every_ranks_engines(tmp_path):
     (["--node-size", "3"], "node_size=3 with pp=2: a node must lie inside one pipeline stage of 4 ranks or hold whole"),
     (["--shard-size", "8"], "shard_size=8 with pp=2: a shard group must lie inside one pipeline stage of 4 ranks"),
     (["--node-size", "2", "--shard-size", "2", "--ep", "4"], "--ep 4 with --shard-size 2: an EP group must fit"),
-    (["--tp", "2", "--node-size", "2"], "--node-size with --pp 2 --tp 2 --experts 4 is not estimated yet"),
+    (["--tp", "2", "--node-size", "2"], "--node-size with --pp 2 --tp 2 --experts 4 is not estimated yet (only "
+                                        "nodes of whole stages"),
     (["--tp", "2", "--hpz"], "--hpz with --pp 2 --tp 2 --experts 4 is not estimated yet"),
 ])
 def test_the_estimate_refuses_a_node_or_shard_group_across_stages(topo, needle, capsys):

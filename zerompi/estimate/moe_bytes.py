@@ -236,8 +236,8 @@ def pipeline_moe(dims: dict, ranks: int, chunks_of: Dict[int, List[int]], expert
     default), and the pipeline stage whose ranks hold the most. ``topo``: the world's ``node_size``, ``shard_size``
     (ranks) and ``hpz``: a node inside a stage or holding whole stages, a shard group inside a stage (comm/mesh.py);
     the dense engines in the stage's nodes and shard groups, the expert engines in theirs (expert_topology), their
-    bytes per level as an unpipelined run's (not with --tp yet). The all-to-all: a rank of stage s exchanges for its
-    own MoE blocks only (balanced, dropless: all_to_all_bytes)."""
+    bytes per level as an unpipelined run's (with --tp: nodes of whole stages only). The all-to-all: a rank of
+    stage s exchanges for its own MoE blocks only (balanced, dropless: all_to_all_bytes)."""
     from collections import Counter
     from ..engine.config import ZeroConfig
     from ..layout import FlatLayout
@@ -266,10 +266,13 @@ def pipeline_moe(dims: dict, ranks: int, chunks_of: Dict[int, List[int]], expert
     tokens = dims["batch"] // (dp * mb) * seq                       # a data-parallel rank's micro-batch
 
     topo = topo or {}
-    for name, key in (("--node-size", "node_size"), ("--shard-size", "shard_size"), ("--hpz", "hpz")):
-        check(tp == 1 or not topo.get(key), f"{name} with --pp {pp} --tp {tp} --experts {experts} is not estimated "
-                                            "yet (docs/moe.md); drop one of them")
-    node, shard, hpz = stage_topology(ranks // tp, pp, topo)
+    inside = topo.get("node_size") is not None and topo["node_size"] < ranks // pp     # a node inside a stage
+    for name, given in (("--node-size", inside), ("--shard-size", bool(topo.get("shard_size"))),
+                        ("--hpz", bool(topo.get("hpz")))):
+        check(tp == 1 or not given, f"{name} with --pp {pp} --tp {tp} --experts {experts} is not estimated yet (only "
+                                    "nodes of whole stages: docs/moe.md); drop one of them")
+    node, shard, hpz = stage_topology(ranks, pp, topo)
+    node = None if tp > 1 else node     # with --tp: nodes of whole stages, each data-parallel group in one
     levels, per_node = {dp: check_levels(dp, node, shard, hpz)}, None
     if ep > 1:
         e_node, e_shard, per_node = expert_topology(dp, ep, node, shard)
