@@ -80,6 +80,25 @@ def test_moe_all_to_all_equals_a_balanced_run(tmp_path):
     assert moe["all_to_all_bytes"] == [want] * 3
 
 
+def test_pp_moe_all_to_all_equals_a_balanced_run(tmp_path):
+    """--pp 2 --ep 2, interleaved with --moe-every 2 (stage 0's chunks hold no MoE block, stage 1's both), exactly
+    balanced routing (top-1), 2 micro-batches: the CLI's all-to-all of each pipeline stage (0 bytes, and both
+    blocks' formula) has the run's per-rank mean (the run counts every rank's bytes over all ranks), every step,
+    and the run's own formula is that mean."""
+    flags = MOE + ["--n-layer", "4", "--moe-every", "2", "--dtype", "fp32", "--stage", "2", "--ep", "2", "--top-k",
+                   "1", "--micro-batches", "2", "--pp", "2", "--schedule", "interleaved", "--chunks", "2"]
+    moe = metrics_of(run_mpi(4, ["tests/drivers/moe_routing.py", "cycle", json.dumps(flags)], timeout=180))[0]["moe"]
+    est = cli_json(tmp_path, GPT + ["--n-layer", 4, "--moe-every", 2, "--experts", 4, "--expert-hidden", 24,
+                                    "--ep", 2, "--top-k", 1, "--micro-batches", 2, "--dtype", "fp32", "--pp", 2,
+                                    "--schedule", "interleaved", "--chunks", 2])
+    stages = est["moe"]["pipeline_stages"]
+    assert [st["moe_blocks"] for st in stages] == [0, 2] and stages[0]["all_to_all_bytes_per_step"] == 0
+    # 2 blocks x 2 micro-batches x ((2-1)·2·8 + 4 x 24·1·(1/2) x 16 x 4 B), 24 tokens of a rank's micro-batch
+    assert stages[1]["all_to_all_bytes_per_step"] == 2 * 2 * (16 + 4 * 12 * 16 * 4)
+    mean = sum(st["all_to_all_bytes_per_step"] for st in stages) / 2
+    assert moe["all_to_all_bytes"] == [mean] * 3 and moe["all_to_all_theory_bytes"] == mean
+
+
 @pytest.mark.parametrize("which", [2, 3])
 def test_replicas_and_optimizer_equal_the_runs(runs, tmp_path, which):
     """--replicas: the formula's bytes equal the run's (its padded shard, its optimizer's rows) exactly, and the
@@ -101,6 +120,7 @@ def test_replicas_and_optimizer_equal_the_runs(runs, tmp_path, which):
 REPLICA_MESHES = [(["--stage", "3", "--tp", "2", "--node-size", "2"], 2),
                   (["--stage", "1", "--sp", "2", "--node-size", "2"], 2),
                   (["--stage", "3", *MOE_OPTS, "--ep", "2"], 4),         # nodes: $ZEROMPI_NODE_SIZE (--ep)
+                  (["--stage", "1", "--tp", "2", *MOE_OPTS, "--ep", "2"], 4),   # a TP rank's dense share, experts
                   (["--stage", "2", *MOE_OPTS, "--ep", "1", "--node-size", "2"], 2),
                   (["--stage", "3", "--node-size", "2", "--shard-size", "2"], 1),   # whole nodes: mirrored
                   (["--stage", "3", "--node-size", "1", "--shard-size", "2"], 2)]
@@ -108,9 +128,9 @@ REPLICA_MESHES = [(["--stage", "3", "--tp", "2", "--node-size", "2"], 2),
 
 def test_replicas_with_tp_sp_ep_and_shard_groups_equal_the_runs_shard_files(tmp_path):
     """--replicas at N = 4 with --tp 2, --sp 2, --experts 4 --ep 2 (two engines: the dense shard and this EP
-    rank's experts'), --ep 1, and shard groups of whole nodes (the buddy holds the same shard: one file) or not:
-    the CLI's bytes equal the shard files the run's folder held, to the byte, and the run's own formula; the rest
-    of its shared memory is the manifests."""
+    rank's experts'; with --tp 2 too), --ep 1, and shard groups of whole nodes (the buddy holds the same shard: one
+    file) or not: the CLI's bytes equal the shard files the run's folder held, to the byte, and the run's own
+    formula; the rest of its shared memory is the manifests."""
     job = f"est-rep-{os.getpid()}"
     base = MOE[:MOE.index("--experts")] + ["--steps", "2", "--eval-every", "0", "--dtype", "fp16"]
     configs = [base + flags + ["--replicas", f"{job}-{i}"] for i, (flags, _) in enumerate(REPLICA_MESHES)]
@@ -167,9 +187,9 @@ PP_EP = [["--stage", "1"], ["--stage", "3"],
 def test_pp_with_ep_states_equal_every_ranks_engines(tmp_path):
     """--pp 2 --experts 4 --ep 2 at N = 4: each stage's dense engines (its chunks' layers without the experts, over
     its 2 ranks) and expert engines (2 experts of each MoE block, over 1 rank); the CLI's rows of a rank's pipeline
-    stage equal what its engines hold (the formulas and the padded layouts), on every rank, and the stage it names
-    the largest holds the most. Interleaved with --moe-every 2: stage 0's chunks hold no MoE block (no expert
-    engine), stage 1's both."""
+    stage equal what its engines hold (the formulas and the padded layouts) and what its collectives sent in a step
+    (the ZeRO bytes), on every rank, and the stage it names the largest holds the most. Interleaved with
+    --moe-every 2: stage 0's chunks hold no MoE block (no expert engine), stage 1's both."""
     base = MOE + ["--steps", "2", "--dtype", "fp16", "--pp", "2", "--micro-batches", "2", "--ep", "2"]
     configs = [base + f for f in PP_EP] + [base + ["--stage", "1", "--ep", "1"]]
     runs = metrics_of(run_mpi(4, ["tests/drivers/metrics_by_rank.py", json.dumps(configs)], timeout=400))
@@ -188,6 +208,11 @@ def test_pp_with_ep_states_equal_every_ranks_engines(tmp_path):
                                                                                mem["experts"]["measured"]), flags
             assert (st["dense_params"], st["expert_params"]) == (mem["dense"]["params"], mem["experts"]["params"])
             held.append(mem["dense"]["measured"] + mem["experts"]["measured"])
+            # the stage's engines' ZeRO bytes: this rank's collectives of a steady step (stage 3: each chunk's one
+            # bucket kept gathered from its forward to its backward, as the estimate keeps it)
+            sent = sum(r["comm_bytes_per_step_by_op"].values())
+            assert sent == row["comm_bytes_per_step"] - (row["comm_bytes_kept_at_turns"] if z == 3 else 0), \
+                (flags, rank, sent, row)
         assert held[2 * pm["largest_stage"][z]] == max(held), (flags, held)
         assert sum(s["dense_params"] + 2 * s["expert_params"] for s in pm["pipeline_stages"]) == m["params"]
     assert runs[2]["by_rank"][0]["moe"]["memory_bytes_by_engine"]["experts"]["params"] == 0   # no MoE block
@@ -197,6 +222,50 @@ def test_pp_with_ep_states_equal_every_ranks_engines(tmp_path):
     row = est["moe"]["pipeline_stages"][0]["zero_stages"][1]
     assert row["padded_bytes"] == row["dense_padded_bytes"] == runs[3]["memory_bytes"]["total"] and \
         row["expert_bytes"] == 0
+    for rank, r in enumerate(runs[3]["by_rank"]):
+        row = est["moe"]["pipeline_stages"][rank // 2]["zero_stages"][1]
+        assert sum(r["comm_bytes_per_step_by_op"].values()) == row["comm_bytes_per_step"] > 0, (rank, row)
+
+
+@pytest.mark.slow
+def test_pp_tp_ep_equal_every_ranks_engines(tmp_path):
+    """N = 8 --pp 2 --tp 2 --ep 2, stages 0-3: a stage's dense engine holds a TP rank's share of its chunk (the
+    attention split, the router and experts whole) over its 2 data-parallel ranks, its expert engine 2 experts of
+    its block whole over 1 rank; the CLI's rows of each rank's pipeline stage equal what its engines hold (formulas,
+    padded layouts, parameters) and what its collectives sent in a step, and the TP all-reduce bytes the run's; with
+    --replicas in nodes of 4, every rank's shard files."""
+    base = MOE + ["--steps", "2", "--dtype", "fp16", "--pp", "2", "--micro-batches", "2", "--ep", "2", "--tp", "2"]
+    runs = metrics_of(run_mpi(8, ["tests/drivers/metrics_by_rank.py",
+                                  json.dumps([base + ["--stage", str(z)] for z in range(4)])], timeout=600))
+    assert len(runs) == 4
+    dims = GPT[:GPT.index("--ranks")] + ["--ranks", 8]
+    est = cli_json(tmp_path, dims + MOE_OPTS + ["--ep", 2, "--tp", 2, "--dtype", "fp16", "--bucket-mb", 0.004,
+                                                "--pp", 2, "--micro-batches", 2])
+    pm = est["moe"]
+    assert pm["tp"] == 2 and [st["ranks"] for st in pm["pipeline_stages"]] == [2, 2]
+    for z, m in enumerate(runs):
+        assert m["stage"] == z
+        for rank, r in enumerate(m["by_rank"]):
+            st, mem = pm["pipeline_stages"][rank // 4], r["moe"]["memory_bytes_by_engine"]
+            row = st["zero_stages"][z]
+            assert (st["dense_params"], st["expert_params"]) == (mem["dense"]["params"], mem["experts"]["params"])
+            assert (row["dense_bytes"], row["expert_bytes"]) == (mem["dense"]["theory"], mem["experts"]["theory"])
+            assert (row["dense_padded_bytes"], row["expert_padded_bytes"]) == (mem["dense"]["measured"],
+                                                                               mem["experts"]["measured"]), rank
+            sent = sum(r["comm_bytes_per_step_by_op"].values())
+            assert sent == row["comm_bytes_per_step"] - (row["comm_bytes_kept_at_turns"] if z == 3 else 0), \
+                (z, rank, sent, row)
+        assert max(st["tp_bytes_per_step"] for st in pm["pipeline_stages"]) == m["tensor_parallel"]["bytes_per_step"]
+    # --replicas in nodes of 4 (a stage per node): every rank's shard files, its engines' and its source's
+    job = f"est-pptp-{os.getpid()}"
+    m = metrics_of(run_mpi(8, ["tests/drivers/metrics_by_rank.py", json.dumps([base + ["--stage", "1", "--eval-every",
+                                                                                      "0", "--replicas", job]])],
+                           timeout=600, env={"ZEROMPI_NODE_SIZE": "4"}))[0]
+    rep = cli_json(tmp_path, dims + MOE_OPTS + ["--ep", 2, "--tp", 2, "--dtype", "fp16", "--bucket-mb", 0.004,
+                                                "--pp", 2, "--micro-batches", 2, "--replicas", "--node-size", 4])
+    ran = [r["replicas"] for r in m["by_rank"]]
+    assert rep["replicas"]["by_rank"] == [r["shard_bytes"] for r in ran] == [r["theory_bytes"]["total"] for r in ran]
+    assert rep["replicas"]["files"] == 4       # a stage per node: each rank its 2 engines and the other stage's 2
 
 
 def test_pp_with_ep_replicas_equal_every_ranks_shard_files(tmp_path):
@@ -237,7 +306,10 @@ BAD = [
     (GPT + ["--top-k", "1"], "top_k=1 (--top-k) applies with --experts only"),
     (GPT + ["--experts", "4", "--shared-experts", "-1"], "shared_experts=-1 must be an integer >= 0"),
     (GPT + ["--shared-experts", "1"], "shared_experts=1 (--shared-experts) applies with --experts only"),
-    (GPT + ["--experts", "4", "--tp", "2"], "--tp with --experts 4 is not estimated yet (the run takes it"),
+    (GPT + ["--experts", "4", "--tp", "2", "--ep", "2", "--node-size", "2"],
+     "--node-size (with --tp 2 --ep 2) with --experts 4 is not estimated yet (the run takes it"),
+    (GPT + ["--experts", "4", "--tp", "4", "--ep", "2"], "ep=2 does not divide the 1 data-parallel ranks"),
+    (GPT + ["--experts", "4", "--tp", "3"], "tp=3 does not divide the 4 ranks"),
     (GPT + ["--experts", "4", "--optimizer", "muon"], "--optimizer muon with --experts 4 is not estimated yet"),
     (GPT + ["--experts", "4", "--ep", "4", "--node-size", "2", "--shard-size", "2"],
      "--ep 4 with --shard-size 2: an EP group must fit in a shard group"),       # nodes: tests/test_moe_nodes.py

@@ -20,8 +20,6 @@ REFUSED = [
     (["--experts", "4", "--shared-experts", "-1"], "shared_experts=-1 must be an integer >= 0"),
     (["--shared-experts", "1"], "shared_experts=1 (--shared-experts) applies with --experts > 0 only"),
     (["--model", "mlp", "--experts", "4"], "experts=4 applies to model gpt only"),
-    (["--experts", "4", "--pp", "2", "--ep", "2", "--simulate-world", "4"],
-     "--simulate-world with --pp 2 --ep 2 is not supported"),
     (["--experts", "4", "--ep", "2", "--quantize-grads", "int8"], "--quantize-grads with --ep 2 is not supported yet"),
     (["--experts", "4", "--ep", "2", "--stage", "3", "--quantize-weights", "int8"],
      "--quantize-weights with --ep 2 is not supported yet"),

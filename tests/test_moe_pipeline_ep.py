@@ -3,8 +3,8 @@ run of the same global batch (final parameters, losses, held-out losses, routing
 fp32 and fp16, with 1F1B, ZB-H1 and interleaved schedules; a stage whose chunks hold no MoE block; two EP
 groups per stage (N=8 against N=4); with --tp 2; with --sp 2 (the EP groups over a stage's DP x SP ranks);
 recomputed, with a capacity, biases, stage 3 gathering per step; the expert gradients accumulated per step against
---ep 1's; forced routing ends; exactly balanced routing sends the formula's all-to-all bytes; what is not built is
-refused in one line."""
+--ep 1's; forced routing ends; exactly balanced routing sends the formula's all-to-all bytes; an --ep that
+does not divide a stage's ranks is refused in one line, what no longer is refused is taken."""
 import json
 
 import numpy as np
@@ -127,12 +127,23 @@ def test_gradients_reduced_per_step_equal_ep1():
         assert a[key] == b[key], key
 
 
-@pytest.mark.parametrize("flag", [["--simulate-world", "4"]])
-def test_what_is_not_built_is_refused_in_one_line(flag):
+def test_an_ep_that_does_not_divide_a_stage_is_refused_in_one_line():
+    """N=6 --pp 2: each stage's 3 data-parallel ranks cannot form EP groups of 2 (they would cross the stages)."""
+    cfg = parse_config(FLAGS + EP + ["--pp", "2"], environ={})
     with pytest.raises(ConfigError) as e:
-        parse_config(FLAGS + EP + ["--pp", "2"] + flag, environ={})
-    assert str(e.value).startswith(f"{flag[0]} with --pp 2 --ep 2 is not supported yet"), e.value
+        cfg.check_world(6)
+    assert str(e.value).startswith("ep=2 does not divide the 3 data-parallel ranks of each pipeline stage"), e.value
     assert "\n" not in str(e.value)
+    cfg.check_world(12)                 # 6 ranks a stage: three EP groups in each
+
+
+@pytest.mark.parametrize("flag", [["--simulate-world", "4"], ["--node-size", "2"], ["--shard-size", "2"],
+                                  ["--hpz", "--stage", "3"], ["--offload-optimizer", "cpu"],
+                                  ["--offload-params", "nvme", "--stage", "3", "--offload-dir", "x"]])
+def test_what_was_refused_with_pp_ep_is_accepted(flag):
+    """Nothing of these is refused any more with --pp --ep (the runs: test_moe_pp_nodes.py, test_moe_simulated.py)."""
+    cfg = parse_config(FLAGS + EP + ["--pp", "2"] + flag, environ={})
+    assert cfg.mesh.pp == 2 and cfg.moe.ep == 2
 
 
 def test_checkpoints_with_tp_and_replicas_are_accepted():

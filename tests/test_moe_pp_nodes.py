@@ -97,7 +97,8 @@ def test_offload_keeps_the_bits(tmp_path):
 def test_the_estimate_in_nodes_equals_every_ranks_engines(tmp_path):
     """`zerompi.estimate --pp 2 --experts 4 --ep 2` with --node-size, --shard-size and --hpz at N = 8: each pipeline
     stage's rows (the formulas over each engine's shard group with hpZ's copy, and the padded layouts) equal what
-    every rank's dense and expert engines hold; hpZ (the expert group across nodes) and shard groups change them."""
+    every rank's dense and expert engines hold, its ZeRO bytes per step (in nodes, with hpZ) what every rank's
+    collectives sent; hpZ (the expert group across nodes) and shard groups change them."""
     import json
 
     from tests.mpirun import run_mpi
@@ -112,6 +113,7 @@ def test_the_estimate_in_nodes_equals_every_ranks_engines(tmp_path):
     dims[dims.index("--ranks") + 1], dims[dims.index("--batch") + 1] = "8", "16"
     base = dims + MOE_OPTS + ["--ep", 2, "--dtype", "fp16", "--bucket-mb", 0.004, "--pp", 2, "--micro-batches", 2]
     flat = cli_json(tmp_path, base)["moe"]["pipeline_stages"]
+    compared = 0
     for (z, topo), m in zip(topos, runs):
         assert m["stage"] == z
         stages = cli_json(tmp_path, base + topo)["moe"]["pipeline_stages"]
@@ -121,14 +123,26 @@ def test_the_estimate_in_nodes_equals_every_ranks_engines(tmp_path):
                 (topo, rank)
             assert (row["dense_padded_bytes"], row["expert_padded_bytes"]) == (mem["dense"]["measured"],
                                                                                mem["experts"]["measured"]), (topo, rank)
+            # the stage's engines' ZeRO bytes in its nodes (and hpZ): this rank's collectives of a steady step
+            # (stage 3: each chunk's one bucket kept gathered at the turn, as the estimate keeps it); the shard
+            # groups' all-reduce across groups is not in them, as without --pp (test_moe_nodes.py, docs/estimate.md)
+            sent = sum(r["comm_bytes_per_step_by_op"].values())
+            if "--shard-size" not in topo:
+                assert sent == row["comm_bytes_per_step"] - (row["comm_bytes_kept_at_turns"] if z == 3 else 0), \
+                    (topo, rank, sent, row)
+                compared += 1
         if topo != ["--node-size", "2"]:     # hpZ's copy, shard groups: other bytes than one group of the stage's
             assert stages[0]["zero_stages"][z]["padded_bytes"] != flat[0]["zero_stages"][z]["padded_bytes"], topo
+    assert compared == 3 * 8
 
 
 @pytest.mark.parametrize("topo,needle", [
     (["--node-size", "3"], "node_size=3 with pp=2: a node must lie inside one pipeline stage of 4 ranks or hold whole"),
     (["--shard-size", "8"], "shard_size=8 with pp=2: a shard group must lie inside one pipeline stage of 4 ranks"),
     (["--node-size", "2", "--shard-size", "2", "--ep", "4"], "--ep 4 with --shard-size 2: an EP group must fit"),
+    (["--tp", "2", "--node-size", "2"], "--node-size with --pp 2 --tp 2 --experts 4 is not estimated yet (only "
+                                        "nodes of whole stages"),
+    (["--tp", "2", "--hpz"], "--hpz with --pp 2 --tp 2 --experts 4 is not estimated yet"),
 ])
 def test_the_estimate_refuses_a_node_or_shard_group_across_stages(topo, needle, capsys):
     from tests.test_estimate_flags import GPT, MOE_OPTS

@@ -4,7 +4,10 @@ The stand-ins mirror this rank (comm/simulated_world.py's RULE): the counts ever
 and the EP all-to-all(v)'s blocks are this rank's own block, repeated or cut to the length the peer sends. With
 exactly balanced routing (tests/drivers/moe_routing.py's ``cycle``) the simulated rank's bytes per step -- ZeRO's
 dense and expert traffic, the EP all-to-all's, the model states -- equal ``python -m zerompi.estimate``'s to the
-byte (N = 64 at EP = 64 and EP = 16, N = 8 at EP = 8 and 4), and equal a real 4-rank job's rank 0."""
+byte (N = 64 at EP = 64 and EP = 16, N = 8 at EP = 8 and 4), and equal a real 4-rank job's rank 0. With --pp 2
+(each stage's chunks their own dense and expert engines, EP groups inside a stage) a rank of each pipeline stage
+equals the estimate's row of its stage (N = 8 at EP = 2, N = 64 at EP = 8, a stage without MoE blocks), and rank 0
+of a real 8-rank job."""
 import json
 import subprocess
 import sys
@@ -136,5 +139,62 @@ def test_real_and_simulated_rank_0_send_the_same_bytes(stage):
                 "params", "padded_params"):
         assert sim[key] == real[key], key
     for key in ("all_to_all_bytes", "all_to_all_theory_bytes", "tokens_min", "tokens_max", "memory_bytes_by_engine"):
+        assert sim["moe"][key] == real["moe"][key], key
+    assert real["moe"]["all_to_all_bytes"][-1] > 0 and real["comm_bytes_per_step"] > 0
+
+
+# ---- one rank of a pipelined EP job ----------------------------------------------------------------------
+PP_CASES = [(8, 2, 1, []), (64, 8, 3, []),
+            (8, 2, 2, ["--n-layer", "4", "--moe-every", "2", "--schedule", "interleaved", "--chunks", "2"]),
+            (8, 2, 2, ["--node-size", "2"]), (8, 2, 3, ["--node-size", "1", "--hpz"])]   # each stage's nodes, hpZ
+
+
+def pp_job(n, ep, stage, extra):
+    return ["--model", "gpt", *GPT, "--experts", "8", "--ep", str(ep), "--top-k", "2", "--stage", str(stage),
+            "--dtype", "fp16", "--micro-batches", "2", "--steps", "3", "--eval-every", "0", "--log-every", "100",
+            "--pp", "2", *extra]
+
+
+@pytest.mark.parametrize("n,ep,stage,extra", PP_CASES)
+def test_simulated_pipelined_ep_ranks_equal_the_estimate(tmp_path, n, ep, stage, extra):
+    """--simulate-world N --pp 2 --ep K, balanced: rank 0 (pipeline stage 0) and rank N/2 (stage 1) each send their
+    stage's all-to-all (its own MoE blocks: 0 bytes where it holds none) and its engines' ZeRO bytes (stage 3:
+    less what each chunk keeps gathered at the turn), and hold its stage's dense and expert model states (formulas
+    and padded layouts): ``zerompi.estimate --pp 2``'s row of that stage, to the byte; also in nodes of 2, and of
+    1 with hpZ (the stage's engines in its nodes, the expert group across them)."""
+    path = tmp_path / "est.json"
+    argv = GPT + ["--vocab", "32", "--ranks", n, "--experts", 8, "--ep", ep, "--top-k", 2, "--dtype", "fp16",
+                  "--micro-batches", 2, "--pp", 2, *extra, "--json", path]
+    assert cli.main([str(a) for a in argv]) == 0
+    pm = json.loads(path.read_text())["moe"]
+    for rank in (0, n // 2):
+        m = simulated(pp_job(n, ep, stage, extra) + ["--simulate-world", str(n), "--simulate-rank", str(rank)])
+        st = pm["pipeline_stages"][rank // (n // 2)]
+        row = st["zero_stages"][stage]
+        assert m["simulated"]["rank"] == rank and m["moe"]["ep"] == ep
+        assert m["moe"]["all_to_all_bytes"] == [st["all_to_all_bytes_per_step"]] * 3
+        assert m["comm_bytes_per_step"] == row["comm_bytes_per_step"] - row["comm_bytes_kept_at_turns"] > 0
+        mem = m["moe"]["memory_bytes_by_engine"]
+        assert (mem["dense"]["measured"], mem["experts"]["measured"]) == (row["dense_padded_bytes"],
+                                                                          row["expert_padded_bytes"])
+        assert (mem["dense"]["theory"], mem["experts"]["theory"]) == (row["dense_bytes"], row["expert_bytes"])
+        assert (mem["dense"]["params"], mem["experts"]["params"]) == (st["dense_params"], st["expert_params"])
+        sim = m["simulated"]
+        assert sim["estimate"]["model_state_bytes"] == sim["measured"]["model_state_bytes"] == \
+            row["dense_padded_bytes"] + row["expert_padded_bytes"]
+    assert [s["moe_blocks"] for s in pm["pipeline_stages"]] == ([0, 2] if "--moe-every" in extra else [1, 1])
+
+
+@pytest.mark.slow
+def test_real_and_simulated_pipelined_ep_rank_0_send_the_same_bytes():
+    """A real 8-rank job at --pp 2 --ep 2 (stage 1, balanced) and one process as its rank 0: the same ZeRO bytes per
+    step and per collective, the same EP all-to-all bytes (the stages' blocks alike), model states by engine."""
+    flags = pp_job(8, 2, 1, [])
+    flags[flags.index("--seq-len") + 1], flags[flags.index("--batch") + 1] = "8", "16"
+    real = metrics_of(run_mpi(8, [str(DRIVER), "cycle", json.dumps(flags)], timeout=400).stdout)
+    sim = simulated(flags + ["--simulate-world", "8"])
+    for key in ("comm_bytes_per_step", "comm_bytes_per_step_by_op", "memory_bytes", "padded_params"):
+        assert sim[key] == real[key], key
+    for key in ("all_to_all_bytes", "all_to_all_theory_bytes", "memory_bytes_by_engine"):
         assert sim["moe"][key] == real["moe"][key], key
     assert real["moe"]["all_to_all_bytes"][-1] > 0 and real["comm_bytes_per_step"] > 0

@@ -159,3 +159,41 @@ def test_checkpointed_all_to_all_bytes_equal_the_formula(tp):
     # 2 blocks x 3 micro-batches x (2 x (2-1)·2·8 + 6 x n·1·(1/2) x 16 x 4 B)
     assert moe["all_to_all_theory_bytes"] == 2 * 3 * (2 * 16 + 6 * (n // 2) * 16 * 4)
     assert moe["all_to_all_bytes"] == [moe["all_to_all_theory_bytes"]] * 3
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_estimate_equals_the_runs_to_the_byte(n4, tmp_path, ep):
+    """``zerompi.estimate --experts 4 --tp 2 --ep K`` (fp16): the dense engine a TP rank's share (the attention
+    split, router and experts whole) over the 2 data-parallel ranks, the expert engine 2 experts whole over 1 rank;
+    the model states (formulas and padded layouts), each engine's ZeRO bytes (stage 3: between the three passes
+    less what the estimate keeps gathered at the turn, and the three), the TP all-reduce bytes (2 per MoE block)
+    and the all-to-all's formula equal what the runs measured, stages 0-3."""
+    from tests.test_estimate_flags import GPT, MOE_OPTS, cli_json
+    runs = [m for m in n4 if m["dtype"] == "fp16" and m["moe"]["ep"] == ep]
+    assert sorted(m["stage"] for m in runs) == [0, 1, 2, 3]
+    est = cli_json(tmp_path, GPT + MOE_OPTS + ["--tp", 2, "--ep", ep, "--dtype", "fp16", "--bucket-mb", 0.004])
+    moe, tp = est["moe"], est["tensor_parallel"]
+    for m in runs:
+        z, run_tp = m["stage"], m["tensor_parallel"]
+        assert moe["dense_params"] + moe["expert_params"] == m["params"] == tp["params_total"]
+        # a TP rank's parameters: the table's engine, and at --ep 2 its 2 experts of each block (the second engine)
+        assert tp["params_local"] + (moe["expert_params"] // ep if ep > 1 else 0) == run_tp["params_local"]
+        assert tp["tp_bytes_per_step"] == run_tp["theory_bytes_per_step"] == run_tp["bytes_per_step"] == 12288
+        assert moe["all_to_all_bytes_per_step"] == m["moe"]["all_to_all_theory_bytes"]
+        st, run = est["stages"][z], m["comm_theory_bytes_per_step"]
+        if ep == 1:                 # one engine: the table is the whole TP rank's
+            assert (est["params"], est["padded_params"]) == (run_tp["params_local"], m["padded_params"])
+            assert st["model_state_bytes"] == m["memory_bytes"]["total"]
+            total, kept = st["comm_bytes_per_step"], st["comm_bytes_kept_at_turns"]
+        else:
+            mem, row = m["moe"]["memory_bytes_by_engine"], moe["stages"][z]
+            assert (moe["dense_params_per_tp_rank"], moe["expert_params"] // ep) == (mem["dense"]["params"],
+                                                                                     mem["experts"]["params"])
+            assert (row["dense_bytes"], row["expert_bytes"]) == (mem["dense"]["theory"], mem["experts"]["theory"])
+            assert (row["dense_padded_bytes"], row["expert_padded_bytes"]) == (mem["dense"]["measured"],
+                                                                               mem["experts"]["measured"])
+            assert row["dense_padded_bytes"] + row["expert_padded_bytes"] == m["memory_bytes"]["total"]
+            total = row["dense_comm_bytes_per_step"] + row["expert_comm_bytes_per_step"]
+            kept = st["comm_bytes_kept_at_turns"] + row["expert_comm_bytes_kept_at_turns"]
+        assert (run == total) if z < 3 else (total - kept <= run <= total), (z, run, total, kept)
+        assert m["comm_bytes_per_step"] == run

@@ -216,13 +216,19 @@ def main(argv: Optional[List[str]] = None) -> int:
                             a.checkpoint_activations)
                 check(a.n_head % a.tp == 0, f"tp={a.tp} does not divide n_head={a.n_head}")
                 act = gpt_activations(dims, tp["dp"], a.micro_batches, a.checkpoint_activations, a.sp, a.tp) \
-                    if given else None       # a TP rank's (its heads, its columns of the split layers)
+                    if given and not moe else None   # a TP rank's (its heads, its columns of the split layers)
+                if moe:                  # the MoE GPT's: its experts whole on every TP rank (moe_bytes.gpt_moe)
+                    tp = dict(tp, params_total=moe["dense_params"] + moe["expert_params"],
+                              params_local=moe["table_params"], tp_bytes_per_step=moe["tp_bytes_per_step"],
+                              formula=f"{a.micro_batches} micro-batches x (4 x {a.n_layer - moe['moe_blocks']} "
+                                      f"dense + 2 x {moe['moe_blocks']} MoE blocks) x 2(K-1)/K x "
+                                      f"{tp['rows']}·{a.seq_len}·{a.d_model} x 4 B")
             if a.sp != 1:                # each sequence over K ranks (TP groups); ZeRO over the dp x sp ranks
                 from .sp_bytes import gpt_sp
                 sp = gpt_sp(a.sp, a.tp, a.ranks, a.n_layer, a.d_model, a.n_head, a.vocab, a.seq_len, a.batch,
                             a.micro_batches, a.checkpoint_activations)
             if tp:
-                a.params, a.ranks, largest = tp["params_local"], tp["dp"], None
+                a.params, a.ranks, largest = tp["params_local"], tp["dp"], moe["table_largest_layer"] if moe else None
             check(a.params is not None and a.ranks is not None, "give --params and --ranks (or --from-run)")
             est = estimate(a.params, a.ranks, a.dtype, layers=a.layers, largest_layer=largest, **opts, **topo)
             est = with_activations(est, act) if given and act else est
@@ -282,14 +288,19 @@ def _moe(a, dims: dict, given: list) -> dict:
                  "--vocab) and --ranks, not --params: they decide the dense and expert parameters")
     ep, top_k, every = a.ep or 1, 2 if a.top_k is None else a.top_k, 1 if a.moe_every is None else a.moe_every
     check_moe(a.experts, ep, top_k, every, a.expert_hidden, a.ranks,
-              {"--tp": a.tp != 1, "--sp": a.sp != 1, "--checkpoint-activations": a.checkpoint_activations,
+              {"--sp": a.sp != 1, "--checkpoint-activations": a.checkpoint_activations,
+               **{f"--{k.replace('_', '-')} (with --tp {a.tp} --ep {ep})": a.tp != 1 and ep > 1 and bool(getattr(a, k))
+                  for k in ("node_size", "shard_size", "hpz")},
                "--optimizer muon": a.optimizer == "muon",
                "--offload-optimizer": ep > 1 and a.offload_optimizer != "none",
                "--offload-params": ep > 1 and a.offload_params != "none"},
               {"--quantize-weights": bool(a.quantize_weights), "--quantize-grads": bool(a.quantize_grads)},
               a.shared_experts or 0)
+    check(a.ranks % a.tp == 0, f"tp={a.tp} does not divide the {a.ranks} ranks; use a divisor of {a.ranks}")
+    check((a.ranks // a.tp) % ep == 0, f"ep={ep} does not divide the {a.ranks // a.tp} data-parallel ranks "
+                                       f"({a.ranks} ranks / tp {a.tp}); use a divisor of {a.ranks // a.tp}")
     return gpt_moe(dims, a.ranks, a.experts, ep, top_k, every, a.expert_hidden, a.micro_batches,
-                   ZeroConfig(dtype=a.dtype).itemsize, a.shared_experts or 0)
+                   ZeroConfig(dtype=a.dtype).itemsize, a.shared_experts or 0, a.tp)
 
 
 PIPELINE_ALONE = ("largest_layer", "from_run", "node_size", "shard_size") + GPT_FLAGS
@@ -314,9 +325,11 @@ def _pipeline_moe(a, opts) -> dict:
               a.shared_experts or 0)
     s = actions.read(a.schedule_file) if a.schedule_file else \
         schedules.make(a.schedule or "1f1b", a.pp, a.micro_batches, a.chunks or 1)
+    check(a.tp == 1 or (a.d_model % a.tp == 0 and a.n_head % a.tp == 0),
+          f"tp={a.tp} does not divide d_model={a.d_model} and n_head={a.n_head}; use a divisor of both")
     topo = {"node_size": a.node_size, "shard_size": a.shard_size, "hpz": a.hpz}
     return pipeline_moe(dims, a.ranks, {r: s.chunks_of(r) for r in range(a.pp)}, a.experts, ep, every,
-                        a.expert_hidden, a.shared_experts or 0, a.dtype, opts, topo)
+                        a.expert_hidden, a.shared_experts or 0, a.dtype, opts, topo, top_k, a.tp)
 
 
 def _pipeline_replicas(a, opts) -> dict:
@@ -350,8 +363,8 @@ def _pipeline(a, opts) -> int:
     """``--pp P``: the schedule's bubble and activations; with --params, --ranks: one stage's table (pipeline.py)."""
     from .pipeline import format_pipeline, parse_costs, pipeline_estimate, stage_estimate
     check(a.pp is not None, "--schedule, --schedule-file, --chunks and --costs need --pp P (the pipeline stages)")
-    on = {"--tp": a.tp != 1, "--sp": a.sp != 1, "--hpz": a.hpz and (a.experts is None or a.replicas),
-          "--checkpoint-activations": a.checkpoint_activations}
+    on = {"--tp": a.tp != 1 and a.experts is None, "--sp": a.sp != 1,      # --tp: the MoE GPT's stages price it
+          "--hpz": a.hpz and (a.experts is None or a.replicas), "--checkpoint-activations": a.checkpoint_activations}
     with_pp = REPLICAS_WITH_PP if a.replicas else EXPERTS_WITH_PP if a.experts is not None else ()   # they price them
     alone = [k for k in PIPELINE_ALONE if k not in with_pp]
     other = [f"--{k.replace('_', '-')}" for k in alone if getattr(a, k) is not None] + [f for f in on if on[f]]

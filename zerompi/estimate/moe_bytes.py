@@ -6,7 +6,9 @@ experts hold E(2CH + H + C), its S shared experts (--shared-experts) S(2CH + H +
 Under --ep K the dense parameters are sharded over the N ranks, each EP rank's
 E/K experts over the N/K ranks holding the same experts (engine/memory.py's theory_bytes for each). The
 all-to-all (train/moe/routing.py's row): per MoE block and micro-batch, the counts once and four passes of the rows
-that leave the rank, balanced and dropless. docs/moe.md.
+that leave the rank, balanced and dropless. With --tp T a TP rank holds the attention's split share and the rest
+whole (block_sizes), ZeRO over the N/T data-parallel ranks; with --pp each stage's chunks' engines (pipeline_moe).
+docs/moe.md.
 """
 from typing import Dict, List, Optional, Tuple
 
@@ -72,31 +74,57 @@ def check_moe(experts: int, ep: int, top_k: int, every: int, hidden: Optional[in
                            f"the experts, so use a divisor of {ranks}")
 
 
+def block_sizes(c: int, n_layer: int, experts: int, mlp: int, every: int, shared: int, ep: int,
+                tp: int = 1) -> List[int]:
+    """The elements of each block on one TP rank of ``tp``, without the routed experts at --ep K > 1 (the expert
+    engine's): a dense block's 12C² + 7C split over the TP ranks and 6C whole (tp_bytes.py); an MoE block's
+    attention 4C² + 3C split and 5C whole (its LayerNorms and the projection's bias), its router C·E, shared
+    experts and (at --ep 1) routed experts whole on every TP rank (train/moe/block.py)."""
+    return [(4 * c * c + 3 * c) // tp + 5 * c + c * experts + shared * mlp + (experts * mlp if ep == 1 else 0)
+            if (i + 1) % every == 0 else (12 * c * c + 7 * c) // tp + 6 * c for i in range(n_layer)]
+
+
+def moe_tp_bytes(tp: int, blocks: int, n_layer: int, rows: int, t: int, c: int, micro_batches: int,
+                 checkpointed: bool = False) -> int:
+    """The TP all-reduce bytes one rank sends per step in the MoE GPT: per micro-batch 4 per dense block and 2 per
+    MoE block (its attention's; the experts are whole), 6 and 3 with activation checkpointing, each of
+    rows·T·C float32 values of which 2(K-1)/K leave the rank (tp_bytes.py)."""
+    calls = (6 if checkpointed else 4) * (n_layer - blocks) + (3 if checkpointed else 2) * blocks
+    return micro_batches * calls * 2 * (tp - 1) * (rows * t * c // tp) * 4
+
+
 def gpt_moe(dims: dict, ranks: int, experts: int, ep: int, top_k: int, every: int, hidden: Optional[int],
-            micro_batches: int, itemsize: int, shared: int = 0) -> dict:
+            micro_batches: int, itemsize: int, shared: int = 0, tp: int = 1) -> dict:
     """The MoE section of the estimate for the GPT of ``dims`` (activations.GPT_FLAGS) over ``ranks``: its dense
     and expert parameters, each stage's dense and expert model states per rank, the all-to-all's bytes per rank
     per step, and the engine layers the ZeRO table takes (the whole model at --ep 1, one engine; the dense
-    engine's at --ep K > 1: the experts are the second engine's)."""
+    engine's at --ep K > 1: the experts are the second engine's). With ``tp`` T > 1 the ranks are T-rank TP groups
+    (train/moe/expert_parallel.py): the dense engine holds a TP rank's share (block_sizes) over the N/T
+    data-parallel ranks, the expert engine its EP rank's E/K experts whole over the N/(T·K) ranks holding them."""
     c, n_layer, hidden = dims["d_model"], dims["n_layer"], hidden or 4 * dims["d_model"]
     dense, expert = gpt_moe_params(dims["vocab"], dims["seq_len"], c, n_layer, experts, hidden, every, shared)
     blocks = sum(1 for i in range(n_layer) if (i + 1) % every == 0)
     mlp = 2 * c * hidden + hidden + c                   # one expert's (routed or shared)
-    moe_block = 4 * c * c + 8 * c + c * experts + shared * mlp + (experts * mlp if ep == 1 else 0)
-    layers = [dims["vocab"] * c + dims["seq_len"] * c] + [
-        moe_block if (i + 1) % every == 0 else 12 * c * c + 13 * c for i in range(n_layer)] + [2 * c]
-    tokens = dims["batch"] // (ranks * micro_batches) * dims["seq_len"]
+    layers = [dims["vocab"] * c + dims["seq_len"] * c] + \
+        block_sizes(c, n_layer, experts, mlp, every, shared, ep, tp) + [2 * c]
+    dp = ranks // tp                                    # the data-parallel ranks: ZeRO's, and the EP groups'
+    local = sum(layers) - (0 if ep > 1 else expert)     # the dense engine's parameters on one TP rank
+    tokens = dims["batch"] // (dp * micro_batches) * dims["seq_len"]
     rows = []                 # the formulas (engine/memory.py's theory_bytes, unpadded), as the run prints them
     for stage in range(4):
-        st = moe_states(stage, itemsize, ranks, ep, dense, expert)
+        st = moe_states(stage, itemsize, dp, ep, local, expert)
         rows.append({"stage": stage, "dense_bytes": st["dense"]["total"], "expert_bytes": st["experts"]["total"],
                      "model_state_bytes": st["dense"]["total"] + st["experts"]["total"]})
-    return {"experts": experts, "shared_experts": shared, "ep": ep, "top_k": top_k, "moe_every": every,
-            "expert_hidden": hidden,
-            "moe_blocks": blocks, "dense_params": dense, "expert_params": expert, "ranks": ranks,
-            "expert_ranks": ranks // ep, "tokens_per_micro_batch": tokens, "stages": rows,
-            "all_to_all_bytes_per_step": all_to_all_bytes(ep, experts, top_k, c, tokens, blocks, micro_batches),
-            "table_params": sum(layers), "table_largest_layer": max(layers)}
+    out = {"experts": experts, "shared_experts": shared, "ep": ep, "top_k": top_k, "moe_every": every,
+           "expert_hidden": hidden,
+           "moe_blocks": blocks, "dense_params": dense, "expert_params": expert, "ranks": dp,
+           "expert_ranks": dp // ep, "tokens_per_micro_batch": tokens, "stages": rows,
+           "all_to_all_bytes_per_step": all_to_all_bytes(ep, experts, top_k, c, tokens, blocks, micro_batches),
+           "table_params": sum(layers), "table_largest_layer": max(layers), "tp": tp}
+    if tp > 1:
+        out.update(dense_params_per_tp_rank=local, tp_bytes_per_step=moe_tp_bytes(
+            tp, blocks, n_layer, dims["batch"] // (dp * micro_batches), dims["seq_len"], c, micro_batches))
+    return out
 
 
 def expert_topology(ranks: int, ep: int, node_size: Optional[int], shard_size: Optional[int]):
@@ -167,7 +195,9 @@ def format_moe(moe: dict) -> str:
     out = ["", f"mixture of experts: {moe['experts']} experts{shared} (top-{moe['top_k']}, hidden "
                f"{moe['expert_hidden']}) in "
                f"{moe['moe_blocks']} of the blocks, --ep {k}: Ψ = {moe['dense_params']:,} dense + "
-               f"{moe['expert_params']:,} expert parameters",
+               f"{moe['expert_params']:,} expert parameters" +
+               (f"; --tp {moe['tp']}: a TP rank's dense share {moe['dense_params_per_tp_rank']:,}, its experts whole"
+                if moe.get("tp", 1) > 1 else ""),
            line("bytes per rank", [f"stage {r['stage']}" for r in rows]),
            line(f"dense states (over {moe['ranks']})", [f"{r['dense_bytes']:,}" for r in rows]),
            line(f"expert states (E/K over {moe['expert_ranks']})", [f"{r['expert_bytes']:,}" for r in rows]),
@@ -190,17 +220,24 @@ def format_moe(moe: dict) -> str:
 
 
 def pipeline_moe(dims: dict, ranks: int, chunks_of: Dict[int, List[int]], experts: int, ep: int, every: int,
-                 hidden: Optional[int], shared: int, dtype: str, opts: dict, topo: Optional[dict] = None) -> dict:
-    """--pp P with --experts E --ep K: each pipeline stage's model states per rank, its chunks' engines apart. The
-    stages are N/P ranks each (comm/mesh.py), stage s holds chunks ``chunks_of[s]`` (train/models/chunks.py's
-    layers: the embeddings on the first, the final LayerNorm on the last); each chunk has a dense engine (its layers
-    without the experts, over the stage's N/P ranks) and, where it holds MoE blocks and K > 1, an expert engine
-    (this EP rank's E/K experts of each, one layer per block, over the stage's N/(P·K) expert-data-parallel ranks:
-    train/moe/stage_experts.py). Per ZeRO stage: the formulas (theory_bytes, unpadded) and the engines' padded
-    layouts (the engine's buckets of each chunk's layers: what the run measures), summed over the stage's engines,
-    and the pipeline stage whose ranks hold the most. ``topo``: the world's ``node_size``, ``shard_size`` (ranks)
-    and ``hpz``: a node inside a stage or holding whole stages, a shard group inside a stage (comm/mesh.py); the
-    dense engines in the stage's nodes and shard groups, the expert engines in theirs (expert_topology)."""
+                 hidden: Optional[int], shared: int, dtype: str, opts: dict, topo: Optional[dict] = None,
+                 top_k: int = 2, tp: int = 1) -> dict:
+    """--pp P with --experts E --ep K: each pipeline stage's model states per rank, its chunks' engines apart, their
+    ZeRO bytes per step and its ranks' all-to-all. The stages are N/P ranks each (comm/mesh.py), stage s holds chunks
+    ``chunks_of[s]`` (train/models/chunks.py's layers: the embeddings on the first, the final LayerNorm on the last);
+    each chunk has a dense engine (its layers without the experts, a TP rank's share of them with ``tp`` T > 1:
+    block_sizes, over the stage's N/(P·T) data-parallel ranks) and, where it holds MoE blocks and K > 1, an expert
+    engine (this EP rank's E/K experts of each, whole, one layer per block, over the stage's N/(P·T·K)
+    expert-data-parallel ranks, each reduce-scatter carrying the K sources' partials: train/moe/stage_experts.py).
+    Per ZeRO stage: the formulas (theory_bytes, unpadded) and the engines' padded layouts (the engine's buckets of
+    each chunk's layers: what the run measures), summed over the stage's engines, where offload puts them, their
+    ZeRO bytes per step (each chunk's engine reduces per micro-batch: --pp-grad-reduce micro-batch, the run's
+    default), and the pipeline stage whose ranks hold the most. ``topo``: the world's ``node_size``, ``shard_size``
+    (ranks) and ``hpz``: a node inside a stage or holding whole stages, a shard group inside a stage (comm/mesh.py);
+    the dense engines in the stage's nodes and shard groups, the expert engines in theirs (expert_topology), their
+    bytes per level as an unpipelined run's (with --tp: nodes of whole stages only). The all-to-all: a rank of
+    stage s exchanges for its own MoE blocks only (balanced, dropless: all_to_all_bytes)."""
+    from collections import Counter
     from ..engine.config import ZeroConfig
     from ..layout import FlatLayout
     from .plan import bucket_numel
@@ -212,29 +249,43 @@ def pipeline_moe(dims: dict, ranks: int, chunks_of: Dict[int, List[int]], expert
     check(n_layer % chunks == 0, f"n_layer={n_layer} is not divisible into {chunks} equal chunks of blocks; use a "
                                  f"multiple of {chunks}")
     check(ranks % pp == 0, f"pp={pp} does not divide ranks={ranks}; each stage holds ranks/pp of them")
-    dp = ranks // pp
+    check((ranks // pp) % tp == 0, f"tp={tp} does not divide the {ranks // pp} ranks of each pipeline stage ({ranks} "
+                                   f"ranks / pp {pp}); use a divisor of {ranks // pp}")
+    dp = ranks // pp // tp
     check(dp % ep == 0, f"ep={ep} does not divide the {dp} data-parallel ranks of each pipeline stage ({ranks} ranks "
-                        f"/ pp {pp}); use a divisor of {dp}")
+                        f"/ pp {pp}" + (f" / tp {tp}" if tp > 1 else "") + f"); use a divisor of {dp}")
+    mb = opts.get("micro_batches", 1)
+    check(dims["batch"] % (dp * mb) == 0, f"batch={dims['batch']} does not split over {dp} data-parallel ranks x "
+                                          f"{mb} micro-batches")
     mlp, per = 2 * c * hidden + hidden + c, n_layer // chunks
     moe = lambda i: (i + 1) % every == 0                                          # noqa: E731
-    block = lambda i: (4 * c * c + 8 * c + c * experts + shared * mlp + (experts * mlp if ep == 1 else 0)
-                       if moe(i) else 12 * c * c + 13 * c)                        # noqa: E731
+    sizes = block_sizes(c, n_layer, experts, mlp, every, shared, ep, tp)
     itemsize, cap = ZeroConfig(dtype=dtype).itemsize, bucket_numel(dtype, opts.get("bucket_mb", ZeroConfig.bucket_mb))
     keep = {k: v for k, v in opts.items() if k != "bucket_mb"}
+    tokens = dims["batch"] // (dp * mb) * seq                       # a data-parallel rank's micro-batch
 
-    node, shard, hpz = stage_topology(ranks, pp, topo or {})
-    levels = {dp: check_levels(dp, node, shard, hpz)}
+    topo = topo or {}
+    inside = topo.get("node_size") is not None and topo["node_size"] < ranks // pp     # a node inside a stage
+    for name, given in (("--node-size", inside), ("--shard-size", bool(topo.get("shard_size"))),
+                        ("--hpz", bool(topo.get("hpz")))):
+        check(tp == 1 or not given, f"{name} with --pp {pp} --tp {tp} --experts {experts} is not estimated yet (only "
+                                    "nodes of whole stages: docs/moe.md); drop one of them")
+    node, shard, hpz = stage_topology(ranks, pp, topo)
+    node = None if tp > 1 else node     # with --tp: nodes of whole stages, each data-parallel group in one
+    levels, per_node = {dp: check_levels(dp, node, shard, hpz)}, None
     if ep > 1:
-        e_node, e_shard, _ = expert_topology(dp, ep, node, shard)
+        e_node, e_shard, per_node = expert_topology(dp, ep, node, shard)
         levels[dp // ep] = check_levels(dp // ep, e_node, e_shard, hpz) if dp > ep else \
             check_levels(1, None, None, hpz)
+        per_node = per_node if dp > ep else None
 
     def engine(sizes, world):           # (the engine's padded estimate, its Ψ, its Levels) of layers of ``sizes``
         lv = levels[world]
         layout = FlatLayout([(f"l{j}", [(f"l{j}.p", (n,))]) for j, n in enumerate(sizes)], lv.shard_size, cap,
                             ZeroConfig.align * lv.replicas)
-        return estimate(dtype=dtype, layout=layout, ranks=world, node_size=lv.node_size, shard_size=lv.shard_size,
-                        hpz=hpz, **keep), sum(sizes), lv
+        est = estimate(dtype=dtype, layout=layout, ranks=world, node_size=lv.node_size, shard_size=lv.shard_size,
+                       hpz=hpz, **keep)
+        return dict(est, lengths=Counter(b.numel for b in layout.buckets)), sum(sizes), lv
 
     def formula(z, psi, lv):            # the engine's memory_report "theory": over its shard group, hpZ's copy
         return theory_bytes(z, psi, lv.shard_size, itemsize,
@@ -243,12 +294,15 @@ def pipeline_moe(dims: dict, ranks: int, chunks_of: Dict[int, List[int]], expert
     stages = []
     for s in range(pp):
         dense, expert = [], []
+        blocks = [i for ch in chunks_of[s] for i in range(ch * per, (ch + 1) * per)]
         for ch in chunks_of[s]:
-            blocks = range(ch * per, (ch + 1) * per)
-            dense.append(engine(([vocab * c + seq * c] if ch == 0 else []) + [block(i) for i in blocks] +
+            mine = range(ch * per, (ch + 1) * per)
+            dense.append(engine(([vocab * c + seq * c] if ch == 0 else []) + [sizes[i] for i in mine] +
                                 ([2 * c] if ch == chunks - 1 else []), dp))
-            if ep > 1 and any(moe(i) for i in blocks):
-                expert.append(engine([experts // ep * mlp for i in blocks if moe(i)], dp // ep))
+            if ep > 1 and any(moe(i) for i in mine):
+                expert.append(engine([experts // ep * mlp for i in mine if moe(i)], dp // ep))
+        sources = sum(sources_bytes(est["lengths"], itemsize, dp // ep, ep, mb, lv.node_size, lv.shard_size, per_node)
+                      for est, _, lv in expert)
         rows = []
         for z in range(4):
             d = sum(formula(z, psi, lv) for _, psi, lv in dense)
@@ -257,16 +311,27 @@ def pipeline_moe(dims: dict, ranks: int, chunks_of: Dict[int, List[int]], expert
             epad = sum(est["stages"][z]["model_state_bytes"] for est, _, _ in expert)
             places = {p: sum(est["stages"][z]["model_state_bytes_by_place"][p]["total"] for est, _, _ in dense + expert)
                       for p in ("device", "host", "disk")}    # where offload puts them (all on the device without)
+            comm = {name: sum(est["stages"][z]["comm_bytes_per_step"] for est, _, _ in engines)
+                    for name, engines in (("dense", dense), ("expert", expert))}
+            kept = sum(est["stages"][z]["comm_bytes_kept_at_turns"] for est, _, _ in dense + expert)
             rows.append({"stage": z, "dense_bytes": d, "expert_bytes": e, "model_state_bytes": d + e,
                          "dense_padded_bytes": dpad, "expert_padded_bytes": epad, "padded_bytes": dpad + epad,
-                         "padded_bytes_by_place": places})
+                         "padded_bytes_by_place": places,
+                         "dense_comm_bytes_per_step": comm["dense"],
+                         "expert_comm_bytes_per_step": comm["expert"] + sources,
+                         "comm_bytes_per_step": comm["dense"] + comm["expert"] + sources,
+                         "comm_bytes_kept_at_turns": kept})
+        n_moe = sum(1 for i in blocks if moe(i))
         stages.append({"pipeline_stage": s, "chunks": list(chunks_of[s]), "dense_params": sum(p for _, p, _ in dense),
                        "expert_params": sum(p for _, p, _ in expert), "ranks": dp, "expert_ranks": dp // ep,
-                       "zero_stages": rows,     # each engine's padded shard (elements): the replicas' files
+                       "moe_blocks": n_moe, "zero_stages": rows,
+                       "all_to_all_bytes_per_step": all_to_all_bytes(ep, experts, top_k, c, tokens, n_moe, mb),
+                       "tp_bytes_per_step": moe_tp_bytes(tp, n_moe, len(blocks), tokens // seq, seq, c, mb),
+                       # each engine's padded shard (elements): the replicas' files
                        "shard_numel": [est["padded_params"] // est["shard_size"] for est, _, _ in dense + expert]})
     largest = [max(range(pp), key=lambda s: (stages[s]["zero_stages"][z]["padded_bytes"], -s)) for z in range(4)]
-    return {"pp": pp, "ep": ep, "experts": experts, "chunks_per_stage": chunks // pp, "pipeline_stages": stages,
-            "largest_stage": largest}
+    return {"pp": pp, "ep": ep, "tp": tp, "experts": experts, "top_k": top_k, "chunks_per_stage": chunks // pp,
+            "tokens_per_micro_batch": tokens, "pipeline_stages": stages, "largest_stage": largest}
 
 
 def stage_topology(ranks: int, pp: int, topo: dict):
@@ -286,7 +351,8 @@ def format_pipeline_moe(pm: dict) -> str:
     """The per-stage MoE table the command line prints with --pp."""
     line = lambda label, cells: f"  {label:<34}" + "".join(f"{c:>14}" for c in cells)   # noqa: E731
     out = ["", f"mixture of experts in {pm['pp']} pipeline stages ({pm['chunks_per_stage']} chunk(s) each), "
-               f"{pm['experts']} experts, --ep {pm['ep']}: model states per rank of each stage's engines",
+               f"{pm['experts']} experts, --ep {pm['ep']}" + (f" --tp {pm['tp']}" if pm.get("tp", 1) > 1 else "") +
+               ": model states per rank of each stage's engines",
            line("bytes per rank", [f"stage {z}" for z in range(4)])]
     for st in pm["pipeline_stages"]:
         rows, s = st["zero_stages"], st["pipeline_stage"]
@@ -296,7 +362,18 @@ def format_pipeline_moe(pm: dict) -> str:
         if any(r["padded_bytes_by_place"]["device"] != r["padded_bytes"] for r in rows):      # offloaded
             out += [line(f"pp stage {s}:   on the {p}", [f"{r['padded_bytes_by_place'][p]:,}" for r in rows])
                     for p in ("device", "host", "disk")]
+        out.append(line(f"pp stage {s}: ZeRO bytes per step", [f"{r['comm_bytes_per_step']:,}" for r in rows]))
     out.append(line("the largest pipeline stage", [str(s) for s in pm["largest_stage"]]))
+    out.append("  all-to-all per rank per step: " + ", ".join(
+        f"pp stage {st['pipeline_stage']} {st['all_to_all_bytes_per_step']:,} bytes ({st['moe_blocks']} MoE blocks)"
+        for st in pm["pipeline_stages"]) + f"; n = {pm['tokens_per_micro_batch']} tokens a micro-batch, K = "
+        f"{pm['ep']} (balanced, dropless)")
+    if pm.get("tp", 1) > 1:
+        out.append("  TP all-reduce per rank per step: " + ", ".join(
+            f"pp stage {st['pipeline_stage']} {st['tp_bytes_per_step']:,} bytes" for st in pm["pipeline_stages"]) +
+            " (4 per dense block, 2 per MoE block and micro-batch, 2(K-1)/K of rows·T·C x 4 B each)")
     out.append("  formulas: each engine's theory_bytes (unpadded), as a run prints them; padded: the engines' buckets "
-               "(what a run holds); chunk 0 holds the embeddings, the last chunk the final LayerNorm (docs/moe.md)")
+               "(what a run holds); ZeRO bytes: the stage's engines' step, reduced per micro-batch (the expert "
+               "reduce-scatters carry K sources' partials; stage 3 keeps a bucket at the turn: the table's note); "
+               "chunk 0 holds the embeddings, the last chunk the final LayerNorm (docs/moe.md)")
     return "\n".join(out)

@@ -21,14 +21,6 @@ from ...errors import check
 from .expert_parallel import engine_configs, expert_groups, offload_dir, split_experts, whole_params
 
 
-def check_job(cfg) -> None:
-    """ConfigError (one line) where --pp with --ep meets what it does not compose with yet: the simulated world."""
-    if cfg.mesh.pp == 1 or cfg.moe.ep == 1:
-        return
-    check(not cfg.simulate_world, f"--simulate-world with --pp {cfg.mesh.pp} --ep {cfg.moe.ep} is not supported yet "
-                                  "(docs/moe.md); drop one of them")
-
-
 def check_world(cfg, world_size: int) -> None:
     """ConfigError unless --ep divides each stage's data-parallel ranks (with --pp; its EP groups stay in a stage)."""
     m, ep = cfg.mesh, cfg.moe.ep
