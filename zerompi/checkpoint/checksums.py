@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from ..optim.fused_cpu import BuildError, build, lazy_library
+from ..optim.fused_cpu import build, lazy_library, open_checked
 
 SOURCE = "checksum_cpu.c"
 PREFIX = "zerompi_checksum_cpu"
@@ -42,13 +42,7 @@ class Crc32:
 
 
 def _load():
-    path = build(source=SOURCE, headers=(), prefix=PREFIX)
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as e:
-        raise BuildError(f"cannot load {path}: {e}")
-    if lib.zck_abi_version() != ABI_VERSION:
-        raise BuildError(f"{path} has ABI {lib.zck_abi_version()}, expected {ABI_VERSION}")
+    lib = open_checked(build(source=SOURCE, headers=(), prefix=PREFIX), "zck_abi_version", ABI_VERSION)
     lib.zck_checksum.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64]
     lib.zck_checksum.restype = ctypes.c_uint64
     return lib

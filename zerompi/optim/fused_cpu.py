@@ -129,14 +129,22 @@ def build(directory: Optional[Path] = None, extra_flags: Sequence[str] = (), com
     raise BuildError(f"{' '.join(cc)} failed to compile {source}: {errors[-1]}")
 
 
-def load(path: Path) -> ctypes.CDLL:
-    """Open a built library and declare its functions' signatures."""
+def open_checked(path: Path, abi: str, version: int) -> ctypes.CDLL:
+    """Open a built library whose C function ``abi`` returns its ABI version, which must be ``version``
+    (BuildError otherwise: every kernel library's loader)."""
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
         raise BuildError(f"cannot load {path}: {e}")
-    if lib.zmp_abi_version() != ABI_VERSION:
-        raise BuildError(f"{path} has ABI {lib.zmp_abi_version()}, expected {ABI_VERSION}")
+    got = getattr(lib, abi)()
+    if got != version:
+        raise BuildError(f"{path} has ABI {got}, expected {version}")
+    return lib
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """Open a built library and declare its functions' signatures."""
+    lib = open_checked(path, "zmp_abi_version", ABI_VERSION)
     p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
     for name in (f"zmp_adamw_{x}" for x in SUFFIXES):
         getattr(lib, name).argtypes = [p, p, p, p, p, i64, ctypes.POINTER(_Scalars)]

@@ -11,7 +11,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..optim.fused_cpu import BuildError, build, lazy_library
+from ..optim.fused_cpu import build, lazy_library, open_checked
 
 SOURCE = "gpt_cpu.c"
 HEADERS = ("gpt_cpu_body.h",)
@@ -36,12 +36,7 @@ def build_library(directory: Optional[Path] = None, compiler: Optional[list] = N
 
 def load(path: Path) -> ctypes.CDLL:
     """Open a built library and declare its functions' signatures."""
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as e:
-        raise BuildError(f"cannot load {path}: {e}")
-    if lib.zgpt_abi_version() != ABI_VERSION:
-        raise BuildError(f"{path} has ABI {lib.zgpt_abi_version()}, expected {ABI_VERSION}")
+    lib = open_checked(path, "zgpt_abi_version", ABI_VERSION)
     for sfx, real in (("f32", ctypes.c_float), ("f64", ctypes.c_double)):
         kinds = {"p": ctypes.c_void_p, "i": ctypes.c_int64, "r": real}
         for name, sig in _SIGNATURES.items():
