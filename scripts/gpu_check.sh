@@ -26,6 +26,8 @@
 #      (N = 4 in 2 nodes, stages bit-identical), hpZ, and optimizer offload (cpu and nvme,
 #      stages 2 and 3: the same bits as without offload)
 #   9. Muon on the GPU: stages 0-3 bit-identical, the losses beside the CPU's
+#  10. the MoE GPT (--experts 4, --ep 1: the router, experts and aux loss on CuPy) at stage 3,
+#      N = 2, beside the same run on the CPU (losses within 1e-4; routing counts shown)
 # Results: OUT/*.json and OUT/*.log; scripts/gpu_summary.py prints the table last and
 # writes OUT/summary.json. Exit status 0 only when every check passed.
 #
@@ -164,6 +166,13 @@ for device in gpu cpu; do
         run "muon_${device}_s${stage}" 120 mpiexec -n 2 "$PY" -m zerompi.train --device "$device" --optimizer muon \
             --dtype fp32 --stage "$stage" --steps 20 --eval-every 0 --metrics-json "$OUT/muon_${device}_s${stage}.json"
     done
+done
+
+# 10. The MoE GPT on the GPU (moe/mlp.py on CuPy; --ep > 1 is refused on the GPU: its expert engine is
+#     host-only), stage 3, beside the CPU run (the C kernels there).
+for device in gpu cpu; do
+    run "moe_${device}_s3" 120 mpiexec -n 2 "$PY" -m zerompi.train --device "$device" --experts 4 --top-k 2 \
+        --dtype fp32 --stage 3 --steps 20 --eval-every 0 --metrics-json "$OUT/moe_${device}_s3.json"
 done
 
 "$PY" scripts/gpu_summary.py "$OUT" || fail=1

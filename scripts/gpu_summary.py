@@ -7,7 +7,7 @@ budget was spent), OUT/env.json, the parity runs' metrics (OUT/parity_{gpu,cpu}_
 OUT/bench_adam.json, OUT/bench_comm.json, OUT/bench_nccl.json, OUT/gpt.json, OUT/gpt_nccl.json,
 the JSON lines of OUT/bench_floor.log, OUT/bench_torch.json (or bench_torch.log saying PyTorch is
 not there), and the feature runs' metrics (bf16_*, zeropp_gpu_*, hpz_gpu_s3, twolevel_gpu_s3,
-offload_*, muon_*); writes OUT/summary.json and exits 1 when a check failed.
+offload_*, muon_*, moe_*); writes OUT/summary.json and exits 1 when a check failed.
 """
 import json
 import sys
@@ -122,6 +122,23 @@ def check_features(out: Path) -> List[dict]:
     return rows
 
 
+def check_moe(out: Path) -> dict:
+    """The MoE GPT at stage 3 on the GPU (moe_gpu_s3) beside the CPU (moe_cpu_s3): losses within fp32's
+    LOSS_RTOL; whether the routing (tokens per expert, drops) came out the same is shown."""
+    label = "MoE --experts 4 stage 3, N=2 (GPT, fp32)"
+    gpu, cpu = _load(out / "moe_gpu_s3.json"), _load(out / "moe_cpu_s3.json")
+    if gpu is None or cpu is None:
+        return {"check": label, "ok": False, "detail": "missing runs: "
+                + str([n for n, m in (("moe_gpu_s3", gpu), ("moe_cpu_s3", cpu)) if m is None])}
+    worst = max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(gpu["losses"], cpu["losses"]))
+    keys = ("tokens_min", "tokens_max", "dropped")
+    same = all((gpu.get("moe") or {}).get(k) == (cpu.get("moe") or {}).get(k) for k in keys)
+    ok = worst <= LOSS_RTOL["fp32"] and len(gpu["losses"]) == len(cpu["losses"]) > 0 and _on_gpu([gpu])
+    return {"check": label, "ok": ok,
+            "detail": f"GPU vs CPU losses within {worst:.1e} (tolerance {LOSS_RTOL['fp32']:g}); routing "
+                      f"{'the same' if same else 'DIFFERS'}" + ("" if _on_gpu([gpu]) else "; NOT on the GPU")}
+
+
 def json_lines(path: Path) -> List[dict]:
     """The JSON objects printed one per line in a log (other lines skipped)."""
     try:
@@ -212,7 +229,7 @@ def summarize(out: Path) -> dict:
     checks = [check_pytest(out, st)] + check_parity(out) + [
         check_bench_adam(out), check_bench_comm(out), check_bench_comm(out, "bench_nccl", "nccl"),
         check_gpt(out), check_gpt(out, "gpt_nccl", "GPT over NCCL (30 steps)"),
-        check_floor(out), check_torch(out)] + check_features(out)
+        check_floor(out), check_torch(out)] + check_features(out) + [check_moe(out)]
     failed_steps = sorted(name for name, (rc, _) in st.items() if rc != 0)
     not_run = sorted(name for name, (rc, _) in st.items() if rc == -1)
     return {"env": _load(out / "env.json"), "checks": checks, "failed_steps": failed_steps, "not_run": not_run,

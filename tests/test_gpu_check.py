@@ -54,6 +54,12 @@ def write_results(out, **change):
             steps.append(f"muon_{dev}_s{s}")
             sha = "m" + dev + ("x" if change.get("muon_stage_differs") and dev == "gpu" and s == 2 else "")
             write_metrics(out, f"muon_{dev}_s{s}", sha, (1.0, 0.5, 0.25), dev)
+    for dev in ("gpu", "cpu"):
+        steps.append(f"moe_{dev}_s3")
+        (out / f"moe_{dev}_s3.json").write_text(json.dumps({
+            "final_params_sha256": "o" + dev, "device": f"{dev} 0 of 1",
+            "losses": [2.0, 1.5, 1.2 if change.get("moe_loss_off") and dev == "gpu" else 1.0],
+            "moe": {"tokens_min": [3], "tokens_max": [9], "dropped": [0]}}))
     for s in (1, 2, 3):
         steps.append(f"zeropp_gpu_s{s}")
         write_metrics(out, f"zeropp_gpu_s{s}", "q", (1.0, 1.2 if change.get("zeropp_diverges") else 0.5))
@@ -114,6 +120,7 @@ def test_summary_passes_good_results(tmp_path, capsys):
     ({"hpz_differs": True}, "DIFFER: {'hpz_gpu_s3': 'x'"),
     ({"muon_stage_differs": True}, "FAIL  Muon stages 0-3"),
     ({"offload_differs": True}, "'offload_nvme_gpu_s2': 'e'"),
+    ({"moe_loss_off": True}, "FAIL  MoE --experts 4 stage 3"),
     ({"floor_stages_differ": True}, "FAIL  GPT step per stage against its GEMM floor"),
     ({"torch_parity_off": True}, "FAIL  the GPT under PyTorch"),
 ])

@@ -35,9 +35,13 @@ class EPComm(GroupComm):
         self._count(op, send[0].nbytes * (self.size - 1), t)
         return recv
 
-    def rows(self, send: np.ndarray, send_rows, recv_rows, op: str = "ep_all_to_all") -> np.ndarray:
+    def rows(self, send, send_rows, recv_rows, op: str = "ep_all_to_all", xp=np):
         """The rows of ``send`` (n, C), ``send_rows[r]`` of them to EP rank r in rank order; returns the rows
-        received, ``recv_rows[r]`` from rank r, in rank order (an (sum, C) array of send's dtype)."""
+        received, ``recv_rows[r]`` from rank r, in rank order (an (sum, C) array of send's dtype). ``xp``: the
+        array module of ``send`` and of the result; device rows (CuPy) are staged through host buffers (one copy
+        down, one up: what MPI reads and writes is host memory, CUDA-aware or not)."""
+        if xp is not np:
+            return xp.asarray(self.rows(xp.asnumpy(send), send_rows, recv_rows, op))
         width = int(np.prod(send.shape[1:], dtype=np.int64)) * send.itemsize
         send = np.ascontiguousarray(send)
         recv = np.empty((int(np.sum(recv_rows)),) + send.shape[1:], send.dtype)

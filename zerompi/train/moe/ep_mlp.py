@@ -55,9 +55,11 @@ class EPMoEMLP(MoEMLP):
         kept = self._send_order(r)
         counts = np.array([len(q) for q in kept], np.int64).reshape(K, El)
         got = self.ep.counts(counts)                     # (source, my expert): rows each source sends
-        send = m[np.concatenate(kept) % n] if n else m
-        x = self.ep.rows(send, counts.sum(axis=1), got.sum(axis=1))
-        ys, acts = np.empty_like(x), []
+        xp = self.xp
+        order = xp.concatenate(kept)
+        send = m[order % n] if n else m
+        x = self.ep.rows(send, counts.sum(axis=1), got.sum(axis=1), xp=xp)
+        ys, acts = xp.empty_like(x), []
         with self.store.params(block) as P:
             lo = 0
             for s in range(K):                           # one source at a time: its own rows, as it would
@@ -66,18 +68,19 @@ class EPMoEMLP(MoEMLP):
                     h, t, g, ys[lo:hi] = expert_forward(self.xp, P, i, x[lo:hi])
                     acts.append((h, t, g))
                     lo = hi
-        back = self.ep.rows(ys, got.sum(axis=1), counts.sum(axis=1))
-        Y = self.xp.zeros((self.spec.top_k * n, m.shape[1]), self.dtype)
+        back = self.ep.rows(ys, got.sum(axis=1), counts.sum(axis=1), xp=xp)
+        Y = xp.zeros((self.spec.top_k * n, m.shape[1]), self.dtype)
         if n:
-            Y[np.concatenate(kept)] = back
+            Y[order] = back
         return Y, (kept, counts, got, x, acts)
 
     def experts_backward(self, p, m, r: Routing, acts, dY, block: int):
         K, El, n = self.ep.size, self.local, m.shape[0]
         kept, counts, got, x, act = acts
-        order = np.concatenate(kept)
-        dy = self.ep.rows(dY[order], counts.sum(axis=1), got.sum(axis=1))
-        dx = np.empty_like(dy)
+        xp = self.xp
+        order = xp.concatenate(kept)
+        dy = self.ep.rows(dY[order], counts.sum(axis=1), got.sum(axis=1), xp=xp)
+        dx = xp.empty_like(dy)
         with self.store.params(block) as P:
             g = {name: self.xp.zeros((K,) + P[name].shape, self.dtype) for name in EXPERT_KEYS}
             lo = 0
@@ -88,7 +91,7 @@ class EPMoEMLP(MoEMLP):
                     dx[lo:hi] = expert_backward(P, i, x[lo:hi], act[s * El + i], dy[lo:hi], part, i)
                     lo = hi
         self.store.grads(block, g)
-        back = self.ep.rows(dx, got.sum(axis=1), counts.sum(axis=1))
+        back = self.ep.rows(dx, got.sum(axis=1), counts.sum(axis=1), xp=xp)
         dm = self.xp.zeros(m.shape, self.dtype)
         lo = 0
         for q in kept:                                   # the input gradients summed in expert order, as at --ep 1

@@ -54,6 +54,11 @@ class MoESpec:
         return max(1, math.ceil(self.capacity_factor * n * self.top_k / self.experts))
 
 
+def host(xp, a) -> np.ndarray:
+    """``a`` on the host: itself on NumPy, the explicit copy down on CuPy (counts MPI and the stats read)."""
+    return np.asarray(a) if xp is np else xp.asnumpy(a)
+
+
 def softmax(xp, logits):
     """Row softmax in at least float32 (float64 stays float64)."""
     z = logits.astype(np.promote_types(logits.dtype, np.float32))
@@ -69,19 +74,20 @@ class Routing:
     def __init__(self, xp, spec: MoESpec, probs, bias=None, sp=None, seqs: int = 1):
         n, k, E = probs.shape[0], spec.top_k, spec.experts
         self.n, self.probs = n, probs
-        score = probs if bias is None else probs + bias.astype(probs.dtype)    # the choice's; weights: probs'
+        score = probs if bias is None else probs + xp.asarray(bias.astype(probs.dtype))  # the choice's only
         self.top = xp.argsort(-score, axis=1, kind="stable")[:, :k]
         chosen = xp.take_along_axis(probs, self.top, axis=1)
         self.total = chosen.sum(axis=1, keepdims=True)
         self.weights = chosen / self.total
         flat = self.top.T.reshape(-1)                        # slot-major: q = j * n + t
         self.routed = xp.bincount(flat, minlength=E)         # assignments each expert was chosen for
+        self.routed_host = host(xp, self.routed).astype(np.int64)      # the one copy down of the routing
         if spec.capacity_factor is not None and sp is not None and sp.size > 1:
             self.kept = self._kept_whole(xp, spec, sp, seqs)
         else:
             cap = spec.capacity(n)
             order = xp.argsort(flat, kind="stable")          # by expert, slot-major inside each
-            bounds = np.concatenate([[0], np.cumsum(np.asarray(self.routed))])
+            bounds = np.concatenate([[0], np.cumsum(self.routed_host)])
             self.kept = [order[bounds[e]:bounds[e + 1]][:cap] for e in range(E)]
         self.tokens = np.array([len(q) for q in self.kept], np.int64)    # kept per expert
         self.dropped = int(n * k - self.tokens.sum())
@@ -97,7 +103,8 @@ class Routing:
         k, K, E, n = spec.top_k, sp.size, spec.experts, self.n
         t = n // seqs                                        # this rank's positions of each sequence
         mine = np.zeros((K, k, seqs, t), np.float64)
-        mine[sp.rank] = np.asarray(self.top, np.float64).T.reshape(k, seqs, t)
+        top = host(xp, self.top)
+        mine[sp.rank] = top.astype(np.float64).T.reshape(k, seqs, t)
         every = sp.sum_scalars(mine).reshape(K, k, seqs, t)  # each rank's row: its own choices, the others 0
         whole = np.moveaxis(every, 0, 2).reshape(-1).astype(np.int64)   # (slot, sequence, chunk, position)
         order = np.argsort(whole, kind="stable")
@@ -107,16 +114,16 @@ class Routing:
         for e in range(E):                                   # each expert's first ``cap`` in that order
             keep[order[bounds[e]:bounds[e + 1]][:cap]] = True
         keep = keep.reshape(k, seqs, K, t)[:, :, sp.rank].reshape(-1)   # this rank's: q = j * n + token
-        flat = np.asarray(self.top).T.reshape(-1)
+        flat = top.T.reshape(-1)
         return [xp.asarray(np.flatnonzero(keep & (flat == e))) for e in range(E)]
 
-    def share(self, sp) -> None:
+    def share(self, xp, sp) -> None:
         """Over ``sp`` (an SPComm: the chunks of the same sequences), the counts and probability sums of the
         whole micro-batch, for the aux loss (rank order: the same bits on every SP rank)."""
         E = self.probs.shape[1]
-        total = sp.sum_scalars(np.concatenate([np.asarray(self.routed, np.float64),
-                                               np.asarray(self.probs.sum(axis=0), np.float64), [self.n]]))
-        self.whole = (total[:E], total[E:2 * E], total[-1])
+        sums = host(xp, self.probs.sum(axis=0)).astype(np.float64)
+        total = sp.sum_scalars(np.concatenate([self.routed_host.astype(np.float64), sums, [self.n]]))
+        self.whole = (xp.asarray(total[:E]), xp.asarray(total[E:2 * E]), float(total[-1]))
 
     def f(self):
         """f_e: the share of the routed assignments that went to e (of the whole sequences with SP)."""
@@ -143,7 +150,7 @@ class MoEStats:
         t = self.tokens.setdefault(block, np.zeros(len(routing.tokens), np.int64))
         t += routing.tokens
         r = self.routed.setdefault(block, np.zeros(len(routing.tokens), np.int64))
-        r += np.asarray(routing.routed)
+        r += routing.routed_host
         self.dropped += routing.dropped
         self.aux_sum += aux
         self.passes += 1
@@ -182,7 +189,7 @@ class MoEMLP:
         n, C = m.shape
         r = Routing(xp, s, softmax(xp, m @ p[ROUTER]), self.bias.get(block), self.sp, seqs)
         if self.sp is not None:
-            r.share(self.sp)
+            r.share(xp, self.sp)
         self.stats.add(block, r, r.aux(s.experts))
         Y, acts = self.experts_forward(p, m, r, block)
         w = r.weights.astype(self.dtype)
@@ -231,7 +238,7 @@ class MoEMLP:
         dwn = dw.astype(pd)
         dc = (dwn - (dwn * r.weights).sum(axis=1, keepdims=True)) / r.total
         dprobs = xp.zeros((n, E), pd)
-        xp.put_along_axis(dprobs, r.top, dc, axis=1)
+        dprobs[xp.arange(n)[:, None], r.top] = dc             # each row's k chosen experts (distinct)
         if s.aux_coef:          # with SP: f of the whole sequences; n this chunk's (the ZeRO mean over SP)
             dprobs += (self.scale * s.aux_coef * E / n) * r.f().astype(pd)
         dlogits = (r.probs * (dprobs - (dprobs * r.probs).sum(axis=1, keepdims=True))).astype(dt)
