@@ -120,7 +120,11 @@ def torch_argv(mode, tmp):
 
 
 def torch_missing():
-    return None if importlib.util.find_spec("torch") else "PyTorch is not installed (pip install torch)"
+    if importlib.util.find_spec("torch"):
+        return None
+    if TORCH_PYTHON:        # the distributed rows run there; this one times both in one process
+        return "needs PyTorch in zerompi's own interpreter (--torch-python runs the N = 2 and 4 rows only)"
+    return "PyTorch is not installed (pip install torch)"
 
 
 TORCH_PYTHON = None     # --torch-python: an interpreter with torch (default: zerompi's own)
