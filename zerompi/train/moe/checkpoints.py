@@ -36,6 +36,12 @@ def dense_folder(engine, folder: str) -> str:
     return engine.tp.path(folder) if engine.tp else folder
 
 
+def expert_folder(engine, folder: str, rank: int, size: int) -> str:
+    """Where EP rank ``rank`` of ``size``'s expert engine saves, beside the dense engine ``engine``'s checkpoint
+    under ``folder`` (with --tp in its TP rank's folder: each TP rank's copy of the experts)."""
+    return os.path.join(dense_folder(engine, folder), ep_folder(rank, size))
+
+
 class MoECheckpoints:
     """What saves and loads an MoE job's checkpoints (``job.checkpoints``): its engines and biases as one."""
 
@@ -56,10 +62,8 @@ class MoECheckpoints:
         experts' (``ep{j}-of-{K}``; with --tp ``tp{r}-of-{T}`` and ``tp{r}-of-{T}/ep{j}-of-{K}``): the folders its disk
         checkpoint has, what the in-memory replicas keep (train/replicas.py)."""
         return [(dense_folder(self.engine, ""), self.engine)] + (
-            [(self._ep_path(""), self.ep.engine)] if self.ep else [])
+            [(expert_folder(self.engine, "", self.ep.ep.rank, self.ep.k), self.ep.engine)] if self.ep else [])
 
-    def _ep_path(self, path: str) -> str:
-        return os.path.join(dense_folder(self.engine, path), ep_folder(self.ep.ep.rank, self.ep.k))
 
     def manifest_extra(self, extra_state=None) -> dict:
         """``extra_state`` and the run's ``moe``: experts, --ep (where the parts are) and the selection biases."""
@@ -72,7 +76,8 @@ class MoECheckpoints:
         a job that dies meanwhile can leave ``latest`` naming a step a part lacks, refused in one line at a
         resume, whose step before is whole)."""
         extra = self.manifest_extra(extra_state)
-        part = self.ep.engine.save(self._ep_path(path), extra, blocking, keep_last) if self.ep else None
+        part = self.ep.engine.save(expert_folder(self.engine, path, self.ep.ep.rank, self.ep.k), extra, blocking,
+                                   keep_last) if self.ep else None
         dense = self.engine.save(path, extra, blocking, keep_last)    # last: DIR/latest moves once the parts are in
         if blocking:
             return dense
@@ -133,11 +138,6 @@ class StageMoECheckpoints:
     def _expert_engine(self, chunk: int):
         return self.experts.engines.get(chunk) if self.experts else None
 
-    def _ep_path(self, engine, folder: str) -> str:
-        """Where the expert engine of the chunk whose dense engine is ``engine`` saves under the chunk's ``folder``:
-        beside the dense checkpoint (with --tp, in its TP rank's folder: each TP rank's copy of the experts)."""
-        return os.path.join(dense_folder(engine, folder), ep_folder(self.experts.ep.rank, self.experts.k))
-
     def parts(self):
         """[(part folder, engine)] of this rank, the folders of its disk checkpoint: per chunk ``pp{c}-of-{C}``
         (``pp{c}-of-{C}/tp{r}-of-{T}``) and its expert engine's ``.../ep{j}-of-{K}``; what the in-memory replicas
@@ -148,7 +148,7 @@ class StageMoECheckpoints:
             out.append((dense_folder(engine, folder), engine))
             x = self._expert_engine(c)
             if x is not None:
-                out.append((self._ep_path(engine, folder), x))
+                out.append((expert_folder(engine, folder, self.experts.ep.rank, self.experts.k), x))
         return out
 
     def manifest_extra(self, extra_state=None) -> dict:
@@ -166,7 +166,8 @@ class StageMoECheckpoints:
             folder = self.stages.folder(path, c)
             x = self._expert_engine(c)
             if x is not None:
-                done.append(x.save(self._ep_path(engine, folder), extra, blocking, keep_last))
+                done.append(x.save(expert_folder(engine, folder, self.experts.ep.rank, self.experts.k), extra,
+                                   blocking, keep_last))
             dense.append(engine.save(folder, extra, blocking, keep_last))
         return dense[0] if blocking else PendingSaves(dense + done)
 
