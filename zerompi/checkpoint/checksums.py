@@ -19,7 +19,7 @@ from ..optim.fused_cpu import build, lazy_library, open_checked
 
 SOURCE = "checksum_cpu.c"
 PREFIX = "zerompi_checksum_cpu"
-ABI_VERSION = 1                      # must match ZCK_ABI_VERSION in the C source
+ABI_VERSION = 2                      # must match ZCK_ABI_VERSION in the C source
 ZCK64 = "zck64"                      # a shard entry's key for zck64
 CHECKSUM_KINDS = ("crc32", ZCK64, "sha256")   # a shard entry's key: format 2's, the replicas', format 1's
 CHUNK_BYTES = 4 << 20                # read size when checksumming a file by CRC-32 or sha256
@@ -45,6 +45,12 @@ def _load():
     lib = open_checked(build(source=SOURCE, headers=(), prefix=PREFIX), "zck_abi_version", ABI_VERSION)
     lib.zck_checksum.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64]
     lib.zck_checksum.restype = ctypes.c_uint64
+    lib.zck_state_size.restype = ctypes.c_int64
+    lib.zck_init.argtypes = [ctypes.c_void_p, ctypes.c_uint64]
+    lib.zck_update.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    lib.zck_copy_update.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    lib.zck_final.argtypes = [ctypes.c_void_p]
+    lib.zck_final.restype = ctypes.c_uint64
     return lib
 
 
@@ -78,6 +84,39 @@ def zck64(buffer) -> Optional[str]:
         return f"{lib.zck_checksum(data.ctypes.data, data.nbytes, 0):016x}"
     finally:
         del data                               # the mapping's export released before its owner may close it
+
+
+class Zck64Stream:
+    """zck64 fed in pieces (``update``, ``copy``), equal to :func:`zck64` over their concatenation: a replica's
+    shard file hashed as it is written, each piece copied and hashed in one pass (``copy``)."""
+
+    def __init__(self, lib):
+        self._lib = lib
+        self._state = ctypes.create_string_buffer(lib.zck_state_size())
+        lib.zck_init(self._state, 0)
+
+    def update(self, data: np.ndarray) -> None:
+        """Hash ``data`` (a contiguous array, any dtype: its bytes)."""
+        self._lib.zck_update(self._state, data.ctypes.data, data.nbytes)
+
+    def copy(self, dst: np.ndarray, src) -> None:
+        """``dst[...] = src`` and hash ``dst``'s bytes: one pass where both are contiguous arrays of one dtype,
+        else NumPy's copy (a cast) and then the hash."""
+        if (isinstance(src, np.ndarray) and src.dtype == dst.dtype and src.shape == dst.shape
+                and src.flags.c_contiguous and dst.flags.c_contiguous):
+            self._lib.zck_copy_update(self._state, dst.ctypes.data, src.ctypes.data, dst.nbytes)
+        else:
+            np.copyto(dst, src)
+            self.update(dst)
+
+    def hexdigest(self) -> str:
+        return f"{self._lib.zck_final(self._state):016x}"
+
+
+def zck64_stream() -> Optional[Zck64Stream]:
+    """A fresh :class:`Zck64Stream`, or None when the kernel does not build here."""
+    lib = checksum_library()
+    return None if lib is None else Zck64Stream(lib)
 
 
 def entry_kind(entry: dict) -> str:
