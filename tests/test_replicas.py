@@ -73,6 +73,21 @@ def oracle(tmp_path, n_before, n_after, flags, step):
     return json.loads(out.read_text())["final_params_sha256"]
 
 
+def tiny_engine():
+    """What build_manifest reads of an engine: 6 parameters in 2 shards of 32 at step 5, stage 3, AdamW's rows."""
+    from zerompi.engine.config import ZeroConfig
+    from zerompi.layout import FlatLayout
+
+    class Engine:
+        layout = FlatLayout([("l0", [("w", (6,))])], 2, 64, 1)
+        steps_taken, step_count, config, optimizer = 5, 5, ZeroConfig(stage=3), None
+        scaler = type("Scaler", (), {"state_dict": lambda self: {"scale": 1.0, "good_steps": 0}})()
+
+        def recorded_config(self):
+            return {}
+    return Engine()
+
+
 def job_name(tag):
     return f"test-{os.getpid()}-{tag}"
 
@@ -147,18 +162,9 @@ def test_assemble_links_each_shard_from_a_surviving_copy(tmp_path, monkeypatch):
     """No MPI: two nodes of one rank, each folder holding its own shard of step 5 and the other's copy. Node 0
     wiped: step 5 is assembled from node 1's folder alone (hard links, the manifest beside them), the shards'
     bytes those written; node 1's copy of shard 0 lost too: one line names the shard with no copy."""
-    from zerompi.engine.config import ZeroConfig
-    from zerompi.layout import FlatLayout
     monkeypatch.setenv("ZEROMPI_REPLICAS_ROOT", str(tmp_path))
-
-    class Engine:      # what build_manifest reads
-        layout = FlatLayout([("l0", [("w", (6,))])], 2, 64, 1)
-        steps_taken, step_count, config, optimizer = 5, 5, ZeroConfig(stage=3), None   # AdamW's rows
-        scaler = type("Scaler", (), {"state_dict": lambda self: {"scale": 1.0, "good_steps": 0}})()
-
-        def recorded_config(self):
-            return {}
-    e, numel = Engine(), Engine.layout.shard_numel
+    e = tiny_engine()
+    numel = e.layout.shard_numel
     rows = [np.full((3, numel), 1.5 + r, np.float32) for r in (0, 1)]
     entries = []
     for r in (0, 1):
@@ -269,28 +275,45 @@ def test_help_is_printed_and_exits_0():
 
 
 @pytest.mark.parametrize("kind", ["crc32", "zck64"])
-def test_a_received_copy_that_differs_is_found_at_the_next_commit(tmp_path, kind):
-    """No MPI: the check of a received copy (a thread behind the next step) compares its checksum (the owner's
-    kind: zck64, the replicas' own, or CRC-32) with its owner's entry; a difference is what the next commit
-    raises on every rank, an equal copy nothing."""
-    from zerompi.checkpoint.format import zck64
-    from zerompi.checkpoint.replicas import Replicas
-    import threading as th
-    numel = 8
-    write_shard(str(tmp_path), 1, numel, iter(np.ones((3, numel), np.float32)))
-    entry = json.loads((tmp_path / "shard_00001.npy.entry").read_text())
-    if kind == "zck64":
-        del entry["crc32"]
-        entry["zck64"] = zck64((tmp_path / "shard_00001.npy").read_bytes())
-        assert entry["zck64"] is not None and len(entry["zck64"]) == 16
-    r = Replicas.__new__(Replicas)
-    r.rank, r.source, r.theirs, r._check, r._found = 0, 1, [("", 1, (3, numel))], None, None
-    for owner, want in ((entry, None), (dict(entry, **{kind: "0" * len(entry[kind])}),
-                                        f"rank 0's copy of rank 1's shard of step 5 differs from it ({kind})")):
-        r._check = th.Thread(target=r._check_copies, args=(str(tmp_path), 5, {"": owner}))
-        r._check.start()
-        found = r._late()
-        assert (found is None) if want is None else want in found, found
+def test_assemble_passes_over_a_damaged_copy_while_the_other_is_sound(tmp_path, monkeypatch, kind):
+    """No MPI: two nodes of one rank, each folder holding its own shard of step 5 and the other's copy (entries of
+    the kind given: zck64, the replicas' own, or CRC-32). One byte of node 0's shard 0 changed: step 5 is
+    assembled with node 1's copy, the bytes written; both copies changed: the restore's load refuses shard 0 in
+    one line (verify_shard), never a damaged shard used."""
+    import shutil
+    from zerompi.checkpoint.format import CheckpointError, verify_shard, zck64
+    monkeypatch.setenv("ZEROMPI_REPLICAS_ROOT", str(tmp_path))
+    e = tiny_engine()
+    numel = e.layout.shard_numel
+    rows = [np.arange(3 * numel, dtype=np.float32).reshape(3, numel) + 10 * r for r in (0, 1)]
+    entries = []
+    for r in (0, 1):
+        here = step_dir(rank_dir("j", r, r), 5)
+        os.makedirs(here)
+        entry = write_shard(here, r, numel, iter(rows[r]))
+        write_shard(here, 1 - r, numel, iter(rows[1 - r]))
+        if kind == "zck64":
+            with open(os.path.join(here, entry["file"]), "rb") as f:
+                entry = {"file": entry["file"], "bytes": entry["bytes"], "zck64": zck64(f.read())}
+        entries.append(entry)
+    for r in (0, 1):
+        commit(rank_dir("j", r, r), 5, {"": build_manifest(e, entries, {"data_step": 5})})
+
+    def damage(r):
+        path = os.path.join(step_dir(rank_dir("j", r, r), 5), "shard_00000.npy")
+        data = bytearray(open(path, "rb").read())
+        data[-7] ^= 1
+        open(path, "wb").write(bytes(data))
+    damage(0)
+    step, folder = assemble("j")
+    manifest = read_manifest(folder)[0]
+    assert step == 5 and kind in manifest["shards"][0]
+    assert np.array_equal(np.load(verify_shard(folder, manifest, 0)), rows[0])
+    shutil.rmtree(os.path.join(job_dir("j"), "restore"))
+    damage(1)
+    step, folder = assemble("j")
+    with pytest.raises(CheckpointError, match=f"{kind} checksum mismatch: the file is corrupted"):
+        verify_shard(folder, read_manifest(folder)[0], 0)
 
 
 def test_a_zck64_entry_is_verified_at_load(tmp_path):

@@ -15,7 +15,8 @@ import re
 import shutil
 from typing import Dict, List, Optional, Tuple
 
-from .format import PP_FOLDER, TP_FOLDER, CheckpointError, manifest_text, read_manifest, shard_file
+from .format import (PP_FOLDER, TP_FOLDER, CheckpointError, entry_kind, file_checksum, manifest_text, read_manifest,
+                     shard_file)
 from .parts import EP_FOLDER
 from .pointer import MANIFEST, fsync_dir
 
@@ -150,7 +151,10 @@ def _size(path: str) -> int:
 
 def _gather(folders: List[str], prefer: str) -> Tuple[Dict[Tuple[str, int], str], Dict[str, str], List[tuple]]:
     """For one step's ``folders``: (a copy of each shard {(part, slot): path}, a manifest of each part {part:
-    folder}, what has no copy [(part, slot or None: the part's manifest)]); copies under ``prefer`` first."""
+    folder}, what has no copy [(part, slot or None: the part's manifest)]); copies under ``prefer`` first. Where
+    a shard has two copies of its size, the first whose checksum is its entry's (:func:`_sound`): a copy damaged
+    in memory is passed over while the other is sound; a lone copy is taken as it is (the load verifies it and
+    refuses a damaged one in one line)."""
     held: Dict[str, List[str]] = {}
     for d in sorted(folders, key=lambda d: not (d + os.sep).startswith(prefer)):
         for part, at in part_dirs(d).items():
@@ -167,10 +171,20 @@ def _gather(folders: List[str], prefer: str) -> Tuple[Dict[Tuple[str, int], str]
             copies = [os.path.join(d, entry["file"]) for d in dirs
                       if _size(os.path.join(d, entry["file"])) == entry["bytes"]]
             if copies:
-                found[(part, r)] = copies[0]
+                found[(part, r)] = copies[0] if len(copies) == 1 else next(
+                    (c for c in copies if _sound(c, entry)), copies[0])
             else:
                 lost.append((part, r))
     return found, manifests, lost
+
+
+def _sound(path: str, entry: dict) -> bool:
+    """Whether the file at ``path`` has its manifest entry's checksum (zck64, or CRC-32: the replicas' kinds)."""
+    kind = entry_kind(entry)
+    try:
+        return file_checksum(path, kind) == entry[kind]
+    except (OSError, ValueError):      # gone meanwhile, or empty (no mapping)
+        return False
 
 
 def _lost_text(lost: List[tuple]) -> str:

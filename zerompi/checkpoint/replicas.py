@@ -6,31 +6,33 @@ chunk's ``pp{c}-of-{C}`` (and ``pp{c}-of-{C}/tp{r}-of-{K}``), the folders a disk
 the fp32 master and the optimizer's rows of its slices (AdamW: exp_avg, exp_avg_sq), a checkpoint's shard
 file, at any stage, into its shard file in shared memory (mapped: the copy is the write), sends them to its
 buddy (the rank at the same place on the next node) with each part's manifest but its shards, and receives its
-source's into other mapped shard files of its folder (replica_files.py). One all-gather over the ring (the
-world) agrees that every rank's copies are complete and carries each shard's checksum (zck64, the C hash of
-kernels/checksum_cpu.c at memory bandwidth; CRC-32 where it does not build); then every rank writes
-the manifests of the parts in its folder, which commits the step there. The received copies' checksums are
-compared with their owners' on a thread, behind the next step, and a difference raised at the next commit.
-The manifests are the checkpoint's (loss scale, update count, the data position in ``extra``), so a restore
-is the checkpoint's own load, at any data-parallel size.
+source's into other mapped shard files of its folder (replica_files.py). Each shard's checksum (zck64, the C
+hash of kernels/checksum_cpu.c) is taken as it is copied, one pass over the bytes (CRC-32 of the written file
+where that kernel does not build). One all-gather over the ring (the world) agrees that every rank's copies are
+complete and carries the checksums; then every rank writes the manifests of the parts in its folder, its own
+shards' and its source's, each entry its owner's checksum, which commits the step there. A received copy is not
+hashed again each step: a restore verifies every shard it reads against its entry, and where two copies of a
+shard are left it takes one that verifies (replica_files.assemble). The manifests are the checkpoint's (loss
+scale, update count, the data position in ``extra``), so a restore is the checkpoint's own load, at any
+data-parallel size.
 
 :meth:`Replicas.commit_step` does it all between two steps (``--replicas-commit sync``: the committed step is
 the last one taken). :meth:`Replicas.commit_behind` (``behind``) copies the step into its mapped files at once
-(before the next step changes the state: a memory copy), posts the buddy exchange (nonblocking, on a duplicate
-of the ring's communicator) and starts a thread on its own files' checksums; these run behind the next step's
-compute, after which the exchange is waited for and the agreement and the manifests commit it (the committed
-step then lags the last one taken by one). The same two steps' files: no memory besides.
+(before the next step changes the state: a memory copy, hashed as it goes) and posts the buddy exchange
+(nonblocking, on a duplicate of the ring's communicator), which runs behind the next step's compute, after
+which the exchange is waited for and the agreement and the manifests commit it (the committed step then lags
+the last one taken by one). The same two steps' files: no memory besides.
 """
 import mmap
 import os
-import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 from ..comm.watchdog import watched
-from .format import F32, ZCK64, CheckpointError, Crc32, build_manifest, entry_kind, shard_file, zck64
+from .checksums import zck64_stream
+from .format import F32, ZCK64, CheckpointError, Crc32, build_manifest, shard_file
 from .state_rows import engine_rows
 from .replica_files import commit, prepare, step_dir
 from .writer import snapshot
@@ -65,8 +67,6 @@ class Replicas:
         self.mirrored = all(self.table[self.buddy_of[r]] == self.table[r] for r in range(n))
         self.theirs = [] if self.mirrored else self.table[self.source]
         self.step: Optional[int] = None          # the last step committed
-        self._check: Optional[threading.Thread] = None   # the checksums of the last step's received copies
-        self._found: Optional[str] = None        # what it found wrong
         self._maps: Dict[int, tuple] = {}        # inode: (file, mapping, array) of the two steps' shard files
         self.behind = behind                     # each step's commit finished after the next step (commit_behind)
         self._pending: Optional[dict] = None     # behind: the step whose commit is under way
@@ -85,7 +85,7 @@ class Replicas:
     def commit_step(self, step: int, extra: dict) -> None:
         """Copy, send, checksum and agree on ``step`` (the engines' ``steps_taken``); CheckpointError on every rank
         when a rank could not write its copies (the previous committed step stays)."""
-        self._finish(self._start(step, extra, self._late()))
+        self._finish(self._start(step, extra))
 
     def commit_behind(self, step: int, extra: dict) -> None:
         """``--replicas-commit behind``: finish the commit of the step before (its copies' sends waited for, the
@@ -93,31 +93,32 @@ class Replicas:
         exchange posted (nonblocking), finished at the next call (or :meth:`finish`), behind the next step's
         compute. The committed step is then the one before ``step``'s."""
         self.finish()
-        self._pending = self._start(step, extra, None)
+        self._pending = self._start(step, extra)
 
     def finish(self) -> None:
         """The commit started by :meth:`commit_behind`, if one is pending, finished (a collective)."""
         pending, self._pending = self._pending, None
         if pending is not None:
-            pending["late"] = self._late()   # the last committed step's copies checked: before their files are reused
             self._finish(pending)
 
-    def _start(self, step: int, extra: dict, late: Optional[str]) -> dict:
-        """The copy of ``step`` into this rank's files and its buddy exchange: done (sync) or posted (behind)."""
+    def _start(self, step: int, extra: dict) -> dict:
+        """The copy of ``step`` into this rank's files (each hashed as it is written) and its buddy exchange: done
+        (sync) or posted (behind)."""
         here, err = step_dir(self.folder, step), None
         mine: List[np.ndarray] = []
+        entries: Optional[Dict[str, dict]] = {}
         try:
             prepare(self.folder, step)
             for (part, slot, shape), (_, e) in zip(self.table[self.rank], self.parts):
-                mine.append(snapshot(e, self._file(here, part, slot, shape)))   # the host copy is the file itself
+                mine.append(self._copy(e, here, part, slot, shape, entries))
         except OSError as exc:
             err = f"rank {self.rank} could not write its replica of step {step} in {here}: {exc.strerror or exc}"
             mine = [snapshot(e, np.empty(shape, F32)) for (_, _, shape), (_, e) in   # still sent: the buddy waits
                     zip(self.table[self.rank], self.parts)]
         heads = {part: build_manifest(e, None, e.tp.extra(extra) if getattr(e, "tp", None) else extra)   # TP: the split
                  for part, e in self.parts}
-        state = {"step": step, "here": here, "err": err, "late": late, "mine": mine, "heads": heads, "theirs": [],
-                 "reqs": [], "own": None}
+        state = {"step": step, "err": err, "mine": mine, "heads": heads, "theirs": [], "reqs": [],
+                 "entries": None if err else entries}
         if not self.mirrored:
             state["theirs"] = [self._file(here, part, slot, shape) if err is None else np.empty(shape, F32)
                                for part, slot, shape in self.theirs]
@@ -127,18 +128,29 @@ class Replicas:
                 state["reqs"] = [self._link.Irecv(buf, source=self.source, tag=TAG + 1 + k)
                                  for k, buf in enumerate(state["theirs"])]
                 state["reqs"] += [self._link.Isend(buf, dest=self.buddy, tag=TAG + 1 + k) for k, buf in enumerate(mine)]
-        if self.behind and err is None:      # this rank's own files' checksums, behind the next step too
-            state["own"] = threading.Thread(target=self._own_entries, args=(state,), name="zerompi-replica-crc",
-                                            daemon=True)
-            state["own"].start()
         return state
 
-    def _own_entries(self, state: dict) -> None:
-        state["entries"] = {part: self._entry(state["here"], part, slot) for part, slot, _ in self.table[self.rank]}
+    def _copy(self, engine, here: str, part: str, slot: int, shape, entries: Dict[str, dict]) -> np.ndarray:
+        """``engine``'s shard copied into ``slot``'s shard file in ``here``/``part`` (mapped: the host copy is the
+        file itself) and its manifest entry put in ``entries``: the file's zck64 taken in the copy's own pass (its
+        header first), or CRC-32 of the file written where that kernel does not build."""
+        arr = self._file(here, part, slot, shape)
+        stream = zck64_stream()
+        if stream is None:
+            snapshot(engine, arr)
+            entries[part] = self._entry(here, part, slot)
+            return arr
+        _, view, _ = self._mapped(os.path.join(here, part, shard_file(slot)))
+        header = np.frombuffer(view, np.uint8, count=len(view) - arr.nbytes)
+        stream.update(header)
+        del header                               # no export of the mapping left: it may be closed later
+        snapshot(engine, arr, stream)
+        entries[part] = {"file": shard_file(slot), "bytes": len(view), ZCK64: stream.hexdigest()}
+        return arr
 
     def _finish(self, state: dict) -> None:
         """The buddy exchange waited for, the manifests swapped, the agreement, the step's manifests written."""
-        step, here, err, heads = state["step"], state["here"], state["err"], state["heads"]
+        step, err, heads = state["step"], state["err"], state["heads"]
         their_heads = {}
         if not self.mirrored:
             if state["reqs"]:
@@ -148,13 +160,8 @@ class Replicas:
             with watched(self.comm, "replicas: the manifests to the buddy", step):
                 their_heads = self.comm.mpi.sendrecv(heads, dest=self.buddy, source=self.source, sendtag=TAG,
                                                      recvtag=TAG)
-        if state["own"] is not None:
-            state["own"].join()
-            own = state["entries"]
-        else:
-            own = None if err else {part: self._entry(here, part, slot) for part, slot, _ in self.table[self.rank]}
         with watched(self.comm, "replicas: agreement on every rank's copies", step):
-            states = self.comm.mpi.allgather((err or state["late"], own))
+            states = self.comm.mpi.allgather((err, state["entries"]))
         failed = next((s[0] for s in states if s[0]), None)
         if failed:
             raise CheckpointError(f"{failed}; the replicas stay at step {self.step}")
@@ -167,10 +174,6 @@ class Replicas:
             manifests[part] = dict(head, shards=[entries[part][s] for s in range(head["world_size"])])
         commit(self.folder, step, manifests)
         self.step = step
-        if not self.mirrored:                # the copies' checksums, behind the next step (checked at the next commit)
-            self._check = threading.Thread(target=self._check_copies, name="zerompi-replica-check", daemon=True,
-                                           args=(here, step, states[self.source][1]))
-            self._check.start()
 
     def _exchange(self, mine: List[np.ndarray], theirs: List[np.ndarray], step: int) -> None:
         """Each part's shard to the buddy, the source's into ``theirs`` (one message per part)."""
@@ -186,24 +189,6 @@ class Replicas:
             reqs = [mpi.Irecv(buf, source=self.source, tag=TAG + 1 + k) for k, buf in enumerate(theirs)]
             reqs += [mpi.Isend(buf, dest=self.buddy, tag=TAG + 1 + k) for k, buf in enumerate(mine)]
             MPI.Request.Waitall(reqs)
-
-    def _late(self) -> Optional[str]:
-        """What the check of the last step's received copies found (None: equal, or nothing to check)."""
-        if self._check is not None:
-            self._check.join()
-            self._check = None
-        found, self._found = self._found, None
-        return found
-
-    def _check_copies(self, here: str, step: int, owner: Dict[str, dict]) -> None:
-        for part, slot, _ in self.theirs:
-            entry = owner[part]
-            kind = entry_kind(entry)
-            got = self._entry(here, part, slot, kind)
-            if got.get(kind) != entry[kind] or got["bytes"] != entry["bytes"]:
-                where = f" ({part})" if part else ""
-                self._found = (f"rank {self.rank}'s copy of rank {self.source}'s shard{where} of step {step} differs "
-                               f"from it ({kind})")
 
     def _file(self, here: str, part: str, slot: int, shape) -> np.ndarray:
         """A shard file of ``slot`` in ``here``/``part``, mapped for writing (shared memory: no write of its own).
@@ -241,32 +226,22 @@ class Replicas:
         except (OSError, ValueError):    # gone, or its file closed (evicted) meanwhile
             return None
 
-    def _entry(self, here: str, part: str, slot: int, kind: Optional[str] = None) -> dict:
-        """The manifest entry of ``slot``'s shard file in ``here``/``part``: bytes and the checksum of the whole
-        file: the C kernel's zck64 (at memory bandwidth), or CRC-32 where that kernel does not build (``kind``:
-        that one, as the owner's entry has it)."""
+    def _entry(self, here: str, part: str, slot: int) -> dict:
+        """The manifest entry of ``slot``'s shard file in ``here``/``part``, read back from the file: bytes and
+        the checksum of the whole file (CRC-32: where the C kernel does not build)."""
         path = os.path.join(here, part, shard_file(slot))
+        crc = Crc32()
         held = self._mapped(path)
         if held is not None:
-            found = self._checksum(held[1], kind)   # the pages themselves, no copy, no new mapping
+            crc.update(held[1])                  # the pages themselves, no copy, no new mapping
         else:
             with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
-                found = self._checksum(view, kind)
-        return {"file": shard_file(slot), "bytes": os.path.getsize(path), **found}
-
-    @staticmethod
-    def _checksum(view, kind: Optional[str]) -> dict:
-        fast = zck64(view) if kind in (None, ZCK64) else None
-        if fast is not None:
-            return {ZCK64: fast}
-        crc = Crc32()
-        crc.update(view)
-        return {"crc32": crc.hexdigest()}
+                crc.update(view)
+        return {"file": shard_file(slot), "bytes": os.path.getsize(path), "crc32": crc.hexdigest()}
 
     def close(self) -> None:
-        """At the end (every rank): a pending commit finished, the last check joined, the kept mappings closed."""
+        """At the end (every rank): a pending commit finished, the kept mappings closed."""
         self.finish()
-        self._late()
         if self._link is not None:
             self._link.Free()
             self._link = None

@@ -274,17 +274,26 @@ def host_buffer(engine) -> np.ndarray:
     return host
 
 
-def snapshot(engine, host: Optional[np.ndarray] = None) -> np.ndarray:
-    """Copy this rank's shard into ``host`` (default: :func:`host_buffer`) and return it."""
+def snapshot(engine, host: Optional[np.ndarray] = None, stream=None) -> np.ndarray:
+    """Copy this rank's shard into ``host`` (default: :func:`host_buffer`) and return it. ``stream`` (a
+    checksums.Zck64Stream, or None): fed every byte of ``host`` in order as it is written (a host piece's copy
+    and its hash in one pass), the rows' pieces and what they leave of a row (C-contiguous ``host``)."""
     host = host_buffer(engine) if host is None else host
     for k, row in enumerate(engine_rows(engine)):
         at = 0
         for piece in own_pieces(engine, _live_row(engine, row)):
+            dst = host[k, at:at + piece.size]
             if hasattr(piece, "get"):
-                piece.get(out=host[k, at:at + piece.size])
+                piece.get(out=dst)
+                if stream is not None:
+                    stream.update(dst)
+            elif stream is not None:
+                stream.copy(dst, piece)
             else:
-                np.copyto(host[k, at:at + piece.size], piece)
+                np.copyto(dst, piece)
             at += piece.size
+        if stream is not None and at < host.shape[1]:
+            stream.update(host[k, at:])
     return host
 
 
