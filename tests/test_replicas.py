@@ -316,6 +316,40 @@ def test_assemble_passes_over_a_damaged_copy_while_the_other_is_sound(tmp_path, 
         verify_shard(folder, read_manifest(folder)[0], 0)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_shards_entry_is_its_files_checksum(tmp_path, monkeypatch, fused):
+    """No MPI: Replicas._copy writes a stage-0 engine's rows (two buckets' slices each: pieces, in shard order)
+    into its mapped shard file; the entry is the written file's checksum, read back by file_checksum: zck64
+    taken in the copy's pass, or CRC-32 of the file where the kernel does not build (``fused`` False)."""
+    from zerompi.checkpoint import replicas
+    from zerompi.checkpoint.format import file_checksum, zck64
+    from zerompi.engine.config import ZeroConfig
+    if not fused:
+        monkeypatch.setattr(replicas, "zck64_stream", lambda: None)
+    elif zck64(b"") is None:
+        pytest.skip("the checksum kernel does not build here")
+    rng = np.random.default_rng(3)
+    full = {name: rng.random(40, np.float32) for name in ("master", "exp_avg", "exp_avg_sq")}
+    buckets = [type("B", (), {"world_slice": lambda self, slot, a=a: slice(a + 3 * slot, a + 3 * slot + 3)})()
+               for a in (0, 20)]
+
+    class Engine:
+        config, layout = ZeroConfig(stage=0), type("L", (), {"buckets": buckets})()
+        optimizer = type("O", (), {"rows": None, "read_row": lambda self, name: full[name]})()
+        slot = 1
+    r = replicas.Replicas.__new__(replicas.Replicas)
+    r._maps, r.table, r.rank, r.theirs, entries = {}, [[("", 1, (3, 6))]], 0, [], {}
+    arr = r._copy(Engine(), str(tmp_path), "", 1, (3, 6), entries)
+    want = np.stack([np.r_[v[3:6], v[23:26]] for v in full.values()])
+    assert np.array_equal(arr, want)
+    path = tmp_path / "shard_00001.npy"
+    kind = "zck64" if fused else "crc32"
+    assert entries[""] == {"file": path.name, "bytes": path.stat().st_size, kind: file_checksum(str(path), kind)}
+    assert np.array_equal(np.load(path), want)
+    for f, _, _ in r._maps.values():
+        f.close()
+
+
 def test_a_zck64_entry_is_verified_at_load(tmp_path):
     """A replica manifest's zck64 entry: verify_shard accepts the file as written and refuses one changed byte
     (one line naming the file) -- the check a restore makes before it uses a shard."""
