@@ -80,6 +80,39 @@ def test_moe_all_to_all_equals_a_balanced_run(tmp_path):
     assert moe["all_to_all_bytes"] == [want] * 3
 
 
+ZERO_CONFIGS = [["--stage", "3", "--shard-size", "2"],                       # the dense GPT
+                ["--stage", "1", *MOE_OPTS, "--ep", "2"],
+                ["--stage", "3", *MOE_OPTS, "--ep", "2", "--shard-size", "2"],
+                ["--stage", "3", *MOE_OPTS, "--ep", "1", "--shard-size", "2", "--hpz"]]
+
+
+def test_the_gpts_zero_bytes_equal_the_runs(tmp_path):
+    """N = 4 in nodes of 2 (ZEROMPI_NODE_SIZE: --ep refuses --node-size), buckets of 0.004 MiB (several per
+    engine, some kept at stage 3's turns): for the GPT's dimensions the CLI's ZeRO bytes per step are the run's, by
+    level and (the MoE table's dense and expert engines together) in total, the all-reduce across shard groups
+    included. Measured before the estimate laid out the GPT's own layers: stage 3 640 bytes short (an equal-layers
+    plan keeps other buckets at the turns), and the MoE rows without the all-reduce across groups (6,272 against
+    15,936 at stage 1)."""
+    base = MOE[:MOE.index("--experts")] + ["--dtype", "fp16", "--steps", "2", "--eval-every", "0"]
+    configs = [base + c for c in ZERO_CONFIGS]
+    runs = metrics_of(run_mpi(4, ["tests/drivers/train_many.py", json.dumps(configs)], timeout=400,
+                              env={"ZEROMPI_NODE_SIZE": "2"}))
+    assert len(runs) == len(ZERO_CONFIGS)
+    for flags, m in zip(ZERO_CONFIGS, runs):
+        stage = int(flags[1])
+        est = cli_json(tmp_path, GPT + flags[2:] + ["--dtype", "fp16", "--bucket-mb", 0.004, "--node-size", 2])
+        row = est["stages"][stage]
+        if "--ep" in flags and flags[flags.index("--ep") + 1] != "1":
+            moe = est["moe"]["stages"][stage]
+            assert moe["dense_comm_bytes_per_step"] + moe["expert_comm_bytes_per_step"] == m["comm_bytes_per_step"], \
+                (flags, moe)
+        else:
+            assert row["comm_bytes_per_step_by_level"] == m["comm_bytes_per_step_by_level"], flags
+            assert sum(row["comm_bytes_per_step_by_level"].values()) == m["comm_bytes_per_step"], flags
+            assert row["model_state_bytes"] == m["memory_bytes"]["total"], flags
+        assert m["comm_bytes_per_step_by_level"]["inter"] > 0, flags
+
+
 def test_pp_moe_all_to_all_equals_a_balanced_run(tmp_path):
     """--pp 2 --ep 2, interleaved with --moe-every 2 (stage 0's chunks hold no MoE block, stage 1's both), exactly
     balanced routing (top-1), 2 micro-batches: the CLI's all-to-all of each pipeline stage (0 bytes, and both

@@ -18,7 +18,7 @@ from ..errors import EXIT_OUTPUT, ConfigError, OneLineParser, check, quiet_exit_
 from .activations import GPT_FLAGS, gpt_activations, gpt_layer_sizes, with_activations
 from .moe_bytes import MOE_FLAGS
 from .fromrun import compare_run, format_compare, read_run, run_estimate
-from .stages import DEFAULT_PREFETCH, estimate
+from .stages import DEFAULT_PREFETCH, EXACT_LAYERS, estimate, layers_estimate
 from .table import format_table
 
 
@@ -230,7 +230,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             if tp:
                 a.params, a.ranks, largest = tp["params_local"], tp["dp"], moe["table_largest_layer"] if moe else None
             check(a.params is not None and a.ranks is not None, "give --params and --ranks (or --from-run)")
-            est = estimate(a.params, a.ranks, a.dtype, layers=a.layers, largest_layer=largest, **opts, **topo)
+            if given and not tp and a.n_layer <= EXACT_LAYERS:   # the GPT's own layers: the engine's bytes
+                sizes = moe["table_layers"] if moe else gpt_layer_sizes(a.vocab, a.seq_len, a.d_model, a.n_layer)
+                est = layers_estimate(sizes, a.ranks, a.dtype, opts, topo)
+            else:
+                est = estimate(a.params, a.ranks, a.dtype, layers=a.layers, largest_layer=largest, **opts, **topo)
             est = with_activations(est, act) if given and act else est
             if moe:
                 from .moe_bytes import with_layouts

@@ -120,7 +120,7 @@ def gpt_moe(dims: dict, ranks: int, experts: int, ep: int, top_k: int, every: in
            "moe_blocks": blocks, "dense_params": dense, "expert_params": expert, "ranks": dp,
            "expert_ranks": dp // ep, "tokens_per_micro_batch": tokens, "stages": rows,
            "all_to_all_bytes_per_step": all_to_all_bytes(ep, experts, top_k, c, tokens, blocks, micro_batches),
-           "table_params": sum(layers), "table_largest_layer": max(layers), "tp": tp}
+           "table_params": sum(layers), "table_largest_layer": max(layers), "table_layers": layers, "tp": tp}
     if tp > 1:
         out.update(dense_params_per_tp_rank=local, tp_bytes_per_step=moe_tp_bytes(
             tp, blocks, n_layer, dims["batch"] // (dp * micro_batches), dims["seq_len"], c, micro_batches))
@@ -169,9 +169,9 @@ def with_layouts(moe: dict, est: dict, opts: dict, topo: Optional[dict] = None) 
                         moe["moe_blocks"], None, ZeroConfig.align * (moe["expert_ranks"] // shard))
     extra = sources_bytes(plan.lengths(), ZeroConfig(dtype=est["dtype"]).itemsize, moe["expert_ranks"], k,
                           opts.get("micro_batches", 1), node, shard, per_node)
+    sent = lambda row: sum(row["comm_bytes_per_step_by_level"].values())   # noqa: E731 (what the engine sends)
     rows = [dict(r, dense_padded_bytes=d["model_state_bytes"], expert_padded_bytes=e["model_state_bytes"],
-                 dense_comm_bytes_per_step=d["comm_bytes_per_step"],
-                 expert_comm_bytes_per_step=e["comm_bytes_per_step"] + extra,
+                 dense_comm_bytes_per_step=sent(d), expert_comm_bytes_per_step=sent(e) + extra,
                  expert_comm_bytes_kept_at_turns=e["comm_bytes_kept_at_turns"])
             for r, d, e in zip(moe["stages"], est["stages"], experts["stages"])]
     return dict(moe, stages=rows)
@@ -239,8 +239,7 @@ def pipeline_moe(dims: dict, ranks: int, chunks_of: Dict[int, List[int]], expert
     stage s exchanges for its own MoE blocks only (balanced, dropless: all_to_all_bytes)."""
     from collections import Counter
     from ..engine.config import ZeroConfig
-    from ..layout import FlatLayout
-    from .plan import bucket_numel
+    from .plan import layer_layout
     from .levels import check_levels
     from .stages import estimate
     c, n_layer, vocab, seq = dims["d_model"], dims["n_layer"], dims["vocab"], dims["seq_len"]
@@ -260,7 +259,7 @@ def pipeline_moe(dims: dict, ranks: int, chunks_of: Dict[int, List[int]], expert
     mlp, per = 2 * c * hidden + hidden + c, n_layer // chunks
     moe = lambda i: (i + 1) % every == 0                                          # noqa: E731
     sizes = block_sizes(c, n_layer, experts, mlp, every, shared, ep, tp)
-    itemsize, cap = ZeroConfig(dtype=dtype).itemsize, bucket_numel(dtype, opts.get("bucket_mb", ZeroConfig.bucket_mb))
+    itemsize, bucket_mb = ZeroConfig(dtype=dtype).itemsize, opts.get("bucket_mb", ZeroConfig.bucket_mb)
     keep = {k: v for k, v in opts.items() if k != "bucket_mb"}
     tokens = dims["batch"] // (dp * mb) * seq                       # a data-parallel rank's micro-batch
 
@@ -281,8 +280,7 @@ def pipeline_moe(dims: dict, ranks: int, chunks_of: Dict[int, List[int]], expert
 
     def engine(sizes, world):           # (the engine's padded estimate, its Ψ, its Levels) of layers of ``sizes``
         lv = levels[world]
-        layout = FlatLayout([(f"l{j}", [(f"l{j}.p", (n,))]) for j, n in enumerate(sizes)], lv.shard_size, cap,
-                            ZeroConfig.align * lv.replicas)
+        layout = layer_layout(sizes, lv.shard_size, lv.replicas, dtype, bucket_mb)
         est = estimate(dtype=dtype, layout=layout, ranks=world, node_size=lv.node_size, shard_size=lv.shard_size,
                        hpz=hpz, **keep)
         return dict(est, lengths=Counter(b.numel for b in layout.buckets)), sum(sizes), lv

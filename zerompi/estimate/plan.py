@@ -178,3 +178,12 @@ def bucket_numel(dtype: str, bucket_mb: float) -> int:
     """Elements per bucket target, as the engine derives it from ``bucket_mb`` MiB of storage dtype."""
     cfg = ZeroConfig(dtype=dtype, bucket_mb=bucket_mb)
     return max(1, cfg.bucket_bytes // cfg.itemsize)
+
+
+def layer_layout(sizes: Sequence[int], shard_size: int, replicas: int, dtype: str, bucket_mb: float) -> FlatLayout:
+    """The engine's own FlatLayout of a model whose engine layers hold ``sizes`` parameters (one parameter each: the
+    buckets are cut at layers, so how a layer's parameters split does not change them), cut as the engine cuts it
+    over ``shard_size`` ranks in ``replicas`` shard groups (each slice a multiple of align x groups): with it the
+    estimate is the engine's, to the byte (the built-in GPT's layers: activations.gpt_layer_sizes)."""
+    return FlatLayout([(f"l{j}", [(f"l{j}.p", (n,))]) for j, n in enumerate(sizes)], shard_size,
+                      bucket_numel(dtype, bucket_mb), ZeroConfig.align * replicas)

@@ -15,7 +15,7 @@ before the next bucket's gradients arrive.
 """
 import math
 from types import SimpleNamespace
-from typing import Optional
+from typing import Optional, Sequence
 
 # The engine's own rules, imported (no copy here to go stale): the cap on gradient
 # reductions pending at once, and how many bucket buffers are live at once.
@@ -28,7 +28,7 @@ from ..engine import reducer
 from ..comm.quantized import DEFAULT_BLOCK, check_quantization, quantization
 from ..errors import check
 from .levels import Levels, check_levels, flat_traffic, level_traffic, scratch_elements
-from .plan import BucketPlan, bucket_numel, plan_buckets
+from .plan import BucketPlan, bucket_numel, layer_layout, plan_buckets
 
 DEFAULT_PREFETCH = getattr(ZeroConfig, "prefetch", 0)   # the engine's default stage-3 prefetch depth
 # the table's names of the optimizer (estimate(optimizer=...) prices its rows: engine/optimizers.py)
@@ -324,3 +324,17 @@ def sum_rows(rows, what: str = "engines") -> dict:
     out["stage"] = rows[0]["stage"]
     out["formula"] = " + ".join(formulas) + (f" for each of {len(rows)} {what}" if len(rows) > 1 else "")
     return out
+
+
+EXACT_LAYERS = 10_000     # a GPT of at most this many blocks is estimated over its own layers, one by one
+
+
+def layers_estimate(sizes: Sequence[int], ranks: int, dtype: str, opts: dict, topo: dict) -> dict:
+    """:func:`estimate` of a model whose engine layers hold ``sizes`` parameters (the built-in GPT's), over the
+    engine's own layout of them (plan.layer_layout, cut for the shard groups of ``topo``: node_size, shard_size,
+    hpz): the buckets kept at stage 3's turns and the bytes by level are the engine's, to the byte. ``opts``: the
+    estimate's keywords (bucket_mb, prefetch, micro_batches, ...)."""
+    lv = check_levels(ranks, topo.get("node_size"), topo.get("shard_size"), bool(topo.get("hpz")))
+    layout = layer_layout(sizes, lv.shard_size, lv.replicas, dtype, opts.get("bucket_mb", ZeroConfig.bucket_mb))
+    return estimate(dtype=dtype, layout=layout, ranks=ranks, **{k: v for k, v in opts.items() if k != "bucket_mb"},
+                    **topo)
