@@ -106,7 +106,7 @@ class Replicas:
         (sync) or posted (behind)."""
         here, err = step_dir(self.folder, step), None
         mine: List[np.ndarray] = []
-        entries: Optional[Dict[str, dict]] = {}
+        entries: Dict[str, dict] = {}
         try:
             prepare(self.folder, step)
             for (part, slot, shape), (_, e) in zip(self.table[self.rank], self.parts):
