@@ -104,6 +104,26 @@ def test_a_killed_rank_costs_at_most_one_step_and_no_bits(tmp_path, stage):
     assert m["final_params_sha256"] == oracle(tmp_path, 4, 4, flags, f["restored_step"])
 
 
+def test_a_relaunch_whose_launcher_fails_to_start_is_recorded_and_loses_no_step(tmp_path):
+    """Rank 1 killed after step 3; the relaunch's launcher then fails before any rank starts (as Open MPI's PMIx
+    server does now and then in a fresh network namespace): a second record, ``started`` false, no rank, no step
+    lost, said in one line; the third launch restores step 3 and the job finishes."""
+    from tests.mpirun import mpiexec
+    count = tmp_path / "launches"
+    script = (f'c=$(cat {count} 2>/dev/null || echo 0); echo $((c + 1)) > {count}; '
+              f'[ "$c" = 1 ] && {{ echo "the launcher failed" >&2; exit 1; }}; exec {mpiexec()} "$@"')
+    launcher = f"sh -c '{script}' launcher -n {{n}}"
+    flags = GPT + ["--stage", "3", "--node-size", "2"]
+    proc, m = supervise(tmp_path, job_name("launch"), 4, flags, kill_at=3, ranks=[1], extra=["--launcher", launcher])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    killed, launch = m["failures"]
+    assert killed["started"] and killed["rank"] == 1 and killed["steps_lost"] == 1, killed
+    assert not launch["started"] and launch["rank"] is None and launch["steps_lost"] == 0, launch
+    assert launch["restored_step"] == killed["restored_step"], (killed, launch)
+    assert "zerompi.run: the launcher (exit status 1, before any rank started) failed" in proc.stderr
+    assert count.read_text().strip() == "3"
+
+
 def test_a_lost_node_is_restored_from_its_buddies(tmp_path):
     """Both ranks of node 1 killed and its shared memory wiped: its shards come from node 0's buddy copies."""
     flags = GPT + ["--stage", "3", "--node-size", "2"]

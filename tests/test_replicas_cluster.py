@@ -71,6 +71,14 @@ def supervised(c, tmp_path, job, nodes=2, kill_at=None, ranks=(), wipe=False, cu
     return proc, json.loads(out.read_text()) if out.exists() else None
 
 
+def the_fault(failures):
+    """The failures of ranks that ran: a relaunch whose launcher failed before any rank started (Open MPI's PMIx
+    server in a fresh namespace, now and then: cluster_mpi.LAUNCH_FAILURES; seen once in this file's runs under
+    Open MPI) is a record of its own, ``started`` false, no step lost, and is launched again."""
+    assert all(f["steps_lost"] == 0 and f["rank"] is None for f in failures if not f["started"]), failures
+    return [f for f in failures if f["started"]]
+
+
 def straight(c, tmp_path, flags=(), per_node=2) -> str:
     path = tmp_path / "straight.json"
     proc = cluster_mpi.Job(c, per_node, GPT + [*flags, "--metrics-json", path]).run(timeout=LIMIT)
@@ -84,7 +92,7 @@ def test_a_killed_rank_and_a_lost_node_on_real_nodes(cluster, tmp_path):
     for tag, ranks, wipe in (("rank", [1], False), ("node", [2, 3], True)):
         proc, m = supervised(c, tmp_path, f"cl-{os.getpid()}-{tag}", kill_at=3, ranks=ranks, wipe=wipe)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        [f] = m["failures"]
+        [f] = the_fault(m["failures"])
         assert f["steps_lost"] <= 1 and f["host"] == f"node{ranks[0] // 2}", f
         assert m["final_params_sha256"] == want, tag
 
@@ -147,6 +155,6 @@ def test_faults_on_real_nodes_cost_at_most_one_step_and_no_bits(cluster, tmp_pat
         assert proc.returncode == 0, (tag, proc.stderr[-3000:])
         assert m["failures"] and all(f["steps_lost"] <= 1 for f in m["failures"]), (tag, m["failures"])
         if not cut:
-            [f] = m["failures"]
+            [f] = the_fault(m["failures"])
             assert f["host"] == f"node{ranks[0] // per_node}" and f["restored_step"] >= 3, (tag, f)
         assert m["final_params_sha256"] == want, tag

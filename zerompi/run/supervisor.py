@@ -138,7 +138,8 @@ def _supervise(opts, cfg, flags, job, node, launcher) -> int:
         last = max([r.get("step") or 0 for r in out.ranks.values()] + [committed or 0])
         failed_at = _failed_at(job, out)
         who = ", ".join(f"rank {d['rank']} ({d['host']})" for d in sorted(out.dead, key=lambda d: d["rank"])) \
-            or f"the job (exit status {out.status})"
+            or (f"the job (exit status {out.status})" if out.started else
+                f"the launcher (exit status {out.status}, before any rank started)")
         if restarts >= opts.max_restarts:
             say(f"giving up: {who} failed at step {last + 1} after {restarts} relaunch"
                 f"{'es' if restarts != 1 else ''} (--max-restarts {opts.max_restarts})")
@@ -158,8 +159,9 @@ def _supervise(opts, cfg, flags, job, node, launcher) -> int:
         restarts += 1
         dead = sorted(out.dead, key=lambda d: d["rank"])
         record = {"rank": dead[0]["rank"] if dead else None, "host": dead[0]["host"] if dead else None,
-                  "ranks": [d["rank"] for d in dead], "failed_step": last + 1, "restored_step": step,
-                  "steps_lost": last + 1 - step, "detect_s": round(max(0.0, out.detected_at - failed_at), 3),
+                  "ranks": [d["rank"] for d in dead], "started": out.started, "failed_step": last + 1,
+                  "restored_step": step, "steps_lost": last + 1 - step if out.started else 0,   # none: never ran
+                  "detect_s": round(max(0.0, out.detected_at - failed_at), 3),
                   "relaunch_s": None, "restore_s": None, "recovery_s": None, "detected_at": out.detected_at}
         records.append(record)
         write_failures(job, read_failures(job)[:len(records) - 1] + [record])

@@ -29,11 +29,13 @@ GONE_S = 10.0       # the longest wait for the killed ranks to be gone before th
 @dataclass
 class Outcome:
     """How an attempt ended: ``status`` (the launcher's exit status; None when the supervisor ended it),
-    the ``dead`` ranks' records (pid, host, node, step), when the failure was detected, the ranks' records."""
+    the ``dead`` ranks' records (pid, host, node, step), when the failure was detected, the ranks' records,
+    and whether any rank of it registered (``started``: False when the launcher failed before any rank ran)."""
     status: Optional[int]
     dead: List[dict] = field(default_factory=list)
     detected_at: float = 0.0
     ranks: Dict[int, dict] = field(default_factory=dict)
+    started: bool = False
 
 
 def ranks_of(job: str) -> Dict[int, dict]:
@@ -108,6 +110,8 @@ def attempt(cmd: List[str], env: dict, job: str, poll: Callable[[], None]) -> Ou
             time.sleep(POLL_S)
         else:
             out.status, out.detected_at = proc.returncode, time.time()
+            out.ranks = ranks_of(job) or out.ranks        # a rank registered since the last look
+        out.started = bool(out.ranks)
     finally:
         pids = end_tree(proc, [info["pid"] for info in ranks_of(job).values()])
         until = time.monotonic() + GONE_S        # a killed process (a rank, a proxy) unmaps its segments as it goes

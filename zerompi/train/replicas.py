@@ -20,8 +20,9 @@ from ..checkpoint.replica_files import HEADER_BYTES, JOB_NAME, RANKS, RESTORE, c
 from ..errors import check
 
 FAILURES = "failures.json"     # the supervisor's records of this job's failures, completed by the job
-RECORD_KEYS = ("rank", "host", "failed_step", "restored_step", "steps_lost", "detect_s", "relaunch_s", "restore_s",
-               "recovery_s")   # one failure, as the metrics' ``failures`` list holds it
+RECORD_KEYS = ("rank", "host", "started", "failed_step", "restored_step", "steps_lost", "detect_s", "relaunch_s",
+               "restore_s", "recovery_s")   # one failure, as the metrics' ``failures`` list holds it (``started``:
+                                            # false for a launcher that failed before any rank ran)
 HISTORY = 1000                 # commit times kept
 COMMITS = ("sync", "behind")   # --replicas-commit: agreed before the next step, or finished after it
 STEPS_LOST = {"sync": 1, "behind": 2}   # the most steps a failure loses: the one in flight (and, behind, the one
