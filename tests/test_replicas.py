@@ -104,24 +104,48 @@ def test_a_killed_rank_costs_at_most_one_step_and_no_bits(tmp_path, stage):
     assert m["final_params_sha256"] == oracle(tmp_path, 4, 4, flags, f["restored_step"])
 
 
-def test_a_relaunch_whose_launcher_fails_to_start_is_recorded_and_loses_no_step(tmp_path):
-    """Rank 1 killed after step 3; the relaunch's launcher then fails before any rank starts (as Open MPI's PMIx
-    server does now and then in a fresh network namespace): a second record, ``started`` false, no rank, no step
-    lost, said in one line; the third launch restores step 3 and the job finishes."""
+def failing_launcher(tmp_path, which: int) -> str:
+    """A --launcher whose launch number ``which`` (0: the first) fails before any rank starts, as Open MPI's PMIx
+    server does now and then in a fresh network namespace; the others are mpiexec's. Counts in tmp_path/launches."""
     from tests.mpirun import mpiexec
     count = tmp_path / "launches"
     script = (f'c=$(cat {count} 2>/dev/null || echo 0); echo $((c + 1)) > {count}; '
-              f'[ "$c" = 1 ] && {{ echo "the launcher failed" >&2; exit 1; }}; exec {mpiexec()} "$@"')
-    launcher = f"sh -c '{script}' launcher -n {{n}}"
+              f'[ "$c" = {which} ] && {{ echo "the launcher failed" >&2; exit 1; }}; exec {mpiexec()} "$@"')
+    return f"sh -c '{script}' launcher -n {{n}}"
+
+
+def test_a_relaunch_whose_launcher_fails_to_start_is_recorded_and_loses_no_step(tmp_path):
+    """Rank 1 killed after step 3; the relaunch's launcher then fails before any rank starts: a second record,
+    ``started`` false, no rank, no step lost, said in one line; the same launch again restores step 3, finishes
+    both recoveries (the kill's spans the failed launch) and ends with the bits of a run resumed there."""
     flags = GPT + ["--stage", "3", "--node-size", "2"]
-    proc, m = supervise(tmp_path, job_name("launch"), 4, flags, kill_at=3, ranks=[1], extra=["--launcher", launcher])
+    proc, m = supervise(tmp_path, job_name("launch"), 4, flags, kill_at=3, ranks=[1],
+                        extra=["--launcher", failing_launcher(tmp_path, 1)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     killed, launch = m["failures"]
     assert killed["started"] and killed["rank"] == 1 and killed["steps_lost"] == 1, killed
     assert not launch["started"] and launch["rank"] is None and launch["steps_lost"] == 0, launch
     assert launch["restored_step"] == killed["restored_step"], (killed, launch)
-    assert "zerompi.run: the launcher (exit status 1, before any rank started) failed" in proc.stderr
-    assert count.read_text().strip() == "3"
+    for f in (killed, launch):
+        assert all(f[k] is not None and f[k] >= 0 for k in ("detect_s", "relaunch_s", "restore_s", "recovery_s")), f
+    assert killed["relaunch_s"] > launch["relaunch_s"], (killed, launch)     # from its own detection
+    assert "zerompi.run: the launch (exit status 1, no rank started) failed; launching it again as it was" \
+        in proc.stderr
+    assert (tmp_path / "launches").read_text().strip() == "3"
+    assert m["final_params_sha256"] == oracle(tmp_path, 4, 4, flags, killed["restored_step"])
+
+
+def test_a_first_launch_that_fails_to_start_is_launched_again(tmp_path):
+    """The first launch fails before any rank starts (nothing committed yet): the same launch again, from the
+    start, one record (``started`` false, no step lost), and the bits of the run never relaunched."""
+    flags = GPT + ["--stage", "1", "--node-size", "2"]
+    proc, m = supervise(tmp_path, job_name("first"), 4, flags, extra=["--launcher", failing_launcher(tmp_path, 0)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [f] = m["failures"]
+    assert (f["started"], f["rank"], f["restored_step"], f["steps_lost"]) == (False, None, None, 0), f
+    out = tmp_path / "plain.json"
+    run_mpi(4, ["-m", "zerompi.train", *flags, "--metrics-json", out], timeout=180)
+    assert m["final_params_sha256"] == json.loads(out.read_text())["final_params_sha256"]
 
 
 def test_a_lost_node_is_restored_from_its_buddies(tmp_path):

@@ -119,7 +119,7 @@ def _supervise(opts, cfg, flags, job, node, launcher) -> int:
                 shown.add(k)
                 say(f"recovered from failure {k + 1} in {r['recovery_s']:.2f} s: detect {r['detect_s']:.2f} + "
                     f"relaunch {r['relaunch_s']:.2f} + restore {r['restore_s']:.2f} s (restore: the ranks up to "
-                    f"step {r['restored_step'] + 1} done)")
+                    f"step {(r['restored_step'] or 0) + 1} done)")
 
     while True:
         start = shlex.split(opts.launcher.replace("{n}", str(n))) if opts.launcher else [launcher, "-n", str(n)]
@@ -136,10 +136,10 @@ def _supervise(opts, cfg, flags, job, node, launcher) -> int:
             return 2                        # the job's own one-line configuration error
         committed = committed_step(job)
         last = max([r.get("step") or 0 for r in out.ranks.values()] + [committed or 0])
-        failed_at = _failed_at(job, out)
+        failed_at = _failed_at(job, out) if out.started else out.detected_at
         who = ", ".join(f"rank {d['rank']} ({d['host']})" for d in sorted(out.dead, key=lambda d: d["rank"])) \
             or (f"the job (exit status {out.status})" if out.started else
-                f"the launcher (exit status {out.status}, before any rank started)")
+                f"the launch (exit status {out.status}, no rank started)")
         if restarts >= opts.max_restarts:
             say(f"giving up: {who} failed at step {last + 1} after {restarts} relaunch"
                 f"{'es' if restarts != 1 else ''} (--max-restarts {opts.max_restarts})")
@@ -151,26 +151,40 @@ def _supervise(opts, cfg, flags, job, node, launcher) -> int:
         except ConfigError as e:
             say(f"giving up: {who} failed at step {last + 1} and {left} ranks are left, too few: {e}")
             return 1
+        if not out.started:                 # nothing ran, nothing changed: the same launch again
+            restarts += 1
+            _record(job, records, out, failed_at, None, last + 1, committed, 0)
+            say(f"{who} failed; launching it again as it was, relaunch {restarts} of at most {opts.max_restarts}")
+            continue
         try:
             step, folder = assemble(job)
         except CheckpointError as e:
             say(f"giving up: {who} failed at step {last + 1}: {e}")
             return 1
         restarts += 1
-        dead = sorted(out.dead, key=lambda d: d["rank"])
-        record = {"rank": dead[0]["rank"] if dead else None, "host": dead[0]["host"] if dead else None,
-                  "ranks": [d["rank"] for d in dead], "started": out.started, "failed_step": last + 1,
-                  "restored_step": step, "steps_lost": last + 1 - step if out.started else 0,   # none: never ran
-                  "detect_s": round(max(0.0, out.detected_at - failed_at), 3),
-                  "relaunch_s": None, "restore_s": None, "recovery_s": None, "detected_at": out.detected_at}
-        records.append(record)
-        write_failures(job, read_failures(job)[:len(records) - 1] + [record])
+        record = _record(job, records, out, failed_at, sorted(out.dead, key=lambda d: d["rank"]), last + 1, step,
+                         last + 1 - step)
         stamp = time.strftime("%H:%M:%S", time.localtime(out.detected_at))
         say(f"{who} failed at step {last + 1}; detected at {stamp} ({record['detect_s']:.2f} s after); restoring "
             f"committed step {step} ({record['steps_lost']} step{'s' if record['steps_lost'] != 1 else ''} lost) "
             f"on {left} ranks, relaunch {restarts} of at most {opts.max_restarts}")
         n, resume = left, ["--resume", folder]
         env = {k: v for k, v in env.items() if k not in DROPPED_ENV}
+
+
+def _record(job: str, records: List[dict], out, failed_at: float, dead: Optional[List[dict]], failed: int,
+            restored: Optional[int], lost: int) -> dict:
+    """One failure's record (its recovery's seconds filled in by the job that goes on), kept in ``records`` and in
+    ``JOB/failures.json``. ``dead`` None: a launch in which no rank started (``started`` false)."""
+    dead = dead or []
+    record = {"rank": dead[0]["rank"] if dead else None, "host": dead[0]["host"] if dead else None,
+              "ranks": [d["rank"] for d in dead], "started": out.started, "failed_step": failed,
+              "restored_step": restored, "steps_lost": lost,
+              "detect_s": round(max(0.0, out.detected_at - failed_at), 3),
+              "relaunch_s": None, "restore_s": None, "recovery_s": None, "detected_at": out.detected_at}
+    records.append(record)
+    write_failures(job, read_failures(job)[:len(records) - 1] + [record])
+    return record
 
 
 def _failed_at(job: str, out) -> float:

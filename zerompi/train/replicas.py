@@ -141,11 +141,9 @@ class ReplicaRun:
         self.commit = cfg.replicas_commit            # sync: agreed before the next step; behind: after it
         self.replicas = Replicas(self.parts, self.name, ring_comm, self.rank, self.nodes,
                                  rank_dir(self.name, self.nodes[self.rank], self.rank), behind=self.commit == "behind")
-        self.pending: Optional[dict] = None          # the failure this run recovers from (rank 0)
-        if self.mpi.Get_rank() == 0:
-            records = read_failures(self.name)
-            if records and records[-1].get("restore_s") is None:
-                self.pending = records[-1]
+        self.pending: List[dict] = []                # the failures this run recovers from (rank 0): the last, and
+        if self.mpi.Get_rank() == 0:                 # those whose relaunch never started a rank
+            self.pending = [r for r in read_failures(self.name) if r.get("restore_s") is None]
         self.restored = continues_job(cfg)          # resumed from JOB/restore, a copy of a whole step
         self.seconds: List[float] = []                # each commit's, the last HISTORY
         self.shm_bytes = 0                            # the most this rank's folder held after a commit
@@ -175,14 +173,15 @@ class ReplicaRun:
         else:
             self.replicas.commit_step(done, meta)
         self._committed(t0, done)
-        if self.pending is not None:                 # the first step after a restore: the recovery is over
-            now, r = time.time(), self.pending
-            r["relaunch_s"] = round(UP - r["detected_at"], 3)
-            r["restore_s"] = round(now - UP, 3)
-            r["recovery_s"] = round(r["detect_s"] + r["relaunch_s"] + r["restore_s"], 3)
-            records = read_failures(self.name)
-            write_failures(self.name, records[:-1] + [r])
-            self.pending = None
+        if self.pending:                             # the first step after a restore: the recovery is over
+            now = time.time()
+            for r in self.pending:                   # a failed relaunch's failure recovers with the last one
+                r["relaunch_s"] = round(UP - r["detected_at"], 3)
+                r["restore_s"] = round(now - UP, 3)
+                r["recovery_s"] = round(r["detect_s"] + r["relaunch_s"] + r["restore_s"], 3)
+            records = read_failures(self.name)      # the pending ones are its last (each recovery ends them all)
+            write_failures(self.name, records[:len(records) - len(self.pending)] + self.pending)
+            self.pending = []
 
     def flush(self) -> None:
         """After the last step (every rank): behind, its commit finished; sync, nothing to do."""
