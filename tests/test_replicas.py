@@ -116,7 +116,7 @@ def failing_launcher(tmp_path, which: int) -> str:
 
 def test_a_relaunch_whose_launcher_fails_to_start_is_recorded_and_loses_no_step(tmp_path):
     """Rank 1 killed after step 3; the relaunch's launcher then fails before any rank starts: a second record,
-    ``started`` false, no rank, no step lost, said in one line; the same launch again restores step 3, finishes
+    ``started`` false, no rank, no step lost, said in one line; the next restores the same step, finishes
     both recoveries (the kill's spans the failed launch) and ends with the bits of a run resumed there."""
     flags = GPT + ["--stage", "3", "--node-size", "2"]
     proc, m = supervise(tmp_path, job_name("launch"), 4, flags, kill_at=3, ranks=[1],
@@ -129,8 +129,7 @@ def test_a_relaunch_whose_launcher_fails_to_start_is_recorded_and_loses_no_step(
     for f in (killed, launch):
         assert all(f[k] is not None and f[k] >= 0 for k in ("detect_s", "relaunch_s", "restore_s", "recovery_s")), f
     assert killed["relaunch_s"] > launch["relaunch_s"], (killed, launch)     # from its own detection
-    assert "zerompi.run: the launch (exit status 1, no rank started) failed; launching it again as it was" \
-        in proc.stderr
+    assert "zerompi.run: the launch (exit status 1, no rank started) failed at step" in proc.stderr
     assert (tmp_path / "launches").read_text().strip() == "3"
     assert m["final_params_sha256"] == oracle(tmp_path, 4, 4, flags, killed["restored_step"])
 
@@ -143,6 +142,8 @@ def test_a_first_launch_that_fails_to_start_is_launched_again(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     [f] = m["failures"]
     assert (f["started"], f["rank"], f["restored_step"], f["steps_lost"]) == (False, None, None, 0), f
+    assert "zerompi.run: the launch (exit status 1, no rank started) failed; launching it again from the start" \
+        in proc.stderr
     out = tmp_path / "plain.json"
     run_mpi(4, ["-m", "zerompi.train", *flags, "--metrics-json", out], timeout=180)
     assert m["final_params_sha256"] == json.loads(out.read_text())["final_params_sha256"]

@@ -151,10 +151,11 @@ def _supervise(opts, cfg, flags, job, node, launcher) -> int:
         except ConfigError as e:
             say(f"giving up: {who} failed at step {last + 1} and {left} ranks are left, too few: {e}")
             return 1
-        if not out.started:                 # nothing ran, nothing changed: the same launch again
+        if not out.started and committed is None:   # nothing ran, nothing committed: the first launch again
             restarts += 1
-            _record(job, records, out, failed_at, None, last + 1, committed, 0)
-            say(f"{who} failed; launching it again as it was, relaunch {restarts} of at most {opts.max_restarts}")
+            _record(job, records, out, failed_at, None, last + 1, None, 0)
+            say(f"{who} failed; launching it again from the start, relaunch {restarts} of at most "
+                f"{opts.max_restarts}")
             continue
         try:
             step, folder = assemble(job)
@@ -163,7 +164,7 @@ def _supervise(opts, cfg, flags, job, node, launcher) -> int:
             return 1
         restarts += 1
         record = _record(job, records, out, failed_at, sorted(out.dead, key=lambda d: d["rank"]), last + 1, step,
-                         last + 1 - step)
+                         last + 1 - step if out.started else 0)     # a launch in which no rank started loses none
         stamp = time.strftime("%H:%M:%S", time.localtime(out.detected_at))
         say(f"{who} failed at step {last + 1}; detected at {stamp} ({record['detect_s']:.2f} s after); restoring "
             f"committed step {step} ({record['steps_lost']} step{'s' if record['steps_lost'] != 1 else ''} lost) "
