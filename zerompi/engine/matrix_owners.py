@@ -47,9 +47,15 @@ def is_stacked(name: str, stacked: Sequence[str]) -> bool:
     return any(fnmatchcase(name, pat) for pat in stacked)
 
 
-def matrix_shape(name: str, shape, stacked: Sequence[str] = ()) -> tuple:
-    """The shape of ``name``'s matrices: its own, or a stack's slices' (without the first axis)."""
-    return tuple(shape[1:]) if is_stacked(name, stacked) else tuple(shape)
+def is_matrix(name: str, shape, stacked: Sequence[str] = ()) -> bool:
+    """Whether parameter ``name`` of ``shape`` is a matrix, or a stack of them (its slices, without the first axis,
+    2-D): what Muon can update."""
+    return len(shape) - (1 if is_stacked(name, stacked) else 0) == 2
+
+
+def matrix_names(layers, stacked: Sequence[str] = ()) -> List[str]:
+    """The parameters of ``layers`` ([(layer, {name: array})], model order) that are matrices or stacks of them."""
+    return [n for _, params in layers for n, a in params.items() if is_matrix(n, np.shape(a), stacked)]
 
 
 def muon_names(shapes: Dict[str, tuple], patterns: Sequence[str], stacked: Sequence[str] = ()) -> List[str]:
@@ -63,7 +69,7 @@ def muon_names(shapes: Dict[str, tuple], patterns: Sequence[str], stacked: Seque
             raise AgreedConfigError(f"muon_params pattern {pat!r} (--muon-params) matches no parameter "
                                     f"(the parameters are {shown})")
     hit = [n for n in names if any(fnmatchcase(n, pat) for pat in patterns)]
-    out = [n for n in hit if len(matrix_shape(n, shapes[n], stacked)) == 2]
+    out = [n for n in hit if is_matrix(n, shapes[n], stacked)]
     if patterns and not out:
         raise AgreedConfigError(f"muon_params {', '.join(map(repr, patterns))} (--muon-params) match no 2-D "
                                 f"parameter (matched: {', '.join(hit[:6])}); Muon needs matrices: use "

@@ -16,7 +16,7 @@ from typing import Dict
 import numpy as np
 
 from ..engine.decay import exempt_names
-from ..engine.matrix_owners import matrix_shape, muon_names
+from ..engine.matrix_owners import matrix_names, muon_names
 from ..errors import check
 from ..pipeline.config import PipelineConfig
 from .job import Job
@@ -163,8 +163,7 @@ class PipelineJob(Job):
         runner = self.runners[c]
         layers = self.experts.dense_layers[c] if self.experts else runner.lazy_layers()   # --ep: without the experts
         names = [n for _, params in layers for n in params]
-        matrices = [n for _, params in layers for n, a in params.items()
-                    if len(matrix_shape(n, np.shape(a), z.muon_stacked)) == 2]
+        matrices = matrix_names(layers, z.muon_stacked)
         zc = replace(self._chunk_config(),                                           # the patterns the chunk matches
                      no_decay=tuple(p for p in z.no_decay if any(fnmatchcase(n, p) for n in names)),
                      muon_params=tuple(p for p in z.muon_params if any(fnmatchcase(n, p) for n in matrices)),

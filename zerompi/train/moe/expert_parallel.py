@@ -17,7 +17,7 @@ import numpy as np
 
 from ...comm.subcomm import split
 from ...engine import lazy
-from ...engine.matrix_owners import matrix_shape, muon_names
+from ...engine.matrix_owners import matrix_names, muon_names
 from .mlp import EXPERT_KEYS
 
 
@@ -48,10 +48,8 @@ def engine_configs(zero, dense, experts):
     dense_names = [n for _, p in dense for n in p]
     expert_names = [n for _, p in experts for n in p]
     matches = lambda pat, names: any(fnmatchcase(n, pat) for n in names)   # noqa: E731
-    mats = lambda layers: [n for _, p in layers for n, a in p.items()      # noqa: E731
-                           if len(matrix_shape(n, np.shape(a), zero.muon_stacked)) == 2]
     muon = lambda layers: {} if zero.optimizer != "muon" else {                # noqa: E731
-        "muon_params": tuple(p for p in zero.muon_params if matches(p, mats(layers)))}
+        "muon_params": tuple(p for p in zero.muon_params if matches(p, matrix_names(layers, zero.muon_stacked)))}
     return (replace(zero, no_decay=tuple(p for p in zero.no_decay if matches(p, dense_names)
                                          or not matches(p, expert_names)), **muon(dense)),
             replace(zero, no_decay=tuple(p for p in zero.no_decay if matches(p, expert_names)), **muon(experts)))
