@@ -133,11 +133,16 @@ class FusedLayers:
         return dx.reshape(dy.shape), dg, db
 
     # ---- a transformer block ----------------------------------------------------------------
+    def _buffers(self, ws: Workspace, key, keep: bool):
+        """(shared, kept): ``f(name, shape)`` of a buffer every block shares, and of one the layer keeps for its
+        later W (its own with ``keep``, else a shared one too)."""
+        shared = lambda name, shape: ws.get(("block", name), shape, self.dtype)   # noqa: E731
+        return shared, (lambda name, shape: ws.get((key, name), shape, self.dtype)) if keep else shared
+
     def _grads(self, p, names, ws: Workspace, key, keep: bool) -> Dict[str, np.ndarray]:
         """The gradient buffers of ``names``: those computed with the input gradient (KEPT_GRADS) in the layer's
         own when ``keep``, the rest (and all without ``keep``) in buffers every block shares."""
-        shared = lambda name, shape: ws.get(("block", name), shape, self.dtype)
-        kept = (lambda name, shape: ws.get((key, name), shape, self.dtype)) if keep else shared
+        shared, kept = self._buffers(ws, key, keep)
         return {name: (kept if name in KEPT_GRADS else shared)("g." + name, self._p(p, name).shape) for name in names}
 
     def attention_half_forward(self, p, x, ws: Workspace = FRESH, key=None):
@@ -170,8 +175,7 @@ class FusedLayers:
         x2, mu1, rs1, a, attn, y, x1, mu2, rs2, m = cache
         n, C = x2.shape
         c = y.shape[1]                                        # this TP rank's channels of its heads
-        shared = lambda name, shape: ws.get(("block", name), shape, dt)
-        kept = (lambda name, shape: ws.get((key, name), shape, dt)) if keep else shared
+        shared, kept = self._buffers(ws, key, keep)
         dx1 = ws.get((key, "dx1"), (n, C), dt)
         k.layernorm_bwd(dm, x1, mu2, rs2, self._p(p, "ln2.g"), dout2, dx1, g["ln2.g"], g["ln2.b"])
         dy = shared("dy", (n, c))
@@ -214,12 +218,11 @@ class FusedLayers:
         """(dx, weights) of one block: ``weights()`` -> {short name: grad} runs the four weight-gradient matrix
         multiplies and their bias sums (a zero-bubble schedule's W). What it reads lives in buffers every block
         shares, unless ``keep``: then in the layer's own, valid until its next backward. The same bits."""
-        k, dt = self.k, self.dtype
+        k = self.k
         half, (f, gf) = cache[:-2], cache[-2:]
         m = half[-1]
         n, hidden = f.shape                          # this TP rank's hidden
-        shared = lambda name, shape: ws.get(("block", name), shape, dt)
-        kept = (lambda name, shape: ws.get((key, name), shape, dt)) if keep else shared
+        shared, kept = self._buffers(ws, key, keep)
         g = self._grads(p, p, ws, key, keep)
         dout2 = self._flat(dout)
         dz = kept("dz", (n, hidden))
