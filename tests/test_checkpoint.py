@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.mpirun import ROOT, one_line, run_mpi, run_train
+from tests.mpirun import CRASH_BACKSTOP, ROOT, one_line, run_mpi, run_train
 from zerompi.checkpoint.pointer import latest_name
 
 pytestmark = pytest.mark.every_mpi       # CI runs these under Open MPI too (.ci/run)
@@ -273,7 +273,7 @@ def test_crash_mid_save_leaves_the_previous_checkpoint(tmp_path, point):
     ck = tmp_path / "ck"
     common = ["-m", "zerompi.train", *SMALL, "--stage", "2", "--steps", "4", "--save-dir", ck]
     proc = run_mpi(2, [*common, "--save-every", "2"], timeout=60, check=False,
-                   env={"ZEROMPI_CHECKPOINT_CRASH": f"{point}@4"})
+                   env={"ZEROMPI_CHECKPOINT_CRASH": f"{point}@4", **CRASH_BACKSTOP})
     assert proc.returncode != 0 and "simulated crash" in proc.stderr, proc.stderr
     assert latest_name(ck) == "step_000002"
     before = reassemble(ck / "step_000002")["master"]

@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.mpirun import ROOT, kill_tree, mpi_env, mpiexec, rank_pids, run_mpi, run_train, still_alive
+from tests.mpirun import CRASH_BACKSTOP, ROOT, kill_tree, mpi_env, mpiexec, rank_pids, run_mpi, run_train, still_alive
 from tests.test_checkpoint import SMALL, checkpoint_cli, reassemble, snapshot
 from zerompi.checkpoint.pointer import latest_name
 
@@ -164,7 +164,7 @@ def wait_for_lock_owner(ck, limit_s: float = 30) -> None:
 def test_crash_during_an_async_save_leaves_the_previous_checkpoint(tmp_path, env):
     ck = tmp_path / "ck"
     common = [*TRAIN, *SMALL, "--stage", "2", "--steps", "6", "--save-every", "2", "--async-save"]
-    proc = run_mpi(2, [*common, "--save-dir", ck], timeout=90, env=env, check=False)
+    proc = run_mpi(2, [*common, "--save-dir", ck], timeout=90, env={**env, **CRASH_BACKSTOP}, check=False)
     assert proc.returncode != 0, proc.stderr
     assert latest_name(ck) == "step_000002"
     before = reassemble(ck / "step_000002")["master"]
