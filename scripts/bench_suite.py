@@ -73,6 +73,16 @@ def signature_argv(mode, tmp):
     return [mpiexec(), "-n", "2"] + script("bench_signature.py") + args
 
 
+def check_floor_argv(mode, tmp):
+    return script("bench_check_floor.py") + pick(mode, ["--rounds", "15"], ["--rounds", "9"],
+                                                 ["--sizes", "1M", "--rounds", "1", "--seconds", "0.002"])
+
+
+def check_floor_missing():
+    import bench_check_floor
+    return None if bench_check_floor.find_mpicc() else "no mpicc here (it builds scripts/bench_check_floor.c)"
+
+
 def adam_argv(mode, tmp):
     args = pick(mode, ["--sizes", "64"], ["--sizes", "16", "--repeats", "9", "--numpy-repeats", "1"],
                 ["--sizes", "0.25", "--repeats", "1", "--numpy-repeats", "1"])
@@ -224,6 +234,8 @@ PATHS = [
     path("floor", floor_argv, lambda o, t: sr.floor_rows(lines(o[0]))),
     path("collectives", collectives_argv, collectives_parse),
     path("signature", signature_argv, lambda o, t: sr.signature_rows(document(o[0]))),
+    path("check_floor", check_floor_argv, lambda o, t: sr.check_floor_rows(document(o[0])),
+         ("check_c_1mib_all_gather", "check_c_64mib_all_gather"), check_floor_missing),
     path("adam", adam_argv, lambda o, t: sr.adam_rows(lines(o[0]))),
     path("stages", stages_argv, lambda o, t: sr.stages_rows(lines(o[0]))),
     path("tp", tp_argv, lambda o, t: sr.tp_rows(document(o[0]))),

@@ -31,13 +31,23 @@ WHY = {
         "larger share. Meeting 1.15 here needs the element-wise work itself (memory passes over activations) to "
         "shrink by a quarter, for instance fusing GELU into the multiplies' epilogue, which a BLAS call does not "
         "allow."),
+    "check_c_": (
+        "These are the check's messages made from C, with no Python around them: every peer's 64-byte header "
+        "beside its data, the headers waited and compared before the data. The headers add 0.2-0.9 µs to a "
+        "1 MiB exchange against the same messages without them (its data_only_us in the JSON), and MPICH's "
+        "Iallgather is itself slower than those point-to-point messages, so the ratio sits at 0.95-1.01 here; "
+        "over 1.02 is the rounds' spread on a shared machine, not the check."),
     "check_": (
-        "2% of a 1 MiB all-gather at N = 2 is under 1 µs; the check's own per-call cost is Python's (above: the "
-        "signature, the plan's look-up, one Startall of the persistent requests, the waits and the headers' "
-        "comparison, 2-3 µs measured at 1 KiB), and the MPI part is no slower than MPI's own Iallgather. "
-        "The header cannot ride in the data message (above). Within 2% needs that fixed cost written in C "
-        "against the MPI library, not through mpi4py: not built. At 64 MiB that fixed cost is 0.1% of a call, "
-        "and a ratio over 1.02 there is the rounds' spread (0.98-1.03 from run to run)."),
+        "2% of a 1 MiB all-gather at N = 2 is under 1 µs. The MPI part of the check meets it: the same header "
+        "and data messages made from C, in the same run, cost what MPI's own Iallgather does (row "
+        "`check_c_1mib_all_gather`). What is left is Python's, per call, around those MPI calls: the signature "
+        "packed (0.3 µs), the plan looked up and counted, one Startall and the waits through mpi4py (2-3 µs in "
+        "all, measured at 1 KiB). Making the same MPI calls through ctypes was measured slower, not faster: "
+        "0.37 µs per ctypes call, so a plan's start and wait took 3.6 µs against 2.7 µs through mpi4py (1 KiB, "
+        "N = 2, medians of 15 rounds). Within 2% needs the whole checked call (signature, look-up, start, "
+        "waits, comparison) in one compiled extension against the CPython and mpi4py C APIs: not built. The "
+        "header cannot ride in the data message (below). At 64 MiB the fixed cost is 0.1% of a call, and a "
+        "ratio over 1.02 there is the rounds' spread (0.98-1.06 from run to run)."),
     "nvme_vs_io": (
         "The floor is the state's O_DIRECT I/O alone; the step adds, beyond it, the records' hash (the "
         "integrity check of every read, on the update thread: about 10% of the step measured in docs/offload.md) "
@@ -202,6 +212,10 @@ sizes, steps and rounds, `--check` runs every path at its smallest size for its 
   (Open MPI writes past its end, docs/failures.md), and a header packed beside the data (one struct datatype)
   made a 1 MiB all-gather 4× slower (MPICH packs it instead of copying once). At 64 MiB those µs are 0.1% of a
   call: the ratios there (0.98-1.03 from run to run) are noise.
+- `check_c_*`: scripts/bench_check_floor.py, the check's floor: the checked all-gather's messages as the plan
+  makes them (persistent requests, one Startall, the headers waited and compared, then the data), made from C
+  (scripts/bench_check_floor.c, built by the MPI library's own mpicc), against MPI_Iallgather from C, N = 2;
+  its JSON also has the same exchange without the headers (`data_only_us`). Skipped where no mpicc is found.
 - `adamw_vs_copy`: scripts/bench_adam.py, the fused AdamW against a copy of the same 28 bytes per parameter.
 - `stage3_vs_stage2`: scripts/bench_stages.py, N = 2, fp16, the MLP through the train CLI.
 - `tp_step_vs_dp_step_n2`: scripts/bench_tp_step.py, the GPT 4 × 256 with `--tp 2` against `--tp 1`.

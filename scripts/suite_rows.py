@@ -78,6 +78,13 @@ def signature_rows(doc: dict) -> tuple:
     return rows, []
 
 
+def check_floor_rows(doc: dict) -> tuple:
+    """bench_check_floor.py: the check's messages made from C against MPI's own all-gather, µs."""
+    rows = [row(f"check_c_{size_tag(r['bytes'])}_all_gather", r["checked_us"], r["mpi_us"], GOALS["check"], "µs",
+                round_ratio=r["ratio"], data_only_us=r["data_only_us"]) for r in doc["records"]]
+    return rows, []
+
+
 def adam_rows(records: list) -> tuple:
     """bench_adam.py: the fused AdamW against a copy of the same 28 bytes per parameter, at the largest size."""
     cpu = [r for r in records if r.get("backend") == "cpu"]

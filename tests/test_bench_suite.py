@@ -48,6 +48,11 @@ def test_each_scripts_json_becomes_its_rows():
     assert rows[0]["name"] == "check_1mib_all_gather" and rows[0]["ratio"] == pytest.approx(1.02)
     assert rows[0]["met"] is True
 
+    rows, _ = sr.check_floor_rows({"records": [{"bytes": 64 << 20, "mpi_us": 40.0, "checked_us": 41.0,
+                                                "data_only_us": 39.5, "ratio": 1.01}]})
+    assert rows[0]["name"] == "check_c_64mib_all_gather" and rows[0]["ratio"] == pytest.approx(1.025)
+    assert rows[0]["met"] is False and rows[0]["round_ratio"] == 1.01 and rows[0]["data_only_us"] == 39.5
+
     rec = lambda op, impl, b, t: {"op": op, "impl": impl, "bytes": b, "time_us": t, "wrong": 0}  # noqa: E731
     rows, checks = sr.collective_rows([rec("all_reduce", "zerompi", 64 << 20, 30.0),
                                        rec("all_reduce", "mpi", 64 << 20, 20.0),
@@ -276,3 +281,21 @@ def test_torch_dist_rows_measured_where_torch_is(tmp_path):
     rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"gpt_n2_vs_torch_ddp", "gpt_n4_vs_torch_fsdp2"}
     assert all(math.isfinite(r["ratio"]) and r["ratio"] > 0 for r in rows.values())
+
+
+def test_the_checks_floor_in_c_runs_and_reports_each_size():
+    """scripts/bench_check_floor.py builds its C program with this MPI's mpicc and times the three forms;
+    a size that is not one gets one line (exit 2)."""
+    import bench_check_floor
+    if bench_check_floor.find_mpicc() is None:
+        pytest.skip("no mpicc here")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_check_floor.py"), "--sizes", "4K,1000",
+                           "--rounds", "1", "--seconds", "0.001"], capture_output=True, text=True, timeout=120,
+                          cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr
+    records = bench_suite.document(proc.stdout)["records"]
+    assert [(r["bytes"], r["ranks"], r["header_bytes"]) for r in records] == [(4096, 2, 64), (1000, 2, 64)]
+    assert all(r[f"{f}_us"] > 0 for r in records for f in ("mpi", "checked", "data_only"))
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_check_floor.py"), "--sizes", "1X"],
+                          capture_output=True, text=True, timeout=60, cwd=str(ROOT))
+    assert proc.returncode == 2 and "--sizes '1X'" in proc.stderr.splitlines()[-1], proc.stderr
