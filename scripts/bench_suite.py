@@ -126,15 +126,26 @@ def pipeline_argv(ranks, mesh, schedule):
 def torch_argv(mode, tmp):
     args = pick(mode, ["--repeats", "10", "--warmup", "3"], ["--repeats", "3", "--warmup", "1"],
                 ["--repeats", "1", "--warmup", "0"])
-    return script("bench_torch_gpt.py") + ["--models", "gpt-6x256"] + args
+    return [torch_gpt_python(), str(ROOT / "scripts" / "bench_torch_gpt.py"), "--models", "gpt-6x256"] + args
+
+
+def torch_gpt_python() -> str:
+    """The interpreter of the N = 1 row, which times both in one process: zerompi's own where it has torch,
+    else --torch-python's where zerompi's dependencies import there too (this checkout on PYTHONPATH)."""
+    return PY if importlib.util.find_spec("torch") or not TORCH_PYTHON else TORCH_PYTHON
 
 
 def torch_missing():
     if importlib.util.find_spec("torch"):
         return None
-    if TORCH_PYTHON:        # the distributed rows run there; this one times both in one process
-        return "needs PyTorch in zerompi's own interpreter (--torch-python runs the N = 2 and 4 rows only)"
-    return "PyTorch is not installed (pip install torch)"
+    if not TORCH_PYTHON:
+        return "PyTorch is not installed (pip install torch)"
+    proc = subprocess.run([TORCH_PYTHON, "-c", "import torch, mpi4py.MPI, zerompi.engine"], capture_output=True,
+                          text=True, cwd=str(ROOT), env=job_env(ROOT), timeout=300)
+    if proc.returncode == 0:
+        return None
+    last = (proc.stderr.strip().splitlines() or ["?"])[-1]
+    return f"--torch-python's interpreter cannot import zerompi beside torch ({last}); the N = 2 and 4 rows ran there"
 
 
 TORCH_PYTHON = None     # --torch-python: an interpreter with torch (default: zerompi's own)

@@ -265,6 +265,24 @@ def test_torch_dist_rows_skipped_with_a_line_without_torch(tmp_path, monkeypatch
     assert "| `gpt_n2_vs_torch_ddp` | — | — | — | — | skipped: --torch-python" in md
 
 
+def test_the_n1_torch_row_runs_where_torch_and_zerompi_import_together(tmp_path, monkeypatch):
+    """Without torch in zerompi's interpreter the N = 1 row (both timed in one process) runs under
+    --torch-python, and is skipped with why where zerompi does not import there."""
+    import importlib.util
+    if importlib.util.find_spec("torch"):
+        pytest.skip("torch is in zerompi's own interpreter: the row runs there")
+    no_torch = tmp_path / "python"
+    no_torch.write_text("#!/bin/sh\necho 'ModuleNotFoundError: torch' >&2\nexit 1\n")
+    no_torch.chmod(0o755)
+    monkeypatch.setattr(bench_suite, "TORCH_PYTHON", str(no_torch))
+    assert bench_suite.torch_argv("check", tmp_path)[0] == str(no_torch)
+    why = bench_suite.torch_missing()
+    assert why.startswith("--torch-python's interpreter cannot import zerompi beside torch (ModuleNotFoundError")
+    monkeypatch.setattr(bench_suite, "TORCH_PYTHON", None)
+    assert bench_suite.torch_argv("check", tmp_path)[0] == sys.executable
+    assert bench_suite.torch_missing() == "PyTorch is not installed (pip install torch)"
+
+
 @pytest.mark.slow
 def test_torch_dist_rows_measured_where_torch_is(tmp_path):
     """Where an interpreter has torch (ZEROMPI_TORCH_PYTHON, else this one): --check measures both rows (finite
