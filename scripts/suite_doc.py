@@ -62,8 +62,8 @@ WHY = {
         "of 3 rounds on one day, and 1.146 round by round over 5 rounds (scripts/bench_checkpoint.py "
         "--params 50e6 --rounds 5: sync 0.359 s against 0.343 s for the disk alone): this virtual machine's "
         "disk varies from write to write (the floor itself 266-318 ms for the same bytes), and 3 rounds of a "
-        "600 MB save do not settle it. What the save adds to the write is its checksums (CRC-32 0.135 s of "
-        "CPU over both ranks' shards, on the writer's pass), the manifest and the fsyncs of the folders."),
+        "600 MB save do not settle it. What the save adds to the write is its checksum (CRC-32: 0.135 s of "
+        "CPU for both ranks' shards, measured alone), the manifest and the fsyncs of the folders."),
     "zeropp_4x1": (
         "With one rank per node every gather and reduce crosses a link: hpZ's secondary copy is then the whole "
         "node's share, so it saves only what a second gather would send (13.2 → 9.4 MB a step on node 1's "
