@@ -74,7 +74,7 @@ def signature_argv(mode, tmp):
 
 
 def check_floor_argv(mode, tmp):
-    return script("bench_check_floor.py") + pick(mode, ["--rounds", "15"], ["--rounds", "9"],
+    return script("bench_check_floor.py") + pick(mode, ["--rounds", "51"], ["--rounds", "31"],
                                                  ["--sizes", "1M", "--rounds", "1", "--seconds", "0.002"])
 
 

@@ -38,19 +38,20 @@ WHY = {
         "These are the check's messages made from C, with no Python around them: every peer's 64-byte header "
         "beside its data, the headers waited and compared before the data. The headers add 0.2-0.9 µs to a "
         "1 MiB exchange against the same messages without them (its data_only_us in the JSON), and MPICH's "
-        "Iallgather is itself slower than those point-to-point messages, so the ratio sits at 0.95-1.01 here; "
+        "Iallgather is itself slower than those point-to-point messages, so the ratio sits at 0.95-1.03 here; "
         "over 1.02 is the rounds' spread on a shared machine, not the check."),
     "check_": (
-        "2% of a 1 MiB all-gather at N = 2 is under 1 µs. The MPI part of the check meets it: the same header "
-        "and data messages made from C, in the same run, cost what MPI's own Iallgather does (row "
-        "`check_c_1mib_all_gather`). What is left is Python's, per call, around those MPI calls: the signature "
-        "packed (0.3 µs), the plan looked up and counted, one Startall and the waits through mpi4py (2-3 µs in "
-        "all, measured at 1 KiB). Making the same MPI calls through ctypes was measured slower, not faster: "
-        "0.37 µs per ctypes call, so a plan's start and wait took 3.6 µs against 2.7 µs through mpi4py (1 KiB, "
-        "N = 2, medians of 15 rounds). Within 2% needs the whole checked call (signature, look-up, start, "
-        "waits, comparison) in one compiled extension against the CPython and mpi4py C APIs: not built. The "
-        "header cannot ride in the data message (below). At 64 MiB the fixed cost is 0.1% of a call, and a "
-        "ratio over 1.02 there is the rounds' spread (0.98-1.06 from run to run)."),
+        "2% of a 1 MiB all-gather at N = 2 is under 1 µs. The MPI part of the check is within it, up to the "
+        "rounds' spread: the same header and data messages made from C, in the same run, cost what MPI's own "
+        "Iallgather does (row "
+        "`check_c_1mib_all_gather`: 0.97-1.03 from run to run). What is left is Python's, per call, around those "
+        "MPI calls: the signature packed (0.3 µs), the plan looked up and counted, one Startall and the waits "
+        "through mpi4py (2-3 µs in all, measured at 1 KiB). Making the same MPI calls through ctypes was measured"
+        " slower, not faster: 0.37 µs per ctypes call, so a plan's start and wait took 3.6 µs against 2.7 µs "
+        "through mpi4py (1 KiB, N = 2, medians of 15 rounds). Within 2% needs the whole checked call (signature, "
+        "look-up, start, waits, comparison) in one compiled extension against the CPython and mpi4py C APIs: not "
+        "built. The header cannot ride in the data message (below). At 64 MiB the fixed cost is 0.1% of a call, "
+        "and a ratio over 1.02 there is the rounds' spread (0.98-1.06 from run to run)."),
     "nvme_vs_io": (
         "The floor is the state's O_DIRECT I/O alone; the step adds, beyond it, the records' hash (the "
         "integrity check of every read, on the update thread: about 10% of the step measured in docs/offload.md) "
@@ -64,6 +65,11 @@ WHY = {
         "disk varies from write to write (the floor itself 266-318 ms for the same bytes), and 3 rounds of a "
         "600 MB save do not settle it. What the save adds to the write is its checksum (CRC-32: 0.135 s of "
         "CPU for both ranks' shards, measured alone), the manifest and the fsyncs of the folders."),
+    "bubble_1f1b_pp2_dp2": (
+        "The same code measured 1.138 (the previous table), 1.187 and 1.219 in quick runs (20 steps, 4 ranks on "
+        "this machine's 2 cores): the goal lies inside the spread of a quick run, where two ranks share each "
+        "core and a rank's wait for its data-parallel partner moves with the scheduler. The full run (30 steps) "
+        "and a quiet machine are its measure."),
     "zeropp_4x1": (
         "With one rank per node every gather and reduce crosses a link: hpZ's secondary copy is then the whole "
         "node's share, so it saves only what a second gather would send (13.2 → 9.4 MB a step on node 1's "
