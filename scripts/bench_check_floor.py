@@ -26,7 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 from launch import job_env, mpiexec  # noqa: E402
+from zerompi.bench.config import parse_size  # noqa: E402  (the collectives benchmark's sizes: 4096, 8K, 64M)
 from zerompi.comm.signature import HEADER_BYTES  # noqa: E402
+from zerompi.errors import ConfigError  # noqa: E402
 
 SOURCE = ROOT / "scripts" / "bench_check_floor.c"
 
@@ -39,11 +41,6 @@ def find_mpicc():
     return str(here) if here.exists() else shutil.which("mpicc")
 
 
-def parse_size(text: str) -> int:
-    units = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}
-    return int(float(text[:-1]) * units[text[-1].upper()]) if text[-1].upper() in units else int(text)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", type=int, default=2, help="ranks of the job (default 2)")
@@ -53,8 +50,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     try:
         sizes = [parse_size(s) for s in a.sizes.split(",")]
-    except (ValueError, IndexError):
-        ap.error(f"--sizes {a.sizes!r}: use sizes in bytes, comma-separated, with K, M or G suffixes")
+    except ConfigError as e:
+        ap.error(f"--sizes {a.sizes!r}: {e}")
     if a.ranks < 2 or a.rounds < 1 or not a.seconds > 0 or any(s < a.ranks for s in sizes):
         ap.error(f"--ranks {a.ranks} --rounds {a.rounds} --seconds {a.seconds} --sizes {a.sizes}: need "
                  "ranks >= 2, rounds >= 1, seconds > 0 and every size at least one byte per rank")

@@ -27,16 +27,12 @@ from mpi4py import MPI
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from zerompi.bench.config import parse_size  # noqa: E402
 from zerompi.comm.communicator import Communicator, mpi_library  # noqa: E402
 from zerompi.comm.mesh import TPComm  # noqa: E402
 from zerompi.optim import impl  # noqa: E402
 
 LIMIT = 0.02     # the check stays on by default while it costs less than this (the bar)
-
-
-def parse_size(text: str) -> int:
-    units = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}
-    return int(float(text[:-1]) * units[text[-1].upper()]) if text[-1].upper() in units else int(text)
 
 
 def cases(world, nbytes: int):
