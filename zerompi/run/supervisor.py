@@ -153,7 +153,7 @@ def _supervise(opts, cfg, flags, job, node, launcher) -> int:
             return 1
         if not out.started and committed is None:   # nothing ran, nothing committed: the first launch again
             restarts += 1
-            _record(job, records, out, failed_at, None, last + 1, None, 0)
+            _record(job, records, out, failed_at, [], last + 1, None, 0)
             say(f"{who} failed; launching it again from the start, relaunch {restarts} of at most "
                 f"{opts.max_restarts}")
             continue
@@ -173,11 +173,11 @@ def _supervise(opts, cfg, flags, job, node, launcher) -> int:
         env = {k: v for k, v in env.items() if k not in DROPPED_ENV}
 
 
-def _record(job: str, records: List[dict], out, failed_at: float, dead: Optional[List[dict]], failed: int,
+def _record(job: str, records: List[dict], out, failed_at: float, dead: List[dict], failed: int,
             restored: Optional[int], lost: int) -> dict:
     """One failure's record (its recovery's seconds filled in by the job that goes on), kept in ``records`` and in
-    ``JOB/failures.json``. ``dead`` None: a launch in which no rank started (``started`` false)."""
-    dead = dead or []
+    ``JOB/failures.json``: ``dead`` the dead ranks' records in rank order (none where no rank started: ``started``
+    is the outcome's)."""
     record = {"rank": dead[0]["rank"] if dead else None, "host": dead[0]["host"] if dead else None,
               "ranks": [d["rank"] for d in dead], "started": out.started, "failed_step": failed,
               "restored_step": restored, "steps_lost": lost,
