@@ -27,6 +27,7 @@ import cluster_mpi  # noqa: E402
 from zerompi.checkpoint.replica_files import job_dir  # noqa: E402
 from zerompi.run.supervisor import kill  # noqa: E402
 from zerompi.run.watch import ranks_of  # noqa: E402
+from zerompi.train.replicas import read_failures  # noqa: E402
 
 GPT = ["python", "-m", "zerompi.train", "--steps", "8", "--batch", "24", "--stage", "3", "--progress", "lines",
        "--eval-every", "0"]
@@ -35,7 +36,8 @@ LIMIT = 240
 
 def supervised(c, tmp_path, job, nodes=2, kill_at=None, ranks=(), wipe=False, cut=False, flags=(), per_node=2):
     """(process, metrics or None) of the supervisor over ``nodes`` nodes of ``c``, ``per_node`` ranks each; ``cut``:
-    instead of a kill, node 1's link is cut, and restored once the supervisor recorded the failure."""
+    instead of a kill, node 1's link is cut, and restored once the supervisor recorded the failure (a record more
+    than before the cut)."""
     probe = cluster_mpi.Job(c, per_node, GPT, nodes=nodes)
     start = probe.launch_command()
     at = start.index("-n")
@@ -54,8 +56,9 @@ def supervised(c, tmp_path, job, nodes=2, kill_at=None, ranks=(), wipe=False, cu
                 if not cut:
                     kill(job, list(ranks), wipe)
                     return
+                before = len(read_failures(job))     # a launch that failed before any rank started has its own
                 c.cut(1)
-                while not done.is_set() and not os.path.exists(os.path.join(job_dir(job), "failures.json")):
+                while not done.is_set() and len(read_failures(job)) <= before:    # the cut's record, not that one
                     time.sleep(0.01)
                 c.restore(1)
                 return
