@@ -34,8 +34,7 @@ LIMIT = 300
 
 def cut(c, a):
     job = cluster_mpi.Job(c, 2, MLP + ["--steps", "100000", "--timeout-s", str(a.timeout_s)])
-    job.start()
-    job.wait_for("step     3/", LIMIT)
+    job.start_until("step     3/", LIMIT)
     c.cut(1)
     t = time.monotonic()
     left = job.wait_gone(LIMIT)
@@ -48,8 +47,7 @@ def cut(c, a):
 
 def kill(c, a):
     job = cluster_mpi.Job(c, 2, MLP + ["--steps", "100000"])
-    job.start()
-    job.wait_for("step     3/", LIMIT)
+    job.start_until("step     3/", LIMIT)
     t = time.monotonic()
     for pid in job.ranks_left().get(1, []):
         os.kill(pid, signal.SIGKILL)
@@ -69,8 +67,7 @@ def flap(c, a):
     plain = cluster_mpi.Job(c, 2, MLP + ["--steps", "12"])
     plain.run(timeout=LIMIT)
     job = cluster_mpi.Job(c, 2, MLP + ["--steps", "12", "--timeout-s", "60"])
-    job.start()
-    job.wait_for("step     2/", LIMIT)
+    job.start_until("step     2/", LIMIT)
     c.cut(1)
     time.sleep(a.flap_s)
     c.restore(1)

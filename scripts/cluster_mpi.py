@@ -35,15 +35,22 @@ PLACEMENTS = ("block", "round-robin")
 FORWARD = ("PYTHONPATH", "PATH", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
-# What a launcher prints when it could not start at all, before any rank ran: Open MPI's PMIx server in a fresh
-# namespace, now and then (seen once in four runs of the cluster tests). Job.run starts such a job again.
-LAUNCH_FAILURES = ("The PMIx server's listener thread failed to start",)
+# What a launcher prints when it could not start at all, before any rank ran, on stdout or stderr: Open MPI's PMIx
+# server in a fresh namespace, now and then (seen once in four runs of the cluster tests), and its daemons' wire-up
+# over the fresh links (PRRTE's two messages below; one ended a CI run's straight 4-node job with exit 213). Job.run
+# and Job.start_until start such a job again. A node the cluster's agent cannot reach is no such failure: its link
+# is down, and starting again would only say so again.
+LAUNCH_FAILURES = ("The PMIx server's listener thread failed to start",
+                   "A daemon was unable to complete a TCP connection",
+                   "A daemon failed to report back after being spawned")
+UNREACHABLE = "cluster agent: cannot reach"
 LAUNCH_TRIES = 3
 
 
 def launch_failed(proc: subprocess.CompletedProcess) -> bool:
     """The launcher itself failed to start (no rank ran): starting the job again is safe."""
-    return proc.returncode != 0 and any(m in (proc.stderr or "") for m in LAUNCH_FAILURES)
+    said = (proc.stdout or "") + (proc.stderr or "")
+    return proc.returncode != 0 and UNREACHABLE not in said and any(m in said for m in LAUNCH_FAILURES)
 
 
 def _collect(stream, into: list) -> None:
@@ -149,6 +156,23 @@ class Job:
         self.kill()
         raise TimeoutError(f"no line {prefix!r} within {timeout:g} s (exit {self.proc.poll()}):\n"
                            + "".join(self._out)[-3000:] + "".join(self._err)[-3000:])
+
+    def start_until(self, prefix: str, timeout: float) -> float:
+        """:meth:`start`, then :meth:`wait_for` the line ``prefix`` on stdout; a launcher that failed to start
+        (launch_failed) is started again, up to LAUNCH_TRIES times. Returns the seconds from the last start."""
+        for _ in range(LAUNCH_TRIES - 1):
+            self.start()
+            try:
+                return self.wait_for(prefix, timeout)
+            except TimeoutError:                # ended without the line, or killed by wait_for
+                self.proc.wait(timeout=30)
+                self._join()
+                said = subprocess.CompletedProcess(self.proc.args, self.proc.returncode, "".join(self._out),
+                                                   "".join(self._err))
+                if not launch_failed(said):
+                    raise
+        self.start()
+        return self.wait_for(prefix, timeout)
 
     def wait(self, timeout: float) -> subprocess.CompletedProcess:
         """Wait for the job; after ``timeout`` s kill it and every process on its nodes, and raise

@@ -142,3 +142,47 @@ def test_a_launcher_that_failed_to_start_is_told_apart():
     assert mpi.launch_failed(subprocess.CompletedProcess([], 213, "", said))
     assert not mpi.launch_failed(subprocess.CompletedProcess([], 0, "", said))
     assert not mpi.launch_failed(subprocess.CompletedProcess([], 1, "", "zerompi.train: error: batch=3 ..."))
+    # PRRTE's daemons that did not wire up print on stdout; a node the agent cannot reach is down, not a flake
+    daemon = "----\nA daemon was unable to complete a TCP connection\nto another daemon:\n  Local host: node0\n"
+    assert mpi.launch_failed(subprocess.CompletedProcess([], 213, daemon, ""))
+    unreachable = "cluster agent: cannot reach node1: no answer in 2 s (its link is down)\n"
+    spawned = "A daemon failed to report back after being spawned. This could\n"
+    assert mpi.launch_failed(subprocess.CompletedProcess([], 213, spawned, ""))
+    assert not mpi.launch_failed(subprocess.CompletedProcess([], 213, spawned, unreachable))
+
+
+class _Here:
+    """A one-node stand-in for scripts/cluster.Cluster: node 0's commands run here."""
+    nodes = 1
+
+    def command(self, k, argv):
+        return list(argv)
+
+    def kill_node(self, k):
+        pass
+
+
+def test_start_until_starts_again_a_launcher_that_failed_and_no_job_that_ran(tmp_path):
+    """Job.start_until: a launch whose daemons failed to wire up is started again until the job prints its line;
+    a job that ran and failed is not started again, and its failure is raised."""
+    _, mpi = harness()
+    tries = tmp_path / "tries"
+
+    class Flaky(mpi.Job):
+        def launch_command(self):
+            script = ("import pathlib, sys; p = pathlib.Path(sys.argv[1]); n = len(p.read_text()) if p.exists() "
+                      "else 0; p.write_text('x' * (n + 1))\n"
+                      "if n < int(sys.argv[2]): print(sys.argv[3]); sys.exit(213)\n"
+                      "print('step     2/8'); sys.stdout.flush()")
+            return [sys.executable, "-c", script, str(tries), str(self.fail_first), self.says]
+
+    job = Flaky(_Here(), 1, ["python"])
+    job.fail_first, job.says = 2, "A daemon was unable to complete a TCP connection"
+    assert job.start_until("step     2/", 60) >= 0
+    assert job.wait(60).returncode == 0 and tries.read_text() == "xxx"      # two failed launches, then the job
+
+    tries.unlink()
+    job.fail_first, job.says = 5, "zerompi.train: error: batch=3 ..."      # a job that ran and failed: once
+    with pytest.raises(TimeoutError, match="batch=3"):
+        job.start_until("step     2/", 60)
+    assert tries.read_text() == "x"

@@ -51,8 +51,7 @@ def test_a_link_that_flaps_changes_nothing_a_cut_one_ends_the_job_and_its_checkp
 
     # a link down for less than the timeout: TCP retransmits, the run goes on, the same bits
     job = train(c, "--steps", STEPS, "--timeout-s", 30, "--metrics-json", tmp_path / "flap.json")
-    job.start()
-    job.wait_for("step     2/", LIMIT)
+    job.start_until("step     2/", LIMIT)
     c.cut(1)
     cluster_mpi.time.sleep(1.5)
     c.restore(1)
@@ -63,8 +62,7 @@ def test_a_link_that_flaps_changes_nothing_a_cut_one_ends_the_job_and_its_checkp
     # a link cut for good mid-step: MPI hangs silently; the watchdog ends the job and names node 1
     ck = tmp_path / "ck"
     job = train(c, "--steps", 400, "--timeout-s", TIMEOUT_S, "--save-dir", ck, "--save-every", 2)
-    job.start()
-    job.wait_for("step     3/", LIMIT)
+    job.start_until("step     3/", LIMIT)
     c.cut(1)
     if cluster_mpi.flavour() == "mpich":
         proc = job.wait(LIMIT)
@@ -96,8 +94,7 @@ def test_a_link_that_flaps_changes_nothing_a_cut_one_ends_the_job_and_its_checkp
 def test_a_nodes_ranks_killed_end_the_job_and_mpi_names_the_node(cluster):
     c = cluster(2)
     job = train(c, "--steps", 400)
-    job.start()
-    job.wait_for("step     2/", LIMIT)
+    job.start_until("step     2/", LIMIT)
     killed = job.ranks_left().get(1, [])
     assert len(killed) == 2, job.ranks_left()
     for pid in killed:
