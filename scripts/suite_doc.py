@@ -19,6 +19,12 @@ NOTE_UNDER_LOAD = ("Measured with `--quick` while other jobs shared this machine
 
 # What stands between a debt's row and its goal here, measured (shown for each row that misses its goal; a key
 # ending in "_" explains every row whose name starts with it).
+# what the check costs where it matters, measured ad hoc (the train CLI has no switch for it)
+CHECK_IN_A_STEP = (
+    "In a training step the check costs no measurable time: the GPT 6 × 256, stage 3, N = 2, with the "
+    "Communicator's check turned off in the process, ran 0.3182 s a step, and 0.3173 s with it (medians of "
+    "eight interleaved runs of 8 steps each, every run 0.312-0.325 s): the difference is below the runs' spread.")
+
 WHY = {
     "gpt_vs_gemm": (
         "The step outside its 108 matrix multiplies is, timed call by call (docs/gpt.md, 22-23% of the step): "
@@ -51,7 +57,17 @@ WHY = {
         "through mpi4py (1 KiB, N = 2, medians of 15 rounds). Within 2% needs the whole checked call (signature, "
         "look-up, start, waits, comparison) in one compiled extension against the CPython and mpi4py C APIs: not "
         "built. The header cannot ride in the data message (below). At 64 MiB the fixed cost is 0.1% of a call, "
-        "and a ratio over 1.02 there is the rounds' spread (0.98-1.06 from run to run)."),
+        "and a ratio over 1.02 there is the rounds' spread (0.98-1.06 from run to run). " + CHECK_IN_A_STEP),
+    "check_1mib_all_reduce": (
+        "The engine's all-reduce is a checked reduce-scatter and an unchecked all-gather of the same buffer: "
+        "one check per call, the reduce-scatter's. Its pieces, timed apart in two runs (41 interleaved rounds "
+        "of 200 calls, N = 2; medians and fastest rounds): the reduce-scatter in place +0.5 to +4.5 µs with "
+        "its check (60-83 µs), the all-gather within 0.7 µs of itself (24-29 µs), the all-reduce +6.5 to "
+        "+9.6 µs (190-242 µs). The two pieces back to back cost twice their sum alone, checked or not (205-213 "
+        "µs against 92 µs), a cost of the sequence that both forms pay. The part of the all-reduce's excess "
+        "beyond its reduce-scatter's check (2-5 µs) is not accounted for; the per-round ratios spread "
+        "0.96-1.25 (31 rounds of "
+        "scripts/bench_signature.py). " + CHECK_IN_A_STEP),
     "nvme_vs_io": (
         "The floor is the state's O_DIRECT I/O alone; the step adds, beyond it, the records' hash (the "
         "integrity check of every read, on the update thread: about 10% of the step measured in docs/offload.md) "
@@ -209,7 +225,18 @@ sizes, steps and rounds, `--check` runs every path at its smallest size for its 
   stage 0, against the same step's matrix multiplies alone on the same BLAS; the JSON keeps the step's
   shares (forward, backward, optimizer, other) and the ratio paired within each repeat.
 - `*_vs_mpi`: `python -m zerompi.bench` at N = 2, the engine's collective (checked, its default) against the
-  MPI library's own on the same memory (all-to-all: `--sp 2`, the pack and unpack copies included).
+  MPI library's own on the same memory (all-to-all: `--sp 2`, the pack and unpack copies included). No goal:
+  they say where the engine stands, each a single call after the buffer's reset and a barrier, the forms
+  taking turns. At 64 MiB the reduce-scatter and all-reduce are 0.45-0.54× MPICH's (Reduce_scatter_block
+  and Allreduce are slower here than the engine's exchange and fused sum) and the all-gather 1.01×. At
+  1 MiB the engine's are 1.1-1.5×: a call is 50-300 µs and its fixed costs weigh. For the all-gather,
+  timed apart (303 calls each, N = 2, medians): checked 77.4 µs, unchecked 63.0 µs, MPI's Allgather 53.9
+  µs; without the reset before each call 29.2, 26.1 and 21.7 µs. Writing the rank's slice just before
+  the call makes every form 2.5× slower, and the engine's start (its Python, the plan's four requests
+  against one collective) then costs more than the few µs it costs on a warm buffer. The all-to-all's 3.5×
+  is its copies, which the floor (contiguous blocks in and out) does not make: at 64 MiB the pack into
+  rank order took 16.1 ms, the unpack 9.4 ms and a plain copy of the same bytes 9.7 ms, against 11.4 ms for
+  MPI's Alltoall (39.5 ms in all); each is one NumPy copy, the pack's (256-byte runs) 1.7× a plain one.
 - `check_*`: scripts/bench_signature.py, each collective with the in-band check against the same without it
   (MPI's own Ialltoallv / Iallgather). The check is a fixed cost per call, all of it Python's: the signature
   packed, the plan of the call's shape and buffers looked up and its persistent requests started (comm/checked.py:
