@@ -23,28 +23,17 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import argparse       # noqa: E402
 import datetime       # noqa: E402
 import json           # noqa: E402
-import platform       # noqa: E402
 import statistics     # noqa: E402
 import sys            # noqa: E402
 import time           # noqa: E402
 
 import numpy as np    # noqa: E402
 
+from suite_doc import cpu_model   # noqa: E402  (scripts/: the machine a table was measured on)
 from zerompi.optim import cuda, fused_cpu, reference   # noqa: E402
 
 BYTES_PER_PARAM = 28
 SCALARS = reference.adamw_scalars(1e-3, 0.9, 0.999, 1e-8, 0.01, step=10, grad_scale=1 / 65536)
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def state(xp, n: int, rng):
@@ -146,7 +135,7 @@ def main(argv=None) -> int:
             sys.stderr.write(f"bench_adam: gpu skipped: {reason}\n")
         else:
             backends.append("gpu")
-    header = {"date": datetime.date.today().isoformat(), "cpu": cpu_name(), "threads": 1,
+    header = {"date": datetime.date.today().isoformat(), "cpu": cpu_model(), "threads": 1,
               "fp16_path": fused_cpu.library().zmp_fp16_path().decode() if "cpu" in backends else None,
               "accounting": "28 B/param (fp16 grad + param copy, fp32 master/m/v), read + written; "
                             "copy moves the same 28 B/param (14 B read + 14 B written)"}

@@ -16,7 +16,6 @@ mpicc is found or it fails to compile.
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -25,20 +24,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
-from launch import job_env, mpiexec  # noqa: E402
+from launch import job_env, mpicc, mpiexec  # noqa: E402
 from zerompi.bench.config import parse_size  # noqa: E402  (the collectives benchmark's sizes: 4096, 8K, 64M)
 from zerompi.comm.signature import HEADER_BYTES  # noqa: E402
 from zerompi.errors import ConfigError  # noqa: E402
 
 SOURCE = ROOT / "scripts" / "bench_check_floor.c"
-
-
-def find_mpicc():
-    """``$MPICC``, else the mpicc beside this Python (an MPI wheel's), else the first on PATH, or None."""
-    if os.environ.get("MPICC"):
-        return os.environ["MPICC"]
-    here = Path(sys.executable).parent / "mpicc"
-    return str(here) if here.exists() else shutil.which("mpicc")
 
 
 def main(argv=None) -> int:
@@ -55,15 +46,15 @@ def main(argv=None) -> int:
     if a.ranks < 2 or a.rounds < 1 or not a.seconds > 0 or any(s < a.ranks for s in sizes):
         ap.error(f"--ranks {a.ranks} --rounds {a.rounds} --seconds {a.seconds} --sizes {a.sizes}: need "
                  "ranks >= 2, rounds >= 1, seconds > 0 and every size at least one byte per rank")
-    mpicc = find_mpicc()
-    if mpicc is None:
+    compiler = mpicc()
+    if compiler is None:
         print("bench_check_floor: no mpicc found ($MPICC, beside this Python, on PATH)", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="bench_check_floor-") as tmp:
         program = os.path.join(tmp, "bench_check_floor")
-        built = subprocess.run([mpicc, "-O2", str(SOURCE), "-o", program], capture_output=True, text=True)
+        built = subprocess.run([compiler, "-O2", str(SOURCE), "-o", program], capture_output=True, text=True)
         if built.returncode != 0:
-            print(f"bench_check_floor: {mpicc} failed: {(built.stderr.strip().splitlines() or ['?'])[-1]}",
+            print(f"bench_check_floor: {compiler} failed: {(built.stderr.strip().splitlines() or ['?'])[-1]}",
                   file=sys.stderr)
             return 2
         cmd = [mpiexec(), "-n", str(a.ranks), program, str(HEADER_BYTES), str(a.rounds), str(a.seconds)]
@@ -74,7 +65,7 @@ def main(argv=None) -> int:
         return 1
     records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     print(json.dumps({"what": "the check's messages made from C against MPI_Iallgather (scripts/bench_check_floor.c)",
-                      "mpicc": os.path.basename(mpicc), "records": records}, indent=1))
+                      "mpicc": os.path.basename(compiler), "records": records}, indent=1))
     return 0
 
 

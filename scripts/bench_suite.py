@@ -33,7 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
-from launch import job_env, mpiexec  # noqa: E402  (one launcher and environment for every script)
+from launch import job_env, mpicc, mpiexec  # noqa: E402  (one launcher and environment for every script)
 import suite_rows as sr  # noqa: E402
 
 MODES = ("full", "quick", "check")
@@ -79,8 +79,7 @@ def check_floor_argv(mode, tmp):
 
 
 def check_floor_missing():
-    import bench_check_floor
-    return None if bench_check_floor.find_mpicc() else "no mpicc here (it builds scripts/bench_check_floor.c)"
+    return None if mpicc() else "no mpicc here (it builds scripts/bench_check_floor.c)"
 
 
 def adam_argv(mode, tmp):

@@ -304,8 +304,8 @@ def test_torch_dist_rows_measured_where_torch_is(tmp_path):
 def test_the_checks_floor_in_c_runs_and_reports_each_size():
     """scripts/bench_check_floor.py builds its C program with this MPI's mpicc and times the three forms;
     a size that is not one gets one line (exit 2)."""
-    import bench_check_floor
-    if bench_check_floor.find_mpicc() is None:
+    import launch
+    if launch.mpicc() is None:
         pytest.skip("no mpicc here")
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_check_floor.py"), "--sizes", "4K,1000",
                            "--rounds", "1", "--seconds", "0.001"], capture_output=True, text=True, timeout=120,
