@@ -47,6 +47,18 @@ def check_flat(what: str, arr, size: int, dtypes=DTYPES) -> None:
                          f"use a length that is a positive multiple of {size}")
 
 
+def check_reduce_scatter(send, out, size: int) -> int:
+    """The elements of one slice of ``send`` (check_flat) over ``size`` ranks; UsageError unless ``out`` holds
+    that many of ``send``'s dtype."""
+    check_flat("reduce_scatter send", send, size)
+    k = send.size // size
+    if getattr(out, "dtype", None) != send.dtype or out.size != k:
+        raise UsageError(f"reduce_scatter out: {getattr(out, 'size', '?')} elements of "
+                         f"{getattr(out, 'dtype', type(out).__name__)}; "
+                         f"use {k} elements (one slice) of {send.dtype}, the send buffer's dtype")
+    return k
+
+
 class RecvRows:
     """A reduce-scatter's receive buffer: the N-1 peers' slices (none for this rank), and
     the N rows the local sum reads in rank order, the own slice's slot filled per call.

@@ -20,9 +20,9 @@ from typing import Callable, Dict, Optional
 import numpy as np
 from mpi4py import MPI
 
-from ..errors import ConfigError, UsageError
+from ..errors import ConfigError
 from ..optim import impl
-from .blocks import WORD, MOVED, OpStats, RecvRows, block_layout, check_flat, sum_table
+from .blocks import WORD, MOVED, OpStats, RecvRows, block_layout, check_flat, check_reduce_scatter, sum_table
 from .checked import Checks, allgather_rows
 from .signature import signature
 from .simulated_world import simulated
@@ -178,12 +178,7 @@ class Communicator:
         if quant is not None:
             return self._ireduce_scatter_quantized(send, out, scale, accumulate, tag, quant, op_name)
         n, me = self.size, self.rank
-        check_flat("reduce_scatter send", send, n)
-        k = send.size // n
-        if getattr(out, "dtype", None) != send.dtype or out.size != k:
-            raise UsageError(f"reduce_scatter out: {getattr(out, 'size', '?')} elements of "
-                             f"{getattr(out, 'dtype', type(out).__name__)}; "
-                             f"use {k} elements (one slice) of {send.dtype}, the send buffer's dtype")
+        k = check_reduce_scatter(send, out, n)
         sig = signature(op_name, send.dtype, send.size, tag, scale, accumulate) if self.checks else None
         blk, (sc, sd, rc, rd) = self._block(k, send.itemsize)
         recv = self._recv_rows(k, send.dtype)
@@ -216,12 +211,7 @@ class Communicator:
         N rows dequantized and summed in fp32 in rank order (the own row quantized too, so that
         every rank's contribution is treated alike)."""
         n, me = self.size, self.rank
-        check_flat("reduce_scatter send", send, n)
-        k = send.size // n
-        if getattr(out, "dtype", None) != send.dtype or out.size != k:
-            raise UsageError(f"reduce_scatter out: {getattr(out, 'size', '?')} elements of "
-                             f"{getattr(out, 'dtype', type(out).__name__)}; "
-                             f"use {k} elements (one slice) of {send.dtype}")
+        k = check_reduce_scatter(send, out, n)
         sig = signature(op_name, send.dtype, send.size, tag, scale, accumulate, quant) if self.checks else None
         wb = quant.wire_bytes(k)
         flat = send.reshape(-1)

@@ -20,8 +20,7 @@ import time
 
 import numpy as np
 
-from ..errors import UsageError
-from .blocks import MOVED, check_flat
+from .blocks import MOVED, check_flat, check_reduce_scatter
 from .communicator import Communicator
 
 
@@ -153,12 +152,7 @@ class HierarchicalCommunicator:
                         quant=None) -> TwoLevelHandle:
         """``out = [out +] scale * sum over the group of send[this rank's slice]``, in two levels
         (``quant``: each level quantizes what it sends: the node's partial sum is re-quantized)."""
-        check_flat("reduce_scatter send", send, self.size)
-        k = send.size // self.size
-        if getattr(out, "dtype", None) != send.dtype or out.size != k:
-            raise UsageError(f"reduce_scatter out: {getattr(out, 'size', '?')} elements of "
-                             f"{getattr(out, 'dtype', type(out).__name__)}; "
-                             f"use {k} elements (one slice) of {send.dtype}")
+        k = check_reduce_scatter(send, out, self.size)
         partial = self._take(self.m * k, send.dtype)
         first = self.intra.ireduce_scatter(send, partial, scale, False, tag, quant)
         self.inter_second.count("reduce_scatter", k * send.itemsize if quant is None else quant.wire_bytes(k),

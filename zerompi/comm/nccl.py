@@ -23,10 +23,9 @@ import time
 
 import numpy as np
 
-from ..errors import UsageError
 from ..optim.dtypes import bfloat16
 from ..optim.reference import sum_rows_reference
-from .blocks import check_flat
+from .blocks import check_flat, check_reduce_scatter
 from .communicator import Communicator
 
 F32 = np.dtype(np.float32)
@@ -129,12 +128,7 @@ class NcclCommunicator:
     def ireduce_scatter(self, send, out, scale: float = 1.0, accumulate: bool = False, tag=None) -> NcclHandle:
         """Start: ``out = [out +] scale * sum_r send_r[my slice]`` (NCCL's sum, then fp32 scale)."""
         n = self.size
-        check_flat("reduce_scatter send", send, n)
-        k = send.size // n
-        if getattr(out, "dtype", None) != send.dtype or out.size != k:
-            raise UsageError(f"reduce_scatter out: {getattr(out, 'size', '?')} elements of "
-                             f"{getattr(out, 'dtype', type(out).__name__)}; "
-                             f"use {k} elements (one slice) of {send.dtype}")
+        k = check_reduce_scatter(send, out, n)
         flat, target = send.reshape(-1), out.reshape(-1)
         if send.dtype == F32 and scale == 1.0 and not accumulate:
             self._count("reduce_scatter", (n - 1) * k * send.itemsize)
