@@ -313,7 +313,7 @@ def dead_pid():
 
 
 @pytest.mark.parametrize("holder,expect", [
-    ({}, "in use by another job (pid {pid} on this host"),
+    pytest.param({}, "in use by another job (pid {pid} on this host", marks=pytest.mark.slow),   # waits HOLDER_WAIT_S
     ({"host": "elsewhere-node"}, "locked by pid {pid} on host elsewhere-node"),
 ])
 def test_a_second_job_in_the_same_save_dir_stops_at_start(tmp_path, holder, expect):
@@ -335,6 +335,7 @@ def test_a_stale_lock_on_this_host_is_taken_over(tmp_path, holder):
     assert tree(ck) == ["latest", "step_000001"]                # released at the end
 
 
+@pytest.mark.slow
 def test_two_real_jobs_into_one_save_dir(tmp_path):
     ck = tmp_path / "ck"
     # The first job hangs in its second step (rank 1) and holds the lock until its watchdog ends it.

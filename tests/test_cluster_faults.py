@@ -44,6 +44,7 @@ def run_ok(job) -> str:
     return proc.stdout
 
 
+@pytest.mark.slow
 def test_a_link_that_flaps_changes_nothing_a_cut_one_ends_the_job_and_its_checkpoint_resumes_the_bits(
         cluster, tmp_path):
     c = cluster(2)

@@ -165,6 +165,7 @@ def test_an_older_adamw_checkpoint_loads_by_its_rows_and_muon_starts_fresh_from_
     assert fresh["losses"][0] == whole["losses"][2]      # the loaded parameters: step 3's loss, before its update
 
 
+@pytest.mark.slow
 def test_the_owners_exchange_is_measured_beside_its_formula():
     """The bytes that bring each matrix to its owner and back, counted from what is handed to MPI, equal the plan's
     count; stage 0 sends none; at most every matrix element out and back (4 bytes each); the memory row's formula

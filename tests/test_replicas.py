@@ -159,6 +159,7 @@ def test_a_lost_node_is_restored_from_its_buddies(tmp_path):
     assert m["final_params_sha256"] == oracle(tmp_path, 4, 4, flags, f["restored_step"])
 
 
+@pytest.mark.slow
 def test_a_lost_node_in_the_buddy_exchange_loses_one_step(tmp_path):
     """The synchronous commit (the default): each step's buddy exchange held back 1.5 s
     (ZEROMPI_REPLICAS_SEND_DELAY_S) and node 1 lost once step 3 is committed, while step 4's copies are on

@@ -89,6 +89,7 @@ def straight(c, tmp_path, flags=(), per_node=2) -> str:
     return json.loads(path.read_text())["final_params_sha256"]
 
 
+@pytest.mark.slow
 def test_a_killed_rank_and_a_lost_node_on_real_nodes(cluster, tmp_path):
     c = cluster(2)
     want = straight(c, tmp_path)
@@ -108,6 +109,7 @@ def test_one_node_is_one_line(cluster, tmp_path):
     assert "keeps each shard's second copy on another node" in lines[0], lines
 
 
+@pytest.mark.slow
 def test_a_cut_link_ends_in_the_watchdog_and_the_job_goes_on(cluster, tmp_path):
     """Node 1's link cut mid-run: MPI hangs silently, the watchdog (--timeout-s 3) ends every rank (the first to
     exit is what the supervisor names), it relaunches once the link is back (a relaunch while it is still down

@@ -52,6 +52,7 @@ def test_another_stages_message_holds_zeros_and_has_arrived():
 
 
 # ---- one pipelined rank, real and simulated ------------------------------------------------------------
+@pytest.mark.slow
 def test_simulated_pipeline_rank_is_the_real_rank():
     real = json.loads(run_mpi(4, [DRIVER], timeout=300).stdout.strip().splitlines()[-1])
     for case, ranks in real.items():                             # the stages differ: a wrong rank would show
