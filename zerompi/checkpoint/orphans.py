@@ -13,7 +13,11 @@ shards' checksums are not read here (every load and ``inspect`` verifies them).
 Who calls it, each alone in the folder (no MPI here): the train CLI at start (rank 0, holding the
 save folder's lock: train/saves.py), every save before it makes its own temporary folder (rank 0),
 and :func:`salvage` (collective.py) on a rank whose job ends with a save under way. Two callers at
-once cannot publish one folder twice: each first renames the folder to a name of its own.
+once cannot publish one folder twice: each first renames the folder to a name of its own (``CLAIM``).
+The salvaging ranks of one job leave each other's claimed folders alone (``claimed=False``): another
+rank is publishing it, and taking it from that rank midway would leave its publication to the taker
+alone. A claimed folder whose publisher died midway is published by the next run into the folder
+(the callers that hold the save folder's lock take claimed folders too).
 """
 import json
 import os
@@ -22,6 +26,8 @@ from typing import List, Optional, Tuple
 from ..inputs import JSON_BYTES, read_bytes
 from .format import is_part_folder, part_folders_of, publish, shard_file
 from .pointer import DRAFT, ENTRY, TEMP_PREFIX, latest_name, step_of
+
+CLAIM = "-recovering-"      # a temporary folder renamed by the caller publishing it: NAME-recovering-PID
 
 
 def complete_manifest(tmp: str) -> Optional[dict]:
@@ -39,35 +45,37 @@ def complete_manifest(tmp: str) -> Optional[dict]:
     return {**draft, "shards": shards}
 
 
-def orphans(directory: str) -> List[Tuple[str, dict]]:
-    """(temporary folder, manifest) of every complete unpublished checkpoint in ``directory``, by step."""
+def orphans(directory: str, claimed: bool = True) -> List[Tuple[str, dict]]:
+    """(temporary folder, manifest) of every complete unpublished checkpoint in ``directory``, by step;
+    ``claimed`` False: not those another caller has claimed (renamed to publish them, ``CLAIM``)."""
     try:
-        names = sorted(n for n in os.listdir(directory) if n.startswith(TEMP_PREFIX))
+        names = sorted(n for n in os.listdir(directory) if n.startswith(TEMP_PREFIX) and (claimed or CLAIM not in n))
     except OSError:
         return []
     found = [(os.path.join(directory, n), complete_manifest(os.path.join(directory, n))) for n in names]
     return sorted(((t, m) for t, m in found if m is not None), key=lambda tm: tm[1]["step"])
 
 
-def recover(directory: str) -> List[str]:
+def recover(directory: str, claimed: bool = True) -> List[str]:
     """Publish the complete unpublished checkpoints of the save folder ``directory``; returns one line for
-    each. A save folder of a tensor-parallel or pipelined run (``tp{r}-of-{K}``, ``pp{c}-of-{C}`` folders)
-    gets a step published only when every part folder holds a complete one of it (pieces of two steps would
-    make a model that never was); one part folder alone (a TP rank's or a chunk's save) is left to a caller
-    that sees them all (the train CLI at start)."""
+    each. ``claimed`` False: leave alone those another caller is publishing (a salvage: see the module). A
+    save folder of a tensor-parallel or pipelined run (``tp{r}-of-{K}``, ``pp{c}-of-{C}`` folders) gets a step
+    published only when every part folder holds a complete one of it (pieces of two steps would make a model
+    that never was); one part folder alone (a TP rank's or a chunk's save) is left to a caller that sees them
+    all (the train CLI at start)."""
     if is_part_folder(os.path.basename(os.path.realpath(directory))):
         return []
     subs = part_folders_of(directory)
     if not subs:
-        return [line for tmp, manifest in orphans(directory) for line in _publish(directory, tmp, manifest)]
-    found = [{m["step"]: (t, m) for t, m in orphans(sub)} for sub in subs]
+        return [line for tmp, manifest in orphans(directory, claimed) for line in _publish(directory, tmp, manifest)]
+    found = [{m["step"]: (t, m) for t, m in orphans(sub, claimed)} for sub in subs]
     whole = sorted(set.intersection(*(set(f) for f in found)))
     return [line for step in whole for sub, f in zip(subs, found) for line in _publish(sub, *f[step])]
 
 
 def _publish(directory: str, tmp: str, manifest: dict) -> List[str]:
     step = manifest["step"]
-    claimed = f"{tmp}-recovering-{os.getpid()}"
+    claimed = f"{tmp}{CLAIM}{os.getpid()}"
     try:
         os.rename(tmp, claimed)          # one caller wins; another finds it gone
     except OSError:

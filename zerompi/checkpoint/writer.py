@@ -172,7 +172,7 @@ class PendingSave:
         ran out)."""
         deadline = time.monotonic() + SALVAGE_WAIT_S
         while True:
-            lines = recover(self.directory)
+            lines = recover(self.directory, claimed=False)   # another rank's salvage may be publishing it
             if lines or not os.path.isdir(self.tmp) or time.monotonic() > deadline:
                 return lines
             time.sleep(0.02)

@@ -1,0 +1,52 @@
+"""checkpoint/orphans.py: a complete temporary folder that no one published is published; an incomplete one is
+left; a folder another caller has claimed (renamed to publish it) is left alone by a salvaging rank and taken
+by the callers that hold the save folder's lock (the next run), so that a claimer that died midway loses nothing.
+
+Oracle: the files (what ``latest`` names, what the published folder holds, what is left)."""
+import json
+
+from zerompi.checkpoint.format import shard_file
+from zerompi.checkpoint.orphans import CLAIM, recover
+from zerompi.checkpoint.pointer import DRAFT, ENTRY, latest_name
+
+
+def unpublished(directory, step, world=2, suffix=""):
+    """A temporary folder as a save leaves it once every shard is written: the draft, each shard and its entry."""
+    tmp = directory / f".tmp-step_{step:06d}-0123abcd{suffix}"
+    tmp.mkdir(parents=True)
+    (tmp / DRAFT).write_text(json.dumps({"world_size": world, "step": step}))
+    for r in range(world):
+        data = bytes([r + 1]) * (64 + r)
+        (tmp / shard_file(r)).write_bytes(data)
+        (tmp / (shard_file(r) + ENTRY)).write_text(json.dumps({"file": shard_file(r), "bytes": len(data),
+                                                               "crc32": 0}))
+    return tmp
+
+
+def names(directory):
+    return sorted(p.name for p in directory.iterdir())
+
+
+def test_a_complete_folder_is_published_and_an_incomplete_one_left(tmp_path):
+    unpublished(tmp_path, 2)
+    half = unpublished(tmp_path, 4)
+    (half / (shard_file(1) + ENTRY)).unlink()                # rank 1's write never ended
+    lines = recover(str(tmp_path))
+    assert len(lines) == 1 and "complete checkpoint of step 2" in lines[0], lines
+    assert latest_name(str(tmp_path)) == "step_000002"
+    assert names(tmp_path) == [half.name, "latest", "step_000002"]
+    assert names(tmp_path / "step_000002") == ["manifest.json", shard_file(0), shard_file(1)]
+    manifest = json.loads((tmp_path / "step_000002" / "manifest.json").read_text())
+    assert [s["bytes"] for s in manifest["shards"]] == [64, 65]
+
+
+def test_a_claimed_folder_is_left_by_a_salvage_and_taken_by_the_next_run(tmp_path):
+    """A salvaging rank (claimed=False) finds a folder another rank renamed to publish it and leaves it: taking it
+    midway made that rank's publication fail, and the job's end could then leave it to neither. A claimer that
+    died midway leaves the folder claimed: the next run (claimed=True) publishes it."""
+    claimed = unpublished(tmp_path, 2, suffix=f"{CLAIM}4242")
+    assert recover(str(tmp_path), claimed=False) == []
+    assert names(tmp_path) == [claimed.name] and (claimed / DRAFT).exists()
+    lines = recover(str(tmp_path))
+    assert len(lines) == 1 and latest_name(str(tmp_path)) == "step_000002", lines
+    assert names(tmp_path) == ["latest", "step_000002"]
