@@ -17,14 +17,14 @@ NOTE_UNDER_LOAD = ("Measured with `--quick` while other jobs shared this machine
                    "noisy; the final table is to be measured on a quiet machine.")
 
 
-# What stands between a debt's row and its goal here, measured (shown for each row that misses its goal; a key
-# ending in "_" explains every row whose name starts with it).
-# what the check costs where it matters, measured ad hoc (the train CLI has no switch for it)
+# What the check costs where it matters, measured ad hoc (the train CLI has no switch for it).
 CHECK_IN_A_STEP = (
     "In a training step the check costs no measurable time: the GPT 6 × 256, stage 3, N = 2, with the "
     "Communicator's check turned off in the process, ran 0.3182 s a step, and 0.3173 s with it (medians of "
     "eight interleaved runs of 8 steps each, every run 0.312-0.325 s): the difference is below the runs' spread.")
 
+# What stands between a debt's row and its goal here, measured (shown for each row that misses its goal; a key
+# ending in "_" explains every row whose name starts with it).
 WHY = {
     "gpt_vs_gemm": (
         "The step outside its 108 matrix multiplies is, timed call by call (docs/gpt.md, 22-23% of the step): "
