@@ -4,6 +4,7 @@ by the callers that hold the save folder's lock (the next run), so that a claime
 
 Oracle: the files (what ``latest`` names, what the published folder holds, what is left)."""
 import json
+import os
 
 from zerompi.checkpoint.format import shard_file
 from zerompi.checkpoint.orphans import CLAIM, recover
@@ -50,3 +51,31 @@ def test_a_claimed_folder_is_left_by_a_salvage_and_taken_by_the_next_run(tmp_pat
     lines = recover(str(tmp_path))
     assert len(lines) == 1 and latest_name(str(tmp_path)) == "step_000002", lines
     assert names(tmp_path) == ["latest", "step_000002"]
+
+
+def test_rank_0_claims_its_save_before_publishing_it(tmp_path, monkeypatch):
+    """Rank 0's own publication (writer.PendingSave.publish) claims the folder first: a salvaging rank of the same job
+    that looks in meanwhile (an abort while the save is being published) leaves it, and rank 0's publication ends.
+    Unclaimed, the salvage took the folder from under it and rank 0's publication failed."""
+    from types import SimpleNamespace
+
+    from zerompi.checkpoint import writer
+    tmp = unpublished(tmp_path, 6)
+    draft = json.loads((tmp / DRAFT).read_text())
+    seen = []
+    real = writer.publish_files
+
+    def publish_with_a_salvage_meanwhile(directory, folder, *args, **kwargs):
+        seen.append((recover(directory, claimed=False), names(tmp_path)))
+        return real(directory, folder, *args, **kwargs)
+
+    monkeypatch.setattr(writer, "publish_files", publish_with_a_salvage_meanwhile)
+    engine = SimpleNamespace(rank=0, layout=SimpleNamespace(world_size=2))
+    pending = writer.PendingSave(engine, str(tmp_path), str(tmp), 6, draft, None, finish=None)
+    entries = [json.loads((tmp / (shard_file(r) + ENTRY)).read_text()) for r in range(2)]
+    path = pending.publish([("done", r, entries[r]) for r in range(2)])
+    assert seen == [([], [f"{tmp.name}{CLAIM}{os.getpid()}"])], seen
+    assert path == str(tmp_path / "step_000006") and latest_name(str(tmp_path)) == "step_000006"
+    assert names(tmp_path) == ["latest", "step_000006"]
+    manifest = json.loads((tmp_path / "step_000006" / "manifest.json").read_text())
+    assert [s["bytes"] for s in manifest["shards"]] == [64, 65]

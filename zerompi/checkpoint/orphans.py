@@ -13,7 +13,8 @@ shards' checksums are not read here (every load and ``inspect`` verifies them).
 Who calls it, each alone in the folder (no MPI here): the train CLI at start (rank 0, holding the
 save folder's lock: train/saves.py), every save before it makes its own temporary folder (rank 0),
 and :func:`salvage` (collective.py) on a rank whose job ends with a save under way. Two callers at
-once cannot publish one folder twice: each first renames the folder to a name of its own (``CLAIM``).
+once cannot publish one folder twice: each first renames the folder to a name of its own (:func:`claim`),
+as rank 0 does before its own publication of the save (writer.PendingSave.publish).
 The salvaging ranks of one job leave each other's claimed folders alone (``claimed=False``): another
 rank is publishing it, and taking it from that rank midway would leave its publication to the taker
 alone. A claimed folder whose publisher died midway is published by the next run into the folder
@@ -73,12 +74,22 @@ def recover(directory: str, claimed: bool = True) -> List[str]:
     return [line for step in whole for sub, f in zip(subs, found) for line in _publish(sub, *f[step])]
 
 
-def _publish(directory: str, tmp: str, manifest: dict) -> List[str]:
-    step = manifest["step"]
+def claim(tmp: str) -> Optional[str]:
+    """Rename the temporary folder ``tmp`` to this process's claimed name (``CLAIM``) before publishing it
+    from there: one caller wins, and the salvaging ranks leave it alone. Returns the new path, or None when
+    another caller has taken it (or it is gone)."""
     claimed = f"{tmp}{CLAIM}{os.getpid()}"
     try:
-        os.rename(tmp, claimed)          # one caller wins; another finds it gone
+        os.rename(tmp, claimed)
     except OSError:
+        return None
+    return claimed
+
+
+def _publish(directory: str, tmp: str, manifest: dict) -> List[str]:
+    step = manifest["step"]
+    claimed = claim(tmp)
+    if claimed is None:
         return []
     current = step_of(latest_name(directory) or "")
     newer = current is None or step > current

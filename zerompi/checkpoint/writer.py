@@ -24,7 +24,7 @@ import numpy as np
 from .format import (F32, ROWS, WRITE_CHUNK_BYTES, CheckpointError, Crc32, crash_point, engine_rows, remove_dir,
                      shard_file)
 from .format import publish as publish_files
-from .orphans import recover
+from .orphans import claim, recover
 from .pointer import DRAFT, ENTRY, write_durable
 from .savedir import retain
 
@@ -115,14 +115,19 @@ class PendingSave:
     # ---- the publication (rank 0) ----------------------------------------------------
     def publish(self, states: list) -> str:
         """Rank 0, once every shard is complete (``states``: every rank's ("done", slot, entry)):
-        the manifest, the rename into place and ``latest`` (format.publish), then retention.
+        the folder claimed (orphans.claim), the manifest, the rename into place and ``latest``
+        (format.publish), then retention.
         Returns the checkpoint's path; on failure the temporary directory is removed."""
         shards = [e for _, e in sorted((s[1], s[2]) for s in states if s[1] is not None)]
+        claimed = claim(self.tmp)     # first: a salvaging rank of this job then leaves the folder alone
+        if claimed is None:
+            raise CheckpointError(f"{self.tmp} was gone when rank 0 came to publish it (another rank's salvage "
+                                  "publishes it)")
         try:
-            path = publish_files(self.directory, self.tmp, self.step, {**self.manifest, "shards": shards}, self.keep)
+            path = publish_files(self.directory, claimed, self.step, {**self.manifest, "shards": shards}, self.keep)
         except BaseException:
-            if os.path.isdir(self.tmp):
-                remove_dir(self.tmp)
+            if os.path.isdir(claimed):
+                remove_dir(claimed)
             raise
         self.removed = retain(self.directory, self.keep_last, os.path.basename(path), self.keep)
         return path
