@@ -155,10 +155,13 @@ def publish(directory: str, tmp: str, step: int, manifest: dict, keep=(), point:
     False: ``latest`` is left alone (orphans.py publishing an old one). Returns the checkpoint's
     final directory.
     """
-    for name in os.listdir(tmp):          # what orphans.py would have published it from: not part of it
+    # The manifest first, then what orphans.py would otherwise publish the folder from (the draft and the
+    # entries, not part of a checkpoint): at every moment one of the two describes it whole.
+    write_durable(os.path.join(tmp, MANIFEST), manifest_text(manifest))
+    fsync_dir(tmp)
+    for name in os.listdir(tmp):
         if name == DRAFT or name.endswith(ENTRY):
             os.unlink(os.path.join(tmp, name))
-    write_durable(os.path.join(tmp, MANIFEST), manifest_text(manifest))
     fsync_dir(tmp)
     crash_point("before_rename", step)
     base = f"step_{step:06d}"

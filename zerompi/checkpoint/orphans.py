@@ -6,16 +6,19 @@ kill between the last shard and the rename). Each save leaves what its publicati
 folder from the start (pointer.py's names): rank 0's manifest draft (the manifest without its shard
 list) and, beside each shard file once it is fsynced, its entry (bytes, CRC-32). A folder with the
 draft and an entry for every shard of the saving run, each file of the size its entry says, is a
-complete checkpoint: :func:`recover` publishes it as format.publish does (manifest, rename,
-``latest`` when it is newer than what ``latest`` names), instead of the next save deleting it. The
-shards' checksums are not read here (every load and ``inspect`` verifies them).
+complete checkpoint; so is one whose publication wrote its manifest (which checks, its own checksum
+included) and ended before the rename, each shard of the size the manifest says (format.publish
+writes the manifest before it removes the draft and the entries). :func:`recover` publishes it as
+format.publish does (manifest, rename, ``latest`` when it is newer than what ``latest`` names),
+instead of the next save deleting it. The shards' checksums are not read here (every load and
+``inspect`` verifies them).
 
 Who calls it, each alone in the folder (no MPI here): the train CLI at start (rank 0, holding the
 save folder's lock: train/saves.py), every save before it makes its own temporary folder (rank 0),
 and :func:`salvage` (collective.py) on a rank whose job ends with a save under way. Two callers at
-once cannot publish one folder twice: each first renames the folder to a name of its own (:func:`claim`),
-as rank 0 does before its own publication of the save (writer.PendingSave.publish).
-The salvaging ranks of one job leave each other's claimed folders alone (``claimed=False``): another
+once cannot publish one folder twice: each first renames the folder to a name of its own
+(:func:`claim`), as rank 0 does before its own publication of the save (writer.PendingSave.publish). The
+salvaging ranks of one job leave each other's claimed folders alone (``claimed=False``): another
 rank is publishing it, and taking it from that rank midway would leave its publication to the taker
 alone. A claimed folder whose publisher died midway is published by the next run into the folder
 (the callers that hold the save folder's lock take claimed folders too).
@@ -25,7 +28,7 @@ import os
 from typing import List, Optional, Tuple
 
 from ..inputs import JSON_BYTES, read_bytes
-from .format import is_part_folder, part_folders_of, publish, shard_file
+from .format import MANIFEST_SHA, CheckpointError, is_part_folder, part_folders_of, publish, read_manifest, shard_file
 from .pointer import DRAFT, ENTRY, TEMP_PREFIX, latest_name, step_of
 
 CLAIM = "-recovering-"      # a temporary folder renamed by the caller publishing it: NAME-recovering-PID
@@ -33,6 +36,16 @@ CLAIM = "-recovering-"      # a temporary folder renamed by the caller publishin
 
 def complete_manifest(tmp: str) -> Optional[dict]:
     """The manifest of the temporary folder ``tmp`` when every shard it needs is there (see the module), else None."""
+    try:
+        manifest, _ = read_manifest(tmp)         # a publication that ended between its manifest and the rename
+    except CheckpointError:
+        manifest = None
+    if manifest is not None:
+        try:
+            sizes = all(os.path.getsize(os.path.join(tmp, s["file"])) == int(s["bytes"]) for s in manifest["shards"])
+        except OSError:
+            return None
+        return {k: v for k, v in manifest.items() if k != MANIFEST_SHA} if sizes else None
     try:
         draft = json.loads(read_bytes(os.path.join(tmp, DRAFT), DRAFT, JSON_BYTES, OSError))
         shards = []
