@@ -27,19 +27,21 @@ CHECK_IN_A_STEP = (
 # ending in "_" explains every row whose name starts with it).
 WHY = {
     "gpt_vs_gemm": (
-        "The step outside its 108 matrix multiplies is, timed call by call (docs/gpt.md, 22-23% of the step): "
-        "GELU's forward and backward passes (about 8%: a polynomial tanh over (B·T, 4C) each way, one C pass "
-        "each), the engine's hand-back of each layer's gradients and the step's calls (3-4%), LayerNorm both ways "
-        "(2.6-3%), the bias sums and adds (2.3-2.6%), the softmax (1.4-2.2%), the optimizer (1%), the head, loss "
-        "and embedding (under 1%). Each is already one fused pass of C over its arrays; the ratio moves with the "
-        "BLAS, not with them: 1.108 on an AVX2 machine of the same kind, where OpenBLAS's Haswell kernels made "
-        "the same multiplies slower, and 1.21-1.27 on this AVX-512 one, whose faster multiplies leave the same "
-        "rest a larger share. The largest part, GELU, is bound by its arithmetic, not by memory: 2.9 ms forward "
-        "and 3.6 ms backward over one layer's (2048, 1024) activations, where copying them takes 0.6 ms. Built "
-        "with 512-bit vectors (-mprefer-vector-width=512) both took 2.2 ms, yet the step's ratio stayed within "
-        "the rounds' spread (1.232 and 1.235 as built, 1.245 and 1.241 with them, two rounds each): so that "
-        "flag is not used. Meeting 1.15 here needs the rest to shrink by more than a third, for instance GELU fused "
-        "into the multiplies' epilogue, which a BLAS call does not allow."),
+        "The step's own matrix multiplies run at the floor: timed one by one inside the forward and backward "
+        "(one process, three passes), its 108 multiplies took 561.6 ms against 556.9 ms for the floor's same "
+        "shapes alone, and the whole pass 694 ms. The rest, 133 ms: the C kernels 105 ms (GELU 65: its backward "
+        "39, its forward 26; LayerNorm both ways 21; the softmax both ways 15; the bias + residual adds 4) and "
+        "the bias-gradient sums, casts and Python 28 ms; the step adds the engine's 27 ms (the update 8 ms, the "
+        "gradients' hand-back; scripts/bench_floor.py: floor 531 ms, forward and backward 655, step 682). "
+        "Meeting 1.15 needs about 70 ms of those 160 gone, more than GELU's whole 65. Each kernel is already one "
+        "vectorized pass of C over its arrays, and GELU is bound by its arithmetic, not by memory: 2.1-3.1 ns "
+        "an element (8 float lanes, no fused multiply-add: the build keeps -ffp-contract=off so that every "
+        "machine computes the same bits), where copying the same bytes takes 0.3 ns. Built with 512-bit vectors "
+        "(-mprefer-vector-width=512) GELU took 2.2 ms instead of 2.9 ms a layer forward, yet the step's ratio "
+        "stayed within the rounds' spread (1.232 and 1.235 as built, 1.245 and 1.241 with them): so that flag "
+        "is not used. The rest would have to run inside the multiplies (GELU in their epilogue), which a BLAS "
+        "call does not allow. The ratio moves with the BLAS, not with the rest: 1.108 on an AVX2 machine of the "
+        "same kind, whose OpenBLAS kernels made the same multiplies slower, and 1.21-1.29 on this AVX-512 one."),
     "check_c_": (
         "These are the check's messages made from C, with no Python around them: every peer's 64-byte header "
         "beside its data, the headers waited and compared before the data. The headers add 0.2-0.9 µs to a "
@@ -74,11 +76,17 @@ WHY = {
         "0.96-1.25 (31 rounds of "
         "scripts/bench_signature.py). " + CHECK_IN_A_STEP),
     "nvme_vs_io": (
-        "The floor is the state's O_DIRECT I/O alone; the step adds, beyond it, the records' hash (the "
-        "integrity check of every read, on the update thread: about 10% of the step measured in docs/offload.md) "
-        "and the last buckets' writes, which run on into the next forward but find it short (0.02 s) here. "
-        "With 2 ranks on 2 cores, the hash and the update compete with the other rank's compute for the same "
-        "cores: the I/O is not the only thing on the critical path, which 1.1× assumes."),
+        "The floor is the state's O_DIRECT I/O alone; what the step adds is the records' hash, the integrity "
+        "check of every read and write (issue 29), on the update thread. With the hash turned off in the "
+        "process (measured ad hoc, two interleaved pairs of runs of this row's command) the step was 1.04 and "
+        "1.13 times the I/O alone, against 1.33 and 1.33 with it. Per rank and step the hash reads the 151 MB "
+        "of rows read (28 ms: bound by memory, a plain sum of the same bytes takes as long) and hashes the 151 "
+        "MB written while they are in cache (12.6 ms); with 2 ranks on 2 cores there is no idle core for it, so "
+        "it lengthens the step instead of running beside the I/O (check_s_per_step in the JSON: 0.13-0.15 s of "
+        "hashing a step, the threads sharing the cores). A faster hash does not help: an additive, "
+        "XXH3-style one measured 25 ms against 28 on the rows in memory and 9.4 against 12.6 in cache. Within "
+        "1.1 with the check on needs the hash folded into the update's own pass over the rows (the fused AdamW "
+        "kernel hashing what it reads and writes): not built."),
     "checkpoint_sync_vs_disk": (
         "The same code (this commit's and the one of the previous table) measured 1.36 to 2.06 in quick runs "
         "of 3 rounds on one day, and 1.146 round by round over 5 rounds (scripts/bench_checkpoint.py "
@@ -87,17 +95,27 @@ WHY = {
         "600 MB save do not settle it. What the save adds to the write is its checksum (CRC-32: 0.135 s of "
         "CPU for both ranks' shards, measured alone), the manifest and the fsyncs of the folders."),
     "bubble_1f1b_pp2_dp2": (
-        "The same code measured 1.138, 1.187, 1.195, 1.219 and 1.229 in quick runs of one day (20 steps, 4 ranks on "
-        "this machine's 2 cores): the goal lies inside the spread of a quick run, where two ranks share each "
-        "core and a rank's wait for its data-parallel partner moves with the scheduler. The full run (30 steps) "
-        "and a quiet machine are its measure."),
+        "The floor is the simulator replaying each step's own action costs, the data-parallel waits inside them "
+        "included; what the measured bubble adds is the executor's between actions (message latency, the "
+        "sends' copies, polling), with 4 ranks on this machine's 2 cores. The same code measured 1.155-1.267 "
+        "in twelve quick runs on a quiet machine on the day of this table (median 1.19), and 1.138-1.229 in "
+        "five quick runs of an earlier day: the goal lies inside the spread of a quick run, where two ranks "
+        "share each core and a rank's wait for its partner moves with the scheduler. Pushing each send out at "
+        "once (testing it up to 50 or 1,000 times after the Isend, so that it does not wait for the sender's "
+        "next poll) and MPICH's yielding progress (MPIR_CVAR_ENABLE_HEAVY_YIELD) both stayed within that spread."),
     "zeropp_4x1": (
         "With one rank per node every gather and reduce crosses a link: hpZ's secondary copy is then the whole "
         "node's share, so it saves only what a second gather would send (13.2 → 9.4 MB a step on node 1's "
-        "link), and all of ZeRO++ still puts 3.8 MB a step on each link (int8 weights, int4 gradients): 0.14 s "
-        "at the 0.22 Gbit/s measured through a 250 Mbit/s link, of which about 0.09 s is not hidden behind the "
-        "0.10 s of compute (docs/cluster.md). On 2 nodes × 2 the same build is 0.20× flat stage 3, and 0.30× on "
-        "4 × 1 on an AVX2 machine (slower compute hides more of the link)."),
+        "link), and all of ZeRO++ still puts 3.7-3.9 MB a step on each link: the forward's int8 weights (2.4 MB, "
+        "86 ms at the 0.22 Gbit/s measured through a 250 Mbit/s link) and the backward's int4 gradients (1.3 MB, "
+        "47 ms). The backward's 55 ms of compute hides its gradients; the forward's 28 ms cannot hide its "
+        "weights, so the forward is the link's. With every overlap perfect the step is 86 ms of forward, 55 of "
+        "backward and 2.5 of update, 0.30× flat stage 3's 0.48 s; what the measured step adds to that is what "
+        "nothing can overlap (the first gather, the last reduce-scatter) and 17 ms of its other work (the "
+        "timers' `other`: the loss and the step's checks, over the same loaded link). Gathering deeper ahead does "
+        "not move it: --prefetch 2 measured 0.385× and 0.36×, --prefetch 4 0.42× (the 4 ranks share 2 cores, "
+        "and more buckets in flight cost compute), the progress thread 0.78×. On 2 nodes × 2 the same build is "
+        "0.20× flat stage 3, and 0.30× on 4 × 1 on an AVX2 machine (slower compute hides more of the link)."),
 }
 
 
