@@ -54,6 +54,19 @@ def test_offload_dir_not_a_folder_is_one_line(tmp_path):
         one_line(proc, "zerompi.train", f"offload_dir='{where}' is not a folder")
 
 
+def test_an_offload_dir_without_room_is_one_line():
+    """The free bytes are checked once the engine knows its files' size, inside the run: a ConfigError raised there on
+    every rank was printed by each rank, with MPI's abort banner; now rank 0 prints it once and every rank exits 2.
+    /proc takes no file and reports no free byte (skipped where it is not seen so)."""
+    import os
+    if os.statvfs("/proc").f_bavail != 0 or not os.access("/proc", os.W_OK):
+        pytest.skip("/proc is not a writable-looking folder with no free byte here")
+    proc = run_mpi(2, MLP + ["--stage", "2", "--offload-optimizer", "nvme", "--offload-dir", "/proc"],
+                   timeout=LIMIT, check=False)
+    one_line(proc, "zerompi.train", "offload_dir='/proc' has 0 bytes free")
+    assert "Abort" not in proc.stdout + proc.stderr, proc.stderr
+
+
 def test_no_decay_pattern_matching_nothing_is_one_line():
     for flags in (MLP + ["--no-decay", "zzz*"], GPT_TP + ["--steps", "1", "--tp", "2", "--no-decay", "h0.*"]):
         proc = run_mpi(2, flags, timeout=LIMIT, check=False)

@@ -110,7 +110,8 @@ def _publish(directory: str, tmp: str, manifest: dict) -> List[str]:
         path = publish(directory, claimed, step, manifest, keep=os.listdir(directory), point=newer)
     except OSError as e:
         return [f"could not publish the complete checkpoint of step {step} left unpublished in {claimed}: {e}"]
-    where = f"{os.path.join(directory, 'latest')} names it" if newer else \
+    named = newer or latest_name(directory) == os.path.basename(path)
+    where = f"{os.path.join(directory, 'latest')} names it" if named else \
         f"{os.path.join(directory, 'latest')} still names the later {latest_name(directory)}"
     return [f"published {path}, the complete checkpoint of step {step} that a job which ended before publishing "
             f"it left in {tmp} ({where})"]
