@@ -249,9 +249,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     rank = cfg.simulate_rank if cfg.simulate_world else comm.Get_rank()     # --pp: each rank checks its stage
     if agree_on_errors(comm, preflight.memory_error(cfg, world, placement, rank), "zerompi.train"):
         return 2                          # a job that cannot fit stops before it allocates
+    from ..checkpoint.collective import CheckpointError
     try:
         train(cfg, stop=StopSignal(cfg.stop_file if comm.Get_rank() == 0 else None), placement=placement)
-    except (ConfigError, JobError) as e:       # raised on every rank together: no rank is left in a collective ...
+    except (CheckpointError, JobError) as e:   # raised on every rank together: no rank is left in a collective ...
         end_together(comm, e, "zerompi.train")   # ... or on some only: that rank's line ends the job within seconds
         if comm.Get_rank() == 0:
             sys.stderr.write(f"zerompi.train: error: {e}\n")

@@ -15,7 +15,7 @@ import socket
 import sys
 from typing import Dict, List, Optional, Tuple
 
-from ...errors import ConfigError
+from ...errors import AgreedConfigError, ConfigError
 
 HEADER_BYTES = 4096                 # the owner header; the data starts here (a page: aligned)
 MAGIC = b"zerompi offload file\n"
@@ -140,7 +140,7 @@ def sweep(directory: str) -> Tuple[List[Tuple[str, int, str]], List[Tuple[str, i
 
 
 def check_dir(path: str, need: int) -> int:
-    """ConfigError unless ``path`` is a writable folder with ``need`` bytes free (checked at start), after
+    """ConfigError unless ``path`` is a writable folder (AgreedConfigError unless it has ``need`` bytes free), after
     removing the offload files of ended runs there (``need`` > 0); returns the free bytes (0 when not
     asked)."""
     if not path:
@@ -160,6 +160,8 @@ def check_dir(path: str, need: int) -> int:
             more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
             held = (f"; {sum(n for _, n, _ in unknown):,} bytes there are offload files this run cannot tell are "
                     f"over: {listed}{more}; remove those whose runs have ended")
-        raise ConfigError(f"offload_dir={path!r} has {free:,} bytes free; this rank's offload files need "
-                          f"{need:,}{held}")
+        # Found inside the run (the engine knows its files' size): every rank short of room raises it at the same
+        # point, and the train CLI prints it once (the rank named when only some are short), exit status 2.
+        raise AgreedConfigError(f"offload_dir={path!r} has {free:,} bytes free; this rank's offload files need "
+                                f"{need:,}{held}")
     return free
