@@ -114,3 +114,33 @@ def test_a_publication_that_ended_before_its_rename_is_published_by_the_next_run
     (tmp_path / "step_000005" / shard_file(1)).write_bytes(b"short")   # a shard of another size: not complete
     (tmp_path / "step_000005").rename(tmp_path / ".tmp-step_000005-0123abcd")
     assert recover(str(tmp_path)) == []
+
+
+def test_a_salvage_waits_for_the_publication_another_rank_claimed(tmp_path, monkeypatch):
+    """A salvaging rank (its job is ending) that finds the save claimed by another rank (rank 0 publishing it) waits
+    for that publication, up to SALVAGE_WAIT_S, before its abort ends the job: it returned at once, and the abort
+    could cut rank 0's publication short, leaving the checkpoint for the next run."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from zerompi.checkpoint import writer
+    tmp = unpublished(tmp_path, 8)
+    held = tmp.rename(tmp_path / f"{tmp.name}{CLAIM}4242")      # rank 0 has claimed it and is publishing
+    pending = writer.PendingSave(SimpleNamespace(rank=1, layout=SimpleNamespace(world_size=2)), str(tmp_path),
+                                 str(tmp), 8, None, None, finish=None)
+    done = threading.Timer(0.4, lambda: recover(str(tmp_path)))   # its publication ends 0.4 s later
+    done.start()
+    t0 = time.monotonic()
+    assert pending.recovered() == []                                # left to rank 0 ...
+    waited = time.monotonic() - t0
+    done.join()
+    assert 0.35 < waited < writer.SALVAGE_WAIT_S, waited          # ... and waited for
+    assert names(tmp_path) == ["latest", "step_000008"] and not held.exists()
+    monkeypatch.setattr(writer, "SALVAGE_WAIT_S", 0.2)            # a claimer that never finishes: the wait ends
+    tmp = unpublished(tmp_path, 10)
+    tmp.rename(tmp_path / f"{tmp.name}{CLAIM}4243")
+    pending = writer.PendingSave(SimpleNamespace(rank=1, layout=SimpleNamespace(world_size=2)), str(tmp_path),
+                                 str(tmp), 10, None, None, finish=None)
+    t0 = time.monotonic()
+    assert pending.recovered() == [] and 0.2 <= time.monotonic() - t0 < 1.0

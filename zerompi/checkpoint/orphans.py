@@ -99,6 +99,15 @@ def claim(tmp: str) -> Optional[str]:
     return claimed
 
 
+def claimed_copies(tmp: str) -> List[str]:
+    """The folders ``tmp`` became when some caller claimed it (:func:`claim`) and has not finished publishing."""
+    parent, name = os.path.split(tmp)
+    try:
+        return [os.path.join(parent, n) for n in os.listdir(parent) if n.startswith(name + CLAIM)]
+    except OSError:
+        return []
+
+
 def _publish(directory: str, tmp: str, manifest: dict) -> List[str]:
     step = manifest["step"]
     claimed = claim(tmp)

@@ -24,7 +24,7 @@ import numpy as np
 from .format import (F32, ROWS, WRITE_CHUNK_BYTES, CheckpointError, Crc32, crash_point, engine_rows, remove_dir,
                      shard_file)
 from .format import publish as publish_files
-from .orphans import claim, recover
+from .orphans import claim, claimed_copies, recover
 from .pointer import DRAFT, ENTRY, write_durable
 from .savedir import retain
 
@@ -174,11 +174,14 @@ class PendingSave:
         """Publish this save once every rank's shard file is complete (orphans.recover), waiting at most
         SALVAGE_WAIT_S for the other ranks' writes still under way (they may finish after this rank's);
         returns what was published here, one line each ([] where another rank published it or the wait
-        ran out)."""
+        ran out). A folder another rank has claimed (rank 0 publishing it, or another rank's salvage) is
+        left to that rank, and waited for within the same time: this rank's abort, which follows, must not
+        end that rank's publication midway (the next run publishes one that was)."""
         deadline = time.monotonic() + SALVAGE_WAIT_S
         while True:
-            lines = recover(self.directory, claimed=False)   # another rank's salvage may be publishing it
-            if lines or not os.path.isdir(self.tmp) or time.monotonic() > deadline:
+            lines = recover(self.directory, claimed=False)
+            settled = not os.path.isdir(self.tmp) and not claimed_copies(self.tmp)
+            if lines or settled or time.monotonic() > deadline:
                 return lines
             time.sleep(0.02)
 
