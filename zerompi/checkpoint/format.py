@@ -153,15 +153,12 @@ def publish(directory: str, tmp: str, step: int, manifest: dict, keep=(), point:
     ``keep``: names of checkpoints never removed here (those newer than the one the run resumed
     from: collective.kept); else an older checkpoint of the same step is replaced. ``point``
     False: ``latest`` is left alone (orphans.py publishing an old one). Returns the checkpoint's
-    final directory.
-    """
-    # The manifest first, then what orphans.py would otherwise publish the folder from (the draft and the
-    # entries, not part of a checkpoint): at every moment one of the two describes it whole.
+    final directory. The manifest is written before the draft and the entries (what orphans.py would
+    otherwise publish the folder from) are removed: at every moment one of the two describes it whole."""
     write_durable(os.path.join(tmp, MANIFEST), manifest_text(manifest))
     fsync_dir(tmp)
-    for name in os.listdir(tmp):
-        if name == DRAFT or name.endswith(ENTRY):
-            os.unlink(os.path.join(tmp, name))
+    for name in [n for n in os.listdir(tmp) if n == DRAFT or n.endswith(ENTRY)]:
+        os.unlink(os.path.join(tmp, name))
     fsync_dir(tmp)
     crash_point("before_rename", step)
     base = f"step_{step:06d}"
