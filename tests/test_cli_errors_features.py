@@ -67,6 +67,16 @@ def test_an_offload_dir_without_room_is_one_line():
     assert "Abort" not in proc.stdout + proc.stderr, proc.stderr
 
 
+def test_a_resume_folder_that_is_not_there_is_one_line_before_the_run_starts(tmp_path):
+    """--resume of a path that does not exist, or of a file: its one line at start-up, before the banner (it came after
+    the banner, once the engines were built)."""
+    (tmp_path / "file").write_text("")
+    for where, what in ((tmp_path / "missing", "does not exist"), (tmp_path / "file", "is a file")):
+        proc = run_mpi(2, MLP + ["--resume", where], timeout=LIMIT, check=False)
+        one_line(proc, "zerompi.train", f"{where}: {what}")
+        assert "ranks, stage" not in proc.stdout, proc.stdout
+
+
 def test_no_decay_pattern_matching_nothing_is_one_line():
     for flags in (MLP + ["--no-decay", "zzz*"], GPT_TP + ["--steps", "1", "--tp", "2", "--no-decay", "h0.*"]):
         proc = run_mpi(2, flags, timeout=LIMIT, check=False)

@@ -1,5 +1,7 @@
-"""What the train CLI checks before the first step: its outputs can be written, an injected fault fits the job,
-the job fits in memory. Each returns or raises one line (ConfigError); main() makes the ranks agree on them."""
+"""What the train CLI checks before the first step: its outputs can be written, a --resume folder is there, an
+injected fault fits the job, the job fits in memory. Each returns or raises one line (ConfigError); main() makes
+the ranks agree on them."""
+import os
 from types import SimpleNamespace
 from typing import List, Optional, Tuple
 
@@ -26,6 +28,9 @@ def check_outputs(cfg: TrainConfig, rank: int) -> None:
         check_file(cfg.metrics_json, "metrics_json")
         check_file(cfg.zero.trace, "trace")
     check_folder(cfg.save_dir, "save_dir")
+    if cfg.resume is not None and not os.path.isdir(cfg.resume):
+        from ..checkpoint.format import resolve
+        resolve(cfg.resume)                       # its one line (not there, or a file) before anything starts
     if nvme:                                      # every rank writes its files there
         from ..engine.offload import check_dir
         check_dir(cfg.zero.offload_dir, 0)        # the engine checks the free bytes, once it knows them
