@@ -37,25 +37,30 @@ CLAIM = "-recovering-"      # a temporary folder renamed by the caller publishin
 def complete_manifest(tmp: str) -> Optional[dict]:
     """The manifest of the temporary folder ``tmp`` when every shard it needs is there (see the module), else None."""
     try:
-        manifest, _ = read_manifest(tmp)         # a publication that ended between its manifest and the rename
-    except CheckpointError:
-        manifest = None
-    if manifest is not None:
-        try:
-            sizes = all(os.path.getsize(os.path.join(tmp, s["file"])) == int(s["bytes"]) for s in manifest["shards"])
-        except OSError:
-            return None
-        return {k: v for k, v in manifest.items() if k != MANIFEST_SHA} if sizes else None
-    try:
-        draft = json.loads(read_bytes(os.path.join(tmp, DRAFT), DRAFT, JSON_BYTES, OSError))
-        shards = []
-        for r in range(int(draft["world_size"])):
-            entry = json.loads(read_bytes(os.path.join(tmp, shard_file(r) + ENTRY), ENTRY, JSON_BYTES, OSError))
-            if os.path.getsize(os.path.join(tmp, entry["file"])) != entry["bytes"]:
-                return None
-            shards.append(entry)
+        manifest = _written(tmp) or _drafted(tmp)
+        if all(os.path.getsize(os.path.join(tmp, s["file"])) == s["bytes"] for s in manifest["shards"]):
+            return manifest
     except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
+def _written(tmp: str) -> Optional[dict]:
+    """The manifest a publication wrote before it ended (it checks, its own checksum included), without that
+    checksum; None when there is none that checks."""
+    try:
+        manifest, _ = read_manifest(tmp)
+    except CheckpointError:
         return None
+    return {k: v for k, v in manifest.items() if k != MANIFEST_SHA}
+
+
+def _drafted(tmp: str) -> dict:
+    """The manifest rank 0's draft and every shard's entry make (OSError, ValueError or KeyError when one is missing
+    or unreadable)."""
+    draft = json.loads(read_bytes(os.path.join(tmp, DRAFT), DRAFT, JSON_BYTES, OSError))
+    shards = [json.loads(read_bytes(os.path.join(tmp, shard_file(r) + ENTRY), ENTRY, JSON_BYTES, OSError))
+              for r in range(int(draft["world_size"]))]
     return {**draft, "shards": shards}
 
 
