@@ -7,6 +7,12 @@ an xp function or operator given a NumPy array (not a scalar) raises TypeError (
 and the transfers are explicit: ``xp.asarray(host)`` up, ``xp.asnumpy(a)`` / ``a.get()`` down. Python and
 NumPy scalars, ``int()``, ``float()``, ``len()`` and shapes pass, as on CuPy. So a module that runs on
 ``xp`` here makes no hidden NumPy call on a device array (tests/test_moe_xp.py).
+
+``cupy`` is the same stand-in as CuPy itself behaves: a NumPy function or ufunc on its arrays dispatches
+to the array module (NEP 13 and 18, which CuPy implements: ``np.sqrt(a)`` is a device array), while an
+implicit transfer (``np.asarray(a)``, a buffer of its memory: ``a.data`` is a device pointer, not bytes)
+and a host array mixed into device arithmetic still raise. It runs the whole job (engines, collectives
+staged through ``Transfers``, the model) on the CPU with every transfer explicit (tests/test_gpu_path.py).
 """
 import operator
 
@@ -30,21 +36,22 @@ def _un(x):
     return x
 
 
-def _wrap(r):
+def _wrap(r, cls=None):
+    cls = cls or DeviceArray
     if isinstance(r, np.ndarray):
-        return DeviceArray(r)
+        return cls(r)
     if isinstance(r, np.generic) and not isinstance(r, (np.bool_,)):
-        return DeviceArray(np.asarray(r))          # CuPy's reductions give 0-d device arrays
+        return cls(np.asarray(r))          # CuPy's reductions give 0-d device arrays
     if isinstance(r, tuple):
-        return tuple(_wrap(v) for v in r)
+        return tuple(_wrap(v, cls) for v in r)
     if isinstance(r, list):
-        return [_wrap(v) for v in r]
+        return [_wrap(v, cls) for v in r]
     return r
 
 
-def _call(f):
+def _call(f, cls=None):
     def call(*args, **kwargs):
-        return _wrap(f(*_un(args), **_un(kwargs)))
+        return _wrap(f(*_un(args), **_un(kwargs)), cls)
     call.__name__ = getattr(f, "__name__", "call")
     return call
 
@@ -68,15 +75,27 @@ class DeviceArray:
         if name.startswith("__"):   # __array_interface__, __array_struct__, ...: no back door for NumPy
             raise AttributeError(name)
         v = getattr(self._a, name)
-        return _call(v) if callable(v) else _wrap(v)
+        return _call(v, type(self)) if callable(v) else _wrap(v, type(self))
 
-    def get(self):
-        """The explicit transfer down (CuPy's ``ndarray.get``)."""
-        return self._a.copy()
+    def get(self, stream=None, order="C", out=None, blocking=True):
+        """The explicit transfer down (CuPy's ``ndarray.get``: a new host array, or into ``out``)."""
+        if out is None:
+            return self._a.copy(order=order)
+        np.copyto(out, self._a)
+        return out
+
+    def set(self, arr, stream=None):
+        """The explicit transfer up (CuPy's ``ndarray.set``: a host array of this shape)."""
+        np.copyto(self._a, arr)
+
+    @property
+    def data(self):
+        """Device memory, as CuPy's MemoryPointer: not a buffer the host can read."""
+        return _DevicePointer()
 
     @property
     def T(self):
-        return DeviceArray(self._a.T)
+        return type(self)(self._a.T)
 
     @property
     def shape(self):
@@ -95,7 +114,7 @@ class DeviceArray:
         return self._a.size
 
     def __getitem__(self, key):
-        return _wrap(self._a[_un(key)])
+        return _wrap(self._a[_un(key)], type(self))
 
     def __setitem__(self, key, value):
         self._a[_un(key)] = _un(value)
@@ -104,7 +123,7 @@ class DeviceArray:
         return len(self._a)
 
     def __iter__(self):
-        return (_wrap(v) for v in self._a)
+        return (_wrap(v, type(self)) for v in self._a)
 
     def __int__(self):
         return int(self._a)
@@ -122,10 +141,32 @@ class DeviceArray:
         return f"DeviceArray({self._a!r})"
 
 
+class _DevicePointer:
+    """What ``a.data`` is on CuPy: an address on the device; hashing or writing it as bytes fails."""
+
+    __slots__ = ()
+
+
+class CupyArray(DeviceArray):
+    """A device array as CuPy's are towards NumPy: NumPy's functions and ufuncs dispatch to the array module."""
+
+    __slots__ = ()
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        out = kwargs.get("out")
+        r = getattr(ufunc, method)(*_un(inputs), **_un(kwargs))
+        if out is not None:
+            return out[0] if len(out) == 1 else out
+        return _wrap(r, CupyArray)
+
+    def __array_function__(self, func, types, args, kwargs):
+        return _wrap(func(*_un(args), **_un(kwargs)), CupyArray)
+
+
 def _binary(op, reflected=False):
     def method(self, other):
         o = _un(other)
-        return _wrap(op(o, self._a) if reflected else op(self._a, o))
+        return _wrap(op(o, self._a) if reflected else op(self._a, o), type(self))
     return method
 
 
@@ -150,38 +191,75 @@ for _name, _op in (("lt", operator.lt), ("le", operator.le), ("gt", operator.gt)
     setattr(DeviceArray, f"__{_name}__", _binary(_op))
 for _name, _op in (("neg", operator.neg), ("pos", operator.pos), ("abs", operator.abs),
                    ("invert", operator.invert)):
-    setattr(DeviceArray, f"__{_name}__", (lambda op: lambda self: _wrap(op(self._a)))(_op))
+    setattr(DeviceArray, f"__{_name}__", (lambda op: lambda self: _wrap(op(self._a), type(self)))(_op))
 DeviceArray.__hash__ = None
+
+
+class _Pool:
+    """CuPy's memory pool, as the train report reads it: nothing is pooled here."""
+
+    def used_bytes(self) -> int:
+        return 0
+
+    def total_bytes(self) -> int:
+        return 0
 
 
 class FakeCupy:
     """The module: ``xp.<numpy function>`` on device arrays; ``asarray``/``array`` take host data up (a copy),
-    ``asnumpy`` brings it down."""
+    ``asnumpy`` brings it down. ``array_type``: DeviceArray (strict) or CupyArray (as CuPy)."""
 
-    __name__ = "fake_cupy"
-    ndarray = DeviceArray
+    def __init__(self, name: str = "fake_cupy", array_type=DeviceArray):
+        self.__name__, self.ndarray = name, array_type
 
     def asarray(self, a, dtype=None):
         if isinstance(a, DeviceArray):
-            return a if dtype is None or a.dtype == dtype else DeviceArray(a._a.astype(dtype))
-        return DeviceArray(np.array(a, dtype=dtype, copy=True))
+            return a if dtype is None or a.dtype == dtype else self.ndarray(a._a.astype(dtype))
+        return self.ndarray(np.array(a, dtype=dtype, copy=True))
 
     def array(self, a, dtype=None, copy=True):
         if isinstance(a, DeviceArray):
-            return DeviceArray(np.array(a._a, dtype=dtype, copy=copy))
-        return DeviceArray(np.array(a, dtype=dtype, copy=True))
+            return self.ndarray(np.array(a._a, dtype=dtype, copy=copy))
+        return self.ndarray(np.array(a, dtype=dtype, copy=True))
 
     def asnumpy(self, a):
         return a._a.copy() if isinstance(a, DeviceArray) else np.asarray(a)
 
     def ascontiguousarray(self, a, dtype=None):
-        return DeviceArray(np.ascontiguousarray(_un(a), dtype))
+        return self.ndarray(np.ascontiguousarray(_un(a), dtype))
+
+    def get_default_memory_pool(self) -> _Pool:
+        return _Pool()
 
     def __getattr__(self, name):
         v = getattr(np, name)
         if isinstance(v, _PASS) or not callable(v):
             return v
-        return _call(v)
+        return _call(v, self.ndarray)
 
 
 xp = FakeCupy()
+cupy = FakeCupy("fake_cupy_dispatching", CupyArray)
+
+
+class Transfers:
+    """comm/staging.py's device copies for ``cupy`` arrays: explicit, counted, no pinned memory."""
+
+    name = "stand-in"
+
+    def __init__(self):
+        self.to_host_bytes = self.to_device_bytes = 0
+
+    def pinned(self, numel: int, dtype) -> np.ndarray:
+        return np.empty(numel, dtype)
+
+    def to_host(self, dev, host) -> None:
+        np.copyto(host, dev._a)
+        self.to_host_bytes += host.nbytes
+
+    def to_device(self, host, dev) -> None:
+        np.copyto(dev._a, host)
+        self.to_device_bytes += host.nbytes
+
+    def synchronize(self) -> None:
+        pass

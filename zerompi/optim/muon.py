@@ -41,7 +41,8 @@ def shape_scale(shape) -> np.float32:
 
 def newton_schulz(u, steps: int = NS_STEPS):
     """The orthogonalised float32 matrix of the 2-D float32 ``u`` (NumPy or CuPy), ``steps`` iterations."""
-    xp = np if isinstance(u, np.ndarray) else _module(u)
+    from .impl import array_module
+    xp = array_module(u)
     a, b, c = (F32(k) for k in NS_COEFFICIENTS)
     tall = u.shape[0] > u.shape[1]
     x = u.T if tall else u
@@ -59,8 +60,3 @@ def apply_update(master, o, lr, scale, weight_decay, param_out) -> None:
     master in the stored dtype. All 1-D, the same length (a rank's piece of one matrix)."""
     master -= F32(lr) * (F32(scale) * o + F32(weight_decay) * master)
     param_out[...] = master
-
-
-def _module(arr):
-    import cupy
-    return cupy
