@@ -136,13 +136,9 @@ def test_moe_training_on_xp_equals_the_cpu_path():
     assert sum(drops[1]) > 0 and sum(drops[3]) > 0 and runs[2]["moe"]["bias"]     # capacity and bias exercised
 
 
-def test_device_gpu_takes_the_moe_at_ep_1_and_refuses_ep_2_in_one_line():
-    from zerompi.errors import ConfigError
+def test_device_gpu_takes_the_moe_at_every_ep():
+    """--ep > 1 runs on the GPU's path too (tests/test_gpu_path.py): the config takes it."""
     from zerompi.train.config import parse_config
-    cfg = parse_config(["--experts", "4", "--device", "gpu"], environ={})
-    assert cfg.device == "gpu" and cfg.moe.experts == 4
-    for device in ("gpu", "auto"):
-        with pytest.raises(ConfigError) as e:
-            parse_config(["--experts", "4", "--ep", "2", "--device", device], environ={})
-        assert str(e.value).startswith(f"--device {device} with --ep 2 is not supported yet"), e.value
-        assert "\n" not in str(e.value)
+    for ep in ("1", "2"):
+        cfg = parse_config(["--experts", "4", "--ep", ep, "--device", "gpu"], environ={})
+        assert cfg.device == "gpu" and cfg.moe.ep == int(ep)

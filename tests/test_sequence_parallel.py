@@ -209,12 +209,16 @@ def test_bad_sp_input_is_one_line_and_exit_2(n, extra, needle):
 @pytest.mark.parametrize("extra,needle", [
     (["--sp", "2", "--n-head", "3", "--d-model", "48"], "sp=2 does not divide n_head=3"),
     (["--sp", "0"], "sp=0 must be a whole number of ranks >= 1"),
-    (["--sp", "2", "--device", "gpu"], "sp=2 runs on the CPU only"),
 ])
 def test_bad_sp_config_is_refused_in_one_line(extra, needle):
     with pytest.raises(ConfigError) as e:
         parse_config(GPT + extra)
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_sp_is_taken_on_the_gpu():
+    """--sp runs on the GPU's path (tests/test_gpu_path.py): the config takes it, the placement decides."""
+    assert parse_config(GPT + ["--sp", "2", "--device", "gpu"]).device == "gpu"
 
 
 @pytest.mark.parametrize("n,extra,needle", [

@@ -217,7 +217,7 @@ def test_a_fresh_run_never_overwrites_tp_checkpoints(tmp_path):
     (2, ["--model", "mlp", "--width", "32", "--tp", "4"], "tp=4 does not divide the 2 ranks"),
     (4, ["--model", "mlp", "--width", "30", "--tp", "4"], "tp=4 does not divide width=30"),
     (2, ["--model", "mlp", "--depth", "3", "--tp", "2"], "depth=3 is odd"),
-    (2, ["--model", "mlp", "--tp", "2", "--device", "gpu"], "tp=2 runs on the CPU only"),
+    (2, ["--model", "mlp", "--tp", "2", "--device", "gpu"], "device='gpu' needs CuPy and a visible GPU"),   # taken
     (4, GPT + ["--tp", "4", "--node-size", "2"], "tp=4 does not divide node_size=2"),
     (4, GPT + ["--tp", "2", "--batch", "5"], "batch=5 does not split over 2 data-parallel ranks"),
 ])

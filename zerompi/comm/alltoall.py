@@ -21,6 +21,7 @@ from typing import Optional
 import numpy as np
 
 from ..errors import UsageError
+from ..optim import impl
 from .group import GroupComm
 
 
@@ -35,7 +36,15 @@ class SPComm(GroupComm):
         """``x`` cut into K parts along axis ``scatter`` (part j to SP rank j); the K parts received, in
         rank order, joined along axis ``gather`` into ``out`` (shape: x's, the scatter axis / K, the
         gather axis x K; a new array when None). ``send``/``recv``: flat scratch arrays of x's dtype
-        with at least x.size elements (new ones when None). Returns out."""
+        with at least x.size elements (new ones when None). A device array is staged through host memory
+        (the same bits; ``send``/``recv`` unused). Returns out."""
+        if not isinstance(x, np.ndarray) and hasattr(x, "flags"):   # device memory (CuPy): one copy each way
+            host = self.all_to_all(impl.to_host(x), scatter, gather, op=op)
+            if out is None:
+                return impl.array_module(x).asarray(host)
+            out = out.reshape(host.shape)
+            out[...] = impl.array_module(x).asarray(host)
+            return out
         k = self.size
         shape = x.shape
         if not (0 <= scatter < x.ndim and 0 <= gather < x.ndim and shape[scatter] % k == 0):

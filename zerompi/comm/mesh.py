@@ -36,6 +36,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..errors import ConfigError, UsageError
+from ..optim import impl
 from .alltoall import SPComm
 from .communicator import Communicator
 from .consistency import check_consistent
@@ -58,10 +59,14 @@ class TPComm(GroupComm):
 
     def all_reduce(self, x, op: str = "tp_all_reduce") -> np.ndarray:
         """Sum ``x`` over the TP ranks, in place (x contiguous, its size a multiple of the group size):
-        an Alltoall of the K slices, each rank sums its slice's K rows in rank order, an Allgather.
+        an Alltoall of the K slices, each rank sums its slice's K rows in rank order, an Allgather (a
+        device array is staged through host memory: the same bits).
         Sends 2 (K-1)/K of x's bytes per rank, counted under ``op``. Returns x."""
         k = self.size
         if k == 1:
+            return x
+        if not isinstance(x, np.ndarray) and hasattr(x, "flags"):   # device memory (CuPy): one copy each way
+            x[...] = impl.array_module(x).asarray(self.all_reduce(impl.to_host(x), op))
             return x
         if not (isinstance(x, np.ndarray) and x.flags.c_contiguous and x.size % k == 0):
             raise UsageError(f"TP all-reduce: a contiguous array whose size divides by {k} is needed "

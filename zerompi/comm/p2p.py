@@ -8,6 +8,9 @@ Messages between one pair of ranks in one direction are matched in the order the
 (MPI's non-overtaking rule), each kind of message under its own tag, so both sides must post
 them in the same order: the pipeline's schedule validator checks that before anything runs.
 
+Device arrays (CuPy) travel through host memory: a send takes a copy down, and with ``xp`` set to the
+device's array module a received message is handed out as a device array (one copy up).
+
 Every message is counted as traffic under its kind (``stats``: calls, bytes sent by this rank,
 split into peers on this node and on other nodes; seconds waited), apart from the engine's
 collectives; every wait is timed by the engine's watchdog (``waiting``).
@@ -20,6 +23,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..errors import UsageError
+from ..optim import impl
 from .blocks import OpStats
 from .watchdog import WaitRecord
 
@@ -49,6 +53,7 @@ class PointToPoint:
         self.node_of: List[int] = list(node_of) if node_of is not None else [0] * self.size
         self.stats: Dict[str, OpStats] = defaultdict(OpStats)
         self.posted: List[Message] = []        # not yet known to be complete
+        self.xp = np                           # the array module received messages are handed out in
         # a list: each message's (kind, send?, peer, bytes, posted, done) goes there
         self.events: Optional[list] = None
 
@@ -60,7 +65,10 @@ class PointToPoint:
 
     def isend(self, array: np.ndarray, peer: int, tag: int, kind: str) -> Message:
         """Post the send of ``array`` to ``peer`` (counted under ``kind``); the array must not change
-        until the message is done (:meth:`wait`, :meth:`poll`, :meth:`wait_all`)."""
+        until the message is done (:meth:`wait`, :meth:`poll`, :meth:`wait_all`). A device array travels as a
+        host copy (so it may change at once)."""
+        if not isinstance(array, np.ndarray) and hasattr(array, "flags"):
+            array = np.ascontiguousarray(impl.to_host(array))
         self._check(array, peer, f"send of {kind}")
         st = self.stats[kind]
         st.calls += 1
@@ -70,6 +78,11 @@ class PointToPoint:
         self.posted.append(msg)
         return msg
 
+    def isend_copy(self, array, peer: int, tag: int, kind: str) -> Message:
+        """:meth:`isend` of a copy of ``array``: the caller may reuse its own at once."""
+        return self.isend(np.ascontiguousarray(array).copy() if isinstance(array, np.ndarray) else array, peer, tag,
+                          kind)
+
     def irecv(self, array: np.ndarray, peer: int, tag: int, kind: str) -> Message:
         """Post the receive of ``peer``'s next message under ``tag`` into ``array`` (its exact size)."""
         self._check(array, peer, f"receive of {kind}")
@@ -78,13 +91,16 @@ class PointToPoint:
         return msg
 
     def wait(self, msg: Message, what: Optional[str] = None, tag=None) -> np.ndarray:
-        """Block until ``msg`` is done (timed by the watchdog as ``what``); returns its array."""
+        """Block until ``msg`` is done (timed by the watchdog as ``what``); returns its array (a received one
+        in ``xp``)."""
         if not msg.done:
             t = time.perf_counter()
             with self.waiting(what or f"pipeline {msg.kind} with stage {msg.peer}", tag):
                 msg.request.Wait()
             self.stats[msg.kind].seconds += time.perf_counter() - t
             self._done(msg)
+        if self.xp is not np and not msg.send and isinstance(msg.array, np.ndarray):
+            msg.array = self.xp.asarray(msg.array)     # received into host memory: up to the device once
         return msg.array
 
     def _done(self, msg: Message) -> None:

@@ -44,6 +44,12 @@ class SourcesHandle:
         self._buffers = buffers          # kept alive while MPI may touch them
         self.done = False
 
+    def then(self, finish) -> "SourcesHandle":
+        """Run ``finish()`` after the sum, in :meth:`wait` (a staged reduction's copy up)."""
+        first = self._finish
+        self._finish = finish if first is None else (lambda: (first(), finish()))
+        return self
+
     def test(self) -> bool:
         return self.done or self._request is None or self._request.Test()
 
@@ -68,7 +74,16 @@ def ireduce_scatter_sources(comm, send, out, scale: float, accumulate: bool, sou
     send buffer; ``out``: this rank's k elements, send's dtype. ``comm``: a Communicator, or a
     HierarchicalCommunicator (its node level then holds K < P sources' ranks); ``per_node``: P, where the
     sources' world ranks span nodes of P (K a multiple of P), else None. ``send`` may be written again once this
-    returns; ``out`` is written in ``wait()``."""
+    returns; ``out`` is written in ``wait()``. Device arrays (CuPy, ``comm`` a staged Communicator) go down to
+    the host at the start and ``out`` comes back up in ``wait()``: the host's sum, the same bits."""
+    if not isinstance(send, np.ndarray) and hasattr(send, "flags"):
+        host = impl.to_host(out) if accumulate else np.empty(out.shape, out.dtype)
+        handle = ireduce_scatter_sources(getattr(comm, "host", comm), impl.to_host(send), host, scale, accumulate,
+                                         sources, tag, per_node)
+
+        def up():
+            out[...] = impl.array_module(out).asarray(host)
+        return handle.then(up)
     if getattr(comm, "hierarchical", False) and comm.k > 1:
         _two_level(comm, send, out, scale, accumulate, sources)
         return SourcesHandle(comm, None, None, tag, ())

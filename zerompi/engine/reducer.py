@@ -170,7 +170,8 @@ class GradientReducer:
     def _sourced_bucket(self, b: int) -> np.ndarray:
         """sources > 1: the (sources, bucket) buffer of bucket b's partials, zeros where nothing is written."""
         if b not in self.sourced:
-            self.sourced[b] = np.zeros((self.sources, self.layout.buckets[b].numel), self.grads.dtype)
+            xp = impl.array_module(self.grads)          # the engine's arrays: NumPy, or CuPy on a GPU
+            self.sourced[b] = xp.zeros((self.sources, self.layout.buckets[b].numel), self.grads.dtype)
         return self.sourced[b]
 
     # ---- reductions ------------------------------------------------------------

@@ -96,7 +96,7 @@ class PipelineExecutor:
                 d = k[-1]
                 data = outputs.pop((d, a.mb, a.chunk))
                 dst = self._peer(a.chunk + 1 if d == "F" else a.chunk - 1)
-                self.comm.isend(np.ascontiguousarray(data).copy(), dst, TAGS[d], KINDS[d])
+                self.comm.isend_copy(data, dst, TAGS[d], KINDS[d])
             elif k == "F":
                 t0 = self.clock()
                 x = None if a.chunk == 0 else self._incoming(posted, outputs, "F", a.mb, a.chunk, a.chunk - 1)

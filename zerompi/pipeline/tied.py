@@ -47,9 +47,9 @@ class TiedWeight:
     def send_value(self, stored) -> None:
         """Owner, at its first forward of the step: the stored value (a copy travels)."""
         if self.local:
-            self._value = np.array(stored, copy=True)
+            self._value = stored.copy()
             return
-        self.comm.isend(np.ascontiguousarray(stored).copy(), self.reader, VALUE_TAG, "tied weight")
+        self.comm.isend_copy(stored, self.reader, VALUE_TAG, "tied weight")
 
     def value(self) -> np.ndarray:
         """Reader: this step's value (waits for it once)."""
@@ -69,9 +69,11 @@ class TiedWeight:
     def send_grad(self, mb: int, grad) -> None:
         """Reader: micro-batch ``mb``'s gradient contribution."""
         if self.local:
-            self._grads[mb] = np.array(grad, self.grad_dtype, copy=True)
+            self._grads[mb] = grad.astype(self.grad_dtype, copy=True)
             return
-        self.comm.isend(np.ascontiguousarray(grad, self.grad_dtype), self.owner, GRAD_TAG0 + mb, "tied weight")
+        grad = grad.astype(self.grad_dtype, copy=False)
+        self.comm.isend(np.ascontiguousarray(grad) if isinstance(grad, np.ndarray) else grad, self.owner,
+                        GRAD_TAG0 + mb, "tied weight")
 
     def grad(self, mb: int) -> np.ndarray:
         """Owner: the reader's contribution of micro-batch ``mb`` (waits for it)."""

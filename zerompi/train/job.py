@@ -74,7 +74,7 @@ class SingleJob(Job):
         layers, self.ep = self.model.lazy_layers(), None
         if cfg.moe.ep > 1:                        # the experts in an engine of their own (train/moe/expert_parallel.py)
             from .moe.expert_parallel import ExpertParallel
-            self.ep = ExpertParallel(cfg, comm, self.model, layers)
+            self.ep = ExpertParallel(cfg, comm, self.model, layers, xp)
             layers = self.ep.dense_layers
         self.engine = ZeroEngine(layers, self.ep.dense_config if self.ep else z, self.mesh or self.dev_comm, xp=xp,
                                  mesh_config=cfg.mesh,

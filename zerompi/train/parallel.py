@@ -6,16 +6,23 @@ SP group (models/gpt_sp.py). train/tp_run.py and train/sp_run.py check and repor
 """
 import numpy as np
 
-from ..errors import ConfigError
-
 
 def make_mesh(cfg, comm, placement):
     """The Mesh of the job (a collective); its ZeRO group counts into ``comm``'s table."""
     from ..comm.mesh import Mesh
+    mesh = Mesh(comm, cfg.mesh.tp, sp=cfg.mesh.sp, node_size=cfg.mesh.node_size)
+    return on_device(mesh, cfg, placement)
+
+
+def on_device(mesh, cfg, placement):
+    """``mesh`` with its ZeRO group's collectives staged for the placement's arrays (comm/staging.py; the host's
+    on the CPU) and its pipeline messages received into them; the TP and SP exchanges and the pipeline's sends
+    stage device arrays themselves (comm/mesh.py, comm/alltoall.py, comm/p2p.py)."""
     if placement is not None and placement.xp is not np:
-        flag = f"tp={cfg.mesh.tp}" if cfg.mesh.tp > 1 else f"sp={cfg.mesh.sp}"
-        raise ConfigError(f"{flag} runs on the CPU only for now; use --device cpu")
-    return Mesh(comm, cfg.mesh.tp, sp=cfg.mesh.sp, node_size=cfg.mesh.node_size)
+        from ..comm.staging import device_communicator
+        mesh.zero_comm = device_communicator(mesh.zero_comm, placement.xp, cfg.comm, cfg.zero.timeout_s)
+        mesh.pp_comm.xp = placement.xp
+    return mesh
 
 
 def metered_groups(mesh) -> dict:

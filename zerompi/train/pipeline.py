@@ -22,17 +22,12 @@ from ..pipeline.config import PipelineConfig
 from .job import Job
 from ..comm.simulated_world import simulated
 
-UNSUPPORTED = (("device", "gpu", "--device gpu (the pipeline runs on the CPU for now)"),)
-
-
 def check_model(cfg) -> None:
     """ConfigError (one line) unless cfg's pipeline settings fit its model and its other settings."""
     pp, p = cfg.mesh.pp, cfg.pipeline
     if pp == 1:
         check(p == PipelineConfig(), f"pipeline={p.to_dict()} applies with pp > 1 only; set --pp, or drop it")
         return
-    for field, value, what in UNSUPPORTED:
-        check(getattr(cfg, field) != value, f"{what} is not available with pp={pp} yet; drop one of the two")
     z = cfg.zero
     check(p.gather == "micro-batch" or z.stage == 3, f"gather={p.gather!r} (--pp-gather) applies with stage 3 only "
                                                       f"(stage={z.stage} keeps the parameters whole)")
@@ -77,14 +72,16 @@ class PipelineJob(Job):
 
     pipelined = True
 
-    def __init__(self, cfg, comm, build, xp=np):
+    def __init__(self, cfg, comm, build, placement=None):
         from ..comm.mesh import Mesh
+        from .parallel import on_device
         from ..comm.consistency import check_consistent
         from ..pipeline.engines import StageEngines
         from ..pipeline.executor import PipelineExecutor
         self.cfg, self.comm = cfg, comm
         z, m = cfg.zero, cfg.mesh
-        self.mesh = mesh = Mesh(comm, m.tp, sp=m.sp, pp=m.pp, node_size=m.node_size)
+        self.xp = xp = placement.xp if placement is not None else np
+        self.mesh = mesh = on_device(Mesh(comm, m.tp, sp=m.sp, pp=m.pp, node_size=m.node_size), cfg, placement)
         self.schedule = load_schedule(cfg)
         check_consistent(comm, "pipeline schedule", {"schedule": self.schedule.text()})   # a file per rank
         self.where = self.schedule.placement()
@@ -102,7 +99,7 @@ class PipelineJob(Job):
         if cfg.moe.ep > 1:                         # each chunk's experts in an engine of their own, EP in the stage
             from .moe.stage_experts import StageExperts
             self.experts = StageExperts(cfg, mesh, comm, self.model, self.runners, self._chunk_config(),
-                                        self.schedule.chunks)
+                                        self.schedule.chunks, xp)
         engines = {c: self._engine(c, xp) for c in self.local}
         if self.experts:
             self.experts.dense = engines
@@ -129,7 +126,7 @@ class PipelineJob(Job):
             self.schedule.chunks, self.rows
         if cfg.model == "mlp":
             from .models.mlp import step_batches
-            feed = lambda step: step_batches(self.data, step, cfg.batch, mesh.dp_rank, mesh.dp, m_b)  # noqa: E731
+            feed = lambda step: step_batches(self.data, step, cfg.batch, mesh.dp_rank, mesh.dp, m_b, self.xp)  # noqa: E731
             return Chunk(m, chunk_layers(m.depth, [], [], m.depth, c, chunks), m.depth, feed, rows)
         from .models.gpt_fast import FRESH
         from .models.gpt_chunk import GPTChunk, step_batches
@@ -258,9 +255,9 @@ class PipelineJob(Job):
                 if c == C - 1:
                     total += out
                 elif self.where[c + 1] == me:
-                    outputs[(k, c)] = np.array(out)
+                    outputs[(k, c)] = out.copy()
                 else:
-                    comm.isend(np.ascontiguousarray(out).copy(), self.where[c + 1], TAGS["F"], KINDS["F"])
+                    comm.isend_copy(out, self.where[c + 1], TAGS["F"], KINDS["F"])
         comm.wait_all()
         keep = last is not None and mesh.tp_rank == 0
         tokens = len(mine) * (data.seq_len // mesh.sp)

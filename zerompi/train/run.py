@@ -55,7 +55,7 @@ def train(cfg: TrainConfig, mpi_comm=None, stop=None, placement=None) -> dict:
     cfg.check_world(comm.size)
     if cfg.mesh.pp > 1:                          # pipeline stages: one engine per model chunk
         from .pipeline import PipelineJob
-        job = PipelineJob(cfg, comm, build_model)
+        job = PipelineJob(cfg, comm, build_model, placement)
     else:
         from .job import SingleJob
         job = SingleJob(cfg, comm, build_model, placement)

@@ -13,7 +13,6 @@ def check_model(cfg) -> None:
     k, tp = cfg.mesh.sp, cfg.mesh.tp
     check(cfg.model in SP_MODELS, f"sp={k} needs a model with a sequence-parallel version ({', '.join(SP_MODELS)}); "
                                   f"model {cfg.model} has none (it has no sequence), so use --model gpt or --sp 1")
-    check(cfg.device != "gpu", f"sp={k} runs on the CPU only for now; use --device cpu (or --sp 1)")
     heads = cfg.n_head // tp if cfg.n_head % tp == 0 else None
     where = f"n_head={cfg.n_head}" if tp == 1 else f"the {heads} heads per TP rank (n_head={cfg.n_head}, tp={tp})"
     check(heads is None or heads % k == 0, f"sp={k} does not divide {where}; each sequence-parallel rank attends "

@@ -5,7 +5,6 @@ from ..errors import check
 def check_model(cfg) -> None:
     """ConfigError (one line) unless cfg's model can be split over cfg.mesh.tp ranks."""
     k = cfg.mesh.tp
-    check(cfg.device != "gpu", f"tp={k} runs on the CPU only for now; use --device cpu (or --tp 1)")
     if cfg.model == "gpt":
         check(cfg.n_head % k == 0, f"tp={k} does not divide n_head={cfg.n_head}; the heads are split over the "
                                    f"TP ranks, so use a divisor of {cfg.n_head}")

@@ -44,7 +44,7 @@ class SPAttention(Attention):
         B, t, c3 = qkv.shape
         k, H = self.sp.size, self.n_head
         hd = c3 // (3 * H)
-        full = self.sp.all_to_all(np.ascontiguousarray(qkv).reshape(B, t, 3, H, hd), 3, 1)   # (B, T, 3, H/K, hd)
+        full = self.sp.all_to_all(self.xp.ascontiguousarray(qkv).reshape(B, t, 3, H, hd), 3, 1)   # (B, T, 3, H/K, hd)
         y, cache = attention(self.xp, full.reshape(B, k * t, -1), H // k)
         out = self.sp.all_to_all(y.reshape(B, k * t, H // k, hd), 1, 2)                      # (B, t, H, hd)
         return out.reshape(B, t, H * hd), cache
@@ -53,7 +53,7 @@ class SPAttention(Attention):
         B, t, c = dy.shape
         k, H = self.sp.size, self.n_head
         hd = c // H
-        dfull = self.sp.all_to_all(np.ascontiguousarray(dy).reshape(B, t, H, hd), 2, 1)     # (B, T, H/K, hd)
+        dfull = self.sp.all_to_all(self.xp.ascontiguousarray(dy).reshape(B, t, H, hd), 2, 1)     # (B, T, H/K, hd)
         dqkv = attention_backward(self.xp, dfull.reshape(B, k * t, -1), cache)                # (B, T, 3C/K)
         return self.sp.all_to_all(dqkv.reshape(B, k * t, 3, H // k, hd), 1, 3).reshape(B, t, 3 * c)
 

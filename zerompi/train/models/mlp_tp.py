@@ -12,6 +12,12 @@ from ...engine import lazy
 from .mlp import MLP, gelu
 
 
+def contiguous(a):
+    """``a`` C-contiguous on the host (NumPy's ascontiguousarray would pull a CuPy array down: the TP
+    all-reduce stages device arrays itself)."""
+    return np.ascontiguousarray(a) if isinstance(a, np.ndarray) else a
+
+
 class TPMLP(MLP):
     def __init__(self, width: int, depth: int, seed: int = 0, tp=None):
         super().__init__(width, depth, seed)
@@ -44,7 +50,7 @@ class TPMLP(MLP):
         w = self._weight(params, i)
         b = params[f"block{i}.bias"].astype(np.float32, copy=False)
         if i % 2:
-            z = self.tp.all_reduce(np.ascontiguousarray(x @ w)) + b
+            z = self.tp.all_reduce(contiguous(x @ w)) + b
         else:
             z = x @ w + b
         if i == self.depth - 1:
@@ -54,7 +60,7 @@ class TPMLP(MLP):
     def backward_layer_parts(self, i, params, cache, dy):
         dx, weights = super().backward_layer_parts(i, params, cache, dy)
         if i % 2 == 0 and dx is not None:
-            dx = self.tp.all_reduce(np.ascontiguousarray(dx))
+            dx = self.tp.all_reduce(contiguous(dx))
         return dx, weights
 
     def activation_spec(self, i: int, rows: int):

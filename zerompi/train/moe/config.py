@@ -92,10 +92,6 @@ def check_job(cfg) -> None:
     check(cfg.init_from is None, f"--init-from with --experts {moe.experts} is not supported yet (docs/moe.md); "
                                  "drop one of the two")
     if moe.ep > 1:
-        # the MoE model and its all-to-all run on the device's arrays (tests/test_moe_xp.py); the expert engine's
-        # per-source reduce-scatter (comm/sources_reduce.py) runs on host buffers only
-        check(cfg.device == "cpu", f"--device {cfg.device} with --ep {moe.ep} is not supported yet (docs/moe.md): "
-                                   "the expert engine runs on the CPU only; use --ep 1 on the GPU or --device cpu")
         z = cfg.zero
         for name, given in (("--quantize-weights", bool(z.quantize_weights)),
                             ("--quantize-grads", bool(z.quantize_grads))):

@@ -121,13 +121,21 @@ def expert_groups(cfg, comm, stage=None):
     return expert_topology(ranks // T, K, max(min(p, ranks) // T, 1), shard // T if shard else None)
 
 
+def expert_group(comm, color, xp):
+    """The expert engine's Communicator over the ranks of ``color(rank)``'s value (its bytes counted with the
+    world's: the run's one traffic table), staged through host memory for device arrays (comm/staging.py; MPI's
+    even under --comm nccl: the reduce of sources runs on the host, comm/sources_reduce.py)."""
+    from ...comm.communicator import Communicator
+    from ...comm.staging import device_communicator
+    return device_communicator(Communicator(split(comm.mpi, color), share=comm), xp)
+
+
 class ExpertParallel:
     """This rank's part of --ep: ``ep`` (EPComm), ``edp`` (Communicator), ``engine`` (the expert engine);
     ``dense_layers``: the model's lazy layers without the experts, for the dense engine. With --tp each TP rank
     holds its EP rank's experts whole and makes the same exchanges in its own EP group (one tp_i)."""
 
-    def __init__(self, cfg, comm, model, layers):
-        from ...comm.communicator import Communicator
+    def __init__(self, cfg, comm, model, layers, xp=np):
         from ...comm.meshconfig import MeshConfig
         from ...comm.ep_alltoall import EPComm
         from ...engine.zero_engine import ZeroEngine
@@ -136,8 +144,7 @@ class ExpertParallel:
         self.k = K
         # with --tp T (world rank = tp_i + T dp_i): EP groups of K consecutive data-parallel ranks of one tp_i
         self.ep = EPComm(split(comm.mpi, lambda r: r % T + T * (r // T // K)), comm.waiting)
-        # the expert engine's group, its bytes counted with the world's (the run's one traffic table)
-        self.edp = Communicator(split(comm.mpi, lambda r: r % T + T * (r // T % K)), share=comm)
+        self.edp = expert_group(comm, lambda r: r % T + T * (r // T % K), xp)     # the expert engine's group
         self.order = [n for _, params in layers for n in params]           # the whole model's, in model order
         check_muon_params(cfg.zero, layers)
         self.dense_layers, experts, blocks = split_experts(layers, self.ep.rank, K)
@@ -145,7 +152,7 @@ class ExpertParallel:
         node_size, shard_size, per_node = expert_groups(cfg, comm)
         expert_config = replace(expert_config, trace=trace_path(cfg.zero.trace, self.ep.rank, K),
                                 offload_dir=offload_dir(cfg.zero))
-        self.engine = ZeroEngine(experts, expert_config, self.edp, sources=K,
+        self.engine = ZeroEngine(experts, expert_config, self.edp, sources=K, xp=xp,
                                  mesh_config=MeshConfig(node_size=node_size, shard_size=shard_size),
                                  sources_per_node=per_node)
         model.use_expert_parallel(self.ep, ExpertStore({b: (self.engine, i) for i, b in enumerate(blocks)},

@@ -16,9 +16,11 @@ Checkpoints and the in-memory replicas: each chunk's expert engine a part of its
 """
 from types import SimpleNamespace
 
+import numpy as np
+
 from ...comm.subcomm import split
 from ...errors import check
-from .expert_parallel import engine_configs, expert_groups, offload_dir, split_experts, whole_params
+from .expert_parallel import engine_configs, expert_group, expert_groups, offload_dir, split_experts, whole_params
 
 
 def check_world(cfg, world_size: int) -> None:
@@ -47,9 +49,8 @@ class StageExperts:
     (an object with ``mpi``, ``waiting``, ``ranks``) and ``lead``: whether this rank counts the dense totals.
     ``chunks``: the model's chunks (they name each chunk's offload folder)."""
 
-    def __init__(self, cfg, mesh, comm, model, runners, chunk_config, chunks: int):
+    def __init__(self, cfg, mesh, comm, model, runners, chunk_config, chunks: int, xp=np):
         from dataclasses import replace
-        from ...comm.communicator import Communicator
         from ...comm.ep_alltoall import EPComm
         from ...comm.meshconfig import MeshConfig
         from ...engine.zero_engine import ZeroEngine
@@ -59,7 +60,7 @@ class StageExperts:
         K = self.k = cfg.moe.ep
         group_of, ep_rank = (lambda d: d // K), (lambda d: d % K)
         self.ep = EPComm(split(comm.mpi, lambda r: _color(mesh, r, True, group_of)), comm.waiting)
-        self.edp = Communicator(split(comm.mpi, lambda r: _color(mesh, r, True, ep_rank)), share=comm)
+        self.edp = expert_group(comm, lambda r: _color(mesh, r, True, ep_rank), xp)
         # the step's: this EP group's index over every stage (stage, then EP rank order: world order)
         mine = _color(mesh, comm.rank, False, group_of)
         step_mpi = split(comm.mpi, lambda r: _color(mesh, r, False, group_of))
@@ -80,7 +81,8 @@ class StageExperts:
                 continue
             zc = engine_configs(chunk_config, dense, experts)[1]    # its files beside the chunk's dense engine's
             zc = replace(zc, offload_dir=offload_dir(zc, offload_folder(zc, chunk, chunks)))
-            engine = ZeroEngine(experts, zc, self.edp, sources=K, mesh_config=topology, sources_per_node=per_node)
+            engine = ZeroEngine(experts, zc, self.edp, sources=K, xp=xp, mesh_config=topology,
+                                sources_per_node=per_node)
             sink = GradSink(engine, cfg.pipeline.grad_reduce, cfg.zero.micro_batches) if per_step \
                 else engine.grads_ready
             self.engines[chunk] = engine

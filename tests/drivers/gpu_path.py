@@ -1,0 +1,74 @@
+"""Train on the GPU's path with tests/fake_cupy.py's ``cupy`` standing in for CuPy, then on the host's array
+path; rank 0 prints one JSON line per run, ``path`` "gpu" or "cpu".
+
+The "gpu" runs are --device gpu as the job takes it: a Placement whose array module is the stand-in, so every
+engine buffer and the model's arrays are device arrays that refuse an implicit transfer or a host array mixed
+in; the engine's collectives staged through host buffers (comm/staging.py, with the stand-in's Transfers); the
+model's array layers (gpt_numpy.py, the path CuPy takes) and the optimizer's reference on the device arrays
+(the CUDA kernels' bits: tests/test_kernels.py). The "cpu" runs are the same flags on NumPy with the GPT's array
+layers (not the C kernels), so the two must give the same bits: NumPy computes both.
+
+Usage: mpiexec -n N python tests/drivers/gpu_path.py '[["--stage", "0", ...], ...]'
+"""
+import json
+import sys
+
+from mpi4py import MPI
+
+from tests import fake_cupy
+from zerompi.comm import staging
+from zerompi.comm.device import Placement
+from zerompi.errors import install_abort_hook
+from zerompi.optim import cuda, impl, reference
+from zerompi.train import run
+from zerompi.train.config import parse_config
+from zerompi.train.models import gpt
+
+install_abort_hook()
+transfers = fake_cupy.Transfers()
+host_communicator = staging.device_communicator
+
+
+def stand_in_communicator(host, xp, comm="mpi", timeout_s=None):
+    return staging.StagedCommunicator(host, transfers) if xp is fake_cupy.cupy else host_communicator(host, xp)
+
+
+def array_module(a):
+    return fake_cupy.cupy if isinstance(a, fake_cupy.CupyArray) else numpy_module(a)
+
+
+def to_host(a):
+    return a.get() if isinstance(a, fake_cupy.CupyArray) else numpy_host(a)
+
+
+def quantize_kernel(x, bits, block):
+    q, scales = reference.quantize_reference(x.get(), bits, block)
+    return fake_cupy.cupy.asarray(q), fake_cupy.cupy.asarray(scales)
+
+
+def dequant_sum_kernel(q_rows, scale_rows, n, bits, block, out, scale, accumulate):
+    host = out.get()
+    reference.dequant_sum_reference([q.get() for q in q_rows], [s.get() for s in scale_rows], n, bits, block, host,
+                                    scale, accumulate)
+    out[...] = fake_cupy.cupy.asarray(host)
+
+
+# What recognises a CuPy array by its module (optim/impl.py) recognises the stand-in's as one; the CUDA
+# kernels it then calls are their references' bits (tests/test_kernels.py), computed here on copies.
+numpy_module, numpy_host = impl.array_module, impl.to_host
+impl.array_module, impl.to_host = array_module, to_host
+impl._on_gpu = lambda a: isinstance(a, fake_cupy.CupyArray)
+cuda.quantize_fused_gpu, cuda.dequant_sum_fused_gpu = quantize_kernel, dequant_sum_kernel
+staging.device_communicator = stand_in_communicator
+gpt.fused_layers = lambda *a, **k: None              # the GPT's array layers on both paths
+gpu = Placement("gpu", fake_cupy.cupy, 0, 1, gpu=0, gpu_count=1, name="stand-in")
+
+for path in ("gpu", "cpu"):
+    for flags in json.loads(sys.argv[1]):
+        cfg = parse_config(flags + ["--optimizer-impl", "numpy"] + (["--device", "gpu"] if path == "gpu" else []))
+        before = dict(vars(transfers))
+        metrics = run.train(cfg, placement=gpu if path == "gpu" else None)
+        staged = {k: v - before[k] for k, v in vars(transfers).items()}     # this run's copies down and up
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            print("METRICS " + json.dumps({"path": path, "flags": flags, "staged": staged, **metrics}, default=str),
+                  flush=True)
