@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU check in one run, on a machine with an NVIDIA GPU and only its own image (no
-# internet): planned to take about 6 minutes, with a deadline (GPU_CHECK_BUDGET_S, 450 s by
+# internet): planned to take about 7 minutes, with a deadline (GPU_CHECK_BUDGET_S, 450 s by
 # default) after which the remaining steps are recorded as not run, so that the whole check
 # and a rerun fit in 15 minutes.
 #
@@ -28,6 +28,8 @@
 #   9. Muon on the GPU: stages 0-3 bit-identical, the losses beside the CPU's
 #  10. the MoE GPT (--experts 4, --ep 1: the router, experts and aux loss on CuPy) at stage 3,
 #      N = 2, beside the same run on the CPU (losses within 1e-4; routing counts shown)
+#  11. tensor, sequence, pipeline and expert parallelism on the GPU (--tp 2, --sp 2, --pp 2, --ep 2; a small
+#      GPT, N = 4): stages 1 and 3 bit-identical, the losses beside the CPU's (stage 3)
 # Results: OUT/*.json and OUT/*.log; scripts/gpu_summary.py prints the table last and
 # writes OUT/summary.json. Exit status 0 only when every check passed.
 #
@@ -173,6 +175,22 @@ done
 for device in gpu cpu; do
     run "moe_${device}_s3" 120 mpiexec -n 2 "$PY" -m zerompi.train --device "$device" --experts 4 --top-k 2 \
         --dtype fp32 --stage 3 --steps 20 --eval-every 0 --metrics-json "$OUT/moe_${device}_s3.json"
+done
+
+# 11. The model-parallel modes on the GPU (their exchanges staged through host memory: comm/mesh.py,
+#     comm/alltoall.py, comm/p2p.py, comm/sources_reduce.py), stages 1 and 3, beside the CPU.
+SMALL="--n-layer 4 --d-model 128 --n-head 4 --seq-len 64 --batch 8 --steps 10 --eval-every 0 --dtype fp32"
+for mode in tp sp pp ep; do
+    case $mode in
+        tp) flags="--tp 2" ;;
+        sp) flags="--sp 2" ;;
+        pp) flags="--pp 2 --micro-batches 2" ;;
+        ep) flags="--experts 4 --top-k 2 --ep 2" ;;
+    esac
+    for run_on in gpu_s1 gpu_s3 cpu_s3; do      # the CPU once: its stages' bits are the CPU suite's
+        run "${mode}_${run_on}" 120 mpiexec -n 4 "$PY" -m zerompi.train --device "${run_on%_s*}" $SMALL $flags \
+            --stage "${run_on#*_s}" --metrics-json "$OUT/${mode}_${run_on}.json"
+    done
 done
 
 "$PY" scripts/gpu_summary.py "$OUT" || fail=1

@@ -7,7 +7,8 @@ budget was spent), OUT/env.json, the parity runs' metrics (OUT/parity_{gpu,cpu}_
 OUT/bench_adam.json, OUT/bench_comm.json, OUT/bench_nccl.json, OUT/gpt.json, OUT/gpt_nccl.json,
 the JSON lines of OUT/bench_floor.log, OUT/bench_torch.json (or bench_torch.log saying PyTorch is
 not there), and the feature runs' metrics (bf16_*, zeropp_gpu_*, hpz_gpu_s3, twolevel_gpu_s3,
-offload_*, muon_*, moe_*); writes OUT/summary.json and exits 1 when a check failed.
+offload_*, muon_*, moe_*, and the model-parallel modes' {tp,sp,pp,ep}_gpu_s{1,3}, _cpu_s3); writes
+OUT/summary.json and exits 1 when a check failed.
 """
 import json
 import sys
@@ -122,6 +123,27 @@ def check_features(out: Path) -> List[dict]:
     return rows
 
 
+MODES = {"tp": "--tp 2", "sp": "--sp 2", "pp": "--pp 2", "ep": "--experts 4 --ep 2"}
+
+
+def check_modes(out: Path) -> List[dict]:
+    """Each model-parallel mode on the GPU at N=4 ({mode}_gpu_s1, _s3): stages 1 and 3 bit-identical, the losses
+    within fp32's LOSS_RTOL of the CPU's ({mode}_cpu_s3)."""
+    rows = []
+    for mode, flags in MODES.items():
+        label = f"{flags}, stages 1 and 3, N=4 (GPT, fp32)"
+        row = check_same_bits(out, label, [f"{mode}_gpu_s1", f"{mode}_gpu_s3"])
+        gpu, cpu = _load(out / f"{mode}_gpu_s3.json"), _load(out / f"{mode}_cpu_s3.json")
+        if row["ok"] and cpu is None:
+            row.update(ok=False, detail=f"missing runs: ['{mode}_cpu_s3']")
+        elif row["ok"]:
+            worst = max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(gpu["losses"], cpu["losses"]))
+            row["ok"] = worst <= LOSS_RTOL["fp32"] and len(gpu["losses"]) == len(cpu["losses"]) > 0
+            row["detail"] += f"; GPU vs CPU losses within {worst:.1e} (tolerance {LOSS_RTOL['fp32']:g})"
+        rows.append(row)
+    return rows
+
+
 def check_moe(out: Path) -> dict:
     """The MoE GPT at stage 3 on the GPU (moe_gpu_s3) beside the CPU (moe_cpu_s3): losses within fp32's
     LOSS_RTOL; whether the routing (tokens per expert, drops) came out the same is shown."""
@@ -229,7 +251,7 @@ def summarize(out: Path) -> dict:
     checks = [check_pytest(out, st)] + check_parity(out) + [
         check_bench_adam(out), check_bench_comm(out), check_bench_comm(out, "bench_nccl", "nccl"),
         check_gpt(out), check_gpt(out, "gpt_nccl", "GPT over NCCL (30 steps)"),
-        check_floor(out), check_torch(out)] + check_features(out) + [check_moe(out)]
+        check_floor(out), check_torch(out)] + check_features(out) + [check_moe(out)] + check_modes(out)
     failed_steps = sorted(name for name, (rc, _) in st.items() if rc != 0)
     not_run = sorted(name for name, (rc, _) in st.items() if rc == -1)
     return {"env": _load(out / "env.json"), "checks": checks, "failed_steps": failed_steps, "not_run": not_run,

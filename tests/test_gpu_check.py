@@ -60,6 +60,12 @@ def write_results(out, **change):
             "final_params_sha256": "o" + dev, "device": f"{dev} 0 of 1",
             "losses": [2.0, 1.5, 1.2 if change.get("moe_loss_off") and dev == "gpu" else 1.0],
             "moe": {"tokens_min": [3], "tokens_max": [9], "dropped": [0]}}))
+    for mode in ("tp", "sp", "pp", "ep"):
+        for dev, s in (("gpu", 1), ("gpu", 3), ("cpu", 3)):
+            steps.append(f"{mode}_{dev}_s{s}")
+            sha = mode + dev + ("x" if change.get("mode_stage_differs") == mode and s == 3 else "")
+            off = change.get("mode_loss_off") == mode and dev == "gpu"
+            write_metrics(out, f"{mode}_{dev}_s{s}", sha, (1.0, 0.5, 0.3 if off else 0.25), dev)
     for s in (1, 2, 3):
         steps.append(f"zeropp_gpu_s{s}")
         write_metrics(out, f"zeropp_gpu_s{s}", "q", (1.0, 1.2 if change.get("zeropp_diverges") else 0.5))
@@ -121,6 +127,9 @@ def test_summary_passes_good_results(tmp_path, capsys):
     ({"muon_stage_differs": True}, "FAIL  Muon stages 0-3"),
     ({"offload_differs": True}, "'offload_nvme_gpu_s2': 'e'"),
     ({"moe_loss_off": True}, "FAIL  MoE --experts 4 stage 3"),
+    ({"mode_stage_differs": "pp"}, "FAIL  --pp 2, stages 1 and 3"),
+    ({"mode_stage_differs": "ep"}, "FAIL  --experts 4 --ep 2, stages 1 and 3"),
+    ({"mode_loss_off": "tp"}, "GPU vs CPU losses within 2.0e-01 (tolerance 0.0001)"),
     ({"floor_stages_differ": True}, "FAIL  GPT step per stage against its GEMM floor"),
     ({"torch_parity_off": True}, "FAIL  the GPT under PyTorch"),
 ])
