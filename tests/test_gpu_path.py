@@ -6,7 +6,8 @@ memory) and a host array mixed into their arithmetic, as CuPy's do, and every co
 explicit one: the engine's collectives staged through host buffers (comm/staging.py), the TP all-reduce, the SP
 all-to-all, the pipeline's messages, the expert all-to-all and the expert reduce of sources each staging their
 own. Each run is compared with the same flags on the host's array path (NumPy; the GPT's array layers, the path
-CuPy takes): the same losses and the same final parameters' sha256, bit for bit, since NumPy computes both. What
+CuPy takes): the same losses and the same final parameters' sha256, bit for bit, since NumPy computes both; and
+with the CPU's default path (the GPT's C kernels): the losses within float32's rounding. What
 the stand-in cannot show is what only a GPU can (the CUDA kernels, CuPy's own arithmetic, pinned copies):
 scripts/gpu_check.sh runs these modes there.
 """
@@ -23,6 +24,7 @@ GPT = ["--n-layer", "4", "--d-model", "32", "--n-head", "4", "--seq-len", "16", 
        "--eval-every", "3"]
 MLP = ["--model", "mlp", "--width", "32", "--depth", "4", "--batch", "12", "--steps", "3"]
 MOE = GPT + ["--experts", "4", "--top-k", "2"]
+KERNELS_RTOL = 1e-5           # the C kernels' losses against the array code's, 3 steps (docs/kernels.md)
 
 
 def test_the_stand_in_behaves_as_cupy_towards_numpy():
@@ -43,14 +45,17 @@ def test_the_stand_in_behaves_as_cupy_towards_numpy():
 
 def runs_of(proc, flags):
     runs = [json.loads(line[8:]) for line in proc.stdout.splitlines() if line.startswith("METRICS ")]
-    assert [r["path"] for r in runs] == ["gpu"] * len(flags) + ["cpu"] * len(flags), proc.stderr[-3000:]
-    return zip(runs[:len(flags)], runs[len(flags):])
+    n = len(flags)
+    assert [r["path"] for r in runs] == ["gpu"] * n + ["cpu"] * n + ["c"] * n, proc.stderr[-3000:]
+    return zip(runs[:n], runs[n:2 * n], runs[2 * n:])
 
 
 def check_same_bits(proc, flags):
-    for gpu, cpu in runs_of(proc, flags):
+    """The GPU's path = the host's array path bit for bit; the CPU's C kernels within float32's rounding."""
+    for gpu, cpu, c in runs_of(proc, flags):
         what = " ".join(gpu["flags"])
-        assert gpu["flags"] == cpu["flags"]
+        assert gpu["flags"] == cpu["flags"] == c["flags"]
+        np.testing.assert_allclose(gpu["losses"], c["losses"], rtol=KERNELS_RTOL, err_msg=what)
         assert gpu["device"].startswith("gpu 0 of 1 (stand-in") and cpu["device"] == "cpu (NumPy)", what
         assert gpu["staged"]["to_host_bytes"] > 0 and gpu["staged"]["to_device_bytes"] > 0, what
         assert cpu["staged"] == {"to_host_bytes": 0, "to_device_bytes": 0}, what
@@ -106,10 +111,11 @@ def test_every_mode_on_the_gpu_path_has_the_host_bits(tmp_path):
 
 
 def test_a_checkpoint_saved_on_the_gpu_path_resumes_on_the_host(tmp_path):
-    """Saved by the device engines at stage 3, resumed at stage 1 on both paths: the same bits."""
-    save = GPT + ["--stage", "3", "--save-dir", str(tmp_path / "ck"), "--save-every", "2", "--overwrite"]
+    """Saved by the device engines at stage 3 (each path in its own folder), the device's resumed at stage 1 on
+    every path: the same bits."""
+    save = GPT + ["--stage", "3", "--save-dir", str(tmp_path / "ck-{path}"), "--save-every", "2"]
     proc = run_mpi(2, ["tests/drivers/gpu_path.py", json.dumps([save])], timeout=300)
     check_same_bits(proc, [save])
-    resume = GPT + ["--stage", "1", "--steps", "5", "--resume", str(tmp_path / "ck")]
+    resume = GPT + ["--stage", "1", "--steps", "5", "--resume", str(tmp_path / "ck-gpu")]
     proc = run_mpi(2, ["tests/drivers/gpu_path.py", json.dumps([resume])], timeout=300)
     check_same_bits(proc, [resume])

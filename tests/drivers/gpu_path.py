@@ -1,14 +1,16 @@
 """Train on the GPU's path with tests/fake_cupy.py's ``cupy`` standing in for CuPy, then on the host's array
-path; rank 0 prints one JSON line per run, ``path`` "gpu" or "cpu".
+path, then on the host's default path (the GPT's C kernels); rank 0 prints one JSON line per run, ``path``
+"gpu", "cpu" or "c".
 
 The "gpu" runs are --device gpu as the job takes it: a Placement whose array module is the stand-in, so every
 engine buffer and the model's arrays are device arrays that refuse an implicit transfer or a host array mixed
 in; the engine's collectives staged through host buffers (comm/staging.py, with the stand-in's Transfers); the
 model's array layers (gpt_numpy.py, the path CuPy takes) and the optimizer's reference on the device arrays
 (the CUDA kernels' bits: tests/test_kernels.py). The "cpu" runs are the same flags on NumPy with the GPT's array
-layers (not the C kernels), so the two must give the same bits: NumPy computes both.
+layers (not the C kernels), so the two must give the same bits: NumPy computes both. The "c" runs are what a
+CPU run computes, within float32's rounding of the others (docs/kernels.md).
 
-Usage: mpiexec -n N python tests/drivers/gpu_path.py '[["--stage", "0", ...], ...]'
+Usage: mpiexec -n N python tests/drivers/gpu_path.py '[["--stage", "0", ...], ...]'    ({path} in a flag: the path)
 """
 import json
 import sys
@@ -60,12 +62,14 @@ impl.array_module, impl.to_host = array_module, to_host
 impl._on_gpu = lambda a: isinstance(a, fake_cupy.CupyArray)
 cuda.quantize_fused_gpu, cuda.dequant_sum_fused_gpu = quantize_kernel, dequant_sum_kernel
 staging.device_communicator = stand_in_communicator
-gpt.fused_layers = lambda *a, **k: None              # the GPT's array layers on both paths
+c_kernels = gpt.fused_layers
 gpu = Placement("gpu", fake_cupy.cupy, 0, 1, gpu=0, gpu_count=1, name="stand-in")
 
-for path in ("gpu", "cpu"):
+for path in ("gpu", "cpu", "c"):
+    gpt.fused_layers = c_kernels if path == "c" else (lambda *a, **k: None)   # the array layers, or the C kernels
     for flags in json.loads(sys.argv[1]):
-        cfg = parse_config(flags + ["--optimizer-impl", "numpy"] + (["--device", "gpu"] if path == "gpu" else []))
+        given = [f.replace("{path}", path) for f in flags]      # a folder of each path's own: {path}
+        cfg = parse_config(given + ["--optimizer-impl", "numpy"] + (["--device", "gpu"] if path == "gpu" else []))
         before = dict(vars(transfers))
         metrics = run.train(cfg, placement=gpu if path == "gpu" else None)
         staged = {k: v - before[k] for k, v in vars(transfers).items()}     # this run's copies down and up
