@@ -263,3 +263,35 @@ class Transfers:
 
     def synchronize(self) -> None:
         pass
+
+
+def install() -> Transfers:
+    """Make zerompi take ``cupy`` for CuPy in this process (a driver's first step): its device communicators stage
+    through a Transfers (returned, counting the bytes); optim/impl recognises a ``cupy`` array as a device one,
+    and the CUDA kernels it then calls for one (the quantization's) compute their references' bits
+    (tests/test_kernels.py) on copies. The CPU's paths are unchanged."""
+    from zerompi.comm import staging
+    from zerompi.optim import cuda, impl, reference
+    transfers, host_communicator = Transfers(), staging.device_communicator
+    host_module, host_copy = impl.array_module, impl.to_host
+
+    def device_communicator(host, xp, comm="mpi", timeout_s=None):
+        return staging.StagedCommunicator(host, transfers) if xp is cupy else host_communicator(host, xp, comm,
+                                                                                                timeout_s)
+
+    def quantize_kernel(x, bits, block):
+        q, scales = reference.quantize_reference(x.get(), bits, block)
+        return cupy.asarray(q), cupy.asarray(scales)
+
+    def dequant_sum_kernel(q_rows, scale_rows, n, bits, block, out, scale, accumulate):
+        host = out.get()
+        reference.dequant_sum_reference([q.get() for q in q_rows], [s.get() for s in scale_rows], n, bits, block,
+                                        host, scale, accumulate)
+        out[...] = cupy.asarray(host)
+
+    staging.device_communicator = device_communicator
+    impl.array_module = lambda a: cupy if isinstance(a, CupyArray) else host_module(a)
+    impl.to_host = lambda a: a.get() if isinstance(a, CupyArray) else host_copy(a)
+    impl._on_gpu = lambda a: isinstance(a, CupyArray)
+    cuda.quantize_fused_gpu, cuda.dequant_sum_fused_gpu = quantize_kernel, dequant_sum_kernel
+    return transfers

@@ -119,3 +119,13 @@ def test_a_checkpoint_saved_on_the_gpu_path_resumes_on_the_host(tmp_path):
     resume = GPT + ["--stage", "1", "--steps", "5", "--resume", str(tmp_path / "ck-gpu")]
     proc = run_mpi(2, ["tests/drivers/gpu_path.py", json.dumps([resume])], timeout=300)
     check_same_bits(proc, [resume])
+
+
+def test_the_library_stages_a_host_communicator_for_device_arrays():
+    """ZeroEngine(layers, config, comm, xp=cupy) given the default communicator or a Mesh(tp=2): the engine stages
+    its collectives itself; every rank's final master the NumPy engine's bits, stages 0-3."""
+    proc = run_mpi(4, ["tests/drivers/gpu_library.py"], timeout=300)
+    cases = [json.loads(line[5:]) for line in proc.stdout.splitlines() if line.startswith("CASE ")]
+    assert [(c["stage"], c["tp"]) for c in cases] == [(s, tp) for s in range(4) for tp in (1, 2)], proc.stderr
+    for c in cases:
+        assert c["ranks_differing"] == 0 and c["trained"] and c["staged_bytes"] > 0, c

@@ -18,50 +18,14 @@ import sys
 from mpi4py import MPI
 
 from tests import fake_cupy
-from zerompi.comm import staging
 from zerompi.comm.device import Placement
 from zerompi.errors import install_abort_hook
-from zerompi.optim import cuda, impl, reference
 from zerompi.train import run
 from zerompi.train.config import parse_config
 from zerompi.train.models import gpt
 
 install_abort_hook()
-transfers = fake_cupy.Transfers()
-host_communicator = staging.device_communicator
-
-
-def stand_in_communicator(host, xp, comm="mpi", timeout_s=None):
-    return staging.StagedCommunicator(host, transfers) if xp is fake_cupy.cupy else host_communicator(host, xp)
-
-
-def array_module(a):
-    return fake_cupy.cupy if isinstance(a, fake_cupy.CupyArray) else numpy_module(a)
-
-
-def to_host(a):
-    return a.get() if isinstance(a, fake_cupy.CupyArray) else numpy_host(a)
-
-
-def quantize_kernel(x, bits, block):
-    q, scales = reference.quantize_reference(x.get(), bits, block)
-    return fake_cupy.cupy.asarray(q), fake_cupy.cupy.asarray(scales)
-
-
-def dequant_sum_kernel(q_rows, scale_rows, n, bits, block, out, scale, accumulate):
-    host = out.get()
-    reference.dequant_sum_reference([q.get() for q in q_rows], [s.get() for s in scale_rows], n, bits, block, host,
-                                    scale, accumulate)
-    out[...] = fake_cupy.cupy.asarray(host)
-
-
-# What recognises a CuPy array by its module (optim/impl.py) recognises the stand-in's as one; the CUDA
-# kernels it then calls are their references' bits (tests/test_kernels.py), computed here on copies.
-numpy_module, numpy_host = impl.array_module, impl.to_host
-impl.array_module, impl.to_host = array_module, to_host
-impl._on_gpu = lambda a: isinstance(a, fake_cupy.CupyArray)
-cuda.quantize_fused_gpu, cuda.dequant_sum_fused_gpu = quantize_kernel, dequant_sum_kernel
-staging.device_communicator = stand_in_communicator
+transfers = fake_cupy.install()
 c_kernels = gpt.fused_layers
 gpu = Placement("gpu", fake_cupy.cupy, 0, 1, gpu=0, gpu_count=1, name="stand-in")
 

@@ -257,6 +257,13 @@ def device_communicator(host: Communicator, xp, comm: str = "mpi", timeout_s: Op
     return StagedCommunicator(host, CupyTransfers())
 
 
+def on_device(comm, xp):
+    """``comm`` for arrays of ``xp``: itself when it moves them already (NumPy's host Communicator, a staged or an
+    NCCL one: their ``path``), else :func:`device_communicator`'s staging over it (an engine given CuPy and a
+    host Communicator)."""
+    return comm if hasattr(comm, "path") else device_communicator(comm, xp)
+
+
 def device_transfers(comm, xp):
     """The device <-> host copies for buffers of ``xp``: a staged Communicator's (a GPU's, or the
     tests' stand-in), CuPy's for CuPy arrays, else None (the arrays are host memory)."""

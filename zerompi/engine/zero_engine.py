@@ -26,7 +26,7 @@ import numpy as np
 from ..checkpoint import collective as checkpoint
 from ..comm.communicator import as_communicator
 from ..comm.meshconfig import MeshConfig
-from ..comm.staging import device_transfers
+from ..comm.staging import device_transfers, on_device
 from ..comm.topology import arrange, place
 from ..comm.watchdog import watched
 from ..errors import UsageError, install_abort_hook
@@ -57,7 +57,8 @@ class ZeroEngine:
     rule (engine/lazy.py): each rank then makes only its shard}; every rank must pass the same values.
     ``config``: a ZeroConfig.
     ``comm``: an mpi4py communicator (default COMM_WORLD), a zerompi Communicator, or a zerompi.Mesh
-    (tensor / sequence parallelism: ZeRO over its dp x sp ranks; ``tp_split`` names the TP-split parameters).
+    (tensor / sequence parallelism: ZeRO over its dp x sp ranks; ``tp_split`` names the TP-split parameters);
+    with ``xp`` CuPy, a host one is staged through pinned buffers (comm/staging.py; or pass a device one).
     ``mesh_config``: a MeshConfig (nodes, shard groups; tp / sp > 1 without a Mesh: one is made over ``comm``).
     ``sources``: each rank hands back every gradient as that many partials (an array of that many gradients),
     reduced in (rank, source) order as if the ranks were that many times more (expert parallelism: each partial
@@ -95,8 +96,8 @@ class ZeroEngine:
         # numbered node by node).
         mesh = self.mesh
         units = mesh.tp if mesh and mesh.pp == 1 else 1      # a bad size is named in the world's units, the user's
-        self.comm, self.topology = place(as_communicator(comm, self.config.timeout_s, self.config.abort_on_exception),
-                                         *group_sizes(mesh, self.mesh_config), renumber=mesh is None, tp=units)
+        comm = on_device(as_communicator(comm, self.config.timeout_s, self.config.abort_on_exception), xp)
+        self.comm, self.topology = place(comm, *group_sizes(mesh, self.mesh_config), renumber=mesh is None, tp=units)
         self.xp, topo = xp, self.topology
         self.rank, self.world_size = self.comm.rank, self.comm.size
         self.optimizer_impl = impl.use_impl(self.config.optimizer_impl, xp, verbose=self.rank == 0)  # "fused"/"numpy"

@@ -11,10 +11,10 @@ def make_mesh(cfg, comm, placement):
     """The Mesh of the job (a collective); its ZeRO group counts into ``comm``'s table."""
     from ..comm.mesh import Mesh
     mesh = Mesh(comm, cfg.mesh.tp, sp=cfg.mesh.sp, node_size=cfg.mesh.node_size)
-    return on_device(mesh, cfg, placement)
+    return place_mesh(mesh, cfg, placement)
 
 
-def on_device(mesh, cfg, placement):
+def place_mesh(mesh, cfg, placement):
     """``mesh`` with its ZeRO group's collectives staged for the placement's arrays (comm/staging.py; the host's
     on the CPU) and its pipeline messages received into them; the TP and SP exchanges and the pipeline's sends
     stage device arrays themselves (comm/mesh.py, comm/alltoall.py, comm/p2p.py)."""

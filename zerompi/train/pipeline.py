@@ -74,14 +74,14 @@ class PipelineJob(Job):
 
     def __init__(self, cfg, comm, build, placement=None):
         from ..comm.mesh import Mesh
-        from .parallel import on_device
+        from .parallel import place_mesh
         from ..comm.consistency import check_consistent
         from ..pipeline.engines import StageEngines
         from ..pipeline.executor import PipelineExecutor
         self.cfg, self.comm = cfg, comm
         z, m = cfg.zero, cfg.mesh
         self.xp = xp = placement.xp if placement is not None else np
-        self.mesh = mesh = on_device(Mesh(comm, m.tp, sp=m.sp, pp=m.pp, node_size=m.node_size), cfg, placement)
+        self.mesh = mesh = place_mesh(Mesh(comm, m.tp, sp=m.sp, pp=m.pp, node_size=m.node_size), cfg, placement)
         self.schedule = load_schedule(cfg)
         check_consistent(comm, "pipeline schedule", {"schedule": self.schedule.text()})   # a file per rank
         self.where = self.schedule.placement()
