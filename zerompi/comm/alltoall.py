@@ -38,7 +38,7 @@ class SPComm(GroupComm):
         gather axis x K; a new array when None). ``send``/``recv``: flat scratch arrays of x's dtype
         with at least x.size elements (new ones when None). A device array is staged through host memory
         (the same bits; ``send``/``recv`` unused). Returns out."""
-        if not isinstance(x, np.ndarray) and hasattr(x, "flags"):   # device memory (CuPy): one copy each way
+        if impl.is_device(x):   # device memory (CuPy): one copy each way
             host = self.all_to_all(impl.to_host(x), scatter, gather, op=op)
             if out is None:
                 return impl.array_module(x).asarray(host)

@@ -65,7 +65,7 @@ class TPComm(GroupComm):
         k = self.size
         if k == 1:
             return x
-        if not isinstance(x, np.ndarray) and hasattr(x, "flags"):   # device memory (CuPy): one copy each way
+        if impl.is_device(x):   # device memory (CuPy): one copy each way
             x[...] = impl.array_module(x).asarray(self.all_reduce(impl.to_host(x), op))
             return x
         if not (isinstance(x, np.ndarray) and x.flags.c_contiguous and x.size % k == 0):

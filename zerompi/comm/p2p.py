@@ -67,7 +67,7 @@ class PointToPoint:
         """Post the send of ``array`` to ``peer`` (counted under ``kind``); the array must not change
         until the message is done (:meth:`wait`, :meth:`poll`, :meth:`wait_all`). A device array travels as a
         host copy (so it may change at once)."""
-        if not isinstance(array, np.ndarray) and hasattr(array, "flags"):
+        if impl.is_device(array):
             array = np.ascontiguousarray(impl.to_host(array))
         self._check(array, peer, f"send of {kind}")
         st = self.stats[kind]

@@ -76,7 +76,7 @@ def ireduce_scatter_sources(comm, send, out, scale: float, accumulate: bool, sou
     sources' world ranks span nodes of P (K a multiple of P), else None. ``send`` may be written again once this
     returns; ``out`` is written in ``wait()``. Device arrays (CuPy, ``comm`` a staged Communicator) go down to
     the host at the start and ``out`` comes back up in ``wait()``: the host's sum, the same bits."""
-    if not isinstance(send, np.ndarray) and hasattr(send, "flags"):
+    if impl.is_device(send):
         host = impl.to_host(out) if accumulate else np.empty(out.shape, out.dtype)
         handle = ireduce_scatter_sources(getattr(comm, "host", comm), impl.to_host(send), host, scale, accumulate,
                                          sources, tag, per_node)

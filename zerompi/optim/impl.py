@@ -68,6 +68,11 @@ def _on_gpu(arr) -> bool:
     return type(arr).__module__.split(".")[0] == "cupy"
 
 
+def is_device(arr) -> bool:
+    """Whether ``arr`` is device memory (a CuPy array): what MPI and NumPy must not be handed, but a copy of."""
+    return _on_gpu(arr)
+
+
 def array_module(arr):
     """numpy, or cupy for a CuPy array."""
     if _on_gpu(arr):
