@@ -22,6 +22,7 @@ from ..pipeline.config import PipelineConfig
 from .job import Job
 from ..comm.simulated_world import simulated
 
+
 def check_model(cfg) -> None:
     """ConfigError (one line) unless cfg's pipeline settings fit its model and its other settings."""
     pp, p = cfg.mesh.pp, cfg.pipeline
