@@ -108,6 +108,9 @@ def test_every_mode_on_the_gpu_path_has_the_host_bits(tmp_path):
     flags = every_mode(tmp_path)
     proc = run_mpi(4, ["tests/drivers/gpu_path.py", json.dumps(flags)], timeout=900)
     check_same_bits(proc, flags)
+    lines = proc.stdout.splitlines()                         # every run says where its buffers are, pipelined too
+    assert sum("device buffers on gpu 0 of 1 (stand-in; CuPy)" in line for line in lines) == len(flags)
+    assert sum(line.endswith("host buffers (NumPy)") for line in lines) == 2 * len(flags)
 
 
 def test_a_checkpoint_saved_on_the_gpu_path_resumes_on_the_host(tmp_path):

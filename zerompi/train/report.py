@@ -102,6 +102,7 @@ def print_banner(cfg, job, comm, placement) -> None:
     if job.pipelined:
         for line in job.banner():
             print0(comm.mpi, line)
+        print0(comm.mpi, f"  {describe_buffers(placement, engine.comm)}")      # where: the chunks' engines' one
     else:
         _engine_banner(cfg, engine, comm, placement)
     if cfg.model != "gpt":
