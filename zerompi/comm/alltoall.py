@@ -37,13 +37,14 @@ class SPComm(GroupComm):
         rank order, joined along axis ``gather`` into ``out`` (shape: x's, the scatter axis / K, the
         gather axis x K; a new array when None). ``send``/``recv``: flat scratch arrays of x's dtype
         with at least x.size elements (new ones when None). A device array is staged through host memory
-        (the same bits; ``send``/``recv`` unused). Returns out."""
-        if impl.is_device(x):   # device memory (CuPy): one copy each way
+        (the same bits, its two copies in the op's seconds; ``send``/``recv`` unused). Returns out."""
+        if impl.is_device(x):   # device memory (CuPy): one copy each way, counted in the op's seconds
+            t, st = time.perf_counter(), self.stats[op]
+            before = st.seconds
             host = self.all_to_all(impl.to_host(x), scatter, gather, op=op)
-            if out is None:
-                return impl.array_module(x).asarray(host)
-            out = out.reshape(host.shape)
+            out = impl.array_module(x).empty(host.shape, host.dtype) if out is None else out.reshape(host.shape)
             out[...] = impl.array_module(x).asarray(host)
+            st.seconds = before + time.perf_counter() - t
             return out
         k = self.size
         shape = x.shape

@@ -60,13 +60,16 @@ class TPComm(GroupComm):
     def all_reduce(self, x, op: str = "tp_all_reduce") -> np.ndarray:
         """Sum ``x`` over the TP ranks, in place (x contiguous, its size a multiple of the group size):
         an Alltoall of the K slices, each rank sums its slice's K rows in rank order, an Allgather (a
-        device array is staged through host memory: the same bits).
+        device array is staged through host memory: the same bits, its two copies in the op's seconds).
         Sends 2 (K-1)/K of x's bytes per rank, counted under ``op``. Returns x."""
         k = self.size
         if k == 1:
             return x
-        if impl.is_device(x):   # device memory (CuPy): one copy each way
+        if impl.is_device(x):   # device memory (CuPy): one copy each way, counted in the op's seconds
+            t, st = time.perf_counter(), self.stats[op]
+            before = st.seconds
             x[...] = impl.array_module(x).asarray(self.all_reduce(impl.to_host(x), op))
+            st.seconds = before + time.perf_counter() - t
             return x
         if not (isinstance(x, np.ndarray) and x.flags.c_contiguous and x.size % k == 0):
             raise UsageError(f"TP all-reduce: a contiguous array whose size divides by {k} is needed "
