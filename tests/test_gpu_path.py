@@ -132,3 +132,22 @@ def test_the_library_stages_a_host_communicator_for_device_arrays():
     assert [(c["stage"], c["tp"]) for c in cases] == [(s, tp) for s in range(4) for tp in (1, 2)], proc.stderr
     for c in cases:
         assert c["ranks_differing"] == 0 and c["trained"] and c["staged_bytes"] > 0, c
+
+
+def test_the_sp_all_to_all_writes_a_device_array_into_the_callers_buffer(monkeypatch):
+    """The staged all-to-all into a given device ``out`` (another shape, the same size): written in place, its
+    copies timed."""
+    from mpi4py import MPI
+
+    from zerompi.comm.alltoall import SPComm
+    from zerompi.optim import impl
+    monkeypatch.setattr(impl, "_on_gpu", lambda a: isinstance(a, CupyArray))      # as fake_cupy.install() does
+    monkeypatch.setattr(impl, "array_module", lambda a: cupy if isinstance(a, CupyArray) else np)
+    monkeypatch.setattr(impl, "to_host", lambda a: a.get() if isinstance(a, CupyArray) else np.asarray(a))
+    x = cupy.asarray(np.arange(24, dtype=np.float32).reshape(2, 3, 4))
+    out = cupy.zeros(24, np.float32)
+    sp = SPComm(MPI.COMM_SELF)
+    got = sp.all_to_all(x, 2, 1, out=out)
+    assert isinstance(got, CupyArray) and got.shape == (2, 3, 4)
+    np.testing.assert_array_equal(out.get().reshape(2, 3, 4), x.get())
+    assert sp.stats["sp_all_to_all"].seconds > 0
