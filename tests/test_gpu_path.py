@@ -97,13 +97,23 @@ def every_mode(tmp):
         GPT + ["--stage", "3", "--pp", "2", "--micro-batches", "2", "--save-dir", str(tmp / "pp-ckpt"),
                "--save-every", "2", "--async-save", "--overwrite"],
         GPT + ["--stage", "2", "--replicas", f"gpu-path-{tmp.name}", "--node-size", "2"],
+        GPT + ["--stage", "1", "--pp", "2", "--micro-batches", "2", "--pp-grad-reduce", "step"],
+        GPT + ["--stage", "3", "--pp", "2", "--micro-batches", "2", "--pp-gather", "step", "--checkpoint-activations"],
+        GPT + ["--stage", "2", "--pp", "2", "--sp", "2", "--micro-batches", "2"],
+        MOE + ["--stage", "3", "--sp", "2"],
+        MOE + ["--stage", "2", "--ep", "2", "--optimizer", "muon", "--dtype", "fp32"],
+        GPT + ["--stage", "1", "--pp", "2", "--micro-batches", "2", "--optimizer", "muon", "--dtype", "fp32"],
+        GPT + ["--stage", "3", "--clip", "0.5", "--micro-batches", "2", "--tp", "2"],
+        GPT + ["--stage", "2", "--shard-size", "2", "--node-size", "2"],
+        GPT + ["--stage", "3", "--offload-optimizer", "cpu", "--offload-delayed-update"],
     ]
 
 
 def test_every_mode_on_the_gpu_path_has_the_host_bits(tmp_path):
-    """N = 4: tensor, sequence and pipeline parallelism (every schedule kind), experts over 2 and 4 ranks (with
-    --pp and --tp), two levels with qwZ/qgZ and hpZ, offload to memory and to files, Muon, bf16/fp16, asynchronous
-    pipeline checkpoints and the in-memory replicas."""
+    """N = 4: tensor, sequence and pipeline parallelism (every schedule kind, the per-step reduce and gather, with
+    --tp and --sp), experts over 2 and 4 ranks (with --pp, --tp, --sp, Muon), two levels with qwZ/qgZ and hpZ, shard
+    groups, offload to memory, to files and delayed, Muon, bf16/fp16, clipping, asynchronous pipeline checkpoints
+    and the in-memory replicas."""
     (tmp_path / "offload").mkdir()
     flags = every_mode(tmp_path)
     proc = run_mpi(4, ["tests/drivers/gpu_path.py", json.dumps(flags)], timeout=900)

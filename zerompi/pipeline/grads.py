@@ -34,7 +34,7 @@ class GradSink:
             if name in acc:
                 acc[name] += g
             else:
-                acc[name] = np.array(g, F32, copy=True)
+                acc[name] = g.astype(F32, copy=True)      # NumPy, or CuPy on a GPU
                 self.bytes += acc[name].nbytes
         self.peak_bytes = max(self.peak_bytes, self.bytes)
         self.count[layer] = self.count.get(layer, 0) + 1
