@@ -170,8 +170,8 @@ for device in gpu cpu; do
     done
 done
 
-# 10. The MoE GPT on the GPU (moe/mlp.py on CuPy; --ep > 1 is refused on the GPU: its expert engine is
-#     host-only), stage 3, beside the CPU run (the C kernels there).
+# 10. The MoE GPT on the GPU (moe/mlp.py on CuPy; --ep 2 is step 11's), stage 3, beside the CPU run (the C
+#     kernels there).
 for device in gpu cpu; do
     run "moe_${device}_s3" 120 mpiexec -n 2 "$PY" -m zerompi.train --device "$device" --experts 4 --top-k 2 \
         --dtype fp32 --stage 3 --steps 20 --eval-every 0 --metrics-json "$OUT/moe_${device}_s3.json"
