@@ -109,6 +109,7 @@ def every_mode(tmp):
     ]
 
 
+@pytest.mark.slow
 def test_every_mode_on_the_gpu_path_has_the_host_bits(tmp_path):
     """N = 4: tensor, sequence and pipeline parallelism (every schedule kind, the per-step reduce and gather, with
     --tp and --sp), experts over 2 and 4 ranks (with --pp, --tp, --sp, Muon), two levels with qwZ/qgZ and hpZ, shard
