@@ -121,13 +121,12 @@ def expert_groups(cfg, comm, stage=None):
     return expert_topology(ranks // T, K, max(min(p, ranks) // T, 1), shard // T if shard else None)
 
 
-def expert_group(comm, color, xp):
+def expert_group(comm, color):
     """The expert engine's Communicator over the ranks of ``color(rank)``'s value (its bytes counted with the
-    world's: the run's one traffic table), staged through host memory for device arrays (comm/staging.py; MPI's
-    even under --comm nccl: the reduce of sources runs on the host, comm/sources_reduce.py)."""
+    world's: the run's one traffic table). On a GPU the engine stages it for its device arrays (ZeroEngine: MPI's
+    even under --comm nccl, since the reduce of sources runs on the host, comm/sources_reduce.py)."""
     from ...comm.communicator import Communicator
-    from ...comm.staging import device_communicator
-    return device_communicator(Communicator(split(comm.mpi, color), share=comm), xp)
+    return Communicator(split(comm.mpi, color), share=comm)
 
 
 class ExpertParallel:
@@ -144,7 +143,7 @@ class ExpertParallel:
         self.k = K
         # with --tp T (world rank = tp_i + T dp_i): EP groups of K consecutive data-parallel ranks of one tp_i
         self.ep = EPComm(split(comm.mpi, lambda r: r % T + T * (r // T // K)), comm.waiting)
-        self.edp = expert_group(comm, lambda r: r % T + T * (r // T % K), xp)     # the expert engine's group
+        self.edp = expert_group(comm, lambda r: r % T + T * (r // T % K))     # the expert engine's group
         self.order = [n for _, params in layers for n in params]           # the whole model's, in model order
         check_muon_params(cfg.zero, layers)
         self.dense_layers, experts, blocks = split_experts(layers, self.ep.rank, K)

@@ -60,7 +60,7 @@ class StageExperts:
         K = self.k = cfg.moe.ep
         group_of, ep_rank = (lambda d: d // K), (lambda d: d % K)
         self.ep = EPComm(split(comm.mpi, lambda r: _color(mesh, r, True, group_of)), comm.waiting)
-        self.edp = expert_group(comm, lambda r: _color(mesh, r, True, ep_rank), xp)
+        self.edp = expert_group(comm, lambda r: _color(mesh, r, True, ep_rank))
         # the step's: this EP group's index over every stage (stage, then EP rank order: world order)
         mine = _color(mesh, comm.rank, False, group_of)
         step_mpi = split(comm.mpi, lambda r: _color(mesh, r, False, group_of))
