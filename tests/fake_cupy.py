@@ -292,6 +292,6 @@ def install() -> Transfers:
     staging.device_communicator = device_communicator
     impl.array_module = lambda a: cupy if isinstance(a, CupyArray) else host_module(a)
     impl.to_host = lambda a: a.get() if isinstance(a, CupyArray) else host_copy(a)
-    impl._on_gpu = lambda a: isinstance(a, CupyArray)
+    impl.is_device = lambda a: isinstance(a, CupyArray)
     cuda.quantize_fused_gpu, cuda.dequant_sum_fused_gpu = quantize_kernel, dequant_sum_kernel
     return transfers

@@ -152,7 +152,7 @@ def test_the_sp_all_to_all_writes_a_device_array_into_the_callers_buffer(monkeyp
 
     from zerompi.comm.alltoall import SPComm
     from zerompi.optim import impl
-    monkeypatch.setattr(impl, "_on_gpu", lambda a: isinstance(a, CupyArray))      # as fake_cupy.install() does
+    monkeypatch.setattr(impl, "is_device", lambda a: isinstance(a, CupyArray))      # as fake_cupy.install() does
     monkeypatch.setattr(impl, "array_module", lambda a: cupy if isinstance(a, CupyArray) else np)
     monkeypatch.setattr(impl, "to_host", lambda a: a.get() if isinstance(a, CupyArray) else np.asarray(a))
     x = cupy.asarray(np.arange(24, dtype=np.float32).reshape(2, 3, 4))

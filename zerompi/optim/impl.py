@@ -64,18 +64,14 @@ def use_impl(name: str, xp=None, verbose: bool = True) -> str:
     return "numpy" if chosen[0] is reference.adamw_reference else "fused"
 
 
-def _on_gpu(arr) -> bool:
-    return type(arr).__module__.split(".")[0] == "cupy"
-
-
 def is_device(arr) -> bool:
     """Whether ``arr`` is device memory (a CuPy array): what MPI and NumPy must not be handed, but a copy of."""
-    return _on_gpu(arr)
+    return type(arr).__module__.split(".")[0] == "cupy"
 
 
 def array_module(arr):
     """numpy, or cupy for a CuPy array."""
-    if _on_gpu(arr):
+    if is_device(arr):
         import cupy
         return cupy
     import numpy
@@ -84,7 +80,7 @@ def array_module(arr):
 
 def to_host(arr):
     """A host (NumPy) array of ``arr``'s values: itself, or a copy from the device."""
-    if _on_gpu(arr):
+    if is_device(arr):
         return arr.get()
     import numpy
     return numpy.asarray(arr)
@@ -92,7 +88,7 @@ def to_host(arr):
 
 def quantize_any(x, bits: int, block: int):
     """``quantize`` for a host array, the CUDA kernel for a CuPy one (the same bits either way)."""
-    if _on_gpu(x):
+    if is_device(x):
         from . import cuda
         return cuda.quantize_fused_gpu(x, bits, block)
     return quantize(x, bits, block)
@@ -100,7 +96,7 @@ def quantize_any(x, bits: int, block: int):
 
 def dequant_sum_any(q_rows, scale_rows, n: int, bits: int, block: int, out, scale: float, accumulate: bool) -> None:
     """``dequant_sum`` into a host array, the CUDA kernel into a CuPy one (the same bits either way)."""
-    if _on_gpu(out):
+    if is_device(out):
         from . import cuda
         return cuda.dequant_sum_fused_gpu(q_rows, scale_rows, n, bits, block, out, scale, accumulate)
     return dequant_sum(q_rows, scale_rows, n, bits, block, out, scale, accumulate)
